@@ -1,0 +1,44 @@
+"""ief: exact empirical-Fisher-type natural-gradient tools for PyTorch.
+
+Companion code for *An Improved Empirical Fisher Approximation for Natural Gradient Descent* (Wu, Yu, Zhang,
+Woodland, NeurIPS 2024). Docstrings cite the paper's equation labels (e.g. ``eqn:iEF_lsq``).
+
+Conventions, followed by every function of the package:
+
+- ``model(inputs)`` (or ``model(**inputs)`` when ``inputs`` is a dict, as with HuggingFace models) returns logits
+  with the class dimension last, ``[M, C]`` or ``[M, T, C]``, or an object with ``.logits``.
+- ``targets`` are class indices ``[M]`` or ``[M, T]``; ``-100`` marks ignored positions.
+- The per-sample loss ``l_n`` is the sum of the cross-entropies over sample ``n``'s non-ignored positions and the
+  batch loss is ``L = sum_n l_n`` (``eqn:prob_loss``). ``z_n`` is all logits of sample ``n``, so
+  ``||grad_{z_n} l_n||^2`` sums over its positions.
+- The parameters are the model's trainable ones (``requires_grad=True``), flattened in ``model.parameters()``
+  order, unless ``params=`` is given. Frozen weights (LoRA bases, a T5 body) are never differentiated.
+- Every function that evaluates the model takes ``loss="cross_entropy"`` (default) or ``loss="mse"``
+  (``l_n = 1/2 ||z_n - y_n||^2`` with float targets shaped like the logits; its Fisher is the Gauss-Newton matrix).
+- Results follow the model's dtype (float32 or float64); Gram systems are solved in float64.
+- A *direction* ``d`` is the preconditioned gradient; the update is ``theta <- theta - eta * d``.
+- The model is used in the mode it is in (``train()`` / ``eval()``). Within one call, every forward pass replays the
+  same random state, so dropout masks are identical across the passes a computation needs.
+"""
+from . import optim
+from .curvature import fisher_vp, gamma
+from .directions import ef_direction, ief_direction, sf_direction
+from .hessian_free import CGResult, hessian_free
+from .jacobian import PerSample, PerSampleGradientMismatch, per_sample, sampled_jacobian
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "per_sample",
+    "PerSample",
+    "PerSampleGradientMismatch",
+    "sampled_jacobian",
+    "ief_direction",
+    "ef_direction",
+    "sf_direction",
+    "fisher_vp",
+    "gamma",
+    "hessian_free",
+    "CGResult",
+    "optim",
+]

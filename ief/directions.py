@@ -1,0 +1,120 @@
+"""Exact EF / iEF / SF directions in Woodbury form: one ``M x M`` Gram solve instead of a ``P x P`` inverse.
+
+A *direction* ``d`` is the preconditioned gradient; the update is ``theta <- theta - eta * d``.
+
+- iEF (``eqn:iEF_lsq``): ``d = J^T (J J^T + lambda I)^{-1} s_iEF``
+- EF (``eqn:EF_lsq``, the Woodbury form of ``eqn:EF_update``): ``d = J^T (J J^T + lambda I)^{-1} 1``
+- SF (``eqn:SF-smw``): ``d = (1/lambda) [g - A^T (A A^T + lambda I)^{-1} A g]`` with ``A`` the sampled Jacobian.
+
+The Gram system is solved in float64: a Cholesky factorisation when ``J J^T + lambda I`` is safely positive
+definite, otherwise (duplicate samples, samples with zero gradient, ``lambda = 0``) an eigen-decomposition whose
+negligible eigenvalues are dropped, which returns the minimum-norm solution. The result is never NaN or inf for
+finite input.
+"""
+from __future__ import annotations
+
+import torch
+
+from .losses import check_damping
+
+
+def _check_jacobian(jacobian: torch.Tensor, name: str = "jacobian") -> None:
+    if not isinstance(jacobian, torch.Tensor) or jacobian.dim() != 2:
+        shape = tuple(jacobian.shape) if isinstance(jacobian, torch.Tensor) else type(jacobian).__name__
+        raise ValueError(f"{name} must be a [M, P] tensor, got {shape}")
+    if not jacobian.dtype.is_floating_point:
+        raise ValueError(f"{name} must be floating point, got {jacobian.dtype}")
+    if not torch.isfinite(jacobian).all():
+        raise ValueError(f"{name} contains non-finite values")
+
+
+def _check_vector(v: torch.Tensor, size: int, name: str, what: str) -> None:
+    if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.shape[0] != size:
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+        raise ValueError(f"{name} must be a vector of length {size} ({what}), got {shape}")
+    if not torch.isfinite(v).all():
+        raise ValueError(f"{name} contains non-finite values")
+
+
+def gram(jacobian: torch.Tensor) -> torch.Tensor:
+    """``J J^T`` in float64, ``[M, M]``."""
+    j = jacobian.to(torch.float64)
+    g = j @ j.T
+    return 0.5 * (g + g.T)
+
+
+def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float) -> torch.Tensor:
+    """``(G + lambda I)^{-1} rhs`` (minimum-norm least-squares solution where singular), float64.
+
+    ``gram_matrix`` is symmetric positive semi-definite ``[M, M]``; ``rhs`` is ``[M]`` or ``[M, K]``.
+    """
+    damping = check_damping(damping)
+    g = gram_matrix.to(torch.float64)
+    b = rhs.to(torch.float64)
+    m = g.shape[0]
+    eye = torch.eye(m, dtype=torch.float64, device=g.device)
+    scale = float(g.diagonal().max()) if m else 0.0
+    # Cholesky is trusted only when the smallest pivot is well above rounding error of the largest entry.
+    tiny = m * torch.finfo(torch.float64).eps * max(scale, 1e-300)
+    chol, info = torch.linalg.cholesky_ex(g + damping * eye)
+    if int(info) == 0 and float(chol.diagonal().min()) ** 2 > 1e3 * tiny:
+        column = b.unsqueeze(-1) if b.dim() == 1 else b
+        x = torch.cholesky_solve(column, chol)
+        return x.squeeze(-1) if b.dim() == 1 else x
+    evals, evecs = torch.linalg.eigh(g)
+    shifted = evals.clamp_min(0) + damping
+    keep = shifted > max(tiny, 0.0) * 1e3
+    inv = torch.where(keep, 1.0 / torch.where(keep, shifted, torch.ones_like(shifted)), torch.zeros_like(shifted))
+    coeff = evecs.T @ b
+    coeff = coeff * (inv if b.dim() == 1 else inv.unsqueeze(-1))
+    return evecs @ coeff
+
+
+def _woodbury(jacobian: torch.Tensor, weights: torch.Tensor, damping: float) -> torch.Tensor:
+    """``J^T (J J^T + lambda I)^{-1} weights`` in the Jacobian's dtype."""
+    coeff = solve_gram(gram(jacobian), weights, damping)
+    return (coeff.to(jacobian.dtype) @ jacobian) if jacobian.dtype == torch.float64 else (
+        (coeff @ jacobian.to(torch.float64)).to(jacobian.dtype)
+    )
+
+
+def ief_direction(jacobian: torch.Tensor, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:
+    """iEF direction ``J^T (J J^T + lambda I)^{-1} s_iEF``, ``[P]`` (``eqn:iEF_lsq``).
+
+    Args:
+        jacobian: ``[M, P]`` per-sample gradients (row ``n`` = ``grad_theta l_n``).
+        logit_sqnorm: ``[M]`` ``||grad_{z_n} l_n||^2`` (``eqn:s_ief``).
+        damping: ``lambda >= 0``.
+    """
+    _check_jacobian(jacobian)
+    _check_vector(logit_sqnorm, jacobian.shape[0], "logit_sqnorm", "one entry per sample")
+    damping = check_damping(damping)
+    return _woodbury(jacobian, logit_sqnorm, damping)
+
+
+def ef_direction(jacobian: torch.Tensor, damping: float) -> torch.Tensor:
+    """EF direction ``J^T (J J^T + lambda I)^{-1} 1``, ``[P]`` (``eqn:EF_lsq``)."""
+    _check_jacobian(jacobian)
+    damping = check_damping(damping)
+    ones = torch.ones(jacobian.shape[0], dtype=torch.float64, device=jacobian.device)
+    return _woodbury(jacobian, ones, damping)
+
+
+def sf_direction(sampled_jacobian: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    """SF direction ``(A^T A + lambda I)^{-1} g = (1/lambda) [g - A^T (A A^T + lambda I)^{-1} A g]``, ``[P]``.
+
+    ``eqn:SF-smw``; ``damping`` must be > 0 (the formula divides by it). The bracket is formed in float64.
+    """
+    _check_jacobian(sampled_jacobian, "sampled_jacobian")
+    _check_vector(grad, sampled_jacobian.shape[1], "grad", "one entry per parameter")
+    damping = check_damping(damping, allow_zero=False)
+    a = sampled_jacobian.to(torch.float64)
+    g = grad.to(torch.float64)
+    coeff = solve_gram(gram(a), a @ g, damping)
+    direction = (g - coeff @ a) / damping
+    if not torch.isfinite(direction).all():
+        raise FloatingPointError(
+            f"SF direction overflowed with damping={damping!r}: (1/damping) times the gradient's component outside "
+            "the span of the sampled gradients is not representable; use a larger damping"
+        )
+    return direction.to(sampled_jacobian.dtype)

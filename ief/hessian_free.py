@@ -1,0 +1,84 @@
+"""Hessian-free: linear conjugate gradients on ``F x = grad L`` with exact Fisher-vector products (``alg:CG``).
+
+``sec:app-CG-gamma`` shows that every CG step is an exact line search on ``gamma(x)^2``, so the indicator of the
+iterates never increases. The gammas are free: with ``x_0 = 0`` the residual is ``r_m = b - F x_m``, hence
+``x_m^T F x_m = x_m^T (b - r_m)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from .curvature import _fisher_vp_at, gamma_from, gradient_at
+from .losses import Loss, get_loss
+from .model_call import Inputs, ReplayableForward, param_names, resolve_params, split_vector
+
+
+@dataclass
+class CGResult:
+    """The final iterate, the gamma of every iterate ``x_1 .. x_m`` and the residual norms ``||r_0|| .. ||r_m||``."""
+
+    solution: torch.Tensor
+    gammas: list[float] = field(default_factory=list)
+    residual_norms: list[float] = field(default_factory=list)
+
+
+def hessian_free(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    iterations: int,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    loss: str | Loss = "cross_entropy",
+    return_gammas: bool = False,
+    tolerance: float = 0.0,
+    method: str = "forward",
+) -> torch.Tensor | CGResult:
+    """Approximate natural-gradient direction ``F^{-1} grad L`` after ``iterations`` CG steps from ``x_0 = 0``.
+
+    Returns the direction ``[P]``; with ``return_gammas=True`` a :class:`CGResult` that also holds the gamma of
+    every iterate. Stops early when the residual norm falls to ``tolerance * ||grad L||`` or the curvature along the
+    search direction vanishes (``F`` is only positive semi-definite). Every Fisher product replays the same dropout
+    masks, so the solve sees one fixed matrix.
+    """
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
+        raise ValueError(f"iterations must be an integer >= 0, got {iterations!r}")
+    if not (tolerance >= 0):
+        raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+    loss_fn = get_loss(loss)
+    params = resolve_params(model, params)
+    names = param_names(model, params)
+    forward = ReplayableForward(model, inputs)
+    b = gradient_at(forward, params, loss_fn, targets)
+
+    def fvp(v: torch.Tensor) -> torch.Tensor:
+        return _fisher_vp_at(forward, params, names, split_vector(v, params), loss_fn, targets, method)
+
+    b64 = b.to(torch.float64)
+    x = torch.zeros_like(b64)
+    r = b64.clone()
+    v = r.clone()
+    rr = float(r @ r)
+    result = CGResult(solution=x, residual_norms=[rr**0.5])
+    stop = tolerance * rr**0.5
+    for _ in range(iterations):
+        if rr**0.5 <= stop or rr == 0.0:
+            break
+        fv = fvp(v.to(b.dtype)).to(torch.float64)
+        curvature = float(v @ fv)
+        if not curvature > 0.0:
+            break
+        alpha = rr / curvature
+        x = x + alpha * v
+        r = r - alpha * fv
+        rr_next = float(r @ r)
+        v = r + (rr_next / rr) * v
+        rr = rr_next
+        result.residual_norms.append(rr**0.5)
+        if return_gammas:
+            result.gammas.append(gamma_from(float(x @ (b64 - r)), float(x @ b64)))
+    result.solution = x.to(b.dtype)
+    return result if return_gammas else result.solution

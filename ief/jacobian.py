@@ -1,0 +1,315 @@
+"""Per-sample gradients ``J = grad_theta l`` (``[M, P]``), logit-gradient norms ``s_iEF`` and sampled Jacobians (SF).
+
+How: module hooks, as in the paper (``sec:app-iEF-impl``). One forward and one backward of ``L = sum_n l_n``;
+forward hooks keep each hooked module's input and a tensor hook on its output keeps the gradient flowing back.
+Because sample ``n``'s output only reaches ``l_n``, the per-sample weight gradient of a linear layer is
+``g_n^T a_n`` summed over that sample's positions, formed with one batched matmul.
+
+Why hooks rather than ``torch.func.vmap``: vmapping a transformers 5.x forward that takes an ``attention_mask``
+fails on a data-dependent check in ``transformers.masking_utils``, whereas hooks only see ordinary module calls,
+work with every attention implementation (SDPA included) and add little to a plain backward for LoRA and prompt
+parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), ``nn.Embedding`` (prompt tuning) and
+``nn.LayerNorm``. Any other trainable parameter (or a hooked module whose batch dimension is not the sample
+dimension) falls back to an exact per-sample loop of backward passes: slower, never wrong.
+
+A guard, on by default, checks that the rows of ``J`` sum to the autograd batch gradient of the same backward, and
+raises :class:`PerSampleGradientMismatch` otherwise (e.g. a layer that mixes samples, such as batch norm in training
+mode, or a parameter shared in a way the hooks cannot see).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .losses import Loss, get_loss, logit_sqnorm
+from .model_call import Inputs, ReplayableForward, batch_size, flatten, param_names, resolve_params
+
+
+class PerSampleGradientMismatch(RuntimeError):
+    """The per-sample gradients do not add up to the batch gradient."""
+
+
+@dataclass
+class PerSample:
+    """Per-sample quantities at one point (``eqn:prob_loss``).
+
+    ``losses [M]``: ``l_n``; ``jacobian [M, P]``: row ``n`` is ``grad_theta l_n``; ``logit_sqnorm [M]``:
+    ``||grad_{z_n} l_n||^2`` (``s_iEF``); ``gradient [P]``: the autograd batch gradient ``grad_theta L``.
+    """
+
+    losses: torch.Tensor
+    jacobian: torch.Tensor
+    logit_sqnorm: torch.Tensor
+    gradient: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------------- hooked layers
+def _linear_grads(module: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    m = a.shape[0]
+    a = a.reshape(m, -1, a.shape[-1])  # [M, T, in]
+    g = g.reshape(m, -1, g.shape[-1])  # [M, T, out]
+    out = {}
+    if module.weight.requires_grad:
+        out["weight"] = torch.bmm(g.transpose(1, 2), a.to(g.dtype))  # [M, out, in]
+    if module.bias is not None and module.bias.requires_grad:
+        out["bias"] = g.sum(dim=1)
+    return out
+
+
+def _embedding_grads(module: torch.nn.Embedding, idx: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    m, dim = idx.shape[0], g.shape[-1]
+    idx = idx.reshape(m, -1)  # [M, T]
+    g = g.reshape(m, -1, dim)  # [M, T, D]
+    if module.padding_idx is not None:
+        g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
+    grad = torch.zeros(m, module.num_embeddings, dim, dtype=g.dtype, device=g.device)
+    grad.scatter_add_(1, idx.unsqueeze(-1).expand(-1, -1, dim), g)
+    return {"weight": grad}
+
+
+def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    m, dims = x.shape[0], tuple(range(-len(module.normalized_shape), 0))
+    x = x.to(g.dtype)
+    mean = x.mean(dim=dims, keepdim=True)
+    var = x.var(dim=dims, unbiased=False, keepdim=True)
+    x_hat = (x - mean) / torch.sqrt(var + module.eps)
+    shape = (m, -1, *module.normalized_shape)
+    out = {}
+    if module.weight is not None and module.weight.requires_grad:
+        out["weight"] = (g * x_hat).reshape(shape).sum(dim=1)
+    if module.bias is not None and module.bias.requires_grad:
+        out["bias"] = g.reshape(shape).sum(dim=1)
+    return out
+
+
+def _hook_rule(module: torch.nn.Module) -> Callable | None:
+    if type(module) is torch.nn.Linear:
+        return _linear_grads
+    if type(module) is torch.nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
+        return _embedding_grads
+    if type(module) is torch.nn.LayerNorm and getattr(module, "elementwise_affine", True):
+        return _layernorm_grads
+    return None
+
+
+class _Capture:
+    """Hooks that keep (input, output-gradient) pairs of every call of the modules owning trainable parameters."""
+
+    def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor]):
+        self.params = list(params)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.sizes = [p.numel() for p in self.params]
+        self.offsets = [0, *torch.tensor(self.sizes).cumsum(0).tolist()]
+        self.modules: list[tuple[torch.nn.Module, Callable, dict[str, int]]] = []
+        covered: set[int] = set()
+        for module in model.modules():
+            rule = _hook_rule(module)
+            if rule is None:
+                continue
+            owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=False) if id(p) in index}
+            if owned and not (set(owned.values()) & covered):
+                self.modules.append((module, rule, owned))
+                covered.update(owned.values())
+        self.hooked = covered
+        self.records: dict[int, list] = {}
+        self.handles: list = []
+
+    def __enter__(self) -> "_Capture":
+        for k, (module, _, _) in enumerate(self.modules):
+            self.records[k] = []
+            self.handles.append(module.register_forward_hook(self._forward_hook(k)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _forward_hook(self, k: int):
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            record = [args[0].detach(), None]
+            self.records[k].append(record)
+
+            def keep_grad(grad):
+                record[1] = grad if record[1] is None else record[1] + grad
+
+            output.register_hook(keep_grad)
+
+        return hook
+
+    def demote_mismatched(self, m: int) -> None:
+        """Modules that saw a batch dimension other than ``M`` (or inputs of odd rank) fall back to the loop."""
+        kept = []
+        for k, entry in enumerate(self.modules):
+            calls = self.records.get(k, [])
+            if all(rec[0].dim() >= 1 and rec[0].shape[0] == m for rec in calls):
+                kept.append((k, entry))
+            else:
+                self.hooked -= set(entry[2].values())
+        self.modules = [e for _, e in kept]
+        self.records = {new: self.records[old] for new, (old, _) in enumerate(kept)}
+
+    def clear_grads(self) -> None:
+        for calls in self.records.values():
+            for rec in calls:
+                rec[1] = None
+
+    def fill(self, jac: torch.Tensor) -> None:
+        """Write the hooked per-sample gradients into their column blocks of ``jac [M, P]``."""
+        for k, (module, rule, owned) in enumerate(self.modules):
+            for rec in self.records[k]:
+                if rec[1] is None:  # this call's output did not reach the loss
+                    continue
+                for name, g in rule(module, rec[0], rec[1]).items():
+                    i = owned[name]
+                    jac[:, self.offsets[i] : self.offsets[i + 1]] += g.reshape(jac.shape[0], -1).to(jac.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------- core
+def _backward_jacobian(
+    capture: _Capture, losses: torch.Tensor, params: Sequence[torch.Tensor], retain_graph: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One backward of ``sum(losses)`` through the hooks (plus the loop for unhooked parameters): ``(J, grad)``."""
+    m = losses.shape[0]
+    fallback = [i for i in range(len(params)) if i not in capture.hooked]
+    capture.clear_grads()
+    grads = torch.autograd.grad(losses.sum(), params, retain_graph=retain_graph or bool(fallback), allow_unused=True)
+    ref = params[0]
+    jac = torch.zeros(m, capture.offsets[-1], dtype=ref.dtype, device=ref.device)
+    capture.fill(jac)
+    for n in range(m):
+        if not fallback:
+            break
+        rows = torch.autograd.grad(
+            losses[n], [params[i] for i in fallback], retain_graph=retain_graph or n < m - 1, allow_unused=True
+        )
+        for i, g in zip(fallback, rows):
+            if g is not None:
+                jac[n, capture.offsets[i] : capture.offsets[i + 1]] = g.reshape(-1)
+    gradient = flatten(grads, params)
+    return jac, gradient
+
+
+def check_rows_sum_to_gradient(
+    jacobian: torch.Tensor, gradient: torch.Tensor, names: Sequence[str], sizes: Sequence[int]
+) -> None:
+    """Raise :class:`PerSampleGradientMismatch` if ``sum_n J[n] != grad`` beyond rounding error."""
+    if not (torch.isfinite(jacobian).all() and torch.isfinite(gradient).all()):
+        return  # non-finite values are reported by the caller (FloatingPointError in the optimisers)
+    tol = 50 * math.sqrt(torch.finfo(jacobian.dtype).eps)
+    offsets = [0, *torch.tensor(list(sizes)).cumsum(0).tolist()]
+    bad = []
+    for name, lo, hi in zip(names, offsets[:-1], offsets[1:]):
+        block = jacobian[:, lo:hi]
+        err = (block.sum(0) - gradient[lo:hi]).norm()
+        scale = block.norm(dim=1).sum() + torch.finfo(jacobian.dtype).tiny
+        if err > tol * scale:
+            bad.append(f"{name} (relative error {float(err / scale):.2e})")
+    if bad:
+        raise PerSampleGradientMismatch(
+            "per-sample gradients do not sum to the batch gradient for: " + ", ".join(bad[:5])
+            + ". A layer mixes samples (e.g. batch norm in training mode) or a parameter is reused in a way the "
+            "per-sample hooks cannot see; pass params= to restrict to supported parameters, or check=False to skip "
+            "this guard if you know the rows are right."
+        )
+
+
+class _HookedForward:
+    """One forward through the capture hooks; per-sample backward passes of any loss of its logits."""
+
+    def __init__(self, model, inputs, targets, params, loss, check):
+        self.loss = get_loss(loss)
+        self.params = resolve_params(model, params)
+        self.capture = _Capture(model, self.params)
+        with self.capture:
+            self.logits = ReplayableForward(model, inputs)()
+        self.loss.check(self.logits, targets)
+        self.capture.demote_mismatched(batch_size(self.logits))
+        self.targets = targets
+        self.names = param_names(model, self.params) if check else None
+
+    def jacobian(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(losses, J, grad)`` for the given targets."""
+        losses = self.loss.per_sample(self.logits, targets)
+        jac, gradient = _backward_jacobian(self.capture, losses, self.params, retain_graph)
+        if self.names is not None:
+            check_rows_sum_to_gradient(jac, gradient, self.names, self.capture.sizes)
+        return losses.detach(), jac, gradient
+
+    def gradient(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(losses, grad)`` only: a plain backward (the hooks' records are not turned into a Jacobian)."""
+        losses = self.loss.per_sample(self.logits, targets)
+        grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=retain_graph, allow_unused=True)
+        return losses.detach(), flatten(grads, self.params)
+
+    def sampled_targets(self, generator: torch.Generator | None) -> torch.Tensor:
+        return self.loss.sample_targets(self.logits, self.targets, generator)
+
+    def logit_sqnorm(self, targets: torch.Tensor) -> torch.Tensor:
+        return logit_sqnorm(self.loss, self.logits, targets)
+
+
+def per_sample(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    loss: str | Loss = "cross_entropy",
+    check: bool = True,
+) -> PerSample:
+    """Per-sample losses, Jacobian ``grad_theta l`` and ``s_iEF`` from one forward and one backward.
+
+    Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]`` (or an object with ``.logits``).
+        inputs: tensor, tuple, or dict of keyword arguments for ``model``.
+        targets: class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored (cross-entropy), or float targets shaped
+            like the logits (``loss="mse"``).
+        params: parameters to differentiate; default: the model's trainable ones.
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
+        check: verify that the rows of ``J`` sum to the batch gradient.
+    """
+    fwd = _HookedForward(model, inputs, targets, params, loss, check)
+    losses, jac, gradient = fwd.jacobian(targets)
+    return PerSample(losses=losses, jacobian=jac, logit_sqnorm=fwd.logit_sqnorm(targets), gradient=gradient)
+
+
+def sampled_jacobian(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    generator: torch.Generator | None = None,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    loss: str | Loss = "cross_entropy",
+    check: bool = True,
+) -> torch.Tensor:
+    """``[M, P]`` per-sample gradients for labels drawn from the model's predictive distribution (SF, ``alg:SF``).
+
+    A label is drawn at every non-ignored position of every sample (``targets`` only supply the ignore mask and
+    shapes); ``E[J^T J]`` over the draws is the exact Fisher (``sec:app-sample-fisher``).
+    """
+    fwd = _HookedForward(model, inputs, targets, params, loss, check)
+    return fwd.jacobian(fwd.sampled_targets(generator))[1]
+
+
+def gradient_and_sampled_jacobian(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    loss: str | Loss = "cross_entropy",
+    generator: torch.Generator | None = None,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(losses [M], grad [P], sampled J [M, P])`` from one forward and two backward passes, as in ``alg:SF``."""
+    fwd = _HookedForward(model, inputs, targets, params, loss, check)
+    losses, gradient = fwd.gradient(targets, retain_graph=True)
+    sampled = fwd.jacobian(fwd.sampled_targets(generator))[1]
+    return losses, gradient, sampled

@@ -1,0 +1,165 @@
+"""Per-sample losses and their derivatives with respect to the logits.
+
+The paper's loss is the sum of per-sample losses ``L = sum_n l_n`` (``eqn:prob_loss``). A sample may hold several
+output positions (a token sequence): ``l_n`` is then the sum over its non-ignored positions (targets ``-100``).
+
+Everything the curvature code needs about the loss lives here, for the two losses the package supports:
+
+- ``cross_entropy``: softmax + categorical cross-entropy. Its logit-space Hessian per position is
+  ``diag(p) - p p^T``; the Fisher equals the GGN (``sec:app-eval-complexity``).
+- ``mse``: ``l_n = 1/2 ||z_n - y_n||^2``. Its logit-space Hessian is the identity, so its Fisher (unit-variance
+  Gaussian likelihood) is the Gauss-Newton matrix (``sec:app-lls``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+IGNORE_INDEX = -100
+LOSSES = ("cross_entropy", "mse")
+
+
+class Loss(Protocol):
+    """The interface the curvature code uses; ``logits`` are ``[M, C]`` or ``[M, T, C]``."""
+
+    name: str
+
+    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None: ...
+
+    def per_sample(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def logit_grad(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def hessian_vp(self, logits: torch.Tensor, targets: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def sample_targets(
+        self, logits: torch.Tensor, targets: torch.Tensor, generator: torch.Generator | None
+    ) -> torch.Tensor: ...
+
+
+def _sum_per_sample(x: torch.Tensor) -> torch.Tensor:
+    """Sum everything but the sample dimension: ``[M, ...] -> [M]``."""
+    return x.reshape(x.shape[0], -1).sum(dim=1)
+
+
+class CrossEntropy:
+    """Softmax cross-entropy with class indices ``[M]`` / ``[M, T]``; ``-100`` marks ignored positions."""
+
+    name = "cross_entropy"
+
+    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+            raise ValueError(
+                f"loss='cross_entropy' needs integer class-index targets, got dtype {targets.dtype}; "
+                "use loss='mse' for float targets"
+            )
+        if logits.dim() < 2 or tuple(targets.shape) != tuple(logits.shape[:-1]):
+            raise ValueError(
+                f"targets shape {tuple(targets.shape)} does not match logits shape {tuple(logits.shape)}: "
+                "for cross_entropy, targets must have the logits' shape without the last (class) dimension"
+            )
+        num_classes = logits.shape[-1]
+        kept = targets[targets != IGNORE_INDEX]
+        bad = kept[(kept < 0) | (kept >= num_classes)]
+        if bad.numel():
+            raise ValueError(
+                f"class index {int(bad[0])} out of range: targets must lie in [0, {num_classes - 1}] "
+                f"or be {IGNORE_INDEX} (ignored position)"
+            )
+
+    def _mask(self, targets: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return (targets != IGNORE_INDEX).to(like.dtype)
+
+    def per_sample(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        per_position = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        return _sum_per_sample(per_position.reshape(targets.shape))
+
+    def logit_grad(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``softmax(z) - onehot(y)`` at kept positions, 0 at ignored ones."""
+        probs = torch.softmax(logits, dim=-1)
+        keep = targets != IGNORE_INDEX
+        onehot = torch.zeros_like(probs)
+        onehot[keep] = torch.nn.functional.one_hot(targets[keep], logits.shape[-1]).to(probs.dtype)
+        return (probs - onehot) * keep.unsqueeze(-1).to(probs.dtype)
+
+    def hessian_vp(self, logits: torch.Tensor, targets: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``(diag(p) - p p^T) v`` per kept position."""
+        probs = torch.softmax(logits, dim=-1)
+        hv = probs * (v - (probs * v).sum(dim=-1, keepdim=True))
+        return hv * self._mask(targets, hv).unsqueeze(-1)
+
+    def sample_targets(
+        self, logits: torch.Tensor, targets: torch.Tensor, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """Labels drawn from the model's own predictive distribution at every kept position (SF)."""
+        probs = torch.softmax(logits.detach().to(torch.float64), dim=-1).reshape(-1, logits.shape[-1])
+        drawn = torch.multinomial(probs, 1, generator=generator).reshape(targets.shape)
+        return torch.where(targets == IGNORE_INDEX, targets, drawn.to(targets.dtype))
+
+
+class MeanSquaredError:
+    """``l_n = 1/2 ||z_n - y_n||^2`` with float targets shaped like the logits."""
+
+    name = "mse"
+
+    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        if not targets.dtype.is_floating_point:
+            raise ValueError(f"loss='mse' needs float targets shaped like the logits, got dtype {targets.dtype}")
+        if tuple(targets.shape) != tuple(logits.shape):
+            raise ValueError(
+                f"targets shape {tuple(targets.shape)} does not match logits shape {tuple(logits.shape)}: "
+                "for mse, targets must have exactly the logits' shape"
+            )
+        if not torch.isfinite(targets).all():
+            raise ValueError("mse targets contain non-finite values")
+
+    def per_sample(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return 0.5 * _sum_per_sample((logits - targets.to(logits.dtype)) ** 2)
+
+    def logit_grad(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return logits - targets.to(logits.dtype)
+
+    def hessian_vp(self, logits: torch.Tensor, targets: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return v
+
+    def sample_targets(
+        self, logits: torch.Tensor, targets: torch.Tensor, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """``y ~ N(z, I)``, the predictive distribution whose Fisher is the Gauss-Newton matrix."""
+        noise = torch.randn(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
+        return (logits.detach().to(torch.float64) + noise).to(logits.dtype)
+
+
+_LOSSES: dict[str, Loss] = {"cross_entropy": CrossEntropy(), "mse": MeanSquaredError()}
+
+
+def get_loss(loss: str | Loss) -> Loss:
+    """Resolve ``loss="cross_entropy"`` / ``"mse"`` (or pass a :class:`Loss` object through)."""
+    if not isinstance(loss, str):
+        return loss
+    try:
+        return _LOSSES[loss]
+    except KeyError:
+        raise ValueError(f"unknown loss {loss!r}; accepted: {', '.join(map(repr, LOSSES))}") from None
+
+
+def logit_sqnorm(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``s_iEF`` (``eqn:s_ief``): ``||grad_{z_n} l_n||^2`` summed over the sample's positions, ``[M]``."""
+    grad = loss.logit_grad(logits.detach(), targets)
+    return _sum_per_sample(grad * grad)
+
+
+def check_damping(damping: float, *, allow_zero: bool = True) -> float:
+    """Damping must be a finite real >= 0 (> 0 where the formula divides by it)."""
+    try:
+        value = float(damping)
+    except (TypeError, ValueError):
+        raise ValueError(f"damping must be a real number, got {damping!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        accepted = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise ValueError(f"damping must be {accepted}, got {damping!r}")
+    return value

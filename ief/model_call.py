@@ -1,0 +1,149 @@
+"""How the package calls a user's model: inputs, logits, trainable parameters and reproducible randomness.
+
+- ``model(inputs)``, or ``model(**inputs)`` when ``inputs`` is a dict (HuggingFace / peft models), returns logits
+  with the class dimension last, or an object with ``.logits``.
+- The parameters are the model's trainable ones (``requires_grad=True``) in ``model.parameters()`` order, unless
+  ``params=`` is given. Frozen weights are never differentiated.
+- :class:`ReplayableForward` records the RNG state once and restores it before every forward, so that repeated
+  evaluations at the same point (the Fisher-vector products of a CG solve, a per-sample backward and a Fisher
+  product in the same step) see the same dropout masks: the curvature they measure is that of one well-defined
+  function.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+Inputs = Any  # a tensor, a tuple of tensors or a dict of keyword arguments
+
+
+def resolve_params(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] | None) -> list[torch.Tensor]:
+    """The trainable parameters, in ``model.parameters()`` order, or the given ones (deduplicated, in order)."""
+    if params is None:
+        chosen = [p for p in model.parameters() if p.requires_grad]
+    else:
+        chosen, seen = [], set()
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"params must be tensors, got {type(p).__name__}")
+            if not p.requires_grad:
+                raise ValueError(f"params contains a tensor of shape {tuple(p.shape)} with requires_grad=False")
+            if id(p) not in seen:
+                seen.add(id(p))
+                chosen.append(p)
+    if not chosen:
+        raise ValueError(
+            "the model has no trainable parameters (none with requires_grad=True) and no params= were given; "
+            "unfreeze the parameters to precondition (e.g. the LoRA or prompt weights)"
+        )
+    return chosen
+
+
+def param_names(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> list[str]:
+    """Names of ``params`` in ``model``; raises if one is not a parameter of the model."""
+    by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise ValueError(f"params[{missing[0]}] is not a parameter of the model")
+    return [by_id[id(p)] for p in params]
+
+
+def split_vector(vector: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Cut a flat ``[P]`` vector into tensors shaped like ``params``."""
+    total = sum(p.numel() for p in params)
+    if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.shape[0] != total:
+        shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
+        raise ValueError(f"vector must have shape [{total}] (one entry per trainable parameter), got {shape}")
+    if not torch.isfinite(vector).all():
+        raise ValueError("vector contains non-finite values")
+    chunks = torch.split(vector, [p.numel() for p in params])
+    return [c.reshape(p.shape).to(dtype=p.dtype, device=p.device) for c, p in zip(chunks, params)]
+
+
+def flatten(tensors: Iterable[torch.Tensor | None], params: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([(torch.zeros_like(p) if t is None else t).reshape(-1) for t, p in zip(tensors, params)])
+
+
+def extract_logits(output: Any) -> torch.Tensor:
+    """``output.logits`` if present, ``output[0]`` for tuples, else the output itself."""
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if logits is None and isinstance(output, (tuple, list)):
+        logits = output[0]
+    if logits is None:
+        logits = output
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"the model returned {type(output).__name__}; expected logits or an object with .logits")
+    return logits
+
+
+def call_model(model: torch.nn.Module, inputs: Inputs) -> torch.Tensor:
+    """Run the model on ``inputs`` and return its logits."""
+    if isinstance(inputs, Mapping):
+        out = model(**inputs)
+    elif isinstance(inputs, tuple):
+        out = model(*inputs)
+    else:
+        out = model(inputs)
+    return extract_logits(out)
+
+
+def batch_size(logits: torch.Tensor) -> int:
+    if logits.dim() < 2:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)}: expected [M, C] or [M, T, C] with the class dimension last"
+        )
+    return int(logits.shape[0])
+
+
+class ReplayableForward:
+    """Calls ``model`` on fixed inputs with the same RNG state every time (same dropout masks).
+
+    The first call draws from the global generators as an ordinary forward would (so training that interleaves
+    curvature computations still advances the RNG); every later call replays that first call's RNG state.
+    """
+
+    def __init__(self, model: torch.nn.Module, inputs: Inputs):
+        self.model = model
+        self.inputs = inputs
+        self._devices = _cuda_devices(model)
+        self._cpu_state = torch.get_rng_state()
+        self._cuda_states = [torch.cuda.get_rng_state(d) for d in self._devices]
+        self._calls = 0
+
+    @contextlib.contextmanager
+    def _replayed_rng(self) -> Iterator[None]:
+        self._calls += 1
+        if self._calls == 1:
+            yield
+            return
+        with torch.random.fork_rng(devices=self._devices):
+            torch.set_rng_state(self._cpu_state)
+            for d, s in zip(self._devices, self._cuda_states):
+                torch.cuda.set_rng_state(s, d)
+            yield
+
+    def __call__(self, substitute: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits, optionally with some parameters substituted (``torch.func.functional_call``)."""
+        with self._replayed_rng():
+            if substitute is None:
+                return call_model(self.model, self.inputs)
+            return _functional_logits(self.model, substitute, self.inputs)
+
+
+def _functional_logits(model: torch.nn.Module, substitute: Mapping[str, torch.Tensor], inputs: Inputs) -> torch.Tensor:
+    if isinstance(inputs, Mapping):
+        out = torch.func.functional_call(model, dict(substitute), args=(), kwargs=dict(inputs))
+    else:
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        out = torch.func.functional_call(model, dict(substitute), args=args)
+    return extract_logits(out)
+
+
+def _cuda_devices(model: torch.nn.Module) -> list[int]:
+    devices = {p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"}
+    return sorted(devices)

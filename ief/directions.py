@@ -36,11 +36,30 @@ def _check_vector(v: torch.Tensor, size: int, name: str, what: str) -> None:
         raise ValueError(f"{name} contains non-finite values")
 
 
+_CHUNK = 1 << 16  # columns of J converted to float64 at a time: bounds the extra memory to M * 65536 * 8 bytes
+
+
+def _column_chunks(jacobian: torch.Tensor):
+    for lo in range(0, jacobian.shape[1], _CHUNK):
+        yield lo, jacobian[:, lo : lo + _CHUNK].to(torch.float64)
+
+
 def gram(jacobian: torch.Tensor) -> torch.Tensor:
-    """``J J^T`` in float64, ``[M, M]``."""
-    j = jacobian.to(torch.float64)
-    g = j @ j.T
+    """``J J^T`` accumulated in float64, ``[M, M]``, without a float64 copy of the whole ``J``."""
+    m = jacobian.shape[0]
+    g = torch.zeros(m, m, dtype=torch.float64, device=jacobian.device)
+    for _, block in _column_chunks(jacobian):
+        g += block @ block.T
     return 0.5 * (g + g.T)
+
+
+def combine_rows(coeff: torch.Tensor, jacobian: torch.Tensor) -> torch.Tensor:
+    """``J^T coeff`` accumulated in float64 (the coefficients of an ill-conditioned solve can cancel), ``[P]``."""
+    coeff = coeff.to(torch.float64)
+    out = torch.empty(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
+    for lo, block in _column_chunks(jacobian):
+        out[lo : lo + block.shape[1]] = (coeff @ block).to(jacobian.dtype)
+    return out
 
 
 def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float) -> torch.Tensor:
@@ -72,10 +91,7 @@ def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float) -> 
 
 def _woodbury(jacobian: torch.Tensor, weights: torch.Tensor, damping: float) -> torch.Tensor:
     """``J^T (J J^T + lambda I)^{-1} weights`` in the Jacobian's dtype."""
-    coeff = solve_gram(gram(jacobian), weights, damping)
-    return (coeff.to(jacobian.dtype) @ jacobian) if jacobian.dtype == torch.float64 else (
-        (coeff @ jacobian.to(torch.float64)).to(jacobian.dtype)
-    )
+    return combine_rows(solve_gram(gram(jacobian), weights, damping), jacobian)
 
 
 def ief_direction(jacobian: torch.Tensor, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:
@@ -108,10 +124,16 @@ def sf_direction(sampled_jacobian: torch.Tensor, grad: torch.Tensor, damping: fl
     _check_jacobian(sampled_jacobian, "sampled_jacobian")
     _check_vector(grad, sampled_jacobian.shape[1], "grad", "one entry per parameter")
     damping = check_damping(damping, allow_zero=False)
-    a = sampled_jacobian.to(torch.float64)
+    a = sampled_jacobian
     g = grad.to(torch.float64)
-    coeff = solve_gram(gram(a), a @ g, damping)
-    direction = (g - coeff @ a) / damping
+    ag = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
+    for lo, block in _column_chunks(a):
+        ag += block @ g[lo : lo + block.shape[1]]
+    coeff = solve_gram(gram(a), ag, damping)
+    direction = g.clone()
+    for lo, block in _column_chunks(a):
+        direction[lo : lo + block.shape[1]] -= coeff @ block
+    direction /= damping
     if not torch.isfinite(direction).all():
         raise FloatingPointError(
             f"SF direction overflowed with damping={damping!r}: (1/damping) times the gradient's component outside "

@@ -91,7 +91,7 @@ def fisher(model, inputs, targets, loss: str = "cross_entropy") -> torch.Tensor:
             logp = torch.log_softmax(zf[t], dim=-1)
             for c in range(zf.shape[1]):
                 g = flat_grad(logp[c], params).double()
-                out += float(logp[c].exp()) * torch.outer(g, g)
+                out += float(logp[c].detach().exp()) * torch.outer(g, g)
     return out
 
 

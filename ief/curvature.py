@@ -83,7 +83,8 @@ def fisher_vp(
     params = resolve_params(model, params)
     tangents = split_vector(vector, params)
     forward = ReplayableForward(model, inputs)
-    return _fisher_vp_at(forward, params, param_names(model, params), tangents, loss_fn, targets, method)
+    with torch.enable_grad():
+        return _fisher_vp_at(forward, params, param_names(model, params), tangents, loss_fn, targets, method)
 
 
 def _fisher_vp_at(forward, params, names, tangents, loss_fn: Loss, targets, method: str) -> torch.Tensor:
@@ -97,9 +98,10 @@ def _fisher_vp_at(forward, params, names, tangents, loss_fn: Loss, targets, meth
 
 def gradient_at(forward: ReplayableForward, params: Sequence[torch.Tensor], loss_fn: Loss, targets) -> torch.Tensor:
     """``grad L`` (flat, detached) from one forward and backward of ``forward``."""
-    logits = forward()
-    loss_fn.check(logits, targets)
-    grads = torch.autograd.grad(loss_fn.per_sample(logits, targets).sum(), params, allow_unused=True)
+    with torch.enable_grad():
+        logits = forward()
+        loss_fn.check(logits, targets)
+        grads = torch.autograd.grad(loss_fn.per_sample(logits, targets).sum(), params, allow_unused=True)
     return flatten(grads, params).detach()
 
 
@@ -124,7 +126,7 @@ def gamma(
     if not any(bool(t.ne(0).any()) for t in tangents):
         raise ValueError("gamma of a zero direction is undefined (0/0)")
     forward = ReplayableForward(model, inputs)
-    with torch.no_grad() if method == "forward" else contextlib.nullcontext():
+    with torch.no_grad() if method == "forward" else torch.enable_grad():
         logits, jd = logits_and_jvp(forward, params, param_names(model, params), tangents, method)
     logits = logits.detach()
     loss_fn.check(logits, targets)

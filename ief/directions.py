@@ -13,6 +13,8 @@ finite input.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .losses import check_damping
@@ -39,26 +41,43 @@ def _check_vector(v: torch.Tensor, size: int, name: str, what: str) -> None:
 _CHUNK = 1 << 16  # columns of J converted to float64 at a time: bounds the extra memory to M * 65536 * 8 bytes
 
 
-def _column_chunks(jacobian: torch.Tensor):
+def _column_chunks(jacobian: torch.Tensor, scale: float = 1.0):
+    """Column blocks of ``J / scale`` in float64."""
     for lo in range(0, jacobian.shape[1], _CHUNK):
-        yield lo, jacobian[:, lo : lo + _CHUNK].to(torch.float64)
+        block = jacobian[:, lo : lo + _CHUNK].to(torch.float64)
+        yield lo, block / scale if scale != 1.0 else block
 
 
-def gram(jacobian: torch.Tensor) -> torch.Tensor:
-    """``J J^T`` accumulated in float64, ``[M, M]``, without a float64 copy of the whole ``J``."""
+def max_abs(jacobian: torch.Tensor) -> float:
+    """Largest magnitude in ``J``: the scale that keeps ``J J^T`` clear of float64 overflow and underflow."""
+    return float(jacobian.abs().max()) if jacobian.numel() else 0.0
+
+
+def gram(jacobian: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``(J/scale)(J/scale)^T`` accumulated in float64, ``[M, M]``, without a float64 copy of the whole ``J``."""
     m = jacobian.shape[0]
     g = torch.zeros(m, m, dtype=torch.float64, device=jacobian.device)
-    for _, block in _column_chunks(jacobian):
+    for _, block in _column_chunks(jacobian, scale):
         g += block @ block.T
     return 0.5 * (g + g.T)
 
 
-def combine_rows(coeff: torch.Tensor, jacobian: torch.Tensor) -> torch.Tensor:
-    """``J^T coeff`` accumulated in float64 (the coefficients of an ill-conditioned solve can cancel), ``[P]``."""
+def combine_rows(coeff: torch.Tensor, jacobian: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``(J/scale)^T coeff`` accumulated in float64 (solve coefficients can cancel), ``[P]`` float64."""
     coeff = coeff.to(torch.float64)
-    out = torch.empty(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
-    for lo, block in _column_chunks(jacobian):
-        out[lo : lo + block.shape[1]] = (coeff @ block).to(jacobian.dtype)
+    out = torch.empty(jacobian.shape[1], dtype=torch.float64, device=jacobian.device)
+    for lo, block in _column_chunks(jacobian, scale):
+        out[lo : lo + block.shape[1]] = coeff @ block
+    return out
+
+
+def _as_dtype(direction: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    out = direction.to(dtype)
+    if not torch.isfinite(out).all():
+        raise FloatingPointError(
+            f"the {what} direction is not representable in {dtype} (its entries exceed the dtype's range): the "
+            "per-sample gradients are too close to zero for this damping; use a larger damping"
+        )
     return out
 
 
@@ -89,9 +108,21 @@ def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float) -> 
     return evecs @ coeff
 
 
-def _woodbury(jacobian: torch.Tensor, weights: torch.Tensor, damping: float) -> torch.Tensor:
-    """``J^T (J J^T + lambda I)^{-1} weights`` in the Jacobian's dtype."""
-    return combine_rows(solve_gram(gram(jacobian), weights, damping), jacobian)
+def _woodbury(jacobian: torch.Tensor, weights: torch.Tensor, damping: float, what: str) -> torch.Tensor:
+    """``J^T (J J^T + lambda I)^{-1} weights`` in the Jacobian's dtype.
+
+    Computed on ``J' = J / c`` with ``c = max|J|`` (so the Gram matrix neither overflows nor underflows):
+    ``J^T (J J^T + lambda I)^{-1} w = (1/c) J'^T (J' J'^T + lambda/c^2 I)^{-1} w``.
+    """
+    c = max_abs(jacobian)
+    if c == 0.0:
+        return torch.zeros(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
+    weights = weights.to(torch.float64)
+    scaled_damping = damping / c / c
+    if math.isinf(scaled_damping):  # lambda swamps J J^T: (J J^T + lambda I)^{-1} = I / lambda to float64 precision
+        return _as_dtype(combine_rows(weights, jacobian) / damping, jacobian.dtype, what)
+    coeff = solve_gram(gram(jacobian, c), weights, scaled_damping)
+    return _as_dtype(combine_rows(coeff, jacobian, c) / c, jacobian.dtype, what)
 
 
 def ief_direction(jacobian: torch.Tensor, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:
@@ -105,7 +136,7 @@ def ief_direction(jacobian: torch.Tensor, logit_sqnorm: torch.Tensor, damping: f
     _check_jacobian(jacobian)
     _check_vector(logit_sqnorm, jacobian.shape[0], "logit_sqnorm", "one entry per sample")
     damping = check_damping(damping)
-    return _woodbury(jacobian, logit_sqnorm, damping)
+    return _woodbury(jacobian, logit_sqnorm, damping, "iEF")
 
 
 def ef_direction(jacobian: torch.Tensor, damping: float) -> torch.Tensor:
@@ -113,7 +144,7 @@ def ef_direction(jacobian: torch.Tensor, damping: float) -> torch.Tensor:
     _check_jacobian(jacobian)
     damping = check_damping(damping)
     ones = torch.ones(jacobian.shape[0], dtype=torch.float64, device=jacobian.device)
-    return _woodbury(jacobian, ones, damping)
+    return _woodbury(jacobian, ones, damping, "EF")
 
 
 def sf_direction(sampled_jacobian: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
@@ -124,19 +155,15 @@ def sf_direction(sampled_jacobian: torch.Tensor, grad: torch.Tensor, damping: fl
     _check_jacobian(sampled_jacobian, "sampled_jacobian")
     _check_vector(grad, sampled_jacobian.shape[1], "grad", "one entry per parameter")
     damping = check_damping(damping, allow_zero=False)
-    a = sampled_jacobian
-    g = grad.to(torch.float64)
-    ag = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
-    for lo, block in _column_chunks(a):
-        ag += block @ g[lo : lo + block.shape[1]]
-    coeff = solve_gram(gram(a), ag, damping)
+    # With A' = A / c: (A^T A + lambda I)^{-1} g = (1/lambda) [g - A'^T (A' A'^T + lambda/c^2 I)^{-1} A' g].
+    a, g = sampled_jacobian, grad.to(torch.float64)
+    c = max_abs(a)
+    scaled_damping = damping / c / c if c > 0 else math.inf
     direction = g.clone()
-    for lo, block in _column_chunks(a):
-        direction[lo : lo + block.shape[1]] -= coeff @ block
+    if not math.isinf(scaled_damping):
+        ag = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
+        for lo, block in _column_chunks(a, c):
+            ag += block @ g[lo : lo + block.shape[1]]
+        direction -= combine_rows(solve_gram(gram(a, c), ag, scaled_damping), a, c)
     direction /= damping
-    if not torch.isfinite(direction).all():
-        raise FloatingPointError(
-            f"SF direction overflowed with damping={damping!r}: (1/damping) times the gradient's component outside "
-            "the span of the sampled gradients is not representable; use a larger damping"
-        )
-    return direction.to(sampled_jacobian.dtype)
+    return _as_dtype(direction, sampled_jacobian.dtype, "SF")

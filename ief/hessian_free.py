@@ -54,6 +54,7 @@ def hessian_free(
     forward = ReplayableForward(model, inputs)
     b = gradient_at(forward, params, loss_fn, targets)
 
+    @torch.enable_grad()
     def fvp(v: torch.Tensor) -> torch.Tensor:
         return _fisher_vp_at(forward, params, names, split_vector(v, params), loss_fn, targets, method)
 

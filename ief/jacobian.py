@@ -12,9 +12,11 @@ parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), ``nn.Embed
 ``nn.LayerNorm``. Any other trainable parameter (or a hooked module whose batch dimension is not the sample
 dimension) falls back to an exact per-sample loop of backward passes: slower, never wrong.
 
-A guard, on by default, checks that the rows of ``J`` sum to the autograd batch gradient of the same backward, and
-raises :class:`PerSampleGradientMismatch` otherwise (e.g. a layer that mixes samples, such as batch norm in training
-mode, or a parameter shared in a way the hooks cannot see).
+A guard, on by default and cheap, raises :class:`PerSampleGradientMismatch` when the rows of ``J`` do not sum to the
+autograd batch gradient of the same backward (a parameter also used outside its hooked module, e.g. tied weights)
+or when batch norm normalises with batch statistics. The sum check cannot see a layer that mixes samples (its hooked
+rows still add up), so ``check="exact"`` also compares ``J v`` with the exact per-sample directional derivatives
+from one forward-mode pass; the optimisers run that exact check on their first step.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .curvature import logits_and_jvp
 from .losses import Loss, get_loss, logit_sqnorm
 from .model_call import Inputs, ReplayableForward, batch_size, flatten, param_names, resolve_params
 
@@ -47,19 +50,19 @@ class PerSample:
 
 
 # --------------------------------------------------------------------------------------------------- hooked layers
-def _linear_grads(module: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+def _linear_grads(module: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor, wanted) -> dict[str, torch.Tensor]:
     m = a.shape[0]
     a = a.reshape(m, -1, a.shape[-1])  # [M, T, in]
     g = g.reshape(m, -1, g.shape[-1])  # [M, T, out]
     out = {}
-    if module.weight.requires_grad:
+    if "weight" in wanted:
         out["weight"] = torch.bmm(g.transpose(1, 2), a.to(g.dtype))  # [M, out, in]
-    if module.bias is not None and module.bias.requires_grad:
+    if "bias" in wanted:
         out["bias"] = g.sum(dim=1)
     return out
 
 
-def _embedding_grads(module: torch.nn.Embedding, idx: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+def _embedding_grads(module: torch.nn.Embedding, idx: torch.Tensor, g: torch.Tensor, wanted) -> dict[str, torch.Tensor]:
     m, dim = idx.shape[0], g.shape[-1]
     idx = idx.reshape(m, -1)  # [M, T]
     g = g.reshape(m, -1, dim)  # [M, T, D]
@@ -70,7 +73,7 @@ def _embedding_grads(module: torch.nn.Embedding, idx: torch.Tensor, g: torch.Ten
     return {"weight": grad}
 
 
-def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, wanted) -> dict[str, torch.Tensor]:
     m, dims = x.shape[0], tuple(range(-len(module.normalized_shape), 0))
     x = x.to(g.dtype)
     mean = x.mean(dim=dims, keepdim=True)
@@ -78,9 +81,9 @@ def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tenso
     x_hat = (x - mean) / torch.sqrt(var + module.eps)
     shape = (m, -1, *module.normalized_shape)
     out = {}
-    if module.weight is not None and module.weight.requires_grad:
+    if "weight" in wanted:
         out["weight"] = (g * x_hat).reshape(shape).sum(dim=1)
-    if module.bias is not None and module.bias.requires_grad:
+    if "bias" in wanted:
         out["bias"] = g.reshape(shape).sum(dim=1)
     return out
 
@@ -165,7 +168,7 @@ class _Capture:
             for rec in self.records[k]:
                 if rec[1] is None:  # this call's output did not reach the loss
                     continue
-                for name, g in rule(module, rec[0], rec[1]).items():
+                for name, g in rule(module, rec[0], rec[1], owned).items():
                     i = owned[name]
                     jac[:, self.offsets[i] : self.offsets[i + 1]] += g.reshape(jac.shape[0], -1).to(jac.dtype)
 
@@ -213,38 +216,101 @@ def check_rows_sum_to_gradient(
     if bad:
         raise PerSampleGradientMismatch(
             "per-sample gradients do not sum to the batch gradient for: " + ", ".join(bad[:5])
-            + ". A layer mixes samples (e.g. batch norm in training mode) or a parameter is reused in a way the "
-            "per-sample hooks cannot see; pass params= to restrict to supported parameters, or check=False to skip "
-            "this guard if you know the rows are right."
+            + ". A parameter is used outside the module that owns it (e.g. tied weights) where the per-sample hooks "
+            "cannot see it; pass params= to leave it out, or check=False to skip this guard if you know the rows "
+            "are right."
         )
 
 
+CHECKS = (True, False, "exact")
+
+
+def _check_mode(check) -> str | None:
+    if check is True:
+        return "sum"
+    if check is False or check is None:
+        return None
+    if check == "exact":
+        return "exact"
+    raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
+
+
+def _refuse_sample_mixing(model: torch.nn.Module) -> None:
+    """Batch norm that normalises with batch statistics makes every l_n depend on every sample's input."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and (
+            module.training or module.running_mean is None
+        ):
+            raise PerSampleGradientMismatch(
+                f"module {name or type(module).__name__!r} ({type(module).__name__}) normalises with batch "
+                "statistics, so samples are mixed and per-sample gradients from one backward are not the gradients "
+                "of the individual losses; put it in eval mode (module.eval()) or pass check=False if you accept "
+                "the hooked approximation"
+            )
+
+
 class _HookedForward:
-    """One forward through the capture hooks; per-sample backward passes of any loss of its logits."""
+    """One forward through the capture hooks; per-sample backward passes of any loss of its logits.
+
+    ``check``: ``True`` (cheap: no sample-mixing batch norm, and the rows of ``J`` sum to the autograd batch
+    gradient: catches parameters used outside the hooked module, e.g. tied weights), ``"exact"`` (additionally
+    compares ``J v`` with the exact per-sample directional derivatives from one forward-mode pass, for a random
+    ``v``: catches any layer that mixes samples or whose leading dimension is not the sample), or ``False``.
+    """
 
     def __init__(self, model, inputs, targets, params, loss, check):
+        self.mode = _check_mode(check)
         self.loss = get_loss(loss)
         self.params = resolve_params(model, params)
+        if self.mode is not None:
+            _refuse_sample_mixing(model)
         self.capture = _Capture(model, self.params)
-        with self.capture:
-            self.logits = ReplayableForward(model, inputs)()
+        self.forward = ReplayableForward(model, inputs)
+        with self.capture, torch.enable_grad():
+            self.logits = self.forward()
         self.loss.check(self.logits, targets)
         self.capture.demote_mismatched(batch_size(self.logits))
         self.targets = targets
-        self.names = param_names(model, self.params) if check else None
+        self.names = param_names(model, self.params) if self.mode is not None else None
 
     def jacobian(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(losses, J, grad)`` for the given targets."""
-        losses = self.loss.per_sample(self.logits, targets)
-        jac, gradient = _backward_jacobian(self.capture, losses, self.params, retain_graph)
-        if self.names is not None:
+        with torch.enable_grad():
+            losses = self.loss.per_sample(self.logits, targets)
+            jac, gradient = _backward_jacobian(self.capture, losses, self.params, retain_graph)
+        if self.mode is not None:
             check_rows_sum_to_gradient(jac, gradient, self.names, self.capture.sizes)
+        if self.mode == "exact":
+            self._check_directional_derivatives(jac, targets)
         return losses.detach(), jac, gradient
+
+    def _check_directional_derivatives(self, jac: torch.Tensor, targets: torch.Tensor) -> None:
+        if not torch.isfinite(jac).all():
+            return
+        gen = torch.Generator().manual_seed(0)
+        tangents = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p) for p in self.params]
+        with torch.no_grad():
+            logits, jv = logits_and_jvp(self.forward, self.params, self.names, tangents)
+        m = jac.shape[0]
+        exact = (self.loss.logit_grad(logits.double(), targets) * jv.double()).reshape(m, -1).sum(dim=1)
+        v = torch.cat([t.reshape(-1) for t in tangents]).double()
+        hooked = jac.double() @ v
+        scale = jac.double().norm(dim=1) * v.norm() + torch.finfo(jac.dtype).tiny
+        rel = (exact - hooked).abs() / scale
+        if bool((rel > 50 * math.sqrt(torch.finfo(jac.dtype).eps)).any()):
+            n = int(rel.argmax())
+            raise PerSampleGradientMismatch(
+                f"per-sample gradient of sample {n} disagrees with its exact directional derivative (relative "
+                f"error {float(rel[n]):.2e}): a layer mixes samples or a hooked layer's leading dimension is not "
+                "the sample dimension; pass params= to exclude it, or use the per-sample loop by making the layer "
+                "a non-hooked module"
+            )
 
     def gradient(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(losses, grad)`` only: a plain backward (the hooks' records are not turned into a Jacobian)."""
-        losses = self.loss.per_sample(self.logits, targets)
-        grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=retain_graph, allow_unused=True)
+        with torch.enable_grad():
+            losses = self.loss.per_sample(self.logits, targets)
+            grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=retain_graph, allow_unused=True)
         return losses.detach(), flatten(grads, self.params)
 
     def sampled_targets(self, generator: torch.Generator | None) -> torch.Tensor:
@@ -261,7 +327,7 @@ def per_sample(
     params: Iterable[torch.nn.Parameter] | None = None,
     *,
     loss: str | Loss = "cross_entropy",
-    check: bool = True,
+    check: bool | str = True,
 ) -> PerSample:
     """Per-sample losses, Jacobian ``grad_theta l`` and ``s_iEF`` from one forward and one backward.
 
@@ -272,7 +338,9 @@ def per_sample(
             like the logits (``loss="mse"``).
         params: parameters to differentiate; default: the model's trainable ones.
         loss: ``"cross_entropy"`` (default) or ``"mse"``.
-        check: verify that the rows of ``J`` sum to the batch gradient.
+        check: ``True`` (default, cheap): refuse batch norm with batch statistics and verify that the rows of ``J``
+            sum to the batch gradient; ``"exact"``: also compare ``J v`` with exact per-sample directional
+            derivatives (one extra forward-mode pass); ``False``: no guard.
     """
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
     losses, jac, gradient = fwd.jacobian(targets)
@@ -287,7 +355,7 @@ def sampled_jacobian(
     params: Iterable[torch.nn.Parameter] | None = None,
     *,
     loss: str | Loss = "cross_entropy",
-    check: bool = True,
+    check: bool | str = True,
 ) -> torch.Tensor:
     """``[M, P]`` per-sample gradients for labels drawn from the model's predictive distribution (SF, ``alg:SF``).
 
@@ -306,7 +374,7 @@ def gradient_and_sampled_jacobian(
     *,
     loss: str | Loss = "cross_entropy",
     generator: torch.Generator | None = None,
-    check: bool = True,
+    check: bool | str = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(losses [M], grad [P], sampled J [M, P])`` from one forward and two backward passes, as in ``alg:SF``."""
     fwd = _HookedForward(model, inputs, targets, params, loss, check)

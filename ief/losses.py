@@ -39,6 +39,11 @@ class Loss(Protocol):
     ) -> torch.Tensor: ...
 
 
+def _require_finite(logits: torch.Tensor) -> None:
+    if not torch.isfinite(logits).all():
+        raise FloatingPointError("non-finite logits: cannot draw labels from the model's predictive distribution")
+
+
 def _sum_per_sample(x: torch.Tensor) -> torch.Tensor:
     """Sum everything but the sample dimension: ``[M, ...] -> [M]``."""
     return x.reshape(x.shape[0], -1).sum(dim=1)
@@ -96,6 +101,7 @@ class CrossEntropy:
         self, logits: torch.Tensor, targets: torch.Tensor, generator: torch.Generator | None
     ) -> torch.Tensor:
         """Labels drawn from the model's own predictive distribution at every kept position (SF)."""
+        _require_finite(logits)
         probs = torch.softmax(logits.detach().to(torch.float64), dim=-1).reshape(-1, logits.shape[-1])
         drawn = torch.multinomial(probs, 1, generator=generator).reshape(targets.shape)
         return torch.where(targets == IGNORE_INDEX, targets, drawn.to(targets.dtype))
@@ -130,6 +136,7 @@ class MeanSquaredError:
         self, logits: torch.Tensor, targets: torch.Tensor, generator: torch.Generator | None
     ) -> torch.Tensor:
         """``y ~ N(z, I)``, the predictive distribution whose Fisher is the Gauss-Newton matrix."""
+        _require_finite(logits)
         noise = torch.randn(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
         return (logits.detach().to(torch.float64) + noise).to(logits.dtype)
 

@@ -105,8 +105,11 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         """
         group = self.param_groups[0]
         number = self.steps_taken
-        with torch.enable_grad():
-            losses, direction = self._direction(inputs, targets, group)
+        try:
+            with torch.enable_grad():
+                losses, direction = self._direction(inputs, targets, group)
+        except FloatingPointError as err:
+            raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
         if not torch.isfinite(losses).all():
             raise FloatingPointError(f"step {number}: non-finite loss {losses.tolist()}; parameters left unchanged")
         if not torch.isfinite(direction).all():
@@ -118,8 +121,14 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         self.last_losses = losses
         return losses.sum()
 
+    def _check_now(self):
+        """The thorough (exact) per-sample check on the first step, the cheap one afterwards."""
+        if self.check and self.steps_taken == 0:
+            return "exact"
+        return self.check
+
     def _per_sample(self, inputs: Inputs, targets: torch.Tensor, group: dict):
-        result = per_sample(self.model, inputs, targets, group["params"], loss=self.loss, check=self.check)
+        result = per_sample(self.model, inputs, targets, group["params"], loss=self.loss, check=self._check_now())
         self._raise_if_nonfinite(result.losses, result.jacobian)
         return result
 
@@ -179,7 +188,8 @@ class SF(_ExactPreconditioned):
 
     def _direction(self, inputs, targets, group):
         losses, grad, sampled = gradient_and_sampled_jacobian(
-            self.model, inputs, targets, group["params"], loss=self.loss, generator=self.generator, check=self.check
+            self.model, inputs, targets, group["params"], loss=self.loss, generator=self.generator,
+            check=self._check_now(),
         )
         self._raise_if_nonfinite(losses, sampled)
         if not torch.isfinite(grad).all():

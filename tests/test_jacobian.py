@@ -1,0 +1,409 @@
+"""``ief.per_sample`` / ``ief.sampled_jacobian`` against dense per-sample loops (``tests/oracle.py``).
+
+The objects under test are the paper's per-sample quantities (``eqn:prob_loss``): the losses ``l_n``, the Jacobian
+``J = grad_theta l`` whose rows are the per-sample gradients, ``s_iEF = ||grad_{z_n} l_n||^2`` (``eqn:s_ief``) and,
+for SF, the Jacobian of the per-sample losses at labels drawn from the model (``sec:app-sample-fisher``, ``alg:SF``).
+
+Tolerances. Everything is float64 unless said otherwise. The package forms each row with one batched forward and
+hooks, the oracle with one forward per sample: the two agree to rounding, so ``1e-10`` relative (a few hundred ulps
+of headroom for the reductions over positions / batch). The T5 cases are the exception: ``T5LayerNorm`` computes its
+variance in float32 internally whatever the model dtype, so batched and per-sample forwards can differ at float32
+rounding, ``1e-6`` relative. Float32 models are compared with ``1e-5`` relative (about 100 float32 ulps).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ief
+import oracle
+from tiny_models import IGNORE, mlp_case, mse_case, sequence_case, t5_lora_case
+
+F64_RTOL = 1e-10
+T5_RTOL = 1e-6
+F32_RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """The models are tiny: BLAS threads only add synchronisation, and on a loaded 2-core machine OpenMP
+    spin-waiting made each T5 forward ~50x slower. Single-threaded for this module, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rtol_for(case) -> float:
+    return T5_RTOL if case.name.startswith("t5") else F64_RTOL
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def assert_rel(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = rel_err(actual, expected)
+    assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.1e}"
+
+
+def batch_graph_rows(model, inputs, targets, params, loss="cross_entropy"):
+    """``d l_n / d theta`` through ONE batched forward (the same graph, same dropout masks / batch statistics as the
+    package's single forward, given the same RNG state), by a loop of backward passes: the exact per-sample rows."""
+    z = oracle.logits_of(model, inputs)
+    rows = []
+    for n in range(targets.shape[0]):
+        l_n = oracle.sample_loss(z[n : n + 1], targets[n : n + 1], loss)
+        rows.append(oracle.flat_grad(l_n, params))
+    return torch.stack(rows)
+
+
+# --------------------------------------------------------------------------------------- per_sample vs the oracle
+def test_per_sample_matches_oracle(any_case):
+    """Losses, Jacobian rows, s_iEF and the batch gradient (``eqn:prob_loss``, ``eqn:s_ief``) on every tiny model."""
+    c = any_case
+    rtol = rtol_for(c)
+    got = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss)
+    losses, jac, sq = oracle.per_sample(c.model, c.inputs, c.targets, c.loss)
+    assert_rel(got.losses, losses, rtol, "losses")
+    assert_rel(got.jacobian, jac, rtol, "jacobian")
+    assert_rel(got.logit_sqnorm, sq, rtol, "logit_sqnorm")
+    # .gradient is the autograd gradient of L = sum_n l_n, i.e. the column sums of J
+    assert_rel(got.gradient, jac.sum(0), rtol, "gradient vs oracle J.sum(0)")
+    assert_rel(got.gradient, got.jacobian.sum(0), rtol, "gradient vs own J.sum(0)")
+    params = oracle.trainable(c.model)
+    assert got.jacobian.shape == (c.targets.shape[0], sum(p.numel() for p in params))
+    for t in (got.losses, got.jacobian, got.logit_sqnorm, got.gradient):
+        assert t.dtype == torch.float64
+
+
+def test_per_sample_gradient_is_autograd_batch_gradient():
+    """``.gradient`` equals ``torch.autograd`` on the summed loss ``L`` (``eqn:prob_loss``), with ignored positions."""
+    c = sequence_case()
+    got = ief.per_sample(c.model, c.inputs, c.targets)
+    z = c.model(c.inputs)
+    total = torch.nn.functional.cross_entropy(
+        z.reshape(-1, z.shape[-1]), c.targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
+    params = oracle.trainable(c.model)
+    expected = oracle.flat_grad(total, params)
+    assert_rel(got.gradient, expected, F64_RTOL, "gradient")
+    assert_rel(got.losses.sum(), total.detach(), F64_RTOL, "L")
+
+
+def test_per_sample_float32_mlp():
+    """A float32 model: results stay float32 and agree with the float64 oracle on the same weights to float32
+    rounding (``1e-5`` relative)."""
+    c = mlp_case(dtype=torch.float32)
+    got = ief.per_sample(c.model, c.inputs, c.targets)
+    for t in (got.losses, got.jacobian, got.logit_sqnorm, got.gradient):
+        assert t.dtype == torch.float32
+    ref_model = mlp_case(dtype=torch.float32).model.double()  # same seed -> same float32 weights, widened
+    losses, jac, sq = oracle.per_sample(ref_model, c.inputs.double(), c.targets)
+    assert_rel(got.losses, losses, F32_RTOL, "losses")
+    assert_rel(got.jacobian, jac, F32_RTOL, "jacobian")
+    assert_rel(got.logit_sqnorm, sq, F32_RTOL, "logit_sqnorm")
+    assert_rel(got.gradient, jac.sum(0), F32_RTOL, "gradient")
+
+
+def test_zero_loss_sample_gives_exact_zero_row():
+    """A sample whose logits saturate (margin ~1e4 >> 745, so softmax is exactly one-hot in float64) has
+    ``l_n = 0``, ``grad l_n = 0`` and ``s_n = 0`` exactly; the other rows are unaffected."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4).double()
+    with torch.no_grad():
+        model.weight.mul_(1e4)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        z = model(x)
+    y = z.argmin(dim=1)  # most samples: huge loss, non-zero gradient
+    y[1] = z[1].argmax()  # sample 1: predicted class with a margin of thousands -> exactly zero loss and gradient
+    assert float((z[1].max() - z[1].topk(2).values[1])) > 800  # the premise: exp(-margin) underflows
+    got = ief.per_sample(model, x, y)
+    assert float(got.losses[1]) == 0.0
+    assert float(got.logit_sqnorm[1]) == 0.0
+    assert torch.count_nonzero(got.jacobian[1]) == 0
+    losses, jac, sq = oracle.per_sample(model, x, y)
+    assert torch.count_nonzero(jac[1]) == 0
+    assert_rel(got.jacobian, jac, F64_RTOL, "jacobian")
+    assert_rel(got.losses, losses, F64_RTOL, "losses")
+    others = [0, 2, 3]
+    assert (got.jacobian[others].norm(dim=1) > 0).all()
+
+
+# ------------------------------------------------------------------------------------------------- params= subset
+def _mlp_blocks(c):
+    """The oracle Jacobian of the mlp case cut into its four column blocks (``model.parameters()`` order)."""
+    _, full, _ = oracle.per_sample(c.model, c.inputs, c.targets)
+    sizes = [p.numel() for p in c.model.parameters()]
+    offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    return {name: full[:, offsets[i] : offsets[i + 1]] for i, name in enumerate(["w1", "b1", "w2", "b2"])}
+
+
+def test_params_reordered_returns_columns_in_that_order():
+    """``params=`` in an order other than ``model.parameters()`` (whole layers): the columns follow ``params``."""
+    c = mlp_case()
+    lin1, lin2 = c.model[0], c.model[2]
+    got = ief.per_sample(c.model, c.inputs, c.targets, params=[lin2.bias, lin2.weight, lin1.weight, lin1.bias])
+    b = _mlp_blocks(c)
+    expected = torch.cat([b["b2"], b["w2"], b["w1"], b["b1"]], dim=1)
+    assert_rel(got.jacobian, expected, F64_RTOL, "reordered jacobian")
+    assert_rel(got.gradient, expected.sum(0), F64_RTOL, "reordered gradient")
+
+
+@pytest.mark.parametrize(
+    "names", [("w2", "b1"), ("b1",)], ids=["lin2.weight+lin1.bias", "lin1.bias"]
+)
+def test_params_subset_returns_only_those_columns_in_that_order(names):
+    """``params=`` naming single tensors of layers whose other parameters are trainable too (e.g. a weight without
+    its bias): exactly those column blocks, in that order."""
+    c = mlp_case()
+    lin1, lin2 = c.model[0], c.model[2]
+    tensors = {"w1": lin1.weight, "b1": lin1.bias, "w2": lin2.weight, "b2": lin2.bias}
+    got = ief.per_sample(c.model, c.inputs, c.targets, params=[tensors[n] for n in names])
+    b = _mlp_blocks(c)
+    expected = torch.cat([b[n] for n in names], dim=1)
+    assert_rel(got.jacobian, expected, F64_RTOL, "subset jacobian")
+    assert_rel(got.gradient, expected.sum(0), F64_RTOL, "subset gradient")
+    # s_iEF and the losses do not depend on which parameters are differentiated
+    full = ief.per_sample(c.model, c.inputs, c.targets)
+    assert torch.equal(got.logit_sqnorm, full.logit_sqnorm)
+    assert torch.equal(got.losses, full.losses)
+
+
+# ------------------------------------------------------------------------------------------------ sampled Jacobian
+def _redraw_labels(model, inputs, targets, seed: int, loss: str) -> torch.Tensor:
+    """The draw ``sampled_jacobian`` documents, re-made independently: one label per position from the float64
+    softmax with ``torch.multinomial`` (cross-entropy; ignored positions stay ``-100``), or ``y = z + N(0, I)``
+    (mse); same generator seed, same order of consumption."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        z = oracle.logits_of(model, inputs)
+    if loss == "mse":
+        noise = torch.randn(z.shape, generator=g, dtype=torch.float64)
+        return (z.double() + noise).to(z.dtype)
+    probs = torch.softmax(z.double(), dim=-1).reshape(-1, z.shape[-1])
+    drawn = torch.multinomial(probs, 1, generator=g).reshape(targets.shape)
+    return torch.where(targets == IGNORE, targets, drawn)
+
+
+@pytest.mark.parametrize("factory", [mlp_case, mse_case, sequence_case, t5_lora_case], ids=lambda f: f.__name__)
+def test_sampled_jacobian_rows_are_gradients_at_the_drawn_labels(factory):
+    """Each row is the oracle per-sample gradient at the labels drawn with the given generator (``alg:SF``): the
+    draw is reproduced exactly (same seed), ignored positions stay ignored (the oracle skips them), and the result
+    depends on the seed only through the draw."""
+    c = factory()
+    seed = 1234
+    sampled = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(seed), loss=c.loss)
+    labels = _redraw_labels(c.model, c.inputs, c.targets, seed, c.loss)
+    if c.loss == "cross_entropy":
+        assert torch.equal(labels == IGNORE, c.targets == IGNORE)
+    _, expected, _ = oracle.per_sample(c.model, c.inputs, labels, c.loss)
+    assert_rel(sampled, expected, rtol_for(c), "sampled rows vs oracle at the drawn labels")
+    # same seed -> same draw -> identical result
+    again = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(seed), loss=c.loss)
+    assert torch.equal(sampled, again)
+
+
+def test_sampled_jacobian_different_seeds_differ_and_labels_are_not_the_targets():
+    """The labels really are drawn: two seeds give different rows, and the rows are not the EF rows (the given
+    targets), checked on a 4-class MLP with 6 samples where a collision has probability well below 1e-3."""
+    c = mlp_case()
+    a = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(1))
+    b = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(2))
+    ef_rows = ief.per_sample(c.model, c.inputs, c.targets).jacobian
+    assert not torch.allclose(a, b)
+    assert not torch.allclose(a, ef_rows)
+    labels1 = _redraw_labels(c.model, c.inputs, c.targets, 1, "cross_entropy")
+    labels2 = _redraw_labels(c.model, c.inputs, c.targets, 2, "cross_entropy")
+    assert not torch.equal(labels1, labels2)
+
+
+# ------------------------------------------------------------------------------------------------------ the guard
+def _bn_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Tanh(), torch.nn.Linear(7, 4)
+    ).double()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (6,))
+    return model, x, y
+
+
+def test_batchnorm_train_mode_raises_mismatch():
+    """Batch norm in training mode mixes samples: ``l_n`` depends on every sample through the batch statistics, so
+    the hooked rows ``(dL/dout_n) a_n^T`` are not ``d l_n / d theta``. The module docstring of ``ief/jacobian.py``
+    and the error text promise :class:`ief.PerSampleGradientMismatch` for exactly this case.
+
+    Hooked rows always sum to the batch gradient, so the sum check cannot see the mixing: the guard refuses batch norm
+    that normalises with batch statistics outright."""
+    model, x, y = _bn_model()
+    model.train()
+    with pytest.raises(ief.PerSampleGradientMismatch):
+        ief.per_sample(model, x, y)
+
+
+def test_batchnorm_train_mode_check_false_does_not_raise():
+    """``check=False`` skips the guard: the call returns, rows of the right shape that sum to the batch gradient."""
+    model, x, y = _bn_model()
+    model.train()
+    got = ief.per_sample(model, x, y, check=False)
+    assert got.jacobian.shape == (6, sum(p.numel() for p in model.parameters()))
+    assert_rel(got.jacobian.sum(0), got.gradient, F64_RTOL, "rows sum")
+
+
+def test_batchnorm_eval_mode_passes_and_matches_oracle():
+    """In eval mode batch norm is a per-sample affine map: no error, and the rows (the BN affine parameters go
+    through the exact loop fallback) match the oracle."""
+    model, x, y = _bn_model()
+    model.train()
+    with torch.no_grad():
+        model(x)  # non-trivial running statistics
+    model.eval()
+    got = ief.per_sample(model, x, y)
+    losses, jac, sq = oracle.per_sample(model, x, y)
+    assert_rel(got.jacobian, jac, F64_RTOL, "jacobian")
+    assert_rel(got.losses, losses, F64_RTOL, "losses")
+    assert_rel(got.logit_sqnorm, sq, F64_RTOL, "logit_sqnorm")
+
+
+class _TimeMajor(torch.nn.Module):
+    """Applies its Linear to a ``[T, M, D]`` (time-major) view: the Linear's leading dimension is not the sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4)
+
+    def forward(self, x):  # x: [M, T, 3]
+        return self.lin(x.transpose(0, 1)).transpose(0, 1)
+
+
+@pytest.mark.parametrize("t", [3, 4], ids=["T==M", "T!=M"])
+def test_hooked_layer_whose_leading_dim_is_not_the_sample(t):
+    """A Linear fed a time-major tensor, so its leading dimension is not the sample.
+
+    With ``T != M`` the shape check demotes the layer to the exact per-sample loop and the rows are right. With
+    ``T == M`` no shape can tell, the hooked rows are per-time-step sums and they still add up to the gradient, so
+    only the exact guard (``check="exact"``: ``J v`` against forward-mode per-sample directional derivatives) can
+    notice: it must raise. The optimisers run that guard on their first step."""
+    torch.manual_seed(0)
+    model = _TimeMajor().double()
+    x = torch.randn(3, t, 3, dtype=torch.float64)
+    y = torch.randint(0, 4, (3, t))
+    _, jac, _ = oracle.per_sample(model, x, y)
+    if t != 3:
+        assert_rel(ief.per_sample(model, x, y, check="exact").jacobian, jac, F64_RTOL, "jacobian")
+        return
+    with pytest.raises(ief.PerSampleGradientMismatch, match="sample"):
+        ief.per_sample(model, x, y, check="exact")
+    with pytest.raises(ief.PerSampleGradientMismatch):
+        ief.optim.IEF(model, lr=0.1).step(x, y)
+
+
+def test_exact_check_passes_on_every_supported_case(any_case):
+    """The exact guard accepts every real model of the suite (no false alarms)."""
+    c = any_case
+    got = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss, check="exact")
+    assert torch.isfinite(got.jacobian).all()
+
+
+def test_unknown_check_value_is_refused():
+    c = mlp_case()
+    with pytest.raises(ValueError, match="'always'"):
+        ief.per_sample(c.model, c.inputs, c.targets, check="always")
+
+
+# ------------------------------------------------------------------------------------------- train mode, dropout
+def test_train_mode_dropout_rows_are_exact_and_masks_advance():
+    """t5-lora with LoRA dropout 0.1 in train mode. The package uses the model in the mode it is in: with the same
+    RNG state its rows equal the exact per-sample gradients through one batched forward (same masks), they sum to
+    the gradient (no mismatch), and a second call draws new masks (the RNG advances), so its rows differ."""
+    c = t5_lora_case()
+    c.model.train()
+    params = oracle.trainable(c.model)
+    torch.manual_seed(7)
+    first = ief.per_sample(c.model, c.inputs, c.targets)
+    second = ief.per_sample(c.model, c.inputs, c.targets)
+    torch.manual_seed(7)
+    exact = batch_graph_rows(c.model, c.inputs, c.targets, params)
+    assert_rel(first.jacobian, exact, T5_RTOL, "train-mode rows vs exact rows with the same masks")
+    assert_rel(first.jacobian.sum(0), first.gradient, T5_RTOL, "rows sum to gradient")
+    assert_rel(second.jacobian.sum(0), second.gradient, T5_RTOL, "rows sum to gradient (2nd call)")
+    assert rel_err(second.jacobian, first.jacobian) > 1e-3, "the second call reused the first call's dropout masks"
+    c.model.eval()
+    evaluated = ief.per_sample(c.model, c.inputs, c.targets)
+    assert rel_err(evaluated.jacobian, first.jacobian) > 1e-3, "dropout was not active in train mode"
+
+
+def test_per_sample_works_under_no_grad():
+    """``per_sample`` / ``sampled_jacobian`` compute gradients, so like ``torch.autograd.functional.jacobian`` and
+    ``torch.func`` (and like the package's own ``opt.step``, which wraps its call in ``torch.enable_grad()``, and
+    ``ief.gamma``) they should give the same result when called inside ``torch.no_grad()``, e.g. in an evaluation
+    loop."""
+    c = mlp_case()
+    expected = ief.per_sample(c.model, c.inputs, c.targets)
+    sampled = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = ief.per_sample(c.model, c.inputs, c.targets)
+        got_sampled = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(0))
+    assert torch.equal(got.jacobian, expected.jacobian)
+    assert torch.equal(got.logit_sqnorm, expected.logit_sqnorm)
+    assert torch.equal(got_sampled, sampled)
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+def test_no_trainable_parameters():
+    c = mlp_case()
+    for p in c.model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ief.per_sample(c.model, c.inputs, c.targets)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ief.sampled_jacobian(c.model, c.inputs, c.targets)
+
+
+def test_cross_entropy_targets_shape_mismatch():
+    c = mlp_case()
+    bad = torch.zeros(6, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"\(6, 2\)"):
+        ief.per_sample(c.model, c.inputs, bad)
+    with pytest.raises(ValueError, match=r"\(5,\)"):
+        ief.per_sample(c.model, c.inputs, c.targets[:5])
+
+
+def test_class_index_out_of_range_names_the_index():
+    c = mlp_case()  # 4 classes
+    y = c.targets.clone()
+    y[3] = 7
+    with pytest.raises(ValueError, match="7") as info:
+        ief.per_sample(c.model, c.inputs, y)
+    assert "class index 7" in str(info.value)
+    y[3] = -1  # negative indices other than -100 are out of range too
+    with pytest.raises(ValueError, match="-1"):
+        ief.per_sample(c.model, c.inputs, y)
+    with pytest.raises(ValueError, match="7"):
+        y[3] = 7
+        ief.sampled_jacobian(c.model, c.inputs, y)
+
+
+def test_float_targets_with_cross_entropy():
+    c = mlp_case()
+    with pytest.raises(ValueError, match="float64"):
+        ief.per_sample(c.model, c.inputs, c.targets.double())
+
+
+def test_unknown_loss_lists_accepted_names():
+    c = mlp_case()
+    with pytest.raises(ValueError, match="hinge") as info:
+        ief.per_sample(c.model, c.inputs, c.targets, loss="hinge")
+    assert "'cross_entropy'" in str(info.value) and "'mse'" in str(info.value)
+
+
+def test_mse_shape_mismatch():
+    c = mse_case()
+    with pytest.raises(ValueError, match=r"\(5, 3\)"):
+        ief.per_sample(c.model, c.inputs, torch.zeros(5, 3, dtype=torch.float64), loss="mse")
+    with pytest.raises(ValueError, match="dtype"):
+        ief.per_sample(c.model, c.inputs, torch.zeros(5, 2, dtype=torch.long), loss="mse")

@@ -47,12 +47,12 @@ def logits_and_jvp(
     """``(z, J_z v)``: logits still attached to the autograd graph of ``params``, and their JVP (detached)."""
     if method not in JVP_METHODS:
         raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, JVP_METHODS))}")
-    with differentiable_attention():
+    with differentiable_attention(), torch.inference_mode(False):
         if method == "forward":
             with forward_ad.dual_level():
                 duals = {n: forward_ad.make_dual(p, t) for n, p, t in zip(names, params, tangents)}
                 primal, tangent = forward_ad.unpack_dual(forward(substitute=duals))
-            if tangent is None:  # the logits do not depend on params
+            if tangent is None:  # the logits do not depend on params (inference mode is switched off above)
                 tangent = torch.zeros_like(primal)
             return primal, tangent.detach()
         logits = forward()

@@ -40,9 +40,11 @@ def hessian_free(
     """Approximate natural-gradient direction ``F^{-1} grad L`` after ``iterations`` CG steps from ``x_0 = 0``.
 
     Returns the direction ``[P]``; with ``return_gammas=True`` a :class:`CGResult` that also holds the gamma of
-    every iterate. Stops early when the residual norm falls to ``tolerance * ||grad L||`` or the curvature along the
-    search direction vanishes (``F`` is only positive semi-definite). Every Fisher product replays the same dropout
-    masks, so the solve sees one fixed matrix.
+    every iterate. Stops early when the residual norm falls to ``tolerance * ||grad L||``, or to rounding level
+    (``100 eps ||grad L||`` in the model's dtype: past it CG iterates on noise, which leaks into the null space of
+    the only positive semi-definite ``F`` with huge steps), or when the curvature along the search direction is at
+    rounding level of the largest curvature seen. Every Fisher product replays the same dropout masks, so the solve
+    sees one fixed matrix.
     """
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
         raise ValueError(f"iterations must be an integer >= 0, got {iterations!r}")
@@ -64,13 +66,17 @@ def hessian_free(
     v = r.clone()
     rr = float(r @ r)
     result = CGResult(solution=x, residual_norms=[rr**0.5])
-    stop = tolerance * rr**0.5
+    eps = torch.finfo(b.dtype).eps
+    stop = max(tolerance, 100 * eps) * rr**0.5
+    largest_rayleigh = 0.0
     for _ in range(iterations):
         if rr**0.5 <= stop or rr == 0.0:
             break
         fv = fvp(v.to(b.dtype)).to(torch.float64)
         curvature = float(v @ fv)
-        if not curvature > 0.0:
+        rayleigh = curvature / float(v @ v)
+        largest_rayleigh = max(largest_rayleigh, rayleigh)
+        if not rayleigh > 100 * eps * largest_rayleigh:
             break
         alpha = rr / curvature
         x = x + alpha * v

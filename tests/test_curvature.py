@@ -1,0 +1,321 @@
+"""``ief.fisher_vp`` and ``ief.gamma`` against the dense float64 oracle.
+
+Paper references: the indicator ``gamma(d) = sqrt(d^T F d) / |d^T grad L|`` (sec:eval_framework, alg:eval); the exact
+Fisher as GGN, ``F = sum_n J_{z_n}^T H_n J_{z_n}`` computed matrix-free (sec:app-eval-complexity); for the squared
+error the Fisher is the Gauss-Newton matrix (sec:app-lls, eqn:lls-F-equal).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import ief
+from curvature_reference import directions, model_dtype, num_params, reference, rtol
+from tiny_models import mlp_case, mse_case, t5_lora_case
+
+METHODS = ("forward", "double_backward")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _randn(case, k: int = 1, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(k, num_params(case), generator=gen, dtype=torch.float64).to(model_dtype(case))
+
+
+# ----------------------------------------------------------------------------------------------- fisher_vp
+@pytest.mark.parametrize("method", METHODS)
+def test_fisher_vp_matches_dense_oracle(any_case, method):
+    """sec:app-eval-complexity: the matrix-free product equals the explicit eqn:FIM sum times v, for random
+    vectors, the gradient, and a vector in the null space of F (where the product must vanish)."""
+    ref = reference(any_case.name)
+    tol = rtol(any_case.name)
+    vectors = list(_randn(any_case, 2)) + [ref.gradient.to(model_dtype(any_case))]
+    for v in vectors:
+        fv = ief.fisher_vp(any_case.model, any_case.inputs, any_case.targets, v, loss=any_case.loss, method=method)
+        assert fv.shape == (num_params(any_case),)
+        assert fv.dtype == model_dtype(any_case)
+        assert _rel(fv, ref.fisher @ v.double()) < tol
+    if ref.null_basis.shape[1]:
+        null = ref.null_basis @ torch.ones(ref.null_basis.shape[1], dtype=torch.float64)
+        fv = ief.fisher_vp(any_case.model, any_case.inputs, any_case.targets, null, loss=any_case.loss, method=method)
+        scale = float(ref.fisher.norm(2)) * float(null.norm())
+        assert float(fv.norm()) < 10 * tol * scale
+
+
+def test_fisher_vp_methods_agree(any_case):
+    """Forward-mode JVP and the double-backward trick of sec:app-eval-complexity compute the same product."""
+    (v,) = _randn(any_case, 1, seed=7)
+    a = ief.fisher_vp(any_case.model, any_case.inputs, any_case.targets, v, loss=any_case.loss, method="forward")
+    b = ief.fisher_vp(any_case.model, any_case.inputs, any_case.targets, v, loss=any_case.loss,
+                      method="double_backward")
+    assert _rel(a, b) < rtol(any_case.name)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fisher_vp_linear_symmetric_psd(any_case, method):
+    """F is a fixed symmetric PSD matrix: F(a u + b v) = a Fu + b Fv, u^T F v = v^T F u, v^T F v >= 0."""
+    tol = rtol(any_case.name)
+    u, v, w = _randn(any_case, 3, seed=3)
+
+    def fvp(x):
+        return ief.fisher_vp(any_case.model, any_case.inputs, any_case.targets, x, loss=any_case.loss,
+                             method=method).double()
+
+    fu, fv = fvp(u), fvp(v)
+    a, b = 2.5, -0.75
+    assert _rel(fvp(a * u + b * v), a * fu + b * fv) < tol
+    lhs, rhs = float(u.double() @ fv), float(v.double() @ fu)
+    assert abs(lhs - rhs) <= tol * float(u.double().norm() * fv.norm() + v.double().norm() * fu.norm())
+    for x in (u, v, w, u - v):
+        fx = fvp(x)
+        assert float(x.double() @ fx) >= -tol * float(x.double().norm() * fx.norm())
+    # strictly positive along the gradient, which lies in range(F)
+    g = reference(any_case.name).gradient.to(model_dtype(any_case))
+    assert float(g.double() @ fvp(g)) > 0
+
+
+def test_fisher_vp_params_subset_is_principal_submatrix():
+    """With ``params=`` (any order) the product is with the principal sub-block of F in that order."""
+    case = mlp_case()
+    ref = reference("mlp")
+    head = case.model[2]
+    n_w, n_b = head.weight.numel(), head.bias.numel()
+    total = num_params(case)
+    idx = torch.cat([torch.arange(total - n_b, total), torch.arange(total - n_b - n_w, total - n_b)])
+    v = torch.randn(n_w + n_b, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for method in METHODS:
+        fv = ief.fisher_vp(case.model, case.inputs, case.targets, v, params=[head.bias, head.weight], method=method)
+        assert _rel(fv, ref.fisher[idx][:, idx] @ v) < 1e-10
+
+
+def test_fisher_vp_float32_model():
+    """Results follow the model dtype (package conventions); a float32 model matches the float64 oracle to float32
+    accuracy."""
+    case = mlp_case()
+    ref = reference("mlp")
+    model32 = case.model.float()
+    (v,) = _randn(case, 1, seed=11)
+    for method in METHODS:
+        fv = ief.fisher_vp(model32, case.inputs.float(), case.targets, v.float(), method=method)
+        assert fv.dtype == torch.float32
+        assert _rel(fv, ref.fisher @ v.double()) < 1e-5
+    g32 = ief.gamma(model32, case.inputs.float(), case.targets, v.float())
+    assert g32 == pytest.approx(ref.gamma(v), rel=1e-5)
+
+
+def test_fisher_vp_mse_is_gauss_newton():
+    """loss="mse": F v = J_z^T J_z v with J_z the full logit Jacobian (sec:app-lls), computed here with
+    torch.func.jacrev independently of the oracle's Fisher."""
+    case = mse_case()
+    params = dict(case.model.named_parameters())
+    names = list(params)
+
+    def logits(*flat):
+        return torch.func.functional_call(case.model, dict(zip(names, flat)), (case.inputs,)).reshape(-1)
+
+    jz = torch.cat([j.reshape(j.shape[0], -1) for j in torch.func.jacrev(logits, argnums=tuple(range(len(names))))(
+        *params.values())], dim=1)  # [M*K, P]
+    assert jz.shape == (case.targets.numel(), num_params(case))
+    for v in _randn(case, 3, seed=2):
+        for method in METHODS:
+            fv = ief.fisher_vp(case.model, case.inputs, case.targets, v, loss="mse", method=method)
+            assert _rel(fv, jz.T @ (jz @ v)) < 1e-12
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor produced by any ATen op run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_P_by_P_matrix_is_formed():
+    """sec:app-eval-complexity / sec:app-eval-tradition: the products cost O(P) memory, never a P x P matrix.
+    Every ATen op output is inspected; none may have more than a few P entries (P^2 = 23 million here)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10)).double()
+    x, y = torch.randn(8, 64, dtype=torch.float64), torch.randint(0, 10, (8,))
+    p = sum(q.numel() for q in model.parameters())
+    v = torch.randn(p, dtype=torch.float64)
+    with _LargestTensor() as probe:  # the probe itself works: an outer product is seen
+        torch.outer(v, v)
+    assert probe.largest == p * p
+    for method in METHODS:
+        for call in (lambda: ief.fisher_vp(model, x, y, v, method=method),
+                     lambda: ief.gamma(model, x, y, v, method=method),
+                     lambda: ief.hessian_free(model, x, y, 3, method=method, return_gammas=True)):
+            with _LargestTensor() as probe:
+                call()
+            assert 0 < probe.largest <= 2 * p
+
+
+def test_fisher_vp_rejects_bad_input():
+    case = mlp_case()
+    p = num_params(case)
+    for bad in (torch.zeros(p - 1, dtype=torch.float64), torch.zeros(1, p, dtype=torch.float64)):
+        with pytest.raises(ValueError):
+            ief.fisher_vp(case.model, case.inputs, case.targets, bad)
+    with pytest.raises(ValueError):
+        ief.fisher_vp(case.model, case.inputs, case.targets, torch.zeros(p, dtype=torch.float64), method="nope")
+
+
+# ----------------------------------------------------------------------------------------------- gamma
+@pytest.mark.parametrize("method", METHODS)
+def test_gamma_matches_dense_oracle(any_case, method):
+    """gamma(d) = sqrt(d^T F d)/|d^T grad L| (sec:eval_framework, alg:eval) for the directions the paper compares
+    (SGD = gradient, iEF, EF, SF) and a random one, against the dense oracle F and gradient."""
+    ref = reference(any_case.name)
+    for name, d in directions(any_case).items():
+        got = ief.gamma(any_case.model, any_case.inputs, any_case.targets, d, loss=any_case.loss, method=method)
+        assert isinstance(got, float)
+        assert got == pytest.approx(ref.gamma(d), rel=rtol(any_case.name)), name
+        # the indicator can never beat the exact natural gradient (eqn:natural_gradient_alt)
+        assert got >= ref.gamma_star * (1 - rtol(any_case.name)), name
+
+
+def test_gamma_scale_and_sign_invariant(any_case):
+    """gamma is invariant to the scale and sign of d (sec:eval_framework: it rates a direction only)."""
+    for name, d in directions(any_case).items():
+        base = ief.gamma(any_case.model, any_case.inputs, any_case.targets, d, loss=any_case.loss)
+        scaled = ief.gamma(any_case.model, any_case.inputs, any_case.targets, -3.7 * d, loss=any_case.loss)
+        assert scaled == pytest.approx(base, rel=max(rtol(any_case.name), 1e-12)), name
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gamma_is_inf_for_a_direction_orthogonal_to_the_gradient(method):
+    """d^T grad L = 0 with d^T F d > 0 gives gamma = inf. Construction (exact in floating point): squared error
+    whose second output is fitted exactly (targets copied from the logits), d = the second output's bias. Then
+    J_z d = (0, 1) for every sample, the slope sum_n (z_n1 - y_n1) is exactly 0 and d^T F d = M."""
+    case = mse_case()
+    with torch.no_grad():
+        z = case.model(case.inputs)
+    targets = case.targets.clone()
+    targets[:, 1] = z[:, 1]
+    d = torch.zeros(num_params(case), dtype=torch.float64)
+    d[-1] = 1.0  # last parameter = bias of output 1
+    fd = ief.fisher_vp(case.model, case.inputs, targets, d, loss="mse", method=method)
+    assert float(d @ fd) == pytest.approx(case.targets.shape[0], rel=1e-12)
+    assert ief.gamma(case.model, case.inputs, targets, d, loss="mse", method=method) == math.inf
+
+
+def test_gamma_huge_for_numerically_orthogonal_direction(any_case):
+    """Projecting the gradient out of a random direction makes d^T grad L vanish up to rounding: gamma blows up
+    (or is inf), by many orders of magnitude above the gradient's own gamma."""
+    ref = reference(any_case.name)
+    g = ref.gradient
+    (r,) = _randn(any_case, 1, seed=13)
+    d = r.double() - (r.double() @ g) / (g @ g) * g
+    assert float(d @ ref.fisher @ d) > 0
+    got = ief.gamma(any_case.model, any_case.inputs, any_case.targets, d.to(model_dtype(any_case)), loss=any_case.loss)
+    base = ref.gamma(g)
+    assert got == math.inf or got > base / (1e3 * rtol(any_case.name))
+
+
+def test_gamma_rejects_zero_and_wrong_length_directions():
+    case = mlp_case()
+    p = num_params(case)
+    for zero in (torch.zeros(p, dtype=torch.float64), -torch.zeros(p, dtype=torch.float64)):
+        with pytest.raises(ValueError):
+            ief.gamma(case.model, case.inputs, case.targets, zero)
+        with pytest.raises(ValueError):
+            ief.gamma(case.model, case.inputs, case.targets, zero, method="double_backward")
+    for bad in (torch.ones(p - 1, dtype=torch.float64), torch.ones(p + 1, dtype=torch.float64),
+                torch.ones(1, p, dtype=torch.float64)):
+        with pytest.raises(ValueError):
+            ief.gamma(case.model, case.inputs, case.targets, bad)
+    nan = torch.ones(p, dtype=torch.float64)
+    nan[3] = float("nan")
+    with pytest.raises(ValueError):
+        ief.gamma(case.model, case.inputs, case.targets, nan)
+
+
+def test_gamma_under_inference_mode_is_not_silently_inf():
+    """``ief.gamma`` called under ``torch.inference_mode()`` (natural in an evaluation loop) must give the right value
+    or raise, never a silent ``inf``: under inference mode forward-mode AD drops tangents, so the package switches
+    inference mode off for its own passes."""
+    case = mlp_case()
+    ref = reference("mlp")
+    expected = ref.gamma(ref.gradient)
+    with torch.inference_mode():
+        got = ief.gamma(case.model, case.inputs, case.targets, ref.gradient.clone())
+    assert got == pytest.approx(expected, rel=1e-10), "gamma under inference_mode returned a wrong value"
+
+
+
+# ----------------------------------------------------------------------------------------------- train mode
+def _seeded(fn, seed: int = 1234):
+    torch.manual_seed(seed)
+    return fn()
+
+
+def _plain_gradient(case) -> torch.Tensor:
+    """grad L from an ordinary forward and backward (draws the dropout masks like a training step would)."""
+    params = [p for p in case.model.parameters() if p.requires_grad]
+    logits = case.model(**case.inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), case.targets.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
+
+
+def test_fisher_vp_train_mode_dropout():
+    """t5-lora in train() mode: LoRA dropout (p=0.1) is active.
+
+    Observed and documented (ief.model_call.ReplayableForward): each *call* draws fresh dropout masks from the
+    global RNG, as an ordinary forward would, so two successive ``fisher_vp`` calls at the same point differ (they
+    are products with two different Fishers). Within one call the masks are consistent: under the same RNG state
+    the product is reproducible bit for bit, identical for both methods (the dual forward draws the same mask as a
+    plain forward), and symmetric (it is the product with one well-defined F)."""
+    case = t5_lora_case()
+    case.model.train()
+    u, v = _randn(case, 2, seed=17)
+
+    def fvp(x, method="forward"):
+        return ief.fisher_vp(case.model, case.inputs, case.targets, x, method=method)
+
+    first, second = fvp(v), fvp(v)
+    assert _rel(first, second) > 1e-3  # new masks per call
+    a, b = _seeded(lambda: fvp(v)), _seeded(lambda: fvp(v))
+    assert torch.equal(a, b)
+    assert _rel(_seeded(lambda: fvp(v, "double_backward")), a) < 1e-6
+    fu = _seeded(lambda: fvp(u))
+    assert abs(float(u @ a) - float(v @ fu)) <= 1e-6 * float(u.norm() * a.norm() + v.norm() * fu.norm())
+    # the eval-mode product is a different matrix (dropout off)
+    case.model.eval()
+    assert _rel(fvp(v), a) > 1e-3
+
+
+def test_hessian_free_train_mode_replays_one_mask():
+    """In train mode hessian_free's products all replay one dropout mask (the one its gradient saw), so CG works on
+    one fixed F: its gammas never increase (sec:app-CG-gamma), its first iterate is the exact line search along
+    the plain-forward gradient of that mask, and the reported gamma of the final iterate is what ``ief.gamma``
+    computes from the same RNG state."""
+    case = t5_lora_case()
+    case.model.train()
+    res = _seeded(lambda: ief.hessian_free(case.model, case.inputs, case.targets, 12, return_gammas=True))
+    gammas = res.gammas
+    assert len(gammas) == 12
+    assert all(b <= a * (1 + 1e-6) for a, b in zip(gammas, gammas[1:])), gammas
+    assert gammas[-1] < 0.8 * gammas[0]
+    g = _seeded(lambda: _plain_gradient(case))
+    fg = _seeded(lambda: ief.fisher_vp(case.model, case.inputs, case.targets, g))
+    assert gammas[0] == pytest.approx(math.sqrt(float(g @ fg)) / float(g @ g), rel=1e-6)
+    one = _seeded(lambda: ief.hessian_free(case.model, case.inputs, case.targets, 1))
+    assert _rel(one, float(g @ g) / float(g @ fg) * g) < 1e-6
+    again = _seeded(lambda: ief.gamma(case.model, case.inputs, case.targets, res.solution))
+    assert again == pytest.approx(gammas[-1], rel=1e-6)

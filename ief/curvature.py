@@ -47,7 +47,9 @@ def logits_and_jvp(
     """``(z, J_z v)``: logits still attached to the autograd graph of ``params``, and their JVP (detached)."""
     if method not in JVP_METHODS:
         raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, JVP_METHODS))}")
-    with differentiable_attention(), torch.inference_mode(False):
+    # inference mode drops forward-mode tangents: leave it for these passes, keeping the caller's grad mode
+    grad_mode = torch.is_grad_enabled()
+    with differentiable_attention(), torch.inference_mode(False), torch.set_grad_enabled(grad_mode):
         if method == "forward":
             with forward_ad.dual_level():
                 duals = {n: forward_ad.make_dual(p, t) for n, p, t in zip(names, params, tangents)}

@@ -21,7 +21,7 @@ Conventions, followed by every function of the package:
   same random state, so dropout masks are identical across the passes a computation needs.
 """
 from . import optim
-from .curvature import fisher_vp, gamma
+from .curvature import FisherOperator, fisher_vp, gamma
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import CGResult, hessian_free
 from .jacobian import PerSample, PerSampleGradientMismatch, per_sample, sampled_jacobian
@@ -37,6 +37,7 @@ __all__ = [
     "ef_direction",
     "sf_direction",
     "fisher_vp",
+    "FisherOperator",
     "gamma",
     "hessian_free",
     "CGResult",

@@ -4,12 +4,17 @@ For softmax cross-entropy the Fisher equals the generalised Gauss-Newton matrix 
 
     F v = sum_n J_{z_n}^T H_n J_{z_n} v,   H_n = diag(p) - p p^T at every kept position of sample n,
 
-and for ``loss="mse"`` ``H_n = I``. ``J_z v`` is a Jacobian-vector product of the logits. By default it comes from
-forward-mode AD (dual numbers through ``torch.func.functional_call``), which yields the logits *and* ``J_z v`` in one
-forward; a reverse pass then gives ``J_z^T (H J_z v)``. So ``F v`` costs one dual forward and one backward, against
-the paper's 2 forward + 2 backward passes of the double-differentiation trick (available as
-``method="double_backward"``). ``gamma`` needs no backward at all: ``d^T F d`` and ``d^T grad L`` both follow from
-``J_z d``.
+and for ``loss="mse"`` ``H_n = I``. ``J_z v`` is a Jacobian-vector product of the logits, by one of two methods:
+
+- ``"double_backward"`` (default for products): the paper's double-differentiation trick. One forward, one
+  backward with ``create_graph`` giving ``u -> J_z^T u``, its derivative w.r.t. ``u`` giving ``J_z v``, and a final
+  backward for ``J_z^T (H J_z v)``. :class:`FisherOperator` keeps both graphs, so further products at the same point
+  cost two backward-type passes each.
+- ``"forward"``: forward-mode AD (dual numbers through ``torch.func.functional_call``), which yields the logits and
+  ``J_z v`` in one forward. It is the default for ``gamma``, which then needs no backward at all (``d^T F d`` and
+  ``d^T grad L`` both follow from ``J_z d``). For products it was measured slower than double backward
+  (``benchmarks/step.py``): when the primal must also be differentiated in reverse mode, PyTorch records the tangent
+  computation in the autograd graph too.
 
 Both methods run inside ``sdpa_kernel(SDPBackend.MATH)``: forward-mode AD has no rule for the fused CPU
 scaled-dot-product attention kernels, and double backward through them fails once a padding mask is passed.
@@ -67,6 +72,73 @@ def logits_and_jvp(
         return logits, jv.detach()
 
 
+class FisherOperator:
+    """The exact Fisher (= GGN) at one point, as a linear operator ``v -> F v`` that never forms ``P x P``.
+
+    Built once per point (model, batch); ``.gradient`` is the batch gradient from the same forward. With
+    ``method="double_backward"`` (default) the forward graph and the graph of ``u -> J_z^T u`` are built once and
+    every product costs two backward-type passes (``J_z v`` by differentiating ``J_z^T u`` w.r.t. ``u``, then
+    ``J_z^T (H J_z v)``), so repeated products (a CG solve) do not repeat the forward. With ``method="forward"``
+    every product is a fresh dual-number forward plus a backward, replaying the same dropout masks.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inputs: Inputs,
+        targets: torch.Tensor,
+        params: Iterable[torch.nn.Parameter] | None = None,
+        *,
+        loss: str | Loss = "cross_entropy",
+        method: str = "double_backward",
+    ):
+        if method not in JVP_METHODS:
+            raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, JVP_METHODS))}")
+        self.loss = get_loss(loss)
+        self.params = resolve_params(model, params)
+        self.names = param_names(model, self.params)
+        self.targets = targets
+        self.method = method
+        self._forward = ReplayableForward(model, inputs)
+        with _autograd_on():
+            self.logits = self._forward()
+            self.loss.check(self.logits, targets)
+            losses = self.loss.per_sample(self.logits, targets)
+            grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=True, allow_unused=True)
+            self.gradient = flatten(grads, self.params).detach()
+            if method == "double_backward":
+                self._probe = torch.zeros_like(self.logits, requires_grad=True)
+                vjp = torch.autograd.grad(self.logits, self.params, self._probe, create_graph=True, allow_unused=True)
+                self._vjp = [(k, g) for k, g in enumerate(vjp) if g is not None and g.requires_grad]
+
+    def matvec(self, vector: torch.Tensor) -> torch.Tensor:
+        """``F v``, ``[P]``."""
+        tangents = split_vector(vector, self.params)
+        with _autograd_on():
+            if self.method == "forward":
+                logits, jv = logits_and_jvp(self._forward, self.params, self.names, tangents, "forward")
+            else:
+                logits = self.logits
+                if self._vjp:
+                    (jv,) = torch.autograd.grad(
+                        [g for _, g in self._vjp], self._probe, [tangents[k] for k, _ in self._vjp], retain_graph=True
+                    )
+                else:
+                    jv = torch.zeros_like(logits)
+            hjv = self.loss.hessian_vp(logits.detach(), self.targets, jv.detach())
+            grads = torch.autograd.grad(logits, self.params, hjv, retain_graph=True, allow_unused=True)
+        return flatten(grads, self.params)
+
+    __matmul__ = matvec
+
+
+@contextlib.contextmanager
+def _autograd_on() -> Iterator[None]:
+    """Reverse-mode AD on, inference mode off, attention restricted to the MATH kernel (double backward needs it)."""
+    with differentiable_attention(), torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
 def fisher_vp(
     model: torch.nn.Module,
     inputs: Inputs,
@@ -75,36 +147,17 @@ def fisher_vp(
     params: Iterable[torch.nn.Parameter] | None = None,
     *,
     loss: str | Loss = "cross_entropy",
-    method: str = "forward",
+    method: str = "double_backward",
 ) -> torch.Tensor:
     """Exact Fisher (= GGN) times ``vector``, summed over samples and kept positions, ``[P]``.
 
-    One forward-mode pass for ``J_z v`` and one backward for ``J_z^T H J_z v`` (``sec:app-eval-complexity``).
+    ``F v = sum_n J_{z_n}^T H_n J_{z_n} v`` (``sec:app-eval-complexity``). ``method="double_backward"`` (default):
+    the double-differentiation trick, 1 forward + 3 backward-type passes; ``method="forward"``: a dual-number
+    forward for ``J_z v`` + 1 backward. The default is the one measured faster (``benchmarks/step.py``): PyTorch's
+    forward-mode AD also records the tangent computation in the autograd graph when the primal needs a backward.
+    For many products at one point, build a :class:`FisherOperator` once.
     """
-    loss_fn = get_loss(loss)
-    params = resolve_params(model, params)
-    tangents = split_vector(vector, params)
-    forward = ReplayableForward(model, inputs)
-    with torch.enable_grad():
-        return _fisher_vp_at(forward, params, param_names(model, params), tangents, loss_fn, targets, method)
-
-
-def _fisher_vp_at(forward, params, names, tangents, loss_fn: Loss, targets, method: str) -> torch.Tensor:
-    logits, jv = logits_and_jvp(forward, params, names, tangents, method)
-    loss_fn.check(logits, targets)
-    hjv = loss_fn.hessian_vp(logits.detach(), targets, jv)
-    with differentiable_attention():
-        grads = torch.autograd.grad(logits, params, hjv, allow_unused=True)
-    return flatten(grads, params)
-
-
-def gradient_at(forward: ReplayableForward, params: Sequence[torch.Tensor], loss_fn: Loss, targets) -> torch.Tensor:
-    """``grad L`` (flat, detached) from one forward and backward of ``forward``."""
-    with torch.enable_grad():
-        logits = forward()
-        loss_fn.check(logits, targets)
-        grads = torch.autograd.grad(loss_fn.per_sample(logits, targets).sum(), params, allow_unused=True)
-    return flatten(grads, params).detach()
+    return FisherOperator(model, inputs, targets, params, loss=loss, method=method).matvec(vector)
 
 
 def gamma(
@@ -121,6 +174,8 @@ def gamma(
 
     Smaller is a better approximation of the natural gradient direction; it is invariant to the scale and sign of
     ``d``. ``inf`` when ``d`` is orthogonal to the gradient. Raises ``ValueError`` for a zero direction.
+    The default ``method="forward"`` needs a single dual-number forward and no backward: ``d^T F d`` and
+    ``d^T grad L`` both follow from ``J_z d``.
     """
     loss_fn = get_loss(loss)
     params = resolve_params(model, params)

@@ -18,6 +18,7 @@ import math
 import torch
 
 from .losses import check_damping
+from .model_call import all_finite
 
 
 def _check_jacobian(jacobian: torch.Tensor, name: str = "jacobian") -> None:
@@ -26,7 +27,7 @@ def _check_jacobian(jacobian: torch.Tensor, name: str = "jacobian") -> None:
         raise ValueError(f"{name} must be a [M, P] tensor, got {shape}")
     if not jacobian.dtype.is_floating_point:
         raise ValueError(f"{name} must be floating point, got {jacobian.dtype}")
-    if not torch.isfinite(jacobian).all():
+    if not all_finite(jacobian):
         raise ValueError(f"{name} contains non-finite values")
 
 
@@ -50,7 +51,7 @@ def _column_chunks(jacobian: torch.Tensor, scale: float = 1.0):
 
 def max_abs(jacobian: torch.Tensor) -> float:
     """Largest magnitude in ``J``: the scale that keeps ``J J^T`` clear of float64 overflow and underflow."""
-    return float(jacobian.abs().max()) if jacobian.numel() else 0.0
+    return float(torch.linalg.vector_norm(jacobian, ord=math.inf)) if jacobian.numel() else 0.0
 
 
 def gram(jacobian: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

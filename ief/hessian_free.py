@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .curvature import _fisher_vp_at, gamma_from, gradient_at
-from .losses import Loss, get_loss
-from .model_call import Inputs, ReplayableForward, param_names, resolve_params, split_vector
+from .curvature import FisherOperator, gamma_from
+from .losses import Loss
+from .model_call import Inputs
 
 
 @dataclass
@@ -35,7 +35,7 @@ def hessian_free(
     loss: str | Loss = "cross_entropy",
     return_gammas: bool = False,
     tolerance: float = 0.0,
-    method: str = "forward",
+    method: str = "double_backward",
 ) -> torch.Tensor | CGResult:
     """Approximate natural-gradient direction ``F^{-1} grad L`` after ``iterations`` CG steps from ``x_0 = 0``.
 
@@ -43,22 +43,17 @@ def hessian_free(
     every iterate. Stops early when the residual norm falls to ``tolerance * ||grad L||``, or to rounding level
     (``100 eps ||grad L||`` in the model's dtype: past it CG iterates on noise, which leaks into the null space of
     the only positive semi-definite ``F`` with huge steps), or when the curvature along the search direction is at
-    rounding level of the largest curvature seen. Every Fisher product replays the same dropout masks, so the solve
-    sees one fixed matrix.
+    rounding level of the largest curvature seen. Every Fisher product sees the same dropout masks, so the solve
+    sees one fixed matrix; with the default ``method="double_backward"`` the forward graph is built once and reused
+    by every product (see :class:`ief.curvature.FisherOperator`).
     """
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
         raise ValueError(f"iterations must be an integer >= 0, got {iterations!r}")
     if not (tolerance >= 0):
         raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
-    loss_fn = get_loss(loss)
-    params = resolve_params(model, params)
-    names = param_names(model, params)
-    forward = ReplayableForward(model, inputs)
-    b = gradient_at(forward, params, loss_fn, targets)
-
-    @torch.enable_grad()
-    def fvp(v: torch.Tensor) -> torch.Tensor:
-        return _fisher_vp_at(forward, params, names, split_vector(v, params), loss_fn, targets, method)
+    fisher = FisherOperator(model, inputs, targets, params, loss=loss, method=method)
+    b = fisher.gradient
+    fvp = fisher.matvec
 
     b64 = b.to(torch.float64)
     x = torch.zeros_like(b64)

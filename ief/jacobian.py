@@ -28,7 +28,7 @@ import torch
 
 from .curvature import logits_and_jvp
 from .losses import Loss, get_loss, logit_sqnorm
-from .model_call import Inputs, ReplayableForward, batch_size, flatten, param_names, resolve_params
+from .model_call import Inputs, ReplayableForward, all_finite, batch_size, flatten, param_names, resolve_params
 
 
 class PerSampleGradientMismatch(RuntimeError):
@@ -162,15 +162,24 @@ class _Capture:
             for rec in calls:
                 rec[1] = None
 
-    def fill(self, jac: torch.Tensor) -> None:
-        """Write the hooked per-sample gradients into their column blocks of ``jac [M, P]``."""
+    def fill(self, jac: torch.Tensor) -> set[int]:
+        """Write the hooked per-sample gradients into their column blocks of ``jac [M, P]`` (uninitialised
+        memory: the first contribution to a block is copied, later ones added); returns the blocks written."""
+        written: set[int] = set()
         for k, (module, rule, owned) in enumerate(self.modules):
             for rec in self.records[k]:
                 if rec[1] is None:  # this call's output did not reach the loss
                     continue
                 for name, g in rule(module, rec[0], rec[1], owned).items():
                     i = owned[name]
-                    jac[:, self.offsets[i] : self.offsets[i + 1]] += g.reshape(jac.shape[0], -1).to(jac.dtype)
+                    block = jac[:, self.offsets[i] : self.offsets[i + 1]]
+                    g = g.reshape(jac.shape[0], -1)
+                    if i in written:
+                        block.add_(g)
+                    else:
+                        block.copy_(g)
+                        written.add(i)
+        return written
 
 
 # ----------------------------------------------------------------------------------------------------------- core
@@ -183,8 +192,11 @@ def _backward_jacobian(
     capture.clear_grads()
     grads = torch.autograd.grad(losses.sum(), params, retain_graph=retain_graph or bool(fallback), allow_unused=True)
     ref = params[0]
-    jac = torch.zeros(m, capture.offsets[-1], dtype=ref.dtype, device=ref.device)
-    capture.fill(jac)
+    jac = torch.empty(m, capture.offsets[-1], dtype=ref.dtype, device=ref.device)
+    written = capture.fill(jac)
+    for i in range(len(params)):
+        if i not in written:  # fallback blocks and hooked parameters the loss did not reach
+            jac[:, capture.offsets[i] : capture.offsets[i + 1]].zero_()
     for n in range(m):
         if not fallback:
             break
@@ -201,21 +213,27 @@ def _backward_jacobian(
 def check_rows_sum_to_gradient(
     jacobian: torch.Tensor, gradient: torch.Tensor, names: Sequence[str], sizes: Sequence[int]
 ) -> None:
-    """Raise :class:`PerSampleGradientMismatch` if ``sum_n J[n] != grad`` beyond rounding error."""
-    if not (torch.isfinite(jacobian).all() and torch.isfinite(gradient).all()):
+    """Raise :class:`PerSampleGradientMismatch` if ``sum_n J[n] != grad`` beyond rounding error, per parameter.
+
+    A parameter block fails when ``||sum_n J_n - g|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds
+    ``tol * sum_n ||J_n||``), ``tol = 50 sqrt(eps)``. Vectorised over blocks: no per-parameter loop, no J-sized
+    temporary.
+    """
+    if not (all_finite(jacobian) and all_finite(gradient)):
         return  # non-finite values are reported by the caller (FloatingPointError in the optimisers)
+    sizes_t = torch.tensor(list(sizes), device=jacobian.device)
+    block_of = torch.repeat_interleave(torch.arange(len(sizes), device=jacobian.device), sizes_t)  # [P]
+    diff_sq = (jacobian.sum(0) - gradient).square()
+    col_sq = torch.linalg.vector_norm(jacobian, dim=0).square()
+    err = torch.zeros(len(sizes), dtype=jacobian.dtype, device=jacobian.device).index_add_(0, block_of, diff_sq).sqrt()
+    fro = torch.zeros_like(err).index_add_(0, block_of, col_sq).sqrt()
     tol = 50 * math.sqrt(torch.finfo(jacobian.dtype).eps)
-    offsets = [0, *torch.tensor(list(sizes)).cumsum(0).tolist()]
-    bad = []
-    for name, lo, hi in zip(names, offsets[:-1], offsets[1:]):
-        block = jacobian[:, lo:hi]
-        err = (block.sum(0) - gradient[lo:hi]).norm()
-        scale = block.norm(dim=1).sum() + torch.finfo(jacobian.dtype).tiny
-        if err > tol * scale:
-            bad.append(f"{name} (relative error {float(err / scale):.2e})")
-    if bad:
+    scale = fro * math.sqrt(jacobian.shape[0]) + torch.finfo(jacobian.dtype).tiny
+    failing = torch.nonzero(err > tol * scale).flatten().tolist()
+    if failing:
+        bad = [f"{names[k]} (relative error {float(err[k] / scale[k]):.2e})" for k in failing[:5]]
         raise PerSampleGradientMismatch(
-            "per-sample gradients do not sum to the batch gradient for: " + ", ".join(bad[:5])
+            "per-sample gradients do not sum to the batch gradient for: " + ", ".join(bad)
             + ". A parameter is used outside the module that owns it (e.g. tied weights) where the per-sample hooks "
             "cannot see it; pass params= to leave it out, or check=False to skip this guard if you know the rows "
             "are right."
@@ -285,7 +303,7 @@ class _HookedForward:
         return losses.detach(), jac, gradient
 
     def _check_directional_derivatives(self, jac: torch.Tensor, targets: torch.Tensor) -> None:
-        if not torch.isfinite(jac).all():
+        if not all_finite(jac):
             return
         gen = torch.Generator().manual_seed(0)
         tangents = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p) for p in self.params]

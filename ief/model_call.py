@@ -67,6 +67,13 @@ def flatten(tensors: Iterable[torch.Tensor | None], params: Sequence[torch.Tenso
     return torch.cat([(torch.zeros_like(p) if t is None else t).reshape(-1) for t, p in zip(tensors, params)])
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every entry is finite, via one reduction (no tensor-sized temporary unless the sum is not finite)."""
+    if bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())  # the sum may overflow although every entry is finite
+
+
 def extract_logits(output: Any) -> torch.Tensor:
     """``output.logits`` if present, ``output[0]`` for tuples, else the output itself."""
     logits = getattr(output, "logits", None)

@@ -407,3 +407,25 @@ def test_mse_shape_mismatch():
         ief.per_sample(c.model, c.inputs, torch.zeros(5, 3, dtype=torch.float64), loss="mse")
     with pytest.raises(ValueError, match="dtype"):
         ief.per_sample(c.model, c.inputs, torch.zeros(5, 2, dtype=torch.long), loss="mse")
+
+
+class _TiedEmbedding(torch.nn.Module):
+    """Input embedding whose weight is also the output projection (tied weights, as in many language models): the
+    hooked ``nn.Embedding`` sees only its own use of the weight, not the ``F.linear`` one."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(7, 4)
+
+    def forward(self, tokens):
+        return torch.nn.functional.linear(torch.tanh(self.embed(tokens)), self.embed.weight)
+
+
+def test_tied_weight_used_outside_its_module_raises_mismatch():
+    """The cheap guard's purpose: rows that miss part of a parameter's use do not sum to the batch gradient."""
+    torch.manual_seed(0)
+    model = _TiedEmbedding().double()
+    tokens = torch.randint(0, 7, (5, 3))
+    targets = torch.randint(0, 7, (5, 3))
+    with pytest.raises(ief.PerSampleGradientMismatch, match="embed.weight"):
+        ief.per_sample(model, tokens, targets)

@@ -30,7 +30,7 @@ import torch
 from ..directions import ef_direction, ief_direction, sf_direction
 from ..jacobian import gradient_and_sampled_jacobian, per_sample
 from ..losses import Loss, check_damping
-from ..model_call import Inputs, resolve_params, split_vector
+from ..model_call import Inputs, all_finite, resolve_params, split_vector
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -133,7 +133,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         return result
 
     def _raise_if_nonfinite(self, losses: torch.Tensor, jacobian: torch.Tensor) -> None:
-        if not (torch.isfinite(losses).all() and torch.isfinite(jacobian).all()):
+        if not (all_finite(losses) and all_finite(jacobian)):
             raise FloatingPointError(
                 f"step {self.steps_taken}: non-finite loss or per-sample gradients; parameters left unchanged"
             )

@@ -18,7 +18,7 @@ import math
 import torch
 
 from .losses import check_damping
-from .model_call import all_finite
+from .model_call import all_finite, column_chunks
 
 
 def _check_jacobian(jacobian: torch.Tensor, name: str = "jacobian") -> None:
@@ -39,19 +39,27 @@ def _check_vector(v: torch.Tensor, size: int, name: str, what: str) -> None:
         raise ValueError(f"{name} contains non-finite values")
 
 
-_CHUNK = 1 << 16  # columns of J converted to float64 at a time: bounds the extra memory to M * 65536 * 8 bytes
-
-
 def _column_chunks(jacobian: torch.Tensor, scale: float = 1.0):
     """Column blocks of ``J / scale`` in float64."""
-    for lo in range(0, jacobian.shape[1], _CHUNK):
-        block = jacobian[:, lo : lo + _CHUNK].to(torch.float64)
-        yield lo, block / scale if scale != 1.0 else block
+    for lo, block in column_chunks(jacobian):
+        if scale == 1.0:
+            yield lo, block.to(torch.float64)
+        else:  # a private copy (``to`` returns the caller's tensor itself when it is already float64)
+            yield lo, block.to(torch.float64, copy=True).div_(scale)
 
 
 def max_abs(jacobian: torch.Tensor) -> float:
     """Largest magnitude in ``J``: the scale that keeps ``J J^T`` clear of float64 overflow and underflow."""
-    return float(torch.linalg.vector_norm(jacobian, ord=math.inf)) if jacobian.numel() else 0.0
+    if not jacobian.numel():
+        return 0.0
+    extremes = [torch.stack([block.max(), -block.min()]).max() for _, block in column_chunks(jacobian)]
+    return float(torch.stack(extremes).max())
+
+
+def gram_scale(jacobian: torch.Tensor) -> float:
+    """1, or ``max|J|`` when ``J J^T`` would overflow or underflow float64 (entries beyond ~1e+-100)."""
+    c = max_abs(jacobian)
+    return 1.0 if 1e-100 <= c <= 1e100 else c
 
 
 def gram(jacobian: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -112,10 +120,10 @@ def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float) -> 
 def _woodbury(jacobian: torch.Tensor, weights: torch.Tensor, damping: float, what: str) -> torch.Tensor:
     """``J^T (J J^T + lambda I)^{-1} weights`` in the Jacobian's dtype.
 
-    Computed on ``J' = J / c`` with ``c = max|J|`` (so the Gram matrix neither overflows nor underflows):
-    ``J^T (J J^T + lambda I)^{-1} w = (1/c) J'^T (J' J'^T + lambda/c^2 I)^{-1} w``.
+    Computed on ``J' = J / c`` with ``c = max|J|`` where the Gram matrix would otherwise overflow or underflow
+    (``c = 1`` in the ordinary range): ``J^T (J J^T + lambda I)^{-1} w = (1/c) J'^T (J' J'^T + lambda/c^2 I)^{-1} w``.
     """
-    c = max_abs(jacobian)
+    c = gram_scale(jacobian)
     if c == 0.0:
         return torch.zeros(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
     weights = weights.to(torch.float64)
@@ -158,7 +166,7 @@ def sf_direction(sampled_jacobian: torch.Tensor, grad: torch.Tensor, damping: fl
     damping = check_damping(damping, allow_zero=False)
     # With A' = A / c: (A^T A + lambda I)^{-1} g = (1/lambda) [g - A'^T (A' A'^T + lambda/c^2 I)^{-1} A' g].
     a, g = sampled_jacobian, grad.to(torch.float64)
-    c = max_abs(a)
+    c = gram_scale(a)
     scaled_damping = damping / c / c if c > 0 else math.inf
     direction = g.clone()
     if not math.isinf(scaled_damping):

@@ -28,7 +28,16 @@ import torch
 
 from .curvature import logits_and_jvp
 from .losses import Loss, get_loss, logit_sqnorm
-from .model_call import Inputs, ReplayableForward, all_finite, batch_size, flatten, param_names, resolve_params
+from .model_call import (
+    Inputs,
+    ReplayableForward,
+    all_finite,
+    batch_size,
+    column_chunks,
+    flatten,
+    param_names,
+    resolve_params,
+)
 
 
 class PerSampleGradientMismatch(RuntimeError):
@@ -50,42 +59,48 @@ class PerSample:
 
 
 # --------------------------------------------------------------------------------------------------- hooked layers
-def _linear_grads(module: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor, wanted) -> dict[str, torch.Tensor]:
-    m = a.shape[0]
-    a = a.reshape(m, -1, a.shape[-1])  # [M, T, in]
-    g = g.reshape(m, -1, g.shape[-1])  # [M, T, out]
-    out = {}
-    if "weight" in wanted:
-        out["weight"] = torch.bmm(g.transpose(1, 2), a.to(g.dtype))  # [M, out, in]
-    if "bias" in wanted:
-        out["bias"] = g.sum(dim=1)
-    return out
+# Each rule writes the per-sample gradients of one module call into ``dests`` (name -> ``[M, numel]`` column block of
+# J, a strided view), copying on the first call of the module and adding on later calls (``accumulate``).
+def _write(dest: torch.Tensor, value: torch.Tensor, accumulate: bool) -> None:
+    value = value.reshape(dest.shape)
+    dest.add_(value) if accumulate else dest.copy_(value)
 
 
-def _embedding_grads(module: torch.nn.Embedding, idx: torch.Tensor, g: torch.Tensor, wanted) -> dict[str, torch.Tensor]:
+def _linear_grads(module: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
+    m, dtype = a.shape[0], next(iter(dests.values())).dtype
+    a = a.reshape(m, -1, a.shape[-1]).to(dtype)  # [M, T, in]
+    g = g.reshape(m, -1, g.shape[-1]).to(dtype)  # [M, T, out]
+    if "weight" in dests:  # sum_t g_t a_t^T, written in place: no J-sized temporary
+        block = dests["weight"].unflatten(1, (g.shape[-1], a.shape[-1]))  # [M, out, in]
+        block.baddbmm_(g.transpose(1, 2), a, beta=1 if accumulate else 0)
+    if "bias" in dests:
+        _write(dests["bias"], g.sum(dim=1), accumulate)
+
+
+def _embedding_grads(module: torch.nn.Embedding, idx: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
+    dest = dests["weight"]
     m, dim = idx.shape[0], g.shape[-1]
     idx = idx.reshape(m, -1)  # [M, T]
-    g = g.reshape(m, -1, dim)  # [M, T, D]
+    g = g.reshape(m, -1, dim).to(dest.dtype)  # [M, T, D]
     if module.padding_idx is not None:
         g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
-    grad = torch.zeros(m, module.num_embeddings, dim, dtype=g.dtype, device=g.device)
-    grad.scatter_add_(1, idx.unsqueeze(-1).expand(-1, -1, dim), g)
-    return {"weight": grad}
+    block = dest.unflatten(1, (module.num_embeddings, dim))  # [M, V, D]
+    if not accumulate:
+        block.zero_()
+    block.scatter_add_(1, idx.unsqueeze(-1).expand(-1, -1, dim), g)
 
 
-def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, wanted) -> dict[str, torch.Tensor]:
+def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
     m, dims = x.shape[0], tuple(range(-len(module.normalized_shape), 0))
     x = x.to(g.dtype)
     mean = x.mean(dim=dims, keepdim=True)
     var = x.var(dim=dims, unbiased=False, keepdim=True)
     x_hat = (x - mean) / torch.sqrt(var + module.eps)
     shape = (m, -1, *module.normalized_shape)
-    out = {}
-    if "weight" in wanted:
-        out["weight"] = (g * x_hat).reshape(shape).sum(dim=1)
-    if "bias" in wanted:
-        out["bias"] = g.reshape(shape).sum(dim=1)
-    return out
+    if "weight" in dests:
+        _write(dests["weight"], (g * x_hat).reshape(shape).sum(dim=1), accumulate)
+    if "bias" in dests:
+        _write(dests["bias"], g.reshape(shape).sum(dim=1), accumulate)
 
 
 def _hook_rule(module: torch.nn.Module) -> Callable | None:
@@ -164,27 +179,28 @@ class _Capture:
 
     def fill(self, jac: torch.Tensor) -> set[int]:
         """Write the hooked per-sample gradients into their column blocks of ``jac [M, P]`` (uninitialised
-        memory: the first contribution to a block is copied, later ones added); returns the blocks written."""
+        memory: a module's first call writes its blocks, later calls add); returns the parameter indices written."""
         written: set[int] = set()
         for k, (module, rule, owned) in enumerate(self.modules):
+            dests = {name: jac[:, self.offsets[i] : self.offsets[i + 1]] for name, i in owned.items()}
+            accumulate = False
             for rec in self.records[k]:
                 if rec[1] is None:  # this call's output did not reach the loss
                     continue
-                for name, g in rule(module, rec[0], rec[1], owned).items():
-                    i = owned[name]
-                    block = jac[:, self.offsets[i] : self.offsets[i + 1]]
-                    g = g.reshape(jac.shape[0], -1)
-                    if i in written:
-                        block.add_(g)
-                    else:
-                        block.copy_(g)
-                        written.add(i)
+                rule(module, rec[0], rec[1], dests, accumulate)
+                accumulate = True
+            if accumulate:
+                written.update(owned.values())
         return written
 
 
 # ----------------------------------------------------------------------------------------------------------- core
 def _backward_jacobian(
-    capture: _Capture, losses: torch.Tensor, params: Sequence[torch.Tensor], retain_graph: bool
+    capture: _Capture,
+    losses: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    retain_graph: bool,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One backward of ``sum(losses)`` through the hooks (plus the loop for unhooked parameters): ``(J, grad)``."""
     m = losses.shape[0]
@@ -192,7 +208,11 @@ def _backward_jacobian(
     capture.clear_grads()
     grads = torch.autograd.grad(losses.sum(), params, retain_graph=retain_graph or bool(fallback), allow_unused=True)
     ref = params[0]
-    jac = torch.empty(m, capture.offsets[-1], dtype=ref.dtype, device=ref.device)
+    shape = (m, capture.offsets[-1])
+    if out is not None and tuple(out.shape) == shape and out.dtype == ref.dtype and out.device == ref.device:
+        jac = out  # a reused buffer: its pages are already mapped (a fresh J-sized allocation page-faults)
+    else:
+        jac = torch.empty(shape, dtype=ref.dtype, device=ref.device)
     written = capture.fill(jac)
     for i in range(len(params)):
         if i not in written:  # fallback blocks and hooked parameters the loss did not reach
@@ -224,7 +244,9 @@ def check_rows_sum_to_gradient(
     sizes_t = torch.tensor(list(sizes), device=jacobian.device)
     block_of = torch.repeat_interleave(torch.arange(len(sizes), device=jacobian.device), sizes_t)  # [P]
     diff_sq = (jacobian.sum(0) - gradient).square()
-    col_sq = torch.linalg.vector_norm(jacobian, dim=0).square()
+    col_sq = torch.empty_like(gradient)
+    for lo, block in column_chunks(jacobian):
+        col_sq[lo : lo + block.shape[1]] = block.square().sum(0)
     err = torch.zeros(len(sizes), dtype=jacobian.dtype, device=jacobian.device).index_add_(0, block_of, diff_sq).sqrt()
     fro = torch.zeros_like(err).index_add_(0, block_of, col_sq).sqrt()
     tol = 50 * math.sqrt(torch.finfo(jacobian.dtype).eps)
@@ -291,11 +313,13 @@ class _HookedForward:
         self.targets = targets
         self.names = param_names(model, self.params) if self.mode is not None else None
 
-    def jacobian(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def jacobian(
+        self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(losses, J, grad)`` for the given targets."""
         with torch.enable_grad():
             losses = self.loss.per_sample(self.logits, targets)
-            jac, gradient = _backward_jacobian(self.capture, losses, self.params, retain_graph)
+            jac, gradient = _backward_jacobian(self.capture, losses, self.params, retain_graph, out)
         if self.mode is not None:
             check_rows_sum_to_gradient(jac, gradient, self.names, self.capture.sizes)
         if self.mode == "exact":
@@ -346,6 +370,7 @@ def per_sample(
     *,
     loss: str | Loss = "cross_entropy",
     check: bool | str = True,
+    out: torch.Tensor | None = None,
 ) -> PerSample:
     """Per-sample losses, Jacobian ``grad_theta l`` and ``s_iEF`` from one forward and one backward.
 
@@ -359,9 +384,11 @@ def per_sample(
         check: ``True`` (default, cheap): refuse batch norm with batch statistics and verify that the rows of ``J``
             sum to the batch gradient; ``"exact"``: also compare ``J v`` with exact per-sample directional
             derivatives (one extra forward-mode pass); ``False``: no guard.
+        out: optional ``[M, P]`` buffer of the parameters' dtype and device to write ``J`` into (overwritten; used
+            when its shape matches). The optimisers reuse one across steps.
     """
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
-    losses, jac, gradient = fwd.jacobian(targets)
+    losses, jac, gradient = fwd.jacobian(targets, out=out)
     return PerSample(losses=losses, jacobian=jac, logit_sqnorm=fwd.logit_sqnorm(targets), gradient=gradient)
 
 

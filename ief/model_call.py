@@ -67,6 +67,16 @@ def flatten(tensors: Iterable[torch.Tensor | None], params: Sequence[torch.Tenso
     return torch.cat([(torch.zeros_like(p) if t is None else t).reshape(-1) for t, p in zip(tensors, params)])
 
 
+COLUMN_CHUNK = 1 << 16  # columns of an [M, P] matrix processed at a time by column-wise reductions
+
+
+def column_chunks(matrix: torch.Tensor, chunk: int = COLUMN_CHUNK):
+    """``(start, matrix[:, start:start+chunk])`` blocks: column-wise reductions over a row-major ``[M, P]`` matrix are
+    far faster by blocks (a dim-0 reduction over all of it is strided, and a temporary of its size page-faults)."""
+    for lo in range(0, matrix.shape[1], chunk):
+        yield lo, matrix[:, lo : lo + chunk]
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every entry is finite, via one reduction (no tensor-sized temporary unless the sum is not finite)."""
     if bool(torch.isfinite(tensor.sum())):

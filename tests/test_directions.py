@@ -349,3 +349,20 @@ def test_ef_inverse_scaling_at_extreme_magnitudes(scale):
     assert torch.isfinite(got).all()
     # compare scale * d_EF(c J) with d_EF(J): the norm of a vector of 1e200 entries would itself overflow
     assert_rel(got * scale, ief.ef_direction(j, 0.0), what=f"EF at scale {scale}")
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-200, 1e160], ids=["1", "1e-200", "1e160"])
+def test_directions_leave_their_inputs_untouched(scale):
+    """The float64 Gram path must never rescale the caller's Jacobian in place (``Tensor.to`` returns the same
+    tensor when it already is float64)."""
+    j = random_jacobian() * scale
+    s = torch.rand(j.shape[0], dtype=torch.float64) + 0.1
+    g = torch.randn(j.shape[1], dtype=torch.float64)
+    j0, s0, g0 = j.clone(), s.clone(), g.clone()
+    ief.ief_direction(j, s, 1e-3)
+    ief.ef_direction(j, 0.0)
+    try:
+        ief.sf_direction(j, g, 1e-3)
+    except FloatingPointError:
+        pass  # 1/lambda times a 1e160-scale gradient component may not be representable; inputs still untouched
+    assert torch.equal(j, j0) and torch.equal(s, s0) and torch.equal(g, g0)

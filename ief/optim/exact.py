@@ -74,6 +74,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         self.loss = loss
         self.check = check
         self.last_update_norm: float | None = None
+        self._buffer: torch.Tensor | None = None
         self.last_losses: torch.Tensor | None = None
 
     @property
@@ -128,7 +129,10 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         return self.check
 
     def _per_sample(self, inputs: Inputs, targets: torch.Tensor, group: dict):
-        result = per_sample(self.model, inputs, targets, group["params"], loss=self.loss, check=self._check_now())
+        result = per_sample(
+            self.model, inputs, targets, group["params"], loss=self.loss, check=self._check_now(), out=self._buffer
+        )
+        self._buffer = result.jacobian  # reused next step (same batch size): no fresh J-sized allocation
         self._raise_if_nonfinite(result.losses, result.jacobian)
         return result
 

@@ -4,6 +4,7 @@
 SHELL := /bin/bash
 VENV ?= .venv
 SCALE ?= cpu
+CHROMIUM ?= /usr/bin/chromium
 
 ifeq ($(origin PYTHON), undefined)
 PYTHON := $(VENV)/bin/python
@@ -12,10 +13,10 @@ else
 ENV_READY :=
 endif
 
-.PHONY: help env test test-fast book bench clean
+.PHONY: help env test book bench clean
 
 help:
-	@echo "make book    build the book (SCALE=cpu|smoke|full, default cpu)"
+	@echo "make book    execute the notebooks (SCALE=cpu|smoke|full, default cpu) and build the book in _build/html"
 	@echo "make test    run the test suite"
 	@echo "make bench   print speed ratios (benchmarks/, not part of the tests)"
 	@echo "make env     create .venv/ with the pinned CPU install"
@@ -30,15 +31,18 @@ $(VENV)/.installed: pyproject.toml requirements/ci.txt requirements/no-deps.txt
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
-test: $(ENV_READY)
+# The test command: build the book at smoke scale (into _build/smoke, leaving a reader's _build/html alone), then
+# run the whole suite, including the browser test of that book.
+test: $(ENV_READY) $(CHROMIUM)
+	$(PYTHON) -m tools.book --scale smoke --output _build/smoke
 	$(PYTHON) -m pytest tests
 
+$(CHROMIUM):
+	@echo "==> installing Debian's chromium for the browser test (needs root: otherwise install it yourself)"
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
 book: $(ENV_READY)
-	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
-		echo "book build lands with the book issue; notebooks found: $$(ls notebooks/*.ipynb | tr '\n' ' ')"; \
-	else \
-		echo "no notebooks yet: nothing to build (SCALE=$(SCALE))"; \
-	fi
+	$(PYTHON) -m tools.book --scale $(SCALE)
 
 bench: $(ENV_READY)
 	$(PYTHON) -m benchmarks.step

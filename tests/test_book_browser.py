@@ -1,0 +1,152 @@
+"""The built smoke-scale book, opened in a real browser (Debian's Chromium driven by Playwright).
+
+Run alone with ``pytest -m browser``. The book is built by ``make test`` (``python -m tools.book --scale smoke
+--output _build/smoke``); if it is missing, the fixture builds it. Served from a loopback HTTP server (fonts and
+MathJax components load as they would for a reader). For every page: no console error, every ``<img>`` decoded
+(non-zero natural width), every internal link resolves to a file, math typeset by MathJax where the page has math,
+and the navigation lists every chapter of ``_toc.yml``. Screenshots of the introduction and of a figure chapter are
+saved under ``_build/screenshots/``.
+"""
+from __future__ import annotations
+
+import functools
+import http.server
+import shutil
+import threading
+from pathlib import Path
+from urllib.parse import unquote, urljoin, urlparse
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "_build" / "smoke"
+HTML = BOOK / "_build" / "html"
+SCREENSHOTS = ROOT / "_build" / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+pytestmark = pytest.mark.browser
+
+
+def toc_files() -> list[str]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for part in toc.get("parts", []):
+        files += [c["file"] for c in part.get("chapters", [])]
+    files += [c["file"] for c in toc.get("chapters", [])]
+    return files
+
+
+@pytest.fixture(scope="module")
+def book() -> Path:
+    if not (HTML / "index.html").exists():
+        from tools.book import main
+
+        assert main(["--scale", "smoke", "--output", str(BOOK)]) == 0, "building the smoke book failed"
+    return HTML
+
+
+@pytest.fixture(scope="module")
+def server(book):
+    handler = functools.partial(_QuietHandler, directory=str(book))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    httpd.shutdown()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"Chromium not found at {CHROMIUM}: install Debian's package (apt-get install chromium); "
+                    "`make test` does this")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--disable-quic"],
+        )
+        yield b
+        b.close()
+
+
+def pages(html: Path) -> list[str]:
+    return sorted(str(p.relative_to(html)) for p in html.rglob("*.html") if "_static" not in p.parts)
+
+
+def test_every_page_loads_cleanly(book, server, browser):
+    html = book
+    all_pages = pages(html)
+    assert any(p.startswith("book/") for p in all_pages), all_pages
+    problems: list[str] = []
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    for rel in all_pages:
+        errors.clear()
+        url = urljoin(server, rel)
+        page.goto(url, wait_until="networkidle")  # index.html redirects to the root chapter
+        has_math = page.evaluate("document.querySelectorAll('.math, span.math, div.math').length") > 0
+        if has_math:
+            try:
+                page.wait_for_selector("mjx-container", timeout=15000)
+            except Exception:  # noqa: BLE001 - reported below
+                problems.append(f"{rel}: math present but not typeset by MathJax")
+        base = page.url  # after the redirect of index.html
+        broken_images = page.evaluate(
+            "Array.from(document.images).filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src)"
+        )
+        problems += [f"{rel}: image not rendered: {src}" for src in broken_images]
+        for href in page.evaluate("Array.from(document.querySelectorAll('a[href]')).map(a => a.getAttribute('href'))"):
+            target = urlparse(urljoin(base, href))
+            if target.scheme not in ("http", "https") or target.netloc != urlparse(server).netloc:
+                continue  # external links are allowed in prose (the book loads nothing from them)
+            path = html / unquote(target.path).lstrip("/")
+            if path.is_dir():
+                path = path / "index.html"
+            if not path.exists():
+                problems.append(f"{rel}: internal link {href!r} does not resolve")
+        problems += [f"{rel}: console error: {e}" for e in errors]
+    page.close()
+    assert not problems, "\n".join(problems)
+
+
+def test_nothing_is_loaded_from_the_internet(book, server, browser):
+    page = browser.new_page()
+    remote: list[str] = []
+    page.on("request", lambda req: remote.append(req.url) if not req.url.startswith(server) else None)
+    for rel in pages(book):
+        page.goto(urljoin(server, rel), wait_until="networkidle")
+    page.close()
+    assert not [u for u in remote if not u.startswith("data:")], remote
+
+
+def test_navigation_lists_every_chapter_and_screenshots(book, server, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    files = toc_files()
+    for current in (files[0], files[-1]):  # on each page, the other pages are links in the navigation
+        page.goto(urljoin(server, current + ".html"), wait_until="networkidle")
+        nav = page.evaluate("Array.from(document.querySelectorAll('.bd-sidebar-primary a[href]')).map(a => a.href)")
+        missing = [f for f in files if f != current and not any(h.split("#")[0].endswith(f + ".html") for h in nav)]
+        assert not missing, f"chapters missing from the navigation of {current}: {missing}"
+    page.goto(urljoin(server, files[0] + ".html"), wait_until="networkidle")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "intro.png"), full_page=False)
+    figure_pages = [f for f in toc_files() if f.startswith("book/generated/")]
+    if figure_pages:
+        page.goto(urljoin(server, figure_pages[0] + ".html"), wait_until="networkidle")
+        page.wait_for_selector("img", timeout=15000)
+        page.locator("img").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOTS / "figure-chapter.png"), full_page=False)
+        assert (SCREENSHOTS / "figure-chapter.png").stat().st_size > 10_000
+    page.close()
+    assert (SCREENSHOTS / "intro.png").stat().st_size > 10_000

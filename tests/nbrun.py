@@ -8,8 +8,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_notebook(name: str, out_dir: Path, timeout: int = 600, **parameters):
+def run_notebook(name: str, out_dir: Path, /, timeout: int = 600, **parameters):
     """Run ``notebooks/<name>`` with ``parameters`` into ``out_dir``; raises if a cell fails.
+
+    ``name`` and ``out_dir`` are positional-only, so a notebook parameter may itself be called ``out_dir``.
 
     The kernel is this interpreter's (ipykernel), with the repository on ``PYTHONPATH``.
     """

@@ -98,7 +98,7 @@ def test_every_page_loads_cleanly(book, server, browser):
         has_math = page.evaluate("document.querySelectorAll('.math, span.math, div.math').length") > 0
         if has_math:
             try:
-                page.wait_for_selector("mjx-container", timeout=15000)
+                page.wait_for_selector("mjx-container", state="attached", timeout=15000)
             except Exception:  # noqa: BLE001 - reported below
                 problems.append(f"{rel}: math present but not typeset by MathJax")
         base = page.url  # after the redirect of index.html

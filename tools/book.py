@@ -155,6 +155,24 @@ def publish(executed: Path, provenance: dict) -> Path:
     return target
 
 
+def timings_table() -> str:
+    """Markdown table of recorded execution times: one row per notebook, one column per scale."""
+    rows = []
+    for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
+        cells = []
+        for scale in SCALES:
+            record = ROOT / "_build" / "executed" / scale / f"{notebook.stem}.provenance.json"
+            if record.exists():
+                cells.append(f"{json.loads(record.read_text())['wall_time_s']:.0f} s")
+            else:
+                cells.append("not run here")
+        rows.append(f"| `{notebook.name}` | " + " | ".join(cells) + " |")
+    if not rows:
+        return "No notebooks yet.\n"
+    header = "| notebook | " + " | ".join(SCALES) + " |\n| --- |" + " ---: |" * len(SCALES) + "\n"
+    return header + "\n".join(rows) + "\n"
+
+
 def mathjax() -> None:
     """MathJax 3 from the npm registry into _build/vendor/mathjax (served from the book's _static, no CDN)."""
     target = VENDOR / "mathjax" / "mathjax" / "es5" / "tex-chtml-full.js"
@@ -198,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"scale={args.scale}: {len(notebooks)} notebooks")
     summary = []
     shutil.rmtree(GENERATED, ignore_errors=True)
+    GENERATED.mkdir(parents=True)
     for notebook in notebooks:
         try:
             executed, provenance = execute(notebook, args.scale)
@@ -206,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         publish(executed, provenance)
         summary.append((notebook.name, provenance["wall_time_s"]))
+    (GENERATED / "timings.md").write_text(timings_table())
     mathjax()
     try:
         index = jupyter_book(args.output.resolve() if args.output else None)

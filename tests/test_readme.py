@@ -7,6 +7,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def test_readme_example_is_the_shipped_example():
+    """One example, shown in the README and included in the book's API page from examples/quickstart.py."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    shipped = (ROOT / "examples" / "quickstart.py").read_text().split("\n", 1)[1]
+    assert blocks and blocks[0] == shipped
+
+
 def test_readme_example_runs_and_trains():
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)

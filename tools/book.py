@@ -81,11 +81,28 @@ class NotebookFailed(RuntimeError):
     pass
 
 
-def execute(notebook: Path, scale: str) -> tuple[Path, dict]:
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _source_cell(executed: Path, executed_index: int) -> tuple[int, str]:
+    """Index in the source notebook (papermill inserts an injected-parameters cell) and the cell's first line."""
+    import nbformat
+
+    cells = nbformat.read(executed, as_version=4).cells
+    injected = sum("injected-parameters" in c.metadata.get("tags", []) for c in cells[:executed_index])
+    lines = cells[executed_index].source.strip().splitlines() if executed_index < len(cells) else []
+    return executed_index - injected, lines[0] if lines else ""
+
+
+def execute(notebook: Path, scale: str, executed_root: Path | None = None) -> tuple[Path, dict]:
     """Run one notebook (or reuse its executed copy); returns the executed path and its provenance."""
     import papermill
 
-    out_dir = ROOT / "_build" / "executed" / scale
+    out_dir = (executed_root or ROOT / "_build" / "executed") / scale
     out_dir.mkdir(parents=True, exist_ok=True)
     executed = out_dir / notebook.name
     record = executed.with_suffix(".provenance.json")
@@ -106,15 +123,15 @@ def execute(notebook: Path, scale: str) -> tuple[Path, dict]:
         papermill.execute_notebook(str(notebook), str(partial), parameters=parameters, kernel_name="python3",
                                    cwd=str(ROOT), progress_bar=False)
     except papermill.PapermillExecutionError as err:
+        index, first_line = _source_cell(partial, err.cell_index)
         raise NotebookFailed(
-            f"notebook {notebook.relative_to(ROOT)} failed in cell {err.exec_count} "
-            f"(cell index {err.cell_index}): {err.ename}: {err.evalue}\n"
-            f"the partially executed notebook is {partial.relative_to(ROOT)}"
+            f"notebook {_shown(notebook)} failed in cell index {index} (`{first_line}`): {err.ename}: {err.evalue}\n"
+            f"the partially executed notebook is {_shown(partial)}"
         ) from err
     os.replace(partial, executed)
     wall = time.time() - start
     provenance = {
-        "notebook": str(notebook.relative_to(ROOT)),
+        "notebook": _shown(notebook),
         "scale": scale,
         "parameters": parameters,
         "git_commit": git_commit(),

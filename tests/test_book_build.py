@@ -54,3 +54,18 @@ def test_unknown_scale_is_refused(capsys):
     with pytest.raises(SystemExit):
         book.main(["--scale", "huge"])
     assert "smoke, cpu, full" in capsys.readouterr().err
+
+
+def test_every_notebook_has_a_chapter_and_stays_output_free():
+    """One chapter per notebook (the book renders its executed copy), and sources are stored without outputs."""
+    import yaml
+
+    toc = yaml.safe_load((book.ROOT / "_toc.yml").read_text())
+    chapters = {c["file"] for part in toc.get("parts", []) for c in part.get("chapters", [])}
+    for path in sorted(book.NOTEBOOKS.glob("*.ipynb")):
+        assert f"book/generated/{path.stem}" in chapters, f"{path.name} has no chapter in _toc.yml"
+        nb = nbformat.read(path, as_version=4)
+        dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+        assert not dirty, f"{path.name} is stored with outputs in cells {dirty}"
+        tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1 and "scale" in tagged[0].source, f"{path.name}: one 'parameters' cell with scale"

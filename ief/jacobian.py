@@ -20,13 +20,14 @@ from one forward-mode pass; the optimisers run that exact check on their first s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .curvature import logits_and_jvp
+from .curvature import differentiable_attention, logits_and_jvp
 from .losses import Loss, get_loss, logit_sqnorm
 from .model_call import (
     Inputs,
@@ -306,7 +307,10 @@ class _HookedForward:
             _refuse_sample_mixing(model)
         self.capture = _Capture(model, self.params)
         self.forward = ReplayableForward(model, inputs)
-        with self.capture, torch.enable_grad():
+        # The exact check replays this forward under the MATH attention kernel; fused kernels draw attention-dropout
+        # masks differently, so with the exact check on, this forward uses the MATH kernel too (same masks).
+        attention = differentiable_attention() if self.mode == "exact" else contextlib.nullcontext()
+        with self.capture, torch.enable_grad(), attention:
             self.logits = self.forward()
         self.loss.check(self.logits, targets)
         self.capture.demote_mismatched(batch_size(self.logits))

@@ -1,0 +1,85 @@
+"""Command line: ``python -m ief describe ...`` and ``python -m ief train ...`` (see :mod:`ief.experiments`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _overrides(items: list[str]) -> dict[str, Any] | None:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes KEY=VALUE (a setup field, VALUE as JSON), got {item!r}")
+        out[key] = _value(value)
+    return out or None
+
+
+def parser() -> argparse.ArgumentParser:
+    from .experiments import OPTIMIZERS, SCALES, SETUPS
+
+    p = argparse.ArgumentParser(prog="python -m ief", description="Experiments of the iEF paper (sec:exp).")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("describe", help="print a resolved setup: data sizes, hyperparameters, parameter counts")
+    t = sub.add_parser("train", help="train one run (resumes an interrupted one, skips a finished one)")
+    sub.add_parser("list", help="list the setups, their scales and the optimisers")
+    for q in (d, t):
+        q.add_argument("--setup", required=True, metavar="S", help="one of: " + ", ".join(SETUPS))
+        q.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
+        q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field of the resolved setup (VALUE is JSON), e.g. epochs=1")
+    d.add_argument("--random-weights", action="store_true", help="build the architecture from its config (no download)")
+    d.add_argument("--json", action="store_true", help="print JSON")
+    t.add_argument("--optimizer", required=True, metavar="O", help="one of: " + ", ".join(OPTIMIZERS))
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", default="runs", help="runs go to OUT/<scale>/<setup>/<optimizer>/seed-<K>/")
+    t.add_argument("--lr", type=float, default=None, help="override the learning rate")
+    t.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    t.add_argument("--checkpoint-every", type=float, default=120.0, metavar="SECONDS",
+                   help="write resume.pt at least this often (default 120)")
+    t.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from .experiments import (MissingResource, RunInterrupted, describe, format_describe, resolve, scales_of, train)
+    from .experiments.setups import OPTIMIZERS, SETUPS
+
+    try:
+        if args.command == "list":
+            for name in SETUPS:
+                cfg = resolve(name, "smoke")
+                opts = [o for o in OPTIMIZERS if o in cfg.optimizers]
+                print(f"{name:20s} scales: {', '.join(scales_of(name)):12s} optimizers: {', '.join(opts)}")
+            return 0
+        overrides = _overrides(args.set)
+        if args.command == "describe":
+            info = describe(args.setup, args.scale, random_weights=args.random_weights, overrides=overrides)
+            print(json.dumps(info, indent=2) if args.json else format_describe(info))
+            return 0
+        train(args.setup, args.optimizer, args.seed, args.scale, args.out, lr=args.lr, overrides=overrides,
+              device=args.device, progress=not args.no_progress, checkpoint_every_s=args.checkpoint_every)
+        return 0
+    except RunInterrupted as err:
+        print(f"interrupted: {err}", file=sys.stderr)
+        return 128 + int(err.signum)
+    except KeyboardInterrupt:
+        print("stopped at once (second signal); the last resume.pt stays valid", file=sys.stderr)
+        return 130
+    except (ValueError, MissingResource) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ValueError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Optimisers of the experiments (``sec:app-optimiser``, ``sec:app-mlp-cifar10``) and one training step.
+
+- ``ief`` / ``ef`` / ``sf``: :mod:`ief.optim` (``alg:iEF``, ``alg:EF``, ``alg:SF``), which run the forward and the
+  per-sample backward themselves and minimise ``L = sum_n l_n``. ``normalised-linear`` (EF, SF): every update
+  rescaled to norm ``lr`` times ``1 - t/T``.
+- ``adamw``, ``adam``, ``sgd`` (no momentum): torch; ``adafactor``: ``transformers.optimization.Adafactor``. They
+  minimise the mean cross-entropy over the batch's target tokens (Hugging Face's loss, for which the paper's
+  baseline learning rates were tuned). ``multistep``: ``lr`` times ``gamma`` at the milestone epochs.
+
+Every step reports the same quantity, the mean cross-entropy per target token of the batch, so training curves of
+all optimisers compare (for one-token targets it is the mean per-sample loss).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..model_call import call_model
+from ..optim import EF, IEF, SF
+from .setups import OptimizerConfig
+
+EXACT = ("ief", "ef", "sf")
+IGNORE = -100
+
+
+class Diverged(RuntimeError):
+    """The loss or the update is not finite: training stops here (the run still finishes and reports it)."""
+
+
+def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: int
+                   ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
+    """``(optimizer, epoch scheduler or None)``; the scheduler, if any, is stepped at the end of every epoch."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    name = cfg.name
+    if name in EXACT:
+        kwargs: dict[str, Any] = dict(lr=cfg.lr, damping=cfg.damping)
+        if name != "ief" or cfg.schedule == "normalised-linear":
+            normalised = cfg.schedule == "normalised-linear"
+            kwargs.update(normalize=normalised, total_steps=total_steps if normalised else None)
+        opt: torch.optim.Optimizer = {"ief": IEF, "ef": EF, "sf": SF}[name](model, **kwargs)
+    elif name == "adamw":
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    elif name == "adam":
+        opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    elif name == "sgd":
+        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    elif name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        opt = Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **cfg.options)
+    else:
+        raise ValueError(f"unknown optimizer {name!r}")
+    scheduler = None
+    if cfg.schedule == "multistep":
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(cfg.milestones), gamma=cfg.gamma)
+    elif cfg.schedule not in ("constant", "normalised-linear"):
+        raise ValueError(f"unknown schedule {cfg.schedule!r} (constant, normalised-linear, multistep)")
+    return opt, scheduler
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Any, targets: torch.Tensor) -> float:
+    """One update; returns the batch's mean cross-entropy per target token. Raises :class:`Diverged`."""
+    tokens = int((targets != IGNORE).sum())
+    if isinstance(opt, (IEF, EF, SF)):
+        try:
+            total = float(opt.step(inputs, targets))
+        except FloatingPointError as err:
+            raise Diverged(str(err)) from err
+        loss = total / tokens
+    else:
+        logits = call_model(model, inputs)
+        value = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE)
+        if not torch.isfinite(value):
+            raise Diverged(f"non-finite loss {float(value)}")
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        opt.step()
+        loss = float(value.detach())
+    if not math.isfinite(loss):
+        raise Diverged(f"non-finite loss {loss}")
+    return loss

@@ -21,19 +21,11 @@ import pytest
 import torch
 
 import ief
+from tiny_models import saturated_case
 
 RTOL = 1e-9
 PINV_RTOL = 1e-10  # spectrum cutoff for pinv: genuine eigenvalues here are >= 1e-4 relative, spurious ones ~1e-16
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices and models: single-threaded BLAS avoids OpenMP spin-wait stalls on a loaded 2-core machine
-    (the tiny-model tests below were ~50x slower with 2 threads under load). Restored after the module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -193,15 +185,7 @@ def test_zero_gradient_sample_from_a_real_model():
     """A sample with exactly zero loss and gradient (saturated logits, cf. ``test_jacobian``) in a real ``J``: with
     ``lambda = 0`` the directions are finite; iEF still satisfies ``J d = s`` exactly (``s_n = 0`` for that sample),
     and EF is the minimum-norm least-squares solution (``0 = 1`` cannot hold for the zero row)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 4).double()
-    with torch.no_grad():
-        model.weight.mul_(1e4)
-    x = torch.randn(4, 3, dtype=torch.float64)
-    with torch.no_grad():
-        z = model(x)
-    y = z.argmin(dim=1)
-    y[1] = z[1].argmax()
+    model, x, y = saturated_case()  # sample 1 has exactly zero loss and gradient
     r = ief.per_sample(model, x, y)
     assert torch.count_nonzero(r.jacobian[1]) == 0 and float(r.logit_sqnorm[1]) == 0.0
     j, s = r.jacobian, r.logit_sqnorm

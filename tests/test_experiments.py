@@ -18,14 +18,6 @@ from ief.experiments.setups import GLUE_TASKS, OPTIMIZERS, optimizer_config
 from ief.experiments.tasks import make_task
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_registry_names_and_scales():
     assert len(PAPER_SETUPS) == 16 and len(SETUPS) == 19
     assert {f"{t}-t5-{m}" for t in GLUE_TASKS for m in ("lora", "pt")} < set(SETUPS)

@@ -17,21 +17,12 @@ import torch
 
 import ief
 import oracle
-from tiny_models import IGNORE, mlp_case, mse_case, sequence_case, t5_lora_case
+from tiny_models import IGNORE, mlp_case, mse_case, saturated_case, sequence_case, t5_lora_case
 
 F64_RTOL = 1e-10
 T5_RTOL = 1e-6
 F32_RTOL = 1e-5
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """The models are tiny: BLAS threads only add synchronisation, and on a loaded 2-core machine OpenMP
-    spin-waiting made each T5 forward ~50x slower. Single-threaded for this module, restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def rtol_for(case) -> float:
@@ -111,15 +102,9 @@ def test_per_sample_float32_mlp():
 def test_zero_loss_sample_gives_exact_zero_row():
     """A sample whose logits saturate (margin ~1e4 >> 745, so softmax is exactly one-hot in float64) has
     ``l_n = 0``, ``grad l_n = 0`` and ``s_n = 0`` exactly; the other rows are unaffected."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 4).double()
-    with torch.no_grad():
-        model.weight.mul_(1e4)
-    x = torch.randn(4, 3, dtype=torch.float64)
+    model, x, y = saturated_case()  # sample 1 has exactly zero loss and gradient
     with torch.no_grad():
         z = model(x)
-    y = z.argmin(dim=1)  # most samples: huge loss, non-zero gradient
-    y[1] = z[1].argmax()  # sample 1: predicted class with a margin of thousands -> exactly zero loss and gradient
     assert float((z[1].max() - z[1].topk(2).values[1])) > 800  # the premise: exp(-margin) underflows
     got = ief.per_sample(model, x, y)
     assert float(got.losses[1]) == 0.0

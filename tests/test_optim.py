@@ -26,13 +26,6 @@ from tiny_models import _t5_batch, mlp_case, t5_lora_case, t5_prompt_case
 RTOL = 1e-10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).clone()

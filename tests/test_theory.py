@@ -24,14 +24,6 @@ from ief import theory
 from nbrun import run_notebook
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models: single-threaded BLAS avoids OpenMP stalls on a loaded 2-core machine. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def cls():

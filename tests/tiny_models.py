@@ -160,3 +160,19 @@ ALL_CASES = {
     "t5-prompt": t5_prompt_case,
     "vit-lora": vit_lora_case,
 }
+
+
+def saturated_case(seed: int = 0):
+    """A linear classifier with huge weights: sample 1's predicted class wins by a margin of thousands, so its
+    softmax is exactly one-hot in float64 and its loss, gradient and ``s_n`` are exactly zero; the other samples
+    target their least likely class (huge loss, non-zero gradient). Returns ``(model, x, y)``."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 4).double()
+    with torch.no_grad():
+        model.weight.mul_(1e4)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        z = model(x)
+    y = z.argmin(dim=1)
+    y[1] = z[1].argmax()
+    return model, x, y

@@ -24,7 +24,8 @@ from . import optim
 from .curvature import FisherOperator, fisher_vp, gamma
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import CGResult, hessian_free
-from .jacobian import PerSample, PerSampleGradientMismatch, per_sample, sampled_jacobian
+from .jacobian import PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample, sampled_jacobian
+from .peft_support import per_sample_prompts
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,8 @@ __all__ = [
     "per_sample",
     "PerSample",
     "PerSampleGradientMismatch",
+    "SlowPathWarning",
+    "per_sample_prompts",
     "sampled_jacobian",
     "ief_direction",
     "ef_direction",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,10 @@ from .model_call import (
 
 class PerSampleGradientMismatch(RuntimeError):
     """The per-sample gradients do not add up to the batch gradient."""
+
+
+class SlowPathWarning(UserWarning):
+    """A trainable parameter's per-sample gradients need one backward pass per sample (exact, but slow)."""
 
 
 @dataclass
@@ -161,7 +166,7 @@ class _Capture:
 
         return hook
 
-    def demote_mismatched(self, m: int) -> None:
+    def demote_mismatched(self, m: int, names: dict[int, str]) -> None:
         """Modules that saw a batch dimension other than ``M`` (or inputs of odd rank) fall back to the loop."""
         kept = []
         for k, entry in enumerate(self.modules):
@@ -170,6 +175,15 @@ class _Capture:
                 kept.append((k, entry))
             else:
                 self.hooked -= set(entry[2].values())
+                shapes = sorted({tuple(rec[0].shape) for rec in calls})
+                warnings.warn(
+                    f"{names.get(id(entry[0]), type(entry[0]).__name__)} was called with input shapes {shapes}, whose "
+                    f"first dimension is not the {m} samples: its per-sample gradients fall back to {m} separate "
+                    "backward passes (exact but slow). For peft prompt tuning, call "
+                    "ief.per_sample_prompts(model) once after get_peft_model.",
+                    SlowPathWarning,
+                    stacklevel=4,
+                )
         self.modules = [e for _, e in kept]
         self.records = {new: self.records[old] for new, (old, _) in enumerate(kept)}
 
@@ -313,7 +327,9 @@ class _HookedForward:
         with self.capture, torch.enable_grad(), attention:
             self.logits = self.forward()
         self.loss.check(self.logits, targets)
-        self.capture.demote_mismatched(batch_size(self.logits))
+        self.capture.demote_mismatched(
+            batch_size(self.logits), {id(module): name for name, module in model.named_modules()}
+        )
         self.targets = targets
         self.names = param_names(model, self.params) if self.mode is not None else None
 

@@ -17,7 +17,7 @@ import torch
 
 import ief
 import oracle
-from tiny_models import IGNORE, mlp_case, mse_case, saturated_case, sequence_case, t5_lora_case
+from tiny_models import IGNORE, mlp_case, mse_case, saturated_case, sequence_case, t5_lora_case, t5_prompt_case
 
 F64_RTOL = 1e-10
 T5_RTOL = 1e-6
@@ -414,3 +414,22 @@ def test_tied_weight_used_outside_its_module_raises_mismatch():
     targets = torch.randint(0, 7, (5, 3))
     with pytest.raises(ief.PerSampleGradientMismatch, match="embed.weight"):
         ief.per_sample(model, tokens, targets)
+
+
+def test_peft_prompt_tuning_uses_one_backward_after_per_sample_prompts():
+    """peft embeds one prompt row and repeats it: without help the prompt embedding falls back to M backward passes
+    (exact, slow) and says so with a SlowPathWarning; ief.per_sample_prompts makes the hooks see every sample."""
+    import warnings
+
+    c = t5_prompt_case()
+    _, jac, _ = oracle.per_sample(c.model, c.inputs, c.targets)
+    with pytest.warns(ief.SlowPathWarning, match="per_sample_prompts"):
+        slow = ief.per_sample(c.model, c.inputs, c.targets)
+    assert_rel(slow.jacobian, jac, T5_RTOL, "jacobian (loop fallback)")
+    ief.per_sample_prompts(c.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ief.SlowPathWarning)
+        fast = ief.per_sample(c.model, c.inputs, c.targets)
+    assert_rel(fast.jacobian, jac, T5_RTOL, "jacobian (hooked prompts)")
+    with pytest.raises(ValueError, match="prompt-tuning"):
+        ief.per_sample_prompts(t5_lora_case().model)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import types
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..peft_support import per_sample_prompts
 
 from .data import Data, MissingResource, hub_locations, use_hub
 from .setups import GLUE_LABEL_WORDS, SetupConfig
@@ -145,15 +146,6 @@ def _smoke_corpus(cfg: SetupConfig, data: Data | None) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- peft
-def _batched_prompts(self: Any, batch_size: int, task_ids: Any = None, max_cache_len: Any = None) -> torch.Tensor:
-    """peft's ``get_prompt`` for prompt tuning, but embedding the prompt tokens of every sample (``[M, 20]``)
-    instead of one row repeated: the values are identical, and the per-sample hooks of ``ief`` then see the sample
-    dimension on the prompt embedding (with peft's repeat they fall back to M separate backward passes)."""
-    encoder = self.prompt_encoder[self.active_adapter]
-    tokens = self.prompt_tokens[self.active_adapter].unsqueeze(0).expand(batch_size, -1)
-    return encoder(tokens.to(encoder.embedding.weight.device))
-
-
 _ALIASES = {"q_proj": "query", "v_proj": "value", "query": "q_proj", "value": "v_proj"}
 
 
@@ -177,9 +169,7 @@ def wrap_peft(base: torch.nn.Module, cfg: SetupConfig, task_type: str | None) ->
     config = peft.PromptTuningConfig(task_type=task_type, num_virtual_tokens=args["num_virtual_tokens"],
                                      num_transformer_submodules=args["num_transformer_submodules"],
                                      prompt_tuning_init=getattr(peft.PromptTuningInit, args["init"]))
-    model = peft.get_peft_model(base, config)
-    model.get_prompt = types.MethodType(_batched_prompts, model)
-    return model
+    return per_sample_prompts(peft.get_peft_model(base, config))  # one backward, not M (ief.peft_support)
 
 
 # ------------------------------------------------------------------------------------------------ builders

@@ -1,0 +1,35 @@
+"""Make peft prompt tuning visible to the per-sample hooks.
+
+peft's ``get_prompt`` (prompt tuning, training mode) embeds the virtual tokens of ONE sample and repeats the result
+across the batch. The prompt ``nn.Embedding`` then sees a batch of 1, its output gradient is already summed over the
+samples, and ``ief`` must fall back to one backward pass per sample for the prompt parameters (exact, ~M times
+slower). :func:`per_sample_prompts` makes the model embed the prompt tokens of every sample instead: the values are
+identical, and the hooks get the per-sample gradients from the ordinary single backward.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def _embed_prompts_per_sample(self, batch_size: int, task_ids=None, max_cache_len=None) -> torch.Tensor:
+    encoder = self.prompt_encoder[self.active_adapter]
+    tokens = self.prompt_tokens[self.active_adapter].unsqueeze(0).expand(batch_size, -1)  # [M, virtual tokens]
+    return encoder(tokens.to(encoder.embedding.weight.device))
+
+
+def per_sample_prompts(model: torch.nn.Module) -> torch.nn.Module:
+    """Patch a peft prompt-tuning model (in place) so that its prompts are embedded per sample; returns it.
+
+    Raises ``ValueError`` for a model that is not peft prompt tuning (for LoRA nothing is needed).
+    """
+    config = getattr(model, "active_peft_config", None)
+    peft_type = str(getattr(config, "peft_type", ""))
+    if config is None or not peft_type.endswith("PROMPT_TUNING") or "MULTITASK" in peft_type:
+        raise ValueError(
+            f"per_sample_prompts needs a peft prompt-tuning model (PeftType.PROMPT_TUNING), got "
+            f"{type(model).__name__} with peft_type {peft_type or None!r}"
+        )
+    model.get_prompt = types.MethodType(_embed_prompts_per_sample, model)
+    return model

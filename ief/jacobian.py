@@ -21,6 +21,7 @@ from one forward-mode pass; the optimisers run that exact check on their first s
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -245,6 +246,13 @@ def _backward_jacobian(
     return jac, gradient
 
 
+@functools.lru_cache(maxsize=8)
+def _block_ids(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Parameter index of every column of J (cached: the same model is checked at every step)."""
+    ids = torch.arange(len(sizes), device=device)
+    return torch.repeat_interleave(ids, torch.tensor(sizes, device=device))
+
+
 def check_rows_sum_to_gradient(
     jacobian: torch.Tensor, gradient: torch.Tensor, names: Sequence[str], sizes: Sequence[int]
 ) -> None:
@@ -256,8 +264,7 @@ def check_rows_sum_to_gradient(
     """
     if not (all_finite(jacobian) and all_finite(gradient)):
         return  # non-finite values are reported by the caller (FloatingPointError in the optimisers)
-    sizes_t = torch.tensor(list(sizes), device=jacobian.device)
-    block_of = torch.repeat_interleave(torch.arange(len(sizes), device=jacobian.device), sizes_t)  # [P]
+    block_of = _block_ids(tuple(sizes), jacobian.device)  # [P]
     diff_sq = (jacobian.sum(0) - gradient).square()
     col_sq = torch.empty_like(gradient)
     for lo, block in column_chunks(jacobian):

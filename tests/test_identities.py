@@ -32,7 +32,6 @@ def test_lqa_best_loss_change_is_minus_half_inverse_gamma_squared(name):
 
     Checked three ways for SGD/iEF/EF/SF/random directions: the closed form with the oracle F and g, the package's
     ``ief.gamma``, and a brute-force scan over eta (which may not go below the closed form)."""
-    from tiny_models import ALL_CASES
 
     case = ALL_CASES[name]()
     ref = reference(name)

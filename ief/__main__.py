@@ -31,8 +31,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("describe", help="print a resolved setup: data sizes, hyperparameters, parameter counts")
     t = sub.add_parser("train", help="train one run (resumes an interrupted one, skips a finished one)")
+    r = sub.add_parser("search", help="learning-rate search over the paper's grids, chosen on validation")
     sub.add_parser("list", help="list the setups, their scales and the optimisers")
-    for q in (d, t):
+    for q in (d, t, r):
         q.add_argument("--setup", required=True, metavar="S", help="one of: " + ", ".join(SETUPS))
         q.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
         q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -47,6 +48,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=float, default=120.0, metavar="SECONDS",
                    help="write resume.pt at least this often (default 120)")
     t.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    r.add_argument("--optimizer", action="append", default=[], metavar="O",
+                   help="search only these optimisers (repeatable; default: every optimiser of the setup)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", default="runs", help="trial runs go to OUT/lr-search/lr=<lr>/...; the record to "
+                   "OUT/lr-search/<scale>-<setup>.json")
+    r.add_argument("--record", default=None, metavar="PATH", help="also write the record here")
+    r.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return p
 
 
@@ -63,6 +71,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:20s} scales: {', '.join(scales_of(name)):12s} optimizers: {', '.join(opts)}")
             return 0
         overrides = _overrides(args.set)
+        if args.command == "search":
+            if overrides:
+                raise ValueError("search takes no --set: it searches the setup as registered")
+            from .experiments import store
+            from .experiments.search import search
+
+            record = search(args.setup, args.scale, args.out, optimizers=args.optimizer or None, seed=args.seed,
+                            progress=not args.no_progress)
+            if args.record:
+                store.write_json(args.record, record)
+            return 0
         if args.command == "describe":
             info = describe(args.setup, args.scale, random_weights=args.random_weights, overrides=overrides)
             print(json.dumps(info, indent=2) if args.json else format_describe(info))

@@ -96,3 +96,17 @@ def load_trainable(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> No
         raise ValueError(f"checkpoint does not match the model's trainable parameters (e.g. {differ})")
     for n, p in params.items():
         p.copy_(state[n])
+
+
+def read_run(root: Path) -> dict[str, Any]:
+    """A run folder read back: ``config``, ``losses`` (one per update), ``evals`` (the validation history) and
+    ``summary`` (``None`` while the run is unfinished)."""
+    root = Path(root)
+    if not (root / "config.json").exists():
+        raise FileNotFoundError(f"{root} is not a run folder (no config.json)")
+    losses_file, evals_file = root / "train_loss.csv", root / "validation.jsonl"
+    losses = [float(line.split(",")[2]) for line in losses_file.read_text().splitlines()[1:]] \
+        if losses_file.exists() else []
+    evals = [json.loads(line) for line in evals_file.read_text().splitlines()] if evals_file.exists() else []
+    summary = read_json(root / "summary.json") if (root / "summary.json").exists() else None
+    return {"config": read_json(root / "config.json"), "losses": losses, "evals": evals, "summary": summary}

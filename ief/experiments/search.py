@@ -1,0 +1,170 @@
+"""Learning-rate search over the paper's own grids, chosen on the validation split (``sec:app-optimiser``,
+``sec:app-mlp-cifar10``).
+
+The paper searched one learning rate per optimiser and fine-tuning method on the validation (dev) sets; at ``cpu``
+scale we repeat that search for the CPU siblings with the same grids:
+
+- prompt tuning (``*-pt``): SGD {0.1, 1, 10, 20, 50, 100}, iEF {1, 10, 50, 100}, EF and SF
+  {1e-3, 5e-3, 1e-2, 1e-1, 1, 10} (normalised, linearly decaying);
+- LoRA: AdamW {1e-3, 5e-4, 1e-4}, SGD and iEF as above, EF and SF {1e-3, 5e-3, 1e-2, 1e-1, 1};
+- the MLP trained from scratch: Adam {5e-5, 1e-4, 5e-4}, SGD {0.01, 0.1, 0.5}, iEF {10, 50, 100},
+  SF {0.01, 0.1, 0.5}, EF {1e-5, 1e-4, 1e-3, 1e-2, 1e-1}.
+
+Optimisers the paper did not search for a method (Adafactor: used at its fixed published settings for prompt tuning,
+not run at all for LoRA and the MLP; AdamW for prompt tuning and the MLP) get a grid marked ``ours``.
+
+Choice: the highest best-validation score (:func:`~ief.experiments.metrics.score`, the mean of the split's
+metrics) among the runs that did not diverge; ties go to the lower final training loss, then to the smaller learning
+rate. Test metrics are recorded but never used. One seed (0) per learning rate: a small search.
+"""
+from __future__ import annotations
+
+import math
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import store
+from .runner import _versions, train
+from .setups import OPTIMIZERS, SetupConfig, resolve
+
+RECORDS = Path(__file__).with_name("lr_search")  # the recorded cpu-scale searches: cpu-<setup>.json
+PAPER_PEFT = "paper: sec:app-optimiser"
+PAPER_MLP = "paper: sec:app-mlp-cifar10"
+
+
+@dataclass(frozen=True)
+class Grid:
+    values: tuple[float, ...]
+    source: str
+
+
+_PEFT_COMMON = {
+    "sgd": Grid((0.1, 1.0, 10.0, 20.0, 50.0, 100.0), PAPER_PEFT),
+    "ief": Grid((1.0, 10.0, 50.0, 100.0), PAPER_PEFT),
+}
+GRIDS: dict[str, dict[str, Grid]] = {
+    "pt": {
+        **_PEFT_COMMON,
+        "ef": Grid((1e-3, 5e-3, 1e-2, 1e-1, 1.0, 10.0), PAPER_PEFT),
+        "sf": Grid((1e-3, 5e-3, 1e-2, 1e-1, 1.0, 10.0), PAPER_PEFT + " (EF's grid: 'the same set of hyperparameters')"),
+        "adafactor": Grid((0.03, 0.1, 0.3), "ours: the paper uses 0.3 unsearched (from the prompt-tuning paper); "
+                                            "0.3 and two smaller values"),
+        "adamw": Grid((1e-4, 1e-3, 1e-2, 3e-2), "ours: AdamW is not run for prompt tuning in the paper; the LoRA grid's "
+                                                "1e-4 and 1e-3 plus the larger rates prompts usually need"),
+    },
+    "lora": {
+        **_PEFT_COMMON,
+        "adamw": Grid((1e-4, 5e-4, 1e-3), PAPER_PEFT),
+        "ef": Grid((1e-3, 5e-3, 1e-2, 1e-1, 1.0), PAPER_PEFT),
+        "sf": Grid((1e-3, 5e-3, 1e-2, 1e-1, 1.0), PAPER_PEFT + " (EF's grid: 'the same strategy and hyperparameters')"),
+        "adafactor": Grid((1e-4, 1e-3, 1e-2), "ours: Adafactor is not run for LoRA in the paper; AdamW's scale"),
+    },
+    "mlp": {
+        "adam": Grid((5e-5, 1e-4, 5e-4), PAPER_MLP),
+        "sgd": Grid((0.01, 0.1, 0.5), PAPER_MLP),
+        "ief": Grid((10.0, 50.0, 100.0), PAPER_MLP),
+        "sf": Grid((0.01, 0.1, 0.5), PAPER_MLP),
+        "ef": Grid((1e-5, 1e-4, 1e-3, 1e-2, 1e-1), PAPER_MLP),
+        "adamw": Grid((5e-5, 1e-4, 5e-4), "ours: AdamW is not run for the MLP in the paper; Adam's grid"),
+        "adafactor": Grid((1e-4, 1e-3, 1e-2), "ours: Adafactor is not run for the MLP in the paper; Adam's scale"),
+    },
+}
+
+
+def grid_kind(cfg: SetupConfig) -> str:
+    """``pt``, ``lora`` or ``mlp``: which of the paper's search grids a setup takes."""
+    return "mlp" if cfg.method == "scratch" else cfg.method
+
+
+def grid(cfg: SetupConfig, optimizer: str) -> Grid:
+    """The learning-rate grid of ``optimizer`` for a resolved setup."""
+    grids = GRIDS[grid_kind(cfg)]
+    if optimizer not in grids or optimizer not in cfg.optimizers:
+        valid = [o for o in OPTIMIZERS if o in grids and o in cfg.optimizers]
+        raise ValueError(f"no learning-rate grid for optimizer {optimizer!r} on setup {cfg.name!r}; valid "
+                         f"optimizers: {', '.join(valid)}")
+    return grids[optimizer]
+
+
+def choose(trials: list[dict[str, Any]]) -> float | None:
+    """The chosen learning rate: best validation score among the non-diverged trials, then the lower final training
+    loss, then the smaller rate; ``None`` when every trial diverged."""
+    ok = [t for t in trials if not t["diverged"] and t["validation_score"] is not None
+          and math.isfinite(t["validation_score"])]
+    if not ok:
+        return None
+    loss = lambda t: t["final_train_loss"] if t["final_train_loss"] is not None else math.inf  # noqa: E731
+    return min(ok, key=lambda t: (-t["validation_score"], loss(t), t["lr"]))["lr"]
+
+
+def trial_dir(out: str | Path, lr: float) -> Path:
+    """Where the run of one learning rate goes: ``OUT/lr-search/lr=<lr>/`` (then the runner's own layout)."""
+    return Path(out) / "lr-search" / f"lr={lr:g}"
+
+
+def _trial(summary: dict[str, Any], lr: float) -> dict[str, Any]:
+    best = summary["best_validation"]
+    return {"lr": lr, "final_train_loss": summary["final_train_loss"], "validation_score": best["score"],
+            "validation": best["metrics"], "best_step": best["step"], "steps": summary["steps"],
+            "diverged": summary["diverged"]["step"] if summary["diverged"] else None,
+            "test": summary["test"], "wall_time_s": summary["wall_time_s"]}
+
+
+def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimizers: list[str] | None = None,
+           seed: int = 0, progress: bool = True, verbose: bool = True) -> dict[str, Any]:
+    """Run every learning rate of every optimiser's grid (finished runs are skipped, interrupted ones resume) and
+    return the record: the grids, every trial's numbers and the chosen rates. Also written to
+    ``OUT/lr-search/<scale>-<setup>.json``."""
+    cfg = resolve(setup, scale)
+    names = list(optimizers) if optimizers else [o for o in OPTIMIZERS if o in cfg.optimizers]
+    grids = {name: grid(cfg, name) for name in names}  # unknown names fail before anything runs
+    record: dict[str, Any] = {
+        "setup": setup, "scale": scale, "seed": seed, "grid_kind": grid_kind(cfg),
+        "selection": "highest best-validation score among non-diverged runs; ties: lower final train loss, then "
+                     "smaller lr; test metrics recorded, not used",
+        "environment": {**_versions(), "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+                        "cpu_count": os.cpu_count(), "device": "cuda" if torch.cuda.is_available() else "cpu"},
+        "optimizers": {},
+    }
+    for name, g in grids.items():
+        trials = []
+        for lr in g.values:
+            summary = train(setup, name, seed, scale, trial_dir(out, lr), lr=lr, progress=progress, verbose=verbose)
+            trials.append(_trial(summary, lr))
+        chosen = choose(trials)
+        base = cfg.optimizers[name]
+        record["optimizers"][name] = {
+            "grid": list(g.values), "grid_source": g.source, "chosen_lr": chosen, "trials": trials,
+            "fixed": {"damping": base.damping, "weight_decay": base.weight_decay, "schedule": base.schedule,
+                      "milestones": list(base.milestones)},
+        }
+        if verbose:
+            print(f"{setup}/{name}: chosen lr {chosen} from {list(g.values)}")
+    store.write_json(Path(out) / "lr-search" / f"{scale}-{setup}.json", record)
+    return record
+
+
+def record_path(setup: str, scale: str = "cpu") -> Path:
+    return RECORDS / f"{scale}-{setup}.json"
+
+
+def load_record(setup: str, scale: str = "cpu") -> dict[str, Any] | None:
+    """The recorded search of a setup (shipped with the package), or ``None`` when there is none at that scale."""
+    path = record_path(setup, scale)
+    return store.read_json(path) if path.exists() else None
+
+
+def search_table(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (optimiser, learning rate) of a record: the numbers the choice was made on."""
+    rows = []
+    for name, o in record["optimizers"].items():
+        for t in o["trials"]:
+            rows.append({"optimizer": name, "lr": t["lr"], "chosen": t["lr"] == o["chosen_lr"],
+                         "validation_score": t["validation_score"], "final_train_loss": t["final_train_loss"],
+                         "diverged_at_step": t["diverged"], "wall_time_s": t["wall_time_s"]})
+    return rows

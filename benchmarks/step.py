@@ -65,7 +65,8 @@ Peak memory, per operation, measured in a separate pass after the timing (never 
   usually 1.2-2x the tensor figure here), while pages kept from earlier calls can hide growth: a rough cross-check
   only; ``n/a`` where ``/proc`` does not allow the reset.
 
-``--profile`` additionally runs plain backward, per-sample J, the iEF step and both FVPs once each (after a warm-up call)
+``--profile`` additionally runs plain backward, per-sample J, the iEF step and both FVPs once each (after a warm-up
+call)
 under ``torch.profiler`` and prints the operators with the most self time (CPU, or device time on CUDA), to see where
 the cost beyond a plain backward goes.
 """
@@ -491,7 +492,8 @@ def profile_ops(w: Workload, device: torch.device, seed: int, rows: int) -> str:
         time_call(op.fn, device)  # warm-up
         reset()
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch 2.11: "Profiler clears events at the end of each cycle"
+            # torch 2.11: "Profiler clears events at the end of each cycle"
+            warnings.simplefilter("ignore", UserWarning)
             with profile(activities=activities) as prof:
                 time_call(op.fn, device)
         table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=48)
@@ -512,7 +514,8 @@ def environment(device: torch.device) -> dict:
 
     env = dict(
         device=str(device), torch=torch.__version__, transformers=version("transformers"), peft=version("peft"),
-        python=platform.python_version(), threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
+        python=platform.python_version(), threads=torch.get_num_threads(),
+        interop_threads=torch.get_num_interop_threads(),
         cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
     )
     if device.type == "cuda":

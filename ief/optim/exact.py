@@ -61,10 +61,12 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         check: bool = True,
     ):
         if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module (the optimiser runs its forward), got {type(model).__name__}")
+            raise ValueError(
+                f"model must be a torch.nn.Module (the optimiser runs its forward), got {type(model).__name__}")
         lr = _check_positive("lr", lr)
         damping = check_damping(damping, allow_zero=not self._needs_positive_damping)
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1):
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                        or total_steps < 1):
             raise ValueError(f"total_steps must be a positive integer or None (no decay), got {total_steps!r}")
         chosen = resolve_params(model, params)
         super().__init__(chosen, dict(lr=lr, damping=damping, normalize=bool(normalize), total_steps=total_steps))
@@ -160,7 +162,8 @@ class EF(_ExactPreconditioned):
     Defaults to the paper's normalised update; pass ``total_steps`` for its linear decay to 0.
     """
 
-    def __init__(self, model: torch.nn.Module, lr: float = 0.01, damping: float = 1e-7, *, normalize: bool = True, **kwargs):
+    def __init__(self, model: torch.nn.Module, lr: float = 0.01, damping: float = 1e-7, *, normalize: bool = True,
+                 **kwargs):
         super().__init__(model, lr, damping, normalize=normalize, **kwargs)
 
     def _direction(self, inputs, targets, group):

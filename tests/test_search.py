@@ -1,0 +1,97 @@
+"""The learning-rate search (ief.experiments.search): the paper's grids, the choice rule, the CLI, and the recorded
+cpu-scale searches that the registry's cpu learning rates must equal."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ief.__main__ import main
+from ief.experiments import CPU_SETUPS, resolve
+from ief.experiments import search as S
+from ief.experiments.setups import OPTIMIZERS
+
+
+def test_grids_are_the_papers():
+    """sec:app-optimiser (PEFT) and sec:app-mlp-cifar10 (MLP), value for value; 'ours' only where the paper ran no
+    search for that optimiser and method."""
+    pt, lora, mlp = S.GRIDS["pt"], S.GRIDS["lora"], S.GRIDS["mlp"]
+    for g in (pt, lora):
+        assert g["sgd"].values == (0.1, 1, 10, 20, 50, 100) and g["ief"].values == (1, 10, 50, 100)
+    assert pt["ef"].values == pt["sf"].values == (1e-3, 5e-3, 1e-2, 1e-1, 1, 10)
+    assert lora["ef"].values == lora["sf"].values == (1e-3, 5e-3, 1e-2, 1e-1, 1)
+    assert sorted(lora["adamw"].values) == [1e-4, 5e-4, 1e-3]
+    assert (mlp["adam"].values, mlp["sgd"].values, mlp["ief"].values, mlp["sf"].values) == (
+        (5e-5, 1e-4, 5e-4), (0.01, 0.1, 0.5), (10, 50, 100), (0.01, 0.1, 0.5))
+    assert mlp["ef"].values == (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+    ours = {(k, o) for k, grids in S.GRIDS.items() for o, g in grids.items() if g.source.startswith("ours")}
+    assert ours == {("pt", "adafactor"), ("pt", "adamw"), ("lora", "adafactor"), ("mlp", "adamw"),
+                    ("mlp", "adafactor")}
+    for name in CPU_SETUPS:  # every registered optimiser of a cpu setup has a grid
+        cfg = resolve(name, "cpu")
+        assert all(S.grid(cfg, o).values for o in cfg.optimizers)
+    with pytest.raises(ValueError, match="valid optimizers: adamw, adafactor, sgd, ef, sf, ief$"):
+        S.grid(resolve("tweets-minilm-lora", "cpu"), "adam")
+
+
+def _trial(lr, score, loss, diverged=None):
+    return {"lr": lr, "validation_score": score, "final_train_loss": loss, "diverged": diverged}
+
+
+def test_choice_rule():
+    assert S.choose([_trial(1, 0.5, 0.3), _trial(10, 0.7, 0.9), _trial(100, 0.9, 0.1, diverged=40)]) == 10
+    assert S.choose([_trial(1, 0.7, 0.3), _trial(10, 0.7, 0.2)]) == 10  # tie: lower final loss
+    assert S.choose([_trial(50, 0.7, 0.2), _trial(1, 0.7, 0.2)]) == 1  # then the smaller rate
+    assert S.choose([_trial(1, 0.7, None), _trial(10, 0.7, 0.5)]) == 10
+    assert S.choose([_trial(1, 0.9, 0.1, diverged=3), _trial(10, 0.8, 0.1, diverged=5)]) is None
+
+
+def test_search_cli_runs_every_rate_and_records_the_choice(tmp_path, capsys):
+    record_file = tmp_path / "record.json"
+    args = ["search", "--setup", "digits-mlp", "--scale", "smoke", "--optimizer", "sgd", "--optimizer", "ief",
+            "--out", str(tmp_path / "runs"), "--record", str(record_file), "--no-progress"]
+    assert main(args) == 0
+    record = json.loads(record_file.read_text())
+    assert record == json.loads((tmp_path / "runs" / "lr-search" / "smoke-digits-mlp.json").read_text())
+    assert set(record["optimizers"]) == {"sgd", "ief"} and record["grid_kind"] == "mlp"
+    for name, o in record["optimizers"].items():
+        assert [t["lr"] for t in o["trials"]] == list(S.GRIDS["mlp"][name].values) == o["grid"]
+        assert o["chosen_lr"] == S.choose(o["trials"])
+        for t in o["trials"]:  # each trial is an ordinary run folder with the overridden rate
+            run = S.trial_dir(tmp_path / "runs", t["lr"]) / "smoke" / "digits-mlp" / name / "seed-0"
+            assert json.loads((run / "config.json").read_text())["optimizer"]["lr"] == t["lr"]
+            assert json.loads((run / "summary.json").read_text())["best_validation"]["score"] == t["validation_score"]
+    assert record["environment"]["torch_threads"] >= 1
+    capsys.readouterr()
+    assert main(args) == 0  # a second invocation skips every finished trial and gives the same record
+    assert "skipped (finished)" in capsys.readouterr().out
+    again = json.loads(record_file.read_text())
+    assert again["optimizers"] == record["optimizers"]
+    assert main(["search", "--setup", "digits-mlp", "--scale", "smoke", "--optimizer", "lbfgs",
+                 "--out", str(tmp_path)]) == 2
+    assert "optimizer 'lbfgs' on setup 'digits-mlp'; valid optimizers: adamw" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", CPU_SETUPS)
+def test_cpu_learning_rates_are_the_recorded_search(name):
+    """The registry's cpu rates equal the committed search's choices; the other hyperparameters are the ones the
+    search ran with; every registered optimiser was searched over its full grid with seed 0 on the cpu scale."""
+    record = S.load_record(name, "cpu")
+    assert record is not None, f"no recorded search {S.record_path(name, 'cpu')}"
+    cfg = resolve(name, "cpu")
+    assert not cfg.provisional
+    assert record["setup"] == name and record["scale"] == "cpu" and record["seed"] == 0
+    assert set(record["optimizers"]) == set(cfg.optimizers)
+    for opt, rec in record["optimizers"].items():
+        registered = cfg.optimizers[opt]
+        assert rec["chosen_lr"] is not None, f"{name}/{opt}: every learning rate diverged"
+        assert registered.lr == rec["chosen_lr"] and rec["chosen_lr"] == S.choose(rec["trials"])
+        assert [t["lr"] for t in rec["trials"]] == rec["grid"] == list(S.grid(cfg, opt).values)
+        fixed = rec["fixed"]
+        assert (fixed["damping"], fixed["weight_decay"], fixed["schedule"], tuple(fixed["milestones"])) == (
+            registered.damping, registered.weight_decay, registered.schedule, registered.milestones)
+        assert "lr search" in registered.source and S.record_path(name, "cpu").name in registered.source
+    # the smoke siblings train with the same (searched) values
+    smoke = resolve(name, "smoke")
+    assert {o: c.lr for o, c in smoke.optimizers.items()} == {o: c.lr for o, c in cfg.optimizers.items()}
+    assert set(OPTIMIZERS) >= set(cfg.optimizers)

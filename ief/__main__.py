@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default="runs", help="runs go to OUT/<scale>/<setup>/<optimizer>/seed-<K>/")
     t.add_argument("--lr", type=float, default=None, help="override the learning rate")
+    t.add_argument("--schedule", default=None, metavar="NAME",
+                   help="override the schedule: constant | normalised-linear (ief, ef, sf) | multistep")
     t.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     t.add_argument("--checkpoint-every", type=float, default=120.0, metavar="SECONDS",
                    help="write resume.pt at least this often (default 120)")
@@ -86,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             info = describe(args.setup, args.scale, random_weights=args.random_weights, overrides=overrides)
             print(json.dumps(info, indent=2) if args.json else format_describe(info))
             return 0
-        train(args.setup, args.optimizer, args.seed, args.scale, args.out, lr=args.lr, overrides=overrides,
-              device=args.device, progress=not args.no_progress, checkpoint_every_s=args.checkpoint_every)
+        train(args.setup, args.optimizer, args.seed, args.scale, args.out, lr=args.lr, schedule=args.schedule,
+              overrides=overrides, device=args.device, progress=not args.no_progress,
+              checkpoint_every_s=args.checkpoint_every)
         return 0
     except RunInterrupted as err:
         print(f"interrupted: {err}", file=sys.stderr)

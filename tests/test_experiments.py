@@ -253,3 +253,29 @@ def test_full_scale_splits_from_hub_datasets(monkeypatch):
     mlp = resolve("cifar10-mlp", "full")
     x, _ = make_task(mlp, build_model(resolve("cifar10-mlp", "smoke"), None)[0], None).collate([cifar.train[0]])
     assert tuple(x.shape) == (1, 3072)
+
+
+def test_schedule_override_gives_ef_without_a_schedule(tmp_path, capsys):
+    """`--schedule constant`: EF with a constant, un-normalised rate (the issue's 'EF without a schedule'); other
+    schedules are refused where they do not exist, naming the valid ones."""
+    from ief.experiments.optimizers import make_optimizer
+
+    cfg = resolve("digits-mlp", "smoke")
+    ef = optimizer_config(cfg, "ef", lr=1e-3, schedule="constant")
+    assert (ef.schedule, ef.lr, ef.damping) == ("constant", 1e-3, cfg.optimizers["ef"].damping)
+    model = torch.nn.Linear(3, 2)
+    opt, scheduler = make_optimizer(model, ef, total_steps=10)
+    assert scheduler is None and opt.param_groups[0]["normalize"] is False and opt.param_groups[0]["total_steps"] is None
+    opt, _ = make_optimizer(model, optimizer_config(cfg, "ief", schedule="normalised-linear"), total_steps=10)
+    assert opt.param_groups[0]["normalize"] is True and opt.param_groups[0]["total_steps"] == 10
+    with pytest.raises(ValueError, match="valid schedules: constant, normalised-linear, multistep"):
+        optimizer_config(cfg, "ef", schedule="cosine")
+    with pytest.raises(ValueError, match="ief, ef and sf only, not 'adamw'"):
+        optimizer_config(cfg, "adamw", schedule="normalised-linear")
+    with pytest.raises(ValueError, match="needs milestones"):
+        optimizer_config(resolve("tweets-minilm-lora", "smoke"), "sgd", schedule="multistep")
+    args = ["train", "--setup", "digits-mlp", "--optimizer", "ef", "--scale", "smoke", "--lr", "0.001",
+            "--schedule", "constant", "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    config = json.loads((tmp_path / "smoke" / "digits-mlp" / "ef" / "seed-0" / "config.json").read_text())
+    assert config["optimizer"]["schedule"] == "constant" and config["optimizer"]["lr"] == 0.001

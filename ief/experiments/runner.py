@@ -167,15 +167,16 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: str | Path = "runs", *,
-          lr: float | None = None, overrides: dict[str, Any] | None = None, device: str | None = None,
-          progress: bool = True, checkpoint_every_s: float = 120.0, verbose: bool = True) -> dict[str, Any]:
+          lr: float | None = None, schedule: str | None = None, overrides: dict[str, Any] | None = None,
+          device: str | None = None, progress: bool = True, checkpoint_every_s: float = 120.0,
+          verbose: bool = True) -> dict[str, Any]:
     """Run (or resume, or skip if finished) one training run; returns its summary (see :mod:`.store` for the files).
 
-    ``lr`` overrides the optimiser's learning rate and ``overrides`` fields of the resolved setup (both are
-    recorded in ``config.json``). Raises :class:`RunInterrupted` after SIGTERM/SIGINT (``resume.pt`` saved).
+    ``lr`` and ``schedule`` override the optimiser's learning rate and schedule, ``overrides`` fields of the resolved
+    setup (all recorded in ``config.json``). Raises :class:`RunInterrupted` after SIGTERM/SIGINT (``resume.pt`` saved).
     """
     cfg = resolve(setup, scale, overrides)
-    ocfg = optimizer_config(cfg, optimizer, lr)
+    ocfg = optimizer_config(cfg, optimizer, lr, schedule)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     root = run_dir(out, scale, setup, optimizer, seed)

@@ -380,8 +380,13 @@ def resolve(name: str, scale: str, overrides: dict[str, Any] | None = None) -> S
     return cfg
 
 
-def optimizer_config(cfg: SetupConfig, optimizer: str, lr: float | None = None) -> OptimizerConfig:
-    """The hyperparameters of ``optimizer`` for a resolved setup (``adam`` exists for the MLP setups only)."""
+SCHEDULES = ("constant", "normalised-linear", "multistep")
+
+
+def optimizer_config(cfg: SetupConfig, optimizer: str, lr: float | None = None,
+                     schedule: str | None = None) -> OptimizerConfig:
+    """The hyperparameters of ``optimizer`` for a resolved setup (``adam`` exists for the MLP setups only), with
+    optional ``lr`` and ``schedule`` overrides (e.g. EF with a ``constant``, un-normalised rate)."""
     _check("optimizer", optimizer, OPTIMIZERS)
     if optimizer not in cfg.optimizers:
         raise ValueError(f"optimizer {optimizer!r} is not defined for setup {cfg.name!r}; valid optimizers: "
@@ -389,4 +394,14 @@ def optimizer_config(cfg: SetupConfig, optimizer: str, lr: float | None = None) 
     opt = cfg.optimizers[optimizer]
     if lr is not None:
         opt = dataclasses.replace(opt, lr=float(lr), source=f"{opt.source}; lr overridden")
+    if schedule is not None:
+        _check("schedule", schedule, SCHEDULES)
+        if schedule == "multistep" and not opt.milestones:
+            raise ValueError(f"schedule 'multistep' needs milestones, which {optimizer!r} on {cfg.name!r} does not "
+                             f"have; valid schedules here: constant, normalised-linear")
+        if schedule == "normalised-linear" and optimizer not in ("ief", "ef", "sf"):
+            raise ValueError(f"schedule 'normalised-linear' (updates rescaled to norm lr) exists for ief, ef and sf "
+                             f"only, not {optimizer!r}; valid schedules here: constant"
+                             + (", multistep" if opt.milestones else ""))
+        opt = dataclasses.replace(opt, schedule=schedule, source=f"{opt.source}; schedule overridden")
     return opt

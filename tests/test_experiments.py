@@ -265,7 +265,8 @@ def test_schedule_override_gives_ef_without_a_schedule(tmp_path, capsys):
     assert (ef.schedule, ef.lr, ef.damping) == ("constant", 1e-3, cfg.optimizers["ef"].damping)
     model = torch.nn.Linear(3, 2)
     opt, scheduler = make_optimizer(model, ef, total_steps=10)
-    assert scheduler is None and opt.param_groups[0]["normalize"] is False and opt.param_groups[0]["total_steps"] is None
+    group = opt.param_groups[0]
+    assert scheduler is None and group["normalize"] is False and group["total_steps"] is None
     opt, _ = make_optimizer(model, optimizer_config(cfg, "ief", schedule="normalised-linear"), total_steps=10)
     assert opt.param_groups[0]["normalize"] is True and opt.param_groups[0]["total_steps"] == 10
     with pytest.raises(ValueError, match="valid schedules: constant, normalised-linear, multistep"):

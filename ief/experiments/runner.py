@@ -144,7 +144,7 @@ def _run_record(cfg: SetupConfig, opt: Any, seed: int) -> dict[str, Any]:
     return json.loads(json.dumps(store.finite_or_none(record)))  # tuples -> lists, as read back from JSON
 
 
-def _versions() -> dict[str, str]:
+def package_versions() -> dict[str, str]:
     import peft
     import transformers
 
@@ -196,7 +196,7 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
     model, preprocessor = build_model(cfg, data)
     model.to(dev)
     task = make_task(cfg, model, preprocessor)
-    store.write_json(root / "config.json", {**record, "device": str(dev), "versions": _versions()})
+    store.write_json(root / "config.json", {**record, "device": str(dev), "versions": package_versions()})
     n, bs = len(data.train), cfg.batch_size
     spe = math.ceil(n / bs)
     total = cfg.epochs * spe

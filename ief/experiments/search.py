@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from . import store
-from .runner import _versions, train
+from .runner import package_versions, train
 from .setups import OPTIMIZERS, SetupConfig, resolve
 
 RECORDS = Path(__file__).with_name("lr_search")  # the recorded cpu-scale searches: cpu-<setup>.json
@@ -127,7 +127,7 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
         "setup": setup, "scale": scale, "seed": seed, "grid_kind": grid_kind(cfg),
         "selection": "highest best-validation score among non-diverged runs; ties: lower final train loss, then "
                      "smaller lr; test metrics recorded, not used",
-        "environment": {**_versions(), "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+        "environment": {**package_versions(), "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
                         "cpu_count": os.cpu_count(), "device": "cuda" if torch.cuda.is_available() else "cpu"},
         "optimizers": {},
     }

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import store
+from .metrics import score
 from .runner import package_versions, train
 from .setups import OPTIMIZERS, SetupConfig, resolve
 
@@ -160,11 +161,13 @@ def load_record(setup: str, scale: str = "cpu") -> dict[str, Any] | None:
 
 
 def search_table(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (optimiser, learning rate) of a record: the numbers the choice was made on."""
+    """One row per (optimiser, learning rate) of a record: the numbers the choice was made on (and the test score of
+    the best-validation checkpoint, which the choice ignores)."""
     rows = []
     for name, o in record["optimizers"].items():
         for t in o["trials"]:
             rows.append({"optimizer": name, "lr": t["lr"], "chosen": t["lr"] == o["chosen_lr"],
                          "validation_score": t["validation_score"], "final_train_loss": t["final_train_loss"],
+                         "test_score": score(t["test"]) if t["test"] else None,
                          "diverged_at_step": t["diverged"], "wall_time_s": t["wall_time_s"]})
     return rows

@@ -170,8 +170,10 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
             "environment": {**package_versions(), "torch_threads": torch.get_num_threads(),
                             "machine": platform.machine(), "cpu_count": os.cpu_count(),
                             "device": "cuda" if torch.cuda.is_available() else "cpu"},
-            "optimizers": dict(old["optimizers"]) if old is not None else {},
+            "optimizers": {},
         }
+        for name, o in (old["optimizers"] if old is not None else {}).items():  # every trial names its seed
+            record["optimizers"][name] = {**o, "trials": _merge_trials(o["trials"], [], old_seed, tuple(o["grid"]))}
         for name, g in grids.items():
             before = record["optimizers"].get(name, {}).get("trials", [])
             trials = _merge_trials(before, results[name], old_seed, g.values)

@@ -4,7 +4,7 @@ never installed. Reading a file that is truncated or not what it should be raise
 
 Layout of ``DIR/<scale>/<setup>/<optimizer>/seed-<K>/``::
 
-    run.lock               the lock (fcntl.flock) of the process that owns the folder; kept, empty of meaning after
+    run.lock               the lock (fcntl.flock) of the process that owns the folder; it names the last owner
     config.json            the resolved setup and optimiser (compared on re-invocation)
     train_loss.csv         step, epoch, loss (mean cross-entropy per target token) of every update
     validation.jsonl       one line per evaluation: step, epoch, metrics, score

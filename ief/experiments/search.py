@@ -117,8 +117,8 @@ def trial_dir(out: str | Path, lr: float) -> Path:
 
 def _trial(summary: dict[str, Any], lr: float) -> dict[str, Any]:
     best = summary["best_validation"]
-    return {"lr": lr, "seed": summary["seed"], "final_train_loss": summary["final_train_loss"], "validation_score": best["score"],
-            "validation": best["metrics"], "best_step": best["step"], "steps": summary["steps"],
+    return {"lr": lr, "seed": summary["seed"], "final_train_loss": summary["final_train_loss"],
+            "validation_score": best["score"], "validation": best["metrics"], "best_step": best["step"], "steps": summary["steps"],
             "diverged": summary["diverged"]["step"] if summary["diverged"] else None,
             "test": summary["test"], "wall_time_s": summary["wall_time_s"]}
 
@@ -156,7 +156,7 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
                             wait_lock=wait_lock)
             results[name].append(_trial(summary, lr))
     with store.lock(folder, wait=True, name=f"{scale}-{setup}.lock", what="search record"):
-        store.remove_stale_temporaries(folder, owned=False)
+        store.remove_stale_temporaries(folder, owned=False, recursive=False)  # trials: their own
         old = store.read_json(path) if path.exists() else None
         if old is not None and (not isinstance(old, dict) or (old.get("setup"), old.get("scale")) != (setup, scale)):
             raise store.CorruptFile(f"{path} is not the search record of {setup!r} at {scale!r}: move it away")

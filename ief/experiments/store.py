@@ -79,13 +79,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(folder: Path, *, owned: bool = True) -> list[Path]:
-    """Remove the ``.NAME.tmp-PID`` files a killed writer left under ``folder`` (recursively); returns them.
+def remove_stale_temporaries(folder: Path, *, owned: bool = True, recursive: bool = True) -> list[Path]:
+    """Remove the ``.NAME.tmp-PID`` files a killed writer left in ``folder`` (and its subfolders); returns them.
 
     ``owned=True`` (the caller holds the folder's lock, so nobody else writes there): every temporary is stale.
     Otherwise only those whose PID is not alive are removed."""
     removed = []
-    for tmp in Path(folder).rglob(".*.tmp-*"):
+    for tmp in (Path(folder).rglob if recursive else Path(folder).glob)(".*.tmp-*"):
         m = _TMP.match(tmp.name)
         if m is None or not tmp.is_file():
             continue

@@ -181,7 +181,8 @@ def read_torch(path: Path) -> Any:
     try:  # our own files: RNG states are numpy objects
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, zipfile errors...
-        raise CorruptFile(f"{path} is truncated or not a torch checkpoint ({type(err).__name__}: {err})") from None
+        reason = str(err).split(". ")[0].splitlines()[0][:160] if str(err) else ""
+        raise CorruptFile(f"{path} is truncated or not a torch checkpoint ({type(err).__name__}: {reason})") from None
 
 
 def read_trainable(path: Path) -> dict[str, torch.Tensor]:

@@ -1,10 +1,17 @@
-"""Command line: ``python -m ief describe ...`` and ``python -m ief train ...`` (see :mod:`ief.experiments`)."""
+"""Command line: ``python -m ief describe ...`` and ``python -m ief train ...`` (see :mod:`ief.experiments`).
+
+Exit codes: 0 done (or skipped: finished), 2 bad input or an unreadable run file (an ``error:`` line naming the value
+or the file, nothing written), 1 missing data or weights, 75 the run is being run by another process (try again
+later, or pass ``--wait-lock``), 128 + N stopped by signal N (``resume.pt`` saved), 130 stopped at once.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 from typing import Any
+
+EXIT_LOCKED = 75  # EX_TEMPFAIL: another process owns the run folder; try again later
 
 
 def _value(text: str) -> Any:
@@ -50,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=float, default=120.0, metavar="SECONDS",
                    help="write resume.pt at least this often (default 120)")
     t.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    for q in (t, r):
+        q.add_argument("--wait-lock", action="store_true",
+                       help="when another process runs this run (e.g. a requeued job), wait for it instead of "
+                       "stopping with exit code 75; then resume it, or skip it if it finished")
     r.add_argument("--optimizer", action="append", default=[], metavar="O",
                    help="search only these optimisers (repeatable; default: every optimiser of the setup)")
     r.add_argument("--seed", type=int, default=0)
@@ -63,6 +74,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from .experiments import (MissingResource, RunInterrupted, describe, format_describe, resolve, scales_of, train)
+    from .experiments.runner import RunLocked
     from .experiments.setups import OPTIMIZERS, SETUPS
 
     try:
@@ -80,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             from .experiments.search import search
 
             record = search(args.setup, args.scale, args.out, optimizers=args.optimizer or None, seed=args.seed,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, wait_lock=args.wait_lock)
             if args.record:
                 store.write_json(args.record, record)
             return 0
@@ -90,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         train(args.setup, args.optimizer, args.seed, args.scale, args.out, lr=args.lr, schedule=args.schedule,
               overrides=overrides, device=args.device, progress=not args.no_progress,
-              checkpoint_every_s=args.checkpoint_every)
+              checkpoint_every_s=args.checkpoint_every, wait_lock=args.wait_lock)
         return 0
     except RunInterrupted as err:
         print(f"interrupted: {err}", file=sys.stderr)
         return 128 + int(err.signum)
+    except RunLocked as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_LOCKED
     except KeyboardInterrupt:
         print("stopped at once (second signal); the last resume.pt stays valid", file=sys.stderr)
         return 130

@@ -377,3 +377,120 @@ def test_lambda_lr_scheduler_with_ief():
     before = flat(c.model)
     opt.step(c.inputs, c.targets)
     assert_rel(flat(c.model) - before, -0.05 * d, what="scheduled update")
+
+
+# ------------------------------------------------------------------- values arriving through param_groups (issue 9)
+_BAD_GROUP_VALUES = [
+    ("lr", float("nan"), "nan"), ("lr", float("inf"), "inf"), ("lr", -0.1, "-0.1"), ("lr", "fast", "'fast'"),
+    ("lr", None, "None"), ("damping", float("nan"), "damping must be a finite"), ("damping", -1.0, "-1.0"),
+    ("total_steps", 0, "total_steps"),
+]
+
+
+@pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
+@pytest.mark.parametrize("key,value,shown", _BAD_GROUP_VALUES, ids=lambda v: repr(v)[:12])
+def test_bad_values_written_into_param_groups_are_refused_at_every_step(cls, key, value, shown):
+    """After a good step, a value written into ``param_groups`` (by hand, a scheduler or ``load_state_dict``) is
+    checked before the next step touches anything: ``ValueError`` naming the group, the key and the value; the
+    parameters and the step counter are unchanged (before: NaN parameters or an ascent step)."""
+    c = mlp_case()
+    opt = cls(c.model, lr=0.05, damping=1e-3)
+    opt.step(c.inputs, c.targets)
+    before = flat(c.model)
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=r"step 1: param_groups\[0\]") as info:
+        opt.step(c.inputs, c.targets)
+    assert shown in str(info.value) and key in str(info.value)
+    assert torch.equal(flat(c.model), before) and opt.steps_taken == 1
+
+
+def test_zero_damping_from_param_groups_refused_for_sf_only():
+    c = mlp_case()
+    sf, ief_opt = ief.optim.SF(c.model, damping=1e-3), ief.optim.IEF(copy.deepcopy(c.model), damping=1e-3)
+    sf.param_groups[0]["damping"] = ief_opt.param_groups[0]["damping"] = 0.0
+    with pytest.raises(ValueError, match=r"damping must be a finite number > 0, got 0.0"):
+        sf.step(c.inputs, c.targets)
+    ief_opt.step(c.inputs, c.targets)
+    assert ief_opt.steps_taken == 1
+
+
+def test_bad_lr_through_a_scheduler_and_through_load_state_dict():
+    c = mlp_case()
+    opt = ief.optim.EF(c.model, lr=0.05, damping=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: [1.0, -2.0][min(k, 1)])
+    opt.step(c.inputs, c.targets)
+    sched.step()  # lr -> -0.1
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] must be a finite number >= 0.*got -0.1"):
+        opt.step(c.inputs, c.targets)
+    state = ief.optim.EF(c.model, lr=0.05, damping=1e-3).state_dict()
+    state["param_groups"][0]["lr"] = float("nan")
+    fresh = ief.optim.EF(c.model, lr=0.05, damping=1e-3)
+    fresh.load_state_dict(state)
+    before = flat(c.model)
+    with pytest.raises(ValueError, match=r"\['lr'\].*got nan"):
+        fresh.step(c.inputs, c.targets)
+    assert torch.equal(flat(c.model), before)
+
+
+def test_zero_lr_from_a_warmup_scheduler_is_a_zero_update():
+    """A warm-up schedule starts at ``lr = 0`` (as torch's optimisers allow): the step leaves the parameters, counts."""
+    c = mlp_case()
+    opt = ief.optim.IEF(c.model, lr=1.0, damping=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda k: k / 2)
+    before = flat(c.model)
+    opt.step(c.inputs, c.targets)
+    assert torch.equal(flat(c.model), before) and opt.steps_taken == 1
+
+
+@pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
+def test_error_text_is_not_doubled(cls):
+    """"step 1: non-finite ...; parameters left unchanged" once (before: "step 1: step 1: ... unchanged;
+    parameters left unchanged")."""
+    c = mlp_case()
+    opt = cls(c.model, lr=0.05, damping=1e-3)
+    opt.step(c.inputs, c.targets)
+    with pytest.raises(FloatingPointError) as info:
+        opt.step(_inf_input(c), c.targets)
+    text = str(info.value)
+    assert text.startswith("step 1: ") and text.count("step 1") == 1
+    assert text.count("parameters left unchanged") == 1 and text.endswith("parameters left unchanged")
+
+
+@pytest.mark.parametrize("check", ["bogus", "EXACT", 1, 0, "sum", None])
+@pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
+def test_bad_check_is_refused_by_the_constructor(cls, check):
+    c = mlp_case()
+    with pytest.raises(ValueError, match=r"check must be one of True, False, 'exact', got") as info:
+        cls(c.model, check=check)
+    assert repr(check) in str(info.value)
+
+
+def test_sf_state_dict_saves_and_restores_the_generator():
+    """SF(generator=g): a run saved after 2 steps and resumed in a fresh process-like setting (new model copy, new
+    generator with another seed, state loaded) takes exactly the steps of the uninterrupted run."""
+    c = mlp_case()
+    start = copy.deepcopy(c.model)
+    straight = ief.optim.SF(c.model, lr=0.05, damping=1e-2, generator=torch.Generator().manual_seed(5))
+    for _ in range(4):
+        straight.step(c.inputs, c.targets)
+    expected = flat(c.model)
+
+    model = copy.deepcopy(start)
+    first = ief.optim.SF(model, lr=0.05, damping=1e-2, generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        first.step(c.inputs, c.targets)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": first.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    assert "generator_state" in saved["opt"]
+    resumed_model = copy.deepcopy(start)
+    resumed_model.load_state_dict(saved["model"])
+    resumed = ief.optim.SF(resumed_model, lr=0.05, damping=1e-2, generator=torch.Generator().manual_seed(123))
+    resumed.load_state_dict(saved["opt"])
+    for _ in range(2):
+        resumed.step(c.inputs, c.targets)
+    assert torch.equal(flat(resumed_model), expected)
+    with pytest.raises(ValueError, match="generator=torch.Generator"):
+        ief.optim.SF(copy.deepcopy(start)).load_state_dict(saved["opt"])
+    assert "generator_state" not in ief.optim.SF(copy.deepcopy(start)).state_dict()  # global RNG: nothing to save

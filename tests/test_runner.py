@@ -7,12 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from ief.experiments import RunConflict, run_dir, train
+from ief.__main__ import main
 from ief.experiments import runner, store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,10 +53,12 @@ def test_run_files(reference):
     best = max(evals, key=lambda e: e["score"])  # the first of the best scores
     assert summary["best_validation"]["step"] == best["step"]
     ckpts = sorted(p.name for p in (root / "checkpoints").iterdir())
-    assert ckpts == ["best.pt", "epoch-001.pt", "epoch-002.pt", "epoch-003.pt"]
+    assert ckpts == ["best.pt", "epoch-001.pt", "epoch-002.pt", "epoch-003.pt", "stage-000.pt", "stage-025.pt",
+                     "stage-050.pt", "stage-075.pt", "stage-100.pt"]
     state = torch.load(root / "checkpoints" / "epoch-003.pt")
     assert state and all("lora" in k or "classifier" in k for k in state)
-    assert not (root / "resume.pt").exists() and not list(root.rglob(".*.tmp-*"))
+    assert not (root / "resume.pt").exists() and not (root / "resume.prev.pt").exists()
+    assert not list(root.rglob(".*.tmp-*"))
     assert set(summary) >= {"final_train_loss", "best_validation", "test", "wall_time_s", "trainable_parameters"}
 
 
@@ -65,14 +70,17 @@ def test_same_seed_same_summary_other_seed_differs(reference, tmp_path):
 
 
 _CHILD = """
-import sys, time, torch
+import os, sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
 import ief.experiments.runner as r
 inner = r.train_step
+gate = os.environ.get("IEF_TEST_GATE")  # if set: hold after the first step until this file exists
 def slow(*a, **k):
     out = inner(*a, **k)
     print("STEP", flush=True)
     time.sleep(0.2)
+    while gate and not os.path.exists(gate):
+        time.sleep(0.05)
     return out
 r.train_step = slow
 from ief.__main__ import main
@@ -108,9 +116,11 @@ def test_resume_after_sigterm_and_sigint_gives_the_same_summary(reference, tmp_p
     resumed = train(SETUP, OPT, 3, "smoke", tmp_path, overrides=LONGER, progress=False, verbose=False)
     assert _numbers(resumed) == _numbers(summary)
     assert _files(root) == _files(ref_root)
-    for name in ("best.pt", "epoch-003.pt"):
+    names = ["best.pt", "epoch-003.pt", *(p.name for p in store.stage_checkpoints(ref_root).values())]
+    assert sorted(store.stage_checkpoints(root)) == [0, 25, 50, 75, 100]  # none lost, none added by resuming
+    for name in names:  # stage-000 and stage-025 were written before the interruption, the others after
         a, b = torch.load(root / "checkpoints" / name), torch.load(ref_root / "checkpoints" / name)
-        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_resume_after_a_crash_from_the_periodic_checkpoint(reference, tmp_path, monkeypatch):
@@ -138,6 +148,9 @@ def test_finished_run_is_skipped_and_conflicts_refused(reference, monkeypatch, c
     assert "skipped (finished)" in capsys.readouterr().out
     with pytest.raises(RunConflict, match="different configuration"):
         train(SETUP, OPT, 3, "smoke", out, lr=0.5, overrides=LONGER, progress=False, verbose=False)
+    registered = runner.resolve(SETUP, "smoke").optimizers[OPT]  # the registered values are no override
+    assert train(SETUP, OPT, 3, "smoke", out, lr=registered.lr, schedule=registered.schedule, overrides=LONGER,
+                 progress=False, verbose=False) == summary
 
 
 def test_atomic_writes_leave_the_old_file_intact(tmp_path, monkeypatch):
@@ -164,3 +177,258 @@ def test_divergence_ends_the_run_with_a_summary(tmp_path):
     assert s["diverged"] is not None and s["steps"] < 8
     assert s["best_validation"]["metrics"] and (run_dir(tmp_path, "smoke", "digits-mlp", "ief", 0) / "summary.json"
                                                 ).exists()
+
+
+# ------------------------------------------------------------------------------------- issue 9 §5: the hardened runner
+FAST = ["train", "--setup", "digits-mlp", "--optimizer", "ief", "--scale", "smoke", "--no-progress"]  # 8 steps, <1 s
+
+
+def _fast_root(out: Path) -> Path:
+    return run_dir(out, "smoke", "digits-mlp", "ief", 0)
+
+
+@pytest.fixture(scope="module")
+def fast_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fast")
+    return train("digits-mlp", "ief", 0, "smoke", out, progress=False, verbose=False), _fast_root(out)
+
+
+@pytest.mark.parametrize("extra,shown", [
+    (["--lr", "-1"], "got -1.0"), (["--lr", "nan"], "got nan"), (["--lr", "0"], "got 0.0"),
+    (["--set", "batch_size=0"], "batch_size must be a positive integer, got 0"),
+    (["--set", "batch_size=-4"], "got -4"), (["--set", "epochs=0"], "epochs must be a positive integer, got 0"),
+    (["--set", "epochs=1.5"], "got 1.5"), (["--set", "eval_every=0"], "eval_every"),
+    (["--set", "eval_batch_size=0"], "eval_batch_size"), (["--set", 'sizes={"train": 0}'], "sizes['train']"),
+    (["--set", "stage_fractions=[0, 1.5]"], "stage_fractions"), (["--set", "stage_fractions=[0.5, 0.501]"], "twice"),
+    (["--device", "bogus"], "unknown device 'bogus'; valid devices: cpu, cuda"),
+    (["--device", "cuda"], "device 'cuda': no CUDA GPU"), (["--device", "meta"], "device 'meta' is not supported"),
+    (["--schedule", "cosine"], "unknown schedule 'cosine'"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_input_is_an_error_line_and_writes_nothing(extra, shown, tmp_path, capsys, monkeypatch):
+    """Every rejected invocation: exit code 2, one ``error:`` line naming the value, no traceback, and nothing
+    written, so that the corrected command then runs in the same folder (before: config.json written first, then
+    'holds a run with a different configuration'; batch_size=0, epochs=0, bogus devices, cuda: tracebacks)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main([*FAST, "--out", str(tmp_path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and shown in err and "Traceback" not in err
+    assert not list(tmp_path.rglob("*"))
+
+
+def test_unwritable_out_is_an_error_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    assert main([*FAST, "--out", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the run folder") and str(tmp_path / "file") in err
+
+
+def test_a_rejected_invocation_leaves_the_folder_usable_and_registered_lr_is_no_conflict(fast_reference, tmp_path,
+                                                                                          capsys):
+    assert main([*FAST, "--out", str(tmp_path), "--set", "batch_size=0"]) == 2
+    registered = runner.resolve("digits-mlp", "smoke").optimizers["ief"].lr
+    assert main([*FAST, "--out", str(tmp_path), "--lr", repr(registered)]) == 0
+    assert main([*FAST, "--out", str(tmp_path)]) == 0  # the same run: skipped, no conflict
+    assert "skipped (finished)" in capsys.readouterr().out
+    assert _numbers(store.read_json(_fast_root(tmp_path) / "summary.json")) == _numbers(fast_reference[0])
+
+
+def test_a_locked_run_folder_refuses_a_second_process(tmp_path, capsys):
+    root = _fast_root(tmp_path)
+    with store.lock(root):  # another owner (a separate open file description: flock excludes it like a process)
+        (root / "run.lock").write_text("PID 4242 on node7 since now\n")
+        with pytest.raises(runner.RunLocked, match="PID 4242 on node7.*--wait-lock"):
+            train("digits-mlp", "ief", 0, "smoke", tmp_path, progress=False, verbose=False)
+        assert main([*FAST, "--out", str(tmp_path)]) == 75
+        assert capsys.readouterr().err.startswith(f"error: {root} is in use by PID 4242")
+    assert not (root / "config.json").exists()
+    train("digits-mlp", "ief", 0, "smoke", tmp_path, progress=False, verbose=False)  # released: runs
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+            and p.name != "run.lock"}
+
+
+def test_a_lagging_duplicate_cannot_corrupt_a_run(fast_reference, tmp_path, capsys):
+    """The issue's scenario: the same run started twice (a SLURM requeue, a second terminal), the second lagging
+    behind the first. Before: the first to finish loaded the other's best.pt (test accuracy 0.54 instead of 0.97),
+    the folder kept a truncated train_loss.csv and a stray resume.pt. Now the first (a child process, held after
+    its first update) owns the folder: a duplicate without --wait-lock stops at once (exit 75), one with
+    --wait-lock (this process) waits and then skips the finished run; the folder is exactly an uninterrupted run's
+    and is not written again."""
+    summary, ref_root = fast_reference
+    root, args = _fast_root(tmp_path), [*FAST, "--out", str(tmp_path)]
+    gate = tmp_path / "gate"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               IEF_TEST_GATE=str(gate))
+    first = subprocess.Popen([sys.executable, "-c", _CHILD, str(torch.get_num_threads()), *args], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert first.stdout.readline().startswith("STEP")  # the first owns the folder and is training
+        assert main(args) == 75  # an impatient duplicate
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {root} is in use by PID {first.pid}") and "--wait-lock" in err
+        result: dict = {}
+        lagging = threading.Thread(target=lambda: result.update(rc=main([*args, "--wait-lock"])))
+        lagging.start()
+        seen, deadline = "", time.time() + 60
+        while "waiting for PID" not in seen and time.time() < deadline:
+            time.sleep(0.05)
+            seen += capsys.readouterr().err
+        assert f"waiting for PID {first.pid}" in seen
+        gate.touch()  # let the first finish while the duplicate waits
+        first.stdout.read()
+        assert first.wait(timeout=120) == 0
+        lagging.join(timeout=120)
+    finally:
+        gate.touch()
+        first.kill()
+    assert result == {"rc": 0} and capsys.readouterr().out.startswith("skipped (finished)")
+    done = _snapshot(root)
+    assert main(args) == 0 and _snapshot(root) == done  # a finished run is never written again
+    assert _numbers(store.read_json(root / "summary.json")) == _numbers(summary)
+    assert _files(root) == _files(ref_root) and not (root / "resume.pt").exists()
+
+
+def _crash_at(monkeypatch, step: int | None = None, *, in_test_evaluation: bool = False):
+    """Make the next run crash (a RuntimeError) before update ``step`` or in the final test evaluation."""
+    inner_step, inner_eval, calls = runner.train_step, runner.evaluate, []
+
+    def crash_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            raise RuntimeError("simulated crash")
+        return inner_step(*args, **kwargs)
+
+    def crash_eval(model, task, sets, *args, **kwargs):
+        if "test" in sets:
+            raise RuntimeError("simulated crash")
+        return inner_eval(model, task, sets, *args, **kwargs)
+
+    if step is not None:
+        monkeypatch.setattr(runner, "train_step", crash_step)
+    if in_test_evaluation:
+        monkeypatch.setattr(runner, "evaluate", crash_eval)
+
+
+def _crashed_run(out: Path, monkeypatch, **kwargs) -> Path:
+    with monkeypatch.context() as m:
+        _crash_at(m, **kwargs)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train("digits-mlp", "ief", 0, "smoke", out, progress=False, verbose=False, checkpoint_every_s=0)
+    return _fast_root(out)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_unreadable_resume_falls_back_to_the_previous_one(damage, fast_reference, tmp_path, monkeypatch):
+    root = _crashed_run(tmp_path, monkeypatch, step=5)
+    data = (root / "resume.pt").read_bytes()
+    (root / "resume.pt").write_bytes(data[: len(data) // 2] if damage == "truncated" else b"garbage" * 9)
+    with pytest.warns(RuntimeWarning, match=r"resume.pt is truncated or not a torch checkpoint.*resume.prev.pt"):
+        resumed = train("digits-mlp", "ief", 0, "smoke", tmp_path, progress=False, verbose=False)
+    assert _numbers(resumed) == _numbers(fast_reference[0])
+    assert (root / "resume.pt.corrupt").exists() and not (root / "resume.prev.pt").exists()
+
+
+def test_unreadable_resume_without_a_fallback_is_an_error_naming_the_file(tmp_path, monkeypatch, capsys):
+    root = _crashed_run(tmp_path, monkeypatch, step=5)
+    (root / "resume.prev.pt").unlink()
+    (root / "resume.pt").write_bytes((root / "resume.pt").read_bytes()[:200])
+    for _ in range(2):  # every re-run says the same, no traceback
+        assert main([*FAST, "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {root / 'resume.pt'} is truncated") and "to restart this run from step 0" in err
+    (root / "resume.pt").unlink()  # the remedy
+    assert main([*FAST, "--out", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("best_step,damage,outcome", [
+    (8, "missing", "the parameters after update 8"),  # the best is the last update: the model holds it
+    (4, "truncated", "checkpoints/epoch-001.pt"),  # a checkpoint of the same step
+    (6, "garbage", "checkpoints/stage-075.pt"),
+    (3, "missing", None),  # nothing else holds step 3: stop, name the file and the remedy
+])
+def test_unreadable_best_checkpoint(best_step, damage, outcome, fast_reference, tmp_path, monkeypatch, capsys):
+    root = _crashed_run(tmp_path, monkeypatch, in_test_evaluation=True)  # training done, crash before the test set
+    ck = torch.load(root / "resume.pt", weights_only=False)
+    assert ck["state"]["training_done"] and ck["state"]["best"]["step"] == 8
+    ck["state"]["best"]["step"] = best_step
+    torch.save(ck, root / "resume.pt")
+    best = root / "checkpoints" / "best.pt"
+    source = {8: best, 4: root / "checkpoints" / "epoch-001.pt", 6: root / "checkpoints" / "stage-075.pt"}
+    expected = torch.load(source.get(best_step, best))
+    {"missing": best.unlink, "truncated": lambda: best.write_bytes(best.read_bytes()[:150]),
+     "garbage": lambda: best.write_bytes(b"\x00" * 64)}[damage]()
+    if outcome is None:
+        assert main([*FAST, "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {best} does not exist") and "step 3" in err and f"remove {root}" in err
+        return
+    with pytest.warns(RuntimeWarning, match=f"taken from {outcome}"):
+        summary = train("digits-mlp", "ief", 0, "smoke", tmp_path, progress=False, verbose=False)
+    rewritten = torch.load(best)
+    assert all(torch.equal(rewritten[k], expected[k]) for k in expected)
+    if best_step == 8:
+        assert _numbers(summary) == _numbers(fast_reference[0])
+
+
+def test_checkpoints_are_verified_when_written(tmp_path, monkeypatch):
+    """A short write (here: the file cut after fsync) is detected by reading it back: OSError, the previous file
+    intact, no temporary left."""
+    path = tmp_path / "resume.pt"
+    store.write_torch(path, {"x": torch.ones(3)})
+    real_fsync = store.os.fsync
+
+    def short_write(fd):
+        real_fsync(fd)
+        os.ftruncate(fd, 10)
+
+    monkeypatch.setattr(store.os, "fsync", short_write)
+    with pytest.raises(OSError, match="differ from the bytes written"):
+        store.write_torch(path, {"x": torch.zeros(3)})
+    monkeypatch.undo()
+    assert torch.equal(store.read_torch(path)["x"], torch.ones(3)) and [p.name for p in tmp_path.iterdir()] == [
+        "resume.pt"]
+
+
+def test_stale_temporaries_are_removed_by_the_next_run(fast_reference, tmp_path, monkeypatch):
+    """``.NAME.tmp-PID`` files of a writer killed mid-write (before: kept forever) are removed by the next owner of
+    the folder; outside a locked folder only those of dead processes go."""
+    root = _crashed_run(tmp_path, monkeypatch, step=3)
+    left = [root / ".resume.pt.tmp-999999999", root / "checkpoints" / f".best.pt.tmp-{os.getpid()}",
+            root / f".train_loss.csv.tmp-{os.getpid()}"]
+    for p in left:
+        p.write_bytes(b"half a file")
+    assert _numbers(train("digits-mlp", "ief", 0, "smoke", tmp_path, progress=False, verbose=False)) == _numbers(
+        fast_reference[0])
+    assert not list(root.rglob(".*.tmp-*"))
+    alive, dead = tmp_path / f".x.json.tmp-{os.getpid()}", tmp_path / ".x.json.tmp-999999999"
+    alive.write_text("{"), dead.write_text("{")
+    assert store.remove_stale_temporaries(tmp_path, owned=False) == [dead] and alive.exists()
+
+
+def test_stage_checkpoints(fast_reference, tmp_path):
+    """The contract with the evaluation code: stage-PPP.pt after update round(f * total) for the setup's
+    stage_fractions (recorded in config.json); stage-000 the initial model, stage-100 the final one; five stages
+    even for a one-epoch run; other fractions through --set."""
+    summary, root = fast_reference
+    stages = store.stage_checkpoints(root)
+    assert list(stages) == [0, 25, 50, 75, 100] and all(p.parent.name == "checkpoints" for p in stages.values())
+    assert summary["stages"] == {"000": 0, "025": 2, "050": 4, "075": 6, "100": 8}
+    assert store.read_json(root / "config.json")["setup"]["stage_fractions"] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    final, epoch1 = torch.load(root / "checkpoints" / "epoch-002.pt"), torch.load(root / "checkpoints" / "epoch-001.pt")
+    state = {k: torch.load(p) for k, p in stages.items()}
+    assert all(torch.equal(state[100][k], final[k]) and torch.equal(state[50][k], epoch1[k]) for k in final)
+    runner.seed_everything(0)
+    cfg = runner.resolve("digits-mlp", "smoke")
+    initial = store.trainable_state(runner.build_model(cfg, runner.load_data(cfg))[0])
+    assert all(torch.equal(state[0][k], initial[k]) for k in initial)
+    assert not torch.equal(state[0]["net.0.weight" if "net.0.weight" in final else next(iter(final))],
+                           final["net.0.weight" if "net.0.weight" in final else next(iter(final))])
+    s = train("digits-mlp", "ief", 0, "smoke", tmp_path, overrides={"epochs": 1}, progress=False, verbose=False)
+    assert s["stages"] == {"000": 0, "025": 1, "050": 2, "075": 3, "100": 4}
+    assert list(store.stage_checkpoints(_fast_root(tmp_path))) == [0, 25, 50, 75, 100]
+    s = train("digits-mlp", "ief", 0, "smoke", tmp_path / "custom", overrides={"stage_fractions": [1, 0, 0.5]},
+              progress=False, verbose=False)
+    assert s["stages"] == {"000": 0, "050": 4, "100": 8}
+    assert list(store.stage_checkpoints(_fast_root(tmp_path / "custom"))) == [0, 50, 100]

@@ -95,3 +95,61 @@ def test_cpu_learning_rates_are_the_recorded_search(name):
     smoke = resolve(name, "smoke")
     assert {o: c.lr for o, c in smoke.optimizers.items()} == {o: c.lr for o, c in cfg.optimizers.items()}
     assert set(OPTIMIZERS) >= set(cfg.optimizers)
+
+
+def _fake_train(calls):
+    """``train`` as search calls it, without training: the numbers are a function of (optimizer, lr, seed)."""
+    def train(setup, name, seed, scale, out, *, lr, **kwargs):
+        calls.append((name, lr, seed))
+        score = 0.5 + 0.1 * seed + (0.3 if lr == S.GRIDS["mlp"][name].values[1] else 0.0)
+        return {"seed": seed, "final_train_loss": 1.0 / (1 + seed), "steps": 8, "diverged": None, "test": None,
+                "wall_time_s": 0.1, "best_validation": {"score": score, "metrics": {"accuracy": score}, "step": 8}}
+    return train
+
+
+def test_search_merges_other_optimisers_and_seeds_into_the_record(tmp_path, monkeypatch):
+    """A search of a subset of optimisers or of another seed adds its trials to the record (before: it replaced the
+    whole record); a rate's seeds are averaged for the choice; a record from before per-trial seeds keeps its
+    trials under its seed."""
+    calls: list = []
+    monkeypatch.setattr(S, "train", _fake_train(calls))
+    path = tmp_path / "lr-search" / "smoke-digits-mlp.json"
+    S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], verbose=False)
+    S.search("digits-mlp", "smoke", tmp_path, optimizers=["ief"], verbose=False)
+    record = json.loads(path.read_text())
+    assert set(record["optimizers"]) == {"sgd", "ief"} and record["seeds"] == [0] and record["seed"] == 0
+    S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], seed=1, verbose=False)
+    record = json.loads(path.read_text())
+    assert set(record["optimizers"]) == {"sgd", "ief"} and record["seeds"] == [0, 1] and record["seed"] is None
+    sgd = record["optimizers"]["sgd"]
+    assert [(t["lr"], t["seed"]) for t in sgd["trials"]] == [(lr, k) for lr in S.GRIDS["mlp"]["sgd"].values
+                                                             for k in (0, 1)]
+    assert sgd["chosen_lr"] == S.GRIDS["mlp"]["sgd"].values[1] == S.choose(sgd["trials"])
+    assert [t["seed"] for t in record["optimizers"]["ief"]["trials"]] == [0, 0, 0]
+    S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], seed=1, verbose=False)  # again: nothing doubled
+    assert json.loads(path.read_text())["optimizers"] == record["optimizers"]
+
+    old = json.loads(path.read_text())  # a record written before trials named their seed
+    old["seed"] = 0
+    for o in old["optimizers"].values():
+        o["trials"] = [{k: v for k, v in t.items() if k != "seed"} for t in o["trials"] if t["seed"] == 0]
+    path.write_text(json.dumps(old))
+    S.search("digits-mlp", "smoke", tmp_path, optimizers=["ief"], seed=2, verbose=False)
+    record = json.loads(path.read_text())
+    assert [t["seed"] for t in record["optimizers"]["ief"]["trials"]] == [0, 2] * 3
+    assert [t["seed"] for t in record["optimizers"]["sgd"]["trials"]] == [0, 0, 0]
+
+
+def test_choice_averages_the_seeds_of_a_rate():
+    t = lambda lr, seed, score, loss=0.1, div=None: {**_trial(lr, score, loss, div), "seed": seed}  # noqa: E731
+    assert S.choose([t(1, 0, 0.9), t(1, 1, 0.5), t(10, 0, 0.8), t(10, 1, 0.8)]) == 10  # mean 0.7 < 0.8
+    assert S.choose([t(1, 0, 0.9), t(1, 1, 0.9, div=3), t(10, 0, 0.5)]) == 10  # a diverged seed rules a rate out
+
+
+def test_search_record_that_is_not_one_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(S, "train", _fake_train([]))
+    path = tmp_path / "lr-search" / "smoke-digits-mlp.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"setup": "cola-t5-lora"')
+    with pytest.raises(ValueError, match=f"{path} is truncated or not JSON"):
+        S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], verbose=False)

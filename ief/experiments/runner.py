@@ -10,7 +10,28 @@ and the histories. It is written every ``checkpoint_every_s`` seconds of wall ti
 arrives (the signal is honoured after the current update, or aborts an evaluation, whose result is then recomputed
 on resume). A second signal stops at once; the last checkpoint stays valid because every file is written
 atomically. Evaluation touches no RNG and no parameter, so a resumed run ends with exactly the numbers of an
-uninterrupted one. A run whose ``summary.json`` exists is skipped.
+uninterrupted one. A run whose ``summary.json`` exists is skipped and never written again.
+
+One process per run folder: the runner holds an ``fcntl.flock`` on ``run.lock`` in the folder (the kernel releases it
+when the process dies, however it dies). A second invocation of the same run (a SLURM requeue, a second terminal)
+stops with ``error: ... is in use by PID N ...`` (exit code 75, "try again later") or, with ``wait_lock=True``
+(``--wait-lock``), waits for the first and then resumes it or, when it finished, skips it. Temporaries
+``.NAME.tmp-PID`` left by a writer killed mid-write are removed by the next owner of the folder.
+
+Everything is checked before anything is written: the setup fields (``--set``: epochs, batch sizes, evaluation
+frequency, sizes, stage fractions), ``lr`` (finite, > 0; equal to the registered rate it is no override), the
+schedule, the seed, the device (known, and present) and that ``out`` can be written. Checkpoints are read back when
+written (:mod:`.store`) and checked when read: an unreadable ``resume.pt`` falls back to ``resume.prev.pt`` (the
+previous one) and an unreadable or missing ``checkpoints/best.pt`` to another checkpoint of the same step; when
+there is none, the run stops with an error naming the file and what to do.
+
+Stage checkpoints (the contract with the evaluation code): ``checkpoints/stage-PPP.pt`` holds the trainable
+parameters (:func:`.store.trainable_state`) after update ``round(f * total_steps)`` (Python's ``round``) for every
+fraction ``f`` of the setup's ``stage_fractions`` (default 0, 0.25, 0.5, 0.75, 1; recorded in ``config.json``),
+``PPP = round(100 * f)`` in 3 digits: ``stage-000`` is the initial model, ``stage-100`` the model after the last
+update, so even a one-epoch run has five stages. A resumed run writes each exactly as an uninterrupted one (the
+same file, the same parameters). :func:`.store.stage_checkpoints` lists them; ``summary.json`` maps each written
+stage to its update (a run that diverged lacks the stages past the divergence).
 """
 from __future__ import annotations
 
@@ -18,10 +39,12 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import random
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +72,10 @@ class RunInterrupted(Exception):
 
 class RunConflict(ValueError):
     """The run folder holds a run with a different configuration."""
+
+
+RunLocked = store.Locked  # another process owns the run folder
+DEVICES = "cpu, cuda, cuda:N, mps"
 
 
 class _Aborted(Exception):
@@ -166,63 +193,248 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{fmt(s['best_validation']['metrics'])} | test: {fmt(s['test'])}{div} | {s['wall_time_s']:.1f}s")
 
 
+def _positive_int(field: str, value: Any, *, none_ok: bool = False) -> None:
+    if none_ok and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"setup field {field} must be a positive integer{' or null' if none_ok else ''}, "
+                         f"got {value!r}")
+
+
+def check_setup(cfg: SetupConfig) -> SetupConfig:
+    """The fields a run relies on, checked (``ValueError`` naming the field and the value); ``stage_fractions`` as a
+    sorted tuple of floats."""
+    _positive_int("epochs", cfg.epochs)
+    _positive_int("batch_size", cfg.batch_size)
+    _positive_int("eval_batch_size", cfg.eval_batch_size)
+    _positive_int("eval_every", cfg.eval_every, none_ok=True)
+    _positive_int("max_length", cfg.max_length, none_ok=True)
+    if not isinstance(cfg.sizes, dict):
+        raise ValueError(f"setup field sizes must be a mapping split -> size, got {cfg.sizes!r}")
+    for split, size in cfg.sizes.items():
+        _positive_int(f"sizes[{split!r}]", size, none_ok=True)
+    fractions = cfg.stage_fractions
+    bad = not isinstance(fractions, (list, tuple)) or not fractions or any(
+        isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1 for f in fractions)
+    if bad:
+        raise ValueError(f"setup field stage_fractions must be a non-empty list of numbers in [0, 1], got "
+                         f"{fractions!r}")
+    names = [store.stage_name(f) for f in fractions]
+    if len(set(names)) != len(names):
+        raise ValueError(f"setup field stage_fractions {list(fractions)!r} name the same stage twice "
+                         f"({sorted(names)}): fractions must differ by at least 0.01")
+    return dataclasses.replace(cfg, stage_fractions=tuple(sorted(float(f) for f in fractions)))
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``device`` checked: known to torch, one of cpu / cuda[:N] / mps, and present here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"unknown device {device!r}; valid devices: {DEVICES}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA GPU is available here (torch {torch.__version__}); use "
+                             f"--device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {device!r}: MPS is not available here; use --device cpu")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {device!r} is not supported; valid devices: {DEVICES}")
+    return dev
+
+
+def _check_lr(lr: Any) -> float | None:
+    if lr is None:
+        return None
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}") from None
+    if isinstance(lr, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    return value
+
+
+def _comparable(record: dict[str, Any]) -> dict[str, Any]:
+    """What must agree between config.json and an invocation: everything but the optimiser's provenance text (an
+    ``--lr`` equal to the registered rate is no override); a config.json from before ``stage_fractions`` existed
+    takes the default."""
+    out = json.loads(json.dumps(record))
+    if isinstance(out.get("optimizer"), dict):
+        out["optimizer"].pop("source", None)
+    if isinstance(out.get("setup"), dict):
+        out["setup"].setdefault("stage_fractions", list(SetupConfig.__dataclass_fields__["stage_fractions"].default))
+    return out
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        saved = store.read_json(path)
+    except store.CorruptFile as err:
+        raise store.CorruptFile(f"{err}: remove {path.parent} to start this run again, or restore the file") from None
+    if not isinstance(saved, dict):
+        raise store.CorruptFile(f"{path} is not a run configuration: remove {path.parent} to start this run again")
+    return saved
+
+
 def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: str | Path = "runs", *,
           lr: float | None = None, schedule: str | None = None, overrides: dict[str, Any] | None = None,
           device: str | None = None, progress: bool = True, checkpoint_every_s: float = 120.0,
-          verbose: bool = True) -> dict[str, Any]:
+          verbose: bool = True, wait_lock: bool = False) -> dict[str, Any]:
     """Run (or resume, or skip if finished) one training run; returns its summary (see :mod:`.store` for the files).
 
     ``lr`` and ``schedule`` override the optimiser's learning rate and schedule, ``overrides`` fields of the resolved
-    setup (all recorded in ``config.json``). Raises :class:`RunInterrupted` after SIGTERM/SIGINT (``resume.pt`` saved).
+    setup (all recorded in ``config.json``). Every argument is checked before anything is written (``ValueError``).
+    Raises :class:`RunLocked` when another process runs this run (``wait_lock=True``: wait for it instead),
+    :class:`RunInterrupted` after SIGTERM/SIGINT (``resume.pt`` saved), :class:`.store.CorruptFile` when a file of
+    the run cannot be read and nothing can replace it (the message names the file and the remedy).
     """
-    cfg = resolve(setup, scale, overrides)
-    ocfg = optimizer_config(cfg, optimizer, lr, schedule)
+    cfg = check_setup(resolve(setup, scale, overrides))
+    registered = optimizer_config(cfg, optimizer)
+    lr = _check_lr(lr)
+    ocfg = optimizer_config(cfg, optimizer, None if lr == registered.lr else lr,
+                            None if schedule == registered.schedule else schedule)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    dev = resolve_device(device)
     root = run_dir(out, scale, setup, optimizer, seed)
     record = _run_record(cfg, ocfg, seed)
-    if (root / "config.json").exists():
-        saved = store.read_json(root / "config.json")
-        if {k: saved.get(k) for k in record} != record:
-            raise RunConflict(f"{root} holds a run with a different configuration (config.json); use another --out")
-        if (root / "summary.json").exists():
-            summary = store.read_json(root / "summary.json")
-            if verbose:
-                print(f"skipped (finished): {format_summary(summary)}")
-            return summary
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with contextlib.ExitStack() as owner:
+        try:
+            owner.enter_context(store.lock(root, wait=wait_lock))
+        except OSError as err:
+            raise ValueError(f"cannot write the run folder {root} (out={str(out)!r}): "
+                             f"{err.strerror or err}") from None
+        store.remove_stale_temporaries(root)
+        if (root / "config.json").exists():
+            saved = _read_config(root / "config.json")
+            if _comparable({k: saved.get(k) for k in record}) != _comparable(record):
+                raise RunConflict(f"{root} holds a run with a different configuration (config.json); use another "
+                                  f"--out")
+            if (root / "summary.json").exists():
+                try:
+                    summary = store.read_json(root / "summary.json")
+                except store.CorruptFile as err:
+                    raise store.CorruptFile(f"{err}: the run's result is lost; remove {root} to train it again"
+                                            ) from None
+                if verbose:
+                    print(f"skipped (finished): {format_summary(summary)}")
+                return summary
+        return _train_owned(cfg, ocfg, record, root, setup, optimizer, seed, scale, dev, progress,
+                            checkpoint_every_s, verbose)
+
+
+_RESUME_KEYS = ("model", "optimizer", "scheduler", "state", "rng")
+
+
+def _resume(root: Path, model: torch.nn.Module, opt: Any, scheduler: Any) -> dict[str, Any] | None:
+    """Load ``resume.pt``, or ``resume.prev.pt`` when it cannot be read or does not fit; the run state or ``None``
+    (no checkpoint: start). :class:`.store.CorruptFile` naming the files when neither can be used."""
+    problems = []
+    for name in ("resume.pt", "resume.prev.pt"):
+        path = root / name
+        if not path.exists():
+            continue
+        try:
+            ck = store.read_torch(path)
+            if not isinstance(ck, dict) or not set(_RESUME_KEYS) <= set(ck):
+                raise store.CorruptFile(f"{path} is not a resume checkpoint (keys {_RESUME_KEYS} expected)")
+            try:
+                store.load_trainable(model, ck["model"])
+                opt.load_state_dict(ck["optimizer"])
+                if scheduler is not None:
+                    scheduler.load_state_dict(ck["scheduler"])
+                state = dict(ck["state"])
+                _set_rng_state(ck["rng"])
+            except (ValueError, KeyError, TypeError, RuntimeError) as err:
+                raise store.CorruptFile(f"{path} does not fit this run ({type(err).__name__}: {err})") from None
+        except store.CorruptFile as err:
+            problems.append(str(err))
+            continue
+        if problems:
+            warnings.warn(f"{problems[0]}; resumed from the previous checkpoint {path} (step {state['done']})",
+                          RuntimeWarning, stacklevel=3)
+            with contextlib.suppress(OSError):
+                os.replace(root / "resume.pt", root / "resume.pt.corrupt")  # kept for inspection, out of the way
+        return state
+    if problems:
+        raise store.CorruptFile(f"{'; '.join(problems)}; no readable resume checkpoint: remove "
+                                f"{root / 'resume.pt'} (and resume.prev.pt) to restart this run from step 0, or "
+                                f"restore it from a backup")
+    return None
+
+
+def _load_best(root: Path, model: torch.nn.Module, state: dict[str, Any], candidates: list[Path]) -> None:
+    """Put the best-validation parameters into ``model``: ``checkpoints/best.pt``, or, when it is missing or cannot
+    be read, another checkpoint of the same step (rewritten as best.pt); else :class:`.store.CorruptFile`."""
+    best = root / "checkpoints" / "best.pt"
+    try:
+        store.load_trainable(model, store.read_trainable(best))
+        return
+    except (FileNotFoundError, ValueError) as err:  # CorruptFile is a ValueError, as is a mismatch
+        problem = f"{err}" if best.name in str(err) else f"{best}: {err}"
+    step = state["best"]["step"]
+    found = None
+    if step == state["done"]:  # the model holds the parameters after the last update (or before a failed one)
+        found = f"the parameters after update {step} (resume state)"
+    for path in candidates if found is None else []:
+        try:
+            store.load_trainable(model, store.read_trainable(path))
+        except (FileNotFoundError, ValueError):
+            continue
+        found = str(path.relative_to(root))
+        break
+    if found is None:
+        raise store.CorruptFile(f"{problem}; no other checkpoint holds the parameters of the best validation (step "
+                                f"{step}): remove {root} to train this run again")
+    warnings.warn(f"{problem}; the best-validation parameters (step {step}) were taken from {found} and best.pt "
+                  f"rewritten", RuntimeWarning, stacklevel=3)
+    store.write_torch(best, store.trainable_state(model))
+
+
+def _train_owned(cfg: SetupConfig, ocfg: Any, record: dict[str, Any], root: Path, setup: str, optimizer: str,
+                 seed: int, scale: str, dev: torch.device, progress: bool, checkpoint_every_s: float,
+                 verbose: bool) -> dict[str, Any]:
+    """The run itself, once ``train`` holds the folder's lock and found it unfinished."""
     seed_everything(seed)
     data = load_data(cfg)  # missing data or weights fail here, before anything is written
     model, preprocessor = build_model(cfg, data)
     model.to(dev)
     task = make_task(cfg, model, preprocessor)
-    store.write_json(root / "config.json", {**record, "device": str(dev), "versions": package_versions()})
     n, bs = len(data.train), cfg.batch_size
     spe = math.ceil(n / bs)
     total = cfg.epochs * spe
     eval_every = cfg.eval_every or spe
     opt, scheduler = make_optimizer(model, ocfg, total)
     total_params, trainable_params = count_parameters(model)
+    store.write_json(root / "config.json", {**record, "device": str(dev), "versions": package_versions()})
+    stages = {store.stage_name(f): round(f * total) for f in cfg.stage_fractions}  # file -> update after which
 
     state: dict[str, Any] = {"done": 0, "post_pending": False, "training_done": False, "losses": [], "evals": [],
                              "best": None, "diverged": None, "wall": 0.0}
-    resume = root / "resume.pt"
-    if resume.exists():
-        ck = store.read_torch(resume)
-        store.load_trainable(model, ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(ck["scheduler"])
-        state = ck["state"]
-        _set_rng_state(ck["rng"])
+    resume, previous = root / "resume.pt", root / "resume.prev.pt"
+    state = _resume(root, model, opt, scheduler) or state
     t0, wall0, last_save = time.time(), state["wall"], time.time()
 
     def save_resume() -> None:
         state["wall"] = wall0 + time.time() - t0
         store.write_text(root / "train_loss.csv", store.loss_csv(state["losses"], spe))
+        if resume.exists():
+            os.replace(resume, previous)  # the fallback should the new one turn out unreadable
         store.write_torch(resume, {"model": store.trainable_state(model), "optimizer": opt.state_dict(),
                                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
                                    "state": state, "rng": _rng_state()})
+
+    def write_stages(done: int) -> None:
+        for name, at in stages.items():
+            if at == done:
+                store.write_torch(root / "checkpoints" / name, store.trainable_state(model))
 
     def validate(done: int, sig: _Signals) -> None:
         if state["evals"] and state["evals"][-1]["step"] == done:
@@ -241,6 +453,7 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
         """What follows update ``done``: validation when due, the epoch checkpoint and the epoch scheduler."""
         if done % eval_every == 0 or done == total:
             validate(done, sig)
+        write_stages(done)
         if done % spe == 0:
             store.write_torch(root / "checkpoints" / f"epoch-{done // spe:03d}.pt", store.trainable_state(model))
             if scheduler is not None:
@@ -252,6 +465,8 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
         try:
             if not state["training_done"]:
                 model.train()
+                if state["done"] == 0:
+                    write_stages(0)  # the initial model
                 if state["post_pending"]:
                     post(state["done"], sig)
                 bar = tqdm(total=total, initial=state["done"], desc=name, disable=not progress, dynamic_ncols=True)
@@ -285,7 +500,10 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
                 state["training_done"] = True
                 save_resume()
             best = state["best"]
-            store.load_trainable(model, store.read_torch(root / "checkpoints" / "best.pt"))
+            same_step = [root / "checkpoints" / f"epoch-{best['step'] // spe:03d}.pt"] if best["step"] % spe == 0 \
+                else []
+            same_step += [root / "checkpoints" / name for name, at in stages.items() if at == best["step"]]
+            _load_best(root, model, state, same_step)
             results = evaluate(model, task, data.test, dev, cfg.eval_batch_size,
                                abort=lambda: sig.pending is not None, progress=progress)
         except _Aborted:
@@ -306,11 +524,13 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
                             "score": best["score"]},
         "test": metrics_of(cfg.task, results), "test_predictions": predictions,
         "diverged": state["diverged"], "total_parameters": total_params, "trainable_parameters": trainable_params,
+        "stages": {name[len("stage-"):-len(".pt")]: at for name, at in stages.items() if at <= state["done"]},
         "wall_time_s": wall0 + time.time() - t0,
     }
     store.write_text(root / "train_loss.csv", store.loss_csv(losses, spe))
     store.write_json(root / "summary.json", summary)
     resume.unlink(missing_ok=True)
+    previous.unlink(missing_ok=True)
     summary = store.read_json(root / "summary.json")  # as a re-invocation would return it
     if verbose:
         print(format_summary(summary))

@@ -15,7 +15,8 @@ not run at all for LoRA and the MLP; AdamW for prompt tuning and the MLP) get a 
 
 Choice: the highest best-validation score (:func:`~ief.experiments.metrics.score`, the mean of the split's
 metrics) among the runs that did not diverge; ties go to the lower final training loss, then to the smaller learning
-rate. Test metrics are recorded but never used. One seed (0) per learning rate: a small search.
+rate. Test metrics are recorded but never used. One seed (0) per learning rate: a small search. Searches of more
+seeds or of other optimisers merge into the record (a rate's seeds are averaged for the choice).
 """
 from __future__ import annotations
 
@@ -94,13 +95,19 @@ def grid(cfg: SetupConfig, optimizer: str) -> Grid:
 
 def choose(trials: list[dict[str, Any]]) -> float | None:
     """The chosen learning rate: best validation score among the non-diverged trials, then the lower final training
-    loss, then the smaller rate; ``None`` when every trial diverged."""
-    ok = [t for t in trials if not t["diverged"] and t["validation_score"] is not None
-          and math.isfinite(t["validation_score"])]
-    if not ok:
-        return None
-    loss = lambda t: t["final_train_loss"] if t["final_train_loss"] is not None else math.inf  # noqa: E731
-    return min(ok, key=lambda t: (-t["validation_score"], loss(t), t["lr"]))["lr"]
+    loss, then the smaller rate; ``None`` when every trial diverged. With several seeds of one rate (merged searches),
+    the rate's score and loss are the means over its seeds, and it counts as diverged when any seed diverged."""
+    by_lr: dict[float, list[dict[str, Any]]] = {}
+    for t in trials:
+        by_lr.setdefault(t["lr"], []).append(t)
+    ok = []
+    for lr, ts in by_lr.items():
+        if any(t["diverged"] or t["validation_score"] is None or not math.isfinite(t["validation_score"]) for t in ts):
+            continue
+        losses = [t["final_train_loss"] for t in ts]
+        loss = math.inf if any(v is None for v in losses) else sum(losses) / len(losses)
+        ok.append((-sum(t["validation_score"] for t in ts) / len(ts), loss, lr))
+    return min(ok)[2] if ok else None
 
 
 def trial_dir(out: str | Path, lr: float) -> Path:
@@ -110,43 +117,80 @@ def trial_dir(out: str | Path, lr: float) -> Path:
 
 def _trial(summary: dict[str, Any], lr: float) -> dict[str, Any]:
     best = summary["best_validation"]
-    return {"lr": lr, "final_train_loss": summary["final_train_loss"], "validation_score": best["score"],
-            "validation": best["metrics"], "best_step": best["step"], "steps": summary["steps"],
+    return {"lr": lr, "seed": summary["seed"], "final_train_loss": summary["final_train_loss"],
+            "validation_score": best["score"], "validation": best["metrics"], "best_step": best["step"], "steps": summary["steps"],
             "diverged": summary["diverged"]["step"] if summary["diverged"] else None,
             "test": summary["test"], "wall_time_s": summary["wall_time_s"]}
 
 
+def _merge_trials(old: list[dict[str, Any]], new: list[dict[str, Any]], seed_of_old: int | None,
+                  values: tuple[float, ...]) -> list[dict[str, Any]]:
+    """``old`` trials with ``new`` ones added (a new trial replaces the old one of the same rate and seed), ordered
+    by the grid's rate order, then seed. Trials of records from before per-trial seeds take the record's seed."""
+    merged = {(t["lr"], t.get("seed", seed_of_old)): {**t, "seed": t.get("seed", seed_of_old)} for t in old}
+    merged.update({(t["lr"], t["seed"]): t for t in new})
+    order = {v: i for i, v in enumerate(values)}
+    return sorted(merged.values(), key=lambda t: (order.get(t["lr"], len(order)), t["lr"], t["seed"]))
+
+
 def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimizers: list[str] | None = None,
-           seed: int = 0, progress: bool = True, verbose: bool = True) -> dict[str, Any]:
+           seed: int = 0, progress: bool = True, verbose: bool = True, wait_lock: bool = False) -> dict[str, Any]:
     """Run every learning rate of every optimiser's grid (finished runs are skipped, interrupted ones resume) and
     return the record: the grids, every trial's numbers and the chosen rates. Also written to
-    ``OUT/lr-search/<scale>-<setup>.json``."""
+    ``OUT/lr-search/<scale>-<setup>.json``, merged with what is there: a search of other optimisers or another seed
+    adds its trials (each trial names its ``seed``; ``seeds`` lists them) and the choices are made again over all
+    of an optimiser's trials. ``wait_lock``: wait for a trial that another process is running (see
+    :func:`~ief.experiments.runner.train`)."""
     cfg = resolve(setup, scale)
     names = list(optimizers) if optimizers else [o for o in OPTIMIZERS if o in cfg.optimizers]
     grids = {name: grid(cfg, name) for name in names}  # unknown names fail before anything runs
-    record: dict[str, Any] = {
-        "setup": setup, "scale": scale, "seed": seed, "grid_kind": grid_kind(cfg),
-        "selection": "highest best-validation score among non-diverged runs; ties: lower final train loss, then "
-                     "smaller lr; test metrics recorded, not used",
-        "environment": {**package_versions(), "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
-                        "cpu_count": os.cpu_count(), "device": "cuda" if torch.cuda.is_available() else "cpu"},
-        "optimizers": {},
-    }
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    folder = Path(out) / "lr-search"
+    path = folder / f"{scale}-{setup}.json"
+    results: dict[str, list[dict[str, Any]]] = {}
     for name, g in grids.items():
-        trials = []
+        results[name] = []
         for lr in g.values:
-            summary = train(setup, name, seed, scale, trial_dir(out, lr), lr=lr, progress=progress, verbose=verbose)
-            trials.append(_trial(summary, lr))
-        chosen = choose(trials)
-        base = cfg.optimizers[name]
-        record["optimizers"][name] = {
-            "grid": list(g.values), "grid_source": g.source, "chosen_lr": chosen, "trials": trials,
-            "fixed": {"damping": base.damping, "weight_decay": base.weight_decay, "schedule": base.schedule,
-                      "milestones": list(base.milestones)},
+            summary = train(setup, name, seed, scale, trial_dir(out, lr), lr=lr, progress=progress, verbose=verbose,
+                            wait_lock=wait_lock)
+            results[name].append(_trial(summary, lr))
+    with store.lock(folder, wait=True, name=f"{scale}-{setup}.lock", what="search record"):
+        store.remove_stale_temporaries(folder, owned=False, recursive=False)  # trials: their own
+        old = store.read_json(path) if path.exists() else None
+        if old is not None and (not isinstance(old, dict) or (old.get("setup"), old.get("scale")) != (setup, scale)):
+            raise store.CorruptFile(f"{path} is not the search record of {setup!r} at {scale!r}: move it away")
+        old_seed = old.get("seed") if old is not None else None
+        old_seed = old_seed if isinstance(old_seed, int) else None
+        record: dict[str, Any] = {
+            "setup": setup, "scale": scale, "grid_kind": grid_kind(cfg),
+            "selection": "highest best-validation score among non-diverged runs (several seeds of a rate: their "
+                         "mean; any diverged: diverged); ties: lower final train loss, then smaller lr; test metrics "
+                         "recorded, not used",
+            "environment": {**package_versions(), "torch_threads": torch.get_num_threads(),
+                            "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                            "device": "cuda" if torch.cuda.is_available() else "cpu"},
+            "optimizers": {},
         }
-        if verbose:
-            print(f"{setup}/{name}: chosen lr {chosen} from {list(g.values)}")
-    store.write_json(Path(out) / "lr-search" / f"{scale}-{setup}.json", record)
+        for name, o in (old["optimizers"] if old is not None else {}).items():  # every trial names its seed
+            record["optimizers"][name] = {**o, "trials": _merge_trials(o["trials"], [], old_seed, tuple(o["grid"]))}
+        for name, g in grids.items():
+            before = record["optimizers"].get(name, {}).get("trials", [])
+            trials = _merge_trials(before, results[name], old_seed, g.values)
+            chosen = choose(trials)
+            base = cfg.optimizers[name]
+            record["optimizers"][name] = {
+                "grid": list(g.values), "grid_source": g.source, "chosen_lr": chosen, "trials": trials,
+                "fixed": {"damping": base.damping, "weight_decay": base.weight_decay, "schedule": base.schedule,
+                          "milestones": list(base.milestones)},
+            }
+            if verbose:
+                print(f"{setup}/{name}: chosen lr {chosen} from {list(g.values)}")
+        seeds = sorted({t.get("seed", old_seed) for o in record["optimizers"].values() for t in o["trials"]}
+                       - {None})
+        record["seeds"] = seeds
+        record["seed"] = seeds[0] if len(seeds) == 1 else None  # the one seed of a single-seed search
+        store.write_json(path, record)
     return record
 
 

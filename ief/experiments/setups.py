@@ -107,6 +107,8 @@ class SetupConfig:
     paper_trainable_parameters: int | None = None
     provisional: bool = False
     notes: tuple[str, ...] = ()
+    # fractions of training at which the runner saves checkpoints/stage-PPP.pt (PPP = round(100 * fraction))
+    stage_fractions: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,27 +1,54 @@
-"""A run's files, every one written atomically (a temporary file in the same folder, fsync, then ``os.replace``), so
-an interrupted write leaves the previous version intact.
+"""A run's files, every one written atomically (a temporary ``.NAME.tmp-PID`` in the same folder, fsync, read back
+and compared, then ``os.replace``), so an interrupted write leaves the previous version intact and a short write is
+never installed. Reading a file that is truncated or not what it should be raises :class:`CorruptFile` naming it.
 
 Layout of ``DIR/<scale>/<setup>/<optimizer>/seed-<K>/``::
 
+    run.lock               the lock (fcntl.flock) of the process that owns the folder; it names the last owner
     config.json            the resolved setup and optimiser (compared on re-invocation)
     train_loss.csv         step, epoch, loss (mean cross-entropy per target token) of every update
     validation.jsonl       one line per evaluation: step, epoch, metrics, score
     checkpoints/epoch-NNN.pt   trainable parameters at the end of every epoch
+    checkpoints/stage-PPP.pt   trainable parameters at fraction PPP/100 of training (see :func:`stage_checkpoints`)
     checkpoints/best.pt    trainable parameters of the best validation score
     resume.pt              everything needed to continue (removed once summary.json exists)
+    resume.prev.pt         the previous resume.pt, the fallback when resume.pt cannot be read
     predictions/*.tsv      GLUE test predictions in the submission format (GLUE setups)
-    summary.json           written last: its presence marks a finished run
+    summary.json           written last: its presence marks a finished run, which is never written again
+
+A run folder belongs to one process at a time (:func:`lock`); temporaries left by a killed writer are removed by the
+next owner (:func:`remove_stale_temporaries`).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import io
 import json
 import math
 import os
+import re
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+LOCK_NAME = "run.lock"
+_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
+
+
+class CorruptFile(ValueError):
+    """A run file that is truncated, unreadable or not what it should be; the message names the file."""
+
+
+class Locked(RuntimeError):
+    """Another process holds the lock of a run folder (or of a search record)."""
 
 
 def _atomic_bytes(path: Path, data: bytes) -> None:
@@ -33,10 +60,82 @@ def _atomic_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        with open(tmp, "rb") as f:  # verify what reached the disk before it replaces the previous version
+            if f.read() != data:
+                raise OSError(f"{tmp}: the bytes read back differ from the bytes written; {path} left as it was")
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: Path, *, owned: bool = True, recursive: bool = True) -> list[Path]:
+    """Remove the ``.NAME.tmp-PID`` files a killed writer left in ``folder`` (and its subfolders); returns them.
+
+    ``owned=True`` (the caller holds the folder's lock, so nobody else writes there): every temporary is stale.
+    Otherwise only those whose PID is not alive are removed."""
+    removed = []
+    for tmp in (Path(folder).rglob if recursive else Path(folder).glob)(".*.tmp-*"):
+        m = _TMP.match(tmp.name)
+        if m is None or not tmp.is_file():
+            continue
+        if owned or not _pid_alive(int(m["pid"])):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
+
+
+def _holder(lock_file: Path) -> str:
+    with contextlib.suppress(OSError):
+        text = lock_file.read_text().strip()
+        if text:
+            return text
+    return "another process"
+
+
+@contextlib.contextmanager
+def lock(folder: Path, *, wait: bool = False, name: str = LOCK_NAME, what: str = "run") -> Iterator[Path]:
+    """Hold an exclusive ``fcntl.flock`` on ``folder/name`` (created) for the duration; a crash releases it.
+
+    ``wait=False``: raise :class:`Locked` at once when another process holds it; ``wait=True``: block until it is
+    free (printing one line to stderr). On a file system without locks a warning says duplicates are not excluded.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock_file = folder / name
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(lock_file)
+            if not wait:
+                raise Locked(f"{folder} is in use by {holder} (lock {lock_file}): this {what} is already running; "
+                             f"wait for it to finish (or pass --wait-lock to wait), or stop it first") from None
+            print(f"waiting for {holder} to release {lock_file} ...", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            warnings.warn(f"{lock_file}: the file system does not support locks ({err}); a duplicate of this {what} "
+                          f"would not be excluded", RuntimeWarning, stacklevel=3)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"PID {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                  .encode(), 0)
+        yield lock_file
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def finite_or_none(value: Any) -> Any:
@@ -55,8 +154,12 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    with open(path) as f:
-        return json.load(f)
+    """The JSON in ``path``; :class:`CorruptFile` (naming it) when it cannot be parsed."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CorruptFile(f"{path} is truncated or not JSON ({err})") from None
 
 
 def write_text(path: Path, text: str) -> None:
@@ -70,7 +173,46 @@ def write_torch(path: Path, obj: Any) -> None:
 
 
 def read_torch(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=False)  # our own files: RNG states are numpy objects
+    """A file written by :func:`write_torch`; :class:`CorruptFile` (naming it) when truncated or not a torch file.
+    ``FileNotFoundError`` when it does not exist."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    try:  # our own files: RNG states are numpy objects
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, zipfile errors...
+        reason = str(err).split(". ")[0].splitlines()[0][:160] if str(err) else ""
+        raise CorruptFile(f"{path} is truncated or not a torch checkpoint ({type(err).__name__}: {reason})") from None
+
+
+def read_trainable(path: Path) -> dict[str, torch.Tensor]:
+    """A file of :func:`trainable_state` (``best.pt``, ``epoch-NNN.pt``, ``stage-PPP.pt``), checked to be a dict of
+    tensors by name; :class:`CorruptFile` otherwise."""
+    state = read_torch(path)
+    if not isinstance(state, dict) or not state or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise CorruptFile(f"{path} is not a checkpoint of trainable parameters (a dict of tensors by name)")
+    return state
+
+
+def stage_name(fraction: float) -> str:
+    """``checkpoints/stage-PPP.pt`` for a fraction of training: ``PPP = round(100 * fraction)``, 3 digits."""
+    return f"stage-{round(100 * fraction):03d}.pt"
+
+
+def stage_checkpoints(run_root: Path) -> dict[int, Path]:
+    """The stage checkpoints of a run folder, ``{percent: path}`` in increasing order of percent.
+
+    ``checkpoints/stage-PPP.pt`` holds the trainable parameters (:func:`trainable_state`) after update
+    ``round(PPP/100 * total_steps)`` (``stage-000``: the initial model, ``stage-100``: after the last update); the
+    fractions are the setup's ``stage_fractions`` (``config.json``). A run that diverged lacks the stages past its
+    divergence; read one with :func:`read_trainable` and :func:`load_trainable`."""
+    found = {}
+    for path in (Path(run_root) / "checkpoints").glob("stage-*.pt"):
+        m = re.fullmatch(r"stage-(\d{3})\.pt", path.name)
+        if m:
+            found[int(m[1])] = path
+    return dict(sorted(found.items()))
 
 
 def loss_csv(losses: list[float], steps_per_epoch: int) -> str:

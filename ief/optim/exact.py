@@ -10,7 +10,15 @@ itself. The calling convention::
 ``inputs`` is what the model takes (a tensor, a tuple, or a dict passed as ``model(**inputs)``), ``targets`` are
 class indices with ``-100`` for ignored positions (or float targets with ``loss="mse"``). There is no ``.grad`` to
 zero and no closure. ``lr`` and ``damping`` live in ``param_groups`` so torch LR schedulers work, and
-``state_dict()`` / ``load_state_dict()`` round-trip the step counter.
+``state_dict()`` / ``load_state_dict()`` round-trip the step counter (and SF's ``generator`` state).
+
+Bad values are refused before anything changes: the constructor checks ``lr`` (finite, > 0), ``damping`` (finite,
+>= 0; > 0 for SF), ``total_steps`` and ``check``; every ``step`` checks the values it is about to use again, because
+a scheduler, ``load_state_dict`` or the user can write any value into ``param_groups``. There ``lr == 0`` is
+accepted (a zero update: warm-up schedulers start at 0, as torch's optimisers allow), a negative or non-finite
+``lr`` or a bad ``damping`` raises ``ValueError`` naming the group, the key and the value, with the parameters and
+the step counter untouched. A non-finite loss, gradient or update raises ``FloatingPointError`` ("step N: ...;
+parameters left unchanged"), also before any parameter changes.
 
 Schedules: ``normalize=True`` rescales each update to norm ``lr`` ("normalised update"), and ``total_steps=T``
 multiplies the step size by ``1 - t/T`` (linear decay to 0). The paper trains EF and SF with both
@@ -28,7 +36,7 @@ from collections.abc import Iterable
 import torch
 
 from ..directions import ef_direction, ief_direction, sf_direction
-from ..jacobian import gradient_and_sampled_jacobian, per_sample
+from ..jacobian import CHECKS, gradient_and_sampled_jacobian, per_sample
 from ..losses import Loss, check_damping
 from ..model_call import Inputs, all_finite, resolve_params, split_vector
 
@@ -41,6 +49,21 @@ def _check_positive(name: str, value: float) -> float:
     if not math.isfinite(out) or out <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return out
+
+
+def _check_check(check) -> bool | str:
+    """``check`` as accepted by :func:`ief.per_sample`: ``True``, ``False`` or ``"exact"`` (refused at construction
+    rather than at the first step)."""
+    if check is True or check is False or (isinstance(check, str) and check == "exact"):
+        return check
+    raise ValueError(f"check must be one of {', '.join(map(repr, CHECKS))}, got {check!r}")
+
+
+def _check_total_steps(total_steps) -> int | None:
+    if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                    or total_steps < 1):
+        raise ValueError(f"total_steps must be a positive integer or None (no decay), got {total_steps!r}")
+    return total_steps
 
 
 class _ExactPreconditioned(torch.optim.Optimizer):
@@ -65,9 +88,8 @@ class _ExactPreconditioned(torch.optim.Optimizer):
                 f"model must be a torch.nn.Module (the optimiser runs its forward), got {type(model).__name__}")
         lr = _check_positive("lr", lr)
         damping = check_damping(damping, allow_zero=not self._needs_positive_damping)
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
-                                        or total_steps < 1):
-            raise ValueError(f"total_steps must be a positive integer or None (no decay), got {total_steps!r}")
+        total_steps = _check_total_steps(total_steps)
+        check = _check_check(check)
         chosen = resolve_params(model, params)
         super().__init__(chosen, dict(lr=lr, damping=damping, normalize=bool(normalize), total_steps=total_steps))
         if len(self.param_groups) != 1:
@@ -86,6 +108,24 @@ class _ExactPreconditioned(torch.optim.Optimizer):
 
     def _direction(self, inputs: Inputs, targets: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def _check_group(self, index: int, group: dict) -> None:
+        """The values of ``param_groups[index]`` that a step uses, checked before the step touches anything (a
+        scheduler, ``load_state_dict`` or the user may have written them)."""
+        where = f"step {self.steps_taken}: param_groups[{index}]"
+        lr = group.get("lr")
+        try:
+            value = float(lr)
+        except (TypeError, ValueError):
+            value = math.nan
+        if isinstance(lr, bool) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{where}['lr'] must be a finite number >= 0 (set by a scheduler, load_state_dict or "
+                             f"by hand), got {lr!r}; parameters left unchanged")
+        try:
+            check_damping(group.get("damping"), allow_zero=not self._needs_positive_damping)
+            _check_total_steps(group.get("total_steps"))
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}; parameters left unchanged") from None
 
     def _step_size(self, group: dict, direction_norm: float) -> float:
         size = group["lr"]
@@ -106,6 +146,8 @@ class _ExactPreconditioned(torch.optim.Optimizer):
 
         Raises ``FloatingPointError`` (parameters untouched) if the loss, the gradients or the update are not finite.
         """
+        for index, g in enumerate(self.param_groups):
+            self._check_group(index, g)
         group = self.param_groups[0]
         number = self.steps_taken
         try:
@@ -138,11 +180,11 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         self._raise_if_nonfinite(result.losses, result.jacobian)
         return result
 
-    def _raise_if_nonfinite(self, losses: torch.Tensor, jacobian: torch.Tensor) -> None:
+    @staticmethod
+    def _raise_if_nonfinite(losses: torch.Tensor, jacobian: torch.Tensor) -> None:
+        """Inside ``_direction``: ``step`` adds the step number and "parameters left unchanged" (once)."""
         if not (all_finite(losses) and all_finite(jacobian)):
-            raise FloatingPointError(
-                f"step {self.steps_taken}: non-finite loss or per-sample gradients; parameters left unchanged"
-            )
+            raise FloatingPointError("non-finite loss or per-sample gradients")
 
 
 class IEF(_ExactPreconditioned):
@@ -200,5 +242,23 @@ class SF(_ExactPreconditioned):
         )
         self._raise_if_nonfinite(losses, sampled)
         if not torch.isfinite(grad).all():
-            raise FloatingPointError(f"step {self.steps_taken}: non-finite gradient; parameters left unchanged")
+            raise FloatingPointError("non-finite gradient")
         return losses, sf_direction(sampled, grad, group["damping"])
+
+    def state_dict(self) -> dict:
+        """The torch optimiser state plus, with ``generator=``, the generator's state (so that a resumed run
+        draws the same labels as an uninterrupted one)."""
+        state = super().state_dict()
+        if self.generator is not None:
+            state["generator_state"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        generator_state = state_dict.pop("generator_state", None)
+        if generator_state is not None and self.generator is None:
+            raise ValueError("this state_dict holds the state of SF's generator, but this SF has none (it would draw "
+                             "labels from the global RNG): construct it with generator=torch.Generator() to resume")
+        super().load_state_dict(state_dict)
+        if generator_state is not None:
+            self.generator.set_state(generator_state)

@@ -327,13 +327,17 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
     if key in reported:
         return
     reported.add(key)
-    owner = {id(p): type(mod).__name__ for mod in model.modules() for p in mod.parameters(recurse=False)}
+    owner = {id(p): mod for mod in model.modules() for p in mod.parameters(recurse=False)}
     reasons: dict[str, list[str]] = {}
     for i in loop:
         why = capture.demoted.get(i)
         if why is None:
-            kind = owner.get(id(capture.params[i]))
-            why = f"{kind}: no per-sample hook for this layer type" if kind else "a parameter of no module"
+            mod = owner[id(capture.params[i])]
+            kind = type(mod).__name__
+            if type(mod).__module__.startswith("torch.nn"):
+                why = f"{kind}: no per-sample hook for this layer type"
+            else:
+                why = f"a bare parameter of {kind}, used outside any hooked layer"
         reasons.setdefault(why, []).append(names[i])
     listed = "; ".join(f"{', '.join(ns)} ({why})" for why, ns in reasons.items())
     warnings.warn(

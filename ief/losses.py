@@ -51,7 +51,7 @@ def require_finite(logits: torch.Tensor, what: str = "logits") -> None:
     if bool(bad.any()):
         at = _first_index(bad)
         raise FloatingPointError(
-            f"non-finite {what}: {float(logits[at])} at index {at} of a tensor of shape {tuple(logits.shape)}"
+            f"non-finite {what}: {float(logits.detach()[at])} at index {at} of a tensor of shape {tuple(logits.shape)}"
         )
 
 
@@ -95,8 +95,8 @@ class CrossEntropy:
         if bool(bad.any()):
             at = _first_index(bad)
             raise FloatingPointError(
-                f"logits hold {float(logits[at])} at index {at} (shape {tuple(logits.shape)}): NaN and +inf logits "
-                "have no softmax; -inf (a masked class) is the only non-finite value accepted"
+                f"logits hold {float(logits.detach()[at])} at index {at} (shape {tuple(logits.shape)}): NaN and +inf "
+                "logits have no softmax; -inf (a masked class) is the only non-finite value accepted"
             )
         empty = torch.isneginf(logits).all(dim=-1)
         if bool(empty.any()):

@@ -21,7 +21,7 @@ Conventions, followed by every function of the package:
   same random state, so dropout masks are identical across the passes a computation needs.
 """
 from . import optim
-from .curvature import FisherOperator, fisher_vp, gamma
+from .curvature import FisherOperator, ForwardModeUnsupported, fisher_vp, gamma
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import CGResult, hessian_free
 from .jacobian import PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample, sampled_jacobian
@@ -41,6 +41,7 @@ __all__ = [
     "sf_direction",
     "fisher_vp",
     "FisherOperator",
+    "ForwardModeUnsupported",
     "gamma",
     "hessian_free",
     "CGResult",

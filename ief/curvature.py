@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -69,6 +70,67 @@ def check_logits(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> Non
     check_finite(logits, targets) if check_finite is not None else require_finite(logits)
 
 
+class ForwardModeUnsupported(NotImplementedError):
+    """An operation of the model has no forward-mode AD rule (the message names the module and the way out)."""
+
+
+def _dual_forward(forward, params, names, tangents):
+    with forward_ad.dual_level():
+        duals = {n: forward_ad.make_dual(p, t) for n, p, t in zip(names, params, tangents)}
+        return forward_ad.unpack_dual(forward(substitute=duals))
+
+
+def _unsupported_message(forward, params, names, tangents, err: NotImplementedError) -> str:
+    """Re-run the failing dual forward with hooks that track the running modules: name the innermost one."""
+    running: list[str] = []
+
+    def leave(module, args, output) -> None:  # returns None: the output is left as it is
+        running.pop()
+
+    handles = []
+    for name, module in forward.model.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda mod, args, n=name: running.append(n)))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        _dual_forward(forward, params, names, tangents)
+    except NotImplementedError:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    where = "the model's own forward (outside any submodule)"
+    if running and running[-1]:
+        module = forward.model.get_submodule(running[-1])
+        where = f"module {running[-1]!r} ({type(module).__name__})"
+    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return (
+        f"forward-mode AD is not available in {where}: {reason}. Use method='double_backward' (fisher_vp, "
+        "FisherOperator, hessian_free), which needs reverse mode only; gamma and check='exact' switch to it by "
+        "themselves"
+    )
+
+
+# Models whose forward has no forward-mode rule somewhere: gamma and the exact check go straight to double backward.
+_NO_FORWARD_MODE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def jvp_any_mode(
+    forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str], tangents: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, J_z v)`` by forward mode, or by double backward where the model has no forward-mode rule (same value);
+    logits detached."""
+    if forward.model not in _NO_FORWARD_MODE:
+        try:
+            with torch.no_grad():
+                logits, jv = logits_and_jvp(forward, params, names, tangents, "forward")
+            return logits.detach(), jv
+        except ForwardModeUnsupported:
+            _NO_FORWARD_MODE[forward.model] = True
+    with torch.enable_grad():
+        logits, jv = logits_and_jvp(forward, params, names, tangents, "double_backward")
+    return logits.detach(), jv
+
+
 def logits_and_jvp(
     forward: ReplayableForward,
     params: Sequence[torch.Tensor],
@@ -83,9 +145,10 @@ def logits_and_jvp(
     grad_mode = torch.is_grad_enabled()
     with differentiable_kernels(), torch.inference_mode(False), torch.set_grad_enabled(grad_mode):
         if method == "forward":
-            with forward_ad.dual_level():
-                duals = {n: forward_ad.make_dual(p, t) for n, p, t in zip(names, params, tangents)}
-                primal, tangent = forward_ad.unpack_dual(forward(substitute=duals))
+            try:
+                primal, tangent = _dual_forward(forward, params, names, tangents)
+            except NotImplementedError as err:
+                raise ForwardModeUnsupported(_unsupported_message(forward, params, names, tangents, err)) from err
             if tangent is None:  # the logits do not depend on params (inference mode is switched off above)
                 tangent = torch.zeros_like(primal)
             return primal, tangent.detach()
@@ -204,7 +267,8 @@ def gamma(
     Smaller is a better approximation of the natural gradient direction; it is invariant to the scale and sign of
     ``d``. ``inf`` when ``d`` is orthogonal to the gradient. Raises ``ValueError`` for a zero direction.
     The default ``method="forward"`` needs a single dual-number forward and no backward: ``d^T F d`` and
-    ``d^T grad L`` both follow from ``J_z d``. Raises ``FloatingPointError`` for logits the loss cannot use (NaN,
+    ``d^T grad L`` both follow from ``J_z d`` (where a layer has no forward-mode rule, e.g. a custom
+    ``autograd.Function`` without ``jvp``, the same ``J_z d`` comes from double backward). Raises ``FloatingPointError`` for logits the loss cannot use (NaN,
     ``+inf``, or a kept position whose every class is ``-inf``); ``-inf`` masking of some classes is fine.
     """
     loss_fn = get_loss(loss)
@@ -214,9 +278,15 @@ def gamma(
     tangents = split_vector(direction, params)
     if not any(bool(t.ne(0).any()) for t in tangents):
         raise ValueError("gamma of a zero direction is undefined (0/0)")
+    if method not in JVP_METHODS:
+        raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, JVP_METHODS))}")
     forward = ReplayableForward(model, inputs)
-    with torch.no_grad() if method == "forward" else torch.enable_grad():
-        logits, jd = logits_and_jvp(forward, params, param_names(model, params), tangents, method)
+    names = param_names(model, params)
+    if method == "forward":  # falls back to double backward where a layer has no forward-mode rule
+        logits, jd = jvp_any_mode(forward, params, names, tangents)
+    else:
+        with torch.enable_grad():
+            logits, jd = logits_and_jvp(forward, params, names, tangents, method)
     logits = logits.detach()
     check_logits(loss_fn, logits, targets)
     jd64, z64 = jd.to(torch.float64), logits.to(torch.float64)

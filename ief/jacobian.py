@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .curvature import differentiable_kernels, logits_and_jvp
+from .curvature import differentiable_kernels, jvp_any_mode
 from .losses import Loss, get_loss, logit_sqnorm
 from .model_call import (
     Inputs,
@@ -512,8 +512,7 @@ class _HookedForward:
             return
         gen = torch.Generator().manual_seed(0)
         tangents = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p) for p in self.params]
-        with torch.no_grad():
-            logits, jv = logits_and_jvp(self.forward, self.params, self.names, tangents)
+        logits, jv = jvp_any_mode(self.forward, self.params, self.names, tangents)
         m = jac.shape[0]
         exact = (self.loss.logit_grad(logits.double(), targets) * jv.double()).reshape(m, -1).sum(dim=1)
         v = torch.cat([t.reshape(-1) for t in tangents]).double()

@@ -395,3 +395,49 @@ def test_bare_parameter_warns():
     x, y = torch.randn(3, 4, dtype=torch.float64), torch.tensor([0, 1, 2])
     with pytest.warns(ief.SlowPathWarning, match=r"\bw \(a bare parameter of Bare"):
         ief.per_sample(Bare(), x, y)
+
+
+class _Square(torch.autograd.Function):
+    """A custom op with a backward but no forward-mode rule (``jvp``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _SquareLayer(torch.nn.Module):
+    def forward(self, x):
+        return _Square.apply(x)
+
+
+class _CustomOpModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 5)
+        self.square = _SquareLayer()
+        self.head = torch.nn.Linear(5, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.square(self.inp(x)))
+
+
+def test_layer_without_forward_mode_rule_falls_back_or_names_the_module():
+    """A custom ``autograd.Function`` without ``jvp``: gamma and the exact check switch to double backward (same
+    values); an explicit ``fisher_vp(method="forward")`` raises one clear error naming the module and the way out."""
+    torch.manual_seed(0)
+    model = _CustomOpModel().double()
+    x, y = _batch("residual-mlp", 4, 1, torch.float64)
+    v = torch.randn(sum(p.numel() for p in model.parameters()), generator=torch.Generator().manual_seed(0),
+                    dtype=torch.float64)
+    got = ief.per_sample(model, x, y, check="exact")
+    assert _rel(got.jacobian, oracle.per_sample(model, x, y)[1]) < 1e-12
+    assert ief.gamma(model, x, y, v) == pytest.approx(ief.gamma(model, x, y, v, method="double_backward"), rel=1e-12)
+    with pytest.raises(ief.ForwardModeUnsupported, match=r"module 'square' \(_SquareLayer\).*double_backward"):
+        ief.fisher_vp(model, x, y, v, method="forward")
+    ief.optim.IEF(model, lr=1e-3).step(x, y)  # the first step runs the exact check

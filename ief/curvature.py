@@ -268,8 +268,9 @@ def gamma(
     ``d``. ``inf`` when ``d`` is orthogonal to the gradient. Raises ``ValueError`` for a zero direction.
     The default ``method="forward"`` needs a single dual-number forward and no backward: ``d^T F d`` and
     ``d^T grad L`` both follow from ``J_z d`` (where a layer has no forward-mode rule, e.g. a custom
-    ``autograd.Function`` without ``jvp``, the same ``J_z d`` comes from double backward). Raises ``FloatingPointError`` for logits the loss cannot use (NaN,
-    ``+inf``, or a kept position whose every class is ``-inf``); ``-inf`` masking of some classes is fine.
+    ``autograd.Function`` without ``jvp``, the same ``J_z d`` comes from double backward). Raises
+    ``FloatingPointError`` for logits the loss cannot use (NaN, ``+inf``, or a position whose every class is
+    ``-inf``); ``-inf`` masking of some classes is fine.
     """
     loss_fn = get_loss(loss)
     model = unwrap_model(model)

@@ -12,11 +12,11 @@ parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), ``nn.Embed
 ``nn.LayerNorm``.
 
 The sample axis of every hooked call is established, never guessed from a size: a probe forward of the batch's first
-sample alone (inputs cut to one sample along their leading dimension, under ``no_grad``-free hooks that only record
-shapes) shows which dimension of each call's input shrinks from ``M`` to 1 while every other dimension stays put.
-That dimension is the call's sample axis (dimension 1 for a sequence-first ``[T, M, E]`` layer, whatever ``T``);
-a call without exactly one such dimension (a batch of one prompt shared by all samples, inputs flattened across
-samples, a call the probe does not repeat) has no established axis. The probe's verdict is cached per model and
+sample alone (every input tensor cut to one sample along its leading dimension; hooks that only record shapes; the
+random state and the model's buffers untouched) shows which dimension of each call's input shrinks from ``M`` to 1
+while every other dimension stays put. That dimension is the call's sample axis (dimension 1 for a sequence-first
+``[T, M, E]`` layer, whatever ``T``); a call without exactly one such dimension (a batch of one prompt shared by all
+samples, inputs flattened across samples, a call the probe does not repeat) has no established axis. The probe's verdict is cached per model and
 per shape signature (every hooked call's input shape and the inputs' shapes), so a training loop with fixed shapes
 pays for it once; any new shape, ``T == M`` included, is probed afresh. With ``M = 1`` every call belongs to the one
 sample and no probe is needed.
@@ -27,11 +27,12 @@ per-sample loop of backward passes (``M`` backward passes: exact, slower); a :cl
 parameters once per model.
 
 The hooks assume what per-sample gradients presuppose: sample ``n``'s slice of a hooked input depends on sample ``n``
-alone. A guard, on by default and cheap, raises :class:`PerSampleGradientMismatch` when the rows of ``J`` do not sum
-to the autograd batch gradient of the same backward (a parameter also used outside its hooked module, e.g. tied
-weights) or when batch norm normalises with batch statistics. A custom layer that mixes samples (its hooked rows
-still add up) is what ``check="exact"`` is for: it compares ``J v`` with the exact per-sample directional
-derivatives from one forward-mode pass; the optimisers run that exact check on their first step.
+alone (no layer mixes or reorders samples along the sample axis). A guard, on by default and cheap, raises
+:class:`PerSampleGradientMismatch` when the rows of ``J`` do not sum to the autograd batch gradient of the same
+backward (a parameter also used outside its hooked module, e.g. tied weights) or when batch norm normalises with
+batch statistics. A custom layer that mixes or reorders samples (its hooked rows still add up) is what
+``check="exact"`` is for: it compares ``J v`` with the exact per-sample directional derivatives (forward mode, or
+double backward where a layer has no forward-mode rule); the optimisers run that exact check on their first step.
 """
 from __future__ import annotations
 
@@ -481,8 +482,14 @@ class _HookedForward:
 
         def probe() -> tuple | None:  # the hooked calls' input shapes when the first sample runs alone
             def run():
-                with torch.random.fork_rng(devices=self.forward._devices), torch.enable_grad(), kernels():
-                    logits = call_model(model, take_first(inputs, m))
+                buffers = [(b, b.clone()) for b in model.buffers()]  # e.g. batch-norm running statistics
+                try:
+                    with torch.random.fork_rng(devices=self.forward._devices), torch.enable_grad(), kernels():
+                        logits = call_model(model, take_first(inputs, m))
+                finally:  # restored through .data: no version bump for the batch forward's saved tensors
+                    for b, saved in buffers:
+                        if not torch.equal(b, saved):
+                            b.data.copy_(saved)
                 if tuple(logits.shape) != (1, *self.logits.shape[1:]):
                     raise ValueError("the inputs were not cut to one sample")
 

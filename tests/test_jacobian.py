@@ -12,6 +12,7 @@ rounding, ``1e-6`` relative. Float32 models are compared with ``1e-5`` relative 
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -432,3 +433,22 @@ def test_peft_prompt_tuning_uses_one_backward_after_per_sample_prompts():
     assert_rel(fast.jacobian, jac, T5_RTOL, "jacobian (hooked prompts)")
     with pytest.raises(ValueError, match="prompt-tuning"):
         ief.per_sample_prompts(t5_lora_case().model)
+
+
+def test_sample_axis_probe_leaves_the_model_and_random_state_untouched():
+    """The one-sample probe forward that establishes the sample axes restores the random state and the buffers (batch
+    norm running statistics in train mode with check=False): per_sample changes them exactly as one forward does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    reference(x)
+    after_forward = torch.rand(1)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ief.SlowPathWarning)
+        ief.per_sample(model, x, y, check=False)
+    assert torch.equal(torch.rand(1), after_forward)
+    for (name, b), b_ref in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(b, b_ref), name

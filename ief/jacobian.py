@@ -16,10 +16,10 @@ sample alone (every input tensor cut to one sample along its leading dimension; 
 random state and the model's buffers untouched) shows which dimension of each call's input shrinks from ``M`` to 1
 while every other dimension stays put. That dimension is the call's sample axis (dimension 1 for a sequence-first
 ``[T, M, E]`` layer, whatever ``T``); a call without exactly one such dimension (a batch of one prompt shared by all
-samples, inputs flattened across samples, a call the probe does not repeat) has no established axis. The probe's verdict is cached per model and
-per shape signature (every hooked call's input shape and the inputs' shapes), so a training loop with fixed shapes
-pays for it once; any new shape, ``T == M`` included, is probed afresh. With ``M = 1`` every call belongs to the one
-sample and no probe is needed.
+samples, inputs flattened across samples, a call the probe does not repeat) has no established axis. The probe's
+verdict is cached per model and per shape signature (every hooked call's input shape and the inputs' shapes), so a
+training loop with fixed shapes pays for it once; any new shape, ``T == M`` included, is probed afresh. With
+``M = 1`` every call belongs to the one sample and no probe is needed.
 
 Every trainable parameter that is not in a hooked module (a ``Conv2d``, an RNN, ``MultiheadAttention.in_proj_weight``,
 a bare ``nn.Parameter``) or whose module had a call without an established sample axis falls back to an exact

@@ -223,8 +223,8 @@ class _Capture:
             for k in range(len(self.modules))
         )
 
-    def probe_shapes(self, run: Callable[[], torch.Tensor]) -> tuple | None:
-        """The call shapes of the hooked modules during ``run()`` (the one-sample probe), or ``None`` if it failed."""
+    def probe_shapes(self, run: Callable[[], torch.Tensor]) -> tuple | str:
+        """The call shapes of the hooked modules during ``run()`` (the one-sample probe), or why it failed."""
         seen: dict[int, list] = {k: [] for k in range(len(self.modules))}
         handles = []
 
@@ -239,14 +239,14 @@ class _Capture:
             handles.append(module.register_forward_hook(shape_hook(k)))
         try:
             run()
-        except Exception:  # the model cannot run one sample alone (inputs not cut along their first dimension)
-            return None
+        except Exception as err:  # the model cannot run one sample alone (e.g. batch norm with batch statistics)
+            return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         finally:
             for h in handles:
                 h.remove()
         return tuple(tuple(seen[k]) for k in range(len(self.modules)))
 
-    def establish_axes(self, m: int, model: torch.nn.Module, inputs, probe: Callable[[], tuple | None]) -> None:
+    def establish_axes(self, m: int, model: torch.nn.Module, inputs, probe: Callable[[], tuple | str]) -> None:
         """Give every call its sample axis (probed or cached); modules with a call without one fall back."""
         if not self.modules:
             return
@@ -258,22 +258,24 @@ class _Capture:
         full = self.call_shapes()
         key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full)
         cache = _AXIS_CACHE.setdefault(model, OrderedDict())
-        axes = cache.get(key)
-        if axes is None:
+        cached = cache.get(key)
+        if cached is None:
             shrunk = probe()
+            failed = isinstance(shrunk, str)
             axes = tuple(
                 tuple(
-                    _sample_axis(shape, None if shrunk is None or len(shrunk[k]) != len(calls) else shrunk[k][j], m,
+                    _sample_axis(shape, None if failed or len(shrunk[k]) != len(calls) else shrunk[k][j], m,
                                  self.modules[k][2])
                     for j, shape in enumerate(calls)
                 )
                 for k, calls in enumerate(full)
             )
-            cache[key] = axes
+            cached = cache[key] = (axes, shrunk if failed else None)
             while len(cache) > _AXIS_CACHE_SIZE:
                 cache.popitem(last=False)
         else:
             cache.move_to_end(key)
+        axes, probe_error = cached
         kept = []
         for k, entry in enumerate(self.modules):
             if all(axis is not None for axis in axes[k]):
@@ -282,10 +284,13 @@ class _Capture:
                 kept.append((k, entry))
                 continue
             shapes = sorted({str(shape) for shape, axis in zip(full[k], axes[k]) if axis is None})
-            why = (
-                f"{type(entry[0]).__name__} input shapes {', '.join(shapes)} have no dimension that is the {m} "
-                "samples (a probe forward of one sample does not shrink exactly one of them to 1)"
-            )
+            if probe_error is not None:
+                why = f"the one-sample probe forward that finds the sample axis failed: {probe_error}"
+            else:
+                why = (
+                    f"{type(entry[0]).__name__} input shapes {', '.join(shapes)} have no dimension that is the {m} "
+                    "samples (a probe forward of one sample does not shrink exactly one of them to 1)"
+                )
             for i in entry[3].values():
                 self.demoted[i] = why
             self.hooked -= set(entry[3].values())

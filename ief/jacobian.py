@@ -161,7 +161,7 @@ def _sample_axis(full: tuple | None, probe: tuple | None, m: int, features: int)
 
 # The established axes, per model and shape signature (a handful of signatures per model: the last ones used).
 _AXIS_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weakref.WeakKeyDictionary()
-_AXIS_CACHE_SIZE = 32
+_AXIS_CACHE_SIZE = 256
 # The sets of slow-path parameters already reported, per model (a SlowPathWarning once per model and set).
 _WARNED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
 

@@ -102,7 +102,7 @@ def _unsupported_message(forward, params, names, tangents, err: NotImplementedEr
     if running and running[-1]:
         module = forward.model.get_submodule(running[-1])
         where = f"module {running[-1]!r} ({type(module).__name__})"
-    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    reason = str(err).splitlines()[0].rstrip(".") if str(err) else type(err).__name__
     return (
         f"forward-mode AD is not available in {where}: {reason}. Use method='double_backward' (fisher_vp, "
         "FisherOperator, hessian_free), which needs reverse mode only; gamma and check='exact' switch to it by "

@@ -485,7 +485,7 @@ class _HookedForward:
         if batch_size(self.logits) != m:
             raise ValueError(f"the model returned logits of shape {tuple(self.logits.shape)} for {m} targets")
 
-        def probe() -> tuple | None:  # the hooked calls' input shapes when the first sample runs alone
+        def probe() -> tuple | str:  # the hooked calls' input shapes when the first sample runs alone
             def run():
                 buffers = [(b, b.clone()) for b in model.buffers()]  # e.g. batch-norm running statistics
                 try:

@@ -6,8 +6,12 @@ Woodland, NeurIPS 2024). Docstrings cite the paper's equation labels (e.g. ``eqn
 Conventions, followed by every function of the package:
 
 - ``model(inputs)`` (or ``model(**inputs)`` when ``inputs`` is a dict, as with HuggingFace models) returns logits
-  with the class dimension last, ``[M, C]`` or ``[M, T, C]``, or an object with ``.logits``.
-- ``targets`` are class indices ``[M]`` or ``[M, T]``; ``-100`` marks ignored positions.
+  with the class dimension last, ``[M, C]`` or ``[M, T, C]``, or an object with ``.logits``. Input tensors have the
+  sample dimension first (a one-sample slice of them locates the sample axis inside hooked layers; where that fails
+  the per-sample gradients come from the exact, slower loop). ``torch.compile``d and ``nn.DataParallel`` models are
+  run through their eager module.
+- ``targets`` are class indices ``[M]`` or ``[M, T]`` (any integer dtype; ``M >= 1``); ``-100`` marks ignored
+  positions.
 - The per-sample loss ``l_n`` is the sum of the cross-entropies over sample ``n``'s non-ignored positions and the
   batch loss is ``L = sum_n l_n`` (``eqn:prob_loss``). ``z_n`` is all logits of sample ``n``, so
   ``||grad_{z_n} l_n||^2`` sums over its positions.
@@ -21,7 +25,7 @@ Conventions, followed by every function of the package:
   same random state, so dropout masks are identical across the passes a computation needs.
 """
 from . import optim
-from .curvature import FisherOperator, fisher_vp, gamma
+from .curvature import FisherOperator, ForwardModeUnsupported, fisher_vp, gamma
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import CGResult, hessian_free
 from .jacobian import PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample, sampled_jacobian
@@ -41,6 +45,7 @@ __all__ = [
     "sf_direction",
     "fisher_vp",
     "FisherOperator",
+    "ForwardModeUnsupported",
     "gamma",
     "hessian_free",
     "CGResult",

@@ -9,14 +9,30 @@ Why hooks rather than ``torch.func.vmap``: vmapping a transformers 5.x forward t
 fails on a data-dependent check in ``transformers.masking_utils``, whereas hooks only see ordinary module calls,
 work with every attention implementation (SDPA included) and add little to a plain backward for LoRA and prompt
 parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), ``nn.Embedding`` (prompt tuning) and
-``nn.LayerNorm``. Any other trainable parameter (or a hooked module whose batch dimension is not the sample
-dimension) falls back to an exact per-sample loop of backward passes: slower, never wrong.
+``nn.LayerNorm``.
 
-A guard, on by default and cheap, raises :class:`PerSampleGradientMismatch` when the rows of ``J`` do not sum to the
-autograd batch gradient of the same backward (a parameter also used outside its hooked module, e.g. tied weights)
-or when batch norm normalises with batch statistics. The sum check cannot see a layer that mixes samples (its hooked
-rows still add up), so ``check="exact"`` also compares ``J v`` with the exact per-sample directional derivatives
-from one forward-mode pass; the optimisers run that exact check on their first step.
+The sample axis of every hooked call is established, never guessed from a size: a probe forward of the batch's first
+sample alone (every input tensor cut to one sample along its leading dimension; hooks that only record shapes; the
+random state and the model's buffers untouched) shows which dimension of each call's input shrinks from ``M`` to 1
+while every other dimension stays put. That dimension is the call's sample axis (dimension 1 for a sequence-first
+``[T, M, E]`` layer, whatever ``T``); a call without exactly one such dimension (a batch of one prompt shared by all
+samples, inputs flattened across samples, a call the probe does not repeat) has no established axis. The probe's
+verdict is cached per model and per shape signature (every hooked call's input shape and the inputs' shapes), so a
+training loop with fixed shapes pays for it once; any new shape, ``T == M`` included, is probed afresh. With
+``M = 1`` every call belongs to the one sample and no probe is needed.
+
+Every trainable parameter that is not in a hooked module (a ``Conv2d``, an RNN, ``MultiheadAttention.in_proj_weight``,
+a bare ``nn.Parameter``) or whose module had a call without an established sample axis falls back to an exact
+per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names those
+parameters once per model.
+
+The hooks assume what per-sample gradients presuppose: sample ``n``'s slice of a hooked input depends on sample ``n``
+alone (no layer mixes or reorders samples along the sample axis). A guard, on by default and cheap, raises
+:class:`PerSampleGradientMismatch` when the rows of ``J`` do not sum to the autograd batch gradient of the same
+backward (a parameter also used outside its hooked module, e.g. tied weights) or when batch norm normalises with
+batch statistics. A custom layer that mixes or reorders samples (its hooked rows still add up) is what
+``check="exact"`` is for: it compares ``J v`` with the exact per-sample directional derivatives (forward mode, or
+double backward where a layer has no forward-mode rule); the optimisers run that exact check on their first step.
 """
 from __future__ import annotations
 
@@ -24,22 +40,29 @@ import contextlib
 import functools
 import math
 import warnings
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .curvature import differentiable_attention, logits_and_jvp
+from .curvature import differentiable_kernels, jvp_any_mode
 from .losses import Loss, get_loss, logit_sqnorm
 from .model_call import (
     Inputs,
     ReplayableForward,
     all_finite,
     batch_size,
+    call_model,
+    check_targets,
     column_chunks,
     flatten,
     param_names,
     resolve_params,
+    shapes_of,
+    take_first,
+    unwrap_model,
 )
 
 
@@ -110,14 +133,37 @@ def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tenso
         _write(dests["bias"], g.reshape(shape).sum(dim=1), accumulate)
 
 
-def _hook_rule(module: torch.nn.Module) -> Callable | None:
+def _hook_rule(module: torch.nn.Module) -> tuple[Callable, int] | None:
+    """The rule of a hooked module type and how many trailing dimensions of its input are features (not samples)."""
     if type(module) is torch.nn.Linear:
-        return _linear_grads
+        return _linear_grads, 1
     if type(module) is torch.nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
-        return _embedding_grads
+        return _embedding_grads, 0
     if type(module) is torch.nn.LayerNorm and getattr(module, "elementwise_affine", True):
-        return _layernorm_grads
+        return _layernorm_grads, len(module.normalized_shape)
     return None
+
+
+WHOLE_CALL = -1  # the sample "axis" of every call when M = 1: the whole call belongs to sample 0
+
+
+def _sample_axis(full: tuple | None, probe: tuple | None, m: int, features: int) -> int | None:
+    """The one dimension of a call's input that is ``m`` in the batch forward and 1 in the one-sample probe, every
+    other dimension unchanged, and that is not a feature dimension; ``None`` if there is no such single dimension."""
+    if full is None or probe is None or len(full) != len(probe):
+        return None
+    changed = [d for d, (a, b) in enumerate(zip(full, probe)) if a != b]
+    if len(changed) != 1:
+        return None
+    d = changed[0]
+    return d if full[d] == m and probe[d] == 1 and d < len(full) - features else None
+
+
+# The established axes, per model and shape signature (a handful of signatures per model: the last ones used).
+_AXIS_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weakref.WeakKeyDictionary()
+_AXIS_CACHE_SIZE = 256
+# The sets of slow-path parameters already reported, per model (a SlowPathWarning once per model and set).
+_WARNED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
 
 
 class _Capture:
@@ -128,7 +174,8 @@ class _Capture:
         index = {id(p): i for i, p in enumerate(self.params)}
         self.sizes = [p.numel() for p in self.params]
         self.offsets = [0, *torch.tensor(self.sizes).cumsum(0).tolist()]
-        self.modules: list[tuple[torch.nn.Module, Callable, dict[str, int]]] = []
+        # (module, rule, trailing feature dims, {parameter name in module: index in params})
+        self.modules: list[tuple[torch.nn.Module, Callable, int, dict[str, int]]] = []
         covered: set[int] = set()
         for module in model.modules():
             rule = _hook_rule(module)
@@ -136,14 +183,15 @@ class _Capture:
                 continue
             owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=False) if id(p) in index}
             if owned and not (set(owned.values()) & covered):
-                self.modules.append((module, rule, owned))
+                self.modules.append((module, *rule, owned))
                 covered.update(owned.values())
         self.hooked = covered
-        self.records: dict[int, list] = {}
+        self.records: dict[int, list] = {}  # k -> [[input, output grad, sample axis], ...] in call order
+        self.demoted: dict[int, str] = {}  # parameter index -> why its hooked module fell back to the loop
         self.handles: list = []
 
     def __enter__(self) -> "_Capture":
-        for k, (module, _, _) in enumerate(self.modules):
+        for k, (module, *_) in enumerate(self.modules):
             self.records[k] = []
             self.handles.append(module.register_forward_hook(self._forward_hook(k)))
         return self
@@ -157,7 +205,8 @@ class _Capture:
         def hook(module, args, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
-            record = [args[0].detach(), None]
+            x = args[0].detach() if args and isinstance(args[0], torch.Tensor) else None  # None: no positional input
+            record = [x, None, None]
             self.records[k].append(record)
 
             def keep_grad(grad):
@@ -167,24 +216,84 @@ class _Capture:
 
         return hook
 
-    def demote_mismatched(self, m: int, names: dict[int, str]) -> None:
-        """Modules that saw a batch dimension other than ``M`` (or inputs of odd rank) fall back to the loop."""
+    def call_shapes(self) -> tuple:
+        """Every hooked call's input shape, per hooked module, in call order."""
+        return tuple(
+            tuple(None if rec[0] is None else tuple(rec[0].shape) for rec in self.records[k])
+            for k in range(len(self.modules))
+        )
+
+    def probe_shapes(self, run: Callable[[], torch.Tensor]) -> tuple | str:
+        """The call shapes of the hooked modules during ``run()`` (the one-sample probe), or why it failed."""
+        seen: dict[int, list] = {k: [] for k in range(len(self.modules))}
+        handles = []
+
+        def shape_hook(k):
+            def hook(module, args, output):
+                if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                    seen[k].append(tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None)
+
+            return hook
+
+        for k, (module, *_) in enumerate(self.modules):
+            handles.append(module.register_forward_hook(shape_hook(k)))
+        try:
+            run()
+        except Exception as err:  # the model cannot run one sample alone (e.g. batch norm with batch statistics)
+            return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        finally:
+            for h in handles:
+                h.remove()
+        return tuple(tuple(seen[k]) for k in range(len(self.modules)))
+
+    def establish_axes(self, m: int, model: torch.nn.Module, inputs, probe: Callable[[], tuple | str]) -> None:
+        """Give every call its sample axis (probed or cached); modules with a call without one fall back."""
+        if not self.modules:
+            return
+        if m == 1:
+            for calls in self.records.values():
+                for rec in calls:
+                    rec[2] = WHOLE_CALL
+            return
+        full = self.call_shapes()
+        key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full)
+        cache = _AXIS_CACHE.setdefault(model, OrderedDict())
+        cached = cache.get(key)
+        if cached is None:
+            shrunk = probe()
+            failed = isinstance(shrunk, str)
+            axes = tuple(
+                tuple(
+                    _sample_axis(shape, None if failed or len(shrunk[k]) != len(calls) else shrunk[k][j], m,
+                                 self.modules[k][2])
+                    for j, shape in enumerate(calls)
+                )
+                for k, calls in enumerate(full)
+            )
+            cached = cache[key] = (axes, shrunk if failed else None)
+            while len(cache) > _AXIS_CACHE_SIZE:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(key)
+        axes, probe_error = cached
         kept = []
         for k, entry in enumerate(self.modules):
-            calls = self.records.get(k, [])
-            if all(rec[0].dim() >= 1 and rec[0].shape[0] == m for rec in calls):
+            if all(axis is not None for axis in axes[k]):
+                for rec, axis in zip(self.records[k], axes[k]):
+                    rec[2] = axis
                 kept.append((k, entry))
+                continue
+            shapes = sorted({str(shape) for shape, axis in zip(full[k], axes[k]) if axis is None})
+            if probe_error is not None:
+                why = f"the one-sample probe forward that finds the sample axis failed: {probe_error}"
             else:
-                self.hooked -= set(entry[2].values())
-                shapes = sorted({tuple(rec[0].shape) for rec in calls})
-                warnings.warn(
-                    f"{names.get(id(entry[0]), type(entry[0]).__name__)} was called with input shapes {shapes}, whose "
-                    f"first dimension is not the {m} samples: its per-sample gradients fall back to {m} separate "
-                    "backward passes (exact but slow). For peft prompt tuning, call "
-                    "ief.per_sample_prompts(model) once after get_peft_model.",
-                    SlowPathWarning,
-                    stacklevel=4,
+                why = (
+                    f"{type(entry[0]).__name__} input shapes {', '.join(shapes)} have no dimension that is the {m} "
+                    "samples (a probe forward of one sample does not shrink exactly one of them to 1)"
                 )
+            for i in entry[3].values():
+                self.demoted[i] = why
+            self.hooked -= set(entry[3].values())
         self.modules = [e for _, e in kept]
         self.records = {new: self.records[old] for new, (old, _) in enumerate(kept)}
 
@@ -197,17 +306,54 @@ class _Capture:
         """Write the hooked per-sample gradients into their column blocks of ``jac [M, P]`` (uninitialised
         memory: a module's first call writes its blocks, later calls add); returns the parameter indices written."""
         written: set[int] = set()
-        for k, (module, rule, owned) in enumerate(self.modules):
+        for k, (module, rule, _, owned) in enumerate(self.modules):
             dests = {name: jac[:, self.offsets[i] : self.offsets[i + 1]] for name, i in owned.items()}
             accumulate = False
-            for rec in self.records[k]:
-                if rec[1] is None:  # this call's output did not reach the loss
+            for x, grad, axis in self.records[k]:
+                if grad is None:  # this call's output did not reach the loss
                     continue
-                rule(module, rec[0], rec[1], dests, accumulate)
+                if axis == WHOLE_CALL:
+                    x, grad = x.unsqueeze(0), grad.unsqueeze(0)
+                elif axis != 0:  # e.g. [T, M, E] -> [M, T, E]
+                    x, grad = x.movedim(axis, 0), grad.movedim(axis, 0)
+                rule(module, x, grad, dests, accumulate)
                 accumulate = True
             if accumulate:
                 written.update(owned.values())
         return written
+
+
+def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[str], m: int) -> None:
+    """One :class:`SlowPathWarning` per model (and set of parameters) naming the parameters that take the loop."""
+    loop = [i for i in range(len(names)) if i not in capture.hooked]
+    if not loop or m == 1:
+        return
+    reported = _WARNED.setdefault(model, set())
+    key = frozenset(names[i] for i in loop)
+    if key in reported:
+        return
+    reported.add(key)
+    owner = {id(p): mod for mod in model.modules() for p in mod.parameters(recurse=False)}
+    reasons: dict[str, list[str]] = {}
+    for i in loop:
+        why = capture.demoted.get(i)
+        if why is None:
+            mod = owner[id(capture.params[i])]
+            kind = type(mod).__name__
+            if type(mod).__module__.startswith("torch.nn"):
+                why = f"{kind}: no per-sample hook for this layer type"
+            else:
+                why = f"a bare parameter of {kind}, used outside any hooked layer"
+        reasons.setdefault(why, []).append(names[i])
+    listed = "; ".join(f"{', '.join(ns)} ({why})" for why, ns in reasons.items())
+    warnings.warn(
+        f"{len(loop)} of {len(names)} parameter tensors take the per-sample loop of {m} backward passes (exact, but "
+        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, nn.Embedding, nn.LayerNorm whose input has a "
+        "sample dimension; pass params= to precondition only those. For peft prompt tuning, call "
+        "ief.per_sample_prompts(model) once after get_peft_model.",
+        SlowPathWarning,
+        stacklevel=4,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------- core
@@ -317,28 +463,48 @@ class _HookedForward:
     ``check``: ``True`` (cheap: no sample-mixing batch norm, and the rows of ``J`` sum to the autograd batch
     gradient: catches parameters used outside the hooked module, e.g. tied weights), ``"exact"`` (additionally
     compares ``J v`` with the exact per-sample directional derivatives from one forward-mode pass, for a random
-    ``v``: catches any layer that mixes samples or whose leading dimension is not the sample), or ``False``.
+    ``v``: catches a custom layer that mixes samples), or ``False``.
     """
 
     def __init__(self, model, inputs, targets, params, loss, check):
         self.mode = _check_mode(check)
         self.loss = get_loss(loss)
+        model = unwrap_model(model)
+        m = check_targets(targets)
         self.params = resolve_params(model, params)
         if self.mode is not None:
             _refuse_sample_mixing(model)
         self.capture = _Capture(model, self.params)
         self.forward = ReplayableForward(model, inputs)
-        # The exact check replays this forward under the MATH attention kernel; fused kernels draw attention-dropout
-        # masks differently, so with the exact check on, this forward uses the MATH kernel too (same masks).
-        attention = differentiable_attention() if self.mode == "exact" else contextlib.nullcontext()
-        with self.capture, torch.enable_grad(), attention:
+        # The exact check replays this forward with the reference kernels (forward-mode AD needs them); fused kernels
+        # draw attention-dropout masks differently, so with the exact check on, this forward uses them too.
+        kernels = differentiable_kernels if self.mode == "exact" else contextlib.nullcontext
+        with self.capture, torch.enable_grad(), kernels():
             self.logits = self.forward()
         self.loss.check(self.logits, targets)
-        self.capture.demote_mismatched(
-            batch_size(self.logits), {id(module): name for name, module in model.named_modules()}
-        )
+        if batch_size(self.logits) != m:
+            raise ValueError(f"the model returned logits of shape {tuple(self.logits.shape)} for {m} targets")
+
+        def probe() -> tuple | str:  # the hooked calls' input shapes when the first sample runs alone
+            def run():
+                buffers = [(b, b.clone()) for b in model.buffers()]  # e.g. batch-norm running statistics
+                try:
+                    with torch.random.fork_rng(devices=self.forward._devices), torch.enable_grad(), kernels():
+                        logits = call_model(model, take_first(inputs, m))
+                finally:  # restored through .data: no version bump for the batch forward's saved tensors
+                    for b, saved in buffers:
+                        if not torch.equal(b, saved):
+                            b.data.copy_(saved)
+                if tuple(logits.shape) != (1, *self.logits.shape[1:]):
+                    raise ValueError("the inputs were not cut to one sample")
+
+            return self.capture.probe_shapes(run)
+
+        self.capture.establish_axes(m, model, inputs, probe)
+        names = param_names(model, self.params)
+        _warn_slow_path(model, self.capture, names, m)
         self.targets = targets
-        self.names = param_names(model, self.params) if self.mode is not None else None
+        self.names = names if self.mode is not None else None
 
     def jacobian(
         self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None
@@ -358,8 +524,7 @@ class _HookedForward:
             return
         gen = torch.Generator().manual_seed(0)
         tangents = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p) for p in self.params]
-        with torch.no_grad():
-            logits, jv = logits_and_jvp(self.forward, self.params, self.names, tangents)
+        logits, jv = jvp_any_mode(self.forward, self.params, self.names, tangents)
         m = jac.shape[0]
         exact = (self.loss.logit_grad(logits.double(), targets) * jv.double()).reshape(m, -1).sum(dim=1)
         v = torch.cat([t.reshape(-1) for t in tangents]).double()

@@ -28,6 +28,8 @@ class Loss(Protocol):
 
     def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None: ...
 
+    def check_finite(self, logits: torch.Tensor, targets: torch.Tensor) -> None: ...
+
     def per_sample(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 
     def logit_grad(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
@@ -39,9 +41,18 @@ class Loss(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _require_finite(logits: torch.Tensor) -> None:
-    if not torch.isfinite(logits).all():
-        raise FloatingPointError("non-finite logits: cannot draw labels from the model's predictive distribution")
+def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in torch.nonzero(mask)[0])
+
+
+def require_finite(logits: torch.Tensor, what: str = "logits") -> None:
+    """``FloatingPointError`` naming the first non-finite entry of ``logits``."""
+    bad = ~torch.isfinite(logits)
+    if bool(bad.any()):
+        at = _first_index(bad)
+        raise FloatingPointError(
+            f"non-finite {what}: {float(logits.detach()[at])} at index {at} of a tensor of shape {tuple(logits.shape)}"
+        )
 
 
 def _sum_per_sample(x: torch.Tensor) -> torch.Tensor:
@@ -55,10 +66,10 @@ class CrossEntropy:
     name = "cross_entropy"
 
     def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
             raise ValueError(
-                f"loss='cross_entropy' needs integer class-index targets, got dtype {targets.dtype}; "
-                "use loss='mse' for float targets"
+                f"loss='cross_entropy' needs integer class-index targets (any integer dtype), got dtype "
+                f"{targets.dtype}; use loss='mse' for float targets"
             )
         if logits.dim() < 2 or tuple(targets.shape) != tuple(logits.shape[:-1]):
             raise ValueError(
@@ -74,12 +85,34 @@ class CrossEntropy:
                 f"or be {IGNORE_INDEX} (ignored position)"
             )
 
+    def check_finite(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """``FloatingPointError`` for NaN or ``+inf`` logits, or a position whose every class is ``-inf``.
+
+        ``-inf`` on some classes (masked vocabulary, constrained decoding) is accepted: those classes get
+        probability 0, exactly as ``torch.nn.functional.cross_entropy`` treats them.
+        """
+        bad = torch.isnan(logits) | torch.isposinf(logits)
+        if bool(bad.any()):
+            at = _first_index(bad)
+            raise FloatingPointError(
+                f"logits hold {float(logits.detach()[at])} at index {at} (shape {tuple(logits.shape)}): NaN and +inf "
+                "logits have no softmax; -inf (a masked class) is the only non-finite value accepted"
+            )
+        empty = torch.isneginf(logits).all(dim=-1)
+        if bool(empty.any()):
+            at = _first_index(empty)
+            raise FloatingPointError(
+                f"every class is -inf at position {at} of logits of shape {tuple(logits.shape)}: no class has "
+                "non-zero probability (mask at most all classes but one)"
+            )
+
     def _mask(self, targets: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return (targets != IGNORE_INDEX).to(like.dtype)
 
     def per_sample(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         per_position = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(), ignore_index=IGNORE_INDEX,
+            reduction="none",
         )
         return _sum_per_sample(per_position.reshape(targets.shape))
 
@@ -88,7 +121,7 @@ class CrossEntropy:
         probs = torch.softmax(logits, dim=-1)
         keep = targets != IGNORE_INDEX
         onehot = torch.zeros_like(probs)
-        onehot[keep] = torch.nn.functional.one_hot(targets[keep], logits.shape[-1]).to(probs.dtype)
+        onehot[keep] = torch.nn.functional.one_hot(targets[keep].long(), logits.shape[-1]).to(probs.dtype)
         return (probs - onehot) * keep.unsqueeze(-1).to(probs.dtype)
 
     def hessian_vp(self, logits: torch.Tensor, targets: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -100,8 +133,11 @@ class CrossEntropy:
     def sample_targets(
         self, logits: torch.Tensor, targets: torch.Tensor, generator: torch.Generator | None
     ) -> torch.Tensor:
-        """Labels drawn from the model's own predictive distribution at every kept position (SF)."""
-        _require_finite(logits)
+        """Labels drawn from the model's own predictive distribution at every kept position (SF).
+
+        Masked (``-inf``) classes have probability 0 and are never drawn, as in the other methods' losses.
+        """
+        self.check_finite(logits, targets)
         probs = torch.softmax(logits.detach().to(torch.float64), dim=-1).reshape(-1, logits.shape[-1])
         drawn = torch.multinomial(probs, 1, generator=generator).reshape(targets.shape)
         return torch.where(targets == IGNORE_INDEX, targets, drawn.to(targets.dtype))
@@ -123,6 +159,9 @@ class MeanSquaredError:
         if not torch.isfinite(targets).all():
             raise ValueError("mse targets contain non-finite values")
 
+    def check_finite(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        require_finite(logits)
+
     def per_sample(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return 0.5 * _sum_per_sample((logits - targets.to(logits.dtype)) ** 2)
 
@@ -136,7 +175,7 @@ class MeanSquaredError:
         self, logits: torch.Tensor, targets: torch.Tensor, generator: torch.Generator | None
     ) -> torch.Tensor:
         """``y ~ N(z, I)``, the predictive distribution whose Fisher is the Gauss-Newton matrix."""
-        _require_finite(logits)
+        self.check_finite(logits, targets)
         noise = torch.randn(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
         return (logits.detach().to(torch.float64) + noise).to(logits.dtype)
 

@@ -4,6 +4,9 @@
   with the class dimension last, or an object with ``.logits``.
 - The parameters are the model's trainable ones (``requires_grad=True``) in ``model.parameters()`` order, unless
   ``params=`` is given. Frozen weights are never differentiated.
+- A ``torch.compile``d model is run as its original module (``_orig_mod``) and an ``nn.DataParallel`` /
+  ``DistributedDataParallel`` wrapper as its ``.module`` (:func:`unwrap_model`): the per-sample hooks and forward-mode
+  AD need the eager module, whose parameters are the very same tensors.
 - :class:`ReplayableForward` records the RNG state once and restores it before every forward, so that repeated
   evaluations at the same point (the Fisher-vector products of a CG solve, a per-sample backward and a Fisher
   product in the same step) see the same dropout masks: the curvature they measure is that of one well-defined
@@ -20,17 +23,42 @@ import torch
 Inputs = Any  # a tensor, a tuple of tensors or a dict of keyword arguments
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The eager module behind ``torch.compile`` (``_orig_mod``) and ``nn.DataParallel`` / DDP (``.module``)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    while True:
+        if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+            model = model.module
+        else:
+            return model
+
+
 def resolve_params(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] | None) -> list[torch.Tensor]:
-    """The trainable parameters, in ``model.parameters()`` order, or the given ones (deduplicated, in order)."""
+    """The trainable parameters, in ``model.parameters()`` order, or the given ones (deduplicated, in order).
+
+    Every given tensor must be a parameter of ``model`` that requires grad (``ValueError`` naming it otherwise).
+    """
     if params is None:
         chosen = [p for p in model.parameters() if p.requires_grad]
     else:
+        if isinstance(params, torch.Tensor):
+            raise ValueError("params must be an iterable of parameters (e.g. [layer.weight]), got a single tensor")
+        owned = {id(p) for p in model.parameters()}
         chosen, seen = [], set()
-        for p in params:
+        for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
-                raise ValueError(f"params must be tensors, got {type(p).__name__}")
+                raise ValueError(f"params must be tensors, got {type(p).__name__} at params[{i}]")
+            if id(p) not in owned:
+                raise ValueError(
+                    f"params[{i}] (a {type(p).__name__} of shape {tuple(p.shape)}) is not a parameter of the model: "
+                    "pass tensors from model.parameters() (a Parameter that is not registered in the model cannot "
+                    "be named, hooked or substituted)"
+                )
             if not p.requires_grad:
-                raise ValueError(f"params contains a tensor of shape {tuple(p.shape)} with requires_grad=False")
+                raise ValueError(f"params[{i}] (shape {tuple(p.shape)}) has requires_grad=False")
             if id(p) not in seen:
                 seen.add(id(p))
                 chosen.append(p)
@@ -90,6 +118,8 @@ def extract_logits(output: Any) -> torch.Tensor:
     if logits is None and isinstance(output, Mapping):
         logits = output.get("logits")
     if logits is None and isinstance(output, (tuple, list)):
+        if not output:
+            raise ValueError(f"the model returned an empty {type(output).__name__}; expected logits [M, C] / [M, T, C]")
         logits = output[0]
     if logits is None:
         logits = output
@@ -114,7 +144,44 @@ def batch_size(logits: torch.Tensor) -> int:
         raise ValueError(
             f"logits of shape {tuple(logits.shape)}: expected [M, C] or [M, T, C] with the class dimension last"
         )
+    if logits.shape[0] == 0:
+        raise ValueError(f"logits of shape {tuple(logits.shape)}: the batch holds no samples (M = 0)")
     return int(logits.shape[0])
+
+
+def check_targets(targets: torch.Tensor) -> int:
+    """``M`` from ``targets [M, ...]``, before any forward: a tensor with at least one sample (``ValueError``)."""
+    if not isinstance(targets, torch.Tensor):
+        raise ValueError(f"targets must be a tensor, got {type(targets).__name__}")
+    if targets.dim() == 0:
+        raise ValueError("targets must have a sample dimension first ([M] or [M, T]), got a scalar tensor")
+    if targets.shape[0] == 0:
+        raise ValueError(f"targets of shape {tuple(targets.shape)}: the batch holds no samples (M = 0); M must be >= 1")
+    return int(targets.shape[0])
+
+
+def take_first(inputs: Inputs, m: int) -> Inputs:
+    """The batch's first sample (every tensor whose leading dimension is ``m``, cut to 1), for shape probes."""
+    if isinstance(inputs, Mapping):
+        return {k: take_first(v, m) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(take_first(v, m) for v in inputs)
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 1 and inputs.shape[0] == m:
+        return inputs[:1]
+    return inputs
+
+
+def shapes_of(inputs: Inputs) -> tuple:
+    """The shapes of every tensor in ``inputs`` (a hashable summary)."""
+    if isinstance(inputs, Mapping):
+        return tuple((k, shapes_of(v)) for k, v in inputs.items())
+    if isinstance(inputs, (tuple, list)):
+        return tuple(shapes_of(v) for v in inputs)
+    if isinstance(inputs, torch.Tensor):
+        return tuple(inputs.shape)
+    if inputs is None or isinstance(inputs, (bool, int, float, str)):
+        return (repr(inputs),)
+    return (type(inputs).__name__,)
 
 
 class ReplayableForward:

@@ -156,7 +156,7 @@ def _progress_engine(label: str):
     return Engine
 
 
-def _kernel_config():
+def kernel_config():
     """The kernel talks to papermill over local IPC sockets: it is never reachable from the network, and ipykernel's
     "Kernel is running over TCP without encryption" warning (ipykernel.kernelapp, for tcp without a CurveZMQ key)
     does not apply."""
@@ -193,7 +193,7 @@ def execute(notebook: Path, scale: str, executed_root: Path | None = None,
         with single_threaded():
             papermill.execute_notebook(str(notebook), str(partial), parameters=parameters, kernel_name="python3",
                                        cwd=str(ROOT), progress_bar=False, engine_name=engine,
-                                       config=_kernel_config())
+                                       config=kernel_config())
     except papermill.PapermillExecutionError as err:
         index, first_line = _source_cell(partial, err.cell_index)
         raise NotebookFailed(

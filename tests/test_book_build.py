@@ -94,3 +94,26 @@ def test_every_notebook_has_a_chapter_and_stays_output_free():
         assert not dirty, f"{path.name} is stored with outputs in cells {dirty}"
         tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(tagged) == 1 and "scale" in tagged[0].source, f"{path.name}: one 'parameters' cell with scale"
+
+
+def test_readme_states_no_typed_build_times():
+    """Build times come from the build (book/generated/timings.md), not from prose that goes stale."""
+    readme = (book.ROOT / "README.md").read_text()
+    section = readme[readme.index("## Two commands"):readme.index("## Using `ief`")]
+    import re
+
+    typed = re.findall(r"\b\d+(?:\.\d+)?\s*(?:min|minutes|s|seconds)\b", section)
+    assert not typed, f"typed durations in the README's build section: {typed}"
+    assert "book/generated/timings.md" in section and "_build/build-log.jsonl" in section
+
+
+def test_console_shows_one_line_per_job_and_errors_in_full(capsys):
+    console = book._Console()
+    for line in ["Building DAG of jobs...\n", "[Mon Nov 23 02:12:02 2026]\n", "rule train:\n",
+                 "    output: runs/smoke/a/sgd/seed-0/summary.json\n", "    jobid: 3\n",
+                 "    wildcards: scale=smoke, setup=a, optimizer=sgd, seed=0\n", "    resources: tmpdir=/tmp\n",
+                 "1 of 2 steps (50%) done\n", "Error in rule train:\n", "    jobid: 3\n"]:
+        console.line(line)
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["[workflow] train (scale=smoke, setup=a, optimizer=sgd, seed=0)", "1 of 2 steps (50%) done",
+                   "Error in rule train:", "    jobid: 3"]

@@ -5,6 +5,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 SCALE ?= cpu
 PROFILE ?= default
+CONFIG ?=
 CHROMIUM ?= /usr/bin/chromium
 
 ifeq ($(origin PYTHON), undefined)
@@ -18,7 +19,8 @@ endif
 
 help:
 	@echo "make book    run the workflow (workflow/Snakefile): training runs, tables, notebooks and the book in"
-	@echo "             _build/html (SCALE=cpu|smoke|full, default cpu; PROFILE=default|slurm)"
+	@echo "             _build/html (SCALE=cpu|smoke|full, default cpu; PROFILE=default|slurm;"
+	@echo "             CONFIG='seeds=[0] runs=/scratch/runs' overrides config/config.yaml)"
 	@echo "make test-cluster  start a single-node SLURM on localhost (root) and run the smoke grid through it"
 	@echo "make test    run the test suite"
 	@echo "make bench   print speed ratios (benchmarks/, not part of the tests)"
@@ -51,7 +53,7 @@ $(CHROMIUM):
 
 # The workflow decides what is out of date; an interrupted build resumes where it stopped.
 book: $(ENV_READY)
-	$(PYTHON) -m tools.book build --scale $(SCALE) --profile $(PROFILE)
+	$(PYTHON) -m tools.book build --scale $(SCALE) --profile $(PROFILE) $(foreach c,$(CONFIG),--config '$(c)')
 
 bench: $(ENV_READY)
 	$(PYTHON) -m benchmarks.step

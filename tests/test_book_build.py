@@ -23,7 +23,8 @@ def test_execute_records_provenance_single_threaded_and_quietly(tmp_path, capfd,
     """One thread per kernel, the result files read recorded with their hashes, a progress line per slow cell,
     and no "Kernel is running over TCP without encryption" (the kernel talks over local IPC sockets)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    nb = _notebook(tmp_path / "ok.ipynb", "import os, time\ntime.sleep(2.2)\nprint('threads', os.environ['OMP_NUM_THREADS'])")
+    body = "import os, time\ntime.sleep(2.2)\nprint('threads', os.environ['OMP_NUM_THREADS'])"
+    nb = _notebook(tmp_path / "ok.ipynb", body)
     table = tmp_path / "table.csv"
     table.write_text("a,b\n1,2\n")
     executed, record = book.execute(nb, "smoke", executed_root=tmp_path / "exec", results=[table])

@@ -403,8 +403,11 @@ class _Console:
 
 
 def build(scale: str, output: Path | None = None, profile: str = "default", extra: list[str] | None = None,
-          log: Path = BUILD_LOG, verbose: bool = False) -> int:
-    """Run the workflow (Snakemake) for ``scale``; time it and log it (``_build/build-log.jsonl``)."""
+          log: Path = BUILD_LOG, verbose: bool = False, config: list[str] | None = None) -> int:
+    """Run the workflow (Snakemake) for ``scale``; time it and log it (``_build/build-log.jsonl``).
+
+    ``config``: more ``KEY=VALUE`` settings of config/config.yaml (e.g. ``seeds=[0]``, ``runs=/scratch/runs``);
+    ``extra``: arguments passed on to Snakemake (targets, ``-n``, ``--cores 2``)."""
     problem = missing_build_tools()
     if problem:
         _log(f"FAILED before running anything: {problem}")
@@ -421,9 +424,9 @@ def build(scale: str, output: Path | None = None, profile: str = "default", extr
             _log("FAILED: the slurm profile needs the account to charge: export SLURM_ACCOUNT=<account> "
                  "(sacctmgr show assoc user=$USER lists yours); SLURM_PARTITION optionally")
             return 2
-    config = [f"scale={scale}"] + ([f"book_output={output}"] if output else [])
+    settings = [f"scale={scale}"] + ([f"book_output={output}"] if output else []) + list(config or [])
     command = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "workflow" / "Snakefile"),
-               "--directory", str(ROOT), "--profile", str(profile_dir), "--config", *config, *(extra or [])]
+               "--directory", str(ROOT), "--profile", str(profile_dir), "--config", *settings, *(extra or [])]
     _log(f"scale={scale}, profile={profile}: snakemake " + " ".join(command[3:]))
     started = time.time()
     jobs: dict[str, int] = {}
@@ -474,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                         "into _build/smoke so a reader's book is left alone)")
     b.add_argument("--profile", default=os.environ.get("PROFILE", "default"),
                    help="workflow/profiles/<PROFILE>: default (this machine) or slurm")
+    b.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of config/config.yaml, e.g. seeds=[0] or runs=/scratch/runs (repeatable)")
     b.add_argument("--verbose", action="store_true", help="show Snakemake's output in full")
     b.add_argument("snakemake_args", nargs="*", help="passed on to snakemake (after --), e.g. -n or --cores 2")
     e = sub.add_parser("execute", help="execute one notebook (a workflow step)")
@@ -492,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown scale {args.scale!r}; accepted: {', '.join(SCALES)}")
     try:
         if args.step == "build":
-            return build(args.scale, args.output, args.profile, args.snakemake_args, verbose=args.verbose)
+            return build(args.scale, args.output, args.profile, args.snakemake_args, verbose=args.verbose,
+                         config=args.config)
         if args.step == "execute":
             execute(args.notebook, args.scale, results=args.results)
         elif args.step == "publish":

@@ -456,7 +456,7 @@ def build(scale: str, output: Path | None = None, profile: str = "default", extr
         with log.open("a") as f:
             f.write(json.dumps(entry) + "\n")
     status = "done" if returncode == 0 else f"FAILED (snakemake exited with {returncode})"
-    _log(f"{status} in {_minutes(wall)}; jobs run: {jobs or 'none'}")
+    _log(f"{status} in {_minutes(wall)}; jobs {'planned' if dry else 'run'}: {jobs or 'none'}")
     if returncode == 0 and not dry:
         index = (Path(output).resolve() if output else ROOT) / "_build" / "html" / "index.html"
         _log(f"open file://{index}")

@@ -25,7 +25,7 @@ rule execute_notebook:
     params:
         packages=BOOK.package_versions(),
     resources:
-        runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
+        runtime=config["slurm_time"]["notebook_minutes"][SCALE],
     shell:
         "{PYTHON} -m tools.book execute {input.notebook} --scale {SCALE} --results {input.results}"
 

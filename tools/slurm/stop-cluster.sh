@@ -11,4 +11,13 @@ done
 [[ -s /run/mysqld/mysqld.pid ]] && kill "$(cat /run/mysqld/mysqld.pid)" 2>/dev/null
 pid=$(pgrep -x mariadbd) && kill $pid 2>/dev/null
 [[ -s /run/munge/munged.pid ]] && kill "$(cat /run/munge/munged.pid)" 2>/dev/null
+for _ in $(seq 60); do  # wait until every daemon has exited (slurmdbd and mariadbd take a few seconds)
+    running=$(for d in slurmd slurmctld slurmdbd munged mariadbd; do pgrep -x "$d" >/dev/null && echo "$d"; done)
+    [[ -z $running ]] && break
+    sleep 0.5
+done
+if [[ -n $running ]]; then
+    echo "==> still running after 30 s: $running" >&2
+    exit 1
+fi
 echo "==> SLURM test cluster stopped"

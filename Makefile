@@ -4,6 +4,8 @@
 SHELL := /bin/bash
 VENV ?= .venv
 SCALE ?= cpu
+PROFILE ?= default
+CONFIG ?=
 CHROMIUM ?= /usr/bin/chromium
 
 ifeq ($(origin PYTHON), undefined)
@@ -13,10 +15,13 @@ else
 ENV_READY :=
 endif
 
-.PHONY: help env test book bench clean
+.PHONY: help env test test-cluster book bench clean
 
 help:
-	@echo "make book    execute the notebooks (SCALE=cpu|smoke|full, default cpu) and build the book in _build/html"
+	@echo "make book    run the workflow (workflow/Snakefile): training runs, tables, notebooks and the book in"
+	@echo "             _build/html (SCALE=cpu|smoke|full, default cpu; PROFILE=default|slurm;"
+	@echo "             CONFIG='seeds=[0] runs=/scratch/runs' overrides config/config.yaml)"
+	@echo "make test-cluster  start a single-node SLURM on localhost (root) and run the smoke grid through it"
 	@echo "make test    run the test suite"
 	@echo "make bench   print speed ratios (benchmarks/, not part of the tests)"
 	@echo "make env     create .venv/ with the pinned CPU install"
@@ -31,21 +36,27 @@ $(VENV)/.installed: pyproject.toml requirements/ci.txt requirements/no-deps.txt
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
-# The test command: build the book at smoke scale (into _build/smoke, leaving a reader's _build/html alone), then
-# run the whole suite, including the browser test of that book.
+# The test command: build the book at smoke scale through the workflow (into _build/smoke, leaving a reader's
+# _build/html alone), then run the whole suite, including the browser test of that book.
 test: $(ENV_READY) $(CHROMIUM)
-	$(PYTHON) -m tools.book --scale smoke --output _build/smoke
+	$(PYTHON) -m tools.book build --scale smoke --output _build/smoke
 	$(PYTHON) -m pytest tests
+
+# A real SLURM cluster on localhost (needs root; writes /etc/slurm): the smoke grid through workflow/profiles/slurm,
+# compared with the same grid run locally.
+test-cluster: $(ENV_READY)
+	PYTHON=$(abspath $(PYTHON)) bash tools/slurm/test-cluster.sh
 
 $(CHROMIUM):
 	@echo "==> installing Debian's chromium for the browser test (needs root: otherwise install it yourself)"
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
+# The workflow decides what is out of date; an interrupted build resumes where it stopped.
 book: $(ENV_READY)
-	$(PYTHON) -m tools.book --scale $(SCALE)
+	$(PYTHON) -m tools.book build --scale $(SCALE) --profile $(PROFILE) $(foreach c,$(CONFIG),--config '$(c)')
 
 bench: $(ENV_READY)
 	$(PYTHON) -m benchmarks.step
 
 clean:
-	rm -rf _build .pytest_cache
+	rm -rf _build .pytest_cache .snakemake

@@ -1,5 +1,6 @@
-"""tools/book.py: executed notebooks are reused only while nothing they depend on changed, and a failing notebook
-stops the build with a message naming the notebook and the cell."""
+"""tools/book.py, the steps of the workflow: a notebook executes single-threaded with its provenance, a failing one
+stops the build naming the notebook and the cell, the timings page shows builds measured by the build itself, and a
+missing npm is reported before anything runs. (Up-to-dateness is Snakemake's: tests/test_workflow.py.)"""
 import json
 
 import nbformat
@@ -18,27 +19,52 @@ def _notebook(path, body: str):
     return path
 
 
-def test_fingerprint_tracks_source_and_parameters(tmp_path):
-    nb = _notebook(tmp_path / "a.ipynb", "print(scale)")
-    base = book.fingerprint(nb, {"scale": "smoke"})
-    assert book.fingerprint(nb, {"scale": "smoke"}) == base
-    assert book.fingerprint(nb, {"scale": "cpu"}) != base
-    _notebook(nb, "print(scale, 2)")
-    assert book.fingerprint(nb, {"scale": "smoke"}) != base
+def test_execute_records_provenance_single_threaded_and_quietly(tmp_path, capfd, monkeypatch):
+    """One thread per kernel, the result files read recorded with their hashes, a progress line per slow cell,
+    and no "Kernel is running over TCP without encryption" (the kernel talks over local IPC sockets)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    body = "import os, time\ntime.sleep(2.2)\nprint('threads', os.environ['OMP_NUM_THREADS'])"
+    nb = _notebook(tmp_path / "ok.ipynb", body)
+    table = tmp_path / "table.csv"
+    table.write_text("a,b\n1,2\n")
+    executed, record = book.execute(nb, "smoke", executed_root=tmp_path / "exec", results=[table])
+    assert executed.exists() and record["scale"] == "smoke" and record["parameters"]["scale"] == "smoke"
+    assert {"git_commit", "packages", "wall_time_s", "finished"} <= set(record)
+    assert list(record["results"].values()) == [book._sha256(table)]
+    assert json.loads((tmp_path / "exec" / "smoke" / "ok.provenance.json").read_text()) == record
+    outputs = nbformat.read(executed, as_version=4).cells[-1].outputs
+    assert "threads 1" in "".join(o.get("text", "") for o in outputs)
+    console = capfd.readouterr()
+    assert "without encryption" not in console.out + console.err
+    assert "ok.ipynb: cell 4/4 took" in console.out  # the sleeping cell (after papermill's injected parameters)
+    published = book.publish(executed, record, generated=tmp_path / "generated")
+    text = published.read_text()
+    assert "## Provenance" in text and "table.csv" in text and book._sha256(table) in text
 
 
-def test_executed_notebook_is_reused_until_it_changes(tmp_path):
-    nb = _notebook(tmp_path / "ok.ipynb", "print('ran at', scale)")
-    executed, first = book.execute(nb, "smoke", executed_root=tmp_path / "exec")
-    assert executed.exists() and first["scale"] == "smoke" and first["parameters"]["scale"] == "smoke"
-    assert {"git_commit", "packages", "wall_time_s", "fingerprint"} <= set(first)
-    _, again = book.execute(nb, "smoke", executed_root=tmp_path / "exec")
-    assert again == first  # reused: the same provenance record, nothing re-run
-    _notebook(nb, "print('changed', scale)")
-    _, third = book.execute(nb, "smoke", executed_root=tmp_path / "exec")
-    assert third["fingerprint"] != first["fingerprint"]
-    record = json.loads((tmp_path / "exec" / "smoke" / "ok.provenance.json").read_text())
-    assert record == third
+def test_timings_page_shows_the_builds_measured_by_the_build(tmp_path):
+    log = tmp_path / "build-log.jsonl"
+    entries = [
+        {"scale": "smoke", "kind": "cold", "returncode": 0, "wall_time_s": 150.2, "jobs": {"book": 1},
+         "finished": "2026-01-01 00:00:00 UTC"},
+        {"scale": "smoke", "kind": "no-op", "returncode": 0, "wall_time_s": 9.1, "jobs": {},
+         "finished": "2026-01-01 00:05:00 UTC"},
+        {"scale": "smoke", "kind": "no-op", "returncode": 1, "wall_time_s": 1.0, "jobs": {},
+         "finished": "2026-01-01 00:06:00 UTC"},  # failed builds are not shown
+    ]
+    log.write_text("\n".join(json.dumps(e) for e in entries) + "\n")
+    text = book.timings_table(executed_root=tmp_path / "none", build_log=log)
+    assert "| `smoke` | cold build" in text and "2 min 30 s" in text
+    assert "| `smoke` | no-op rebuild" in text and "| 9 s |" in text and "00:06:00" not in text
+
+
+def test_missing_npm_is_reported_before_anything_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(book, "MATHJAX_ENTRY", tmp_path / "absent.js")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no npm on PATH
+    assert "apt-get install npm" in book.missing_build_tools()
+    assert book.build("smoke", log=tmp_path / "log.jsonl") == 1
+    assert "FAILED before running anything" in capsys.readouterr().out
+    assert not (tmp_path / "log.jsonl").exists()
 
 
 def test_failing_notebook_names_notebook_and_cell(tmp_path):
@@ -69,3 +95,26 @@ def test_every_notebook_has_a_chapter_and_stays_output_free():
         assert not dirty, f"{path.name} is stored with outputs in cells {dirty}"
         tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(tagged) == 1 and "scale" in tagged[0].source, f"{path.name}: one 'parameters' cell with scale"
+
+
+def test_readme_states_no_typed_build_times():
+    """Build times come from the build (book/generated/timings.md), not from prose that goes stale."""
+    readme = (book.ROOT / "README.md").read_text()
+    section = readme[readme.index("## Two commands"):readme.index("## Using `ief`")]
+    import re
+
+    typed = re.findall(r"\b\d+(?:\.\d+)?\s*(?:min|minutes|s|seconds)\b", section)
+    assert not typed, f"typed durations in the README's build section: {typed}"
+    assert "book/generated/timings.md" in section and "_build/build-log.jsonl" in section
+
+
+def test_console_shows_one_line_per_job_and_errors_in_full(capsys):
+    console = book._Console()
+    for line in ["Building DAG of jobs...\n", "[Mon Nov 23 02:12:02 2026]\n", "rule train:\n",
+                 "    output: runs/smoke/a/sgd/seed-0/summary.json\n", "    jobid: 3\n",
+                 "    wildcards: scale=smoke, setup=a, optimizer=sgd, seed=0\n", "    resources: tmpdir=/tmp\n",
+                 "1 of 2 steps (50%) done\n", "Error in rule train:\n", "    jobid: 3\n"]:
+        console.line(line)
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["[workflow] train (scale=smoke, setup=a, optimizer=sgd, seed=0)", "1 of 2 steps (50%) done",
+                   "Error in rule train:", "    jobid: 3"]

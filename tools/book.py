@@ -1,25 +1,33 @@
-"""Build the book: execute every notebook with papermill at one scale, then ``jupyter-book build`` (no execution).
+"""Build the book: the steps of the workflow (workflow/Snakefile) and the command that runs it.
 
-    python -m tools.book --scale cpu          # what `make book` runs (SCALE=cpu|smoke|full)
+    python -m tools.book build --scale cpu              # what `make book` runs (SCALE=cpu|smoke|full, PROFILE=...)
+    python -m tools.book build --scale smoke --output _build/smoke      # what `make test` runs first
 
-Steps, each printed with its duration:
+``build`` runs Snakemake (workflow/Snakefile, profile workflow/profiles/<profile>), which decides what is out of date
+and calls the steps below, each a subcommand:
 
-1. For every ``notebooks/*.ipynb``: run it with papermill (parameters ``scale`` and ``out_dir``) into
-   ``_build/executed/<scale>/``. An executed copy is reused when its fingerprint (the notebook source, its
-   parameters, the ``ief`` package code and recorded data, and the versions of the packages it runs on) is
-   unchanged; otherwise its output folder ``_build/figures/<scale>/<notebook>/`` is emptied and it runs again.
-   Each run records its provenance (scale, parameters, git commit, package versions, wall time, fingerprint) next to it.
-2. Copy each executed notebook into ``book/generated/`` with a provenance section appended: the chapters the book
-   includes (``_toc.yml``). A notebook that fails stops the build, naming the notebook and the cell.
-3. Make MathJax available offline (``npm install mathjax@3`` into ``_build/vendor`` the first time) and run
-   ``jupyter-book build . -W`` with execution off.
+- ``execute NOTEBOOK --scale S``: run one notebook with papermill (parameters ``scale`` and ``out_dir``) into
+  ``_build/executed/<scale>/``, in a kernel with one thread per library (no oversubscription), talking to it over
+  local IPC sockets, printing a line per slow cell. Its output folder ``_build/figures/<scale>/<notebook>/`` is
+  emptied first. The provenance (scale, parameters, git commit, package versions, wall time, the result files read
+  with their hashes) is written next to it. A failing notebook stops the build, naming the notebook and the cell.
+- ``publish EXECUTED``: copy an executed notebook into ``book/generated/`` with a provenance section appended.
+- ``timings --scale S``: ``book/generated/timings.md``, the execution times and whole-book build times measured by
+  the builds themselves (``_build/build-log.jsonl``).
+- ``mathjax``: MathJax 3 from the npm registry into ``_build/vendor`` (once), so the book works offline.
+- ``jupyter-book [--output D]``: ``jupyter-book build . -W`` with execution off; prints a summary and the warnings.
+
+Up to date or not is Snakemake's decision alone (its rerun triggers: a missing or older output, changed inputs,
+params or rule code); nothing here fingerprints.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,8 +40,14 @@ SCALES = ("smoke", "cpu", "full")
 NOTEBOOKS = ROOT / "notebooks"
 GENERATED = ROOT / "book" / "generated"
 VENDOR = ROOT / "_build" / "vendor"
+BUILD_LOG = ROOT / "_build" / "build-log.jsonl"
 MATHJAX_VERSION = "3.2.2"
+MATHJAX_ENTRY = VENDOR / "mathjax" / "mathjax" / "es5" / "tex-chtml-full.js"
 TRACKED_PACKAGES = ("torch", "transformers", "peft", "numpy", "matplotlib", "pandas", "papermill", "jupyter-book")
+# One thread per job: torch (intra-op, OpenMP) and the BLAS libraries numpy/scipy may load.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                    "VECLIB_MAXIMUM_THREADS")
+SLOW_CELL_S = 2.0  # cells slower than this get a progress line
 
 
 def _log(message: str) -> None:
@@ -60,19 +74,12 @@ def git_commit() -> str:
         return "unknown"
 
 
-def fingerprint(notebook: Path, parameters: dict) -> str:
-    """Hash of everything an executed notebook depends on: its source, parameters, package code, versions."""
-    h = hashlib.sha256()
-    h.update(notebook.read_bytes())
-    h.update(json.dumps(parameters, sort_keys=True).encode())
-    for path in sorted(p for p in (ROOT / "ief").rglob("*") if p.suffix in (".py", ".json")):  # code + records
-        h.update(str(path.relative_to(ROOT)).encode())
-        h.update(path.read_bytes())
-    h.update(json.dumps(package_versions(), sort_keys=True).encode())
-    return h.hexdigest()[:16]
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -84,7 +91,7 @@ class NotebookFailed(RuntimeError):
 
 def _shown(path: Path) -> str:
     try:
-        return str(path.relative_to(ROOT))
+        return str(Path(path).resolve().relative_to(ROOT))
     except ValueError:
         return str(path)
 
@@ -99,33 +106,94 @@ def _source_cell(executed: Path, executed_index: int) -> tuple[int, str]:
     return executed_index - injected, lines[0] if lines else ""
 
 
-def execute(notebook: Path, scale: str, executed_root: Path | None = None) -> tuple[Path, dict]:
-    """Run one notebook (or reuse its executed copy); returns the executed path and its provenance."""
-    import papermill
+@contextlib.contextmanager
+def single_threaded(threads: int = 1):
+    """The kernel inherits this environment: one thread per library unless the caller already chose."""
+    saved = {v: os.environ.get(v) for v in THREAD_VARIABLES + ("PYTHONPATH",)}
+    for var in THREAD_VARIABLES:
+        os.environ.setdefault(var, str(threads))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
+
+def _progress_engine(label: str):
+    """A papermill engine that prints one line per slow code cell (papermill's own progress is a tqdm bar)."""
+    from papermill.engines import NBClientEngine, NotebookExecutionManager
+
+    class Manager(NotebookExecutionManager):
+        def cell_start(self, cell, cell_index=None, **kwargs):
+            self._cell_started = time.time()
+            return super().cell_start(cell, cell_index, **kwargs)
+
+        def cell_complete(self, cell, cell_index=None, **kwargs):
+            took = time.time() - getattr(self, "_cell_started", time.time())
+            if cell.cell_type == "code" and took >= SLOW_CELL_S:
+                first = (cell.source.strip().splitlines() or [""])[0][:60]
+                total = len(self.nb.cells)
+                _log(f"{label}: cell {cell_index + 1}/{total} took {took:.1f} s  ({first})")
+            return super().cell_complete(cell, cell_index, **kwargs)
+
+    class Engine(NBClientEngine):
+        @classmethod
+        def execute_notebook(cls, nb, kernel_name, output_path=None, progress_bar=False, log_output=False,
+                             autosave_cell_every=30, **kwargs):
+            nb_man = Manager(nb, output_path=output_path, progress_bar=False, log_output=log_output,
+                             autosave_cell_every=autosave_cell_every)
+            nb_man.notebook_start()
+            try:
+                cls.execute_managed_notebook(nb_man, kernel_name, log_output=log_output, **kwargs)
+            finally:
+                nb_man.notebook_complete()
+            return nb_man.nb
+
+    return Engine
+
+
+def kernel_config():
+    """The kernel talks to papermill over local IPC sockets: it is never reachable from the network, and ipykernel's
+    "Kernel is running over TCP without encryption" warning (ipykernel.kernelapp, for tcp without a CurveZMQ key)
+    does not apply."""
+    from traitlets.config import Config
+
+    return Config({"KernelManager": {"transport": "ipc"}})
+
+
+def execute(notebook: Path, scale: str, executed_root: Path | None = None,
+            results: list[Path] | tuple[Path, ...] = ()) -> tuple[Path, dict]:
+    """Run one notebook at ``scale``; returns the executed path and its provenance. ``results``: the result files
+    the notebook reads (recorded with their hashes)."""
+    import papermill
+    from papermill.engines import papermill_engines
+
+    notebook = Path(notebook)
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; accepted: {', '.join(SCALES)}")
     out_dir = (executed_root or ROOT / "_build" / "executed") / scale
     out_dir.mkdir(parents=True, exist_ok=True)
     executed = out_dir / notebook.name
     record = executed.with_suffix(".provenance.json")
     parameters = {"scale": scale, "out_dir": str(Path("_build") / "figures" / scale / notebook.stem)}
-    key = fingerprint(notebook, parameters)
-    if executed.exists() and record.exists():
-        previous = json.loads(record.read_text())
-        if previous.get("fingerprint") == key:
-            _log(f"{notebook.name}: unchanged (fingerprint {key}), reusing the executed copy from "
-                 f"{previous['finished']} ({previous['wall_time_s']:.0f} s then)")
-            return executed, previous
-    _log(f"{notebook.name}: executing at scale={scale} ...")
+    label = notebook.name
+    _log(f"{label}: executing at scale={scale} ...")
     figures = ROOT / parameters["out_dir"]
     if figures.is_dir():  # a build product: start clean, so no stale figure or training run is reused
         shutil.rmtree(figures)
+    engine = f"ief-progress-{notebook.stem}"
+    papermill_engines.register(engine, _progress_engine(label))
     start = time.time()
-    env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env_path) if p)
     partial = executed.with_suffix(".partial.ipynb")
     try:
-        papermill.execute_notebook(str(notebook), str(partial), parameters=parameters, kernel_name="python3",
-                                   cwd=str(ROOT), progress_bar=False)
+        with single_threaded():
+            papermill.execute_notebook(str(notebook), str(partial), parameters=parameters, kernel_name="python3",
+                                       cwd=str(ROOT), progress_bar=False, engine_name=engine,
+                                       config=kernel_config())
     except papermill.PapermillExecutionError as err:
         index, first_line = _source_cell(partial, err.cell_index)
         raise NotebookFailed(
@@ -141,122 +209,309 @@ def execute(notebook: Path, scale: str, executed_root: Path | None = None) -> tu
         "git_commit": git_commit(),
         "packages": package_versions(),
         "python": sys.version.split()[0],
+        "threads": os.environ.get("OMP_NUM_THREADS", "1"),
+        "results": {_shown(Path(p)): _sha256(Path(p)) for p in results},
         "wall_time_s": round(wall, 1),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "fingerprint": key,
     }
     _write_atomic(record, json.dumps(provenance, indent=2))
-    _log(f"{notebook.name}: done in {wall:.1f} s")
+    _log(f"{label}: done in {wall:.1f} s")
     return executed, provenance
 
 
 def provenance_markdown(p: dict) -> str:
     params = ", ".join(f"`{k}={v!r}`" for k, v in p["parameters"].items())
     packages = ", ".join(f"{k} {v}" for k, v in p["packages"].items() if v != "not installed")
+    read = ", ".join(f"`{k}` (sha256 {v})" for k, v in p.get("results", {}).items()) or "none (trains on its own)"
     return (
         "## Provenance\n\n"
         "| | |\n| --- | --- |\n"
         f"| notebook | `{p['notebook']}` |\n| scale | `{p['scale']}` |\n| parameters | {params} |\n"
+        f"| results read | {read} |\n"
         f"| git commit | `{p['git_commit']}` |\n| executed | {p['finished']} in {p['wall_time_s']} s |\n"
-        f"| Python | {p['python']} |\n| packages | {packages} |\n| fingerprint | `{p['fingerprint']}` |\n\n"
+        f"| Python | {p['python']} |\n| packages | {packages} |\n\n"
         "Rerun this chapter on a GPU with the paper's setups:\n\n"
         f"```bash\npapermill {p['notebook']} out.ipynb -p scale full\n```\n"
     )
 
 
-def publish(executed: Path, provenance: dict) -> Path:
-    """Copy the executed notebook into book/generated/ with its provenance appended."""
+def publish(executed: Path, provenance: dict | None = None, generated: Path = GENERATED) -> Path:
+    """Copy the executed notebook into ``generated`` with its provenance appended."""
     import nbformat
 
+    executed = Path(executed)
+    if provenance is None:
+        provenance = json.loads(executed.with_suffix(".provenance.json").read_text())
     nb = nbformat.read(executed, as_version=4)
     nb.cells.append(nbformat.v4.new_markdown_cell(provenance_markdown(provenance)))
-    GENERATED.mkdir(parents=True, exist_ok=True)
-    target = GENERATED / executed.name
-    nbformat.write(nb, target)
+    target = Path(generated) / executed.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    nbformat.write(nb, tmp)
+    os.replace(tmp, target)
     return target
 
 
-def timings_table() -> str:
-    """Markdown table of recorded execution times: one row per notebook, one column per scale."""
+# ----------------------------------------------------------------------------------------------- timings
+def read_build_log(path: Path = BUILD_LOG) -> list[dict]:
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            entries.append(json.loads(line))
+    return entries
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+
+
+def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG) -> str:
+    """Markdown: each notebook's execution time per scale (from its provenance) and the whole-book builds measured
+    by ``build`` (the last cold build, every notebook executed, and the last no-op rebuild, per scale)."""
+    root = executed_root or ROOT / "_build" / "executed"
     rows = []
     for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
         cells = []
         for scale in SCALES:
-            record = ROOT / "_build" / "executed" / scale / f"{notebook.stem}.provenance.json"
-            if record.exists():
-                cells.append(f"{json.loads(record.read_text())['wall_time_s']:.0f} s")
-            else:
-                cells.append("not run here")
+            record = root / scale / f"{notebook.stem}.provenance.json"
+            cells.append(f"{json.loads(record.read_text())['wall_time_s']:.0f} s" if record.exists()
+                         else "not run here")
         rows.append(f"| `{notebook.name}` | " + " | ".join(cells) + " |")
-    if not rows:
-        return "No notebooks yet.\n"
     header = "| notebook | " + " | ".join(SCALES) + " |\n| --- |" + " ---: |" * len(SCALES) + "\n"
-    return header + "\n".join(rows) + "\n"
+    text = (header + "\n".join(rows) + "\n") if rows else "No notebooks yet.\n"
+    builds = []
+    log = [e for e in read_build_log(build_log) if e.get("returncode") == 0]
+    for scale in SCALES:
+        for kind, what in (("cold", "cold build (every notebook executed, book built)"),
+                           ("no-op", "no-op rebuild (nothing changed, nothing recomputed)")):
+            done = [e for e in log if e.get("scale") == scale and e.get("kind") == kind]
+            if done:
+                e = done[-1]
+                jobs = ", ".join(f"{n} {r}" for r, n in sorted(e.get("jobs", {}).items())) or "0 jobs"
+                builds.append(f"| `{scale}` | {what} | {_minutes(e['wall_time_s'])} | {jobs} | {e['finished']} |")
+    if builds:
+        text += ("\nWhole-book builds (`make book`), timed by the build itself (`tools/book.py build`, logged in "
+                 "`_build/build-log.jsonl`); the build that made this page is logged after the page was written, "
+                 "so these are the builds before it:\n\n"
+                 "| scale | build | wall time | jobs run | finished |\n| --- | --- | ---: | --- | --- |\n"
+                 + "\n".join(builds) + "\n")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- tools, book
+def missing_build_tools() -> str | None:
+    """What the build needs that pip does not install, as a message naming what to install (None: all there)."""
+    if not MATHJAX_ENTRY.exists() and shutil.which("npm") is None:
+        return ("npm is needed (once) to install MathJax for the book, and it is not on PATH: install Node.js and npm "
+                "(Debian/Ubuntu: apt-get install npm; macOS: brew install node; conda: conda install -c conda-forge "
+                "nodejs), then run the build again. Nothing has been executed yet.")
+    return None
 
 
 def mathjax() -> None:
     """MathJax 3 from the npm registry into _build/vendor/mathjax (served from the book's _static, no CDN)."""
-    target = VENDOR / "mathjax" / "mathjax" / "es5" / "tex-chtml-full.js"
-    if target.exists():
+    if MATHJAX_ENTRY.exists():
         return
+    problem = missing_build_tools()
+    if problem:
+        raise RuntimeError(problem)
     _log(f"installing MathJax {MATHJAX_VERSION} from the npm registry (once) ...")
     npm_dir = VENDOR / "npm"
     npm_dir.mkdir(parents=True, exist_ok=True)
     subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(npm_dir),
                     f"mathjax@{MATHJAX_VERSION}"], check=True)
     source = npm_dir / "node_modules" / "mathjax" / "es5"
-    destination = VENDOR / "mathjax" / "mathjax" / "es5"
+    destination = MATHJAX_ENTRY.parent
     shutil.rmtree(destination, ignore_errors=True)
     shutil.copytree(source, destination)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def jupyter_book(output: Path | None = None) -> Path:
-    """Build the HTML into ``<output>/_build/html`` (default: the repository, i.e. ``_build/html``)."""
-    base = ROOT if output is None else output
+    """Build the HTML into ``<output>/_build/html`` (default: the repository, i.e. ``_build/html``).
+
+    Every page is re-read (``--all``), so ``-W`` sees every warning; jupyter-book's own output (its configuration,
+    colours) is kept out of the console: a summary line, or the warnings and errors when the build fails."""
+    base = ROOT if output is None else Path(output).resolve()
     html = base / "_build" / "html"
     exe = Path(sys.executable).with_name("jupyter-book")
-    command = [str(exe) if exe.exists() else "jupyter-book", "build", str(ROOT), "-W", "--keep-going"]
+    command = [str(exe) if exe.exists() else "jupyter-book", "build", str(ROOT), "-W", "--keep-going", "--all"]
     if output is not None:
-        command += ["--path-output", str(output)]
+        command += ["--path-output", str(base)]
     _log("jupyter-book build (execution off, warnings are errors) ...")
-    subprocess.run(command, cwd=ROOT, check=True)
+    start = time.time()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "NO_COLOR": "1", "TERM": "dumb"})
+    lines = [_ANSI.sub("", line) for line in (done.stdout + done.stderr).splitlines()]
+    notes = [line for line in lines if re.search(r"WARNING|ERROR|CRITICAL|Exception|Traceback", line)]
+    if done.returncode != 0:
+        shown = notes or lines[-40:]
+        raise RuntimeError("jupyter-book build failed:\n" + "\n".join(shown))
+    for line in notes:
+        _log(f"jupyter-book: {line}")
+    pages = sum(1 for _ in html.rglob("*.html")) if html.exists() else 0
+    _log(f"jupyter-book: {pages} HTML pages in {time.time() - start:.0f} s, no warnings -> {_shown(html)}")
     return html / "index.html"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.book", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", default=os.environ.get("SCALE", "cpu"))
-    parser.add_argument("--output", type=Path, default=None,
-                        help="build into OUTPUT/_build/html instead of _build/html (the tests build the smoke book "
-                             "into _build/smoke so a reader's book is left alone)")
-    args = parser.parse_args(argv)
-    if args.scale not in SCALES:
-        parser.error(f"unknown scale {args.scale!r}; accepted: {', '.join(SCALES)}")
-    started = time.time()
-    notebooks = sorted(NOTEBOOKS.glob("*.ipynb"))
-    _log(f"scale={args.scale}: {len(notebooks)} notebooks")
-    summary = []
-    shutil.rmtree(GENERATED, ignore_errors=True)
-    GENERATED.mkdir(parents=True)
-    for notebook in notebooks:
-        try:
-            executed, provenance = execute(notebook, args.scale)
-        except NotebookFailed as err:
-            _log(f"FAILED: {err}")
-            return 1
-        publish(executed, provenance)
-        summary.append((notebook.name, provenance["wall_time_s"]))
-    (GENERATED / "timings.md").write_text(timings_table())
-    mathjax()
-    try:
-        index = jupyter_book(args.output.resolve() if args.output else None)
-    except subprocess.CalledProcessError as err:
-        _log(f"FAILED: jupyter-book build exited with {err.returncode}")
+# ---------------------------------------------------------------------------------------------- the build
+_JOB = re.compile(r"^\s*(?:local)?rule (\w+):\s*$")
+_DETAIL = re.compile(r"^\s+(input|output|log|jobid|reason|resources|threads|benchmark|priority|shell|message):")
+_NOISE = re.compile(r"^(\[\w{3} \w{3} +\d+ [\d:]+ \d{4}\]|Select jobs to execute|Execute \d+ jobs|SNAKEMAKE|=+$|"
+                    r"  (Date|Workflow ID|Platform|Host|User|Python version|Command|Snakefile|Base directory|"
+                    r"Run directory|Working directory|Config file\(s\)|Config MD5):|Using shell:|"
+                    r"Rules claiming more threads|Assuming unrestricted shared|Building DAG|Using profiles|"
+                    r"Config file config/config.yaml is extended|\s*$)")
+
+
+class _Console:
+    """Snakemake's output made short: one line per job started (rule and wildcards), progress and everything after
+    the first error in full."""
+
+    def __init__(self, verbose: bool = False):
+        self.verbose = verbose
+        self.pending: str | None = None
+        self.failing = False
+
+    def _flush(self) -> None:
+        if self.pending:
+            print(f"[workflow] {self.pending}", flush=True)
+            self.pending = None
+
+    def line(self, line: str) -> None:
+        self.failing = self.failing or bool(re.search(r"Error|Exception|Traceback|WorkflowError", line))
+        if self.verbose or self.failing:
+            self._flush()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            return
+        job = _JOB.match(line)
+        if job:
+            self._flush()
+            self.pending = job.group(1)
+        elif line.strip().startswith("wildcards:") and self.pending:
+            self.pending += " (" + line.split(":", 1)[1].strip() + ")"
+            self._flush()
+        elif not _DETAIL.match(line) and not _NOISE.match(line):
+            self._flush()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def build(scale: str, output: Path | None = None, profile: str = "default", extra: list[str] | None = None,
+          log: Path = BUILD_LOG, verbose: bool = False, config: list[str] | None = None) -> int:
+    """Run the workflow (Snakemake) for ``scale``; time it and log it (``_build/build-log.jsonl``).
+
+    ``config``: more ``KEY=VALUE`` settings of config/config.yaml (e.g. ``seeds=[0]``, ``runs=/scratch/runs``);
+    ``extra``: arguments passed on to Snakemake (targets, ``-n``, ``--cores 2``)."""
+    problem = missing_build_tools()
+    if problem:
+        _log(f"FAILED before running anything: {problem}")
         return 1
-    _log("summary:")
-    for name, wall in summary:
-        _log(f"  {name:32s} {wall:8.1f} s (execution)")
-    _log(f"book built in {time.time() - started:.0f} s: open file://{index}")
+    profile_dir = ROOT / "workflow" / "profiles" / profile
+    if not profile_dir.is_dir():
+        available = ", ".join(sorted(p.name for p in (ROOT / "workflow" / "profiles").iterdir()))
+        _log(f"FAILED: unknown profile {profile!r}; available: {available}")
+        return 2
+    dry = any(a in ("-n", "--dry-run", "--dryrun") for a in extra or [])
+    if profile == "slurm":  # the profile reads $SLURM_ACCOUNT and $SLURM_PARTITION (empty: the cluster's default)
+        os.environ.setdefault("SLURM_PARTITION", "")
+        if not os.environ.get("SLURM_ACCOUNT") and not dry:
+            _log("FAILED: the slurm profile needs the account to charge: export SLURM_ACCOUNT=<account> "
+                 "(sacctmgr show assoc user=$USER lists yours); SLURM_PARTITION optionally")
+            return 2
+    settings = [f"scale={scale}"] + ([f"book_output={output}"] if output else []) + list(config or [])
+    command = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "workflow" / "Snakefile"),
+               "--directory", str(ROOT), "--profile", str(profile_dir), "--config", *settings, *(extra or [])]
+    _log(f"scale={scale}, profile={profile}: snakemake " + " ".join(command[3:]))
+    started = time.time()
+    jobs: dict[str, int] = {}
+    noop = False
+    console = _Console(verbose or any(a in ("-n", "--dry-run", "--dryrun") for a in extra or []))
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1) as proc:
+        try:
+            for line in proc.stdout:
+                console.line(line)
+                match = _JOB.match(line)
+                if match:
+                    jobs[match.group(1)] = jobs.get(match.group(1), 0) + 1
+                noop = noop or "Nothing to be done" in line
+            returncode = proc.wait()
+        except KeyboardInterrupt:  # Snakemake got the same SIGINT: let it stop its jobs cleanly
+            returncode = proc.wait()
+    wall = time.time() - started
+    if not dry:
+        executed = jobs.get("execute_notebook", 0)
+        notebooks = len(list(NOTEBOOKS.glob("*.ipynb")))
+        kind = ("no-op" if noop else "cold" if executed == notebooks and jobs.get("book") else "partial")
+        jobs.pop("all", None)
+        entry = {"scale": scale, "profile": profile, "kind": kind, "returncode": returncode,
+                 "wall_time_s": round(wall, 1), "jobs": jobs, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+    status = "done" if returncode == 0 else f"FAILED (snakemake exited with {returncode})"
+    _log(f"{status} in {_minutes(wall)}; jobs {'planned' if dry else 'run'}: {jobs or 'none'}")
+    if returncode == 0 and not dry:
+        index = (Path(output).resolve() if output else ROOT) / "_build" / "html" / "index.html"
+        _log(f"open file://{index}")
+    return returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    steps = ("build", "execute", "publish", "timings", "mathjax", "jupyter-book")
+    if not argv or argv[0] not in steps + ("-h", "--help"):
+        argv = ["build", *argv]  # python -m tools.book --scale smoke
+    parser = argparse.ArgumentParser(prog="python -m tools.book", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    b = sub.add_parser("build", help="run the workflow (make book)")
+    b.add_argument("--scale", default=os.environ.get("SCALE", "cpu"))
+    b.add_argument("--output", type=Path, default=None,
+                   help="build into OUTPUT/_build/html instead of _build/html (the tests build the smoke book "
+                        "into _build/smoke so a reader's book is left alone)")
+    b.add_argument("--profile", default=os.environ.get("PROFILE", "default"),
+                   help="workflow/profiles/<PROFILE>: default (this machine) or slurm")
+    b.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of config/config.yaml, e.g. seeds=[0] or runs=/scratch/runs (repeatable)")
+    b.add_argument("--verbose", action="store_true", help="show Snakemake's output in full")
+    b.add_argument("snakemake_args", nargs="*", help="passed on to snakemake (after --), e.g. -n or --cores 2")
+    e = sub.add_parser("execute", help="execute one notebook (a workflow step)")
+    e.add_argument("notebook", type=Path)
+    e.add_argument("--scale", required=True)
+    e.add_argument("--results", nargs="*", type=Path, default=[], help="result files the notebook reads")
+    p = sub.add_parser("publish", help="copy an executed notebook into book/generated with its provenance")
+    p.add_argument("executed", type=Path)
+    sub.add_parser("timings", help="write book/generated/timings.md")
+    sub.add_parser("mathjax", help="install MathJax from npm into _build/vendor (once)")
+    j = sub.add_parser("jupyter-book", help="jupyter-book build -W (execution off)")
+    j.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    if args.step in ("build", "execute") and args.scale not in SCALES:
+        parser.error(f"unknown scale {args.scale!r}; accepted: {', '.join(SCALES)}")
+    try:
+        if args.step == "build":
+            return build(args.scale, args.output, args.profile, args.snakemake_args, verbose=args.verbose,
+                         config=args.config)
+        if args.step == "execute":
+            execute(args.notebook, args.scale, results=args.results)
+        elif args.step == "publish":
+            publish(args.executed)
+        elif args.step == "timings":
+            _write_atomic(GENERATED / "timings.md", timings_table())
+        elif args.step == "mathjax":
+            mathjax()
+        else:
+            jupyter_book(args.output)
+    except (NotebookFailed, RuntimeError, subprocess.CalledProcessError) as err:
+        _log(f"FAILED: {err}")
+        return 1
     return 0
 
 

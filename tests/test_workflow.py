@@ -1,0 +1,150 @@
+"""workflow/Snakefile: the plan of the paper's grid through the SLURM profile (dry run), clear errors for a bad
+configuration, and a real run of a small grid: interrupted, resumed, then a no-op rebuild that runs no job."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "workflow" / "Snakefile")]
+
+
+def _snakemake(*args: str, directory: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([*SNAKEMAKE, "--directory", str(directory), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _job_stats(output: str) -> dict[str, int]:
+    """The 'Job stats' table Snakemake prints before running (or planning) anything."""
+    stats, inside = {}, False
+    for line in output.splitlines():
+        if line.startswith("Job stats:"):
+            inside = True
+            continue
+        if inside:
+            match = re.match(r"^(\w+)\s+(\d+)$", line.strip())
+            if match and match.group(1) != "job":
+                stats[match.group(1)] = int(match.group(2))
+            elif line.strip().startswith("total"):
+                break
+    return stats
+
+
+def _train_runtimes(output: str) -> dict[str, int]:
+    """{'setup/optimizer/seed-k': runtime minutes} from a dry run's job blocks."""
+    out = {}
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", output):
+        if not block.startswith("rule train:"):
+            continue
+        run = re.search(r"output: runs/full/(\S+)/summary\.json", block).group(1)
+        out[run] = int(re.search(r"runtime=(\d+)", block).group(1))
+        assert re.search(r"\bgpu=1\b", block), f"{run}: the slurm profile asks one GPU per training job"
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_plan() -> subprocess.CompletedProcess:
+    done = _snakemake("-n", "--profile", "workflow/profiles/slurm", "--config", "scale=full", "--", "all", "grid")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_full_scale_dry_run_plans_the_paper_grid_through_slurm(full_plan):
+    stats = _job_stats(full_plan.stdout + full_plan.stderr)
+    assert stats["train"] == 16 * 5 * 3 == 240
+    assert stats["evaluate"] == 16 and stats["aggregate_e2"] == 1
+    assert stats["execute_notebook"] == stats["publish"] == len(NOTEBOOKS) and stats["book"] == 1
+
+
+def test_default_target_plans_what_the_present_notebooks_read():
+    """`make book SCALE=full PROFILE=slurm`: the results a notebook reads are planned only for notebooks present."""
+    done = _snakemake("-n", "--profile", "workflow/profiles/slurm", "--config", "scale=full")
+    assert done.returncode == 0, done.stdout + done.stderr
+    stats = _job_stats(done.stdout + done.stderr)
+    kinds = {k for name, ks in CONFIG["notebook_results"].items() if name in NOTEBOOKS for k in ks}
+    expected_train = 240 if "e2" in kinds else 16 if "eval" in kinds else 0
+    assert stats.get("train", 0) == expected_train
+    assert stats.get("evaluate", 0) == (16 if "eval" in kinds else 0)
+    assert stats.get("aggregate_e2", 0) == (1 if "e2" in kinds else 0)
+    assert stats["execute_notebook"] == len(NOTEBOOKS) and stats["book"] == 1
+
+
+def test_slurm_time_limits_follow_the_registry(full_plan):
+    runtimes = _train_runtimes(full_plan.stdout + full_plan.stderr)
+    assert len(runtimes) == 240
+    spec = CONFIG["slurm_time"]
+    assert min(runtimes.values()) >= spec["min_minutes"]
+    # more update steps -> a longer limit (qqp: 363,846 examples x 5 epochs; rte: 2,490 x 40), SF slower than iEF
+    assert runtimes["qqp-t5-lora/ief/seed-0"] > runtimes["rte-t5-lora/ief/seed-0"]
+    assert runtimes["qqp-t5-lora/sf/seed-0"] > runtimes["qqp-t5-lora/ief/seed-0"]
+    assert runtimes["qqp-t5-lora/ief/seed-0"] == runtimes["qqp-t5-lora/ief/seed-2"]
+    # the paper's own figure: QQP + LoRA took 20 hours on an A100 (sec:app-exp-details); the limit leaves a margin
+    assert 20 * 60 <= runtimes["qqp-t5-lora/adamw/seed-0"] <= 20 * 60 * 2
+
+
+@pytest.mark.parametrize("config, message", [
+    (["scale=huge"], "unknown scale 'huge'"),
+    (["scale=smoke", "grid={smoke: {setups: [no-such-setup], seeds: [0]}}"], "unknown setup 'no-such-setup'"),
+    (["scale=cpu", "grid={cpu: {setups: [rte-t5-lora], seeds: [0]}}"], "has no 'cpu' scale"),
+])
+def test_bad_configuration_is_refused_by_name(config, message):
+    done = _snakemake("-n", "--cores", "1", "--config", *config)
+    assert done.returncode != 0
+    assert message in done.stdout + done.stderr
+
+
+def _summaries(runs: Path) -> dict[Path, float]:
+    return {p: p.stat().st_mtime for p in runs.rglob("summary.json")}
+
+
+@pytest.mark.slow
+def test_interrupted_grid_resumes_and_a_rebuild_runs_nothing(tmp_path):
+    """A small real grid (digits-mlp at smoke scale, 5 optimisers): SIGINT after the first run finished, then the
+    same command runs only the unfinished runs, then a third invocation runs 0 jobs within 30 s."""
+    grid = "grid={smoke: {setups: [digits-mlp], seeds: [0]}}"
+    args = ["--profile", str(ROOT / "workflow" / "profiles" / "default"), "--cores", "2", "--config", "scale=smoke",
+            grid, "--", "runs"]
+    runs = tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([*SNAKEMAKE, "--directory", str(tmp_path), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # Ctrl-C once Snakemake has registered the first finished run
+        lines.append(line)
+        if re.match(r"Finished jobid: \d+ \(Rule: train\)", line):
+            proc.send_signal(signal.SIGINT)
+            break
+    lines.append(proc.communicate(timeout=180)[0])
+    first_output = "".join(lines)
+    registered = len(re.findall(r"Finished jobid: \d+ \(Rule: train\)", first_output))
+    finished = _summaries(runs)
+    assert 1 <= registered <= len(finished) < 5, first_output[-3000:]
+    assert proc.returncode != 0
+
+    resumed = _snakemake(*args, directory=tmp_path)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert _job_stats(output).get("train") == 5 - registered, output[-3000:]
+    after = _summaries(runs)
+    assert len(after) == 5
+    kept = [p for p, m in finished.items() if after[p] == m]
+    assert len(kept) == registered, "a run Snakemake had registered as finished was recomputed"
+
+    start = time.time()
+    again = _snakemake(*args, directory=tmp_path)
+    took = time.time() - start
+    assert again.returncode == 0
+    assert "Nothing to be done" in again.stdout + again.stderr
+    assert _summaries(runs) == after
+    assert took <= 30, f"a no-op rebuild took {took:.0f} s"

@@ -1,0 +1,134 @@
+"""Configuration, the grid and the inputs of every step (no rules here)."""
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+
+ROOT = Path(workflow.basedir).parent
+sys.path.insert(0, str(ROOT))  # tools.book and ief from this checkout
+
+from tools import book as BOOK  # noqa: E402  (the library of build steps)
+
+SCALE = str(config["scale"])
+if SCALE not in BOOK.SCALES:
+    raise WorkflowError(f"unknown scale {SCALE!r} (--config scale=...); accepted: {', '.join(BOOK.SCALES)}")
+RUNS = str(config["runs"])
+PYTHON = sys.executable  # jobs run with the interpreter that runs the workflow (the venv, or PYTHON=...)
+RESULTS = f"{config['results']}/{SCALE}"
+
+# One thread per job: every job (and every notebook kernel it starts) inherits this environment.
+for _var in BOOK.THREAD_VARIABLES:
+    os.environ[_var] = str(config["threads_per_job"])
+
+
+def _registry():
+    """ief/experiments/setups.py loaded on its own (it imports no torch), to validate the grid at parse time."""
+    name = "_ief_setups_registry"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "ief" / "experiments" / "setups.py")
+        registry = importlib.util.module_from_spec(spec)
+        sys.modules[name] = registry  # dataclasses need the module registered
+        spec.loader.exec_module(registry)
+    return sys.modules[name]
+
+
+REGISTRY = _registry()
+
+
+def method_of(setup: str) -> str:
+    """lora | pt | mlp: the key of config's optimizers and baseline tables."""
+    kind = setup.rsplit("-", 1)[1]
+    if kind not in config["optimizers"]:
+        raise WorkflowError(f"setup {setup!r}: no optimisers configured for its method {kind!r} "
+                            f"(config optimizers: {', '.join(config['optimizers'])})")
+    return kind
+
+
+def _grid():
+    if SCALE not in config["grid"]:
+        raise WorkflowError(f"config grid has no scale {SCALE!r}; it has: {', '.join(config['grid'])}")
+    spec = config["grid"][SCALE]
+    setups = list(spec["setups"])
+    seeds = [int(s) for s in (config["seeds"] if config.get("seeds") is not None else spec["seeds"])]
+    for setup in setups:
+        if setup not in REGISTRY.SETUPS:
+            raise WorkflowError(f"unknown setup {setup!r} in the {SCALE} grid; valid setups: "
+                                f"{', '.join(REGISTRY.SETUPS)}")
+        if SCALE not in REGISTRY.scales_of(setup):
+            raise WorkflowError(f"setup {setup!r} has no {SCALE!r} scale; its scales: "
+                                f"{', '.join(REGISTRY.scales_of(setup))}")
+    runs = [(setup, opt, seed) for setup in setups for opt in config["optimizers"][method_of(setup)] for seed in seeds]
+    return setups, seeds, runs
+
+
+SETUPS, SEEDS, GRID = _grid()
+
+
+def summary(setup, optimizer, seed):
+    return f"{RUNS}/{SCALE}/{setup}/{optimizer}/seed-{seed}/summary.json"
+
+
+def baseline(setup: str) -> str:
+    return config["baseline"][method_of(setup)]
+
+
+E2_TABLES = [f"{RESULTS}/e2_runs.csv", f"{RESULTS}/e2_curves.csv"]
+EVAL_TABLES = [f"{RESULTS}/eval/{setup}.csv" for setup in SETUPS]
+RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES}
+GRID_RUNS = [summary(*run) for run in GRID]
+GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES
+
+# The package code a result or a notebook depends on (code, and the recorded data shipped inside the package).
+IEF_CODE = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ief").rglob("*")
+                  if p.suffix in (".py", ".json") and "__pycache__" not in p.parts)
+
+
+# ------------------------------------------------------------------------------------------------ notebooks
+NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+for _name in config.get("notebook_results") or {}:
+    if _name.removesuffix(".ipynb") not in NOTEBOOKS:
+        print(f"[workflow] {_name} is not in notebooks/ (yet): skipped", file=sys.stderr)
+
+
+def notebook_results(name: str) -> list[str]:
+    kinds = (config.get("notebook_results") or {}).get(f"{name}.ipynb", [])
+    unknown = [k for k in kinds if k not in RESULT_FILES]
+    if unknown:
+        raise WorkflowError(f"notebook_results of {name}.ipynb: unknown {unknown}; accepted: {', '.join(RESULT_FILES)}")
+    return [f for k in kinds for f in RESULT_FILES[k]]
+
+
+EXECUTED = f"_build/executed/{SCALE}"
+PUBLISHED = [f"book/generated/{name}.ipynb" for name in NOTEBOOKS]
+BOOK_BASE = Path(config["book_output"]) if config.get("book_output") else Path(".")
+BOOK_INDEX = str(BOOK_BASE / "_build" / "html" / "index.html")
+BOOK_SOURCES = sorted({"_config.yml", "_toc.yml"}
+                      | {str(p.relative_to(ROOT)) for p in (ROOT / "book").rglob("*")
+                         if p.is_file() and "generated" not in p.relative_to(ROOT / "book").parts
+                         and "__pycache__" not in p.parts})
+
+
+# -------------------------------------------------------------------------------------------- SLURM limits
+def train_minutes(wildcards) -> int:
+    """A training job's time limit (config slurm_time): estimated from the registry's update steps at full scale."""
+    spec = config["slurm_time"]
+    if SCALE != "full":
+        return int(spec["fixed_minutes"][SCALE])
+    from ief.experiments.data import FULL_SIZES  # full scale only: imports torch
+
+    cfg = REGISTRY.resolve(wildcards.setup, SCALE)
+    train = cfg.sizes["train"] or FULL_SIZES[cfg.task]["train"]
+    steps = cfg.epochs * math.ceil(train / cfg.batch_size)
+    seconds = steps * spec["seconds_per_step"][f"{cfg.family}-{cfg.method}".replace("bert-", "t5-")]
+    if wildcards.optimizer == "sf":
+        seconds *= spec["sf_factor"]
+    return max(int(spec["min_minutes"]), math.ceil(seconds * spec["margin"] / 60))
+
+
+def check_build_tools() -> None:
+    """Before any job runs: the tools the book needs that pip does not install (npm, for MathJax, once)."""
+    problem = BOOK.missing_build_tools()
+    if problem:
+        raise WorkflowError(problem)

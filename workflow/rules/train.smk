@@ -1,0 +1,21 @@
+"""One job per (setup, optimiser, seed): the resumable runner (ief.experiments.runner).
+
+The output is the run's summary.json only: the runner writes it last and atomically, so a run folder without it is
+an unfinished run that the same command resumes (resume.pt), and Snakemake never deletes the folder. The runner's
+lock on the run folder makes a duplicated job (a SLURM requeue, two workflows at once) safe.
+"""
+
+
+rule train:
+    output:
+        f"{RUNS}/{{scale}}/{{setup}}/{{optimizer}}/seed-{{seed}}/summary.json",
+    wildcard_constraints:
+        scale=SCALE,
+        seed=r"\d+",
+    log:
+        f"{RUNS}/{{scale}}/{{setup}}/{{optimizer}}/seed-{{seed}}/train.log",
+    resources:
+        runtime=train_minutes,
+    shell:
+        "{PYTHON} -m ief train --setup {wildcards.setup} --optimizer {wildcards.optimizer} --seed {wildcards.seed} "
+        "--scale {wildcards.scale} --out {RUNS} --no-progress > {log} 2>&1"

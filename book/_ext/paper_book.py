@@ -1,0 +1,65 @@
+"""Sphinx extension for reading the book beside the paper.
+
+- ``{paper}`eqn:iEF_lsq``` renders as the paper's reader knows it, "Eq. (8)" (from ``ief/paper/labels.json``, made
+  once from the LaTeX by ``python -m tools.paper_labels``); the raw key is kept only as the hover title. An unknown or
+  unnumbered label is a build error (the book builds with ``-W``).
+- ``{coverage-table}`` (a directive) writes the coverage table from the registry :mod:`ief.paper.coverage` at build
+  time, with each chapter linked: the page and the README cannot drift from the code.
+- papermill's injected-parameters cell is dropped from the page: the parameters cell is shown once (its defaults;
+  the values this build used are in the chapter's provenance section).
+- Every figure can be enlarged with a click, offline (``book/_static/enlarge.js``, no CDN); wide tables wrap text and
+  scroll inside their frame with the header row kept visible (``book/_static/book.css``).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from docutils import nodes
+from docutils.parsers.rst import Directive
+from docutils.statemachine import StringList
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def paper_role(name, rawtext, text, lineno, inliner, options=None, content=None):
+    from ief.paper import cite
+
+    label = text.strip()
+    try:
+        shown = cite(label)
+    except (KeyError, ValueError) as err:
+        msg = inliner.reporter.error(f"{{paper}}: {err}", line=lineno)
+        return [inliner.problematic(rawtext, rawtext, msg)], [msg]
+    return [nodes.abbreviation(shown, shown, explanation=f"paper: {label}", classes=["paper-ref"])], []
+
+
+class CoverageTable(Directive):
+    """The paper's figures and tables, each with the chapter regenerating it at each scale (or "not yet")."""
+
+    has_content = False
+
+    def run(self):
+        from ief.paper.coverage import coverage_markdown, coverage_sentence
+
+        lines = [coverage_sentence(), ""] + coverage_markdown(links=True).splitlines()
+        container = nodes.container(classes=["coverage"])
+        self.state.nested_parse(StringList(lines, source="ief.paper.coverage"), self.content_offset, container)
+        return container.children
+
+
+def _drop_injected_parameters(app, doctree) -> None:
+    for node in list(doctree.findall(nodes.container)):
+        if "tag_injected-parameters" in node.get("classes", []):
+            node.parent.remove(node)
+
+
+def setup(app):
+    app.add_role("paper", paper_role)
+    app.add_directive("coverage-table", CoverageTable)
+    app.connect("doctree-read", _drop_injected_parameters)
+    app.add_css_file("book.css")
+    app.add_js_file("enlarge.js")
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -13,7 +13,8 @@ label key. This reproduces LaTeX's numbering for the constructs the paper uses (
   ``assumption`` share its counter: Assumption 5.1, Theorem 5.3, Lemma C.1;
 - ``figure``, ``table`` and ``algorithm`` are numbered globally, stepped by ``\\caption``;
 - ``\\paragraph`` is unnumbered: its label is cited as the section holding it with the paragraph's short name
-  ("Sec. 7 (E2)"); a label inside ``equation*`` or an un-numbered ``equation`` gets ``null``;
+  ("Sec. 7 (E2)"); a label inside ``equation*`` or an un-numbered ``equation`` has number ``null`` and is
+  cited as "the unnumbered equation after Eq. (n)";
 - a ``\\label`` takes the number of the last counter stepped before it (LaTeX's ``\\@currentlabel``).
 
 Comments (``%`` to the end of a line) are dropped first, so commented-out labels and floats do not count.
@@ -107,7 +108,7 @@ def parse(tex: str) -> dict[str, dict]:
                 counters["equation"] += 1
                 current = ("equation", str(counters["equation"]))
             elif env == "equation*":
-                current = ("equation", None)
+                current = ("equation*", str(counters["equation"]))
             elif env in _THEOREM_LIKE:
                 counters["theorem"] += 1
                 current = (env, f"{section_number(sec)}.{counters['theorem']}")
@@ -118,9 +119,9 @@ def parse(tex: str) -> dict[str, dict]:
         elif cmd in ("notag", "nonumber"):
             if "equation" in env_stack and current[0] == "equation":
                 counters["equation"] -= 1  # amsmath's \nonumber: the equation has no number
-                current = ("equation", None)
+                current = ("equation*", str(counters["equation"]))
                 for key in in_equation:  # labels placed before the \notag
-                    labels[key].update(number=None, text=None)
+                    labels[key].update(kind="equation*", number=None, text=cite_text(*current, appendix))
         elif cmd == "caption":
             float_env = next((e for e in reversed(env_stack) if e in _FLOATS), None)
             if float_env is not None:
@@ -130,6 +131,8 @@ def parse(tex: str) -> dict[str, dict]:
             key, _ = _braced(body, m.end())
             kind, number = current
             labels[key] = {"kind": kind, "number": number, "text": cite_text(kind, number, appendix)}
+            if kind == "equation*":
+                labels[key]["number"] = None
             if kind == "equation":
                 in_equation.append(key)
     return labels
@@ -141,6 +144,8 @@ def cite_text(kind: str, number: str | None, in_appendix: bool) -> str | None:
         return None
     if kind == "equation":
         return f"Eq. ({number})"
+    if kind == "equation*":  # ``number``: the last numbered equation before it
+        return f"the unnumbered equation after Eq. ({number})"
     if kind in ("section", "paragraph"):
         return f"{'Appendix' if in_appendix else 'Sec.'} {number}"
     if kind in _FLOATS:

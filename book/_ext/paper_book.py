@@ -32,7 +32,7 @@ def paper_role(name, rawtext, text, lineno, inliner, options=None, content=None)
     label = text.strip()
     try:
         shown = cite(label)
-    except (KeyError, ValueError) as err:
+    except KeyError as err:
         msg = inliner.reporter.error(f"{{paper}}: {err}", line=lineno)
         return [inliner.problematic(rawtext, rawtext, msg)], [msg]
     return [nodes.abbreviation(shown, shown, explanation=f"paper: {label}", classes=["paper-ref"])], []
@@ -73,20 +73,9 @@ class CoverageTable(Directive):
 
 def _cite_labels_in_docstrings(app, what, name, obj, options, lines) -> None:
     """The API page cites the paper by its numbers too: ``eqn:iEF_lsq`` in a docstring reads "Eq. (8)"."""
-    import re
+    from ief.paper import cite_keys
 
-    from ief.paper import labels
-
-    known = labels()
-    pattern = re.compile(r"(``)?\b((?:eqn|fig|tab|sec|lemma|theorem|ass|alg):[A-Za-z0-9_\-]+)\b(``)?")
-
-    def replace(m):
-        key = m.group(2)
-        if key not in known or known[key]["text"] is None:
-            return m.group(0)
-        return known[key]["text"]
-
-    lines[:] = [pattern.sub(replace, line) for line in lines]
+    lines[:] = [cite_keys(line) for line in lines]
 
 
 def _drop_injected_parameters(app, doctree) -> None:

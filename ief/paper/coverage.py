@@ -1,9 +1,9 @@
 """Which chapter of the book regenerates each of the paper's figures and tables, at each scale.
 
 :data:`COVERAGE` is the one registry: the coverage page of the book (``book/coverage.md``, rendered at build time),
-the sentence in the introduction and the README's coverage statement (``python -m ief.paper.coverage README.md``) all come from it, and
-``tests/test_paper_coverage.py`` checks that every figure or table marked regenerated is named (cited) in a heading of
-the notebook it points to. Switching a label is a one-line change: ``NOT_YET`` -> ``everywhere("notebook")``.
+the sentence in the introduction and the README's coverage statement (``python -m ief.paper.coverage README.md``)
+all come from it, and ``tests/test_paper.py`` checks that every figure or table marked regenerated is named (cited)
+in a heading of the notebook it points to. Switching a label is a one-line change: ``NOT_YET`` -> ``everywhere("notebook")``.
 """
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def coverage_markdown(links: bool = False) -> str:
     return "\n".join(rows) + "\n"
 
 
-README_START = "<!-- coverage: generated from ief/paper/coverage.py; tests/test_paper.py keeps it equal to the registry -->"
+README_START = ("<!-- coverage: generated from ief/paper/coverage.py; "
+                "tests/test_paper.py keeps it equal to the registry -->")
 README_END = "<!-- /coverage -->"
 
 

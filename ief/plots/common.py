@@ -8,10 +8,13 @@ PAGE_WIDTH_IN = 9.0  # a figure this wide is shown at about its natural size in 
 
 
 def use_book_style() -> None:
-    """Readable fonts at the page width; seaborn's whitegrid theme with the project's colours set per method."""
+    """Readable fonts at the page width, seaborn's whitegrid theme, and tables shown whole."""
     import matplotlib.pyplot as plt
+    import pandas as pd
     import seaborn as sns
 
+    pd.set_option("display.max_colwidth", None)  # never cut a cell with "..."; the page wraps long text instead
+    pd.set_option("display.max_rows", 500)  # every trial of the search, not a truncated view
     sns.set_theme(context="notebook", style="whitegrid", font_scale=0.95)
     plt.rcParams.update({"figure.dpi": 90, "savefig.dpi": 150, "legend.fontsize": 9, "axes.titlesize": 11,
                          "figure.constrained_layout.use": False})

@@ -133,7 +133,8 @@ def summary_table(lemma, sub, lin, flow_ce, flow_mse) -> pd.DataFrame:
         {"check": "sub-linear: min p_n(t) - bound", "value": sub.min_margin,
          "note": f"at sample {sub.argmin[0]}, t = {sub.argmin[1]:g}; integration error < "
                  f"{sub.discretisation_error:.0e}"},
-        {"check": "sub-linear: min relative margin", "value": sub.min_relative_margin, "note": "(p - bound) / (1 - bound)"},
+        {"check": "sub-linear: min relative margin", "value": sub.min_relative_margin,
+         "note": "(p - bound) / (1 - bound)"},
         {"check": "sub-linear: min un-relaxed margin", "value": sub.min_tight_margin, "note": "Phi(p_n(t)) - C_0 - t"},
         {"check": "linear: min bound - gap", "value": lin.min_margin, "note": "absolute"},
         {"check": "linear: min relative margin", "value": lin.min_relative_margin,

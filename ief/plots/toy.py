@@ -30,9 +30,11 @@ class Study:
     starts: list[tuple[float, float]]
 
 
-def study(problem: toy.ToyProblem, lim: tuple[float, float], resolution: int, starts: Sequence[tuple[float, float]],
-          step_size: float, steps: int, stop_loss: float | None = None, box: tuple[float, float] | None = None) -> Study:
-    """Fields on a ``resolution``^2 grid over ``lim``^2 and trajectories (stopping outside ``box``^2, default ``lim``)."""
+def study(problem: toy.ToyProblem, lim: tuple[float, float], resolution: int,
+          starts: Sequence[tuple[float, float]], step_size: float, steps: int, stop_loss: float | None = None,
+          box: tuple[float, float] | None = None) -> Study:
+    """Fields on a ``resolution``^2 grid over ``lim``^2 and normalised trajectories from ``starts`` (stopping
+    outside ``box``^2, default ``lim``)."""
     _, _, thetas = toy.grid(lim, lim, resolution)
     fields = {m: toy.update_field(problem, m, thetas) for m in toy.METHODS}
     box = box or lim
@@ -164,7 +166,7 @@ def least_squares_figure(s: Study, zoom: Zoom, resolution: int):
                Line2D([], [], ls="", marker="8", ms=8, color="k", label="starting points")]
     _legend(fig, handles + _start_handles(s.starts))
     fig.suptitle(f"Linear least squares, 2 parameters, 2 samples (the paper's {cite('fig:visual_tour')})")
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.tight_layout(rect=(0, 0.1, 1, 1), h_pad=2.0)
     return fig
 
 
@@ -173,7 +175,7 @@ def logistic_figure(s: Study):
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(2, 2, figsize=(PAGE_WIDTH_IN, PAGE_WIDTH_IN + 1.0))
+    fig, axes = plt.subplots(2, 2, figsize=(PAGE_WIDTH_IN, PAGE_WIDTH_IN + 1.6))
     levels = np.quantile(s.problem.loss_at(toy.grid(s.lim, s.lim, 60)[2]).numpy(), np.linspace(0.02, 0.98, 12))
     for ax, m in zip(axes.ravel(), toy.METHODS):
         _background(ax, s.problem, s.lim, s.lim, levels=levels)
@@ -185,7 +187,7 @@ def logistic_figure(s: Study):
     _legend(fig, handles + _start_handles(s.starts))
     fig.suptitle(rf"Logistic regression, $x_0=0$ ($y_0=0$), $x_1=2$ ($y_1=1$); arrows normalised "
                  f"(the paper's {cite('fig:logistic-regression')})")
-    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    fig.tight_layout(rect=(0, 0.09, 1, 1), h_pad=2.0)
     return fig
 
 

@@ -6,12 +6,14 @@ import numpy as np
 import pandas as pd
 
 from ..experiments import resolve
+from ..paper import cite_keys
 from ..experiments.search import search_table
 from ..experiments.summaries import FINAL_FRACTION, final_train_loss, final_window
 from ..style import method_color
 from .common import PAGE_WIDTH_IN
 
-LABELS = {"ief": "iEF", "ef": "EF", "sf": "SF", "sgd": "SGD", "adamw": "AdamW", "adam": "Adam", "adafactor": "Adafactor"}
+LABELS = {"ief": "iEF", "ef": "EF", "sf": "SF", "sgd": "SGD", "adamw": "AdamW", "adam": "Adam",
+          "adafactor": "Adafactor"}
 # Markers and dashes per optimiser, so that optimisers drawn on top of each other (Adam and AdamW) stay visible.
 MARKERS = {"iEF": "o", "EF": "X", "SF": "^", "SGD": "s", "AdamW": "D", "Adam": "v", "Adafactor": "P"}
 DASHES = {"iEF": "", "EF": (4, 2), "SF": (1, 1), "SGD": (6, 2, 1, 2), "AdamW": "", "Adam": (3, 3), "Adafactor": (5, 1)}
@@ -65,7 +67,8 @@ def run_table(summary, setup: str, optimizer: str, lr: float, losses) -> pd.Data
     return pd.DataFrame([{
         "setup": setup, "optimizer": LABELS[optimizer], "lr": lr, "updates": summary["steps"],
         f"final train loss (last {final_window(len(losses))} updates)": final_train_loss(losses),
-        "best validation": fmt(best["metrics"]), "best step": best["step"], "test (best checkpoint)": fmt(summary["test"]),
+        "best validation": fmt(best["metrics"]), "best step": best["step"],
+        "test (best checkpoint)": fmt(summary["test"]),
         "diverged at step": summary["diverged"]["step"] if summary["diverged"] else "-",
         "wall time (s)": round(summary["wall_time_s"], 1), "trainable parameters": summary["trainable_parameters"],
     }]).set_index("setup")
@@ -105,17 +108,31 @@ def search_figure(records: dict):
                 ax.annotate("x", (trial["lr"], 0), xycoords=("data", "axes fraction"), color=hue[trial["optimizer"]],
                             ha="center", va="bottom", fontsize=10, fontweight="bold")
             ax.set_xscale("log")
-            values = t[y].dropna()
-            if y == "train loss" and len(values) and values.max() / values.min() > 5:
-                ax.set_yscale("log")
+            if y == "train loss":
+                _loss_axis(ax, t["train loss"].dropna(), chosen["train loss"].dropna())
             ax.set(title=name if row == 0 else None, xlabel="learning rate" if row == 1 else None,
                    ylabel=("best validation score (%)" if row == 0 else "recorded train loss") if col == 0 else None)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     axes[0, 0].get_legend().remove()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, -0.01))
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, -0.01),
+               markerscale=1.5, fontsize=10, handlelength=3)
     fig.suptitle("cpu learning-rate search (seed 0): star = chosen, x on the axis = diverged")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
+
+
+def _loss_axis(ax, values: pd.Series, chosen: pd.Series) -> None:
+    """Linear where the losses at the chosen rates lie within a factor 3 (the tweet setups, about 0.8-1.1), zoomed on
+    them, so that the range the chapter discusses is readable (higher losses leave the top of the panel, marked);
+    logarithmic where they span orders of magnitude (digits)."""
+    if len(chosen) and chosen.max() / chosen.min() < 3:
+        top = chosen.max() + 0.15 * (chosen.max() - values.min())
+        ax.set_ylim(values.min() - 0.05 * (top - values.min()), top)
+        if (values > top).any():
+            ax.annotate(f"{int((values > top).sum())} trials above, off scale ↑", (0.02, 0.97), xycoords="axes fraction",
+                        va="top", fontsize=8, color="0.35")
+    elif len(values):
+        ax.set_yscale("log")
 
 
 def grids_table(records: dict) -> pd.DataFrame:
@@ -123,7 +140,7 @@ def grids_table(records: dict) -> pd.DataFrame:
     for name, r in records.items():
         for o, rec in r["optimizers"].items():
             rows.append({"setup": name, "optimizer": LABELS[o], "grid": ", ".join(f"{v:g}" for v in rec["grid"]),
-                         "grid source": rec["grid_source"],
+                         "grid source": cite_keys(rec["grid_source"]),
                          "chosen lr": "all diverged" if rec["chosen_lr"] is None else f"{rec['chosen_lr']:g}",
                          "registered lr": f"{resolve(name, 'cpu').optimizers[o].lr:g}"})
     return pd.DataFrame(rows).set_index(["setup", "optimizer"])
@@ -221,8 +238,9 @@ def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame,
         brackets.append(f"{full.method}: {scaled:.2g}, " + ("between " + " and ".join(where) if len(where) == 2
                                                              else "next to " + where[0]))
     conventions = pd.DataFrame(rows).set_index("setup")
-    glue["paper_ief_lrs"] = ", ".join(f"{full.optimizers['ief'].lr:g} ({'MLP' if full.method == 'scratch' else "
-                                      f"full.method})" for full in paper_ief.values())
+    glue["paper_ief_lrs"] = ", ".join(f"{full.optimizers['ief'].lr:g} "
+                                      f"({'MLP' if full.method == 'scratch' else full.method})"
+                                      for full in paper_ief.values())
     glue["paper_over_m"] = "; ".join(brackets)
     from ..experiments.data import MissingResource
 
@@ -251,7 +269,7 @@ def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame,
     tweets = loss[[s.startswith("tweets") for s in loss.index.get_level_values("setup")]].dropna()
     low = tweets.idxmin()
     glue["tweets_lowest_loss"] = f"{tweets.min():.3g} ({low[1]} on {low[0]})"
-    glue["tweets_loss_range"] = f"{tweets.min():.2f} to {tweets.max():.2f}"
+    glue["tweets_loss_range"] = f"{tweets.min():.2f} to {tweets.max():.2f}"  # at the chosen rates
     env = next(iter(records.values()))["environment"]
     glue["search_env"] = f"torch {env['torch']}, {env['torch_threads']} thread(s) per run on {env['cpu_count']} cores"
     return conventions, glue

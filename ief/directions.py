@@ -72,7 +72,7 @@ def _check_vector(v: torch.Tensor, size: int, name: str, what: str) -> None:
     if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.shape[0] != size:
         shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
         raise ValueError(f"{name} must be a vector of length {size} ({what}), got {shape}")
-    if not torch.isfinite(v).all():
+    if not all_finite(v):
         raise ValueError(f"{name} contains non-finite values")
 
 
@@ -125,7 +125,7 @@ def combine_rows(coeff: torch.Tensor, jacobian: torch.Tensor | FactoredRows, sca
 
 def _as_dtype(direction: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
     out = direction.to(dtype)
-    if not torch.isfinite(out).all():
+    if not all_finite(out):
         raise FloatingPointError(
             f"the {what} direction is not representable in {dtype} (its entries exceed the dtype's range): the "
             "per-sample gradients are too close to zero for this damping; use a larger damping"
@@ -172,9 +172,10 @@ def _woodbury(jacobian: torch.Tensor | FactoredRows, weights: torch.Tensor, damp
     weights = weights.to(torch.float64)
     scaled_damping = damping / c / c
     if math.isinf(scaled_damping):  # lambda swamps J J^T: (J J^T + lambda I)^{-1} = I / lambda to float64 precision
-        return _as_dtype(combine_rows(weights, jacobian) / damping, jacobian.dtype, what)
+        return _as_dtype(combine_rows(weights, jacobian).div_(damping), jacobian.dtype, what)
     coeff = solve_gram(gram(jacobian, c), weights, scaled_damping)
-    return _as_dtype(combine_rows(coeff, jacobian, c) / c, jacobian.dtype, what)
+    direction = combine_rows(coeff, jacobian, c)
+    return _as_dtype(direction if c == 1.0 else direction.div_(c), jacobian.dtype, what)
 
 
 def ief_direction(jacobian: torch.Tensor | FactoredRows, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:

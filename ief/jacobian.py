@@ -146,7 +146,7 @@ class FactoredJacobian(FactoredRows):
 
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         coeff = coeff.to(torch.float64)
-        out = torch.zeros(self.shape[1], dtype=torch.float64, device=self.device)
+        out = torch.empty(self.shape[1], dtype=torch.float64, device=self.device)  # every column is written below
         part = combine_rows(coeff, self.dense, scale)
         for i, lo, dlo, size in self._dense_columns():
             out[lo : lo + size] = part[dlo : dlo + size]
@@ -182,7 +182,7 @@ class FactoredJacobian(FactoredRows):
     # ---- what the guard needs
     def row_sum(self) -> torch.Tensor:
         """``J^T 1`` in the parameters' dtype, ``[P]`` (the batch gradient if the rows are right)."""
-        out = torch.zeros(self.shape[1], dtype=self.dtype, device=self.device)
+        out = torch.empty(self.shape[1], dtype=self.dtype, device=self.device)  # every column is written below
         total = self.dense.sum(0)
         for i, lo, dlo, size in self._dense_columns():
             out[lo : lo + size] = total[dlo : dlo + size]
@@ -500,6 +500,11 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
 
 
 # ----------------------------------------------------------------------------------------------------------- core
+def _positions(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The calls of one layer concatenated along the positions (no copy for a single call)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def _backward_jacobian(
     capture: _Capture,
     losses: torch.Tensor,
@@ -522,8 +527,8 @@ def _backward_jacobian(
             calls = list(capture.calls(k)) if rule is _linear_grads and "weight" in owned else []
             if not calls:
                 continue
-            a = torch.cat([x.reshape(m, -1, x.shape[-1]) for x, _ in calls], dim=1).to(ref.dtype)  # [M, T, I]
-            g = torch.cat([d.reshape(m, -1, d.shape[-1]) for _, d in calls], dim=1).to(ref.dtype)  # [M, T, O]
+            a = _positions([x.reshape(m, -1, x.shape[-1]) for x, _ in calls]).to(ref.dtype)  # [M, T, I]
+            g = _positions([d.reshape(m, -1, d.shape[-1]) for _, d in calls]).to(ref.dtype)  # [M, T, O]
             if _prefer_ghost(form, m, a.shape[1], a.shape[2], g.shape[2]):
                 ghosts.append((owned["weight"], a, g))
                 ghost_modules.add(k)
@@ -580,18 +585,20 @@ def check_rows_sum_to_gradient(
     factored = isinstance(jacobian, FactoredJacobian)
     if not ((jacobian.is_finite() if factored else all_finite(jacobian)) and all_finite(gradient)):
         return  # non-finite values are reported by the caller (FloatingPointError in the optimisers)
-    block_of = _block_ids(tuple(sizes), gradient.device)  # [P]
-    if factored:
-        diff_sq = (jacobian.row_sum() - gradient).square()
+    if factored:  # per block by slices: no P-sized index_add
+        diff = jacobian.row_sum().sub_(gradient)
+        err = torch.stack([diff[lo : lo + size].norm() for lo, size in zip(jacobian.offsets, sizes)])
         fro = jacobian.row_sqnorms().sum(0).sqrt().to(gradient.dtype)
     else:
+        block_of = _block_ids(tuple(sizes), gradient.device)  # [P]
         diff_sq = (jacobian.sum(0) - gradient).square()
         col_sq = torch.empty_like(gradient)
         for lo, block in column_chunks(jacobian):
             col_sq[lo : lo + block.shape[1]] = block.square().sum(0)
         fro = torch.zeros(len(sizes), dtype=gradient.dtype, device=gradient.device).index_add_(0, block_of, col_sq)
         fro = fro.sqrt()
-    err = torch.zeros(len(sizes), dtype=gradient.dtype, device=gradient.device).index_add_(0, block_of, diff_sq).sqrt()
+        err = torch.zeros(len(sizes), dtype=gradient.dtype, device=gradient.device).index_add_(0, block_of, diff_sq)
+        err = err.sqrt()
     tol = 50 * math.sqrt(torch.finfo(jacobian.dtype).eps)
     scale = fro * math.sqrt(jacobian.shape[0]) + torch.finfo(jacobian.dtype).tiny
     failing = torch.nonzero(err > tol * scale).flatten().tolist()

@@ -42,7 +42,7 @@ import torch
 from ..directions import ef_direction, ief_direction, sf_direction
 from ..jacobian import CHECKS, FactoredJacobian, _check_form, gradient_and_sampled_jacobian, per_sample
 from ..losses import Loss, check_damping
-from ..model_call import Inputs, all_finite, resolve_params, split_vector
+from ..model_call import Inputs, all_finite, resolve_params
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -143,8 +143,9 @@ class _ExactPreconditioned(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _apply(self, group: dict, direction: torch.Tensor, size: float) -> None:
-        for p, d in zip(group["params"], split_vector(direction, group["params"])):
-            p.add_(d, alpha=-size)
+        # ``step`` has checked the direction (length and finiteness): a plain split, no second P-sized check
+        for p, d in zip(group["params"], torch.split(direction, [p.numel() for p in group["params"]])):
+            p.add_(d.view(p.shape), alpha=-size)
             self.state[p]["step"] = self.state[p].get("step", 0) + 1
 
     def step(self, inputs: Inputs, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -163,7 +164,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
         if not torch.isfinite(losses).all():
             raise FloatingPointError(f"step {number}: non-finite loss {losses.tolist()}; parameters left unchanged")
-        if not torch.isfinite(direction).all():
+        if not all_finite(direction):
             raise FloatingPointError(f"step {number}: non-finite gradients or update; parameters left unchanged")
         norm = float(direction.norm())
         size = self._step_size(group, norm)
@@ -249,7 +250,7 @@ class SF(_ExactPreconditioned):
             check=self._check_now(), form=self.form,
         )
         self._raise_if_nonfinite(losses, sampled)
-        if not torch.isfinite(grad).all():
+        if not all_finite(grad):
             raise FloatingPointError("non-finite gradient")
         return losses, sf_direction(sampled, grad, group["damping"])
 

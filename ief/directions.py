@@ -12,8 +12,8 @@ negligible eigenvalues are dropped, which returns the minimum-norm solution. The
 finite input.
 
 Every function here takes ``J`` either as an ``[M, P]`` tensor or as a :class:`FactoredRows` (e.g. the
-``ief.jacobian.FactoredJacobian`` of ``ief.per_sample(..., form="auto")``), which provides the Gram matrix ``J J^T`` and the
-products ``J^T c`` and ``J v`` without an ``[M, P]`` tensor; the Gram solve is the same code for both.
+``ief.jacobian.FactoredJacobian`` of ``ief.per_sample(..., form="auto")``), which provides the Gram matrix ``J J^T``
+and the products ``J^T c`` and ``J v`` without an ``[M, P]`` tensor; the Gram solve is the same code for both.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class FactoredRows:
     def gram(self, scale: float = 1.0) -> torch.Tensor:
         raise NotImplementedError
 
-    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
     def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -112,10 +112,13 @@ def gram(jacobian: torch.Tensor | FactoredRows, scale: float = 1.0) -> torch.Ten
     return 0.5 * (g + g.T)
 
 
-def combine_rows(coeff: torch.Tensor, jacobian: torch.Tensor | FactoredRows, scale: float = 1.0) -> torch.Tensor:
-    """``(J/scale)^T coeff`` accumulated in float64 (solve coefficients can cancel), ``[P]`` float64."""
+def combine_rows(
+    coeff: torch.Tensor, jacobian: torch.Tensor | FactoredRows, scale: float = 1.0, final: bool = False
+) -> torch.Tensor:
+    """``(J/scale)^T coeff`` accumulated in float64 (solve coefficients can cancel), ``[P]`` float64. ``final``: the
+    result is the direction itself (see :class:`FactoredRows`)."""
     if isinstance(jacobian, FactoredRows):
-        return jacobian.combine_rows(coeff.to(torch.float64), scale)
+        return jacobian.combine_rows(coeff.to(torch.float64), scale, final)
     coeff = coeff.to(torch.float64)
     out = torch.empty(jacobian.shape[1], dtype=torch.float64, device=jacobian.device)
     for lo, block in _column_chunks(jacobian, scale):
@@ -172,9 +175,9 @@ def _woodbury(jacobian: torch.Tensor | FactoredRows, weights: torch.Tensor, damp
     weights = weights.to(torch.float64)
     scaled_damping = damping / c / c
     if math.isinf(scaled_damping):  # lambda swamps J J^T: (J J^T + lambda I)^{-1} = I / lambda to float64 precision
-        return _as_dtype(combine_rows(weights, jacobian).div_(damping), jacobian.dtype, what)
+        return _as_dtype(combine_rows(weights, jacobian, final=True).div_(damping), jacobian.dtype, what)
     coeff = solve_gram(gram(jacobian, c), weights, scaled_damping)
-    direction = combine_rows(coeff, jacobian, c)
+    direction = combine_rows(coeff, jacobian, c, final=True)
     return _as_dtype(direction if c == 1.0 else direction.div_(c), jacobian.dtype, what)
 
 

@@ -144,7 +144,7 @@ class FactoredJacobian(FactoredRows):
             out += self._ghost_kernel(*self._scaled(a, g, scale))
         return 0.5 * (out + out.T)
 
-    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
         coeff = coeff.to(torch.float64)
         out = torch.empty(self.shape[1], dtype=torch.float64, device=self.device)  # every column is written below
         part = combine_rows(coeff, self.dense, scale)
@@ -153,7 +153,16 @@ class FactoredJacobian(FactoredRows):
         for i, a, g in self.ghosts:
             a, g = self._scaled(a, g, scale)
             weighted = (g * coeff[:, None, None]).flatten(0, 1)  # [M T, O]
-            out[self.offsets[i] : self.offsets[i + 1]] = (weighted.T @ a.flatten(0, 1)).reshape(-1)  # [O, I]
+            a = a.flatten(0, 1)  # [M T, I]
+            if final and self.dtype.itemsize < 8 and a.shape[0] <= a.shape[1]:
+                # The [O, I] product in the model's (narrower) dtype without cancellation error: A^T = Q R with Q
+                # [I, M T] orthonormal (float64 QR), so (cG)^T A = (cG^T R^T) Q^T; the small factor cG^T R^T is
+                # float64 and a product with orthonormal Q^T errs by ~eps * ||row||, whatever cancels in c.
+                q, r = torch.linalg.qr(a.T)
+                block = (weighted.T @ r.T).to(self.dtype) @ q.T.to(self.dtype)
+            else:
+                block = weighted.T @ a
+            out[self.offsets[i] : self.offsets[i + 1]] = block.reshape(-1)  # [O, I]
         return out
 
     def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

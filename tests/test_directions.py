@@ -422,3 +422,30 @@ def test_directions_from_a_factored_per_sample_equal_the_dense_ones(any_case, fo
                        ief.sf_direction(a, r.gradient, 1e-2))
     for what, got, expected in zip(("iEF", "EF", "SF"), runs[form], runs["dense"]):
         assert_rel(got, expected, rtol=1e-10, what=f"{c.name} {form} {what}")
+
+
+@pytest.mark.parametrize("damping", [1e-7, 1e-3])
+def test_float32_factored_directions_are_accurate_to_float32(damping):
+    """A float32 model, factored J: each Linear weight's ``J^T c`` is formed in float32 through an orthonormal basis
+    of its inputs (float64 QR), so solve coefficients that cancel (``lambda = 1e-7``) cost no accuracy: the EF / iEF /
+    SF directions agree with the float64 computation on the same J to a few float32 ulps (``1e-6`` relative; SF's
+    ``A^T (...) A g`` stays float64-exact: it is subtracted from ``g``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
+    x, y = torch.randn(16, 40), torch.randint(0, 5, (16,))
+    r = ief.per_sample(model, x, y, form="auto")
+    fac = r.jacobian
+    assert len(fac.ghosts) == 2  # both weights factored: the float32 (QR) path is the one under test
+    # the exact J of these factors (products formed in float64; SF amplifies J's own rounding by ~1/lambda)
+    widened = [(i, a.double(), g.double()) for i, a, g in fac.ghosts]
+    j = ief.jacobian.FactoredJacobian(fac.shape[0], fac.sizes, fac.dense.double(), widened, fac.dense.double(),
+                                      fac.dense_index).materialize()
+    s = r.logit_sqnorm.double()
+    for got, expected in (
+        (ief.ief_direction(r.jacobian, r.logit_sqnorm, damping), ief.ief_direction(j, s, damping)),
+        (ief.ef_direction(r.jacobian, damping), ief.ef_direction(j, damping)),
+        (ief.sf_direction(r.jacobian, r.gradient, max(damping, 1e-3)),
+         ief.sf_direction(j, r.gradient.double(), max(damping, 1e-3))),
+    ):
+        assert got.dtype == torch.float32
+        assert_rel(got, expected, rtol=1e-6, what=f"float32 factored, lambda={damping}")

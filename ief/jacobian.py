@@ -146,23 +146,27 @@ class FactoredJacobian(FactoredRows):
 
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
         coeff = coeff.to(torch.float64)
-        out = torch.empty(self.shape[1], dtype=torch.float64, device=self.device)  # every column is written below
+        # final and a narrower model dtype: the direction in that dtype (see FactoredRows), written in place
+        narrow = final and self.dtype.itemsize < 8
+        out = torch.empty(self.shape[1], dtype=self.dtype if narrow else torch.float64, device=self.device)
         part = combine_rows(coeff, self.dense, scale)
-        for i, lo, dlo, size in self._dense_columns():
+        for i, lo, dlo, size in self._dense_columns():  # every column is written: here or below
             out[lo : lo + size] = part[dlo : dlo + size]
         for i, a, g in self.ghosts:
             a, g = self._scaled(a, g, scale)
             weighted = (g * coeff[:, None, None]).flatten(0, 1)  # [M T, O]
             a = a.flatten(0, 1)  # [M T, I]
-            if final and self.dtype.itemsize < 8 and a.shape[0] <= a.shape[1]:
-                # The [O, I] product in the model's (narrower) dtype without cancellation error: A^T = Q R with Q
-                # [I, M T] orthonormal (float64 QR), so (cG)^T A = (cG^T R^T) Q^T; the small factor cG^T R^T is
-                # float64 and a product with orthonormal Q^T errs by ~eps * ||row||, whatever cancels in c.
+            dest = out[self.offsets[i] : self.offsets[i + 1]].view(weighted.shape[1], a.shape[1])  # [O, I]
+            if narrow and a.shape[0] <= a.shape[1]:
+                # The [O, I] product in the model's dtype without cancellation error: A^T = Q R with Q [I, M T]
+                # orthonormal (float64 QR), so (cG)^T A = (cG^T R^T) Q^T; the small factor cG^T R^T is float64
+                # and a product with orthonormal Q^T errs by ~eps * ||row||, whatever cancels in c.
                 q, r = torch.linalg.qr(a.T)
-                block = (weighted.T @ r.T).to(self.dtype) @ q.T.to(self.dtype)
+                torch.mm((weighted.T @ r.T).to(self.dtype), q.T.to(self.dtype), out=dest)
+            elif narrow:
+                dest.copy_(weighted.T @ a)
             else:
-                block = weighted.T @ a
-            out[self.offsets[i] : self.offsets[i + 1]] = block.reshape(-1)  # [O, I]
+                torch.mm(weighted.T, a, out=dest)
         return out
 
     def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -195,8 +199,9 @@ class FactoredJacobian(FactoredRows):
         total = self.dense.sum(0)
         for i, lo, dlo, size in self._dense_columns():
             out[lo : lo + size] = total[dlo : dlo + size]
-        for i, a, g in self.ghosts:
-            out[self.offsets[i] : self.offsets[i + 1]] = (g.flatten(0, 1).T @ a.flatten(0, 1)).reshape(-1)
+        for i, a, g in self.ghosts:  # written in place: no P-sized temporary
+            dest = out[self.offsets[i] : self.offsets[i + 1]].view(g.shape[-1], a.shape[-1])
+            torch.mm(g.flatten(0, 1).T, a.flatten(0, 1), out=dest)
         return out
 
     def row_sqnorms(self) -> torch.Tensor:

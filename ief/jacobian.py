@@ -21,6 +21,11 @@ verdict is cached per model and per shape signature (every hooked call's input s
 training loop with fixed shapes pays for it once; any new shape, ``T == M`` included, is probed afresh. With
 ``M = 1`` every call belongs to the one sample and no probe is needed.
 
+``J`` comes in two forms (``form=``): the ``[M, P]`` tensor (``"dense"``), or a :class:`FactoredJacobian`
+(``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` weight as its layer's
+hooked inputs and output gradients and gives ``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them
+(the Gram solve, the guard and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
+
 Every trainable parameter that is not in a hooked module (a ``Conv2d``, an RNN, ``MultiheadAttention.in_proj_weight``,
 a bare ``nn.Parameter``) or whose module had a call without an established sample axis falls back to an exact
 per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names those
@@ -211,7 +216,7 @@ class FactoredJacobian(FactoredRows):
             out[:, i] = self.dense[:, dlo : dlo + size].to(torch.float64).square().sum(1)
         for i, a, g in self.ghosts:
             a, g = self._scaled(a, g, 1.0)
-            out[:, i] = torch.einsum("nti,nsi,nto,nso->n", a, a, g, g)
+            out[:, i] = (torch.einsum("nti,nsi->nts", a, a) * torch.einsum("nto,nso->nts", g, g)).sum(dim=(1, 2))
         return out
 
     def materialize(self) -> torch.Tensor:

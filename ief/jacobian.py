@@ -21,6 +21,11 @@ verdict is cached per model and per shape signature (every hooked call's input s
 training loop with fixed shapes pays for it once; any new shape, ``T == M`` included, is probed afresh. With
 ``M = 1`` every call belongs to the one sample and no probe is needed.
 
+``J`` comes in two forms (``form=``): the ``[M, P]`` tensor (``"dense"``), or a :class:`FactoredJacobian`
+(``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` weight as its layer's
+hooked inputs and output gradients and gives ``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them
+(the Gram solve, the guard and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
+
 Every trainable parameter that is not in a hooked module (a ``Conv2d``, an RNN, ``MultiheadAttention.in_proj_weight``,
 a bare ``nn.Parameter``) or whose module had a call without an established sample axis falls back to an exact
 per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names those
@@ -48,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from .curvature import differentiable_kernels, jvp_any_mode
+from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
 from .model_call import (
     Inputs,
@@ -78,14 +84,159 @@ class SlowPathWarning(UserWarning):
 class PerSample:
     """Per-sample quantities at one point (``eqn:prob_loss``).
 
-    ``losses [M]``: ``l_n``; ``jacobian [M, P]``: row ``n`` is ``grad_theta l_n``; ``logit_sqnorm [M]``:
+    ``losses [M]``: ``l_n``; ``jacobian [M, P]``: row ``n`` is ``grad_theta l_n`` (a tensor, or a
+    :class:`FactoredJacobian` with ``per_sample(..., form="auto")``); ``logit_sqnorm [M]``:
     ``||grad_{z_n} l_n||^2`` (``s_iEF``); ``gradient [P]``: the autograd batch gradient ``grad_theta L``.
     """
 
     losses: torch.Tensor
-    jacobian: torch.Tensor
+    jacobian: torch.Tensor | FactoredJacobian
     logit_sqnorm: torch.Tensor
     gradient: torch.Tensor
+
+
+FORMS = ("dense", "auto", "ghost", "rows")
+
+
+class FactoredJacobian(FactoredRows):
+    """``J [M, P]`` without an ``[M, P]`` tensor: the weight of every ``nn.Linear`` chosen for the "ghost" form is kept
+    as its layer's inputs ``A [M, T, I]`` and output gradients ``G [M, T, O]`` (all calls of the layer concatenated
+    along the positions ``T``), so that its rows are ``J_n = G_n^T A_n`` (``[O, I]``, the weight's layout); every
+    other parameter (biases, LayerNorm, Embedding, Linear weights in the "rows" form, loop parameters) has its
+    column block materialised in ``dense [M, P_dense]``.
+
+    The Gram matrix (``sec:app-iEF-impl``'s ``J J^T``, layer by layer, as in Opacus' ghost clipping):
+    ``(J J^T)_{nm} = sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>`` (``[M, M, T, T]`` kernels; ``T = 1`` for an
+    MLP: ``(A A^T) * (G G^T)``), and ``J^T c = (c-weighted G)^T A`` per layer; both in float64.
+    """
+
+    def __init__(self, m: int, sizes: Sequence[int], ref: torch.Tensor, ghosts: list, dense: torch.Tensor,
+                 dense_index: dict[int, int]):
+        self.sizes = list(sizes)
+        self.offsets = [0, *torch.tensor(self.sizes, dtype=torch.long).cumsum(0).tolist()]
+        self.shape = torch.Size((m, self.offsets[-1]))
+        self.dtype, self.device = ref.dtype, ref.device
+        self.ghosts = ghosts  # [(parameter index, A [M, T, I], G [M, T, O])]
+        self.dense = dense  # [M, P_dense]
+        self.dense_index = dense_index  # parameter index -> first column in dense
+        self._finite: bool | None = None
+
+    # ---- helpers
+    def _dense_columns(self):
+        """``(parameter index, lo in J, lo in dense, size)`` of the materialised blocks."""
+        for i, lo in self.dense_index.items():
+            yield i, self.offsets[i], lo, self.sizes[i]
+
+    @staticmethod
+    def _scaled(a: torch.Tensor, g: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A`` and ``G`` in float64 with ``(G/scale)^T A`` unchanged, each of magnitude <= 1 where scaled."""
+        ca = float(a.abs().max()) if a.numel() else 1.0
+        ca = ca if 0.0 < ca < math.inf else 1.0
+        return a.to(torch.float64) / ca, g.to(torch.float64) * (ca / scale)
+
+    def _ghost_kernel(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>``, ``[M, M]``."""
+        if a.shape[1] == 1:
+            return (a[:, 0] @ a[:, 0].T) * (g[:, 0] @ g[:, 0].T)
+        ka = torch.einsum("nti,msi->nmts", a, a)
+        kg = torch.einsum("nto,mso->nmts", g, g)
+        return (ka * kg).sum(dim=(2, 3))
+
+    # ---- FactoredRows
+    def gram(self, scale: float = 1.0) -> torch.Tensor:
+        out = gram(self.dense, scale)
+        for _, a, g in self.ghosts:
+            out += self._ghost_kernel(*self._scaled(a, g, scale))
+        return 0.5 * (out + out.T)
+
+    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
+        coeff = coeff.to(torch.float64)
+        # final and a narrower model dtype: the direction in that dtype (see FactoredRows), written in place
+        narrow = final and self.dtype.itemsize < 8
+        out = torch.empty(self.shape[1], dtype=self.dtype if narrow else torch.float64, device=self.device)
+        part = combine_rows(coeff, self.dense, scale)
+        for i, lo, dlo, size in self._dense_columns():  # every column is written: here or below
+            out[lo : lo + size] = part[dlo : dlo + size]
+        for i, a, g in self.ghosts:
+            a, g = self._scaled(a, g, scale)
+            weighted = (g * coeff[:, None, None]).flatten(0, 1)  # [M T, O]
+            a = a.flatten(0, 1)  # [M T, I]
+            dest = out[self.offsets[i] : self.offsets[i + 1]].view(weighted.shape[1], a.shape[1])  # [O, I]
+            if narrow and a.shape[0] <= a.shape[1]:
+                # The [O, I] product in the model's dtype without cancellation error: A^T = Q R with Q [I, M T]
+                # orthonormal (float64 QR), so (cG)^T A = (cG^T R^T) Q^T; the small factor cG^T R^T is float64
+                # and a product with orthonormal Q^T errs by ~eps * ||row||, whatever cancels in c.
+                q, r = torch.linalg.qr(a.T)
+                torch.mm((weighted.T @ r.T).to(self.dtype), q.T.to(self.dtype), out=dest)
+            elif narrow:
+                dest.copy_(weighted.T @ a)
+            else:
+                torch.mm(weighted.T, a, out=dest)
+        return out
+
+    def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        v = v.to(torch.float64)
+        out = torch.zeros(self.shape[0], dtype=torch.float64, device=self.device)
+        for i, lo, dlo, size in self._dense_columns():
+            out += self.dense[:, dlo : dlo + size].to(torch.float64) @ v[lo : lo + size] / scale
+        for i, a, g in self.ghosts:
+            a, g = self._scaled(a, g, scale)
+            weight = v[self.offsets[i] : self.offsets[i + 1]].reshape(g.shape[-1], a.shape[-1])  # [O, I]
+            out += ((a @ weight.T) * g).sum(dim=(1, 2))
+        return out
+
+    def max_abs(self) -> float:
+        bound = max_abs(self.dense)
+        for _, a, g in self.ghosts:
+            if a.numel():
+                bound = max(bound, float(a.abs().max()) * float(g.abs().max()) * a.shape[1])
+        return bound
+
+    def is_finite(self) -> bool:
+        if self._finite is None:
+            self._finite = all_finite(self.dense) and all(all_finite(a) and all_finite(g) for _, a, g in self.ghosts)
+        return self._finite
+
+    # ---- what the guard needs
+    def row_sum(self) -> torch.Tensor:
+        """``J^T 1`` in the parameters' dtype, ``[P]`` (the batch gradient if the rows are right)."""
+        out = torch.empty(self.shape[1], dtype=self.dtype, device=self.device)  # every column is written below
+        total = self.dense.sum(0)
+        for i, lo, dlo, size in self._dense_columns():
+            out[lo : lo + size] = total[dlo : dlo + size]
+        for i, a, g in self.ghosts:  # written in place: no P-sized temporary
+            dest = out[self.offsets[i] : self.offsets[i + 1]].view(g.shape[-1], a.shape[-1])
+            torch.mm(g.flatten(0, 1).T, a.flatten(0, 1), out=dest)
+        return out
+
+    def row_sqnorms(self) -> torch.Tensor:
+        """``||J_n restricted to parameter i||^2``, ``[M, number of parameters]``, float64."""
+        out = torch.zeros(self.shape[0], len(self.sizes), dtype=torch.float64, device=self.device)
+        for i, lo, dlo, size in self._dense_columns():
+            out[:, i] = self.dense[:, dlo : dlo + size].to(torch.float64).square().sum(1)
+        for i, a, g in self.ghosts:
+            a, g = self._scaled(a, g, 1.0)
+            out[:, i] = (torch.einsum("nti,nsi->nts", a, a) * torch.einsum("nto,nso->nts", g, g)).sum(dim=(1, 2))
+        return out
+
+    def materialize(self) -> torch.Tensor:
+        """The ``[M, P]`` tensor (for tests and small models)."""
+        jac = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        for i, lo, dlo, size in self._dense_columns():
+            jac[:, lo : lo + size] = self.dense[:, dlo : dlo + size]
+        for i, a, g in self.ghosts:
+            jac[:, self.offsets[i] : self.offsets[i + 1]] = torch.bmm(g.transpose(1, 2), a).flatten(1)
+        return jac
+
+
+def _prefer_ghost(form: str, m: int, t: int, fan_in: int, fan_out: int) -> bool:
+    """Whether a Linear weight is kept as factors (ghost Gram) rather than as per-sample rows: "ghost" / "rows"
+    force it; "auto" compares the Gram's flops and memory, ``M^2 T^2 (I + O)`` and ``M^2 T^2`` for the ghost kernels
+    against ``M T I O + M^2 I O`` and ``M I O`` for the rows."""
+    if form != "auto":
+        return form == "ghost"
+    ghost_flops, rows_flops = m * m * t * t * (fan_in + fan_out), m * fan_in * fan_out * (t + m)
+    return ghost_flops <= rows_flops and m * m * t * t <= m * fan_in * fan_out
 
 
 # --------------------------------------------------------------------------------------------------- hooked layers
@@ -302,24 +453,35 @@ class _Capture:
             for rec in calls:
                 rec[1] = None
 
-    def fill(self, jac: torch.Tensor) -> set[int]:
-        """Write the hooked per-sample gradients into their column blocks of ``jac [M, P]`` (uninitialised
-        memory: a module's first call writes its blocks, later calls add); returns the parameter indices written."""
+    def calls(self, k: int):
+        """``(input, output gradient)`` of module ``k``'s calls that reached the loss, sample axis first."""
+        for x, grad, axis in self.records[k]:
+            if grad is None:  # this call's output did not reach the loss
+                continue
+            if axis == WHOLE_CALL:
+                x, grad = x.unsqueeze(0), grad.unsqueeze(0)
+            elif axis != 0:  # e.g. [T, M, E] -> [M, T, E]
+                x, grad = x.movedim(axis, 0), grad.movedim(axis, 0)
+            yield x, grad
+
+    def fill(self, jac: torch.Tensor, columns: dict[int, int] | None = None, skip: Iterable[int] = ()) -> set[int]:
+        """Write the hooked per-sample gradients into their column blocks of ``jac`` (uninitialised memory: a
+        module's first call writes its blocks, later calls add); returns the parameter indices written.
+
+        ``columns``: parameter index -> its first column in ``jac`` (default: its offset in ``J [M, P]``);
+        parameters not in it and modules in ``skip`` are left out."""
+        columns = {i: self.offsets[i] for i in range(len(self.params))} if columns is None else columns
         written: set[int] = set()
         for k, (module, rule, _, owned) in enumerate(self.modules):
-            dests = {name: jac[:, self.offsets[i] : self.offsets[i + 1]] for name, i in owned.items()}
+            dests = {name: jac[:, columns[i] : columns[i] + self.sizes[i]] for name, i in owned.items() if i in columns}
+            if k in skip or not dests:
+                continue
             accumulate = False
-            for x, grad, axis in self.records[k]:
-                if grad is None:  # this call's output did not reach the loss
-                    continue
-                if axis == WHOLE_CALL:
-                    x, grad = x.unsqueeze(0), grad.unsqueeze(0)
-                elif axis != 0:  # e.g. [T, M, E] -> [M, T, E]
-                    x, grad = x.movedim(axis, 0), grad.movedim(axis, 0)
+            for x, grad in self.calls(k):
                 rule(module, x, grad, dests, accumulate)
                 accumulate = True
             if accumulate:
-                written.update(owned.values())
+                written.update(owned[name] for name in dests)
         return written
 
 
@@ -357,28 +519,57 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
 
 
 # ----------------------------------------------------------------------------------------------------------- core
+def _positions(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The calls of one layer concatenated along the positions (no copy for a single call)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def _backward_jacobian(
     capture: _Capture,
     losses: torch.Tensor,
     params: Sequence[torch.Tensor],
     retain_graph: bool,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One backward of ``sum(losses)`` through the hooks (plus the loop for unhooked parameters): ``(J, grad)``."""
+    form: str = "dense",
+) -> tuple[torch.Tensor | FactoredJacobian, torch.Tensor]:
+    """One backward of ``sum(losses)`` through the hooks (plus the loop for unhooked parameters): ``(J, grad)``,
+    ``J`` an ``[M, P]`` tensor (``form="dense"``) or a :class:`FactoredJacobian` (``"auto"``, ``"ghost"``,
+    ``"rows"``: the form of every ``nn.Linear`` weight, see :func:`_prefer_ghost`)."""
     m = losses.shape[0]
     fallback = [i for i in range(len(params)) if i not in capture.hooked]
     capture.clear_grads()
     grads = torch.autograd.grad(losses.sum(), params, retain_graph=retain_graph or bool(fallback), allow_unused=True)
     ref = params[0]
-    shape = (m, capture.offsets[-1])
+    ghosts, ghost_modules, bias_rows = [], set(), {}
+    if form != "dense":
+        for k, (module, rule, _, owned) in enumerate(capture.modules):
+            calls = list(capture.calls(k)) if rule is _linear_grads and "weight" in owned else []
+            if not calls:
+                continue
+            a = _positions([x.reshape(m, -1, x.shape[-1]) for x, _ in calls]).to(ref.dtype)  # [M, T, I]
+            g = _positions([d.reshape(m, -1, d.shape[-1]) for _, d in calls]).to(ref.dtype)  # [M, T, O]
+            if _prefer_ghost(form, m, a.shape[1], a.shape[2], g.shape[2]):
+                ghosts.append((owned["weight"], a, g))
+                ghost_modules.add(k)
+                if "bias" in owned:
+                    bias_rows[owned["bias"]] = g.sum(dim=1)
+    ghosted = {i for i, _, _ in ghosts}
+    columns, width = {}, 0
+    for i, size in enumerate(capture.sizes):
+        if i not in ghosted:
+            columns[i], width = width, width + size
+    shape = (m, width)
     if out is not None and tuple(out.shape) == shape and out.dtype == ref.dtype and out.device == ref.device:
         jac = out  # a reused buffer: its pages are already mapped (a fresh J-sized allocation page-faults)
     else:
         jac = torch.empty(shape, dtype=ref.dtype, device=ref.device)
-    written = capture.fill(jac)
-    for i in range(len(params)):
+    written = capture.fill(jac, columns, skip=ghost_modules)
+    for i, rows in bias_rows.items():
+        jac[:, columns[i] : columns[i] + capture.sizes[i]] = rows
+        written.add(i)
+    for i, lo in columns.items():
         if i not in written:  # fallback blocks and hooked parameters the loss did not reach
-            jac[:, capture.offsets[i] : capture.offsets[i + 1]].zero_()
+            jac[:, lo : lo + capture.sizes[i]].zero_()
     for n in range(m):
         if not fallback:
             break
@@ -387,9 +578,11 @@ def _backward_jacobian(
         )
         for i, g in zip(fallback, rows):
             if g is not None:
-                jac[n, capture.offsets[i] : capture.offsets[i + 1]] = g.reshape(-1)
+                jac[n, columns[i] : columns[i] + capture.sizes[i]] = g.reshape(-1)
     gradient = flatten(grads, params)
-    return jac, gradient
+    if form == "dense":
+        return jac, gradient
+    return FactoredJacobian(m, capture.sizes, ref, ghosts, jac, columns), gradient
 
 
 @functools.lru_cache(maxsize=8)
@@ -400,23 +593,31 @@ def _block_ids(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def check_rows_sum_to_gradient(
-    jacobian: torch.Tensor, gradient: torch.Tensor, names: Sequence[str], sizes: Sequence[int]
+    jacobian: torch.Tensor | FactoredJacobian, gradient: torch.Tensor, names: Sequence[str], sizes: Sequence[int]
 ) -> None:
     """Raise :class:`PerSampleGradientMismatch` if ``sum_n J[n] != grad`` beyond rounding error, per parameter.
 
     A parameter block fails when ``||sum_n J_n - g|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds
     ``tol * sum_n ||J_n||``), ``tol = 50 sqrt(eps)``. Vectorised over blocks: no per-parameter loop, no J-sized
-    temporary.
+    temporary. For a :class:`FactoredJacobian`, ``sum_n J_n = J^T 1`` and ``||J_block||_F`` come from the factors.
     """
-    if not (all_finite(jacobian) and all_finite(gradient)):
+    factored = isinstance(jacobian, FactoredJacobian)
+    if not ((jacobian.is_finite() if factored else all_finite(jacobian)) and all_finite(gradient)):
         return  # non-finite values are reported by the caller (FloatingPointError in the optimisers)
-    block_of = _block_ids(tuple(sizes), jacobian.device)  # [P]
-    diff_sq = (jacobian.sum(0) - gradient).square()
-    col_sq = torch.empty_like(gradient)
-    for lo, block in column_chunks(jacobian):
-        col_sq[lo : lo + block.shape[1]] = block.square().sum(0)
-    err = torch.zeros(len(sizes), dtype=jacobian.dtype, device=jacobian.device).index_add_(0, block_of, diff_sq).sqrt()
-    fro = torch.zeros_like(err).index_add_(0, block_of, col_sq).sqrt()
+    if factored:  # per block by slices: no P-sized index_add
+        diff = jacobian.row_sum().sub_(gradient)
+        err = torch.stack([diff[lo : lo + size].norm() for lo, size in zip(jacobian.offsets, sizes)])
+        fro = jacobian.row_sqnorms().sum(0).sqrt().to(gradient.dtype)
+    else:
+        block_of = _block_ids(tuple(sizes), gradient.device)  # [P]
+        diff_sq = (jacobian.sum(0) - gradient).square()
+        col_sq = torch.empty_like(gradient)
+        for lo, block in column_chunks(jacobian):
+            col_sq[lo : lo + block.shape[1]] = block.square().sum(0)
+        fro = torch.zeros(len(sizes), dtype=gradient.dtype, device=gradient.device).index_add_(0, block_of, col_sq)
+        fro = fro.sqrt()
+        err = torch.zeros(len(sizes), dtype=gradient.dtype, device=gradient.device).index_add_(0, block_of, diff_sq)
+        err = err.sqrt()
     tol = 50 * math.sqrt(torch.finfo(jacobian.dtype).eps)
     scale = fro * math.sqrt(jacobian.shape[0]) + torch.finfo(jacobian.dtype).tiny
     failing = torch.nonzero(err > tol * scale).flatten().tolist()
@@ -431,6 +632,12 @@ def check_rows_sum_to_gradient(
 
 
 CHECKS = (True, False, "exact")
+
+
+def _check_form(form) -> str:
+    if not isinstance(form, str) or form not in FORMS:
+        raise ValueError(f"form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
+    return form
 
 
 def _check_mode(check) -> str | None:
@@ -507,20 +714,21 @@ class _HookedForward:
         self.names = names if self.mode is not None else None
 
     def jacobian(
-        self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(losses, J, grad)`` for the given targets."""
+        self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None, form: str = "dense"
+    ) -> tuple[torch.Tensor, torch.Tensor | FactoredJacobian, torch.Tensor]:
+        """``(losses, J, grad)`` for the given targets (``J`` in the given form, see :func:`per_sample`)."""
         with torch.enable_grad():
             losses = self.loss.per_sample(self.logits, targets)
-            jac, gradient = _backward_jacobian(self.capture, losses, self.params, retain_graph, out)
+            jac, gradient = _backward_jacobian(self.capture, losses, self.params, retain_graph, out, form)
         if self.mode is not None:
             check_rows_sum_to_gradient(jac, gradient, self.names, self.capture.sizes)
         if self.mode == "exact":
             self._check_directional_derivatives(jac, targets)
         return losses.detach(), jac, gradient
 
-    def _check_directional_derivatives(self, jac: torch.Tensor, targets: torch.Tensor) -> None:
-        if not all_finite(jac):
+    def _check_directional_derivatives(self, jac: torch.Tensor | FactoredJacobian, targets: torch.Tensor) -> None:
+        factored = isinstance(jac, FactoredJacobian)
+        if not (jac.is_finite() if factored else all_finite(jac)):
             return
         gen = torch.Generator().manual_seed(0)
         tangents = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p) for p in self.params]
@@ -528,8 +736,9 @@ class _HookedForward:
         m = jac.shape[0]
         exact = (self.loss.logit_grad(logits.double(), targets) * jv.double()).reshape(m, -1).sum(dim=1)
         v = torch.cat([t.reshape(-1) for t in tangents]).double()
-        hooked = jac.double() @ v
-        scale = jac.double().norm(dim=1) * v.norm() + torch.finfo(jac.dtype).tiny
+        hooked = jac.times(v) if factored else jac.double() @ v
+        norms = jac.row_sqnorms().sum(1).sqrt() if factored else jac.double().norm(dim=1)
+        scale = norms * v.norm() + torch.finfo(jac.dtype).tiny
         rel = (exact - hooked).abs() / scale
         if bool((rel > 50 * math.sqrt(torch.finfo(jac.dtype).eps)).any()):
             n = int(rel.argmax())
@@ -563,6 +772,7 @@ def per_sample(
     loss: str | Loss = "cross_entropy",
     check: bool | str = True,
     out: torch.Tensor | None = None,
+    form: str = "dense",
 ) -> PerSample:
     """Per-sample losses, Jacobian ``grad_theta l`` and ``s_iEF`` from one forward and one backward.
 
@@ -578,9 +788,16 @@ def per_sample(
             derivatives (one extra forward-mode pass); ``False``: no guard.
         out: optional ``[M, P]`` buffer of the parameters' dtype and device to write ``J`` into (overwritten; used
             when its shape matches). The optimisers reuse one across steps.
+        form: how ``J`` is returned. ``"dense"`` (default): the ``[M, P]`` tensor. ``"auto"``: a
+            :class:`FactoredJacobian` that never forms ``[M, P]``: each ``nn.Linear`` weight is kept as its layer's
+            inputs and output gradients (the "ghost" Gram, cost ``M^2 T^2 (I + O)``) or as per-sample rows
+            (``M I O``), whichever is cheaper for that layer; every other parameter as its (small) column block.
+            ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight. ``ief_direction``,
+            ``ef_direction`` and ``sf_direction`` take either form; ``.materialize()`` gives the tensor.
     """
+    form = _check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
-    losses, jac, gradient = fwd.jacobian(targets, out=out)
+    losses, jac, gradient = fwd.jacobian(targets, out=out, form=form)
     return PerSample(losses=losses, jacobian=jac, logit_sqnorm=fwd.logit_sqnorm(targets), gradient=gradient)
 
 
@@ -593,14 +810,17 @@ def sampled_jacobian(
     *,
     loss: str | Loss = "cross_entropy",
     check: bool | str = True,
-) -> torch.Tensor:
+    form: str = "dense",
+) -> torch.Tensor | FactoredJacobian:
     """``[M, P]`` per-sample gradients for labels drawn from the model's predictive distribution (SF, ``alg:SF``).
 
     A label is drawn at every non-ignored position of every sample (``targets`` only supply the ignore mask and
-    shapes); ``E[J^T J]`` over the draws is the exact Fisher (``sec:app-sample-fisher``).
+    shapes); ``E[J^T J]`` over the draws is the exact Fisher (``sec:app-sample-fisher``). ``form`` as in
+    :func:`per_sample`.
     """
+    form = _check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
-    return fwd.jacobian(fwd.sampled_targets(generator))[1]
+    return fwd.jacobian(fwd.sampled_targets(generator), form=form)[1]
 
 
 def gradient_and_sampled_jacobian(
@@ -612,9 +832,12 @@ def gradient_and_sampled_jacobian(
     loss: str | Loss = "cross_entropy",
     generator: torch.Generator | None = None,
     check: bool | str = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(losses [M], grad [P], sampled J [M, P])`` from one forward and two backward passes, as in ``alg:SF``."""
+    form: str = "dense",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | FactoredJacobian]:
+    """``(losses [M], grad [P], sampled J [M, P])`` from one forward and two backward passes, as in ``alg:SF``
+    (``form`` as in :func:`per_sample`)."""
+    form = _check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
     losses, gradient = fwd.gradient(targets, retain_graph=True)
-    sampled = fwd.jacobian(fwd.sampled_targets(generator))[1]
+    sampled = fwd.jacobian(fwd.sampled_targets(generator), form=form)[1]
     return losses, gradient, sampled

@@ -28,6 +28,27 @@ PINV_RTOL = 1e-10  # spectrum cutoff for pinv: genuine eigenvalues here are >= 1
 
 
 
+def ghost_factors(j: torch.Tensor) -> "ief.jacobian.FactoredJacobian":
+    """Any ``J [M, P]`` as a :class:`ief.jacobian.FactoredJacobian`: its first ``P - 2`` columns as one Linear weight
+    ``[O, I]`` held as factors (``A`` = the identity over ``T = I`` positions, ``G[n, t] = J_n[:, t]``, so that
+    ``sum_t g_t a_t^T = J_n`` exactly), the last two as a materialised block: every direction test then also runs
+    through the ghost Gram, ``J^T c`` from the factors and the scaling that keeps them in float64 range."""
+    m, p = j.shape
+    width = p - 2 if p >= 4 else p
+    fan_in = max(d for d in range(1, int(width**0.5) + 1) if width % d == 0)
+    fan_out = width // fan_in
+    a = torch.eye(fan_in, dtype=j.dtype).expand(m, fan_in, fan_in)  # [M, T = I, I]
+    g = j[:, :width].reshape(m, fan_out, fan_in).transpose(1, 2)  # [M, T, O]
+    sizes, dense_index = ([width, p - width], {1: 0}) if width < p else ([p], {})
+    return ief.jacobian.FactoredJacobian(m, sizes, j, [(0, a, g)], j[:, width:], dense_index)
+
+
+@pytest.fixture(params=["dense", "factored"])
+def as_j(request):
+    """``J`` as the Gram solve receives it: the ``[M, P]`` tensor, or factored (:func:`ghost_factors`)."""
+    return (lambda j: j) if request.param == "dense" else ghost_factors
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
@@ -63,25 +84,25 @@ def min_norm(j, s):
 
 # ------------------------------------------------------------------------------------------- Woodbury identities
 @pytest.mark.parametrize("damping", [1e-3, 1e-1, 1.0])
-def test_ef_direction_equals_dense_ef_update(damping):
+def test_ef_direction_equals_dense_ef_update(damping, as_j):
     """``J^T (J J^T + lambda I)^{-1} 1 = (J^T J + lambda I)^{-1} J^T 1`` (``eqn:EF_lsq`` = ``eqn:EF_update``)."""
     j = random_jacobian()
     ones = torch.ones(j.shape[0], dtype=torch.float64)
-    assert_rel(ief.ef_direction(j, damping), dense_solve(j, j.T @ ones, damping), what=f"EF lambda={damping}")
+    assert_rel(ief.ef_direction(as_j(j), damping), dense_solve(j, j.T @ ones, damping), what=f"EF lambda={damping}")
 
 
 @pytest.mark.parametrize("damping", [1e-3, 1e-1, 1.0])
-def test_ief_direction_push_through_identity(damping):
+def test_ief_direction_push_through_identity(damping, as_j):
     """``J^T (J J^T + lambda I)^{-1} s = (J^T J + lambda I)^{-1} J^T s`` (push-through form of ``eqn:iEF_lsq``)."""
     j, s = random_jacobian(), random_s()
-    got = ief.ief_direction(j, s, damping)
+    got = ief.ief_direction(as_j(j), s, damping)
     assert_rel(got, dense_solve(j, j.T @ s, damping), what=f"iEF lambda={damping}")
     # and literally the M x M form of eqn:iEF_lsq
     m = j.shape[0]
     assert_rel(got, j.T @ torch.linalg.solve(j @ j.T + damping * torch.eye(m, dtype=torch.float64), s))
 
 
-def test_woodbury_on_a_real_jacobian():
+def test_woodbury_on_a_real_jacobian(as_j):
     """The same identities on per-sample gradients of the mlp tiny model (``eqn:EF_update``, ``eqn:iEF_lsq``)."""
     from tiny_models import mlp_case
 
@@ -90,22 +111,22 @@ def test_woodbury_on_a_real_jacobian():
     j, s = r.jacobian, r.logit_sqnorm
     ones = torch.ones(j.shape[0], dtype=torch.float64)
     for damping in (1e-3, 1e-1, 1.0):
-        assert_rel(ief.ef_direction(j, damping), dense_solve(j, j.T @ ones, damping), what="EF")
-        assert_rel(ief.ief_direction(j, s, damping), dense_solve(j, j.T @ s, damping), what="iEF")
+        assert_rel(ief.ef_direction(as_j(j), damping), dense_solve(j, j.T @ ones, damping), what="EF")
+        assert_rel(ief.ief_direction(as_j(j), s, damping), dense_solve(j, j.T @ s, damping), what="iEF")
 
 
 # --------------------------------------------------------------------------------------------- iEF matrix form
-def test_ief_matrix_form_min_norm_solution():
+def test_ief_matrix_form_min_norm_solution(as_j):
     """With full-row-rank ``J`` and ``lambda = 0``, the iEF direction is the minimum-norm solution of
     ``F* d = grad L`` with ``F* = J^T diag(s)^{-1} J`` (``eqn:iEF_mat``, derivation in ``sec:app-iEF-mat``)."""
     j, s = random_jacobian(), random_s()
     f_star = j.T @ torch.diag(1.0 / s) @ j  # P x P, rank M
     grad = j.T @ torch.ones(j.shape[0], dtype=torch.float64)
     expected = torch.linalg.pinv(f_star, hermitian=True, rtol=PINV_RTOL) @ grad
-    assert_rel(ief.ief_direction(j, s, 0.0), expected, what="pinv(F*) grad")
+    assert_rel(ief.ief_direction(as_j(j), s, 0.0), expected, what="pinv(F*) grad")
 
 
-def test_ief_matrix_form_on_a_real_jacobian():
+def test_ief_matrix_form_on_a_real_jacobian(as_j):
     """``eqn:iEF_mat`` with the mlp model's real ``J`` and ``s_iEF`` (all ``s_n > 0``)."""
     from tiny_models import mlp_case
 
@@ -115,30 +136,30 @@ def test_ief_matrix_form_on_a_real_jacobian():
     assert (s > 0).all()
     f_star = j.T @ torch.diag(1.0 / s) @ j
     expected = torch.linalg.pinv(f_star, hermitian=True, rtol=PINV_RTOL) @ r.gradient
-    assert_rel(ief.ief_direction(j, s, 0.0), expected, rtol=1e-8, what="pinv(F*) grad")  # cond(F*|rowspace)~1e2
+    assert_rel(ief.ief_direction(as_j(j), s, 0.0), expected, rtol=1e-8, what="pinv(F*) grad")  # cond(F*|rowspace)~1e2
 
 
 # ------------------------------------------------------------------------------------------- defining properties
-def test_defining_properties_random():
+def test_defining_properties_random(as_j):
     """``J d_iEF = s`` and ``J d_EF = 1`` for full-row-rank ``J`` and ``lambda = 0`` (``eqn:iEF_dl``,
     ``eqn:EF_dl``): each sample's loss changes by ``-eta s_n`` (iEF) or ``-eta`` (EF) to first order."""
     j, s = random_jacobian(), random_s()
-    assert_rel(j @ ief.ief_direction(j, s, 0.0), s, what="J d_iEF")
-    assert_rel(j @ ief.ef_direction(j, 0.0), torch.ones_like(s), what="J d_EF")
+    assert_rel(j @ ief.ief_direction(as_j(j), s, 0.0), s, what="J d_iEF")
+    assert_rel(j @ ief.ef_direction(as_j(j), 0.0), torch.ones_like(s), what="J d_EF")
     # the directions lie in the row space of J (minimum norm): d = J^T c
-    d = ief.ief_direction(j, s, 0.0)
+    d = ief.ief_direction(as_j(j), s, 0.0)
     coeff = torch.linalg.lstsq(j.T, d.unsqueeze(-1)).solution.squeeze(-1)
     assert_rel(j.T @ coeff, d, what="row space")
 
 
-def test_defining_properties_on_tiny_models(any_case):
+def test_defining_properties_on_tiny_models(any_case, as_j):
     """The same on every tiny model's real per-sample Jacobian (all full row rank, ``cond(J J^T) < 1e2``)."""
     c = any_case
     r = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss)
     j, s = r.jacobian, r.logit_sqnorm
     assert int(torch.linalg.matrix_rank(j)) == j.shape[0]
-    assert_rel(j @ ief.ief_direction(j, s, 0.0), s, what=f"{c.name}: J d_iEF")
-    assert_rel(j @ ief.ef_direction(j, 0.0), torch.ones_like(s), what=f"{c.name}: J d_EF")
+    assert_rel(j @ ief.ief_direction(as_j(j), s, 0.0), s, what=f"{c.name}: J d_iEF")
+    assert_rel(j @ ief.ef_direction(as_j(j), 0.0), torch.ones_like(s), what=f"{c.name}: J d_EF")
 
 
 # ------------------------------------------------------------------------------------- singular / rank-deficient
@@ -162,26 +183,26 @@ SINGULAR = _singular_jacobians()
 
 
 @pytest.mark.parametrize("name", sorted(SINGULAR))
-def test_singular_gram_lambda0_is_min_norm(name):
+def test_singular_gram_lambda0_is_min_norm(name, as_j):
     """``J J^T`` singular and ``lambda = 0``: finite, and equal to ``J^T pinv(J J^T) s`` (iEF) and
     ``J^T pinv(J J^T) 1`` (EF), the minimum-norm least-squares solutions (``eqn:iEF_lsq``, ``eqn:EF_lsq``)."""
     j, s = SINGULAR[name]
     ones = torch.ones_like(s)
-    assert_rel(ief.ief_direction(j, s, 0.0), min_norm(j, s), what=f"{name} iEF")
-    assert_rel(ief.ef_direction(j, 0.0), min_norm(j, ones), what=f"{name} EF")
+    assert_rel(ief.ief_direction(as_j(j), s, 0.0), min_norm(j, s), what=f"{name} iEF")
+    assert_rel(ief.ef_direction(as_j(j), 0.0), min_norm(j, ones), what=f"{name} EF")
 
 
 @pytest.mark.parametrize("name", sorted(SINGULAR))
-def test_singular_gram_tiny_damping_close_to_min_norm(name):
+def test_singular_gram_tiny_damping_close_to_min_norm(name, as_j):
     """``lambda = 1e-12``: still finite; the damped solution differs from the ``lambda = 0`` minimum-norm one by
     ``O(lambda / sigma_min^2) ~ 1e-11`` (smallest non-zero eigenvalue of ``J J^T`` here ~1), checked at ``1e-6``."""
     j, s = SINGULAR[name]
     ones = torch.ones_like(s)
-    assert_rel(ief.ief_direction(j, s, 1e-12), min_norm(j, s), rtol=1e-6, what=f"{name} iEF")
-    assert_rel(ief.ef_direction(j, 1e-12), min_norm(j, ones), rtol=1e-6, what=f"{name} EF")
+    assert_rel(ief.ief_direction(as_j(j), s, 1e-12), min_norm(j, s), rtol=1e-6, what=f"{name} iEF")
+    assert_rel(ief.ef_direction(as_j(j), 1e-12), min_norm(j, ones), rtol=1e-6, what=f"{name} EF")
 
 
-def test_zero_gradient_sample_from_a_real_model():
+def test_zero_gradient_sample_from_a_real_model(as_j):
     """A sample with exactly zero loss and gradient (saturated logits, cf. ``test_jacobian``) in a real ``J``: with
     ``lambda = 0`` the directions are finite; iEF still satisfies ``J d = s`` exactly (``s_n = 0`` for that sample),
     and EF is the minimum-norm least-squares solution (``0 = 1`` cannot hold for the zero row)."""
@@ -189,65 +210,65 @@ def test_zero_gradient_sample_from_a_real_model():
     r = ief.per_sample(model, x, y)
     assert torch.count_nonzero(r.jacobian[1]) == 0 and float(r.logit_sqnorm[1]) == 0.0
     j, s = r.jacobian, r.logit_sqnorm
-    d_ief = ief.ief_direction(j, s, 0.0)
-    d_ef = ief.ef_direction(j, 0.0)
+    d_ief = ief.ief_direction(as_j(j), s, 0.0)
+    d_ef = ief.ef_direction(as_j(j), 0.0)
     assert_rel(d_ief, min_norm(j, s), what="iEF")
     assert_rel(j @ d_ief, s, what="J d_iEF")
     assert_rel(d_ef, min_norm(j, torch.ones_like(s)), what="EF")
 
 
-def test_all_zero_jacobian():
+def test_all_zero_jacobian(as_j):
     """Every sample converged: ``J = 0``; the minimum-norm direction is 0 for ``lambda = 0`` and ``lambda > 0``."""
     j = torch.zeros(3, 7, dtype=torch.float64)
     s = torch.zeros(3, dtype=torch.float64)
     for damping in (0.0, 1e-7, 1.0):
-        for d in (ief.ief_direction(j, s, damping), ief.ef_direction(j, damping)):
+        for d in (ief.ief_direction(as_j(j), s, damping), ief.ef_direction(as_j(j), damping)):
             assert torch.isfinite(d).all() and torch.count_nonzero(d) == 0
 
 
 # -------------------------------------------------------------------------------------------------------- SF
 @pytest.mark.parametrize("damping", [1e-3, 1e-1, 1.0, 10.0])
-def test_sf_direction_equals_dense(damping):
+def test_sf_direction_equals_dense(damping, as_j):
     """``(1/lambda)[g - A^T (A A^T + lambda I)^{-1} A g] = (A^T A + lambda I)^{-1} g`` (``eqn:SF-smw``), with a
     gradient ``g`` that has a component outside the row space of ``A`` (the part the SMW form scales by
     ``1/lambda``)."""
     a = random_jacobian(seed=5)
     g = torch.randn(a.shape[1], generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    assert_rel(ief.sf_direction(a, g, damping), dense_solve(a, g, damping), what=f"SF lambda={damping}")
+    assert_rel(ief.sf_direction(as_j(a), g, damping), dense_solve(a, g, damping), what=f"SF lambda={damping}")
 
 
-def test_sf_direction_with_duplicate_sampled_rows():
+def test_sf_direction_with_duplicate_sampled_rows(as_j):
     """A singular ``A A^T`` (duplicated sampled gradient) is harmless for ``lambda > 0``."""
     a = random_jacobian(seed=5)
     a = torch.cat([a, a[:1]])
     g = torch.randn(a.shape[1], generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    assert_rel(ief.sf_direction(a, g, 1e-2), dense_solve(a, g, 1e-2), what="SF duplicates")
+    assert_rel(ief.sf_direction(as_j(a), g, 1e-2), dense_solve(a, g, 1e-2), what="SF duplicates")
 
 
 @pytest.mark.parametrize("bad", [0.0, 0, -1e-3, float("nan"), float("inf"), -float("inf")])
-def test_sf_bad_damping(bad):
+def test_sf_bad_damping(bad, as_j):
     """SF divides by ``lambda``: it must be finite and ``> 0``; the error names the offending value."""
     a, g = random_jacobian(), torch.ones(12, dtype=torch.float64)
     with pytest.raises(ValueError, match="damping") as info:
-        ief.sf_direction(a, g, bad)
+        ief.sf_direction(as_j(a), g, bad)
     assert repr(bad) in str(info.value)
 
 
 @pytest.mark.parametrize("bad", [-1e-3, -1.0, float("nan"), float("inf")])
-def test_ief_ef_bad_damping(bad):
+def test_ief_ef_bad_damping(bad, as_j):
     j, s = random_jacobian(), random_s()
-    for call in (lambda: ief.ief_direction(j, s, bad), lambda: ief.ef_direction(j, bad)):
+    for call in (lambda: ief.ief_direction(as_j(j), s, bad), lambda: ief.ef_direction(as_j(j), bad)):
         with pytest.raises(ValueError, match="damping") as info:
             call()
         assert repr(bad) in str(info.value)
 
 
-def test_bad_shapes():
+def test_bad_shapes(as_j):
     j, s = random_jacobian(), random_s()
     with pytest.raises(ValueError, match="length 5"):
-        ief.ief_direction(j, s[:4], 0.0)
+        ief.ief_direction(as_j(j), s[:4], 0.0)
     with pytest.raises(ValueError, match="length 5"):
-        ief.ief_direction(j, s.reshape(5, 1), 0.0)
+        ief.ief_direction(as_j(j), s.reshape(5, 1), 0.0)
     with pytest.raises(ValueError, match=r"\[M, P\]"):
         ief.ief_direction(j[0], s[:1], 0.0)
     with pytest.raises(ValueError, match=r"\[M, P\]"):
@@ -255,30 +276,30 @@ def test_bad_shapes():
     with pytest.raises(ValueError, match=r"\[M, P\]"):
         ief.sf_direction(j[0], torch.ones(12, dtype=torch.float64), 1.0)
     with pytest.raises(ValueError, match="length 12"):
-        ief.sf_direction(j, torch.ones(11, dtype=torch.float64), 1.0)
+        ief.sf_direction(as_j(j), torch.ones(11, dtype=torch.float64), 1.0)
     with pytest.raises(ValueError, match="non-finite"):
         bad = j.clone()
         bad[0, 0] = float("nan")
-        ief.ef_direction(bad, 0.0)
+        ief.ef_direction(as_j(bad), 0.0)
     with pytest.raises(ValueError, match="non-finite"):
-        ief.ief_direction(j, torch.full_like(s, float("inf")), 0.0)
+        ief.ief_direction(as_j(j), torch.full_like(s, float("inf")), 0.0)
 
 
-def test_float32_in_float32_out():
+def test_float32_in_float32_out(as_j):
     """Float32 inputs give float32 directions equal to the float64 computation on the same (rounded) inputs, to
     output rounding (the Gram system is solved in float64): ``1e-6`` relative, about 8 float32 ulps."""
     j, s = random_jacobian().float(), random_s().float()
     g = torch.randn(12, generator=torch.Generator().manual_seed(6)).float()
     for damping in (0.0, 1e-3):
-        d = ief.ief_direction(j, s, damping)
+        d = ief.ief_direction(as_j(j), s, damping)
         assert d.dtype == torch.float32
-        assert_rel(d, ief.ief_direction(j.double(), s.double(), damping), rtol=1e-6, what="iEF f32")
-        d = ief.ef_direction(j, damping)
+        assert_rel(d, ief.ief_direction(as_j(j.double()), s.double(), damping), rtol=1e-6, what="iEF f32")
+        d = ief.ef_direction(as_j(j), damping)
         assert d.dtype == torch.float32
-        assert_rel(d, ief.ef_direction(j.double(), damping), rtol=1e-6, what="EF f32")
-    d = ief.sf_direction(j, g, 1e-2)
+        assert_rel(d, ief.ef_direction(as_j(j.double()), damping), rtol=1e-6, what="EF f32")
+    d = ief.sf_direction(as_j(j), g, 1e-2)
     assert d.dtype == torch.float32
-    assert_rel(d, ief.sf_direction(j.double(), g.double(), 1e-2), rtol=1e-6, what="SF f32")
+    assert_rel(d, ief.sf_direction(as_j(j.double()), g.double(), 1e-2), rtol=1e-6, what="SF f32")
 
 
 # ---------------------------------------------------------------------------------------- scale behaviour (paper)
@@ -289,28 +310,28 @@ def _rows_with_spread_norms():
     return j / j.norm(dim=1, keepdim=True) * norms.unsqueeze(1), norms
 
 
-def test_ef_projection_is_inversely_scaled():
+def test_ef_projection_is_inversely_scaled(as_j):
     """``eqn:kappa_EF``: for ``lambda ~ 0`` the EF direction's projection onto each unit per-sample gradient is
     ``1 / ||grad l_n||`` (the inversely-scaled projection issue, ``sec:inversely-scaled-projection-issue``).
     Row norms span 1e-2..1e2, so ``cond(J J^T) ~ 1e8``: a ``1e-6`` relative check per sample."""
     j, norms = _rows_with_spread_norms()
-    d = ief.ef_direction(j, 0.0)
+    d = ief.ef_direction(as_j(j), 0.0)
     kappa = (j @ d) / norms
     assert_rel(kappa, 1.0 / norms, rtol=1e-6, what="kappa_EF")
     # the best-trained sample (smallest gradient) dominates: its projection is 1e4 times the worst-trained one's
     assert math.isclose(float(kappa[0] / kappa[-1]), 1e4, rel_tol=1e-6)
 
 
-def test_ief_projection_scales_with_s():
+def test_ief_projection_scales_with_s(as_j):
     """iEF (``eqn:iEF_dl``): the projection onto each unit per-sample gradient is ``s_n / ||grad l_n||``, so
     samples with a small logit gradient (well trained) get a small step; on the same rows as above."""
     j, norms = _rows_with_spread_norms()
     s = torch.tensor([1e-4, 1e-2, 1.0, 3.0, 0.5], dtype=torch.float64)
-    d = ief.ief_direction(j, s, 0.0)
+    d = ief.ief_direction(as_j(j), s, 0.0)
     assert_rel((j @ d) / norms, s / norms, rtol=1e-6, what="kappa_iEF")
 
 
-def test_ef_projection_inverse_scaling_on_a_real_model():
+def test_ef_projection_inverse_scaling_on_a_real_model(as_j):
     """``eqn:kappa_EF`` on the vit-lora model's real per-sample gradients, and the iEF counterpart."""
     from tiny_models import vit_lora_case
 
@@ -318,42 +339,42 @@ def test_ef_projection_inverse_scaling_on_a_real_model():
     r = ief.per_sample(c.model, c.inputs, c.targets)
     j, s = r.jacobian, r.logit_sqnorm
     norms = j.norm(dim=1)
-    assert_rel((j @ ief.ef_direction(j, 0.0)) / norms, 1.0 / norms, what="kappa_EF")
-    assert_rel((j @ ief.ief_direction(j, s, 0.0)) / norms, s / norms, what="kappa_iEF")
+    assert_rel((j @ ief.ef_direction(as_j(j), 0.0)) / norms, 1.0 / norms, what="kappa_EF")
+    assert_rel((j @ ief.ief_direction(as_j(j), s, 0.0)) / norms, s / norms, what="kappa_iEF")
 
 
 @pytest.mark.parametrize("scale", [1e-200, 1e160], ids=["1e-200", "1e160"])
-def test_ef_inverse_scaling_at_extreme_magnitudes(scale):
+def test_ef_inverse_scaling_at_extreme_magnitudes(scale, as_j):
     """``eqn:kappa_EF`` taken literally: ``d_EF(c J) = d_EF(J) / c`` at ``lambda = 0``. The module docstring of
     ``ief/directions.py`` promises a finite result for any finite input; for ``c = 1e-200`` and ``c = 1e160`` the
     exact answer (entries ~1e200 / ~1e-160) is representable in float64.
     The Gram matrix is formed from ``J / max|J|`` so it neither underflows nor overflows."""
     j = random_jacobian()
-    got = ief.ef_direction(j * scale, 0.0)
+    got = ief.ef_direction(as_j(j * scale), 0.0)
     assert torch.isfinite(got).all()
     # compare scale * d_EF(c J) with d_EF(J): the norm of a vector of 1e200 entries would itself overflow
-    assert_rel(got * scale, ief.ef_direction(j, 0.0), what=f"EF at scale {scale}")
+    assert_rel(got * scale, ief.ef_direction(as_j(j), 0.0), what=f"EF at scale {scale}")
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e-200, 1e160], ids=["1", "1e-200", "1e160"])
-def test_directions_leave_their_inputs_untouched(scale):
+def test_directions_leave_their_inputs_untouched(scale, as_j):
     """The float64 Gram path must never rescale the caller's Jacobian in place (``Tensor.to`` returns the same
     tensor when it already is float64)."""
     j = random_jacobian() * scale
     s = torch.rand(j.shape[0], dtype=torch.float64) + 0.1
     g = torch.randn(j.shape[1], dtype=torch.float64)
     j0, s0, g0 = j.clone(), s.clone(), g.clone()
-    ief.ief_direction(j, s, 1e-3)
-    ief.ef_direction(j, 0.0)
+    ief.ief_direction(as_j(j), s, 1e-3)
+    ief.ef_direction(as_j(j), 0.0)
     try:
-        ief.sf_direction(j, g, 1e-3)
+        ief.sf_direction(as_j(j), g, 1e-3)
     except FloatingPointError:
         pass  # 1/lambda times a 1e160-scale gradient component may not be representable; inputs still untouched
     assert torch.equal(j, j0) and torch.equal(s, s0) and torch.equal(g, g0)
 
 
 @pytest.mark.parametrize("m", [4, 32])
-def test_mean_loss_convention_scales_the_update_by_1_over_m(m):
+def test_mean_loss_convention_scales_the_update_by_1_over_m(m, as_j):
     """README's learning-rate convention: per-sample gradients of the batch-*mean* loss (an explicit loop over
     d[(1/M) l_n]/d theta) are J/M and its logit gradients give s_iEF/M^2, so that update is 1/M of alg:iEF's with
     damping M^2 lambda. Checked on a real model against ief.per_sample's sum-convention J and s."""
@@ -371,7 +392,7 @@ def test_mean_loss_convention_scales_the_update_by_1_over_m(m):
     assert_rel(j_mean, ours.jacobian / m, rtol=1e-12, what="J of the mean loss")
     assert_rel(s_mean, ours.logit_sqnorm / m**2, rtol=1e-12, what="s_iEF of the mean loss")
     lam = 1e-6
-    assert_rel(ief.ief_direction(j_mean, s_mean, lam), ief.ief_direction(ours.jacobian, ours.logit_sqnorm,
+    assert_rel(ief.ief_direction(as_j(j_mean), s_mean, lam), ief.ief_direction(as_j(ours.jacobian), ours.logit_sqnorm,
                                                                           lam * m**2) / m, rtol=1e-8,
                what="mean-convention update")
 
@@ -382,3 +403,49 @@ def _tiny_classifier(m: int):
     x = torch.randn(m, 5, generator=g, dtype=torch.float64)
     y = torch.randint(0, 3, (m,), generator=g)
     return model, x, y
+
+
+@pytest.mark.parametrize("form", ["ghost", "rows", "auto"])
+def test_directions_from_a_factored_per_sample_equal_the_dense_ones(any_case, form):
+    """End to end on every tiny model: ``per_sample(form=...)`` and ``sampled_jacobian(form=...)`` give the same EF,
+    iEF and SF directions as the ``[M, P]`` tensor of the same backward, to float64 rounding (the Gram solve is the
+    same code; only ``J J^T``, ``J^T c`` and ``A g`` come from the factors)."""
+    c = any_case
+    runs = {}
+    for which in ("dense", form):
+        torch.manual_seed(0)
+        r = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss, form=which)
+        torch.manual_seed(0)
+        a = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(3), loss=c.loss,
+                                 form=which)
+        runs[which] = (ief.ief_direction(r.jacobian, r.logit_sqnorm, 1e-3), ief.ef_direction(r.jacobian, 1e-3),
+                       ief.sf_direction(a, r.gradient, 1e-2))
+    for what, got, expected in zip(("iEF", "EF", "SF"), runs[form], runs["dense"]):
+        assert_rel(got, expected, rtol=1e-10, what=f"{c.name} {form} {what}")
+
+
+@pytest.mark.parametrize("damping", [1e-7, 1e-3])
+def test_float32_factored_directions_are_accurate_to_float32(damping):
+    """A float32 model, factored J: each Linear weight's ``J^T c`` is formed in float32 through an orthonormal basis
+    of its inputs (float64 QR), so solve coefficients that cancel (``lambda = 1e-7``) cost no accuracy: the EF / iEF /
+    SF directions agree with the float64 computation on the same J to a few float32 ulps (``1e-6`` relative; SF's
+    ``A^T (...) A g`` stays float64-exact: it is subtracted from ``g``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
+    x, y = torch.randn(16, 40), torch.randint(0, 5, (16,))
+    r = ief.per_sample(model, x, y, form="auto")
+    fac = r.jacobian
+    assert len(fac.ghosts) == 2  # both weights factored: the float32 (QR) path is the one under test
+    # the exact J of these factors (products formed in float64; SF amplifies J's own rounding by ~1/lambda)
+    widened = [(i, a.double(), g.double()) for i, a, g in fac.ghosts]
+    j = ief.jacobian.FactoredJacobian(fac.shape[0], fac.sizes, fac.dense.double(), widened, fac.dense.double(),
+                                      fac.dense_index).materialize()
+    s = r.logit_sqnorm.double()
+    for got, expected in (
+        (ief.ief_direction(r.jacobian, r.logit_sqnorm, damping), ief.ief_direction(j, s, damping)),
+        (ief.ef_direction(r.jacobian, damping), ief.ef_direction(j, damping)),
+        (ief.sf_direction(r.jacobian, r.gradient, max(damping, 1e-3)),
+         ief.sf_direction(j, r.gradient.double(), max(damping, 1e-3))),
+    ):
+        assert got.dtype == torch.float32
+        assert_rel(got, expected, rtol=1e-6, what=f"float32 factored, lambda={damping}")

@@ -26,6 +26,19 @@ F64_RTOL = 1e-10
 T5_RTOL = 1e-6
 F32_RTOL = 1e-5
 
+# The forms of J (``per_sample(form=...)``): the [M, P] tensor, and the factored Jacobian with every nn.Linear weight
+# as (A, G) factors ("ghost") or as materialised per-sample rows ("rows"); "auto" picks one of the two per layer.
+FORMS = ["dense", "ghost", "rows"]
+
+
+@pytest.fixture(params=FORMS)
+def form(request):
+    return request.param
+
+
+def dense(jacobian):
+    """The [M, P] tensor of either form."""
+    return jacobian.materialize() if isinstance(jacobian, ief.jacobian.FactoredJacobian) else jacobian
 
 
 def rtol_for(case) -> float:
@@ -55,11 +68,12 @@ def batch_graph_rows(model, inputs, targets, params, loss="cross_entropy"):
 
 
 # --------------------------------------------------------------------------------------- per_sample vs the oracle
-def test_per_sample_matches_oracle(any_case):
+def test_per_sample_matches_oracle(any_case, form):
     """Losses, Jacobian rows, s_iEF and the batch gradient (``eqn:prob_loss``, ``eqn:s_ief``) on every tiny model."""
     c = any_case
     rtol = rtol_for(c)
-    got = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss)
+    got = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss, form=form)
+    got.jacobian = dense(got.jacobian)
     losses, jac, sq = oracle.per_sample(c.model, c.inputs, c.targets, c.loss)
     assert_rel(got.losses, losses, rtol, "losses")
     assert_rel(got.jacobian, jac, rtol, "jacobian")
@@ -87,11 +101,13 @@ def test_per_sample_gradient_is_autograd_batch_gradient():
     assert_rel(got.losses.sum(), total.detach(), F64_RTOL, "L")
 
 
-def test_per_sample_float32_mlp():
+def test_per_sample_float32_mlp(form):
     """A float32 model: results stay float32 and agree with the float64 oracle on the same weights to float32
     rounding (``1e-5`` relative)."""
     c = mlp_case(dtype=torch.float32)
-    got = ief.per_sample(c.model, c.inputs, c.targets)
+    got = ief.per_sample(c.model, c.inputs, c.targets, form=form)
+    assert got.jacobian.dtype == torch.float32
+    got.jacobian = dense(got.jacobian)
     for t in (got.losses, got.jacobian, got.logit_sqnorm, got.gradient):
         assert t.dtype == torch.float32
     ref_model = mlp_case(dtype=torch.float32).model.double()  # same seed -> same float32 weights, widened
@@ -102,14 +118,15 @@ def test_per_sample_float32_mlp():
     assert_rel(got.gradient, jac.sum(0), F32_RTOL, "gradient")
 
 
-def test_zero_loss_sample_gives_exact_zero_row():
+def test_zero_loss_sample_gives_exact_zero_row(form):
     """A sample whose logits saturate (margin ~1e4 >> 745, so softmax is exactly one-hot in float64) has
     ``l_n = 0``, ``grad l_n = 0`` and ``s_n = 0`` exactly; the other rows are unaffected."""
     model, x, y = saturated_case()  # sample 1 has exactly zero loss and gradient
     with torch.no_grad():
         z = model(x)
     assert float((z[1].max() - z[1].topk(2).values[1])) > 800  # the premise: exp(-margin) underflows
-    got = ief.per_sample(model, x, y)
+    got = ief.per_sample(model, x, y, form=form)
+    got.jacobian = dense(got.jacobian)
     assert float(got.losses[1]) == 0.0
     assert float(got.logit_sqnorm[1]) == 0.0
     assert torch.count_nonzero(got.jacobian[1]) == 0
@@ -130,30 +147,31 @@ def _mlp_blocks(c):
     return {name: full[:, offsets[i] : offsets[i + 1]] for i, name in enumerate(["w1", "b1", "w2", "b2"])}
 
 
-def test_params_reordered_returns_columns_in_that_order():
+def test_params_reordered_returns_columns_in_that_order(form):
     """``params=`` in an order other than ``model.parameters()`` (whole layers): the columns follow ``params``."""
     c = mlp_case()
     lin1, lin2 = c.model[0], c.model[2]
-    got = ief.per_sample(c.model, c.inputs, c.targets, params=[lin2.bias, lin2.weight, lin1.weight, lin1.bias])
+    got = ief.per_sample(c.model, c.inputs, c.targets, params=[lin2.bias, lin2.weight, lin1.weight, lin1.bias],
+                         form=form)
     b = _mlp_blocks(c)
     expected = torch.cat([b["b2"], b["w2"], b["w1"], b["b1"]], dim=1)
-    assert_rel(got.jacobian, expected, F64_RTOL, "reordered jacobian")
+    assert_rel(dense(got.jacobian), expected, F64_RTOL, "reordered jacobian")
     assert_rel(got.gradient, expected.sum(0), F64_RTOL, "reordered gradient")
 
 
 @pytest.mark.parametrize(
     "names", [("w2", "b1"), ("b1",)], ids=["lin2.weight+lin1.bias", "lin1.bias"]
 )
-def test_params_subset_returns_only_those_columns_in_that_order(names):
+def test_params_subset_returns_only_those_columns_in_that_order(names, form):
     """``params=`` naming single tensors of layers whose other parameters are trainable too (e.g. a weight without
     its bias): exactly those column blocks, in that order."""
     c = mlp_case()
     lin1, lin2 = c.model[0], c.model[2]
     tensors = {"w1": lin1.weight, "b1": lin1.bias, "w2": lin2.weight, "b2": lin2.bias}
-    got = ief.per_sample(c.model, c.inputs, c.targets, params=[tensors[n] for n in names])
+    got = ief.per_sample(c.model, c.inputs, c.targets, params=[tensors[n] for n in names], form=form)
     b = _mlp_blocks(c)
     expected = torch.cat([b[n] for n in names], dim=1)
-    assert_rel(got.jacobian, expected, F64_RTOL, "subset jacobian")
+    assert_rel(dense(got.jacobian), expected, F64_RTOL, "subset jacobian")
     assert_rel(got.gradient, expected.sum(0), F64_RTOL, "subset gradient")
     # s_iEF and the losses do not depend on which parameters are differentiated
     full = ief.per_sample(c.model, c.inputs, c.targets)
@@ -178,20 +196,22 @@ def _redraw_labels(model, inputs, targets, seed: int, loss: str) -> torch.Tensor
 
 
 @pytest.mark.parametrize("factory", [mlp_case, mse_case, sequence_case, t5_lora_case], ids=lambda f: f.__name__)
-def test_sampled_jacobian_rows_are_gradients_at_the_drawn_labels(factory):
+def test_sampled_jacobian_rows_are_gradients_at_the_drawn_labels(factory, form):
     """Each row is the oracle per-sample gradient at the labels drawn with the given generator (``alg:SF``): the
     draw is reproduced exactly (same seed), ignored positions stay ignored (the oracle skips them), and the result
     depends on the seed only through the draw."""
     c = factory()
     seed = 1234
-    sampled = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(seed), loss=c.loss)
+    sampled = dense(ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(seed),
+                                         loss=c.loss, form=form))
     labels = _redraw_labels(c.model, c.inputs, c.targets, seed, c.loss)
     if c.loss == "cross_entropy":
         assert torch.equal(labels == IGNORE, c.targets == IGNORE)
     _, expected, _ = oracle.per_sample(c.model, c.inputs, labels, c.loss)
     assert_rel(sampled, expected, rtol_for(c), "sampled rows vs oracle at the drawn labels")
     # same seed -> same draw -> identical result
-    again = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(seed), loss=c.loss)
+    again = dense(ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(seed),
+                                       loss=c.loss, form=form))
     assert torch.equal(sampled, again)
 
 
@@ -220,7 +240,7 @@ def _bn_model():
     return model, x, y
 
 
-def test_batchnorm_train_mode_raises_mismatch():
+def test_batchnorm_train_mode_raises_mismatch(form):
     """Batch norm in training mode mixes samples: ``l_n`` depends on every sample through the batch statistics, so
     the hooked rows ``(dL/dout_n) a_n^T`` are not ``d l_n / d theta``. The module docstring of ``ief/jacobian.py``
     and the error text promise :class:`ief.PerSampleGradientMismatch` for exactly this case.
@@ -230,7 +250,7 @@ def test_batchnorm_train_mode_raises_mismatch():
     model, x, y = _bn_model()
     model.train()
     with pytest.raises(ief.PerSampleGradientMismatch):
-        ief.per_sample(model, x, y)
+        ief.per_sample(model, x, y, form=form)
 
 
 def test_batchnorm_train_mode_check_false_does_not_raise():
@@ -242,7 +262,7 @@ def test_batchnorm_train_mode_check_false_does_not_raise():
     assert_rel(got.jacobian.sum(0), got.gradient, F64_RTOL, "rows sum")
 
 
-def test_batchnorm_eval_mode_passes_and_matches_oracle():
+def test_batchnorm_eval_mode_passes_and_matches_oracle(form):
     """In eval mode batch norm is a per-sample affine map: no error, and the rows (the BN affine parameters go
     through the exact loop fallback) match the oracle."""
     model, x, y = _bn_model()
@@ -250,9 +270,9 @@ def test_batchnorm_eval_mode_passes_and_matches_oracle():
     with torch.no_grad():
         model(x)  # non-trivial running statistics
     model.eval()
-    got = ief.per_sample(model, x, y)
+    got = ief.per_sample(model, x, y, form=form)
     losses, jac, sq = oracle.per_sample(model, x, y)
-    assert_rel(got.jacobian, jac, F64_RTOL, "jacobian")
+    assert_rel(dense(got.jacobian), jac, F64_RTOL, "jacobian")
     assert_rel(got.losses, losses, F64_RTOL, "losses")
     assert_rel(got.logit_sqnorm, sq, F64_RTOL, "logit_sqnorm")
 
@@ -269,7 +289,7 @@ class _TimeMajor(torch.nn.Module):
 
 
 @pytest.mark.parametrize("t", [3, 4], ids=["T==M", "T!=M"])
-def test_hooked_layer_whose_leading_dim_is_not_the_sample(t):
+def test_hooked_layer_whose_leading_dim_is_not_the_sample(t, form):
     """A Linear fed a time-major tensor ``[T, M, D]``, so its leading dimension is not the sample.
 
     The probe forward of one sample establishes dimension 1 as the sample axis (``T`` stays, ``M`` shrinks to 1),
@@ -284,14 +304,15 @@ def test_hooked_layer_whose_leading_dim_is_not_the_sample(t):
     with warnings.catch_warnings():
         warnings.simplefilter("error", ief.SlowPathWarning)
         for check in (True, "exact", False):
-            assert_rel(ief.per_sample(model, x, y, check=check).jacobian, jac, F64_RTOL, f"jacobian check={check}")
+            got = ief.per_sample(model, x, y, check=check, form=form).jacobian
+            assert_rel(dense(got), jac, F64_RTOL, f"jacobian check={check}")
 
 
-def test_exact_check_passes_on_every_supported_case(any_case):
-    """The exact guard accepts every real model of the suite (no false alarms)."""
+def test_exact_check_passes_on_every_supported_case(any_case, form):
+    """The exact guard accepts every real model of the suite (no false alarms), whatever the form of J."""
     c = any_case
-    got = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss, check="exact")
-    assert torch.isfinite(got.jacobian).all()
+    got = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss, check="exact", form=form)
+    assert torch.isfinite(dense(got.jacobian)).all()
 
 
 def test_unknown_check_value_is_refused():
@@ -452,3 +473,77 @@ def test_sample_axis_probe_leaves_the_model_and_random_state_untouched():
     assert torch.equal(torch.rand(1), after_forward)
     for (name, b), b_ref in zip(model.named_buffers(), reference.buffers()):
         assert torch.equal(b, b_ref), name
+
+
+# ---------------------------------------------------------------------------------------- the factored Jacobian
+@pytest.mark.parametrize("factored", ["ghost", "rows", "auto"])
+def test_factored_jacobian_products_equal_the_dense_ones(any_case, factored):
+    """What the Gram solve and the guard use of a FactoredJacobian, against the same quantities of the dense J of
+    the same backward: ``J J^T``, ``J^T c``, ``J v``, ``J^T 1``, per-parameter row norms, ``max|J|`` (an upper
+    bound within a factor T). Rounding only: ``1e-12`` relative (float64)."""
+    from ief import directions
+
+    c = any_case
+    torch.manual_seed(0)
+    jac = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss).jacobian
+    torch.manual_seed(0)
+    fac = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss, form=factored).jacobian
+    assert isinstance(fac, ief.jacobian.FactoredJacobian) and fac.shape == jac.shape and fac.dtype == jac.dtype
+    gen = torch.Generator().manual_seed(0)
+    coeff = torch.randn(jac.shape[0], generator=gen, dtype=torch.float64)
+    v = torch.randn(jac.shape[1], generator=gen, dtype=torch.float64)
+    assert_rel(fac.materialize(), jac, 1e-12, "materialize")
+    for scale in (1.0, 3.0):
+        assert_rel(fac.gram(scale), directions.gram(jac, scale), 1e-12, "gram")
+        assert_rel(fac.combine_rows(coeff, scale), directions.combine_rows(coeff, jac, scale), 1e-12, "J^T c")
+        assert_rel(fac.times(v, scale), jac.double() @ v / scale, 1e-12, "J v")
+    assert_rel(fac.row_sum(), jac.sum(0), 1e-12, "J^T 1")
+    sizes = [p.numel() for p in oracle.trainable(c.model)]
+    blocks = torch.stack([b.square().sum(1) for b in jac.split(sizes, dim=1)], dim=1)
+    assert_rel(fac.row_sqnorms(), blocks, 1e-12, "row norms per parameter")
+    bound, truth = fac.max_abs(), float(jac.abs().max())
+    assert truth * (1 - 1e-12) <= bound
+    assert fac.is_finite()
+
+
+def test_auto_form_keeps_mlp_weights_as_factors_and_long_sequences_as_rows():
+    """``form="auto"`` (the optimisers' default) picks per Linear weight: factors for an MLP (T = 1: the ghost Gram
+    costs M^2 (I + O), rows M I O), rows when T^2 is large against I O (a 4 -> 5 Linear over 40 positions)."""
+    c = mlp_case()
+    fac = ief.per_sample(c.model, c.inputs, c.targets, form="auto").jacobian
+    weights = {i for i, p in enumerate(c.model.parameters()) if p.dim() == 2}
+    assert {i for i, _, _ in fac.ghosts} == weights
+    assert fac.dense.shape[1] == sum(p.numel() for p in c.model.parameters() if p.dim() == 1)  # biases only
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 5).double()
+    x, y = torch.randn(3, 40, 4, dtype=torch.float64), torch.randint(0, 5, (3, 40))
+    fac = ief.per_sample(model, x, y, form="auto").jacobian
+    assert not fac.ghosts and fac.dense.shape[1] == 25
+    assert ief.jacobian._prefer_ghost("auto", 64, 1, 3072, 2048)
+    assert not ief.jacobian._prefer_ghost("auto", 64, 512, 768, 8)
+
+
+class _TiedLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.tanh(self.lin(x)), self.lin.weight)
+
+
+@pytest.mark.parametrize("factored", ["ghost", "rows"])
+def test_factored_guard_catches_a_linear_weight_used_outside_its_module(factored):
+    """The guard without J: ``J^T 1`` from the factors misses the weight's use outside its Linear."""
+    torch.manual_seed(0)
+    model = _TiedLinear().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 4, (5,))
+    with pytest.raises(ief.PerSampleGradientMismatch, match="lin.weight"):
+        ief.per_sample(model, x, y, form=factored)
+
+
+@pytest.mark.parametrize("bad", ["Dense", "factored", None, 1])
+def test_unknown_form_is_refused(bad):
+    c = mlp_case()
+    with pytest.raises(ValueError, match="form must be one of 'dense', 'auto', 'ghost', 'rows'"):
+        ief.per_sample(c.model, c.inputs, c.targets, form=bad)

@@ -25,6 +25,14 @@ from tiny_models import _t5_batch, mlp_case, t5_lora_case, t5_prompt_case
 
 RTOL = 1e-10
 
+# The optimisers' forms of J (default "auto"): every step test below runs with the [M, P] tensor and with the
+# factored Jacobian (nn.Linear weights as factors, "ghost", or as materialised rows, "rows").
+FORMS = ["dense", "ghost", "rows"]
+
+
+@pytest.fixture(params=FORMS)
+def form(request):
+    return request.param
 
 
 def flat(model) -> torch.Tensor:
@@ -46,13 +54,13 @@ def batch_loss(case) -> float:
 
 
 # --------------------------------------------------------------------------------------------- one step = formula
-def test_ief_step_equals_manual_update():
+def test_ief_step_equals_manual_update(form):
     """``alg:iEF``: ``theta_1 = theta_0 - lr * J^T (J J^T + lambda I)^{-1} s``; ``step`` returns ``L(theta_0)``."""
     c = mlp_case()
     r = ief.per_sample(c.model, c.inputs, c.targets)
     d = ief.ief_direction(r.jacobian, r.logit_sqnorm, 1e-3)
     theta0 = flat(c.model)
-    opt = ief.optim.IEF(c.model, lr=0.5, damping=1e-3)
+    opt = ief.optim.IEF(c.model, lr=0.5, damping=1e-3, form=form)
     loss = opt.step(c.inputs, c.targets)
     assert_rel(flat(c.model) - theta0, -0.5 * d, what="update")
     losses, _, _ = oracle.per_sample(mlp_case().model, c.inputs, c.targets)
@@ -61,10 +69,10 @@ def test_ief_step_equals_manual_update():
     assert opt.steps_taken == 1
 
 
-def test_ief_second_step_uses_the_new_parameters():
+def test_ief_second_step_uses_the_new_parameters(form):
     """Two steps: the second direction is computed at ``theta_1`` (the forward is re-run on updated weights)."""
     c = mlp_case()
-    opt = ief.optim.IEF(c.model, lr=0.5, damping=1e-3)
+    opt = ief.optim.IEF(c.model, lr=0.5, damping=1e-3, form=form)
     opt.step(c.inputs, c.targets)
     theta1 = flat(c.model)
     r = ief.per_sample(c.model, c.inputs, c.targets)
@@ -74,14 +82,14 @@ def test_ief_second_step_uses_the_new_parameters():
 
 
 @pytest.mark.parametrize("normalize", [False, True])
-def test_ef_step_equals_manual_update(normalize):
+def test_ef_step_equals_manual_update(normalize, form):
     """``alg:EF``: ``d = J^T (J J^T + lambda I)^{-1} 1``; with ``normalize=True`` the update is ``lr d/||d||``, so
     its norm is exactly ``lr`` (the paper's normalised update, ``sec:app-optimiser``)."""
     c = mlp_case()
     r = ief.per_sample(c.model, c.inputs, c.targets)
     d = ief.ef_direction(r.jacobian, 1e-4)
     theta0 = flat(c.model)
-    opt = ief.optim.EF(c.model, lr=0.05, damping=1e-4, normalize=normalize)
+    opt = ief.optim.EF(c.model, lr=0.05, damping=1e-4, normalize=normalize, form=form)
     opt.step(c.inputs, c.targets)
     expected = -0.05 * (d / d.norm() if normalize else d)
     assert_rel(flat(c.model) - theta0, expected, what="update")
@@ -89,12 +97,12 @@ def test_ef_step_equals_manual_update(normalize):
         assert math.isclose(float((flat(c.model) - theta0).norm()), 0.05, rel_tol=1e-12)
 
 
-def test_ef_linear_decay_schedule():
+def test_ef_linear_decay_schedule(form):
     """``total_steps=T`` with the normalised update: the ``k``-th update (from 0) has norm ``lr (1 - k/T)`` and is
     0 for ``k >= T`` (parameters stop moving)."""
     c = mlp_case()
     lr, total = 0.05, 3
-    opt = ief.optim.EF(c.model, lr=lr, damping=1e-4, total_steps=total)
+    opt = ief.optim.EF(c.model, lr=lr, damping=1e-4, total_steps=total, form=form)
     for k in range(5):
         before = flat(c.model)
         opt.step(c.inputs, c.targets)
@@ -105,10 +113,10 @@ def test_ef_linear_decay_schedule():
     assert opt.steps_taken == 5
 
 
-def test_ief_linear_decay_scales_the_direction():
+def test_ief_linear_decay_scales_the_direction(form):
     """Without normalisation the decay multiplies the iEF direction: update ``k`` is ``-lr (1 - k/T) d_k``."""
     c = mlp_case()
-    opt = ief.optim.IEF(c.model, lr=0.5, damping=1e-3, total_steps=4)
+    opt = ief.optim.IEF(c.model, lr=0.5, damping=1e-3, total_steps=4, form=form)
     opt.step(c.inputs, c.targets)
     r = ief.per_sample(c.model, c.inputs, c.targets)
     d = ief.ief_direction(r.jacobian, r.logit_sqnorm, 1e-3)
@@ -118,14 +126,15 @@ def test_ief_linear_decay_scales_the_direction():
 
 
 @pytest.mark.parametrize("normalize", [False, True])
-def test_sf_steps_equal_manual_computation_with_the_same_generator(normalize):
+def test_sf_steps_equal_manual_computation_with_the_same_generator(normalize, form):
     """``alg:SF``: ``d = (A^T A + lambda I)^{-1} grad L`` with ``A`` the Jacobian at labels drawn by the optimiser's
     generator. A second generator with the same seed reproduces both steps (the optimiser keeps drawing from its
     generator: step 2 uses the continuation of the stream, not a re-seeded one)."""
     c = mlp_case()
     damping, lr = 1e-2, 0.05
     ref_model = copy.deepcopy(c.model)
-    opt = ief.optim.SF(c.model, lr=lr, damping=damping, normalize=normalize, generator=torch.Generator().manual_seed(9))
+    opt = ief.optim.SF(c.model, lr=lr, damping=damping, normalize=normalize, generator=torch.Generator().manual_seed(9),
+                       form=form)
     g_ref = torch.Generator().manual_seed(9)
     for k in range(2):
         grad = ief.per_sample(ref_model, c.inputs, c.targets).gradient
@@ -153,32 +162,32 @@ def test_sf_generator_changes_the_update():
 
 
 # ------------------------------------------------------------------------------------------------- training works
-def test_ief_training_reduces_loss_mlp():
+def test_ief_training_reduces_loss_mlp(form):
     """20 iEF steps (lr 10) on the mlp batch: ``L`` falls by more than 50x (7.8 -> ~0.014)."""
     c = mlp_case()
     start = batch_loss(c)
-    opt = ief.optim.IEF(c.model, lr=10.0)
+    opt = ief.optim.IEF(c.model, lr=10.0, form=form)
     for _ in range(20):
         opt.step(c.inputs, c.targets)
     assert batch_loss(c) < 0.02 * start
 
 
 @pytest.mark.parametrize("cls,lr,damping", [(ief.optim.EF, 0.3, 1e-7), (ief.optim.SF, 0.3, 1e-3)])
-def test_ef_sf_training_reduces_loss_mlp(cls, lr, damping):
+def test_ef_sf_training_reduces_loss_mlp(cls, lr, damping, form):
     """EF and SF with the paper's normalised update (``sec:app-optimiser``): 20 steps more than halve ``L``."""
     c = mlp_case()
     start = batch_loss(c)
-    opt = cls(c.model, lr=lr, damping=damping)
+    opt = cls(c.model, lr=lr, damping=damping, form=form)
     for _ in range(20):
         opt.step(c.inputs, c.targets)
     assert batch_loss(c) < 0.5 * start
 
 
-def test_ief_training_reduces_loss_t5_lora():
+def test_ief_training_reduces_loss_t5_lora(form):
     """20 iEF steps on the t5-lora batch (LoRA r=8 on q/v): ``L`` drops from ~23 to ~11, checked as < 0.7x."""
     c = t5_lora_case()
     start = batch_loss(c)
-    opt = ief.optim.IEF(c.model, lr=1.0)
+    opt = ief.optim.IEF(c.model, lr=1.0, form=form)
     for _ in range(20):
         loss = opt.step(c.inputs, c.targets)
         assert torch.isfinite(loss)
@@ -494,3 +503,25 @@ def test_sf_state_dict_saves_and_restores_the_generator():
     with pytest.raises(ValueError, match="generator=torch.Generator"):
         ief.optim.SF(copy.deepcopy(start)).load_state_dict(saved["opt"])
     assert "generator_state" not in ief.optim.SF(copy.deepcopy(start)).state_dict()  # global RNG: nothing to save
+
+
+def test_default_form_never_forms_the_per_sample_jacobian():
+    """``form="auto"`` (default): on an MLP every Linear weight stays factored, so the only [M, *] buffer the optimiser
+    keeps is the biases' column block; the update equals the dense form's to rounding."""
+    c = mlp_case()
+    dense_model = copy.deepcopy(c.model)
+    opt = ief.optim.IEF(c.model, lr=0.5, damping=1e-3)
+    ref = ief.optim.IEF(dense_model, lr=0.5, damping=1e-3, form="dense")
+    opt.step(c.inputs, c.targets)
+    ref.step(c.inputs, c.targets)
+    biases = sum(p.numel() for p in c.model.parameters() if p.dim() == 1)
+    assert opt._buffer.shape == (c.targets.shape[0], biases)
+    assert ref._buffer.shape == (c.targets.shape[0], sum(p.numel() for p in c.model.parameters()))
+    assert_rel(flat(c.model), flat(dense_model), what="auto vs dense")
+
+
+@pytest.mark.parametrize("bad", ["Dense", "factored", None])
+def test_bad_form_is_refused_by_the_constructor(bad):
+    c = mlp_case()
+    with pytest.raises(ValueError, match="form must be one of"):
+        ief.optim.IEF(c.model, form=bad)

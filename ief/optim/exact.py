@@ -27,6 +27,10 @@ multiplies the step size by ``1 - t/T`` (linear decay to 0). The paper trains EF
 Defaults are the paper's LoRA hyperparameters (T5-base / ViT LoRA): iEF ``lr=100``, EF/SF ``lr=0.01``, damping
 ``1e-7``. For prompt tuning the paper uses damping ``1e-12``, iEF ``lr=50`` and EF/SF ``lr=1``. The learning rate is
 tied to the loss convention ``L = sum_n l_n`` used throughout this package.
+
+Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's
+Gram block and direction come from its layer's inputs and output gradients (see ``ief.per_sample``'s ``form``);
+``form="dense"`` forms ``J`` (reusing one buffer across steps), ``"ghost"`` / ``"rows"`` force one Linear form.
 """
 from __future__ import annotations
 
@@ -36,9 +40,9 @@ from collections.abc import Iterable
 import torch
 
 from ..directions import ef_direction, ief_direction, sf_direction
-from ..jacobian import CHECKS, gradient_and_sampled_jacobian, per_sample
+from ..jacobian import CHECKS, FactoredJacobian, _check_form, gradient_and_sampled_jacobian, per_sample
 from ..losses import Loss, check_damping
-from ..model_call import Inputs, all_finite, resolve_params, split_vector
+from ..model_call import Inputs, all_finite, resolve_params
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -82,6 +86,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         normalize: bool = False,
         total_steps: int | None = None,
         check: bool = True,
+        form: str = "auto",
     ):
         if not isinstance(model, torch.nn.Module):
             raise ValueError(
@@ -90,6 +95,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         damping = check_damping(damping, allow_zero=not self._needs_positive_damping)
         total_steps = _check_total_steps(total_steps)
         check = _check_check(check)
+        self.form = _check_form(form)
         chosen = resolve_params(model, params)
         super().__init__(chosen, dict(lr=lr, damping=damping, normalize=bool(normalize), total_steps=total_steps))
         if len(self.param_groups) != 1:
@@ -137,8 +143,9 @@ class _ExactPreconditioned(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _apply(self, group: dict, direction: torch.Tensor, size: float) -> None:
-        for p, d in zip(group["params"], split_vector(direction, group["params"])):
-            p.add_(d, alpha=-size)
+        # ``step`` has checked the direction (length and finiteness): a plain split, no second P-sized check
+        for p, d in zip(group["params"], torch.split(direction, [p.numel() for p in group["params"]])):
+            p.add_(d.view(p.shape), alpha=-size)
             self.state[p]["step"] = self.state[p].get("step", 0) + 1
 
     def step(self, inputs: Inputs, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -157,7 +164,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
         if not torch.isfinite(losses).all():
             raise FloatingPointError(f"step {number}: non-finite loss {losses.tolist()}; parameters left unchanged")
-        if not torch.isfinite(direction).all():
+        if not all_finite(direction):
             raise FloatingPointError(f"step {number}: non-finite gradients or update; parameters left unchanged")
         norm = float(direction.norm())
         size = self._step_size(group, norm)
@@ -173,17 +180,19 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         return self.check
 
     def _per_sample(self, inputs: Inputs, targets: torch.Tensor, group: dict):
-        result = per_sample(
-            self.model, inputs, targets, group["params"], loss=self.loss, check=self._check_now(), out=self._buffer
-        )
-        self._buffer = result.jacobian  # reused next step (same batch size): no fresh J-sized allocation
+        result = per_sample(self.model, inputs, targets, group["params"], loss=self.loss, check=self._check_now(),
+                            out=self._buffer, form=self.form)
+        # reused next step (same batch size): no fresh allocation of J (or of its materialised column blocks)
+        factored = isinstance(result.jacobian, FactoredJacobian)
+        self._buffer = result.jacobian.dense if factored else result.jacobian
         self._raise_if_nonfinite(result.losses, result.jacobian)
         return result
 
     @staticmethod
-    def _raise_if_nonfinite(losses: torch.Tensor, jacobian: torch.Tensor) -> None:
+    def _raise_if_nonfinite(losses: torch.Tensor, jacobian: torch.Tensor | FactoredJacobian) -> None:
         """Inside ``_direction``: ``step`` adds the step number and "parameters left unchanged" (once)."""
-        if not (all_finite(losses) and all_finite(jacobian)):
+        finite = jacobian.is_finite() if isinstance(jacobian, FactoredJacobian) else all_finite(jacobian)
+        if not (all_finite(losses) and finite):
             raise FloatingPointError("non-finite loss or per-sample gradients")
 
 
@@ -238,10 +247,10 @@ class SF(_ExactPreconditioned):
     def _direction(self, inputs, targets, group):
         losses, grad, sampled = gradient_and_sampled_jacobian(
             self.model, inputs, targets, group["params"], loss=self.loss, generator=self.generator,
-            check=self._check_now(),
+            check=self._check_now(), form=self.form,
         )
         self._raise_if_nonfinite(losses, sampled)
-        if not torch.isfinite(grad).all():
+        if not all_finite(grad):
             raise FloatingPointError("non-finite gradient")
         return losses, sf_direction(sampled, grad, group["damping"])
 

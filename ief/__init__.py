@@ -24,6 +24,7 @@ from . import optim
 from .curvature import FisherOperator, fisher_vp, gamma
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import CGResult, hessian_free
+from .kfac import kfac_direction
 from .jacobian import PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample, sampled_jacobian
 from .peft_support import per_sample_prompts
 
@@ -45,4 +46,5 @@ __all__ = [
     "hessian_free",
     "CGResult",
     "optim",
+    "kfac_direction",
 ]

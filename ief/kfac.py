@@ -83,6 +83,30 @@ def _rows(x: torch.Tensor, m: int, approx: str, reduce_op: str) -> torch.Tensor:
     return x.mean(dim=1) if reduce_op == "mean" else x.sum(dim=1)
 
 
+def _linear_capture(model: torch.nn.Module, params: list[torch.Tensor], names: list[str], kind: str) -> _Capture:
+    """The package's per-sample hooks (:mod:`ief.jacobian`) restricted to the ``nn.Linear`` layers owning
+    ``params``; ``ValueError`` naming any parameter outside them."""
+    capture = _Capture(model, params)
+    linear = [(module, owned) for module, _, owned in capture.modules if type(module) is torch.nn.Linear]
+    covered = {i for _, owned in linear for i in owned.values()}
+    others = [names[i] for i in range(len(params)) if i not in covered]
+    if others:
+        raise ValueError(
+            f"K-FAC ({kind}) is defined for nn.Linear weights and biases only; trainable parameters outside any "
+            f"nn.Linear: {others[:5]}{' ...' if len(others) > 5 else ''}. Pass params= with the linear layers' "
+            "parameters only (and the same params= to ief.gamma)"
+        )
+    capture.modules = [(module, None, owned) for module, owned in linear]
+    return capture
+
+
+def check_linear_only(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] | None = None,
+                      kind: str = "kfac") -> None:
+    """Raise the ``ValueError`` of :func:`kfac_direction` up front if a parameter is not an ``nn.Linear``'s."""
+    params = resolve_params(model, params)
+    _linear_capture(model, params, param_names(model, params), kind)
+
+
 def kronecker_factors(
     model: torch.nn.Module,
     inputs: Inputs,
@@ -106,17 +130,7 @@ def kronecker_factors(
     loss_fn = get_loss(loss)
     params = resolve_params(model, params)
     names = param_names(model, params)
-    capture = _Capture(model, params)
-    linear = [(module, owned) for module, _, owned in capture.modules if type(module) is torch.nn.Linear]
-    covered = {i for _, owned in linear for i in owned.values()}
-    others = [names[i] for i in range(len(params)) if i not in covered]
-    if others:
-        raise ValueError(
-            f"K-FAC ({kind}) is defined for nn.Linear weights and biases only; trainable parameters outside any "
-            f"nn.Linear: {others[:5]}{' ...' if len(others) > 5 else ''}. Pass params= with the linear layers' "
-            "parameters only (and the same params= to ief.gamma)"
-        )
-    capture.modules = [(module, None, owned) for module, owned in linear]
+    capture = _linear_capture(model, params, names, kind)
     forward = ReplayableForward(model, inputs)
     with capture, torch.enable_grad():
         logits = forward()

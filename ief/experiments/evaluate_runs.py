@@ -10,9 +10,9 @@ damping sweep of EF / iEF / SF (:func:`ief.damping_sweep`).
 
 Checkpoints (the contract with the runner): ``checkpoints/stage-PPP.pt`` in the run folder, ``PPP`` the percentage
 of training, each the trainable state (``store.trainable_state``), ``stage-000.pt`` the initial model. Until a run
-has them, its per-epoch checkpoints ``checkpoints/epoch-EEE.pt`` are used (stage ``round(100 E / epochs)``, as the
-paper's one-per-epoch checkpoints) and stage 0 is the initial model rebuilt exactly as the runner builds it
-(``seed_everything(seed)``, data, model); the ``source`` column says which. :func:`stage_checkpoints` reads them.
+has them, its per-epoch checkpoints ``checkpoints/epoch-EEE.pt`` are used (stage ``round(100 E / epochs)``; the
+epoch nearest to each of 25/50/75/100 %, so a 2-epoch run gives only 0/50/100 %) and stage 0 is the initial model
+rebuilt exactly as the runner builds it (``seed_everything(seed)``, data, model); the ``source`` column says which.
 
 Caching: every stage's records go to ``OUT.parts/stage-PPP.csv`` with a fingerprint (checkpoint bytes, job
 parameters, package version) in ``stage-PPP.json``; a stage whose fingerprint matches is not recomputed, so an
@@ -47,6 +47,7 @@ from . import store
 from .runner import run_dir, seed_everything
 from .setups import resolve
 
+STAGES = (0, 25, 50, 75, 100)  # the runner's stage checkpoints (percent of training)
 BASELINE = {"lora": "adamw", "pt": "adafactor", "scratch": "adam"}
 E1_METHODS = ("sgd", "ef", "ief", "sf", "hf")
 BLOCK_METHODS = ("kfac", "ekfac", "iekfac")
@@ -83,12 +84,18 @@ def _checkpoints(run_root: Path, epochs: int) -> dict[int, tuple[str, Path | Non
     stages = reader(run_root)
     if stages:
         return {s: ("stage", p) for s, p in sorted(stages.items())}
-    out: dict[int, tuple[str, Path | None]] = {0: ("initial", None)}
+    by_stage: dict[int, Path] = {}
     for path in sorted((Path(run_root) / "checkpoints").glob("epoch-*.pt")):
         match = _EPOCH.search(path.name)
         if match:
-            out[round(100 * int(match.group(1)) / epochs)] = ("epoch", path)
-    return out
+            by_stage[round(100 * int(match.group(1)) / epochs)] = path
+    # the epoch nearest to each of the runner's stages (25/50/75/100 % of 20 epochs: epochs 5/10/15/20)
+    out: dict[int, tuple[str, Path | None]] = {0: ("initial", None)}
+    for target in STAGES[1:]:
+        if by_stage:
+            nearest = min(by_stage, key=lambda s: (abs(s - target), -s))
+            out[nearest] = ("epoch", by_stage[nearest])
+    return dict(sorted(out.items()))
 
 
 def sweep_stages(stages: Sequence[int]) -> list[int]:

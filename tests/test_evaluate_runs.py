@@ -126,3 +126,17 @@ def test_summary_is_mean_and_sd_over_batches():
     recs = [{"kind": "e1", "setup": "s", "stage": 0, "method": "ef", "ratio": x} for x in (1.0, 3.0)]
     recs.append({"kind": "e1", "setup": "s", "stage": 0, "method": "ef", "ratio": float("inf")})
     assert er.summarise(recs)[("s", 0, "ef")] == {"mean": 2.0, "sd": 1.0, "n": 2}
+
+
+@pytest.mark.slow
+def test_notebook_at_smoke_scale(tmp_path):
+    """notebooks/evaluation.ipynb end to end at smoke scale: trains the three baseline runs, evaluates, plots."""
+    from nbrun import run_notebook
+
+    out = tmp_path / "fig"
+    run_notebook("evaluation.ipynb", tmp_path, scale="smoke", out_dir=str(out))
+    for name in ("sample_gamma", "sample_blockdiag_gamma", "damping_gamma_digits-mlp",
+                 "damping_gamma_tweets-minilm-lora", "damping_gamma_tweets-minilm-pt"):
+        assert (out / f"{name}.png").stat().st_size > 10_000, name
+    records = er.read_records(out / "smoke-tweets-minilm-pt.csv")
+    assert "iekfac" not in {r["method"] for r in records}  # prompt tuning: no K-FAC factors for the prompt

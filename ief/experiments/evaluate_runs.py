@@ -254,3 +254,90 @@ def summarise(records: list[dict[str, Any]], kind: str = "e1") -> dict[tuple, di
         if r["kind"] == kind and r["ratio"] is not None and math.isfinite(r["ratio"]):
             groups.setdefault((r["setup"], r["stage"], r["method"]), []).append(r["ratio"])
     return {k: {"mean": float(np.mean(v)), "sd": float(np.std(v)), "n": len(v)} for k, v in groups.items()}
+
+
+def _stage_means(records: list[dict[str, Any]], setup: str) -> dict[int, dict[str, float]]:
+    """``{stage: {method: mean gamma/gamma_SGD, "imbalance": mean}}`` of a setup's E1 records."""
+    out: dict[int, dict[str, list[float]]] = {}
+    for r in records:
+        if r["setup"] == setup and r["kind"] == "e1" and r["ratio"] is not None and math.isfinite(r["ratio"]):
+            out.setdefault(r["stage"], {}).setdefault(r["method"], []).append(r["ratio"])
+            if r["method"] == "sgd" and r["imbalance"] is not None and math.isfinite(r["imbalance"]):
+                out[r["stage"]].setdefault("imbalance", []).append(r["imbalance"])
+    return {s: {m: float(np.mean(v)) for m, v in d.items()} for s, d in sorted(out.items())}
+
+
+def findings(records: list[dict[str, Any]], near_zero: float = 1e-6) -> dict[str, dict[str, Any]]:
+    """The paper's findings (``sec:eval_exp``, ``sec:exp-damping``, ``sec:app-iEF-eNGDopt``) measured per setup.
+
+    Fractions are over training stages, on the mean over batches of ``gamma / gamma_SGD``:
+
+    - ``ef_worse_than_sgd``: EF/SGD > 1; ``ief_better_than_sgd``: iEF/SGD < 1;
+    - ``ief_sf_ef_order``: gamma_iEF < gamma_SF < gamma_EF; ``ief_best_of_three``: iEF below both;
+    - ``imbalance_growth``: mean imbalance at the last stage / at the first; ``imbalance_ef_correlation`` and
+      ``imbalance_sf_correlation``: Pearson correlation over stages of log imbalance with log EF/SGD (SF/SGD);
+    - E3 (sweep stages): ``ief_near_zero_spread``: the largest, over stages, max/min of iEF's ratio over the
+      dampings <= ``near_zero`` (1: insensitive); ``ef_best_damping`` / ``sf_best_damping``: the damping of the
+      lowest ratio at each sweep stage; ``ief_over_best_sf``: iEF at its smallest damping / SF at its best, per stage;
+      ``ief_over_best_ef``: the same for EF;
+    - block-diagonal: ``iekfac_beats_kfac_and_ekfac``: ieKFAC below both; ``iekfac_over_ief``: median ratio.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for setup in dict.fromkeys(r["setup"] for r in records):
+        means = _stage_means(records, setup)
+        stages = list(means)
+        f: dict[str, Any] = {"stages": stages}
+
+        def frac(pred) -> float | None:
+            usable = [s for s in stages if pred(means[s]) is not None]
+            return float(np.mean([bool(pred(means[s])) for s in usable])) if usable else None
+
+        def need(*ms):
+            return lambda d, ms=ms: None if any(m not in d for m in ms) else True
+
+        f["ef_worse_than_sgd"] = frac(lambda d: None if "ef" not in d else d["ef"] > 1)
+        f["ief_better_than_sgd"] = frac(lambda d: None if "ief" not in d else d["ief"] < 1)
+        f["ief_sf_ef_order"] = frac(lambda d: need("ief", "sf", "ef")(d) and d["ief"] < d["sf"] < d["ef"])
+        f["ief_best_of_three"] = frac(lambda d: need("ief", "sf", "ef")(d) and d["ief"] < min(d["sf"], d["ef"]))
+        imb = [means[s].get("imbalance") for s in stages]
+        f["imbalance_growth"] = imb[-1] / imb[0] if imb and imb[0] and imb[-1] else None
+        for m in ("ef", "sf"):
+            pairs = [(math.log(means[s]["imbalance"]), math.log(means[s][m])) for s in stages
+                     if means[s].get("imbalance") and means[s].get(m)]
+            f[f"imbalance_{m}_correlation"] = (float(np.corrcoef(np.array(pairs).T)[0, 1])
+                                               if len(pairs) >= 3 else None)
+        f["iekfac_beats_kfac_and_ekfac"] = frac(
+            lambda d: need("iekfac", "kfac", "ekfac")(d) and d["iekfac"] < min(d["kfac"], d["ekfac"]))
+        ratios = [means[s]["iekfac"] / means[s]["ief"] for s in stages if "iekfac" in means[s] and "ief" in means[s]]
+        f["iekfac_over_ief"] = float(np.median(ratios)) if ratios else None
+        sweep: dict[tuple[int, str, float], list[float]] = {}
+        for r in records:
+            if r["setup"] == setup and r["kind"] == "sweep" and r["damping"] is not None and r["ratio"] is not None \
+                    and math.isfinite(r["ratio"]):
+                sweep.setdefault((r["stage"], r["method"], r["damping"]), []).append(r["ratio"])
+        curve = {k: float(np.mean(v)) for k, v in sweep.items()}
+        sweep_stages_ = sorted({k[0] for k in curve})
+        f["sweep_stages"] = sweep_stages_
+        spreads, best, vs_sf, vs_ef = [], {"ef": [], "sf": []}, [], []
+        for s in sweep_stages_:
+            ief = {lam: v for (st, m, lam), v in curve.items() if st == s and m == "ief"}
+            small = [v for lam, v in ief.items() if lam <= near_zero]
+            if small:
+                spreads.append(max(small) / min(small))
+            for m in ("ef", "sf"):
+                pts = {lam: v for (st, mm, lam), v in curve.items() if st == s and mm == m}
+                if pts:
+                    best[m].append(min(pts, key=pts.get))
+            if ief:
+                lowest = ief[min(ief)]
+                sf_pts = [v for (st, m, _), v in curve.items() if st == s and m == "sf"]
+                ef_pts = [v for (st, m, _), v in curve.items() if st == s and m == "ef"]
+                vs_sf.append(lowest / min(sf_pts) if sf_pts else None)
+                vs_ef.append(lowest / min(ef_pts) if ef_pts else None)
+        f["ief_near_zero_spread"] = max(spreads) if spreads else None
+        f["ef_best_damping"] = best["ef"]
+        f["sf_best_damping"] = best["sf"]
+        f["ief_over_best_sf"] = vs_sf
+        f["ief_over_best_ef"] = vs_ef
+        out[setup] = f
+    return out

@@ -165,7 +165,7 @@ def kronecker_factors(
 
     blocks = []
     for k, (module, _, owned) in enumerate(capture.modules):
-        a_sum, g_sum, rows = None, None, 0
+        a_sum, g_sum = None, None
         for x, g in capture.records[k]:
             a = _rows(x, m, approx, "mean")
             if "bias" in owned:
@@ -182,7 +182,6 @@ def kronecker_factors(
                 gr = gr * weights.repeat_interleave(gr.shape[0] // m).sqrt().unsqueeze(1)
             g_cov = gr.T @ gr
             g_sum = g_cov if g_sum is None else g_sum + g_cov
-            rows += 1
         out_features = module.out_features
         if a_sum is None:
             continue

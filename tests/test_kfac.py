@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from curvlinops import KFACLinearOperator
 
@@ -257,3 +259,57 @@ def test_bad_arguments(kind, damping, approx, match):
     case = mlp_case()
     with pytest.raises(ValueError, match=match):
         ief.kfac_direction(case.model, case.inputs, case.targets, kind, damping, approx=approx)
+
+
+class EncoderClassifier(torch.nn.Module):
+    """torch's own TransformerEncoderLayer (dropout on, in eval mode) + a mean-pooled linear head: one loss per
+    sequence, where K-FAC "reduce" is the natural approximation and "expand" the default."""
+
+    def __init__(self, dim=8, classes=3):
+        super().__init__()
+        self.layer = torch.nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=12, batch_first=True)
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(dim=1))
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_torch_transformer_layer_against_curvlinops(approx):
+    """The attention's raw in_proj_weight is not a linear layer's: params= restricts K-FAC to the nn.Linear ones
+    (feed-forward and head); curvlinops agrees on those blocks."""
+    torch.manual_seed(4)
+    model = EncoderClassifier().eval()
+    x, y = torch.randn(5, 4, 8), torch.randint(0, 3, (5,))
+    with pytest.raises(ValueError, match="in_proj_weight"):
+        ief.kfac_direction(model, x, y, "ekfac", 1e-3)
+    params = [*model.layer.linear1.parameters(), *model.layer.linear2.parameters(), *model.head.parameters()]
+    blocks, _, _ = kronecker_factors(model, x, y, "iekfac", params, approx=approx)
+    blocks_e, _, _ = kronecker_factors(model, x, y, "ekfac", params, approx=approx)
+    ref = _curvlinops_dense(model, params, x, y, "empirical", approx)
+    torch.testing.assert_close(_dense_ours(blocks_e, params), ref, rtol=1e-10, atol=1e-12)
+    assert [b.name for b in blocks] == ["layer.linear1", "layer.linear2", "head"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 7), hidden=st.integers(1, 6), damping=st.sampled_from([0.0, 1e-6, 1e-2, 10.0]),
+       kind=st.sampled_from(["ekfac", "iekfac"]), bias=st.booleans())
+def test_property_direction_is_damped_solve_of_the_blocks(m, hidden, damping, kind, bias):
+    """Any batch size (rank-deficient factors included), width, damping and bias setting: the direction is
+    (G (x) A + lambda I)^+ grad per block, finite, in parameter order."""
+    gen = torch.Generator().manual_seed(m * 100 + hidden)
+    model = torch.nn.Sequential(torch.nn.Linear(3, hidden, bias=bias), torch.nn.Tanh(), torch.nn.Linear(hidden, 2))
+    model = model.double()
+    x = torch.randn(m, 3, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 2, (m,), generator=gen)
+    params = list(model.parameters())
+    d = ief.kfac_direction(model, x, y, kind, damping)
+    assert d.shape == (sum(p.numel() for p in params),) and torch.isfinite(d).all()
+    blocks, grad, _ = kronecker_factors(model, x, y, kind)
+    dense = _dense_ours(blocks, params)
+    if damping > 0:
+        expected = torch.linalg.solve(dense + damping * torch.eye(len(grad)), grad)
+        torch.testing.assert_close(d, expected, rtol=1e-6, atol=1e-9)
+    else:  # pseudo-inverse: d solves the normal equations on the range of the block matrix
+        torch.testing.assert_close(dense @ d, dense @ torch.linalg.pinv(dense, hermitian=True) @ grad,
+                                   rtol=1e-5, atol=1e-8)

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .jacobian import _Capture
 from .losses import Loss, check_damping, get_loss, logit_sqnorm
 from .model_call import Inputs, ReplayableForward, batch_size, param_names, resolve_params
 
@@ -83,28 +82,67 @@ def _rows(x: torch.Tensor, m: int, approx: str, reduce_op: str) -> torch.Tensor:
     return x.mean(dim=1) if reduce_op == "mean" else x.sum(dim=1)
 
 
-def _linear_capture(model: torch.nn.Module, params: list[torch.Tensor], names: list[str], kind: str) -> _Capture:
-    """The package's per-sample hooks (:mod:`ief.jacobian`) restricted to the ``nn.Linear`` layers owning
-    ``params``; ``ValueError`` naming any parameter outside them."""
-    capture = _Capture(model, params)
-    linear = [(module, owned) for module, _, owned in capture.modules if type(module) is torch.nn.Linear]
-    covered = {i for _, owned in linear for i in owned.values()}
-    others = [names[i] for i in range(len(params)) if i not in covered]
-    if others:
-        raise ValueError(
-            f"K-FAC ({kind}) is defined for nn.Linear weights and biases only; trainable parameters outside any "
-            f"nn.Linear: {others[:5]}{' ...' if len(others) > 5 else ''}. Pass params= with the linear layers' "
-            "parameters only (and the same params= to ief.gamma)"
-        )
-    capture.modules = [(module, None, owned) for module, owned in linear]
-    return capture
+class _LinearHooks:
+    """Forward hooks on the ``nn.Linear`` layers owning ``params``: every call's input and the gradient that flows
+    back into its output (the same idea as the per-sample hooks of :mod:`ief.jacobian`, kept separate here because
+    K-FAC needs the raw rows, not per-sample products). ``records[k]``: ``[[input, output grad], ...]`` per call."""
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.Tensor], names: list[str], kind: str):
+        index = {id(p): i for i, p in enumerate(params)}
+        self.modules: list[tuple[torch.nn.Module, dict[str, int]]] = []
+        covered: set[int] = set()
+        for module in model.modules():
+            if type(module) is not torch.nn.Linear:
+                continue
+            owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=False) if id(p) in index}
+            if owned and not (set(owned.values()) & covered):
+                self.modules.append((module, owned))
+                covered.update(owned.values())
+        others = [names[i] for i in range(len(params)) if i not in covered]
+        if others:
+            raise ValueError(
+                f"K-FAC ({kind}) is defined for nn.Linear weights and biases only; trainable parameters outside any "
+                f"nn.Linear: {others[:5]}{' ...' if len(others) > 5 else ''}. Pass params= with the linear layers' "
+                "parameters only (and the same params= to ief.gamma)"
+            )
+        self.records: dict[int, list] = {k: [] for k in range(len(self.modules))}
+        self.handles: list = []
+
+    def __enter__(self) -> "_LinearHooks":
+        for k, (module, _) in enumerate(self.modules):
+            self.handles.append(module.register_forward_hook(self._hook(k)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _hook(self, k: int):
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            record = [args[0].detach(), None]
+            self.records[k].append(record)
+
+            def keep_grad(grad):
+                record[1] = grad if record[1] is None else record[1] + grad
+
+            output.register_hook(keep_grad)
+
+        return hook
+
+    def clear_grads(self) -> None:
+        for calls in self.records.values():
+            for rec in calls:
+                rec[1] = None
 
 
 def check_linear_only(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] | None = None,
                       kind: str = "kfac") -> None:
     """Raise the ``ValueError`` of :func:`kfac_direction` up front if a parameter is not an ``nn.Linear``'s."""
     params = resolve_params(model, params)
-    _linear_capture(model, params, param_names(model, params), kind)
+    _LinearHooks(model, params, param_names(model, params), kind)
 
 
 def kronecker_factors(
@@ -130,14 +168,14 @@ def kronecker_factors(
     loss_fn = get_loss(loss)
     params = resolve_params(model, params)
     names = param_names(model, params)
-    capture = _linear_capture(model, params, names, kind)
+    capture = _LinearHooks(model, params, names, kind)
     forward = ReplayableForward(model, inputs)
     with capture, torch.enable_grad():
         logits = forward()
     loss_fn.check(logits, targets)
     m = batch_size(logits)
     module_names = {id(mod): n for n, mod in model.named_modules()}
-    for k, (module, _, _) in enumerate(capture.modules):
+    for k, (module, _) in enumerate(capture.modules):
         shapes = {tuple(rec[0].shape) for rec in capture.records[k]}
         if any(len(s) < 2 or s[0] != m for s in shapes):
             raise ValueError(
@@ -164,7 +202,7 @@ def kronecker_factors(
         weights = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
 
     blocks = []
-    for k, (module, _, owned) in enumerate(capture.modules):
+    for k, (module, owned) in enumerate(capture.modules):
         a_sum, g_sum = None, None
         for x, g in capture.records[k]:
             a = _rows(x, m, approx, "mean")

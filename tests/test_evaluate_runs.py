@@ -25,8 +25,17 @@ def _run_root(runs):
     return run_dir(runs, SCALE, SETUP, "adam", 0)
 
 
+def _copy_without_stage_files(runs, dest):
+    """A copy of the runs as a runner without stage checkpoints leaves them (epoch checkpoints only)."""
+    shutil.copytree(runs, dest)
+    for path in (_run_root(dest) / "checkpoints").glob("stage-*.pt"):
+        path.unlink()
+    return dest
+
+
 def test_epoch_checkpoints_and_rebuilt_initial_model(runs, tmp_path):
-    out = er.evaluate_run(SETUP, SCALE, 0, runs, tmp_path / "e.csv", batches=2, progress=False)
+    root = _copy_without_stage_files(runs, tmp_path / "copy")
+    out = er.evaluate_run(SETUP, SCALE, 0, root, tmp_path / "e.csv", batches=2, progress=False)
     records = er.read_records(out)
     assert {(r["stage"], r["source"]) for r in records} == {(0, "initial"), (50, "epoch"), (100, "epoch")}
     e1 = [r for r in records if r["kind"] == "e1"]
@@ -43,8 +52,7 @@ def test_epoch_checkpoints_and_rebuilt_initial_model(runs, tmp_path):
 
 def test_stage_files_are_preferred_and_stage_zero_is_the_runs_initial_model(runs, tmp_path):
     src = _run_root(runs)
-    root = tmp_path / "copy"
-    shutil.copytree(runs, root)
+    root = _copy_without_stage_files(runs, tmp_path / "copy")
     run = _run_root(root)
     rebuilt = er.evaluate_run(SETUP, SCALE, 0, root, tmp_path / "a.csv", batches=1, sweep=False, progress=False)
     # the runner's contract: stage-PPP.pt with the trainable state; stage-000 the initial model
@@ -70,8 +78,7 @@ def test_stage_files_are_preferred_and_stage_zero_is_the_runs_initial_model(runs
 
 
 def test_cached_resumable_and_recomputes_only_what_changed(runs, tmp_path, monkeypatch):
-    root = tmp_path / "copy"
-    shutil.copytree(runs, root)
+    root = _copy_without_stage_files(runs, tmp_path / "copy")
     out = tmp_path / "c.csv"
     er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
     first = out.read_text()

@@ -54,9 +54,9 @@ BLOCK_METHODS = ("kfac", "ekfac", "iekfac")
 DAMPING_CONVENTION = "ief"  # dampings are stored in the sum-loss convention; see the module docstring
 SWEEP_DAMPINGS = tuple(float(x) for x in np.logspace(-10, 2, 13))
 # batches per stage, by scale (the paper: 100 batches of M = 160 at every checkpoint)
-DEFAULT_BATCHES = {"full": 100, "cpu": 8, "smoke": 2}
+DEFAULT_BATCHES = {"full": 100, "cpu": 4, "smoke": 2}
 DEFAULT_BATCH_SIZE = {"full": 160}  # cpu / smoke: the setup's training batch size
-DEFAULT_CG_ITERATIONS = {"full": 50, "cpu": 20, "smoke": 10}
+DEFAULT_CG_ITERATIONS = {"full": 50, "cpu": 10, "smoke": 10}
 COLUMNS = ("setup", "scale", "seed", "optimizer", "stage", "source", "kind", "batch", "method", "damping", "gamma",
            "ratio", "imbalance", "target_tokens")
 _STAGE = re.compile(r"stage-(\d{3})\.pt$")

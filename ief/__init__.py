@@ -28,6 +28,9 @@ from . import optim
 from .curvature import FisherOperator, ForwardModeUnsupported, fisher_vp, gamma
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import CGResult, hessian_free
+from .damping_sweep import damping_sweep
+from .evaluation import METHODS, evaluate
+from .kfac import kfac_direction
 from .jacobian import PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample, sampled_jacobian
 from .peft_support import per_sample_prompts
 
@@ -50,4 +53,8 @@ __all__ = [
     "hessian_free",
     "CGResult",
     "optim",
+    "kfac_direction",
+    "evaluate",
+    "METHODS",
+    "damping_sweep",
 ]

@@ -40,6 +40,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train one run (resumes an interrupted one, skips a finished one)")
     r = sub.add_parser("search", help="learning-rate search over the paper's grids, chosen on validation")
     sub.add_parser("list", help="list the setups, their scales and the optimisers")
+    _add_evaluate_parser(sub)
     for q in (d, t, r):
         q.add_argument("--setup", required=True, metavar="S", help="one of: " + ", ".join(SETUPS))
         q.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
@@ -71,8 +72,36 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_evaluate_parser(sub: Any) -> None:
+    """``python -m ief evaluate``: E1 / block-diagonal / E3 records of a setup's baseline run (ief.experiments.evaluate_runs)."""
+    e = sub.add_parser("evaluate", help="gamma indicators (alg:eval) of the baseline run's checkpoints, to a CSV")
+    e.add_argument("--setup", required=True, metavar="S")
+    e.add_argument("--scale", required=True, metavar="X")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--runs", default="runs", metavar="RUNS_DIR", help="where the runs are (python -m ief train --out)")
+    e.add_argument("--out", required=True, metavar="OUT.csv")
+    e.add_argument("--batches", type=int, default=None, metavar="N", help="batches per checkpoint (default by scale)")
+    e.add_argument("--batch-size", type=int, default=None, metavar="M", help="default: 160 at full, else the setup's")
+    e.add_argument("--no-sweep", action="store_true", help="skip the E3 damping sweep")
+
+
+def _evaluate_command(args: argparse.Namespace) -> int:
+    from .experiments.evaluate_runs import evaluate_run
+
+    try:
+        path = evaluate_run(args.setup, args.scale, args.seed, args.runs, args.out, batches=args.batches,
+                            batch_size=args.batch_size, sweep=not args.no_sweep)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ValueError) else 1
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "evaluate":
+        return _evaluate_command(args)
     from .experiments import (MissingResource, RunInterrupted, describe, format_describe, resolve, scales_of, train)
     from .experiments.runner import RunLocked
     from .experiments.setups import OPTIMIZERS, SETUPS

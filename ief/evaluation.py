@@ -1,0 +1,163 @@
+"""The paper's evaluation framework as a function (``alg:eval``, ``sec:eval_framework``, ``sec:app-imp_eval_framework``).
+
+For every batch: the batch gradient (the SGD direction), the direction of every requested method, and its exact
+indicator ``gamma(d) = sqrt(d^T F d) / |d^T grad L|`` (:func:`ief.gamma`: one forward-mode pass, no ``P x P``
+matrix). The ratio ``gamma / gamma_SGD`` is the paper's "relative approximation quality w.r.t. SGD" (below 1: better
+than SGD). Every record also carries the batch's *gradient-norm imbalance*, ``max_n ||grad l_n|| / min_n ||grad
+l_n||`` over the per-sample gradients (the fourth plot of ``fig:sample_gamma``; ``inf`` when a sample has a zero
+gradient).
+
+Methods (``METHODS``): ``sgd`` (``grad L``), ``ef`` / ``ief`` / ``sf`` (exact Woodbury directions, ``eqn:EF_lsq``,
+``eqn:iEF_lsq``, ``eqn:SF-smw``), ``kfac`` / ``ekfac`` / ``iekfac`` (block-diagonal, :func:`ief.kfac_direction`,
+``sec:app-iEF-eNGDopt``) and ``hf``: Hessian-free, ``cg_iterations`` conjugate-gradient steps on ``F x = grad L``
+(:func:`ief.hessian_free`), the reference closest to the natural gradient (CG minimises ``gamma`` step by step,
+``sec:app-CG-gamma``).
+
+Damping is in the package's convention (sum loss ``L = sum_n l_n``): one float for every method, or a dict per
+method. SF needs ``damping > 0``. Randomness (SF's and KFAC's sampled labels) comes from a generator seeded with
+``(seed, batch index)``, so a record is reproducible on its own. The model is used in the mode it is in; with
+dropout active every call draws its own masks, so evaluate in ``eval()`` mode unless that is what you study.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .curvature import gamma
+from .directions import ef_direction, ief_direction, sf_direction
+from .hessian_free import hessian_free
+from .jacobian import per_sample, sampled_jacobian
+from .kfac import check_linear_only, kfac_direction
+from .losses import Loss, check_damping
+from .model_call import Inputs, resolve_params
+
+METHODS = ("sgd", "ef", "ief", "sf", "kfac", "ekfac", "iekfac", "hf")
+
+
+def imbalance(jacobian: torch.Tensor) -> float:
+    """``max_n ||J_n|| / min_n ||J_n||``: the per-sample gradient-norm imbalance of a batch (``fig:sample_gamma``)."""
+    norms = jacobian.to(torch.float64).norm(dim=1)
+    low, high = float(norms.min()), float(norms.max())
+    if low == 0.0:
+        return math.inf if high > 0 else 1.0
+    return high / low
+
+
+def _check_methods(methods: Sequence[str]) -> list[str]:
+    if isinstance(methods, str):
+        methods = [methods]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise ValueError(f"unknown method(s) {bad or methods!r}; accepted: {', '.join(METHODS)}")
+    return list(dict.fromkeys(methods))
+
+
+def _dampings(methods: Sequence[str], damping: float | Mapping[str, float]) -> dict[str, float]:
+    if isinstance(damping, Mapping):
+        missing = [m for m in methods if m not in ("sgd", "hf") and m not in damping]
+        if missing:
+            raise ValueError(f"damping has no value for method(s) {missing}; give one per method or a single float")
+        out = {m: check_damping(damping[m]) for m in methods if m in damping}
+    else:
+        value = check_damping(damping)
+        out = {m: value for m in methods}
+    if "sf" in methods and out.get("sf", 0.0) == 0.0:
+        raise ValueError("the SF direction (eqn:SF-smw) divides by the damping: give sf a damping > 0")
+    return out
+
+
+def batch_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of batch ``index``: SF's and KFAC's label draws, reproducible per record."""
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(index))
+
+
+def directions(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    methods: Sequence[str],
+    damping: float | Mapping[str, float],
+    *,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    loss: str | Loss = "cross_entropy",
+    cg_iterations: int = 50,
+    generator: torch.Generator | None = None,
+) -> tuple[dict[str, torch.Tensor], float]:
+    """``({method: direction [P]}, imbalance)`` for one batch (one per-sample backward shared by sgd/ef/ief/sf).
+
+    SF and KFAC each start from ``generator``'s state at the call, so they draw the same labels: KFAC is then the
+    block-diagonal K-FAC of the very sampled Fisher that SF inverts.
+    """
+    methods = _check_methods(methods)
+    start = (generator if generator is not None else torch.Generator().manual_seed(0)).get_state()
+
+    def fresh() -> torch.Generator:
+        g = torch.Generator()
+        g.set_state(start)
+        return g
+
+    lam = _dampings(methods, damping)
+    params = resolve_params(model, params)
+    for m in methods:
+        if m in ("kfac", "ekfac", "iekfac"):
+            check_linear_only(model, params, m)  # before any expensive pass
+    ps = per_sample(model, inputs, targets, params, loss=loss)
+    out: dict[str, torch.Tensor] = {}
+    for m in methods:
+        if m == "sgd":
+            out[m] = ps.gradient
+        elif m == "ef":
+            out[m] = ef_direction(ps.jacobian, lam[m])
+        elif m == "ief":
+            out[m] = ief_direction(ps.jacobian, ps.logit_sqnorm, lam[m])
+        elif m == "sf":
+            sampled = sampled_jacobian(model, inputs, targets, fresh(), params, loss=loss)
+            out[m] = sf_direction(sampled, ps.gradient, lam[m])
+        elif m in ("kfac", "ekfac", "iekfac"):
+            out[m] = kfac_direction(model, inputs, targets, m, lam[m], params, fresh(), loss=loss)
+        else:  # hf
+            out[m] = hessian_free(model, inputs, targets, cg_iterations, params, loss=loss)
+    return out, imbalance(ps.jacobian)
+
+
+def evaluate(
+    model: torch.nn.Module,
+    batches: Iterable[tuple[Inputs, torch.Tensor]],
+    methods: Sequence[str] = METHODS,
+    damping: float | Mapping[str, float] = 1e-7,
+    *,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    loss: str | Loss = "cross_entropy",
+    cg_iterations: int = 50,
+    seed: int = 0,
+    extra: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """``alg:eval`` over ``batches`` of ``(inputs, targets)``: one tidy record per (batch, method).
+
+    Each record: ``batch`` (its index), ``method``, ``damping`` (``None`` for sgd and hf), ``gamma``, ``ratio``
+    (``gamma / gamma_SGD`` of the same batch), ``imbalance`` (the batch's), plus the keys of ``extra`` (e.g. the
+    checkpoint's training stage). ``sgd`` is always evaluated (the ratios need it) and recorded.
+    """
+    methods = _check_methods(methods)
+    if "sgd" not in methods:
+        methods = ["sgd", *methods]
+    lam = _dampings(methods, damping)
+    params = resolve_params(model, params)
+    for m in methods:
+        if m in ("kfac", "ekfac", "iekfac"):
+            check_linear_only(model, params, m)  # fail before the first batch, not after hours
+    records: list[dict[str, Any]] = []
+    for b, (inputs, targets) in enumerate(batches):
+        dirs, imb = directions(model, inputs, targets, methods, lam, params=params, loss=loss,
+                               cg_iterations=cg_iterations, generator=batch_generator(seed, b))
+        gammas = {m: gamma(model, inputs, targets, d, params, loss=loss) if bool(d.ne(0).any()) else math.nan
+                  for m, d in dirs.items()}
+        for m in methods:
+            records.append({
+                **(extra or {}), "batch": b, "method": m, "damping": None if m in ("sgd", "hf") else lam[m],
+                "gamma": gammas[m], "ratio": gammas[m] / gammas["sgd"], "imbalance": imb,
+            })
+    return records

@@ -1,0 +1,343 @@
+"""Evaluation jobs: E1 (``fig:sample_gamma``), the block-diagonal study (``fig:sample_blockdiag_gamma``) and E3
+(``fig:damping_gamma_*``) on the checkpoints of a setup's baseline run, as tidy CSV records.
+
+The paper evaluates the checkpoints of its baseline optimiser's runs (``sec:eval_exp``): AdamW for LoRA, Adafactor
+for prompt tuning, Adam for the MLP (:data:`BASELINE`). For every training stage (0 % = the initial model ... 100 % =
+the last checkpoint) the job draws ``batches`` fixed batches of ``batch_size`` training examples (the same batches at
+every stage) and records, per batch and method, ``gamma``, ``gamma / gamma_SGD`` and the batch's gradient-norm
+imbalance (:func:`ief.evaluate`). At the first checkpoint after initialisation, the middle and the last one it adds a
+damping sweep of EF / iEF / SF (:func:`ief.damping_sweep`).
+
+Checkpoints (the contract with the runner): ``checkpoints/stage-PPP.pt`` in the run folder, ``PPP`` the percentage
+of training, each the trainable state (``store.trainable_state``), ``stage-000.pt`` the initial model. Until a run
+has them, its per-epoch checkpoints ``checkpoints/epoch-EEE.pt`` are used (stage ``round(100 E / epochs)``; the
+epoch nearest to each of 25/50/75/100 %, so a 2-epoch run gives only 0/50/100 %) and stage 0 is the initial model
+rebuilt exactly as the runner builds it (``seed_everything(seed)``, data, model); the ``source`` column says which.
+
+Caching: every stage's records go to ``OUT.parts/stage-PPP.csv`` with a fingerprint (checkpoint bytes, job
+parameters, package version) in ``stage-PPP.json``; a stage whose fingerprint matches is not recomputed, so an
+interrupted job resumes at the stage it was in and a finished one is skipped. ``OUT`` is written atomically, last.
+
+Damping (the axis-conversion point, :data:`DAMPING_CONVENTION`): every damping here is in the package's convention,
+the sum loss ``L = sum_n l_n``. The paper's code uses the mean over the batch's ``K`` target tokens, so
+``lambda_paper = lambda_ief / K^2``; each record carries ``target_tokens`` = ``K`` so the conversion can be applied
+when plotting (:func:`ief.plots.evaluation.damping_axis`).
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import math
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import __version__
+from ..damping_sweep import damping_sweep
+from ..evaluation import batch_generator, evaluate
+from ..kfac import check_linear_only
+from . import store
+from .runner import run_dir, seed_everything
+from .setups import resolve
+
+STAGES = (0, 25, 50, 75, 100)  # the runner's stage checkpoints (percent of training)
+BASELINE = {"lora": "adamw", "pt": "adafactor", "scratch": "adam"}
+E1_METHODS = ("sgd", "ef", "ief", "sf", "hf")
+BLOCK_METHODS = ("kfac", "ekfac", "iekfac")
+DAMPING_CONVENTION = "ief"  # dampings are stored in the sum-loss convention; see the module docstring
+SWEEP_DAMPINGS = tuple(float(x) for x in np.logspace(-10, 2, 13))
+# batches per stage, by scale (the paper: 100 batches of M = 160 at every checkpoint)
+DEFAULT_BATCHES = {"full": 100, "cpu": 4, "smoke": 2}
+DEFAULT_BATCH_SIZE = {"full": 160}  # cpu / smoke: the setup's training batch size
+DEFAULT_CG_ITERATIONS = {"full": 50, "cpu": 10, "smoke": 10}
+COLUMNS = ("setup", "scale", "seed", "optimizer", "stage", "source", "kind", "batch", "method", "damping", "gamma",
+           "ratio", "imbalance", "target_tokens")
+_STAGE = re.compile(r"stage-(\d{3})\.pt$")
+_EPOCH = re.compile(r"epoch-(\d{3})\.pt$")
+
+
+def baseline_optimizer(setup: str, scale: str) -> str:
+    """The baseline optimiser whose checkpoints the paper evaluates: AdamW (LoRA), Adafactor (PT), Adam (MLP)."""
+    return BASELINE[resolve(setup, scale).method]
+
+
+def stage_checkpoints(run_root: Path) -> dict[int, Path]:
+    """``{stage percentage: checkpoint}`` of ``checkpoints/stage-PPP.pt`` (the runner's stage checkpoints)."""
+    found = {}
+    for path in sorted((Path(run_root) / "checkpoints").glob("stage-*.pt")):
+        match = _STAGE.search(path.name)
+        if match:
+            found[int(match.group(1))] = path
+    return found
+
+
+def _checkpoints(run_root: Path, epochs: int) -> dict[int, tuple[str, Path | None]]:
+    """``{stage: (source, path)}``: stage files if present, else epoch checkpoints + the rebuilt initial model."""
+    reader = getattr(store, "stage_checkpoints", stage_checkpoints)
+    stages = reader(run_root)
+    if stages:
+        return {s: ("stage", p) for s, p in sorted(stages.items())}
+    by_stage: dict[int, Path] = {}
+    for path in sorted((Path(run_root) / "checkpoints").glob("epoch-*.pt")):
+        match = _EPOCH.search(path.name)
+        if match:
+            by_stage[round(100 * int(match.group(1)) / epochs)] = path
+    # the epoch nearest to each of the runner's stages (25/50/75/100 % of 20 epochs: epochs 5/10/15/20)
+    out: dict[int, tuple[str, Path | None]] = {0: ("initial", None)}
+    for target in STAGES[1:]:
+        if by_stage:
+            nearest = min(by_stage, key=lambda s: (abs(s - target), -s))
+            out[nearest] = ("epoch", by_stage[nearest])
+    return dict(sorted(out.items()))
+
+
+def sweep_stages(stages: Sequence[int]) -> list[int]:
+    """E3's first, middle and last checkpoint: the first after initialisation, the middle one and the last."""
+    trained = [s for s in sorted(stages) if s > 0] or sorted(stages)
+    picks = [trained[0], trained[(len(trained) - 1) // 2], trained[-1]]
+    return sorted(set(picks))
+
+
+def _fingerprint(path: Path | None, params: dict[str, Any]) -> str:
+    h = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
+    if path is not None:
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()
+
+
+def _csv_text(records: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for r in records:
+        writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in COLUMNS})
+    return buf.getvalue()
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """A job's CSV back as records (numbers as floats/ints, empty cells as ``None``)."""
+    out = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            rec: dict[str, Any] = {}
+            for k, v in row.items():
+                if v == "":
+                    rec[k] = None
+                elif k in ("seed", "stage", "batch", "target_tokens"):
+                    rec[k] = int(v)
+                elif k in ("damping", "gamma", "ratio", "imbalance"):
+                    rec[k] = float(v)
+                else:
+                    rec[k] = v
+            out.append(rec)
+    return out
+
+
+def _target_tokens(targets: torch.Tensor) -> int:
+    return int((targets != -100).sum()) if not targets.dtype.is_floating_point else int(targets[..., 0].numel())
+
+
+def evaluate_run(
+    setup: str,
+    scale: str,
+    seed: int,
+    runs_dir: str | Path,
+    out: str | Path,
+    *,
+    batches: int | None = None,
+    batch_size: int | None = None,
+    damping: float | None = None,
+    sweep_dampings: Sequence[float] = SWEEP_DAMPINGS,
+    cg_iterations: int | None = None,
+    sweep: bool = True,
+    progress: bool = True,
+) -> Path:
+    """Evaluate the baseline run of ``setup`` at every stage and write ``out`` (CSV); returns its path.
+
+    ``damping`` (default: the setup's iEF damping, the paper's near-zero value) is used by every method of E1 and
+    the block-diagonal study. The block-diagonal methods run when every trainable parameter belongs to an
+    ``nn.Linear`` (LoRA, MLP); for prompt tuning they are left out, with a note on stderr.
+    """
+    cfg = resolve(setup, scale)
+    optimizer = BASELINE[cfg.method]
+    root = run_dir(runs_dir, scale, setup, optimizer, seed)
+    if not (root / "config.json").exists():
+        raise FileNotFoundError(f"no {optimizer} run of {setup} [{scale}] seed {seed} under {runs_dir} ({root}); "
+                                f"train it first: python -m ief train --setup {setup} --scale {scale} "
+                                f"--optimizer {optimizer} --seed {seed} --out {runs_dir}")
+    n_batches = batches if batches is not None else DEFAULT_BATCHES[scale]
+    m = batch_size if batch_size is not None else DEFAULT_BATCH_SIZE.get(scale, cfg.batch_size)
+    if n_batches < 1 or m < 1:
+        raise ValueError(f"batches and batch_size must be >= 1, got {n_batches} and {m}")
+    lam = float(damping if damping is not None else cfg.optimizers["ief"].damping)
+    cg = cg_iterations if cg_iterations is not None else DEFAULT_CG_ITERATIONS[scale]
+    stages = _checkpoints(root, cfg.epochs)
+    if len(stages) < 2:
+        raise FileNotFoundError(f"{root} has no checkpoints (checkpoints/stage-*.pt or epoch-*.pt): is it trained?")
+    out = Path(out)
+    parts = out.with_name(out.name + ".parts")
+    params = {"setup": setup, "scale": scale, "seed": seed, "batches": n_batches, "batch_size": m, "damping": lam,
+              "sweep_dampings": list(sweep_dampings) if sweep else None, "cg": cg, "version": __version__}
+    sweep_at = sweep_stages(list(stages)) if sweep else []
+    prints = {s: _fingerprint(p, {**params, "stage": s, "source": src, "sweep": s in sweep_at})
+              for s, (src, p) in stages.items()}
+    manifest = out.with_name(out.name + ".json")
+    if out.exists() and manifest.exists() and store.read_json(manifest).get("stages") == {str(k): v for k, v in
+                                                                                        prints.items()}:
+        if progress:
+            print(f"skipped (up to date): {out}")
+        return out
+
+    from .data import load_data
+    from .models import build_model
+    from .tasks import make_task
+
+    seed_everything(seed)  # as the runner: the initial model is the run's own
+    data = load_data(cfg)
+    model, pre = build_model(cfg, data)
+    task = make_task(cfg, model, pre)
+    initial = store.trainable_state(model)
+    model.eval()  # dropout off: every pass of one evaluation sees the same function
+    rng = np.random.default_rng([seed, 12])
+    chosen = [rng.choice(len(data.train), size=min(m, len(data.train)), replace=False) for _ in range(n_batches)]
+    fixed = [task.collate([data.train[int(i)] for i in idx]) for idx in chosen]
+    methods = list(E1_METHODS)
+    try:
+        check_linear_only(model)
+        methods += list(BLOCK_METHODS)
+    except ValueError as err:
+        if progress:
+            print(f"{setup}: block-diagonal methods left out ({err})")
+    common = {"setup": setup, "scale": scale, "seed": seed, "optimizer": optimizer}
+    all_records: list[dict[str, Any]] = []
+    for stage, (source, path) in stages.items():
+        part, part_json = parts / f"stage-{stage:03d}.csv", parts / f"stage-{stage:03d}.json"
+        if part.exists() and part_json.exists() and store.read_json(part_json).get("fingerprint") == prints[stage]:
+            all_records += read_records(part)
+            continue
+        t0 = time.time()
+        store.load_trainable(model, initial if path is None else store.read_torch(path))
+        extra = {**common, "stage": stage, "source": source, "kind": "e1"}
+        records = []
+        for b, (inputs, targets) in enumerate(fixed):
+            for r in evaluate(model, [(inputs, targets)], methods, lam, cg_iterations=cg, seed=seed * 7919 + b,
+                              extra=extra):
+                records.append({**r, "batch": b, "target_tokens": _target_tokens(targets)})
+        if stage in sweep_at:
+            for b, (inputs, targets) in enumerate(fixed):
+                for r in damping_sweep(model, inputs, targets, sweep_dampings,
+                                       generator=batch_generator(seed * 7919 + b, 0)):
+                    records.append({**common, "stage": stage, "source": source, "kind": "sweep", "batch": b,
+                                    "imbalance": None, "target_tokens": _target_tokens(targets), **r})
+        store.write_text(part, _csv_text(records))
+        store.write_json(part_json, {"fingerprint": prints[stage], "seconds": time.time() - t0})
+        if progress:
+            print(f"{setup} [{scale}] stage {stage:3d}% ({source}): {len(records)} records in "
+                  f"{time.time() - t0:.1f}s")
+        all_records += records
+    store.write_text(out, _csv_text(all_records))
+    store.write_json(manifest, {"stages": {str(k): v for k, v in prints.items()}, "params": params})
+    return out
+
+
+def summarise(records: list[dict[str, Any]], kind: str = "e1") -> dict[tuple, dict[str, float]]:
+    """``{(setup, stage, method): {"mean", "sd", "n"}}`` of ``ratio`` over batches (finite ``kind`` records)."""
+    groups: dict[tuple, list[float]] = {}
+    for r in records:
+        if r["kind"] == kind and r["ratio"] is not None and math.isfinite(r["ratio"]):
+            groups.setdefault((r["setup"], r["stage"], r["method"]), []).append(r["ratio"])
+    return {k: {"mean": float(np.mean(v)), "sd": float(np.std(v)), "n": len(v)} for k, v in groups.items()}
+
+
+def _stage_means(records: list[dict[str, Any]], setup: str) -> dict[int, dict[str, float]]:
+    """``{stage: {method: mean gamma/gamma_SGD, "imbalance": mean}}`` of a setup's E1 records."""
+    out: dict[int, dict[str, list[float]]] = {}
+    for r in records:
+        if r["setup"] == setup and r["kind"] == "e1" and r["ratio"] is not None and math.isfinite(r["ratio"]):
+            out.setdefault(r["stage"], {}).setdefault(r["method"], []).append(r["ratio"])
+            if r["method"] == "sgd" and r["imbalance"] is not None and math.isfinite(r["imbalance"]):
+                out[r["stage"]].setdefault("imbalance", []).append(r["imbalance"])
+    return {s: {m: float(np.mean(v)) for m, v in d.items()} for s, d in sorted(out.items())}
+
+
+def findings(records: list[dict[str, Any]], near_zero: float = 1e-6) -> dict[str, dict[str, Any]]:
+    """The paper's findings (``sec:eval_exp``, ``sec:exp-damping``, ``sec:app-iEF-eNGDopt``) measured per setup.
+
+    Fractions are over training stages, on the mean over batches of ``gamma / gamma_SGD``:
+
+    - ``ef_worse_than_sgd``: EF/SGD > 1; ``ief_better_than_sgd``: iEF/SGD < 1;
+    - ``ief_sf_ef_order``: gamma_iEF < gamma_SF < gamma_EF; ``ief_best_of_three``: iEF below both;
+    - ``imbalance_growth``: mean imbalance at the last stage / at the first; ``imbalance_ef_correlation`` and
+      ``imbalance_sf_correlation``: Pearson correlation over stages of log imbalance with log EF/SGD (SF/SGD);
+    - E3 (sweep stages): ``ief_near_zero_spread``: the largest, over stages, max/min of iEF's ratio over the
+      dampings <= ``near_zero`` (1: insensitive); ``ef_best_damping`` / ``sf_best_damping``: the damping of the
+      lowest ratio at each sweep stage; ``ief_over_best_sf``: iEF at its smallest damping / SF at its best, per stage;
+      ``ief_over_best_ef``: the same for EF;
+    - block-diagonal: ``iekfac_beats_kfac_and_ekfac``: ieKFAC below both; ``iekfac_over_ief``: median ratio.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for setup in dict.fromkeys(r["setup"] for r in records):
+        means = _stage_means(records, setup)
+        stages = list(means)
+        f: dict[str, Any] = {"stages": stages}
+
+        def frac(pred) -> float | None:
+            usable = [s for s in stages if pred(means[s]) is not None]
+            return float(np.mean([bool(pred(means[s])) for s in usable])) if usable else None
+
+        def need(*ms):
+            return lambda d, ms=ms: None if any(m not in d for m in ms) else True
+
+        f["ef_worse_than_sgd"] = frac(lambda d: None if "ef" not in d else d["ef"] > 1)
+        f["ief_better_than_sgd"] = frac(lambda d: None if "ief" not in d else d["ief"] < 1)
+        f["ief_sf_ef_order"] = frac(lambda d: need("ief", "sf", "ef")(d) and d["ief"] < d["sf"] < d["ef"])
+        f["ief_best_of_three"] = frac(lambda d: need("ief", "sf", "ef")(d) and d["ief"] < min(d["sf"], d["ef"]))
+        imb = [means[s].get("imbalance") for s in stages]
+        f["imbalance_growth"] = imb[-1] / imb[0] if imb and imb[0] and imb[-1] else None
+        for m in ("ef", "sf"):
+            pairs = [(math.log(means[s]["imbalance"]), math.log(means[s][m])) for s in stages
+                     if means[s].get("imbalance") and means[s].get(m)]
+            f[f"imbalance_{m}_correlation"] = (float(np.corrcoef(np.array(pairs).T)[0, 1])
+                                               if len(pairs) >= 3 else None)
+        f["iekfac_beats_kfac_and_ekfac"] = frac(
+            lambda d: need("iekfac", "kfac", "ekfac")(d) and d["iekfac"] < min(d["kfac"], d["ekfac"]))
+        ratios = [means[s]["iekfac"] / means[s]["ief"] for s in stages if "iekfac" in means[s] and "ief" in means[s]]
+        f["iekfac_over_ief"] = float(np.median(ratios)) if ratios else None
+        sweep: dict[tuple[int, str, float], list[float]] = {}
+        for r in records:
+            if r["setup"] == setup and r["kind"] == "sweep" and r["damping"] is not None and r["ratio"] is not None \
+                    and math.isfinite(r["ratio"]):
+                sweep.setdefault((r["stage"], r["method"], r["damping"]), []).append(r["ratio"])
+        curve = {k: float(np.mean(v)) for k, v in sweep.items()}
+        sweep_stages_ = sorted({k[0] for k in curve})
+        f["sweep_stages"] = sweep_stages_
+        spreads, best, vs_sf, vs_ef = [], {"ef": [], "sf": []}, [], []
+        for s in sweep_stages_:
+            ief = {lam: v for (st, m, lam), v in curve.items() if st == s and m == "ief"}
+            small = [v for lam, v in ief.items() if lam <= near_zero]
+            if small:
+                spreads.append(max(small) / min(small))
+            for m in ("ef", "sf"):
+                pts = {lam: v for (st, mm, lam), v in curve.items() if st == s and mm == m}
+                if pts:
+                    best[m].append(min(pts, key=pts.get))
+            if ief:
+                lowest = ief[min(ief)]
+                sf_pts = [v for (st, m, _), v in curve.items() if st == s and m == "sf"]
+                ef_pts = [v for (st, m, _), v in curve.items() if st == s and m == "ef"]
+                vs_sf.append(lowest / min(sf_pts) if sf_pts else None)
+                vs_ef.append(lowest / min(ef_pts) if ef_pts else None)
+        f["ief_near_zero_spread"] = max(spreads) if spreads else None
+        f["ef_best_damping"] = best["ef"]
+        f["sf_best_damping"] = best["sf"]
+        f["ief_over_best_sf"] = vs_sf
+        f["ief_over_best_ef"] = vs_ef
+        out[setup] = f
+    return out

@@ -1,0 +1,299 @@
+"""Block-diagonal K-FAC directions: KFAC (sampled labels), eKFAC (empirical) and ieKFAC (iEF-rescaled), per
+``sec:app-iEF-eNGDopt``.
+
+For every trainable ``nn.Linear`` the Fisher block of its weight (and bias) is approximated by a Kronecker product
+``F_W ~ G (x) A`` and the direction is ``d_W = (G (x) A + lambda I)^{-1} vec(grad_W L)``. Here, with ``a`` the
+layer's input rows and ``g`` the gradients of the per-sample losses with respect to the layer's output rows:
+
+- ``A = (1/R) sum_r a_r a_r^T`` (the mean over the ``R`` input rows; ``[a, 1]`` when the bias trains too),
+- ``G = sum_r w_r g_r g_r^T``, summed (not averaged) because the package's loss is the sum ``L = sum_n l_n``
+  (``eqn:prob_loss``), so that ``G (x) A`` has the scale of the Fisher block it approximates. ``g`` is computed
+  for labels drawn from the model (``kind="kfac"``: block-diagonal SF, K-BFGS's "KFAC"), for the true labels
+  (``"ekfac"``: the empirical K-FAC of Kunstner et al., block-diagonal EF; *not* the eigenvalue-corrected EKFAC),
+  or for the true labels with every row of sample ``n`` weighted by ``w_r = 1/s_n``, ``s_n = ||grad_{z_n} l_n||^2``
+  (``"iekfac"``: ``G* = E[g^T diag(s_iEF)^{-1} g]``, block-diagonal iEF). ``w_r = 1`` otherwise.
+
+These are the conventions of curvlinops' ``KFACLinearOperator`` with a sum-reduced loss and
+``separate_weight_and_bias=False``, against which the package is tested.
+
+**Damping.** ``lambda`` is added to the whole Kronecker block, ``(G (x) A + lambda I)^{-1}``, and applied exactly
+through the eigendecompositions of both factors (``G = U diag(e_G) U^T``, ``A = V diag(e_A) V^T``:
+``d_W = U [(U^T Grad V) / (e_G e_A^T + lambda)] V^T``). This is the same Tikhonov damping that the exact EF / iEF /
+SF directions add (``ief.ef_direction`` etc.), so one ``lambda`` axis serves all of them; it is *not* the factored
+(pi-) damping ``(G + sqrt(lambda) I) (x) (A + sqrt(lambda) I)`` of Martens & Grosse. ``lambda = 0`` is allowed: the
+pseudo-inverse is used (eigenvalue products at rounding level are dropped), as the paper's "un-damped" study needs.
+
+**Sequence positions.** ``approx="expand"`` (default) treats every position a linear layer sees as a row of its own
+(``R = M T``), the form the paper writes (``E[g^T g] (x) E[a^T a]`` over all rows), used by K-FAC implementations
+for transformers and curvlinops' default. ``approx="reduce"`` (Eschenhagen et al., 2023) first averages ``a`` and
+sums ``g`` over each sample's positions (``R = M``); it is exact for deep linear networks with one loss per
+sequence, where expand is exact with one loss per position. Positions with ignored targets still enter ``A``
+(the layer sees them); their ``g`` is zero when they do not reach the loss.
+
+**Other trainable parameters.** K-FAC is defined here for ``nn.Linear`` only. A trainable parameter that is not the
+weight or bias of an ``nn.Linear`` (prompt embeddings, LayerNorm, raw ``Parameter`` attention weights) raises a
+``ValueError`` that names it: pass ``params=`` to restrict the direction (and then ``gamma``) to the linear layers.
+There is no silent fallback, since a mixed preconditioner would not be the block-diagonal method the paper
+evaluates. A linear layer whose leading input dimension is not the sample dimension raises too.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .losses import Loss, check_damping, get_loss, logit_sqnorm
+from .model_call import Inputs, ReplayableForward, batch_size, param_names, resolve_params
+
+KINDS = ("kfac", "ekfac", "iekfac")
+APPROXIMATIONS = ("expand", "reduce")
+
+
+@dataclass
+class KroneckerBlock:
+    """One linear layer's factors: ``F_block ~ G (x) A`` for the gradient matrix ``[grad_W, grad_b]``.
+
+    ``G [out, out]``, ``A [k, k]`` (float64); ``columns`` says which of ``("weight", "bias")`` the ``k`` input
+    columns cover (the bias is the last column, fed by a constant 1); ``index`` maps them to positions in ``params``.
+    """
+
+    name: str
+    G: torch.Tensor
+    A: torch.Tensor
+    index: dict[str, int]
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; accepted: {', '.join(map(repr, KINDS))}")
+
+
+def _check_approx(approx: str) -> None:
+    if approx not in APPROXIMATIONS:
+        raise ValueError(f"unknown approx {approx!r}; accepted: {', '.join(map(repr, APPROXIMATIONS))}")
+
+
+def _rows(x: torch.Tensor, m: int, approx: str, reduce_op: str) -> torch.Tensor:
+    """``[M, ..., d] -> [R, d]`` float64: every position a row (expand) or one row per sample (reduce)."""
+    x = x.reshape(m, -1, x.shape[-1]).to(torch.float64)
+    if approx == "expand":
+        return x.reshape(-1, x.shape[-1])
+    return x.mean(dim=1) if reduce_op == "mean" else x.sum(dim=1)
+
+
+class _LinearHooks:
+    """Forward hooks on the ``nn.Linear`` layers owning ``params``: every call's input and the gradient that flows
+    back into its output (the same idea as the per-sample hooks of :mod:`ief.jacobian`, kept separate here because
+    K-FAC needs the raw rows, not per-sample products). ``records[k]``: ``[[input, output grad], ...]`` per call."""
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.Tensor], names: list[str], kind: str):
+        index = {id(p): i for i, p in enumerate(params)}
+        self.modules: list[tuple[torch.nn.Module, dict[str, int]]] = []
+        covered: set[int] = set()
+        for module in model.modules():
+            if type(module) is not torch.nn.Linear:
+                continue
+            owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=False) if id(p) in index}
+            if owned and not (set(owned.values()) & covered):
+                self.modules.append((module, owned))
+                covered.update(owned.values())
+        others = [names[i] for i in range(len(params)) if i not in covered]
+        if others:
+            raise ValueError(
+                f"K-FAC ({kind}) is defined for nn.Linear weights and biases only; trainable parameters outside any "
+                f"nn.Linear: {others[:5]}{' ...' if len(others) > 5 else ''}. Pass params= with the linear layers' "
+                "parameters only (and the same params= to ief.gamma)"
+            )
+        self.records: dict[int, list] = {k: [] for k in range(len(self.modules))}
+        self.handles: list = []
+
+    def __enter__(self) -> "_LinearHooks":
+        for k, (module, _) in enumerate(self.modules):
+            self.handles.append(module.register_forward_hook(self._hook(k)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _hook(self, k: int):
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            record = [args[0].detach(), None]
+            self.records[k].append(record)
+
+            def keep_grad(grad):
+                record[1] = grad if record[1] is None else record[1] + grad
+
+            output.register_hook(keep_grad)
+
+        return hook
+
+    def clear_grads(self) -> None:
+        for calls in self.records.values():
+            for rec in calls:
+                rec[1] = None
+
+
+def check_linear_only(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] | None = None,
+                      kind: str = "kfac") -> None:
+    """Raise the ``ValueError`` of :func:`kfac_direction` up front if a parameter is not an ``nn.Linear``'s."""
+    params = resolve_params(model, params)
+    _LinearHooks(model, params, param_names(model, params), kind)
+
+
+def kronecker_factors(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    kind: str,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    loss: str | Loss = "cross_entropy",
+    approx: str = "expand",
+    sampled_targets: torch.Tensor | None = None,
+) -> tuple[list[KroneckerBlock], torch.Tensor, list[torch.Tensor]]:
+    """``(blocks, grad [P], params)``: the Kronecker factors of every trainable linear layer and the batch gradient.
+
+    One forward; one backward for ``"ekfac"`` / ``"iekfac"``, two for ``"kfac"`` (true labels for the gradient,
+    labels drawn with ``generator`` for ``G``). ``sampled_targets`` replaces the draw (tests use it to reproduce a
+    peer's labels).
+    """
+    _check_kind(kind)
+    _check_approx(approx)
+    loss_fn = get_loss(loss)
+    params = resolve_params(model, params)
+    names = param_names(model, params)
+    capture = _LinearHooks(model, params, names, kind)
+    forward = ReplayableForward(model, inputs)
+    with capture, torch.enable_grad():
+        logits = forward()
+    loss_fn.check(logits, targets)
+    m = batch_size(logits)
+    module_names = {id(mod): n for n, mod in model.named_modules()}
+    for k, (module, _) in enumerate(capture.modules):
+        shapes = {tuple(rec[0].shape) for rec in capture.records[k]}
+        if any(len(s) < 2 or s[0] != m for s in shapes):
+            raise ValueError(
+                f"linear layer {module_names.get(id(module))!r} was called with input shapes {sorted(shapes)}, whose "
+                f"first dimension is not the {m} samples: its K-FAC factors cannot be formed per sample"
+            )
+
+    def backward(y: torch.Tensor, retain: bool) -> list[torch.Tensor | None]:
+        capture.clear_grads()
+        with torch.enable_grad():
+            per_sample = loss_fn.per_sample(logits, y)
+            return list(torch.autograd.grad(per_sample.sum(), params, retain_graph=retain, allow_unused=True))
+
+    if kind == "kfac":
+        if sampled_targets is None:
+            sampled_targets = loss_fn.sample_targets(logits, targets, generator)
+        grads = backward(targets, retain=True)
+        backward(sampled_targets, retain=False)
+    else:
+        grads = backward(targets, retain=False)
+    weights = None
+    if kind == "iekfac":
+        s = logit_sqnorm(loss_fn, logits, targets).to(torch.float64)  # [M]
+        weights = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+
+    blocks = []
+    for k, (module, owned) in enumerate(capture.modules):
+        a_sum, g_sum = None, None
+        for x, g in capture.records[k]:
+            a = _rows(x, m, approx, "mean")
+            if "bias" in owned:
+                a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype, device=a.device)], dim=1)
+            if "weight" not in owned:
+                a = a[:, -1:]
+            positions = a.shape[0] // m
+            a_cov = a.T @ a / positions  # curvlinops: each call's input covariance / (N * positions)
+            a_sum = a_cov if a_sum is None else a_sum + a_cov
+            if g is None:  # this call's output did not reach the loss
+                continue
+            gr = _rows(g, m, approx, "sum")
+            if weights is not None:
+                gr = gr * weights.repeat_interleave(gr.shape[0] // m).sqrt().unsqueeze(1)
+            g_cov = gr.T @ gr
+            g_sum = g_cov if g_sum is None else g_sum + g_cov
+        out_features = module.out_features
+        if a_sum is None:
+            continue
+        if g_sum is None:
+            g_sum = torch.zeros(out_features, out_features, dtype=torch.float64, device=a_sum.device)
+        blocks.append(KroneckerBlock(module_names.get(id(module), ""), g_sum, a_sum / m, dict(owned)))
+    gradient = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+    return blocks, gradient.detach(), params
+
+
+def _damped_kronecker_solve(G: torch.Tensor, A: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    """``(G (x) A + lambda I)^{-1} vec(grad)`` for ``grad [out, k]`` (row-major vec), pseudo-inverse where singular."""
+    eg, U = torch.linalg.eigh(0.5 * (G + G.T))
+    ea, V = torch.linalg.eigh(0.5 * (A + A.T))
+    prod = eg.clamp_min(0).unsqueeze(1) * ea.clamp_min(0).unsqueeze(0)  # [out, k]
+    shifted = prod + damping
+    scale = float(prod.max()) if prod.numel() else 0.0
+    tiny = max(prod.shape) * torch.finfo(torch.float64).eps * max(scale, 1e-300)
+    keep = shifted > 1e3 * tiny
+    inv = torch.where(keep, 1.0 / torch.where(keep, shifted, torch.ones_like(shifted)), torch.zeros_like(shifted))
+    return U @ ((U.T @ grad @ V) * inv) @ V.T
+
+
+def kfac_direction(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    kind: str,
+    damping: float,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    loss: str | Loss = "cross_entropy",
+    approx: str = "expand",
+) -> torch.Tensor:
+    """Block-diagonal K-FAC direction ``[P]`` (parameter order of ``params``), ``sec:app-iEF-eNGDopt``.
+
+    Args:
+        kind: ``"kfac"`` (labels sampled from the model with ``generator``: block-diagonal SF), ``"ekfac"`` (true
+            labels: block-diagonal EF) or ``"iekfac"`` (true labels, rows of sample ``n`` weighted by ``1/s_n``:
+            block-diagonal iEF).
+        damping: ``lambda >= 0`` added to every Kronecker block, ``(G (x) A + lambda I)^{-1} grad`` (see the
+            module docstring); ``0`` gives the pseudo-inverse.
+        params: the parameters to precondition (default: all trainable ones); each must be the weight or bias of an
+            ``nn.Linear``, otherwise ``ValueError``.
+        approx: ``"expand"`` (default: every sequence position a row) or ``"reduce"`` (one row per sample).
+    """
+    damping = check_damping(damping)
+    blocks, gradient, params = kronecker_factors(
+        model, inputs, targets, kind, params, generator=generator, loss=loss, approx=approx
+    )
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    direction = torch.zeros(offsets[-1], dtype=torch.float64, device=gradient.device)
+    grad64 = gradient.to(torch.float64)
+    for block in blocks:
+        parts = []
+        if "weight" in block.index:
+            i = block.index["weight"]
+            parts.append(grad64[offsets[i] : offsets[i + 1]].reshape(params[i].shape))
+        if "bias" in block.index:
+            i = block.index["bias"]
+            parts.append(grad64[offsets[i] : offsets[i + 1]].reshape(-1, 1))
+        solved = _damped_kronecker_solve(block.G, block.A, torch.cat(parts, dim=1), damping)
+        if "weight" in block.index:
+            i = block.index["weight"]
+            direction[offsets[i] : offsets[i + 1]] = solved[:, : params[i].shape[1]].reshape(-1)
+        if "bias" in block.index:
+            i = block.index["bias"]
+            direction[offsets[i] : offsets[i + 1]] = solved[:, -1]
+    out = direction.to(gradient.dtype)
+    if not torch.isfinite(out).all():
+        raise FloatingPointError(
+            f"the {kind} direction is not representable in {gradient.dtype}; use a larger damping"
+        )
+    return out

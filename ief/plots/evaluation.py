@@ -1,0 +1,144 @@
+"""Figures of the evaluation chapter: ``fig:sample_gamma`` (E1), ``fig:damping_gamma_*`` (E3) and
+``fig:sample_blockdiag_gamma`` (block-diagonal study), from the tidy records of
+:mod:`ief.experiments.evaluate_runs` (a list of dicts, as :func:`~ief.experiments.evaluate_runs.read_records` gives).
+
+Every point is the mean over the evaluated batches of a per-batch ratio, with a +-1 sd bar (the paper: "averaged
+across 100 evaluations, error bars the standard deviation"), on log axes.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..style import method_color
+
+LABELS = {"sgd": "SGD", "ef": "EF", "ief": "iEF", "sf": "SF", "hf": "HF", "kfac": "KFAC", "ekfac": "eKFAC",
+          "iekfac": "ieKFAC"}
+DAMPING_AXES = ("ief", "paper")
+
+
+def damping_axis(record: dict[str, Any], axis: str = "ief") -> float:
+    """The damping of a record on the plotted axis: THE axis-conversion point of the chapter.
+
+    ``"ief"``: as stored, the package's sum-loss convention. ``"paper"``: the paper code's token-mean loss,
+    ``lambda_paper = lambda_ief / K^2`` with ``K = target_tokens`` of the record's batch.
+    """
+    if axis not in DAMPING_AXES:
+        raise ValueError(f"unknown damping axis {axis!r}; accepted: {', '.join(DAMPING_AXES)}")
+    lam = float(record["damping"])
+    return lam if axis == "ief" else lam / float(record["target_tokens"]) ** 2
+
+
+def _per_batch(records, setup, kind="e1"):
+    """``{(stage, batch): {method: record}}`` for one setup."""
+    out: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        if r["setup"] == setup and r["kind"] == kind:
+            out.setdefault((r["stage"], r["batch"]), {})[r["method"]] = r
+    return out
+
+
+def stage_series(records, setup: str, numerator: str, denominator: str = "sgd", field: str = "gamma"):
+    """``(stages, mean, sd)`` over batches of ``gamma_num / gamma_den`` (or of ``imbalance`` with field=...)."""
+    by_stage: dict[int, list[float]] = {}
+    for (stage, _), methods in _per_batch(records, setup).items():
+        if field == "imbalance":
+            value = next(iter(methods.values()))["imbalance"]
+        elif numerator in methods and denominator in methods:
+            value = methods[numerator]["gamma"] / methods[denominator]["gamma"]
+        else:
+            continue
+        if value is not None and np.isfinite(value):
+            by_stage.setdefault(stage, []).append(value)
+    stages = sorted(by_stage)
+    return (np.array(stages), np.array([np.mean(by_stage[s]) for s in stages]),
+            np.array([np.std(by_stage[s]) for s in stages]))
+
+
+def setups_of(records) -> list[str]:
+    return list(dict.fromkeys(r["setup"] for r in records))
+
+
+def plot_sample_gamma(records, setups: Sequence[str] | None = None):
+    """``fig:sample_gamma``: gamma_EF/gamma_SGD, gamma_iEF/gamma_SGD, gamma_SF/gamma_EF and the imbalance vs stage."""
+    import matplotlib.pyplot as plt
+
+    setups = list(setups or setups_of(records))
+    panels = [("ef", "sgd", r"$\gamma_{EF}/\gamma_{SGD}$"), ("ief", "sgd", r"$\gamma_{iEF}/\gamma_{SGD}$"),
+              ("sf", "ef", r"$\gamma_{SF}/\gamma_{EF}$"), (None, None, "imbalance (max/min grad norm)")]
+    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2))
+    for k, setup in enumerate(setups):
+        color = f"C{k}"
+        for ax, (num, den, title) in zip(axes, panels):
+            field = "imbalance" if num is None else "gamma"
+            x, mean, sd = stage_series(records, setup, num, den or "sgd", field)
+            ax.errorbar(x, mean, yerr=sd, marker="o", ms=4, capsize=3, color=color, label=setup)
+            ax.set_title(title)
+    for ax in axes:
+        ax.set_yscale("log")
+        ax.set_xlabel("training stage (%)")
+        if ax is not axes[-1]:
+            ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_blockdiag_gamma(records, setups: Sequence[str] | None = None):
+    """``fig:sample_blockdiag_gamma``: iEF, ieKFAC, KFAC and eKFAC relative to SGD vs stage, one panel per setup."""
+    import matplotlib.pyplot as plt
+
+    setups = [s for s in (setups or setups_of(records))
+              if any(r["setup"] == s and r["method"] == "iekfac" for r in records)]
+    fig, axes = plt.subplots(1, max(1, len(setups)), figsize=(4.3 * max(1, len(setups)), 3.2), squeeze=False)
+    for ax, setup in zip(axes[0], setups):
+        for method in ("ief", "iekfac", "kfac", "ekfac"):
+            x, mean, sd = stage_series(records, setup, method)
+            ax.errorbar(x, mean, yerr=sd, marker="o", ms=4, capsize=3, color=method_color(LABELS[method]),
+                        label=LABELS[method])
+        ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
+        ax.set_yscale("log")
+        ax.set_title(setup)
+        ax.set_xlabel("training stage (%)")
+        ax.set_ylabel(r"$\gamma / \gamma_{SGD}$")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def sweep_series(records, setup: str, stage: int, method: str, axis: str = "ief"):
+    """``(dampings, mean, sd)`` of ``gamma / gamma_SGD`` over batches at one stage (dampings on ``axis``)."""
+    by_lam: dict[float, list[float]] = {}
+    for r in records:
+        if (r["setup"] == setup and r["kind"] == "sweep" and r["stage"] == stage and r["method"] == method
+                and r["ratio"] is not None and np.isfinite(r["ratio"])):
+            by_lam.setdefault(damping_axis(r, axis), []).append(r["ratio"])
+    lams = sorted(by_lam)
+    return (np.array(lams), np.array([np.mean(by_lam[x]) for x in lams]),
+            np.array([np.std(by_lam[x]) for x in lams]))
+
+
+def plot_damping_gamma(records, setup: str, axis: str = "ief"):
+    """``fig:damping_gamma_*``: gamma/gamma_SGD of EF, SF and iEF vs damping at the first, middle and last stage."""
+    import matplotlib.pyplot as plt
+
+    stages = sorted({r["stage"] for r in records if r["setup"] == setup and r["kind"] == "sweep"})
+    fig, axes = plt.subplots(1, max(1, len(stages)), figsize=(4.3 * max(1, len(stages)), 3.2), squeeze=False,
+                             sharey=True)
+    for ax, stage in zip(axes[0], stages):
+        for method in ("ef", "sf", "ief"):
+            x, mean, sd = sweep_series(records, setup, stage, method, axis)
+            ax.errorbar(x, mean, yerr=sd, marker="o", ms=3, capsize=2, color=method_color(LABELS[method]),
+                        label=LABELS[method])
+        ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{setup}, stage {stage}%")
+        ax.set_xlabel(r"damping $\lambda$ (" + ("package, sum loss" if axis == "ief" else "paper, token mean")
+                      + ")")
+    axes[0][0].set_ylabel(r"$\gamma / \gamma_{SGD}$")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig

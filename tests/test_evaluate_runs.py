@@ -1,0 +1,149 @@
+"""ief.experiments.evaluate_runs: the evaluation job on a real (smoke) baseline run; checkpoints, caching, CLI."""
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+
+from ief.__main__ import main
+from ief.experiments import evaluate_runs as er
+from ief.experiments import store
+from ief.experiments.runner import run_dir, train
+
+SETUP, SCALE = "digits-mlp", "smoke"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    train(SETUP, "adam", 0, SCALE, root, progress=False, verbose=False)
+    return root
+
+
+def _run_root(runs):
+    return run_dir(runs, SCALE, SETUP, "adam", 0)
+
+
+def _copy_without_stage_files(runs, dest):
+    """A copy of the runs as a runner without stage checkpoints leaves them (epoch checkpoints only)."""
+    shutil.copytree(runs, dest)
+    for path in (_run_root(dest) / "checkpoints").glob("stage-*.pt"):
+        path.unlink()
+    return dest
+
+
+def test_epoch_checkpoints_and_rebuilt_initial_model(runs, tmp_path):
+    root = _copy_without_stage_files(runs, tmp_path / "copy")
+    out = er.evaluate_run(SETUP, SCALE, 0, root, tmp_path / "e.csv", batches=2, progress=False)
+    records = er.read_records(out)
+    assert {(r["stage"], r["source"]) for r in records} == {(0, "initial"), (50, "epoch"), (100, "epoch")}
+    e1 = [r for r in records if r["kind"] == "e1"]
+    assert {r["method"] for r in e1} == {"sgd", "ef", "ief", "sf", "hf", "kfac", "ekfac", "iekfac"}
+    assert len(e1) == 3 * 2 * 8
+    assert all(r["ratio"] == 1.0 for r in e1 if r["method"] == "sgd")
+    assert all(math.isfinite(r["gamma"]) and r["gamma"] > 0 and r["imbalance"] >= 1 for r in e1)
+    assert all(r["damping"] == 1e-7 for r in e1 if r["method"] not in ("sgd", "hf"))
+    sweep = [r for r in records if r["kind"] == "sweep"]
+    assert {r["stage"] for r in sweep} == set(er.sweep_stages([0, 50, 100])) == {50, 100}
+    assert {r["damping"] for r in sweep if r["method"] != "sgd"} == set(er.SWEEP_DAMPINGS)
+    assert all(r["target_tokens"] == 8 for r in records)  # one target per sample, batch size 8
+
+
+def test_stage_files_are_preferred_and_stage_zero_is_the_runs_initial_model(runs, tmp_path):
+    src = _run_root(runs)
+    root = _copy_without_stage_files(runs, tmp_path / "copy")
+    run = _run_root(root)
+    rebuilt = er.evaluate_run(SETUP, SCALE, 0, root, tmp_path / "a.csv", batches=1, sweep=False, progress=False)
+    # the runner's contract: stage-PPP.pt with the trainable state; stage-000 the initial model
+    er_initial = [r for r in er.read_records(rebuilt) if r["stage"] == 0]
+    from ief.experiments.data import load_data
+    from ief.experiments.models import build_model
+    from ief.experiments.runner import seed_everything
+    from ief.experiments.setups import resolve
+
+    seed_everything(0)
+    cfg = resolve(SETUP, SCALE)
+    model, _ = build_model(cfg, load_data(cfg))
+    store.write_torch(run / "checkpoints" / "stage-000.pt", store.trainable_state(model))
+    for pct, epoch in [(25, 1), (50, 1), (75, 2), (100, 2)]:
+        shutil.copy(src / "checkpoints" / f"epoch-{epoch:03d}.pt", run / "checkpoints" / f"stage-{pct:03d}.pt")
+    assert sorted(er.stage_checkpoints(run)) == [0, 25, 50, 75, 100]
+    out = er.evaluate_run(SETUP, SCALE, 0, root, tmp_path / "b.csv", batches=1, sweep=False, progress=False)
+    records = er.read_records(out)
+    assert {r["stage"] for r in records} == {0, 25, 50, 75, 100} and {r["source"] for r in records} == {"stage"}
+    from_file = {r["method"]: r["gamma"] for r in records if r["stage"] == 0}
+    for r in er_initial:
+        assert from_file[r["method"]] == pytest.approx(r["gamma"], rel=1e-6), r["method"]
+
+
+def test_cached_resumable_and_recomputes_only_what_changed(runs, tmp_path, monkeypatch):
+    root = _copy_without_stage_files(runs, tmp_path / "copy")
+    out = tmp_path / "c.csv"
+    er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
+    first = out.read_text()
+    calls = []
+    real = er.evaluate
+
+    def counting(model, batches, *args, **kwargs):
+        calls.append(kwargs["extra"]["stage"])
+        return real(model, batches, *args, **kwargs)
+
+    monkeypatch.setattr(er, "evaluate", counting)
+    er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
+    assert calls == [] and out.read_text() == first  # finished: skipped
+    out.unlink()  # as if interrupted before the final write: every stage part is reused
+    er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
+    assert calls == [] and out.read_text() == first
+    ck = _run_root(root) / "checkpoints" / "epoch-002.pt"
+    state = store.read_torch(ck)
+    store.write_torch(ck, {k: v * 0.5 for k, v in state.items()})
+    er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
+    assert calls == [100]  # only the changed checkpoint
+    assert out.read_text() != first
+    er.evaluate_run(SETUP, SCALE, 0, root, out, batches=2, sweep=False, progress=False)
+    assert sorted(set(calls)) == [0, 50, 100]  # new parameters: everything again
+
+
+def test_missing_run_says_how_to_train_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m ief train --setup digits-mlp --scale smoke --optimizer adam"):
+        er.evaluate_run(SETUP, SCALE, 0, tmp_path / "nothing", tmp_path / "x.csv")
+
+
+def test_cli(runs, tmp_path, capsys):
+    out = tmp_path / "cli.csv"
+    assert main(["evaluate", "--setup", SETUP, "--scale", SCALE, "--runs", str(runs), "--out", str(out),
+                 "--batches", "1", "--batch-size", "4", "--no-sweep"]) == 0
+    records = er.read_records(out)
+    assert {r["target_tokens"] for r in records} == {4}
+    assert main(["evaluate", "--setup", SETUP, "--scale", "huge", "--runs", str(runs), "--out", str(out)]) == 2
+    assert "unknown scale 'huge'" in capsys.readouterr().err
+    assert main(["evaluate", "--setup", SETUP, "--scale", SCALE, "--runs", str(tmp_path), "--out", str(out)]) == 1
+
+
+def test_baselines_are_the_papers():
+    assert er.baseline_optimizer("cola-t5-lora", "full") == "adamw"
+    assert er.baseline_optimizer("sst2-t5-pt", "full") == "adafactor"
+    assert er.baseline_optimizer("cifar10-mlp", "full") == "adam"
+    assert er.baseline_optimizer("tweets-minilm-pt", "cpu") == "adafactor"
+    assert er.sweep_stages([0, 25, 50, 75, 100]) == [25, 50, 100]
+
+
+def test_summary_is_mean_and_sd_over_batches():
+    recs = [{"kind": "e1", "setup": "s", "stage": 0, "method": "ef", "ratio": x} for x in (1.0, 3.0)]
+    recs.append({"kind": "e1", "setup": "s", "stage": 0, "method": "ef", "ratio": float("inf")})
+    assert er.summarise(recs)[("s", 0, "ef")] == {"mean": 2.0, "sd": 1.0, "n": 2}
+
+
+@pytest.mark.slow
+def test_notebook_at_smoke_scale(tmp_path):
+    """notebooks/evaluation.ipynb end to end at smoke scale: trains the three baseline runs, evaluates, plots."""
+    from nbrun import run_notebook
+
+    out = tmp_path / "fig"
+    run_notebook("evaluation.ipynb", tmp_path, scale="smoke", out_dir=str(out))
+    for name in ("sample_gamma", "sample_blockdiag_gamma", "damping_gamma_digits-mlp",
+                 "damping_gamma_tweets-minilm-lora", "damping_gamma_tweets-minilm-pt"):
+        assert (out / f"{name}.png").stat().st_size > 10_000, name
+    records = er.read_records(out / "smoke-tweets-minilm-pt.csv")
+    assert "iekfac" not in {r["method"] for r in records}  # prompt tuning: no K-FAC factors for the prompt

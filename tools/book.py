@@ -166,9 +166,12 @@ def kernel_config():
 
 
 def execute(notebook: Path, scale: str, executed_root: Path | None = None,
-            results: list[Path] | tuple[Path, ...] = ()) -> tuple[Path, dict]:
+            results: list[Path] | tuple[Path, ...] = (), runs_dir: str | None = None,
+            results_dir: str | None = None) -> tuple[Path, dict]:
     """Run one notebook at ``scale``; returns the executed path and its provenance. ``results``: the result files
-    the notebook reads (recorded with their hashes)."""
+    the notebook reads (recorded with their hashes). ``runs_dir`` / ``results_dir`` (the workflow's training runs
+    and tidy tables of this scale) are passed to a notebook whose parameters cell declares them, so the chapter reads
+    what the workflow made instead of making it again."""
     import papermill
     from papermill.engines import papermill_engines
 
@@ -180,6 +183,10 @@ def execute(notebook: Path, scale: str, executed_root: Path | None = None,
     executed = out_dir / notebook.name
     record = executed.with_suffix(".provenance.json")
     parameters = {"scale": scale, "out_dir": str(Path("_build") / "figures" / scale / notebook.stem)}
+    declared = papermill.inspect_notebook(str(notebook))
+    for name, value in (("runs_dir", runs_dir), ("results_dir", results_dir)):
+        if value is not None and name in declared:
+            parameters[name] = str(value)
     label = notebook.name
     _log(f"{label}: executing at scale={scale} ...")
     figures = ROOT / parameters["out_dir"]
@@ -497,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("notebook", type=Path)
     e.add_argument("--scale", required=True)
     e.add_argument("--results", nargs="*", type=Path, default=[], help="result files the notebook reads")
+    e.add_argument("--runs-dir", default=None, help="the workflow's training runs (passed as runs_dir if declared)")
+    e.add_argument("--results-dir", default=None,
+                   help="the workflow's tidy tables of this scale (passed as results_dir if declared)")
     p = sub.add_parser("publish", help="copy an executed notebook into book/generated with its provenance")
     p.add_argument("executed", type=Path)
     sub.add_parser("timings", help="write book/generated/timings.md")
@@ -512,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
             return build(args.scale, args.output, args.profile, args.snakemake_args, verbose=args.verbose,
                          config=args.config)
         if args.step == "execute":
-            execute(args.notebook, args.scale, results=args.results)
+            execute(args.notebook, args.scale, results=args.results, runs_dir=args.runs_dir,
+                    results_dir=args.results_dir)
         elif args.step == "publish":
             publish(args.executed)
         elif args.step == "timings":

@@ -27,7 +27,8 @@ rule execute_notebook:
     resources:
         runtime=config["slurm_time"]["notebook_minutes"][SCALE],
     shell:
-        "{PYTHON} -m tools.book execute {input.notebook} --scale {SCALE} --results {input.results}"
+        "{PYTHON} -m tools.book execute {input.notebook} --scale {SCALE} --runs-dir {RUNS} --results-dir {RESULTS} "
+        "--results {input.results}"
 
 
 rule publish:

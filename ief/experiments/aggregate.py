@@ -6,7 +6,8 @@ runner's layout, :mod:`.store`) and writes, atomically:
 - ``DIR/e2_runs.csv``: one row per finished run: ``scale, setup, optimizer, seed``, the hyperparameters it ran with
   (``lr, damping, schedule``), ``steps``, ``final_train_loss`` (:func:`final_loss`), ``diverged_step``, the best
   validation checkpoint (``best_step``, ``val_<metric>``, ``val_score``), the test metrics of that checkpoint
-  (``test_<metric>``; empty where the labels are private, as for GLUE test) and ``wall_time_s``;
+  (``test_<metric>`` and their mean ``test_score``; empty where the labels are private, as for GLUE test) and
+  ``wall_time_s``;
 - ``DIR/e2_curves.csv``: the curves, long format: ``scale, setup, optimizer, seed, step, quantity, value`` with
   ``quantity`` = ``train_loss`` (every update) or ``val_<metric>`` / ``val_score`` (every validation).
 
@@ -26,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from . import store
+from .metrics import score
 
 RUNS_FILE = "e2_runs.csv"
 CURVES_FILE = "e2_curves.csv"
@@ -67,6 +69,7 @@ def run_row(run: dict[str, Any]) -> dict[str, Any]:
     }
     row.update(_metric_columns("val", best["metrics"]))
     row.update(_metric_columns("test", s.get("test")))
+    row["test_score"] = score(s["test"]) if s.get("test") else float("nan")  # GLUE's per-task mean (tab:sum-test)
     row["wall_time_s"] = float(s["wall_time_s"])
     return row
 

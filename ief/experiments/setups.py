@@ -426,3 +426,25 @@ def optimizer_config(cfg: SetupConfig, optimizer: str, lr: float | None = None,
                              + (", multistep" if opt.milestones else ""))
         opt = dataclasses.replace(opt, schedule=schedule, source=f"{opt.source}; schedule overridden")
     return opt
+
+
+# ------------------------------------------------------------------------------------------------ the E2 grid
+# The optimisers of the paper's E2 tables by fine-tuning method (tab:train, tab:test, tab:test-mlp): each method's
+# well-tuned baseline first, then SGD, EF, SF and iEF.
+E2_OPTIMIZERS: dict[str, tuple[str, ...]] = {
+    "pt": ("adafactor", "sgd", "ef", "sf", "ief"),
+    "lora": ("adamw", "sgd", "ef", "sf", "ief"),
+    "scratch": ("adam", "sgd", "ef", "sf", "ief"),
+}
+E2_SEEDS = (0, 1, 2)
+
+
+def e2_setups(scale: str) -> tuple[str, ...]:
+    """The setups of E2 at ``scale``: the paper's 16 at ``full``, the CPU siblings at ``cpu`` and ``smoke``."""
+    _check("scale", scale, SCALES)
+    return PAPER_SETUPS if scale == "full" else CPU_SETUPS
+
+
+def e2_optimizers(name: str) -> tuple[str, ...]:
+    """The optimisers of the paper's E2 tables for setup ``name`` (by its method: prompt tuning, LoRA, scratch)."""
+    return E2_OPTIMIZERS[resolve(name, scales_of(name)[-1]).method]

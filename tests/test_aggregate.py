@@ -114,3 +114,16 @@ def test_cli(runs, tmp_path, capsys):
     assert "no finished run" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert main(["aggregate", "--scale", "huge", "--runs", str(out), "--out", str(tmp_path / "x")]) == 2
     assert "valid scales" in capsys.readouterr().err
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=3000), st.floats(0.001, 1.0))
+def test_final_loss_window_property(losses, fraction):
+    """Always the mean of the last ceil(fraction * n) >= 1 values, whatever the run's length."""
+    k = max(1, math.ceil(fraction * len(losses)))
+    assert 1 <= k <= len(losses)
+    assert final_loss(losses, fraction) == pytest.approx(float(np.mean(losses[-k:])), rel=1e-9, abs=1e-9)

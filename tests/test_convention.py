@@ -195,3 +195,16 @@ def test_registry_uses_the_token_mean_convention_for_the_paper_setups_only():
     assert isinstance(opt, TokenMeanIEF) and opt.paper_lr == 100.0 and opt.paper_damping == 1e-7
     opt, _ = make_optimizer(case.model, optimizer_config(resolve("digits-mlp", "cpu"), "ief"), 10)
     assert type(opt) is IEF
+
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@given(st.sampled_from(["ief", "ef", "sf"]), st.floats(1e-6, 1e3), st.floats(0.0, 1.0), st.integers(1, 10_000),
+       st.booleans())
+def test_conversion_round_trips_and_damping_scales_by_k_squared(method, lr, damping, k, normalized):
+    lr_s, d_s = to_sum_convention(method, lr, damping, k, normalized=normalized)
+    assert d_s == pytest.approx(damping * k * k)
+    assert lr_s == pytest.approx(lr if normalized else (lr / k if method == "ief" else lr * k))
+    assert to_token_mean_convention(method, lr_s, d_s, k, normalized=normalized) == pytest.approx((lr, damping))

@@ -46,7 +46,8 @@ def label(optimizer: str) -> str:
 def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[str, Sequence[str]], *,
                 validation: str = "val_score", points: int = 100, title: str | None = None):
     """Training loss (top) and validation metric (bottom) vs update step, one column per setup: mean over seeds
-    with a ± sd band. The training loss is first averaged over ``points`` windows per run (the paper's 100 points).
+    with a ± sd band. The training loss is first averaged over ``points`` windows per run (the paper's 100 points)
+    and drawn on a log axis whose bottom is half the lowest mean, where a band reaching ``mean - sd <= 0`` ends.
 
     ``optimizers``: the optimisers to draw per setup (the paper's table's, in its order). Returns the figure.
     """
@@ -70,6 +71,9 @@ def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[st
                     ax.fill_between(b.step, b["mean"] - b["sd"], b["mean"] + b["sd"], color=color, alpha=0.18,
                                     lw=0)
             axes[0, col].set(title=setup, ylabel="training loss (per target token)", yscale="log")
+            means = loss[(loss.setup == setup) & (loss["mean"] > 0)]["mean"]
+            if len(means):  # log axis: a band whose lower edge (mean - sd) is <= 0 runs to the panel's bottom
+                axes[0, col].set_ylim(bottom=0.5 * float(means.min()))
             axes[1, col].set(xlabel="update step", ylabel=f"validation {validation.removeprefix('val_')}")
             axes[0, col].legend(fontsize=8)
         if title:

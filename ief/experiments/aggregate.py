@@ -176,7 +176,8 @@ def curve_bands(curves: pd.DataFrame, quantity: str, points: int | None = None) 
 
     ``points``: for ``train_loss``, average each run's losses over ``points`` equal windows of updates first (the
     paper's 100 points, each the mean of the batches since the previous point); ``step`` is then the window's last
-    update. Columns: ``setup, optimizer, step, mean, sd, n``.
+    update. Columns: ``setup, optimizer, step, mean, sd, n`` (``sd`` is 0 where one seed has the step: a band of no
+    width, for plotting; :func:`summarise` gives ``nan`` instead).
     """
     c = curves[curves["quantity"] == quantity]
     if c.empty:

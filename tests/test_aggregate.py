@@ -127,3 +127,12 @@ def test_final_loss_window_property(losses, fraction):
     k = max(1, math.ceil(fraction * len(losses)))
     assert 1 <= k <= len(losses)
     assert final_loss(losses, fraction) == pytest.approx(float(np.mean(losses[-k:])), rel=1e-9, abs=1e-9)
+
+
+def test_a_diverged_run_is_a_row_with_its_step(tmp_path):
+    train(SETUP, "sgd", 0, "smoke", tmp_path / "runs", lr=1e30, progress=False, verbose=False)  # NaN at step 2
+    aggregate(tmp_path / "runs", "smoke", tmp_path)
+    table, curves = read_tables(tmp_path)
+    (row,) = table.itertuples()
+    assert row.diverged_step == 2 and row.steps == 1  # the failed update is not applied
+    assert math.isfinite(row.final_train_loss) and len(curves[curves.quantity == "train_loss"]) == 1

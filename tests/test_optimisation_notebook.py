@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 from nbrun import run_notebook
 
-from ief.experiments.aggregate import collect, mean_sd
+from ief.experiments.aggregate import aggregate, collect, mean_sd
 from ief.experiments.setups import CPU_SETUPS, e2_optimizers
 from ief.plots.optimisation import label
 
@@ -36,3 +37,19 @@ def test_optimisation_notebook_smoke(tmp_path):
     tags = [c.metadata.get("tags", []) for c in nb.cells if c.cell_type == "code"]
     assert tags[0] == ["parameters"] or "parameters" in tags[0]
     assert all({"hide-input", "remove-input", "injected-parameters"} & set(t) for t in tags[1:])
+
+    # the workflow's path: the aggregated tables in results_dir, no runs at hand -> the same tables
+    aggregate(runs, "smoke", tmp_path / "results")
+    again = tmp_path / "fig2"
+    run_notebook("optimisation.ipynb", tmp_path / "second", scale="smoke", out_dir=str(again),
+                 runs_dir=str(tmp_path / "no-runs"), results_dir=str(tmp_path / "results"), seeds=SEEDS)
+    for name in ("tab_sum_test.csv", "tab_train_lora.csv", "tab_test_mlp.csv", "tab_validation_pt.csv"):
+        assert (again / name).read_text() == (figures / name).read_text()
+
+
+def test_missing_runs_name_the_command_that_makes_them(tmp_path):
+    import papermill
+
+    with pytest.raises(papermill.PapermillExecutionError, match="make book"):
+        run_notebook("optimisation.ipynb", tmp_path, scale="cpu", out_dir=str(tmp_path / "fig"),
+                     runs_dir=str(tmp_path / "no-runs"), results_dir=str(tmp_path / "no-results"))

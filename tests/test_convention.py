@@ -14,7 +14,7 @@ import ief
 from ief.directions import sf_direction
 from ief.experiments.convention import target_tokens, to_sum_convention, to_token_mean_convention
 from ief.experiments.optimizers import TokenMeanEF, TokenMeanIEF, make_optimizer
-from ief.experiments.setups import optimizer_config, resolve
+from ief.experiments.setups import GLUE_LABEL_WORDS, optimizer_config, resolve
 from ief.optim import EF, IEF
 
 CASES = {"t5-lora": t5_lora_case, "t5-prompt": t5_prompt_case}
@@ -208,3 +208,23 @@ def test_conversion_round_trips_and_damping_scales_by_k_squared(method, lr, damp
     assert d_s == pytest.approx(damping * k * k)
     assert lr_s == pytest.approx(lr if normalized else (lr / k if method == "ief" else lr * k))
     assert to_token_mean_convention(method, lr_s, d_s, k, normalized=normalized) == pytest.approx((lr, damping))
+
+
+def test_t5_targets_follow_the_official_label_format():
+    """As the released code: labels = tokenizer(label word) (its tokens + </s>), -100 padded, and the decoder input
+    is what Hugging Face's T5 makes of those labels (``_shift_right``), so outputs.loss counts the same K tokens."""
+    from ief.experiments.data import load_data
+    from ief.experiments.models import build_model
+    from ief.experiments.tasks import make_task
+
+    cfg = resolve("mnli-t5-lora", "smoke")
+    data = load_data(cfg)
+    model, tokenizer = build_model(cfg, data)
+    task = make_task(cfg, model, tokenizer)
+    batch = [data.train[i] for i in range(8)]
+    inputs, targets = task.collate(batch)
+    for e, row in zip(batch, targets.tolist()):
+        word = tokenizer(GLUE_LABEL_WORDS["mnli"][e["label"]])["input_ids"]
+        assert word[-1] == tokenizer.eos_token_id and row[:len(word)] == word and set(row[len(word):]) <= {-100}
+    base = model.get_base_model()
+    assert torch.equal(inputs["decoder_input_ids"], base._shift_right(targets))

@@ -58,7 +58,8 @@ def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[st
     loss = curve_bands(curves, "train_loss", points=points)
     val = curve_bands(curves, validation)
     with _style():
-        fig, axes = plt.subplots(2, len(setups), figsize=(max(4.2 * len(setups), 7.0), 6.4), squeeze=False, sharex="col")
+        width = max(4.2 * len(setups), 7.0)
+        fig, axes = plt.subplots(2, len(setups), figsize=(width, 6.4), squeeze=False, sharex="col")
         for col, setup in enumerate(setups):
             for opt in optimizers[setup]:
                 for row, bands in ((0, loss), (1, val)):

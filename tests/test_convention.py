@@ -116,7 +116,7 @@ def test_converted_ief_equals_the_official_update_batch_by_batch(name):
         before = _flat(ours)
         opt.step(inputs, labels)
         k = target_tokens(labels)
-        assert opt.last_tokens == k
+        assert opt.last_tokens == k and opt.last_sum_rates == to_sum_convention("ief", lr, damping, k)
         assert opt.param_groups[0]["lr"] == pytest.approx(lr / k) and opt.param_groups[0]["damping"] == pytest.approx(
             damping * k * k)
         torch.testing.assert_close(_flat(ours) - before, expected, rtol=1e-9, atol=1e-12 * float(expected.abs().max()))

@@ -35,7 +35,8 @@ class Diverged(RuntimeError):
 class TokenMeanRates:
     """Mixin for :class:`ief.optim.IEF` / ``EF`` / ``SF`` whose ``lr`` and ``damping`` are given in the paper's
     token-mean convention: before every step they are set to :func:`.convention.to_sum_convention` of the batch's
-    ``K`` target tokens. ``paper_lr`` / ``paper_damping`` keep the given values; ``last_tokens`` the last ``K``."""
+    ``K`` target tokens. ``paper_lr`` / ``paper_damping`` keep the given values; ``last_tokens`` the last batch's
+    ``K`` and ``last_sum_rates`` the ``(lr, damping)`` it ran with (for a runner to log)."""
 
     method = ""
 
@@ -43,12 +44,14 @@ class TokenMeanRates:
         super().__init__(model, lr=lr, damping=damping, **kwargs)  # type: ignore[call-arg]
         self.paper_lr, self.paper_damping = float(lr), float(damping)
         self.last_tokens: int | None = None
+        self.last_sum_rates: tuple[float, float] | None = None
 
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         group = self.param_groups[0]  # type: ignore[attr-defined]
         self.last_tokens = target_tokens(targets)
         group["lr"], group["damping"] = to_sum_convention(self.method, self.paper_lr, self.paper_damping,
                                                           self.last_tokens, normalized=group["normalize"])
+        self.last_sum_rates = (group["lr"], group["damping"])
         return super().step(inputs, targets)  # type: ignore[misc]
 
 

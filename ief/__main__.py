@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from .experiments import (MissingResource, RunInterrupted, describe, format_describe, resolve, scales_of, train)
-    from .experiments.setups import OPTIMIZERS, SCALES, SETUPS
+    from .experiments.setups import OPTIMIZERS, SETUPS
 
     try:
         if args.command == "list":
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "aggregate":
             from .experiments.aggregate import aggregate, find_runs
+            from .experiments.setups import SCALES
 
             if args.scale not in SCALES:
                 raise ValueError(f"unknown scale {args.scale!r}; valid scales: {', '.join(SCALES)}")

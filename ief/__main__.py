@@ -41,6 +41,10 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("search", help="learning-rate search over the paper's grids, chosen on validation")
     sub.add_parser("list", help="list the setups, their scales and the optimisers")
     _add_evaluate_parser(sub)
+    a = sub.add_parser("aggregate", help="gather finished runs into DIR/e2_runs.csv and DIR/e2_curves.csv (E2)")
+    a.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
+    a.add_argument("--runs", required=True, metavar="RUNS", help="the runs folder (RUNS/<scale>/<setup>/...)")
+    a.add_argument("--out", required=True, metavar="DIR", help="where the two CSV files go")
     for q in (d, t, r):
         q.add_argument("--setup", required=True, metavar="S", help="one of: " + ", ".join(SETUPS))
         q.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
@@ -112,6 +116,22 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = resolve(name, "smoke")
                 opts = [o for o in OPTIMIZERS if o in cfg.optimizers]
                 print(f"{name:20s} scales: {', '.join(scales_of(name)):12s} optimizers: {', '.join(opts)}")
+            return 0
+        if args.command == "aggregate":
+            from .experiments.aggregate import aggregate, find_runs
+            from .experiments.setups import SCALES
+
+            if args.scale not in SCALES:
+                raise ValueError(f"unknown scale {args.scale!r}; valid scales: {', '.join(SCALES)}")
+            done, unfinished = find_runs(args.runs, args.scale)
+            try:
+                paths = aggregate(args.runs, args.scale, args.out)
+            except FileNotFoundError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+            for path in paths:
+                print(f"wrote {path}")
+            print(f"{len(done)} finished runs" + (f"; {len(unfinished)} unfinished (left out)" if unfinished else ""))
             return 0
         overrides = _overrides(args.set)
         if args.command == "search":

@@ -2,7 +2,9 @@
 
 - ``ief`` / ``ef`` / ``sf``: :mod:`ief.optim` (``alg:iEF``, ``alg:EF``, ``alg:SF``), which run the forward and the
   per-sample backward themselves and minimise ``L = sum_n l_n``. ``normalised-linear`` (EF, SF): every update
-  rescaled to norm ``lr`` times ``1 - t/T``.
+  rescaled to norm ``lr`` times ``1 - t/T``. With ``options["convention"] == "token-mean"`` (the paper's setups)
+  ``lr`` and ``damping`` are the paper's values, for the mean loss over the batch's target tokens as in its released
+  code, and :class:`TokenMeanRates` converts them to the sum convention for every batch (:mod:`.convention`).
 - ``adamw``, ``adam``, ``sgd`` (no momentum): torch; ``adafactor``: ``transformers.optimization.Adafactor``. They
   minimise the mean cross-entropy over the batch's target tokens (Hugging Face's loss, for which the paper's
   baseline learning rates were tuned). ``multistep``: ``lr`` times ``gamma`` at the milestone epochs.
@@ -19,6 +21,7 @@ import torch
 
 from ..model_call import call_model
 from ..optim import EF, IEF, SF
+from .convention import CONVENTIONS, target_tokens, to_sum_convention
 from .setups import OptimizerConfig
 
 EXACT = ("ief", "ef", "sf")
@@ -27,6 +30,41 @@ IGNORE = -100
 
 class Diverged(RuntimeError):
     """The loss or the update is not finite: training stops here (the run still finishes and reports it)."""
+
+
+class TokenMeanRates:
+    """Mixin for :class:`ief.optim.IEF` / ``EF`` / ``SF`` whose ``lr`` and ``damping`` are given in the paper's
+    token-mean convention: before every step they are set to :func:`.convention.to_sum_convention` of the batch's
+    ``K`` target tokens. ``paper_lr`` / ``paper_damping`` keep the given values; ``last_tokens`` the last batch's
+    ``K`` and ``last_sum_rates`` the ``(lr, damping)`` it ran with (for a runner to log)."""
+
+    method = ""
+
+    def __init__(self, model: torch.nn.Module, lr: float, damping: float, **kwargs: Any):
+        super().__init__(model, lr=lr, damping=damping, **kwargs)  # type: ignore[call-arg]
+        self.paper_lr, self.paper_damping = float(lr), float(damping)
+        self.last_tokens: int | None = None
+        self.last_sum_rates: tuple[float, float] | None = None
+
+    def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        group = self.param_groups[0]  # type: ignore[attr-defined]
+        self.last_tokens = target_tokens(targets)
+        group["lr"], group["damping"] = to_sum_convention(self.method, self.paper_lr, self.paper_damping,
+                                                          self.last_tokens, normalized=group["normalize"])
+        self.last_sum_rates = (group["lr"], group["damping"])
+        return super().step(inputs, targets)  # type: ignore[misc]
+
+
+class TokenMeanIEF(TokenMeanRates, IEF):
+    method = "ief"
+
+
+class TokenMeanEF(TokenMeanRates, EF):
+    method = "ef"
+
+
+class TokenMeanSF(TokenMeanRates, SF):
+    method = "sf"
 
 
 def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: int
@@ -39,7 +77,12 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: in
         if name != "ief" or cfg.schedule == "normalised-linear":
             normalised = cfg.schedule == "normalised-linear"
             kwargs.update(normalize=normalised, total_steps=total_steps if normalised else None)
-        opt: torch.optim.Optimizer = {"ief": IEF, "ef": EF, "sf": SF}[name](model, **kwargs)
+        convention = cfg.options.get("convention", "sum")
+        if convention not in CONVENTIONS:
+            raise ValueError(f"unknown loss convention {convention!r} for {name}; valid: {', '.join(CONVENTIONS)}")
+        classes = {"ief": IEF, "ef": EF, "sf": SF} if convention == "sum" else \
+            {"ief": TokenMeanIEF, "ef": TokenMeanEF, "sf": TokenMeanSF}
+        opt: torch.optim.Optimizer = classes[name](model, **kwargs)
     elif name == "adamw":
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     elif name == "adam":

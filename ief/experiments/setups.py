@@ -11,7 +11,10 @@ with a learnable rule, seconds per run). The same code builds and trains every s
 differ. :func:`resolve` gives a :class:`SetupConfig`, a plain frozen record that the runner writes as ``config.json``.
 
 Hyperparameters at ``full`` are the paper's (``sec:app-optimiser``, ``sec:app-mlp-cifar10``); combinations the paper
-did not run (say Adafactor on LoRA) carry values marked ``not in the paper``. At ``cpu`` the learning rates are
+did not run (say Adafactor on LoRA) carry values marked ``not in the paper``. The paper's EF/SF/iEF learning rates and
+dampings are for its code's loss, the mean over the batch's target tokens: those optimisers carry
+``options["convention"] = "token-mean"`` and are converted to ``ief``'s sum convention for every batch
+(:mod:`.convention`; at smoke scale too, for the paper's setups). At ``cpu`` the learning rates are
 the choices of a search over the paper's own grids on the validation split (:mod:`.search`, recorded in
 ``ief/experiments/lr_search/cpu-<setup>.json``; :data:`CPU_LEARNING_RATES`); every other value (damping, weight
 decay, schedule) is the paper's for the analogous setup. The smoke versions of the CPU siblings use the same values.
@@ -130,44 +133,62 @@ _NOT_IN_PAPER = "not in the paper"
 _ADAFACTOR = dict(scale_parameter=False, relative_step=False, warmup_init=False, decay_rate=-0.8, clip_threshold=1.0)
 
 
-def _pt_optimizers(source: str) -> dict[str, OptimizerConfig]:
+# The paper's EF/SF/iEF values are for its code's loss, the mean over the batch's target tokens; they are converted to
+# ief's sum convention for every batch (ief.experiments.convention). Setups searched here (cpu) are in ief's convention.
+_TOKEN_MEAN = {"convention": "token-mean",
+               "sum_convention": "per batch of K target tokens: iEF lr/K, damping*K^2; normalised EF/SF lr, "
+                                 "damping*K^2; un-normalised EF/SF lr*K, damping*K^2 (ief.experiments.convention)"}
+
+
+def _paper_rates(token_mean: bool) -> dict[str, Any]:
+    return dict(_TOKEN_MEAN) if token_mean else {}
+
+
+def _pt_optimizers(source: str, token_mean: bool = True) -> dict[str, OptimizerConfig]:
     """Prompt tuning (sec:app-optimiser, "Prompt Tuning + T5-base on GLUE"). Adafactor's "beta_2 = 0.8" is the
-    T5X ``decay_rate=0.8`` (beta_2 at step t = 1 - t^-0.8), which transformers' Adafactor spells ``decay_rate=-0.8``."""
+    T5X ``decay_rate=0.8`` (beta_2 at step t = 1 - t^-0.8), which transformers' Adafactor spells ``decay_rate=-0.8``.
+    ``token_mean``: EF/SF/iEF rates and dampings in the paper's token-mean convention (converted per batch)."""
+    o = _paper_rates(token_mean)
     return {
         "adafactor": OptimizerConfig("adafactor", 0.3, weight_decay=1e-5, options=dict(_ADAFACTOR), source=source),
         "sgd": OptimizerConfig("sgd", 100.0, source=source),
-        "ief": OptimizerConfig("ief", 50.0, damping=1e-12, source=source),
-        "ef": OptimizerConfig("ef", 1.0, damping=1e-12, schedule="normalised-linear", source=source),
-        "sf": OptimizerConfig("sf", 1.0, damping=1e-12, schedule="normalised-linear", source=source),
+        "ief": OptimizerConfig("ief", 50.0, damping=1e-12, options=dict(o), source=source),
+        "ef": OptimizerConfig("ef", 1.0, damping=1e-12, schedule="normalised-linear", options=dict(o), source=source),
+        "sf": OptimizerConfig("sf", 1.0, damping=1e-12, schedule="normalised-linear", options=dict(o), source=source),
         "adamw": OptimizerConfig("adamw", 0.03, weight_decay=1e-5,
                                  source=f"{_NOT_IN_PAPER} (peft's prompt-tuning examples use AdamW lr 3e-2)"),
     }
 
 
-def _lora_optimizers(source: str) -> dict[str, OptimizerConfig]:
+def _lora_optimizers(source: str, token_mean: bool = True) -> dict[str, OptimizerConfig]:
     """LoRA (sec:app-optimiser, "LoRA + T5-base on GLUE"; "the same hyperparameters" for ViT + CIFAR100)."""
+    o = _paper_rates(token_mean)
     return {
         "adamw": OptimizerConfig("adamw", 1e-3, weight_decay=1e-2, source=source),
         "sgd": OptimizerConfig("sgd", 0.1, source=source),
-        "ief": OptimizerConfig("ief", 100.0, damping=1e-7, source=source),
-        "ef": OptimizerConfig("ef", 0.01, damping=1e-7, schedule="normalised-linear", source=source),
-        "sf": OptimizerConfig("sf", 0.01, damping=1e-7, schedule="normalised-linear", source=source),
+        "ief": OptimizerConfig("ief", 100.0, damping=1e-7, options=dict(o), source=source),
+        "ef": OptimizerConfig("ef", 0.01, damping=1e-7, schedule="normalised-linear", options=dict(o), source=source),
+        "sf": OptimizerConfig("sf", 0.01, damping=1e-7, schedule="normalised-linear", options=dict(o), source=source),
         "adafactor": OptimizerConfig("adafactor", 1e-3, weight_decay=1e-5, options=dict(_ADAFACTOR),
                                      source=f"{_NOT_IN_PAPER} (prompt tuning's Adafactor settings, AdamW's lr)"),
     }
 
 
-def _mlp_optimizers(source: str, milestone: int) -> dict[str, OptimizerConfig]:
+def _mlp_optimizers(source: str, milestone: int, token_mean: bool = True) -> dict[str, OptimizerConfig]:
     """The MLP (sec:app-mlp-cifar10): multi-step (x0.1) schedule for Adam and SGD, constant iEF, normalised linear
-    EF/SF. The paper states no damping for this experiment; iEF/EF/SF use the LoRA value 1e-7 here."""
+    EF/SF. The paper states no damping for this experiment; iEF/EF/SF use the LoRA value 1e-7 here. The token-mean
+    convention (K = M, the batch mean of torch's cross-entropy) is assumed: no code was released for this setup."""
     ms = (milestone,)
     damping_note = f"{source}; damping not stated in the paper (1e-7 as for LoRA)"
+    o = _paper_rates(token_mean)
     return {
         "adam": OptimizerConfig("adam", 1e-4, schedule="multistep", milestones=ms, source=source),
         "sgd": OptimizerConfig("sgd", 0.1, schedule="multistep", milestones=ms, source=source),
-        "ief": OptimizerConfig("ief", 50.0, damping=1e-7, source=damping_note),
-        "ef": OptimizerConfig("ef", 1e-4, damping=1e-7, schedule="normalised-linear", source=damping_note),
-        "sf": OptimizerConfig("sf", 0.1, damping=1e-7, schedule="normalised-linear", source=damping_note),
+        "ief": OptimizerConfig("ief", 50.0, damping=1e-7, options=dict(o), source=damping_note),
+        "ef": OptimizerConfig("ef", 1e-4, damping=1e-7, schedule="normalised-linear", options=dict(o),
+                              source=damping_note),
+        "sf": OptimizerConfig("sf", 0.1, damping=1e-7, schedule="normalised-linear", options=dict(o),
+                              source=damping_note),
         "adamw": OptimizerConfig("adamw", 1e-4, weight_decay=1e-2, schedule="multistep", milestones=ms,
                                  source=f"{_NOT_IN_PAPER} (Adam's lr and schedule, AdamW's weight decay)"),
         "adafactor": OptimizerConfig("adafactor", 1e-3, weight_decay=0.0, options=dict(_ADAFACTOR),
@@ -288,7 +309,7 @@ def _mlp(name: str, scale: str) -> SetupConfig:
                    "out of CIFAR10 train with a fixed seed; inputs: pixels/255 standardised per channel"),
         )
     if name == "digits-mlp":
-        optimizers, provisional = _cpu_searched(name, _mlp_optimizers("the paper's MLP values", 5))
+        optimizers, provisional = _cpu_searched(name, _mlp_optimizers("the paper's MLP values", 5, token_mean=False))
     if name == "digits-mlp" and scale == "cpu":
         return SetupConfig(
             name=name, scale=scale, family="mlp", method="scratch", task="digits",
@@ -327,7 +348,7 @@ def _minilm(method: str, scale: str) -> SetupConfig:
                 "MiniLM has no LM head, so its randomly initialised classifier head trains with the prompts")
     name = f"tweets-minilm-{method}"
     optimizers, provisional = _cpu_searched(name, (_lora_optimizers if method == "lora" else _pt_optimizers)(
-        "the paper's T5 values for the same method"))
+        "the paper's T5 values for the same method", token_mean=False))
     if scale == "cpu":
         return SetupConfig(
             name=f"tweets-minilm-{method}", scale=scale, family="bert", method=method, task="tweets",
@@ -407,3 +428,25 @@ def optimizer_config(cfg: SetupConfig, optimizer: str, lr: float | None = None,
                              + (", multistep" if opt.milestones else ""))
         opt = dataclasses.replace(opt, schedule=schedule, source=f"{opt.source}; schedule overridden")
     return opt
+
+
+# ------------------------------------------------------------------------------------------------ the E2 grid
+# The optimisers of the paper's E2 tables by fine-tuning method (tab:train, tab:test, tab:test-mlp): each method's
+# well-tuned baseline first, then SGD, EF, SF and iEF.
+E2_OPTIMIZERS: dict[str, tuple[str, ...]] = {
+    "pt": ("adafactor", "sgd", "ef", "sf", "ief"),
+    "lora": ("adamw", "sgd", "ef", "sf", "ief"),
+    "scratch": ("adam", "sgd", "ef", "sf", "ief"),
+}
+E2_SEEDS = (0, 1, 2)
+
+
+def e2_setups(scale: str) -> tuple[str, ...]:
+    """The setups of E2 at ``scale``: the paper's 16 at ``full``, the CPU siblings at ``cpu`` and ``smoke``."""
+    _check("scale", scale, SCALES)
+    return PAPER_SETUPS if scale == "full" else CPU_SETUPS
+
+
+def e2_optimizers(name: str) -> tuple[str, ...]:
+    """The optimisers of the paper's E2 tables for setup ``name`` (by its method: prompt tuning, LoRA, scratch)."""
+    return E2_OPTIMIZERS[resolve(name, scales_of(name)[-1]).method]

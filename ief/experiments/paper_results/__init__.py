@@ -1,0 +1,37 @@
+"""The paper's reported E2 numbers, transcribed once as data (``sec:opt-exp``, ``sec:app-mlp-cifar10``).
+
+``e2.csv`` holds every cell of tab:sum-test, tab:train, tab:validation, tab:test and tab:test-mlp, one row per
+number: ``table`` (the paper's label), ``method`` (``prompt-tuning`` | ``lora`` | ``mlp``), ``optimizer`` (the
+registry's names), ``task`` (``cola`` ... ``rte``, ``cifar100``, ``cifar10``; ``glue`` for tab:sum-test's GLUE
+average), ``metric`` (the runner's metric names: ``accuracy``, ``matthews_correlation``, ``f1``,
+``accuracy_matched`` / ``accuracy_mismatched``; ``final_train_loss``; ``score`` for tab:sum-test's average;
+``val_accuracy`` / ``test_accuracy`` for tab:test-mlp), ``value`` and ``sd`` as printed (metrics x 100, losses as
+they are; ``sd`` empty where the paper gives none) and ``bold`` (1 where the paper marks the best).
+
+The paper's MNLI validation cell is the accuracy over the whole development set (matched and mismatched together);
+its test cells are matched and mismatched accuracies. ``e2_tables.tex`` is the verbatim LaTeX of those five tables
+(with their source line numbers), against which ``tests/test_paper_results.py`` checks every cell.
+"""
+from __future__ import annotations
+
+from importlib import resources
+
+import pandas as pd
+
+TABLES = ("tab:sum-test", "tab:train", "tab:validation", "tab:test", "tab:test-mlp")
+
+
+def paper_results(table: str | None = None) -> pd.DataFrame:
+    """The transcribed cells (all tables, or one ``table`` label), with ``value`` and ``sd`` as floats."""
+    with resources.files(__package__).joinpath("e2.csv").open() as f:
+        df = pd.read_csv(f, dtype={"value": float, "sd": float, "bold": int})
+    if table is not None:
+        if table not in TABLES:
+            raise ValueError(f"unknown table {table!r}; transcribed tables: {', '.join(TABLES)}")
+        df = df[df["table"] == table].reset_index(drop=True)
+    return df
+
+
+def paper_source() -> str:
+    """The verbatim LaTeX of the transcribed tables."""
+    return resources.files(__package__).joinpath("e2_tables.tex").read_text()

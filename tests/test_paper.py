@@ -13,11 +13,13 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tools import paper_labels
+
 from ief.paper import cite, cite_keys, labels
 from ief.paper.coverage import CHAPTERS, COVERAGE, NOT_YET, SCALES, paper_figures_and_tables, readme_block
 
 ROOT = Path(__file__).resolve().parents[1]
-TEX = Path("/work/shared/paper/ief-paper.tex")
+TEX = paper_labels.TEX  # the paper beside the repository (tools.paper_labels.find_paper)
 ROLE = re.compile(r"\{paper\}`([^`]+)`")
 RAW_KEY = re.compile(r"(?<![\w{`/])(?:eqn|fig|tab|sec|lemma|theorem|ass|alg):[A-Za-z0-9_\-]+")
 

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from tools import paper_labels
+
 from ief.experiments.paper_results import TABLES, paper_results, paper_source
 
 TASK_ORDER = ["glue", "cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte", "cifar100", "cifar10"]
 ROW_NAME = {"adamw": "AdamW", "adafactor": "Adafactor", "sgd": "SGD", "ef": "EF", "sf": "SF", "ief": "iEF",
             "adam": "Adam"}
-PAPER = Path("/work/shared/paper/ief-paper.tex")  # where the paper lives on the project's machine
+PAPER = paper_labels.TEX  # the paper beside the repository (tools.paper_labels.find_paper)
 
 
 def _blocks() -> dict[str, str]:

@@ -29,7 +29,22 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TEX = Path("/work/shared/paper/ief-paper.tex")
+
+
+def find_paper() -> Path:
+    """The paper's LaTeX source: ``$IEF_PAPER_TEX``, else ``shared/paper/ief-paper.tex`` beside the repository (where
+    the project's machines and CI keep it), else the project machine's ``/work/shared``."""
+    import os
+
+    candidates = [os.environ.get("IEF_PAPER_TEX"), ROOT.parent / "shared" / "paper" / "ief-paper.tex",
+                  "/work/shared/paper/ief-paper.tex"]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return Path(candidate)
+    return Path(candidates[1])
+
+
+TEX = find_paper()
 OUTPUT = ROOT / "ief" / "paper" / "labels.json"
 
 _TOKEN = re.compile(

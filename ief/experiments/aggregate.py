@@ -19,7 +19,6 @@ points over training, each the mean of the batches since the previous point).
 from __future__ import annotations
 
 import io
-import math
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +27,11 @@ import pandas as pd
 
 from . import store
 from .metrics import score
+from .summaries import FINAL_FRACTION, final_window  # the book's one definition of "final"
 
 RUNS_FILE = "e2_runs.csv"
 CURVES_FILE = "e2_curves.csv"
 KEYS = ["scale", "setup", "optimizer", "seed"]
-FINAL_FRACTION = 0.1  # final_train_loss: the mean over the last 10 % of the updates (at least one)
 
 
 def final_loss(losses: list[float] | np.ndarray, fraction: float = FINAL_FRACTION) -> float:
@@ -43,13 +42,10 @@ def final_loss(losses: list[float] | np.ndarray, fraction: float = FINAL_FRACTIO
     share at full scale (e.g. 100 of 4,200 steps for SST-2 + T5 is 2.4 %; 10 % of 64 cpu steps is 7 steps).
     ``nan`` for a run without updates; a non-finite loss in the window makes the result non-finite (never hidden).
     """
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
     values = np.asarray(losses, dtype=float)
     if values.size == 0:
         return float("nan")
-    k = max(1, math.ceil(fraction * values.size))
-    return float(values[-k:].mean())
+    return float(values[-final_window(values.size, fraction):].mean())
 
 
 def _metric_columns(prefix: str, metrics: dict[str, float] | None) -> dict[str, float]:

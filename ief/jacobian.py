@@ -317,6 +317,27 @@ _AXIS_CACHE_SIZE = 256
 _WARNED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
 
 
+def recording_hook(records: list, slots: int = 2) -> Callable:
+    """A forward hook that appends ``[input, output grad, None, ...]`` (``slots`` entries) to ``records`` for every
+    call whose output reaches a loss, and fills in the gradient flowing back into that output (summed if it arrives
+    in parts). The input is ``None`` when the call had no positional tensor. Shared by the per-sample capture here
+    and the K-FAC factors (:mod:`ief.kfac`)."""
+
+    def hook(module, args, output):
+        if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        x = args[0].detach() if args and isinstance(args[0], torch.Tensor) else None
+        record = [x] + [None] * (slots - 1)
+        records.append(record)
+
+        def keep_grad(grad):
+            record[1] = grad if record[1] is None else record[1] + grad
+
+        output.register_hook(keep_grad)
+
+    return hook
+
+
 class _Capture:
     """Hooks that keep (input, output-gradient) pairs of every call of the modules owning trainable parameters."""
 
@@ -353,19 +374,7 @@ class _Capture:
         self.handles.clear()
 
     def _forward_hook(self, k: int):
-        def hook(module, args, output):
-            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
-                return
-            x = args[0].detach() if args and isinstance(args[0], torch.Tensor) else None  # None: no positional input
-            record = [x, None, None]
-            self.records[k].append(record)
-
-            def keep_grad(grad):
-                record[1] = grad if record[1] is None else record[1] + grad
-
-            output.register_hook(keep_grad)
-
-        return hook
+        return recording_hook(self.records[k], slots=3)  # [input, output grad, sample axis]
 
     def call_shapes(self) -> tuple:
         """Every hooked call's input shape, per hooked module, in call order."""

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .jacobian import recording_hook
 from .losses import Loss, check_damping, get_loss, logit_sqnorm
 from .model_call import Inputs, ReplayableForward, batch_size, param_names, resolve_params
 
@@ -84,8 +85,8 @@ def _rows(x: torch.Tensor, m: int, approx: str, reduce_op: str) -> torch.Tensor:
 
 class _LinearHooks:
     """Forward hooks on the ``nn.Linear`` layers owning ``params``: every call's input and the gradient that flows
-    back into its output (the same idea as the per-sample hooks of :mod:`ief.jacobian`, kept separate here because
-    K-FAC needs the raw rows, not per-sample products). ``records[k]``: ``[[input, output grad], ...]`` per call."""
+    back into its output (the per-sample capture's recording hook, :func:`ief.jacobian.recording_hook`; K-FAC needs
+    the raw rows of every ``nn.Linear``, not per-sample products or sample axes). ``records[k]``: ``[[input, output grad], ...]`` per call."""
 
     def __init__(self, model: torch.nn.Module, params: list[torch.Tensor], names: list[str], kind: str):
         index = {id(p): i for i, p in enumerate(params)}
@@ -119,18 +120,7 @@ class _LinearHooks:
         self.handles.clear()
 
     def _hook(self, k: int):
-        def hook(module, args, output):
-            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
-                return
-            record = [args[0].detach(), None]
-            self.records[k].append(record)
-
-            def keep_grad(grad):
-                record[1] = grad if record[1] is None else record[1] + grad
-
-            output.register_hook(keep_grad)
-
-        return hook
+        return recording_hook(self.records[k])  # [input, output grad] per call
 
     def clear_grads(self) -> None:
         for calls in self.records.values():

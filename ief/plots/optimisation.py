@@ -43,43 +43,100 @@ def label(optimizer: str) -> str:
 
 
 # -------------------------------------------------------------------------------------------------- figures
+# Line styles and markers per optimiser, so that curves drawn over each other stay distinguishable (the baseline,
+# AdamW/Adafactor/Adam, is also drawn last, on top).
+DASHES = {"iEF": "-", "EF": (0, (5, 2)), "SF": (0, (1, 1.5)), "SGD": (0, (6, 2, 1, 2)), "AdamW": (0, (3, 1.5)),
+          "Adam": (0, (3, 1.5)), "Adafactor": (0, (3, 1.5))}
+MARKERS = {"iEF": "o", "EF": "X", "SF": "^", "SGD": "s", "AdamW": "D", "Adam": "v", "Adafactor": "P"}
+BASELINES = ("adamw", "adafactor", "adam")
+LOG_SPAN = 10.0  # a loss panel is logarithmic when its mean curves span more than this factor, else linear
+MIN_UPDATES_PER_POINT = 4
+
+
+def curve_points(steps: int, points: int = 100) -> int:
+    """How many points a training-loss curve of ``steps`` updates is drawn with: the paper's 100, but at least
+    :data:`MIN_UPDATES_PER_POINT` updates per point (a 64-update cpu run: 16 points of 4 updates, not 64 single
+    noisy batches)."""
+    return max(1, min(points, steps // MIN_UPDATES_PER_POINT))
+
+
+def loss_axis(ax, means: pd.Series) -> str:
+    """Fit a training-loss axis to the mean curves drawn on it, so that the range the chapter discusses is readable.
+
+    Linear when the means span at most :data:`LOG_SPAN` (the tweet setups, about 0.7-1.1), with limits from the
+    means (± sd bands may leave the panel); logarithmic with labelled 1-2-5 ticks where they span orders of
+    magnitude (digits: 2.3 down to 1e-3). Returns ``"linear"`` or ``"log"``."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    values = means[np.isfinite(means) & (means > 0)]
+    if values.empty:
+        return "linear"
+    lo, hi = float(values.min()), float(values.max())
+    if hi / lo <= LOG_SPAN:
+        pad = 0.08 * (hi - lo) or 0.05 * hi
+        ax.set_ylim(lo - pad, hi + pad)
+        return "linear"
+    ax.set_yscale("log")
+    ax.set_ylim(lo / 1.6, hi * 1.6)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=30))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    return "log"
+
+
 def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[str, Sequence[str]], *,
                 validation: str = "val_score", points: int = 100, title: str | None = None):
     """Training loss (top) and validation metric (bottom) vs update step, one column per setup: mean over seeds
-    with a ± sd band. The training loss is first averaged over ``points`` windows per run (the paper's 100 points)
-    and drawn on a log axis whose bottom is half the lowest mean, where a band reaching ``mean - sd <= 0`` ends.
+    with a ± sd band. The training loss is first averaged over windows per run (the paper's ``points``, at most one
+    per :data:`MIN_UPDATES_PER_POINT` updates, :func:`curve_points`); its axis is fitted by :func:`loss_axis`
+    (linear over the range of the means, or logarithmic with 1-2-5 ticks). Each optimiser has its own line style and
+    marker; the setup's baseline (AdamW/Adafactor/Adam) is drawn on top.
 
     ``optimizers``: the optimisers to draw per setup (the paper's table's, in its order). Returns the figure.
     """
     import matplotlib.pyplot as plt
 
+    from .common import PAGE_WIDTH_IN
+
     if not setups:
         raise ValueError("no setup to plot")
-    loss = curve_bands(curves, "train_loss", points=points)
     val = curve_bands(curves, validation)
     with _style():
-        width = max(4.2 * len(setups), 7.0)
-        fig, axes = plt.subplots(2, len(setups), figsize=(width, 6.4), squeeze=False, sharex="col")
+        width = max(4.5 * len(setups), PAGE_WIDTH_IN)
+        fig, axes = plt.subplots(2, len(setups), figsize=(width, 7.4), squeeze=False, sharex="col")
         for col, setup in enumerate(setups):
-            for opt in optimizers[setup]:
+            c = curves[(curves.setup == setup) & (curves.quantity == "train_loss")]
+            steps = int(c.groupby(["optimizer", "seed"]).size().max()) if len(c) else 1
+            loss = curve_bands(curves[curves.setup == setup], "train_loss", points=curve_points(steps, points))
+            order = sorted(optimizers[setup], key=lambda o: o in BASELINES)  # the baseline last: on top
+            for z, opt in enumerate(order):
                 for row, bands in ((0, loss), (1, val)):
                     b = bands[(bands.setup == setup) & (bands.optimizer == opt)]
                     if b.empty:
                         continue
                     ax = axes[row, col]
-                    color = method_color(label(opt))
-                    ax.plot(b.step, b["mean"], color=color, lw=1.6, label=f"{label(opt)} (n={int(b.n.max())})")
-                    ax.fill_between(b.step, b["mean"] - b["sd"], b["mean"] + b["sd"], color=color, alpha=0.18,
-                                    lw=0)
-            axes[0, col].set(title=setup, ylabel="training loss (per target token)", yscale="log")
-            means = loss[(loss.setup == setup) & (loss["mean"] > 0)]["mean"]
-            if len(means):  # log axis: a band whose lower edge (mean - sd) is <= 0 runs to the panel's bottom
-                axes[0, col].set_ylim(bottom=0.5 * float(means.min()))
+                    name = label(opt)
+                    color = method_color(name)
+                    ax.plot(b.step, b["mean"], color=color, lw=2.2 if opt in BASELINES else 1.7,
+                            ls=DASHES.get(name, "-"), marker=MARKERS.get(name), ms=5,
+                            markevery=max(1, len(b) // 8), zorder=3 + z, label=f"{name} (n={int(b.n.max())})")
+                    ax.fill_between(b.step, b["mean"] - b["sd"], b["mean"] + b["sd"], color=color, alpha=0.12,
+                                    lw=0, zorder=1)
+            shown = loss[(loss.setup == setup) & loss.optimizer.isin(optimizers[setup])]["mean"]
+            kind = loss_axis(axes[0, col], shown)
+            per = max(1, steps // curve_points(steps, points))
+            axes[0, col].set(title=setup, ylabel=f"training loss ({kind} axis; mean of {per} updates per point)"
+                             if per > 1 else f"training loss ({kind} axis)")
             axes[1, col].set(xlabel="update step", ylabel=f"validation {validation.removeprefix('val_')}")
-            axes[0, col].legend(fontsize=8)
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        rank = {f"{label(o)} ": i for i, o in enumerate(optimizers[setups[0]])}  # the paper's order in the legend
+        pairs = sorted(zip(handles, labels), key=lambda hl: rank.get(hl[1].split("(")[0], len(rank)))
+        handles, labels = [h for h, _ in pairs], [lab for _, lab in pairs]
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False, fontsize=10,
+                   handlelength=3.2)
         if title:
-            fig.suptitle(title, fontsize=10, wrap=True)
-        fig.tight_layout()
+            fig.suptitle(title, fontsize=11, wrap=True)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
 

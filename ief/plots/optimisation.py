@@ -183,3 +183,112 @@ def beside(ours: pd.DataFrame, paper: pd.DataFrame, ours_name: str, paper_name: 
 def ranking(values: dict[str, float]) -> list[str]:
     """Optimisers sorted by value (lowest first; NaN last)."""
     return sorted(values, key=lambda o: (np.isnan(values[o]), values[o]))
+
+
+# ------------------------------------------------------------------------------------------ tables and findings
+SUM_TEST_PAPER = {("prompt-tuning", "glue"): "GLUE + T5 + Prompt Tuning", ("lora", "glue"): "GLUE + T5 + LoRA",
+                  ("lora", "cifar100"): "CIFAR100 + ViT + LoRA"}
+SUM_TEST_COLUMNS = ["AdamW", "Adafactor", "Adam", "SGD", "EF", "SF", "iEF"]
+
+
+def sum_test_table(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
+                   method: dict[str, str], mlp_citation: str) -> pd.DataFrame:
+    """tab:sum-test: our test score per setup (mean ± sd over seeds, %) above the paper's average test scores (its
+    three groups, and the MLP's test accuracy from tab:test-mlp, cited as ``mlp_citation``)."""
+    rows = {f"ours: {s} ({METHOD_NAMES[method[s]]})": ours_table(table, "test_score", opts[s], [s], scale=100,
+                                                                  digits=1)[s] for s in setups}
+    p = paper[paper.table == "tab:sum-test"]
+    for (m, task), name in SUM_TEST_PAPER.items():
+        q = p[(p.method == m) & (p.task == task)]
+        rows[f"paper: {name}"] = pd.Series({label(o): f"{v:.1f}" for o, v in zip(q.optimizer, q.value)})
+    q = paper[(paper.table == "tab:test-mlp") & (paper.metric == "test_accuracy")]
+    rows[f"paper: CIFAR10 + MLP ({mlp_citation})"] = pd.Series({label(o): f"{v:.1f}" for o, v in zip(q.optimizer,
+                                                                                                      q.value)})
+    return pd.DataFrame(rows).T.reindex(columns=SUM_TEST_COLUMNS).fillna("–")
+
+
+def test_mlp_table(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
+                   method: dict[str, str]) -> pd.DataFrame:
+    """tab:test-mlp: validation and test accuracy of the MLP setups (ours, mean ± sd, %) above the paper's."""
+    rows = {}
+    names = (("val_score", "val_accuracy", "validation accuracy (%)"), ("test_score", "test_accuracy",
+                                                                        "test accuracy (%)"))
+    for s in (s for s in setups if method[s] == "scratch"):
+        for col, _, name in names:
+            rows[f"ours: {s}, {name}"] = ours_table(table, col, opts[s], [s], scale=100, digits=1)[s]
+    q = paper[paper.table == "tab:test-mlp"]
+    for _, metric, name in names:
+        r = q[q.metric == metric]
+        rows[f"paper: CIFAR10 + MLP, {name}"] = pd.Series(
+            {label(o): f"{v:.1f}" + ("" if np.isnan(sd) else f" ± {sd:.2f}") for o, v, sd in zip(r.optimizer, r.value,
+                                                                                                   r.sd)})
+    return pd.DataFrame(rows).T.reindex(columns=["iEF", "Adam", "SGD", "SF", "EF"]).fillna("–")
+
+
+def e2_findings(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
+                opts: dict[str, Sequence[str]]) -> dict[str, str]:
+    """The paper's three E2 observations checked on our runs, as the sentences the chapter glues:
+
+    1. the final-loss ranking iEF < baseline < SGD < SF < EF (how many of its ordered pairs hold per setup);
+    2. EF's instability: how far its (20-window) training loss rises from its lowest point by the end, against the
+       largest rise of any other optimiser, and how many EF runs diverged;
+    3. iEF's test score against the setup's baseline (the first optimiser of ``opts``: Adafactor/AdamW/Adam)."""
+    summary = table.groupby(["setup", "optimizer"]).agg(loss=("final_train_loss", "mean"),
+                                                         test=("test_score", "mean")).reset_index()
+
+    def mean_of(s, o, column):
+        row = summary[(summary.setup == s) & (summary.optimizer == o)]
+        return float(row[column].iloc[0]) if len(row) else None
+
+    out: dict[str, str] = {}
+    rank_text, pairs_held, pairs_total, ief_lowest = [], 0, 0, 0
+    for s in setups:
+        loss = {o: v for o in opts[s] if (v := mean_of(s, o, "loss")) is not None}
+        order = ranking(loss)
+        paper_order = [o for o in ["ief", opts[s][0], "sgd", "sf", "ef"] if o in loss]
+        held = sum(loss[a] < loss[b] for i, a in enumerate(paper_order) for b in paper_order[i + 1:])
+        total = len(paper_order) * (len(paper_order) - 1) // 2
+        pairs_held, pairs_total = pairs_held + held, pairs_total + total
+        ief_lowest += bool(order) and order[0] == "ief"
+        rank_text.append(f"{s}: " + " < ".join(f"{label(o)} ({loss[o]:.3g})" for o in order)
+                         + f" ({held} of {total} of the paper's pairs hold)")
+    out["e2_obs1_rankings"] = "; ".join(rank_text)
+    out["e2_obs1_pairs"] = f"{pairs_held} of {pairs_total}"
+    out["e2_obs1_ief_lowest"] = f"{ief_lowest} of {len(setups)}"
+
+    bands = curve_bands(curves, "train_loss", points=20)
+    rise = {(s, o): float(b["mean"].iloc[-1] / b["mean"].min()) for (s, o), b in bands.groupby(["setup", "optimizer"])}
+    with_ef = [s for s in setups if (s, "ef") in rise]
+    other_max = [max(rise[(s, o)] for o in opts[s] if o != "ef" and (s, o) in rise) for s in with_ef]
+    out["e2_obs2_ef_rise"] = ", ".join(f"{s} {rise[(s, 'ef')]:.2f}×" for s in with_ef)
+    out["e2_obs2_other_max"] = ", ".join(f"{m:.2f}×" for m in other_max)
+    out["e2_obs2_ef_worst"] = f"{sum(rise[(s, 'ef')] > m for s, m in zip(with_ef, other_max))} of {len(with_ef)}"
+    ef = table[table.optimizer == "ef"]
+    out["e2_obs2_ef_diverged"] = f"{int(ef.diverged_step.notna().sum())} of {len(ef)}"
+
+    vs, wins = [], 0
+    for s in setups:
+        base = opts[s][0]
+        t = {o: v for o in (base, "ief") if (v := mean_of(s, o, "test")) is not None}
+        if len(t) < 2 or any(np.isnan(v) for v in t.values()):
+            continue
+        wins += t["ief"] > t[base]
+        vs.append(f"{s}: iEF {100 * t['ief']:.1f} vs {label(base)} {100 * t[base]:.1f} "
+                  f"({100 * (t['ief'] - t[base]):+.1f})")
+    out["e2_obs3_vs"] = "; ".join(vs) if vs else "no setup with test labels"
+    out["e2_obs3_wins"] = f"{wins} of {len(vs)}"
+    return out
+
+
+def method_tables(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
+                  method: dict[str, str], column: str, paper_label: str, *, scale: str, times: float = 1.0,
+                  digits: int = 2, metric: str | None = None) -> dict[str, pd.DataFrame]:
+    """Per fine-tuning method, our ``column`` (mean ± sd over seeds, times ``times``) beside the paper's
+    ``paper_label`` table (tab:train, tab:validation, tab:test), under headers naming each source."""
+    out = {}
+    for m in dict.fromkeys(method[s] for s in setups):
+        ss = [s for s in setups if method[s] == m]
+        ours = ours_table(table, column, opts[ss[0]], ss, scale=times, digits=digits)
+        theirs = paper_table(paper, paper_label, m, opts[ss[0]], metric=metric, digits=digits)
+        out[m] = beside(ours, theirs, f"ours ({scale})", "paper" + (" (its setups)" if scale != "full" else ""))
+    return out

@@ -120,8 +120,9 @@ def search_figure(records: dict):
             ax.set_xscale("log")
             if y == "train loss":
                 _loss_axis(ax, t["train loss"].dropna(), chosen["train loss"].dropna())
-            ax.set(title=f"{name}: {'best validation score (%)' if col == 0 else 'final train loss (' + _short_setup(defs[name]) + ')'}",
-                   xlabel="learning rate" if row == len(names) - 1 else None, ylabel=None)
+            ax.set(xlabel="learning rate" if row == len(names) - 1 else None, ylabel=None)
+            ax.set_title(f"{name}: {'best validation score (%)' if col == 0 else _short_setup(defs[name])}",
+                         fontsize=10)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     axes[0, 0].get_legend().remove()
     if ringed in hue:
@@ -136,8 +137,15 @@ def search_figure(records: dict):
 
 
 def _short_setup(definition: str) -> str:
-    """A setup's loss definition for a panel title: the one trial's, or "mixed"."""
-    return "mixed windows" if ";" in definition else _short(definition)
+    """A setup's loss definition for a panel title (short: two panels share the page width)."""
+    import re
+
+    if ";" in definition:
+        return "train loss (mixed windows)"
+    n, steps = re.search(r"last (\d+) of (\d+) updates", definition).groups()
+    if "(last 10 %)" in definition:
+        return f"final train loss (last {n} of {steps})"
+    return f"train loss: {'all ' + steps if n == steps else f'last {n} of {steps}'} updates (runner's)"
 
 
 def _loss_axis(ax, values: pd.Series, chosen: pd.Series) -> None:
@@ -177,12 +185,13 @@ def trials_table(records: dict) -> pd.DataFrame:
 
 
 def _short(definition: str) -> str:
-    """A trial's loss definition as a table cell: ``last 34 of 340 updates`` (the book's) or
-    ``all 64 updates (runner's last-100 mean)``."""
+    """A trial's loss definition (:func:`~ief.experiments.search.final_loss_definition`) as a table cell:
+    ``last 34 of 340 updates`` (the book's) or ``all 64 updates (runner's last-100 mean)``."""
+    import re
+
+    n, steps = re.search(r"last (\d+) of (\d+) updates", definition).groups()
     if "(last 10 %)" in definition:
-        return definition.split("mean of the ")[1].split(" (last 10 %)")[0]
-    steps = definition.split(" of ")[-1].split(" updates")[0]
-    n = definition.split("last ")[1].split(" of")[0]
+        return f"last {n} of {steps} updates"
     return (f"all {steps} updates" if n == steps else f"last {n} of {steps} updates") + " (runner's last-100 mean)"
 
 

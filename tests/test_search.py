@@ -192,6 +192,6 @@ def test_recorded_final_losses_are_recomputable_from_the_record(name):
         assert t["final_train_loss"] == final_train_loss(t["train_losses"])
     caption = loss_caption({name: record})
     if len(kept) == len(trials):
-        assert "book's final training loss" in caption and "runner" not in caption
+        assert "the book's final loss (last " in caption and "runner" not in caption
     else:
-        assert "runner's recorded mean of the last 100 updates" in caption and name in caption
+        assert "runner's last-100 mean" in caption and name in caption

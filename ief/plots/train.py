@@ -201,24 +201,22 @@ def loss_definitions(records: dict) -> dict[str, str]:
             for name, r in records.items()}
 
 
-def loss_caption(records: dict) -> str:
-    """The sentence a table or figure of the search states its loss column with: which setups' records hold the
-    book's final training loss (last 10 % of the updates, recomputed from the per-update losses the record keeps)
-    and which still hold the runner's mean of the last 100 updates (records made before the record kept the
-    per-update losses; they are only brought to the book's definition by running the search again)."""
+def loss_caption(records: dict, rerun: bool = True) -> str:
+    """The sentence under a figure or table of the search that says what its loss column is, per setup: the book's
+    final training loss (last 10 % of the updates, recomputed from the per-update losses the record keeps) or, for
+    records made before the record kept them, the runner's mean of the last 100 updates (only a new search brings
+    those to the book's definition). ``rerun=False``: without the sentence naming that command (for glued text, where
+    Markdown code is not rendered)."""
     defs = loss_definitions(records)
     new = [n for n, d in defs.items() if "(last 10 %)" in d and ";" not in d]
     old = [n for n in defs if n not in new]
-    parts = []
-    if new:
-        parts.append(f"for {', '.join(new)} the book's final training loss (the mean of the last 10 % of the updates, "
-                     f"recomputed from the per-update losses the record keeps)")
-    if old:
-        parts.append(f"for {', '.join(old)} the runner's recorded mean of the last 100 updates "
-                     f"({'; '.join(defs[n] for n in old)}), not the book's final loss: these records "
-                     f"predate per-update losses in the record, and only a new search "
-                     f"(`python -m ief search --setup SETUP --scale cpu`) brings them to the book's definition")
-    return "The final-train-loss column is " + "; ".join(parts) + "."
+    parts = [f"{n}: the book's final loss ({_short(defs[n])})" for n in new]
+    parts += [f"{n}: {_short(d) if ';' not in d else d}" for n in old for d in [defs[n]]]
+    text = "Train loss column, " + "; ".join(parts) + "."
+    if old and rerun:
+        text += (" The runner's 100-update mean is what records made before the search kept per-update losses hold; "
+                 "a new search (`python -m ief search --setup SETUP --scale cpu`) replaces it by the book's.")
+    return text
 
 
 def results_table(records: dict) -> pd.DataFrame:

@@ -250,9 +250,9 @@ def test_every_figure_is_legible_or_enlarges_and_screenshots(book, server, brows
     assert not problems, "\n".join(problems)
 
 
-TABLES_JS = """() => Array.from(document.querySelectorAll('main table')).filter(t => t.checkVisibility()).map((t, i) => {
+TABLES_JS = """() => Array.from(document.querySelectorAll('main table')).filter(t => t.checkVisibility())
+.map((t, i) => {
   const cells = Array.from(t.querySelectorAll('th, td')).map(c => c.textContent.trim());
-  const head = (t.closest('.cell_output, section') || t).querySelector('strong, h1, h2, h3, th');
   return {i: i, first: cells.slice(0, 4).join(' | '), rows: t.rows.length,
           hiddenRows: t.scrollHeight > t.clientHeight + 2, hiddenColumns: t.scrollWidth > t.clientWidth + 2,
           elided: cells.filter(c => c === '...' || c === '…' || c.endsWith('…')).slice(0, 3)};

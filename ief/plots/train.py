@@ -82,8 +82,8 @@ def trials_frame(records: dict) -> pd.DataFrame:
 
 
 def search_figure(records: dict):
-    """Best validation score and final train loss (as the record defines it, see :func:`loss_caption`) against the learning rate, one row per setup; the chosen
-    rate starred, diverged trials as crosses on the axis. Loss axes are linear where the losses span a narrow range
+    """Best validation score and final train loss (as the record defines it, see :func:`loss_caption`) against the
+    learning rate, one row per setup; the chosen rate starred, diverged trials as crosses on the axis. Loss axes are linear where the losses span a narrow range
     (the tweet setups: 0.8-1.1) and logarithmic where they span orders of magnitude (digits)."""
     import matplotlib.pyplot as plt
     import seaborn as sns
@@ -178,7 +178,8 @@ def trials_table(records: dict) -> pd.DataFrame:
     out = pd.DataFrame({
         "setup": t["setup"], "optimizer": t["optimizer"], "lr": t["lr"].map(lambda v: f"{v:g}"),
         "chosen": t["chosen"].map({True: "*", False: ""}), "validation (%)": (100 * t["validation_score"]).round(1),
-        "final train loss": t["final_train_loss"].round(4), "loss averages": t["final_train_loss_definition"].map(_short),
+        "final train loss": t["final_train_loss"].round(4),
+        "loss averages": t["final_train_loss_definition"].map(_short),
         "diverged": t["diverged_at_step"].map(lambda s: "-" if pd.isna(s) else f"step {int(s)}"),
         "wall (s)": t["wall_time_s"].round(0)})
     return out.set_index(["setup", "optimizer", "lr"])

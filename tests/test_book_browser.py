@@ -248,3 +248,33 @@ def test_every_figure_is_legible_or_enlarges_and_screenshots(book, server, brows
         page.screenshot(path=str(shot), full_page=True)
     page.close()
     assert not problems, "\n".join(problems)
+
+
+TABLES_JS = """() => Array.from(document.querySelectorAll('main table')).filter(t => t.checkVisibility())
+.map((t, i) => {
+  const cells = Array.from(t.querySelectorAll('th, td')).map(c => c.textContent.trim());
+  return {i: i, first: cells.slice(0, 4).join(' | '), rows: t.rows.length,
+          hiddenRows: t.scrollHeight > t.clientHeight + 2, hiddenColumns: t.scrollWidth > t.clientWidth + 2,
+          elided: cells.filter(c => c === '...' || c === '…' || c.endsWith('…')).slice(0, 3)};
+})"""
+
+
+def test_no_table_is_cut(book, server, browser):
+    """Every row and every column of every table is on the page: no inner scroll frame hiding rows or columns, no
+    cell elided by pandas ("..." / "…"), at the width a reader's window has (1400 px)."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    problems, seen = [], 0
+    for rel in _chapter_pages():
+        page.goto(urljoin(server, rel), wait_until="networkidle")
+        for t in page.evaluate(TABLES_JS):
+            seen += 1
+            what = f"{rel}: table {t['i']} ({t['rows']} rows, starting {t['first'][:60]!r})"
+            if t["hiddenRows"]:
+                problems.append(f"{what} hides rows behind a scroll frame")
+            if t["hiddenColumns"]:
+                problems.append(f"{what} hides columns behind a horizontal scroll")
+            if t["elided"]:
+                problems.append(f"{what} has elided cells {t['elided']}")
+    page.close()
+    assert seen, "no table found on any page"
+    assert not problems, "\n".join(problems)

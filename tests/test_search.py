@@ -9,7 +9,10 @@ import pytest
 from ief.__main__ import main
 from ief.experiments import CPU_SETUPS, resolve
 from ief.experiments import search as S
+from ief.experiments import store
+from ief.experiments.runner import run_dir
 from ief.experiments.setups import OPTIMIZERS
+from ief.experiments.summaries import final_train_loss
 
 
 def test_grids_are_the_papers():
@@ -102,7 +105,11 @@ def _fake_train(calls):
     def train(setup, name, seed, scale, out, *, lr, **kwargs):
         calls.append((name, lr, seed))
         score = 0.5 + 0.1 * seed + (0.3 if lr == S.GRIDS["mlp"][name].values[1] else 0.0)
-        return {"seed": seed, "final_train_loss": 1.0 / (1 + seed), "steps": 8, "diverged": None, "test": None,
+        root = run_dir(out, scale, setup, name, seed)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "config.json").write_text("{}")
+        (root / "train_loss.csv").write_text(store.loss_csv([3.0 - 0.1 * i - seed for i in range(20)], 10))
+        return {"seed": seed, "final_train_loss": 1.0 / (1 + seed), "steps": 20, "diverged": None, "test": None,
                 "wall_time_s": 0.1, "best_validation": {"score": score, "metrics": {"accuracy": score}, "step": 8}}
     return train
 
@@ -153,3 +160,38 @@ def test_search_record_that_is_not_one_is_refused(tmp_path, monkeypatch):
     path.write_text('{"setup": "cola-t5-lora"')
     with pytest.raises(ValueError, match=f"{path} is truncated or not JSON"):
         S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], verbose=False)
+
+
+def test_a_trial_keeps_its_losses_and_the_books_final_loss(tmp_path, monkeypatch):
+    """A trial's ``final_train_loss`` is the book's one definition (the last 10 % of the updates, computed from the
+    per-update losses the record keeps), not the runner's 100-update mean."""
+    monkeypatch.setattr(S, "train", _fake_train([]))
+    record = S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], verbose=False)
+    for t in record["optimizers"]["sgd"]["trials"]:
+        assert t["train_losses"] == [3.0 - 0.1 * i for i in range(20)]
+        assert t["final_train_loss_updates"] == 2 and t["final_train_loss"] == pytest.approx(3.0 - 0.1 * 18.5)
+        assert t["final_train_loss"] == final_train_loss(t["train_losses"]) != 1.0  # not the fake runner's summary
+        assert S.final_loss_definition(t) == "mean of the last 2 of 20 updates (last 10 %)"
+        assert S.search_table(record)[0]["final_train_loss_definition"] == S.final_loss_definition(t)
+    old = {"steps": 64, "final_train_loss": 1.0}  # a trial recorded before the losses were kept
+    assert S.final_loss_definition(old) == "mean of the last 64 of 64 updates (all of them)"
+    assert S.final_loss_definition({**old, "steps": 340}) == "mean of the last 100 of 340 updates"
+
+
+@pytest.mark.parametrize("name", CPU_SETUPS)
+def test_recorded_final_losses_are_recomputable_from_the_record(name):
+    """Where a committed record keeps per-update losses, its final losses are exactly the book's definition of
+    them; where it does not, the book's tables say so (ief.plots.train.loss_caption)."""
+    from ief.plots.train import loss_caption
+
+    record = S.load_record(name, "cpu")
+    trials = [t for o in record["optimizers"].values() for t in o["trials"]]
+    kept = [t for t in trials if "train_losses" in t]
+    for t in kept:
+        assert len(t["train_losses"]) == t["steps"]
+        assert t["final_train_loss"] == final_train_loss(t["train_losses"])
+    caption = loss_caption({name: record})
+    if len(kept) == len(trials):
+        assert "the book's final loss (last " in caption and "runner" not in caption
+    else:
+        assert "runner's last-100 mean" in caption and name in caption

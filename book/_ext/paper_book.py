@@ -9,8 +9,9 @@
   time, with each chapter linked: the page and the README cannot drift from the code.
 - papermill's injected-parameters cell is dropped from the page: the parameters cell is shown once (its defaults;
   the values this build used are in the chapter's provenance section).
-- Every figure can be enlarged with a click, offline (``book/_static/enlarge.js``, no CDN); wide tables wrap text and
-  scroll inside their frame with the header row kept visible (``book/_static/book.css``).
+- Every figure can be enlarged with a click, offline (``book/_static/enlarge.js``, no CDN); tables show every row,
+  wrap text, and a table wider than the page is set in a smaller font until it fits (``book/_static/book.css``,
+  ``book/_static/fit-tables.js``).
 """
 from __future__ import annotations
 
@@ -93,4 +94,5 @@ def setup(app):
     app.connect("autodoc-process-docstring", _cite_labels_in_docstrings)
     app.add_css_file("book.css")
     app.add_js_file("enlarge.js")
+    app.add_js_file("fit-tables.js")
     return {"parallel_read_safe": True, "parallel_write_safe": True}

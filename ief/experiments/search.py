@@ -31,8 +31,10 @@ import torch
 
 from . import store
 from .metrics import score
-from .runner import package_versions, train
+from .aggregate import final_loss
+from .runner import package_versions, run_dir, train
 from .setups import OPTIMIZERS, SetupConfig, resolve
+from .summaries import final_window
 
 RECORDS = Path(__file__).with_name("lr_search")  # the recorded cpu-scale searches: cpu-<setup>.json
 PAPER_PEFT = "paper: sec:app-optimiser"
@@ -115,12 +117,27 @@ def trial_dir(out: str | Path, lr: float) -> Path:
     return Path(out) / "lr-search" / f"lr={lr:g}"
 
 
-def _trial(summary: dict[str, Any], lr: float) -> dict[str, Any]:
+def _trial(summary: dict[str, Any], lr: float, losses: list[float]) -> dict[str, Any]:
+    """One trial of a record. ``final_train_loss`` is the book's one definition (:mod:`.summaries`: the mean of the
+    last 10 % of the updates, ``final_train_loss_updates`` of them), computed from ``train_losses``, the trial's
+    per-update losses, which the record keeps so that the final loss can be recomputed from the record alone (the
+    runner's ``summary.json`` averages a fixed 100 updates)."""
     best = summary["best_validation"]
-    return {"lr": lr, "seed": summary["seed"], "final_train_loss": summary["final_train_loss"],
-            "validation_score": best["score"], "validation": best["metrics"], "best_step": best["step"], "steps": summary["steps"],
-            "diverged": summary["diverged"]["step"] if summary["diverged"] else None,
+    final = final_loss(losses)
+    return {"lr": lr, "seed": summary["seed"], "final_train_loss": final if math.isfinite(final) else None,
+            "final_train_loss_updates": final_window(len(losses)) if losses else 0, "train_losses": losses,
+            "validation_score": best["score"], "validation": best["metrics"], "best_step": best["step"],
+            "steps": summary["steps"], "diverged": summary["diverged"]["step"] if summary["diverged"] else None,
             "test": summary["test"], "wall_time_s": summary["wall_time_s"]}
+
+
+def final_loss_definition(trial: dict[str, Any]) -> str:
+    """In words, what a trial's ``final_train_loss`` averages: trials recorded before the record kept per-update
+    losses hold the runner's mean of the last 100 updates (all of them in a run of at most 100 updates)."""
+    if "final_train_loss_updates" in trial:
+        return f"mean of the last {trial['final_train_loss_updates']} of {trial['steps']} updates (last 10 %)"
+    n = min(100, trial["steps"])
+    return f"mean of the last {n} of {trial['steps']} updates" + (" (all of them)" if n == trial["steps"] else "")
 
 
 def _merge_trials(old: list[dict[str, Any]], new: list[dict[str, Any]], seed_of_old: int | None,
@@ -154,7 +171,8 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
         for lr in g.values:
             summary = train(setup, name, seed, scale, trial_dir(out, lr), lr=lr, progress=progress, verbose=verbose,
                             wait_lock=wait_lock)
-            results[name].append(_trial(summary, lr))
+            losses = store.read_run(run_dir(trial_dir(out, lr), scale, setup, name, seed))["losses"]
+            results[name].append(_trial(summary, lr, losses))
     with store.lock(folder, wait=True, name=f"{scale}-{setup}.lock", what="search record"):
         store.remove_stale_temporaries(folder, owned=False, recursive=False)  # trials: their own
         old = store.read_json(path) if path.exists() else None
@@ -212,6 +230,7 @@ def search_table(record: dict[str, Any]) -> list[dict[str, Any]]:
         for t in o["trials"]:
             rows.append({"optimizer": name, "lr": t["lr"], "chosen": t["lr"] == o["chosen_lr"],
                          "validation_score": t["validation_score"], "final_train_loss": t["final_train_loss"],
+                         "final_train_loss_definition": final_loss_definition(t),
                          "test_score": score(t["test"]) if t["test"] else None,
                          "diverged_at_step": t["diverged"], "wall_time_s": t["wall_time_s"]})
     return rows

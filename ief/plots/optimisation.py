@@ -43,43 +43,100 @@ def label(optimizer: str) -> str:
 
 
 # -------------------------------------------------------------------------------------------------- figures
+# Line styles and markers per optimiser, so that curves drawn over each other stay distinguishable (the baseline,
+# AdamW/Adafactor/Adam, is also drawn last, on top).
+DASHES = {"iEF": "-", "EF": (0, (5, 2)), "SF": (0, (1, 1.5)), "SGD": (0, (6, 2, 1, 2)), "AdamW": (0, (3, 1.5)),
+          "Adam": (0, (3, 1.5)), "Adafactor": (0, (3, 1.5))}
+MARKERS = {"iEF": "o", "EF": "X", "SF": "^", "SGD": "s", "AdamW": "D", "Adam": "v", "Adafactor": "P"}
+BASELINES = ("adamw", "adafactor", "adam")
+LOG_SPAN = 10.0  # a loss panel is logarithmic when its mean curves span more than this factor, else linear
+MIN_UPDATES_PER_POINT = 4
+
+
+def curve_points(steps: int, points: int = 100) -> int:
+    """How many points a training-loss curve of ``steps`` updates is drawn with: the paper's 100, but at least
+    :data:`MIN_UPDATES_PER_POINT` updates per point (a 64-update cpu run: 16 points of 4 updates, not 64 single
+    noisy batches)."""
+    return max(1, min(points, steps // MIN_UPDATES_PER_POINT))
+
+
+def loss_axis(ax, means: pd.Series) -> str:
+    """Fit a training-loss axis to the mean curves drawn on it, so that the range the chapter discusses is readable.
+
+    Linear when the means span at most :data:`LOG_SPAN` (the tweet setups, about 0.7-1.1), with limits from the
+    means (± sd bands may leave the panel); logarithmic with labelled 1-2-5 ticks where they span orders of
+    magnitude (digits: 2.3 down to 1e-3). Returns ``"linear"`` or ``"log"``."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    values = means[np.isfinite(means) & (means > 0)]
+    if values.empty:
+        return "linear"
+    lo, hi = float(values.min()), float(values.max())
+    if hi / lo <= LOG_SPAN:
+        pad = 0.08 * (hi - lo) or 0.05 * hi
+        ax.set_ylim(lo - pad, hi + pad)
+        return "linear"
+    ax.set_yscale("log")
+    ax.set_ylim(lo / 1.6, hi * 1.6)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=30))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    return "log"
+
+
 def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[str, Sequence[str]], *,
                 validation: str = "val_score", points: int = 100, title: str | None = None):
     """Training loss (top) and validation metric (bottom) vs update step, one column per setup: mean over seeds
-    with a ± sd band. The training loss is first averaged over ``points`` windows per run (the paper's 100 points)
-    and drawn on a log axis whose bottom is half the lowest mean, where a band reaching ``mean - sd <= 0`` ends.
+    with a ± sd band. The training loss is first averaged over windows per run (the paper's ``points``, at most one
+    per :data:`MIN_UPDATES_PER_POINT` updates, :func:`curve_points`); its axis is fitted by :func:`loss_axis`
+    (linear over the range of the means, or logarithmic with 1-2-5 ticks). Each optimiser has its own line style and
+    marker; the setup's baseline (AdamW/Adafactor/Adam) is drawn on top.
 
     ``optimizers``: the optimisers to draw per setup (the paper's table's, in its order). Returns the figure.
     """
     import matplotlib.pyplot as plt
 
+    from .common import PAGE_WIDTH_IN
+
     if not setups:
         raise ValueError("no setup to plot")
-    loss = curve_bands(curves, "train_loss", points=points)
     val = curve_bands(curves, validation)
     with _style():
-        width = max(4.2 * len(setups), 7.0)
-        fig, axes = plt.subplots(2, len(setups), figsize=(width, 6.4), squeeze=False, sharex="col")
+        width = max(4.5 * len(setups), PAGE_WIDTH_IN)
+        fig, axes = plt.subplots(2, len(setups), figsize=(width, 7.4), squeeze=False, sharex="col")
         for col, setup in enumerate(setups):
-            for opt in optimizers[setup]:
+            c = curves[(curves.setup == setup) & (curves.quantity == "train_loss")]
+            steps = int(c.groupby(["optimizer", "seed"]).size().max()) if len(c) else 1
+            loss = curve_bands(curves[curves.setup == setup], "train_loss", points=curve_points(steps, points))
+            order = sorted(optimizers[setup], key=lambda o: o in BASELINES)  # the baseline last: on top
+            for z, opt in enumerate(order):
                 for row, bands in ((0, loss), (1, val)):
                     b = bands[(bands.setup == setup) & (bands.optimizer == opt)]
                     if b.empty:
                         continue
                     ax = axes[row, col]
-                    color = method_color(label(opt))
-                    ax.plot(b.step, b["mean"], color=color, lw=1.6, label=f"{label(opt)} (n={int(b.n.max())})")
-                    ax.fill_between(b.step, b["mean"] - b["sd"], b["mean"] + b["sd"], color=color, alpha=0.18,
-                                    lw=0)
-            axes[0, col].set(title=setup, ylabel="training loss (per target token)", yscale="log")
-            means = loss[(loss.setup == setup) & (loss["mean"] > 0)]["mean"]
-            if len(means):  # log axis: a band whose lower edge (mean - sd) is <= 0 runs to the panel's bottom
-                axes[0, col].set_ylim(bottom=0.5 * float(means.min()))
+                    name = label(opt)
+                    color = method_color(name)
+                    ax.plot(b.step, b["mean"], color=color, lw=2.2 if opt in BASELINES else 1.7,
+                            ls=DASHES.get(name, "-"), marker=MARKERS.get(name), ms=5,
+                            markevery=max(1, len(b) // 8), zorder=3 + z, label=f"{name} (n={int(b.n.max())})")
+                    ax.fill_between(b.step, b["mean"] - b["sd"], b["mean"] + b["sd"], color=color, alpha=0.12,
+                                    lw=0, zorder=1)
+            shown = loss[(loss.setup == setup) & loss.optimizer.isin(optimizers[setup])]["mean"]
+            kind = loss_axis(axes[0, col], shown)
+            per = max(1, steps // curve_points(steps, points))
+            axes[0, col].set(title=setup, ylabel=f"training loss ({kind} axis; mean of {per} updates per point)"
+                             if per > 1 else f"training loss ({kind} axis)")
             axes[1, col].set(xlabel="update step", ylabel=f"validation {validation.removeprefix('val_')}")
-            axes[0, col].legend(fontsize=8)
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        rank = {f"{label(o)} ": i for i, o in enumerate(optimizers[setups[0]])}  # the paper's order in the legend
+        pairs = sorted(zip(handles, labels), key=lambda hl: rank.get(hl[1].split("(")[0], len(rank)))
+        handles, labels = [h for h, _ in pairs], [lab for _, lab in pairs]
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False, fontsize=10,
+                   handlelength=3.2)
         if title:
-            fig.suptitle(title, fontsize=10, wrap=True)
-        fig.tight_layout()
+            fig.suptitle(title, fontsize=11, wrap=True)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
 
@@ -126,3 +183,112 @@ def beside(ours: pd.DataFrame, paper: pd.DataFrame, ours_name: str, paper_name: 
 def ranking(values: dict[str, float]) -> list[str]:
     """Optimisers sorted by value (lowest first; NaN last)."""
     return sorted(values, key=lambda o: (np.isnan(values[o]), values[o]))
+
+
+# ------------------------------------------------------------------------------------------ tables and findings
+SUM_TEST_PAPER = {("prompt-tuning", "glue"): "GLUE + T5 + Prompt Tuning", ("lora", "glue"): "GLUE + T5 + LoRA",
+                  ("lora", "cifar100"): "CIFAR100 + ViT + LoRA"}
+SUM_TEST_COLUMNS = ["AdamW", "Adafactor", "Adam", "SGD", "EF", "SF", "iEF"]
+
+
+def sum_test_table(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
+                   method: dict[str, str], mlp_citation: str) -> pd.DataFrame:
+    """tab:sum-test: our test score per setup (mean ± sd over seeds, %) above the paper's average test scores (its
+    three groups, and the MLP's test accuracy from tab:test-mlp, cited as ``mlp_citation``)."""
+    rows = {f"ours: {s} ({METHOD_NAMES[method[s]]})": ours_table(table, "test_score", opts[s], [s], scale=100,
+                                                                  digits=1)[s] for s in setups}
+    p = paper[paper.table == "tab:sum-test"]
+    for (m, task), name in SUM_TEST_PAPER.items():
+        q = p[(p.method == m) & (p.task == task)]
+        rows[f"paper: {name}"] = pd.Series({label(o): f"{v:.1f}" for o, v in zip(q.optimizer, q.value)})
+    q = paper[(paper.table == "tab:test-mlp") & (paper.metric == "test_accuracy")]
+    rows[f"paper: CIFAR10 + MLP ({mlp_citation})"] = pd.Series({label(o): f"{v:.1f}" for o, v in zip(q.optimizer,
+                                                                                                      q.value)})
+    return pd.DataFrame(rows).T.reindex(columns=SUM_TEST_COLUMNS).fillna("–")
+
+
+def test_mlp_table(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
+                   method: dict[str, str]) -> pd.DataFrame:
+    """tab:test-mlp: validation and test accuracy of the MLP setups (ours, mean ± sd, %) above the paper's."""
+    rows = {}
+    names = (("val_score", "val_accuracy", "validation accuracy (%)"), ("test_score", "test_accuracy",
+                                                                        "test accuracy (%)"))
+    for s in (s for s in setups if method[s] == "scratch"):
+        for col, _, name in names:
+            rows[f"ours: {s}, {name}"] = ours_table(table, col, opts[s], [s], scale=100, digits=1)[s]
+    q = paper[paper.table == "tab:test-mlp"]
+    for _, metric, name in names:
+        r = q[q.metric == metric]
+        rows[f"paper: CIFAR10 + MLP, {name}"] = pd.Series(
+            {label(o): f"{v:.1f}" + ("" if np.isnan(sd) else f" ± {sd:.2f}") for o, v, sd in zip(r.optimizer, r.value,
+                                                                                                   r.sd)})
+    return pd.DataFrame(rows).T.reindex(columns=["iEF", "Adam", "SGD", "SF", "EF"]).fillna("–")
+
+
+def e2_findings(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
+                opts: dict[str, Sequence[str]]) -> dict[str, str]:
+    """The paper's three E2 observations checked on our runs, as the sentences the chapter glues:
+
+    1. the final-loss ranking iEF < baseline < SGD < SF < EF (how many of its ordered pairs hold per setup);
+    2. EF's instability: how far its (20-window) training loss rises from its lowest point by the end, against the
+       largest rise of any other optimiser, and how many EF runs diverged;
+    3. iEF's test score against the setup's baseline (the first optimiser of ``opts``: Adafactor/AdamW/Adam)."""
+    summary = table.groupby(["setup", "optimizer"]).agg(loss=("final_train_loss", "mean"),
+                                                         test=("test_score", "mean")).reset_index()
+
+    def mean_of(s, o, column):
+        row = summary[(summary.setup == s) & (summary.optimizer == o)]
+        return float(row[column].iloc[0]) if len(row) else None
+
+    out: dict[str, str] = {}
+    rank_text, pairs_held, pairs_total, ief_lowest = [], 0, 0, 0
+    for s in setups:
+        loss = {o: v for o in opts[s] if (v := mean_of(s, o, "loss")) is not None}
+        order = ranking(loss)
+        paper_order = [o for o in ["ief", opts[s][0], "sgd", "sf", "ef"] if o in loss]
+        held = sum(loss[a] < loss[b] for i, a in enumerate(paper_order) for b in paper_order[i + 1:])
+        total = len(paper_order) * (len(paper_order) - 1) // 2
+        pairs_held, pairs_total = pairs_held + held, pairs_total + total
+        ief_lowest += bool(order) and order[0] == "ief"
+        rank_text.append(f"{s}: " + " < ".join(f"{label(o)} ({loss[o]:.3g})" for o in order)
+                         + f" ({held} of {total} of the paper's pairs hold)")
+    out["e2_obs1_rankings"] = "; ".join(rank_text)
+    out["e2_obs1_pairs"] = f"{pairs_held} of {pairs_total}"
+    out["e2_obs1_ief_lowest"] = f"{ief_lowest} of {len(setups)}"
+
+    bands = curve_bands(curves, "train_loss", points=20)
+    rise = {(s, o): float(b["mean"].iloc[-1] / b["mean"].min()) for (s, o), b in bands.groupby(["setup", "optimizer"])}
+    with_ef = [s for s in setups if (s, "ef") in rise]
+    other_max = [max(rise[(s, o)] for o in opts[s] if o != "ef" and (s, o) in rise) for s in with_ef]
+    out["e2_obs2_ef_rise"] = ", ".join(f"{s} {rise[(s, 'ef')]:.2f}×" for s in with_ef)
+    out["e2_obs2_other_max"] = ", ".join(f"{m:.2f}×" for m in other_max)
+    out["e2_obs2_ef_worst"] = f"{sum(rise[(s, 'ef')] > m for s, m in zip(with_ef, other_max))} of {len(with_ef)}"
+    ef = table[table.optimizer == "ef"]
+    out["e2_obs2_ef_diverged"] = f"{int(ef.diverged_step.notna().sum())} of {len(ef)}"
+
+    vs, wins = [], 0
+    for s in setups:
+        base = opts[s][0]
+        t = {o: v for o in (base, "ief") if (v := mean_of(s, o, "test")) is not None}
+        if len(t) < 2 or any(np.isnan(v) for v in t.values()):
+            continue
+        wins += t["ief"] > t[base]
+        vs.append(f"{s}: iEF {100 * t['ief']:.1f} vs {label(base)} {100 * t[base]:.1f} "
+                  f"({100 * (t['ief'] - t[base]):+.1f})")
+    out["e2_obs3_vs"] = "; ".join(vs) if vs else "no setup with test labels"
+    out["e2_obs3_wins"] = f"{wins} of {len(vs)}"
+    return out
+
+
+def method_tables(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
+                  method: dict[str, str], column: str, paper_label: str, *, scale: str, times: float = 1.0,
+                  digits: int = 2, metric: str | None = None) -> dict[str, pd.DataFrame]:
+    """Per fine-tuning method, our ``column`` (mean ± sd over seeds, times ``times``) beside the paper's
+    ``paper_label`` table (tab:train, tab:validation, tab:test), under headers naming each source."""
+    out = {}
+    for m in dict.fromkeys(method[s] for s in setups):
+        ss = [s for s in setups if method[s] == m]
+        ours = ours_table(table, column, opts[ss[0]], ss, scale=times, digits=digits)
+        theirs = paper_table(paper, paper_label, m, opts[ss[0]], metric=metric, digits=digits)
+        out[m] = beside(ours, theirs, f"ours ({scale})", "paper" + (" (its setups)" if scale != "full" else ""))
+    return out

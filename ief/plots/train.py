@@ -7,7 +7,7 @@ import pandas as pd
 
 from ..experiments import resolve
 from ..paper import cite_keys
-from ..experiments.search import search_table
+from ..experiments.search import final_loss_definition, search_table
 from ..experiments.summaries import FINAL_FRACTION, final_train_loss, final_window
 from ..style import method_color
 from .common import PAGE_WIDTH_IN
@@ -82,13 +82,14 @@ def trials_frame(records: dict) -> pd.DataFrame:
 
 
 def search_figure(records: dict):
-    """Best validation score and recorded train loss against the learning rate, one row per setup; the chosen
-    rate starred, diverged trials as crosses on the axis. Loss axes are linear where the losses span a narrow range
+    """Best validation score and final train loss (as the record defines it, see :func:`loss_caption`) against the
+    learning rate, one row per setup; the chosen rate starred, diverged trials as crosses on the axis. Loss axes are linear where the losses span a narrow range
     (the tweet setups: 0.8-1.1) and logarithmic where they span orders of magnitude (digits)."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
     trials = trials_frame(records)
+    defs = loss_definitions(records)
     trials["validation (%)"] = 100 * trials["validation_score"].where(trials["diverged_at_step"].isna())
     trials["train loss"] = trials["final_train_loss"].where(trials["diverged_at_step"].isna())
     from matplotlib.lines import Line2D
@@ -119,8 +120,9 @@ def search_figure(records: dict):
             ax.set_xscale("log")
             if y == "train loss":
                 _loss_axis(ax, t["train loss"].dropna(), chosen["train loss"].dropna())
-            ax.set(title=f"{name}: {'best validation score (%)' if col == 0 else 'recorded train loss'}",
-                   xlabel="learning rate" if row == len(names) - 1 else None, ylabel=None)
+            ax.set(xlabel="learning rate" if row == len(names) - 1 else None, ylabel=None)
+            ax.set_title(f"{name}: {'best validation score (%)' if col == 0 else _short_setup(defs[name])}",
+                         fontsize=10)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     axes[0, 0].get_legend().remove()
     if ringed in hue:
@@ -132,6 +134,18 @@ def search_figure(records: dict):
                  "(Adam, digits only: hollow rings drawn over AdamW)", fontsize=11)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
+
+
+def _short_setup(definition: str) -> str:
+    """A setup's loss definition for a panel title (short: two panels share the page width)."""
+    import re
+
+    if ";" in definition:
+        return "train loss (mixed windows)"
+    n, steps = re.search(r"last (\d+) of (\d+) updates", definition).groups()
+    if "(last 10 %)" in definition:
+        return f"final train loss (last {n} of {steps})"
+    return f"train loss: {'all ' + steps if n == steps else f'last {n} of {steps}'} updates (runner's)"
 
 
 def _loss_axis(ax, values: pd.Series, chosen: pd.Series) -> None:
@@ -164,10 +178,46 @@ def trials_table(records: dict) -> pd.DataFrame:
     out = pd.DataFrame({
         "setup": t["setup"], "optimizer": t["optimizer"], "lr": t["lr"].map(lambda v: f"{v:g}"),
         "chosen": t["chosen"].map({True: "*", False: ""}), "validation (%)": (100 * t["validation_score"]).round(1),
-        "recorded train loss": t["final_train_loss"].round(4),
+        "final train loss": t["final_train_loss"].round(4),
+        "loss averages": t["final_train_loss_definition"].map(_short),
         "diverged": t["diverged_at_step"].map(lambda s: "-" if pd.isna(s) else f"step {int(s)}"),
         "wall (s)": t["wall_time_s"].round(0)})
     return out.set_index(["setup", "optimizer", "lr"])
+
+
+def _short(definition: str) -> str:
+    """A trial's loss definition (:func:`~ief.experiments.search.final_loss_definition`) as a table cell:
+    ``last 34 of 340 updates`` (the book's) or ``all 64 updates (runner's last-100 mean)``."""
+    import re
+
+    n, steps = re.search(r"last (\d+) of (\d+) updates", definition).groups()
+    if "(last 10 %)" in definition:
+        return f"last {n} of {steps} updates"
+    return (f"all {steps} updates" if n == steps else f"last {n} of {steps} updates") + " (runner's last-100 mean)"
+
+
+def loss_definitions(records: dict) -> dict[str, str]:
+    """Per setup, what its recorded trials' ``final_train_loss`` averages, in words (several: joined by "; ")."""
+    return {name: "; ".join(sorted({final_loss_definition(t) for o in r["optimizers"].values() for t in o["trials"]}))
+            for name, r in records.items()}
+
+
+def loss_caption(records: dict, rerun: bool = True) -> str:
+    """The sentence under a figure or table of the search that says what its loss column is, per setup: the book's
+    final training loss (last 10 % of the updates, recomputed from the per-update losses the record keeps) or, for
+    records made before the record kept them, the runner's mean of the last 100 updates (only a new search brings
+    those to the book's definition). ``rerun=False``: without the sentence naming that command (for glued text, where
+    Markdown code is not rendered)."""
+    defs = loss_definitions(records)
+    new = [n for n, d in defs.items() if "(last 10 %)" in d and ";" not in d]
+    old = [n for n in defs if n not in new]
+    parts = [f"{n}: the book's final loss ({_short(defs[n])})" for n in new]
+    parts += [f"{n}: {_short(d) if ';' not in d else d}" for n in old for d in [defs[n]]]
+    text = "Train loss column, " + "; ".join(parts) + "."
+    if old and rerun:
+        text += (" The runner's 100-update mean is what records made before the search kept per-update losses hold; "
+                 "a new search (`python -m ief search --setup SETUP --scale cpu`) replaces it by the book's.")
+    return text
 
 
 def results_table(records: dict) -> pd.DataFrame:
@@ -176,7 +226,8 @@ def results_table(records: dict) -> pd.DataFrame:
     chosen = t[t["chosen"]]
     return pd.DataFrame({
         "setup": chosen["setup"], "optimizer": chosen["optimizer"], "lr": chosen["lr"].map(lambda v: f"{v:g}"),
-        "recorded train loss": chosen["final_train_loss"].round(4),
+        "final train loss": chosen["final_train_loss"].round(4),
+        "loss averages": chosen["final_train_loss_definition"].map(_short),
         "best validation (%)": (100 * chosen["validation_score"]).round(1),
         "test (%)": (100 * chosen["test_score"]).round(1), "wall time (s)": chosen["wall_time_s"].round(1),
     }).set_index(["setup", "optimizer"])
@@ -188,7 +239,7 @@ def e2_observations(results: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for setup, r in results.groupby(level="setup"):
         r = r.droplevel("setup")
-        loss, test = r["recorded train loss"].dropna(), r["test (%)"].dropna()
+        loss, test = r["final train loss"].dropna(), r["test (%)"].dropna()
         rank_loss = int(loss.rank(method="min").get("iEF", np.nan)) if "iEF" in loss else None
         rank_test = int(test.rank(ascending=False, method="min").get("iEF", np.nan)) if "iEF" in test else None
         rows.append({
@@ -243,7 +294,7 @@ def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame,
         where = []
         if below:
             t = below[-1]
-            where.append(f"our {t['lr']:g} ({100 * t['validation_score']:.1f}% validation, recorded loss "
+            where.append(f"our {t['lr']:g} ({100 * t['validation_score']:.1f}% validation, final train loss "
                          f"{t['final_train_loss']:.3g})")
         if above:
             t = above[0]
@@ -276,7 +327,7 @@ def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame,
                 not_lowest.append(f"{LABELS[o]} on {name} (chosen {rec['chosen_lr']:g}: loss "
                                   f"{losses[rec['chosen_lr']]:.3g}; lr {best_lr:g}: {losses[best_lr]:.3g})")
     glue["chosen_not_lowest_loss"] = "; ".join(not_lowest) if not_lowest else "no optimiser"
-    loss = results["recorded train loss"]
+    loss = results["final train loss"]
     glue["ef_vs_ief_loss"] = "; ".join(f"{n}: EF {loss.loc[(n, 'EF')]:.3g} vs iEF {loss.loc[(n, 'iEF')]:.3g}"
                                        for n in records)
     tweets = loss[[s.startswith("tweets") for s in loss.index.get_level_values("setup")]].dropna()

@@ -63,8 +63,10 @@ bench: $(ENV_READY)
 	$(BENCH).step --repeats 5 --json $(BENCH_RESULTS)/step-cpu.json
 	$(BENCH).conv2d --repeats 7 --json $(BENCH_RESULTS)/conv2d-cpu.json
 	$(BENCH).damping_sweep --models mlp --m 32,64 --repeats 3 --json $(BENCH_RESULTS)/damping_sweep-cpu.json
-	$(BENCH).evaluation --repeats 3 --json $(BENCH_RESULTS)/evaluation-cpu.json
-	$(BENCH).paper_mlp --cases adam,ief-auto,ief-auto-nocheck,ief-dense --repeats 9 --warmup 1 --memory-steps 2 \
+	$(BENCH).evaluation --setups digits-mlp --repeats 3 --json $(BENCH_RESULTS)/evaluation-digits-mlp-cpu.json
+	$(BENCH).evaluation --setups tweets-minilm-lora --repeats 1 \
+		--json $(BENCH_RESULTS)/evaluation-tweets-minilm-lora-cpu.json
+	$(BENCH).paper_mlp --cases adam,ief-auto,ief-auto-nocheck --repeats 9 --warmup 1 --memory-steps 2 \
 		--json $(BENCH_RESULTS)/paper_mlp-cpu.json
 	$(PYTHON) -m benchmarks.report README.md
 

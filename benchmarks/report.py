@@ -76,8 +76,10 @@ def caption(doc: Mapping[str, Any]) -> str:
             f"Command: `{doc['command']}`.")
 
 
-def section(doc: Mapping[str, Any], level: str = "####") -> str:
-    parts = [f"{level} {HEADINGS.get(doc['benchmark'], doc['benchmark'])} (`benchmarks/{doc['benchmark']}.py`)"]
+def section(doc: Mapping[str, Any], level: str = "####", heading: bool = True) -> str:
+    """One record: its heading (left out for a further record of the same benchmark), tables, notes and caption."""
+    parts = [f"{level} {HEADINGS.get(doc['benchmark'], doc['benchmark'])} (`benchmarks/{doc['benchmark']}.py`)"
+             ] if heading else []
     for table in doc["tables"]:
         parts.append(f"*{table['title']}.*")
         parts.append(markdown_table(table))
@@ -91,7 +93,8 @@ def markdown(docs: Sequence[Mapping[str, Any]], level: str = "####") -> str:
     """Every record's section, or a line saying there is none."""
     if not docs:
         return "No benchmark results are committed (`benchmarks/results/*.json`)."
-    return "\n\n".join(section(d, level) for d in docs)
+    first = [i == 0 or d["benchmark"] != docs[i - 1]["benchmark"] for i, d in enumerate(docs)]
+    return "\n\n".join(section(d, level, heading) for d, heading in zip(docs, first))
 
 
 def block(docs: Sequence[Mapping[str, Any]]) -> str:

@@ -53,6 +53,15 @@ def test_sections_follow_the_fixed_order(tmp_path):
     assert [d["benchmark"] for d in report.load(tmp_path)] == ["step", "evaluation", "zzz_new"]
 
 
+def test_records_of_one_benchmark_share_one_heading(tmp_path):
+    first = _fixture(tmp_path, "evaluation")
+    first.rename(tmp_path / "evaluation-a.json")
+    _fixture(tmp_path, "evaluation").rename(tmp_path / "evaluation-b.json")
+    text = report.markdown(report.load(tmp_path))
+    assert text.count("#### The evaluation, per checkpoint") == 1
+    assert text.count("Measured 2026-01-02") == 2
+
+
 def test_no_results_is_said(tmp_path):
     assert report.markdown(report.load(tmp_path)) == "No benchmark results are committed (`benchmarks/results/*.json`)."
 

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     slow = [str(c.message) for c in caught if type(c.message).__name__ == "SlowPathWarning"]
     print(f"CNN 3x32x32, P = {n_params:,}, batch {args.batch}; {harness.machine_line(harness.machine(device))}")
     print("max |J - J_vmap|: " + ", ".join(f"{k} {v:.1e}" for k, v in check.items()))
-    print(f"ief.per_sample on Conv2d: {'per-sample loop (SlowPathWarning: ' + slow[0][:120] + ')' if slow else 'no SlowPathWarning'}")
+    path_taken = f"per-sample loop (SlowPathWarning: {slow[0][:120]})" if slow else "no SlowPathWarning"
+    print(f"ief.per_sample on Conv2d: {path_taken}")
     with harness.OtherLoad() as load, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         times = harness.round_robin(cases, args.repeats, args.warmup, device=device)

@@ -15,11 +15,12 @@ Cases:
   autograd gradient from the factors, costs).
 - ``ief-dense``: the same with ``form="dense"``: the ``[64, 10.5M]`` per-sample Jacobian (2.7 GB in float32).
 
-Time: in one process (``--threads``, default one), every case's model is built side by side (same weights and data), takes
-``--warmup`` steps (the optimisers' first step runs the exact per-sample check: not timed), then ``--repeats``
-round-robin rounds of one step each, the order rotated each round (``benchmarks.harness.round_robin``). Reported: median and inter-quartile range per
-case, and the median over rounds of the within-round ratio to the Adam step (robust to a shared machine's slow
-phases). ``ief-dense`` (seconds per step, 2.7 GB) is timed only in its memory run.
+Time: in one process (``--threads``, default one), every case's model is built side by side (same weights and
+data), takes ``--warmup`` steps (the optimisers' first step runs the exact per-sample check: not timed), then
+``--repeats`` round-robin rounds of one step each, the order rotated each round (``benchmarks.harness.round_robin``).
+Reported: median and inter-quartile range per case, and the median over rounds of the within-round ratio to the Adam
+step (robust to a shared machine's slow phases). ``ief-dense`` (seconds per step, 2.7 GB) is timed only in its memory
+run.
 
 Peak memory: each case in its own subprocess: the resident-set high-water mark
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) after ``--warmup + --memory-steps`` steps minus the resident set just

@@ -1,4 +1,6 @@
-"""The README's benchmark tables come from the committed JSON (``python -m benchmarks.report README.md``), never typed."""
+"""The README's benchmark tables come from the committed JSON (``python -m benchmarks.report README.md``).
+
+No number in them is typed; the book's API page renders the same text at build time."""
 from __future__ import annotations
 
 import argparse
@@ -105,7 +107,8 @@ def test_committed_results_are_valid_records():
 
 def test_readme_block_equals_the_committed_json():
     assert report.block(report.load()) in (ROOT / "README.md").read_text(), (
-        "the README's benchmark block differs from benchmarks/results/*.json: run python -m benchmarks.report README.md")
+        "the README's benchmark block differs from benchmarks/results/*.json: "
+        "run python -m benchmarks.report README.md")
 
 
 def test_book_api_page_renders_the_same_tables():

@@ -7,6 +7,8 @@
   (steps, the paper's reported hours) into prose, from code, never typed.
 - ``{coverage-table}`` (a directive) writes the coverage table from the registry :mod:`ief.paper.coverage` at build
   time, with each chapter linked: the page and the README cannot drift from the code.
+- ``{benchmark-tables}`` (a directive) writes the benchmark tables from the committed JSON in ``benchmarks/results/``
+  (:mod:`benchmarks.report`, the same text as the README's benchmark block) at build time.
 - papermill's injected-parameters cell is dropped from the page: the parameters cell is shown once (its defaults;
   the values this build used are in the chapter's provenance section).
 - Every figure can be enlarged with a click, offline (``book/_static/enlarge.js``, no CDN); tables show every row,
@@ -72,6 +74,20 @@ class CoverageTable(Directive):
         return container.children
 
 
+class BenchmarkTables(Directive):
+    """The measured speed and memory tables, each with its machine, date, load and command (``benchmarks.report``)."""
+
+    has_content = False
+
+    def run(self):
+        from benchmarks.report import load, markdown
+
+        container = nodes.container(classes=["benchmarks"])
+        lines = markdown(load(), level="###").splitlines()
+        self.state.nested_parse(StringList(lines, source="benchmarks.report"), self.content_offset, container)
+        return container.children
+
+
 def _cite_labels_in_docstrings(app, what, name, obj, options, lines) -> None:
     """The API page cites the paper by its numbers too: ``eqn:iEF_lsq`` in a docstring reads "Eq. (8)"."""
     from ief.paper import cite_keys
@@ -90,6 +106,7 @@ def setup(app):
     app.add_role("coverage", coverage_role)
     app.add_role("fullcost", fullcost_role)
     app.add_directive("coverage-table", CoverageTable)
+    app.add_directive("benchmark-tables", BenchmarkTables)
     app.connect("doctree-read", _drop_injected_parameters)
     app.connect("autodoc-process-docstring", _cite_labels_in_docstrings)
     app.add_css_file("book.css")

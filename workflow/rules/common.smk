@@ -107,7 +107,10 @@ BOOK_INDEX = str(BOOK_BASE / "_build" / "html" / "index.html")
 BOOK_SOURCES = sorted({"_config.yml", "_toc.yml"}
                       | {str(p.relative_to(ROOT)) for p in (ROOT / "book").rglob("*")
                          if p.is_file() and "generated" not in p.relative_to(ROOT / "book").parts
-                         and "__pycache__" not in p.parts})
+                         and "__pycache__" not in p.parts}
+                      # the API page's benchmark tables are rendered from these at build time (book/_ext)
+                      | {"benchmarks/report.py", "benchmarks/harness.py"}
+                      | {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks" / "results").glob("*.json")})
 
 
 # -------------------------------------------------------------------------------------------- SLURM limits

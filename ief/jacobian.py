@@ -8,8 +8,9 @@ Because sample ``n``'s output only reaches ``l_n``, the per-sample weight gradie
 Why hooks rather than ``torch.func.vmap``: vmapping a transformers 5.x forward that takes an ``attention_mask``
 fails on a data-dependent check in ``transformers.masking_utils``, whereas hooks only see ordinary module calls,
 work with every attention implementation (SDPA included) and add little to a plain backward for LoRA and prompt
-parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), ``nn.Embedding`` (prompt tuning) and
-``nn.LayerNorm``.
+parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), ``nn.Embedding`` (prompt tuning),
+``nn.LayerNorm``, ``nn.Conv2d`` with zero padding (unfolded: a linear layer over the output positions, see
+:mod:`ief.conv_rules`) and ``nn.BatchNorm2d`` in eval mode (running statistics: a per-channel affine map).
 
 The sample axis of every hooked call is established, never guessed from a size: a probe forward of the batch's first
 sample alone (every input tensor cut to one sample along its leading dimension; hooks that only record shapes; the
@@ -22,12 +23,12 @@ training loop with fixed shapes pays for it once; any new shape, ``T == M`` incl
 ``M = 1`` every call belongs to the one sample and no probe is needed.
 
 ``J`` comes in two forms (``form=``): the ``[M, P]`` tensor (``"dense"``), or a :class:`FactoredJacobian`
-(``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` weight as its layer's
-hooked inputs and output gradients and gives ``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them
+(``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` weight (and each
+one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs and output gradients and gives ``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them
 (the Gram solve, the guard and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
 
-Every trainable parameter that is not in a hooked module (a ``Conv2d``, an RNN, ``MultiheadAttention.in_proj_weight``,
-a bare ``nn.Parameter``) or whose module had a call without an established sample axis falls back to an exact
+Every trainable parameter that is not in a hooked module (a ``Conv2d`` with reflect / circular padding, a ``Conv1d``,
+an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``) or whose module had a call without an established sample axis falls back to an exact
 per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names those
 parameters once per model.
 
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .conv_rules import conv2d_factors, conv2d_is_unfoldable
 from .curvature import differentiable_kernels, jvp_any_mode
 from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
@@ -284,10 +286,45 @@ def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tenso
         _write(dests["bias"], g.reshape(shape).sum(dim=1), accumulate)
 
 
+def _conv2d_grads(module: torch.nn.Conv2d, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
+    dtype = next(iter(dests.values())).dtype
+    a, g = conv2d_factors(module, x.to(dtype), g.to(dtype))  # [M, groups, L, I], [M, groups, L, O]
+    m, groups = a.shape[:2]
+    if "weight" in dests:  # per group sum_l g_l a_l^T; in place (no J-sized temporary) without groups
+        block = dests["weight"].unflatten(1, (groups, g.shape[-1], a.shape[-1]))  # [M, groups, O, I]
+        if groups == 1:
+            block[:, 0].baddbmm_(g[:, 0].transpose(1, 2), a[:, 0], beta=1 if accumulate else 0)
+        else:
+            _write(block, g.transpose(2, 3) @ a, accumulate)
+    if "bias" in dests:
+        _write(dests["bias"], g.sum(dim=2), accumulate)
+
+
+def _batchnorm_eval_grads(module: torch.nn.BatchNorm2d, x: torch.Tensor, g: torch.Tensor, dests, accumulate) -> None:
+    """Batch norm with running statistics (eval mode) is a per-channel affine map of ``x_hat``: sample ``n``'s
+    gradients are ``sum_positions g * x_hat`` (weight) and ``sum_positions g`` (bias); ``x [M, C, H, W]``."""
+    x = x.to(g.dtype)
+    shape = (1, -1, 1, 1)
+    x_hat = (x - module.running_mean.to(g.dtype).view(shape)) * torch.rsqrt(
+        module.running_var.to(g.dtype).view(shape) + module.eps
+    )
+    if "weight" in dests:
+        _write(dests["weight"], (g * x_hat).sum(dim=(2, 3)), accumulate)
+    if "bias" in dests:
+        _write(dests["bias"], g.sum(dim=(2, 3)), accumulate)
+
+
 def _hook_rule(module: torch.nn.Module) -> tuple[Callable, int] | None:
     """The rule of a hooked module type and how many trailing dimensions of its input are features (not samples)."""
     if type(module) is torch.nn.Linear:
         return _linear_grads, 1
+    if conv2d_is_unfoldable(module):
+        return _conv2d_grads, 3
+    if (
+        type(module) is torch.nn.BatchNorm2d and module.affine and not module.training
+        and module.running_mean is not None
+    ):
+        return _batchnorm_eval_grads, 3
     if type(module) is torch.nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
         return _embedding_grads, 0
     if type(module) is torch.nn.LayerNorm and getattr(module, "elementwise_affine", True):
@@ -519,7 +556,7 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
     listed = "; ".join(f"{', '.join(ns)} ({why})" for why, ns in reasons.items())
     warnings.warn(
         f"{len(loop)} of {len(names)} parameter tensors take the per-sample loop of {m} backward passes (exact, but "
-        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, nn.Embedding, nn.LayerNorm whose input has a "
+        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv2d (zero padding), nn.BatchNorm2d (eval mode) whose input has a "
         "sample dimension; pass params= to precondition only those. For peft prompt tuning, call "
         "ief.per_sample_prompts(model) once after get_peft_model.",
         SlowPathWarning,
@@ -531,6 +568,19 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
 def _positions(parts: list[torch.Tensor]) -> torch.Tensor:
     """The calls of one layer concatenated along the positions (no copy for a single call)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _weight_factors(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    """``(A [M, T, I], G [M, T, O])`` of one call of a module whose weight, viewed ``[O, I]``, has the per-sample
+    rows ``G_n^T A_n`` (``nn.Linear``; ``nn.Conv2d`` with one group: ``T`` output positions, ``A`` the unfolded
+    input), else ``None``."""
+    m = x.shape[0]
+    if type(module) is torch.nn.Linear:
+        return x.reshape(m, -1, x.shape[-1]), grad.reshape(m, -1, grad.shape[-1])
+    if conv2d_is_unfoldable(module) and module.groups == 1:
+        a, g = conv2d_factors(module, x, grad)
+        return a[:, 0], g[:, 0]
+    return None
 
 
 def _backward_jacobian(
@@ -552,11 +602,11 @@ def _backward_jacobian(
     ghosts, ghost_modules, bias_rows = [], set(), {}
     if form != "dense":
         for k, (module, rule, _, owned) in enumerate(capture.modules):
-            calls = list(capture.calls(k)) if rule is _linear_grads and "weight" in owned else []
-            if not calls:
+            calls = [_weight_factors(module, x, d) for x, d in capture.calls(k)] if "weight" in owned else []
+            if not calls or calls[0] is None:
                 continue
-            a = _positions([x.reshape(m, -1, x.shape[-1]) for x, _ in calls]).to(ref.dtype)  # [M, T, I]
-            g = _positions([d.reshape(m, -1, d.shape[-1]) for _, d in calls]).to(ref.dtype)  # [M, T, O]
+            a = _positions([x for x, _ in calls]).to(ref.dtype)  # [M, T, I]
+            g = _positions([d for _, d in calls]).to(ref.dtype)  # [M, T, O]
             if _prefer_ghost(form, m, a.shape[1], a.shape[2], g.shape[2]):
                 ghosts.append((owned["weight"], a, g))
                 ghost_modules.add(k)

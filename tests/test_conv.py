@@ -56,7 +56,7 @@ def _exotic_convs(dropout: float = 0.0) -> torch.nn.Module:
         torch.nn.Tanh(),
         torch.nn.Conv2d(6, 6, 3, padding="same", groups=6, bias=False),  # depthwise
         torch.nn.Dropout(dropout),
-        torch.nn.Conv2d(6, 4, 4, padding="same", dilation=2, groups=2),  # even kernel: "same" pads unevenly
+        torch.nn.Conv2d(6, 4, (4, 2), padding="same", dilation=(1, 3), groups=2),  # "same" pads unevenly
         torch.nn.ReLU(),
         torch.nn.Conv2d(4, 4, 1, padding="valid", bias=False),
         torch.nn.AdaptiveAvgPool2d(2),

@@ -570,17 +570,24 @@ def _positions(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _weight_factors(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):
-    """``(A [M, T, I], G [M, T, O])`` of one call of a module whose weight, viewed ``[O, I]``, has the per-sample
-    rows ``G_n^T A_n`` (``nn.Linear``; ``nn.Conv2d`` with one group: ``T`` output positions, ``A`` the unfolded
-    input), else ``None``."""
+def _factored_weight(module: torch.nn.Module) -> bool:
+    """Whether the module's weight, viewed ``[O, I]``, has per-sample rows ``G_n^T A_n`` (``nn.Linear``;
+    ``nn.Conv2d`` with one group, ``A`` its unfolded input)."""
+    return type(module) is torch.nn.Linear or (conv2d_is_unfoldable(module) and module.groups == 1)
+
+
+def _positions_of(module: torch.nn.Module, grad: torch.Tensor) -> int:
+    """``T`` of one call (sample axis first): the positions over which a weight is shared."""
+    return grad[0].numel() // (grad.shape[-1] if type(module) is torch.nn.Linear else grad.shape[1])
+
+
+def _weight_factors(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A [M, T, I], G [M, T, O])`` of one call of a module with :func:`_factored_weight`."""
     m = x.shape[0]
     if type(module) is torch.nn.Linear:
         return x.reshape(m, -1, x.shape[-1]), grad.reshape(m, -1, grad.shape[-1])
-    if conv2d_is_unfoldable(module) and module.groups == 1:
-        a, g = conv2d_factors(module, x, grad)
-        return a[:, 0], g[:, 0]
-    return None
+    a, g = conv2d_factors(module, x, grad)
+    return a[:, 0], g[:, 0]
 
 
 def _backward_jacobian(
@@ -602,12 +609,15 @@ def _backward_jacobian(
     ghosts, ghost_modules, bias_rows = [], set(), {}
     if form != "dense":
         for k, (module, rule, _, owned) in enumerate(capture.modules):
-            calls = [_weight_factors(module, x, d) for x, d in capture.calls(k)] if "weight" in owned else []
-            if not calls or calls[0] is None:
+            calls = list(capture.calls(k)) if "weight" in owned and _factored_weight(module) else []
+            if not calls:
                 continue
-            a = _positions([x for x, _ in calls]).to(ref.dtype)  # [M, T, I]
-            g = _positions([d for _, d in calls]).to(ref.dtype)  # [M, T, O]
-            if _prefer_ghost(form, m, a.shape[1], a.shape[2], g.shape[2]):
+            positions = sum(_positions_of(module, d) for _, d in calls)
+            fan_out, fan_in = getattr(module, "weight").flatten(1).shape
+            if _prefer_ghost(form, m, positions, fan_in, fan_out):  # the factors only now: an unfold is not free
+                calls = [_weight_factors(module, x, d) for x, d in calls]
+                a = _positions([x for x, _ in calls]).to(ref.dtype)  # [M, T, I]
+                g = _positions([d for _, d in calls]).to(ref.dtype)  # [M, T, O]
                 ghosts.append((owned["weight"], a, g))
                 ghost_modules.add(k)
                 if "bias" in owned:

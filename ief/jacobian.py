@@ -57,6 +57,7 @@ from .conv_rules import conv2d_factors, conv2d_is_unfoldable
 from .curvature import differentiable_kernels, jvp_any_mode
 from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
+from .row_sum_sketch import SKETCH_COLUMNS, sketch_flops, sketch_matrices, sketched_gradient, sketched_rows
 from .model_call import (
     Inputs,
     ReplayableForward,
@@ -639,6 +640,9 @@ def _backward_jacobian(
     for i, lo in columns.items():
         if i not in written:  # fallback blocks and hooked parameters the loss did not reach
             jac[:, lo : lo + capture.sizes[i]].zero_()
+    # the loop's backward passes also reach the hooks: the records keep the batch backward's output gradients (the
+    # guard reads them)
+    batch_grads = [[rec[1] for rec in calls] for calls in capture.records.values()] if fallback else []
     for n in range(m):
         if not fallback:
             break
@@ -648,6 +652,9 @@ def _backward_jacobian(
         for i, g in zip(fallback, rows):
             if g is not None:
                 jac[n, columns[i] : columns[i] + capture.sizes[i]] = g.reshape(-1)
+    for calls, kept in zip(capture.records.values(), batch_grads):
+        for rec, g in zip(calls, kept):
+            rec[1] = g
     gradient = flatten(grads, params)
     if form == "dense":
         return jac, gradient
@@ -689,6 +696,11 @@ def check_rows_sum_to_gradient(
         err = err.sqrt()
     tol = 50 * math.sqrt(torch.finfo(jacobian.dtype).eps)
     scale = fro * math.sqrt(jacobian.shape[0]) + torch.finfo(jacobian.dtype).tiny
+    _raise_if_beyond(err, scale, tol, names)
+
+
+def _raise_if_beyond(err: torch.Tensor, scale: torch.Tensor, tol: float, names: Sequence[str]) -> None:
+    """Raise :class:`PerSampleGradientMismatch` naming the blocks with ``err > tol * scale``."""
     failing = torch.nonzero(err > tol * scale).flatten().tolist()
     if failing:
         bad = [f"{names[k]} (relative error {float(err[k] / scale[k]):.2e})" for k in failing[:5]]
@@ -698,6 +710,101 @@ def check_rows_sum_to_gradient(
             "cannot see it; pass params= to leave it out, or check=False to skip this guard if you know the rows "
             "are right."
         )
+
+
+# The sketches of the default guard: drawn afresh at every call, from a generator of their own.
+_SKETCH_GENERATOR = torch.Generator().manual_seed(0x1EF)
+
+
+def check_rows_sum_to_gradient_sketched(
+    capture: _Capture, jacobian: torch.Tensor | FactoredJacobian, gradient: torch.Tensor, names: Sequence[str]
+) -> None:
+    """The default guard (``check=True``): :func:`check_rows_sum_to_gradient` at a small fraction of a backward.
+
+    Every hooked ``nn.Linear`` / ``nn.Conv2d`` weight is checked through a fresh random sketch
+    (:mod:`ief.row_sum_sketch`: ``||(sum_n J_n - g) W||`` against ``tol sqrt(M) (sum_n ||J_n W||^2)^(1/2)``, from the
+    hooked inputs and output gradients; neither ``J``'s block nor ``sum_n J_n`` is formed); every other hooked
+    parameter (biases, norms, embeddings: small blocks) exactly, from its columns of ``J``. Parameters of the
+    per-sample loop are left out: their rows are gradients of the individual losses by construction, so they sum to
+    the batch gradient whatever the model does. A sketch that is not finite falls back to the exact block check.
+    """
+    offsets, sketched, err, scale, m = capture.offsets, [], [], [], jacobian.shape[0]
+    in_j = jacobian.dense_index if isinstance(jacobian, FactoredJacobian) else range(len(capture.sizes))
+    layers = []
+    for k, (module, rule, _, owned) in enumerate(capture.modules):
+        calls = list(capture.calls(k)) if rule in (_linear_grads, _conv2d_grads) and "weight" in owned else []
+        # the sketch where it is cheaper than reading the weight's columns of J twice (or where there are none)
+        if calls and (owned["weight"] not in in_j or sketch_flops(module, calls, SKETCH_COLUMNS) < 2 * m *
+                      capture.sizes[owned["weight"]]):
+            layers.append((module, owned["weight"], calls))
+    sketches = sketch_matrices([module for module, _, _ in layers], SKETCH_COLUMNS, _SKETCH_GENERATOR)
+    for (module, i, calls), w in zip(layers, sketches):
+        total, sqnorm = sketched_rows(module, calls, w)  # sum_n J_n W [O, k], sum_n ||J_n W||^2
+        err.append((total - sketched_gradient(gradient[offsets[i] : offsets[i + 1]], w)).norm())
+        scale.append(sqnorm.sqrt())
+        sketched.append(i)
+    exact = sorted(capture.hooked - set(sketched))
+    errors, scales = _exact_block_errors(jacobian, gradient, exact, capture)
+    if sketched:
+        errors, scales = torch.cat([torch.stack(err), errors]), torch.cat([torch.stack(scale), scales])
+    blocks = sketched + exact
+    if not blocks:
+        return
+    finite = torch.isfinite(errors) & torch.isfinite(scales)
+    if not bool(finite[: len(sketched)].all()):  # rare: an overflowing sketch (or non-finite factors): exact instead
+        redo = [i for i, ok in zip(sketched, finite.tolist()) if not ok]
+        e, sc = _exact_block_errors(jacobian, gradient, redo, capture)
+        keep = finite[: len(sketched)]
+        errors = torch.cat([errors[: len(sketched)][keep], e, errors[len(sketched):]])
+        scales = torch.cat([scales[: len(sketched)][keep], sc, scales[len(sketched):]])
+        blocks = [i for i, ok in zip(sketched, keep.tolist()) if ok] + redo + exact
+        finite = torch.isfinite(errors) & torch.isfinite(scales)
+    # non-finite values are reported by the caller (FloatingPointError in the optimisers)
+    eps = torch.finfo(jacobian.dtype)
+    scales = torch.where(finite, scales, 1.0) * math.sqrt(jacobian.shape[0]) + eps.tiny
+    _raise_if_beyond(torch.where(finite, errors, 0.0), scales, 50 * math.sqrt(eps.eps), [names[i] for i in blocks])
+
+
+@functools.lru_cache(maxsize=64)
+def _exact_columns(columns: tuple[tuple[int, int], ...], sizes: tuple[int, ...], offsets: tuple[int, ...],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For blocks ``(parameter index, first column in J)``: their columns of ``J``, the same positions in the
+    gradient, and the block number of each (cached: the same model is checked at every step)."""
+    cols = [torch.arange(lo, lo + sizes[i]) for i, lo in columns]
+    grads = [torch.arange(offsets[i], offsets[i] + sizes[i]) for i, _ in columns]
+    ids = [torch.full((sizes[i],), b) for b, (i, _) in enumerate(columns)]
+    return tuple(torch.cat(t).to(device) for t in (cols, grads, ids))
+
+
+def _exact_block_errors(jacobian, gradient: torch.Tensor, blocks: list[int], capture: _Capture):
+    """``||sum_n J_n - g||`` and ``||J_block||_F`` (``[len(blocks)]`` each, the gradient's dtype) of the given
+    parameter blocks, from their columns of ``J`` gathered in one go (or, for a ghosted weight, its factors)."""
+    factored = isinstance(jacobian, FactoredJacobian)
+    dense = jacobian.dense if factored else jacobian
+    where = jacobian.dense_index if factored else dict(zip(range(len(capture.sizes)), capture.offsets))
+    in_dense = tuple((i, where[i]) for i in blocks if i in where)
+    err = torch.zeros(len(in_dense), dtype=gradient.dtype, device=gradient.device)
+    sq = torch.zeros_like(err)
+    if in_dense:
+        cols, grads, ids = _exact_columns(in_dense, tuple(capture.sizes), tuple(capture.offsets), gradient.device)
+        block = dense if cols.numel() == dense.shape[1] else dense.index_select(1, cols)  # [M, columns checked]
+        err.index_add_(0, ids, (block.sum(0) - gradient[grads]).square())
+        sq.index_add_(0, ids, block.square().sum(0))
+    order = [i for i, _ in in_dense]
+    extra_err, extra_sq = [], []
+    for i in blocks:  # a ghosted weight (its sketch was not finite): from its factors
+        if i in where:
+            continue
+        _, a, g = next(entry for entry in jacobian.ghosts if entry[0] == i)
+        total = (g.flatten(0, 1).T @ a.flatten(0, 1)).flatten()
+        extra_err.append((total - gradient[capture.offsets[i] : capture.offsets[i + 1]]).square().sum())
+        extra_sq.append(jacobian.row_sqnorms()[:, i].sum().to(gradient.dtype))
+        order.append(i)
+    if extra_err:
+        err, sq = torch.cat([err, torch.stack(extra_err)]), torch.cat([sq, torch.stack(extra_sq)])
+    rank = {i: r for r, i in enumerate(order)}  # back to the order of ``blocks``
+    perm = torch.tensor([rank[i] for i in blocks], dtype=torch.long, device=err.device)
+    return err.sqrt()[perm], sq.sqrt()[perm]
 
 
 CHECKS = (True, False, "exact")
@@ -789,7 +896,9 @@ class _HookedForward:
         with torch.enable_grad():
             losses = self.loss.per_sample(self.logits, targets)
             jac, gradient = _backward_jacobian(self.capture, losses, self.params, retain_graph, out, form)
-        if self.mode is not None:
+        if self.mode == "sum":
+            check_rows_sum_to_gradient_sketched(self.capture, jac, gradient, self.names)
+        elif self.mode == "exact":
             check_rows_sum_to_gradient(jac, gradient, self.names, self.capture.sizes)
         if self.mode == "exact":
             self._check_directional_derivatives(jac, targets)

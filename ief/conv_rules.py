@@ -43,7 +43,8 @@ def _unfold(x: torch.Tensor, kernel: tuple, dilation: tuple, stride: tuple) -> t
     (kh, kw), (dh, dw), (sh, sw) = kernel, dilation, stride
     ho, wo = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
     s_m, s_c, s_h, s_w = x.stride()
-    patches = x.as_strided((m, c, kh, kw, ho, wo), (s_m, s_c, s_h * dh, s_w * dw, s_h * sh, s_w * sw), x.storage_offset())
+    strides = (s_m, s_c, s_h * dh, s_w * dw, s_h * sh, s_w * sw)
+    patches = x.as_strided((m, c, kh, kw, ho, wo), strides, x.storage_offset())  # a view: no copy yet
     return patches.reshape(m, c * kh * kw, ho * wo)
 
 

@@ -24,19 +24,23 @@ training loop with fixed shapes pays for it once; any new shape, ``T == M`` incl
 
 ``J`` comes in two forms (``form=``): the ``[M, P]`` tensor (``"dense"``), or a :class:`FactoredJacobian`
 (``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` weight (and each
-one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs and output gradients and gives ``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them
-(the Gram solve, the guard and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
+one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs and output gradients and gives
+``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the guard and the exact check
+need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
 
 Every trainable parameter that is not in a hooked module (a ``Conv2d`` with reflect / circular padding, a ``Conv1d``,
-an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``) or whose module had a call without an established sample axis falls back to an exact
-per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names those
-parameters once per model.
+an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``) or whose module had a call without an
+established sample axis falls back to an exact per-sample loop of backward passes (``M`` backward passes: exact,
+slower); a :class:`SlowPathWarning` names those parameters once per model.
 
 The hooks assume what per-sample gradients presuppose: sample ``n``'s slice of a hooked input depends on sample ``n``
 alone (no layer mixes or reorders samples along the sample axis). A guard, on by default and cheap, raises
 :class:`PerSampleGradientMismatch` when the rows of ``J`` do not sum to the autograd batch gradient of the same
 backward (a parameter also used outside its hooked module, e.g. tied weights) or when batch norm normalises with
-batch statistics. A custom layer that mixes or reorders samples (its hooked rows still add up) is what
+batch statistics. For the weights of Linear and Conv2d layers it compares the two sums through a fresh random
+sketch ``W`` (``sum_n J_n W`` from the hooked factors against ``g W``, :mod:`ief.row_sum_sketch`) wherever that
+is cheaper than reading their columns of ``J``; every other hooked block is compared in full (``check="exact"``: every
+block in full). A custom layer that mixes or reorders samples (its hooked rows still add up) is what
 ``check="exact"`` is for: it compares ``J v`` with the exact per-sample directional derivatives (forward mode, or
 double backward where a layer has no forward-mode rule); the optimisers run that exact check on their first step.
 """
@@ -557,7 +561,8 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
     listed = "; ".join(f"{', '.join(ns)} ({why})" for why, ns in reasons.items())
     warnings.warn(
         f"{len(loop)} of {len(names)} parameter tensors take the per-sample loop of {m} backward passes (exact, but "
-        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv2d (zero padding), nn.BatchNorm2d (eval mode) whose input has a "
+        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv2d (zero "
+        "padding), nn.BatchNorm2d (eval mode) whose input has a "
         "sample dimension; pass params= to precondition only those. For peft prompt tuning, call "
         "ief.per_sample_prompts(model) once after get_peft_model.",
         SlowPathWarning,
@@ -962,8 +967,9 @@ def per_sample(
         params: parameters to differentiate; default: the model's trainable ones.
         loss: ``"cross_entropy"`` (default) or ``"mse"``.
         check: ``True`` (default, cheap): refuse batch norm with batch statistics and verify that the rows of ``J``
-            sum to the batch gradient; ``"exact"``: also compare ``J v`` with exact per-sample directional
-            derivatives (one extra forward-mode pass); ``False``: no guard.
+            sum to the batch gradient (Linear / Conv2d weights through a fresh random sketch, see
+            :func:`check_rows_sum_to_gradient_sketched`); ``"exact"``: the full sum check, and ``J v`` against exact
+            per-sample directional derivatives (one extra forward-mode pass); ``False``: no guard.
         out: optional ``[M, P]`` buffer of the parameters' dtype and device to write ``J`` into (overwritten; used
             when its shape matches). The optimisers reuse one across steps.
         form: how ``J`` is returned. ``"dense"`` (default): the ``[M, P]`` tensor. ``"auto"``: a

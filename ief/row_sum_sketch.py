@@ -5,13 +5,16 @@ For a layer whose weight (viewed ``[O, I]``) has the per-sample gradients ``J_n 
 ``nn.Conv2d``, per group, ``A_n`` its unfolded input), ``J_n W = G_n^T (A_n W)``: the layer's input through ``k``
 random output units (``x W`` for a Linear, a ``k``-channel convolution for a Conv2d: no unfold), contracted with the
 output gradient. Cost ``M T k (I + O)`` for the rows and ``k P`` for ``g W``, against ``~ 3 M T I O`` for the layer's
-part of a forward and backward. The full check (``check="exact"``) forms ``sum_n J_n`` itself.
+part of a forward and backward; :func:`ief.jacobian.check_rows_sum_to_gradient_sketched` takes it only where it is
+cheaper than reading the weight's columns of ``J``. The full check (``check="exact"``) forms ``sum_n J_n`` itself.
 
 What the sketch keeps of the full check: with ``W`` standard normal, ``E ||D W||_F^2 = k ||D||_F^2`` for every
 ``D [O, I]``, so ``||(sum_n J_n - g) W||`` against ``sqrt(M) (sum_n ||J_n W||^2)^(1/2)`` is the full check's
 ``||sum_n J_n - g||`` against ``sqrt(M) ||J||_F`` in expectation. A mismatch ``c`` times the tolerance escapes one call
 only if ``||D W||^2 / k`` falls below ``||D||^2 / c^2``; for the worst case (``D`` of rank one) that is
-``P(chi2_k < k / c^2)``: with ``k = 8``, 9e-4 for ``c = 3``, 3e-9 for ``c = 10``. The sketch is drawn afresh for every
+``P(chi2_k < k / c^2)``: with ``k = 8``, 1e-3 for ``c = 3``, 1e-7 for ``c = 10``, nil for the gross mismatch of a
+tied weight (``c`` ~ 1 / tolerance: 60 in float32, 1e6 in float64); the denominator is a sketch too (it
+concentrates alike). The sketch is drawn afresh for every
 call from a private generator (the caller's random state is untouched), so a structural mismatch (a weight also used
 outside its layer) that escapes one call is caught at the next. With ``fan_in <= k`` the sketch is the identity: exact.
 """

@@ -770,46 +770,47 @@ def check_rows_sum_to_gradient_sketched(
     _raise_if_beyond(torch.where(finite, errors, 0.0), scales, 50 * math.sqrt(eps.eps), [names[i] for i in blocks])
 
 
-@functools.lru_cache(maxsize=64)
-def _exact_columns(columns: tuple[tuple[int, int], ...], sizes: tuple[int, ...], offsets: tuple[int, ...],
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For blocks ``(parameter index, first column in J)``: their columns of ``J``, the same positions in the
-    gradient, and the block number of each (cached: the same model is checked at every step)."""
-    cols = [torch.arange(lo, lo + sizes[i]) for i, lo in columns]
-    grads = [torch.arange(offsets[i], offsets[i] + sizes[i]) for i, _ in columns]
-    ids = [torch.full((sizes[i],), b) for b, (i, _) in enumerate(columns)]
-    return tuple(torch.cat(t).to(device) for t in (cols, grads, ids))
-
-
 def _exact_block_errors(jacobian, gradient: torch.Tensor, blocks: list[int], capture: _Capture):
     """``||sum_n J_n - g||`` and ``||J_block||_F`` (``[len(blocks)]`` each, the gradient's dtype) of the given
-    parameter blocks, from their columns of ``J`` gathered in one go (or, for a ghosted weight, its factors)."""
+    parameter blocks, from their columns of ``J`` (runs of adjacent blocks as one view: no gather), or, for a ghosted weight (its sketch was not finite), from its factors."""
     factored = isinstance(jacobian, FactoredJacobian)
     dense = jacobian.dense if factored else jacobian
     where = jacobian.dense_index if factored else dict(zip(range(len(capture.sizes)), capture.offsets))
-    in_dense = tuple((i, where[i]) for i in blocks if i in where)
-    err = torch.zeros(len(in_dense), dtype=gradient.dtype, device=gradient.device)
-    sq = torch.zeros_like(err)
-    if in_dense:
-        cols, grads, ids = _exact_columns(in_dense, tuple(capture.sizes), tuple(capture.offsets), gradient.device)
-        block = dense if cols.numel() == dense.shape[1] else dense.index_select(1, cols)  # [M, columns checked]
-        err.index_add_(0, ids, (block.sum(0) - gradient[grads]).square())
-        sq.index_add_(0, ids, block.square().sum(0))
-    order = [i for i, _ in in_dense]
-    extra_err, extra_sq = [], []
-    for i in blocks:  # a ghosted weight (its sketch was not finite): from its factors
+    sizes, offsets = capture.sizes, capture.offsets
+    runs: list[list[int]] = []  # blocks whose columns of J follow each other
+    for i in sorted((i for i in blocks if i in where), key=where.get):
+        if runs and where[runs[-1][-1]] + sizes[runs[-1][-1]] == where[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    err_sq, fro_sq, order = [], [], []
+    for run in runs:
+        lo, hi = where[run[0]], where[run[-1]] + sizes[run[-1]]
+        block = dense[:, lo:hi]
+        g = gradient[offsets[run[0]] : offsets[run[-1] + 1]] if not factored or len(run) == 1 else torch.cat(
+            [gradient[offsets[i] : offsets[i + 1]] for i in run])
+        ids = _block_ids(tuple(sizes[i] for i in run), gradient.device)  # column -> block within the run
+        err_sq.append(block.new_zeros(len(run)).index_add_(0, ids, (block.sum(0) - g).square()))
+        col_sq = torch.empty(hi - lo, dtype=block.dtype, device=block.device)
+        for c, chunk in column_chunks(block):  # bounded temporaries
+            col_sq[c : c + chunk.shape[1]] = chunk.square().sum(0)
+        fro_sq.append(block.new_zeros(len(run)).index_add_(0, ids, col_sq))
+        order += run
+    for i in blocks:
         if i in where:
             continue
         _, a, g = next(entry for entry in jacobian.ghosts if entry[0] == i)
         total = (g.flatten(0, 1).T @ a.flatten(0, 1)).flatten()
-        extra_err.append((total - gradient[capture.offsets[i] : capture.offsets[i + 1]]).square().sum())
-        extra_sq.append(jacobian.row_sqnorms()[:, i].sum().to(gradient.dtype))
+        err_sq.append((total - gradient[offsets[i] : offsets[i + 1]]).square().sum()[None])
+        fro_sq.append(jacobian.row_sqnorms()[:, i].sum()[None].to(total.dtype))
         order.append(i)
-    if extra_err:
-        err, sq = torch.cat([err, torch.stack(extra_err)]), torch.cat([sq, torch.stack(extra_sq)])
+    if not order:
+        empty = torch.zeros(0, dtype=gradient.dtype, device=gradient.device)
+        return empty, empty
     rank = {i: r for r, i in enumerate(order)}  # back to the order of ``blocks``
-    perm = torch.tensor([rank[i] for i in blocks], dtype=torch.long, device=err.device)
-    return err.sqrt()[perm], sq.sqrt()[perm]
+    perm = torch.tensor([rank[i] for i in blocks], dtype=torch.long, device=gradient.device)
+    err = torch.cat([e.to(gradient.dtype) for e in err_sq]).sqrt()[perm]
+    return err, torch.cat([f.to(gradient.dtype) for f in fro_sq]).sqrt()[perm]
 
 
 CHECKS = (True, False, "exact")

@@ -772,7 +772,8 @@ def check_rows_sum_to_gradient_sketched(
 
 def _exact_block_errors(jacobian, gradient: torch.Tensor, blocks: list[int], capture: _Capture):
     """``||sum_n J_n - g||`` and ``||J_block||_F`` (``[len(blocks)]`` each, the gradient's dtype) of the given
-    parameter blocks, from their columns of ``J`` (runs of adjacent blocks as one view: no gather), or, for a ghosted weight (its sketch was not finite), from its factors."""
+    parameter blocks, from their columns of ``J`` (runs of adjacent blocks as one view: no gather), or, for a
+    ghosted weight (its sketch was not finite), from its factors."""
     factored = isinstance(jacobian, FactoredJacobian)
     dense = jacobian.dense if factored else jacobian
     where = jacobian.dense_index if factored else dict(zip(range(len(capture.sizes)), capture.offsets))

@@ -32,13 +32,14 @@ CLASSES = 3
 
 
 class CNN(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, padding_mode: str = "zeros"):
         super().__init__()
-        self.conv = torch.nn.Conv2d(1, 2, 3)
+        self.conv = torch.nn.Conv2d(1, 2, 3, padding=1 if padding_mode != "zeros" else 0, padding_mode=padding_mode)
         self.head = torch.nn.Linear(2 * 3 * 3, CLASSES)
 
     def forward(self, x):  # [M, 1, 5, 5]
-        return self.head(torch.relu(self.conv(x)).flatten(1))
+        h = torch.relu(self.conv(x))
+        return self.head(h[..., 1:-1, 1:-1].flatten(1) if self.conv.padding_mode != "zeros" else h.flatten(1))
 
 
 class GRUClassifier(torch.nn.Module):
@@ -91,7 +92,7 @@ class Encoder(torch.nn.Module):
 
 def _batch(name: str, m: int, t: int, dtype: torch.dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    if name == "cnn":
+    if name.startswith("cnn"):
         return torch.randn(m, 1, 5, 5, generator=g, dtype=dtype), torch.randint(0, CLASSES, (m,), generator=g)
     if name == "gru":
         return torch.randn(m, t, 3, generator=g, dtype=dtype), torch.randint(0, CLASSES, (m,), generator=g)
@@ -106,7 +107,8 @@ def _batch(name: str, m: int, t: int, dtype: torch.dtype, seed: int = 0):
 
 
 MODELS = {
-    "cnn": CNN,
+    "cnn": CNN,  # hooked (unfold, ief.conv_rules)
+    "cnn-reflect": lambda: CNN("reflect"),  # reflect padding: the per-sample loop
     "gru": GRUClassifier,
     "lstm-tagger": LSTMTagger,
     "residual-mlp": ResidualMLP,
@@ -365,7 +367,7 @@ def test_compiled_and_data_parallel_models_are_run_through_their_module(wrapper)
 @pytest.mark.parametrize(
     "name, looped",
     [
-        ("cnn", ["conv.weight", "conv.bias"]),
+        ("cnn-reflect", ["conv.weight", "conv.bias"]),
         ("gru", ["gru.weight_ih_l0", "gru.weight_hh_l0", "gru.bias_ih_l0", "gru.bias_hh_l0"]),
         ("encoder-batch-first", ["layer.self_attn.in_proj_weight", "layer.self_attn.out_proj.weight"]),
     ],

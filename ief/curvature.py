@@ -198,7 +198,7 @@ def gamma(
     check_targets(targets)
     params = resolve_params(model, params)
     tangents = split_vector(direction, params)
-    if not any(bool(t.ne(0).any()) for t in tangents):
+    if not bool(direction.any()):  # one reduction over [P], no temporary
         raise ValueError("gamma of a zero direction is undefined (0/0)")
     if method not in JVP_METHODS:
         raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, JVP_METHODS))}")
@@ -249,7 +249,7 @@ def gammas(
                          f"got {shape}")
     if not all_finite(directions):
         raise ValueError("directions contain non-finite values")
-    zero = (directions == 0).all(dim=1)
+    zero = ~directions.any(dim=1)
     if bool(zero.any()):
         raise ValueError(f"directions[{int(zero.nonzero()[0])}] is zero: its gamma is undefined (0/0)")
     if method not in JVP_METHODS:

@@ -128,7 +128,11 @@ def dual_forward(
     ``z`` keeps the autograd graph of ``params`` when grad mode is on; ``J_z v`` is computed outside it.
     """
     with forward_ad.dual_level(), BilinearTangents():
-        duals = {n: forward_ad.make_dual(p, t) for n, p, t in zip(names, params, tangents)}
+        # a tangent that is a view into a longer vector (ief.model_call.split_vector) would be copied into a zero-filled
+        # buffer by make_dual; a plain copy is cheaper
+        duals = {n: forward_ad.make_dual(p, t.clone() if t.storage_offset() or t.untyped_storage().nbytes()
+                                         != t.numel() * t.element_size() else t)
+                 for n, p, t in zip(names, params, tangents)}
         return tuple(forward_ad.unpack_dual(forward(substitute=duals)))
 
 

@@ -25,7 +25,7 @@ Conventions, followed by every function of the package:
   same random state, so dropout masks are identical across the passes a computation needs.
 """
 from . import optim
-from .curvature import FisherOperator, ForwardModeUnsupported, fisher_vp, gamma
+from .curvature import FisherOperator, ForwardModeUnsupported, fisher_vp, gamma, gammas
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import CGResult, hessian_free
 from .damping_sweep import damping_sweep
@@ -50,6 +50,7 @@ __all__ = [
     "FisherOperator",
     "ForwardModeUnsupported",
     "gamma",
+    "gammas",
     "hessian_free",
     "CGResult",
     "optim",

@@ -4,40 +4,42 @@ For softmax cross-entropy the Fisher equals the generalised Gauss-Newton matrix 
 
     F v = sum_n J_{z_n}^T H_n J_{z_n} v,   H_n = diag(p) - p p^T at every kept position of sample n,
 
-and for ``loss="mse"`` ``H_n = I``. ``J_z v`` is a Jacobian-vector product of the logits, by one of two methods:
+and for ``loss="mse"`` ``H_n = I``. ``J_z v``, the logits' Jacobian-vector product, comes from :mod:`ief.logit_jvp`
+by one of two methods:
 
 - ``"double_backward"`` (default for products): the paper's double-differentiation trick. One forward, one
   backward with ``create_graph`` giving ``u -> J_z^T u``, its derivative w.r.t. ``u`` giving ``J_z v``, and a final
   backward for ``J_z^T (H J_z v)``. :class:`FisherOperator` keeps both graphs, so further products at the same point
-  cost two backward-type passes each.
-- ``"forward"``: forward-mode AD (dual numbers through ``torch.func.functional_call``), which yields the logits and
-  ``J_z v`` in one forward. It is the default for ``gamma``, which then needs no backward at all (``d^T F d`` and
-  ``d^T grad L`` both follow from ``J_z d``). For products it was measured slower than double backward
-  (``benchmarks/step.py``): when the primal must also be differentiated in reverse mode, PyTorch records the tangent
-  computation in the autograd graph too.
-
-Every pass runs inside :func:`differentiable_kernels`: scaled-dot-product attention restricted to the MATH kernel
-(forward-mode AD has no rule for the fused CPU kernels, and double backward through them fails once a padding mask is
-passed), torch's fused inference fast path of ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` switched off
-(``_native_multi_head_attention`` and ``_transformer_encoder_layer_fwd``, taken in ``eval()`` mode, have no
-forward-mode rule) and oneDNN (mkldnn) switched off (its float32 RNN kernel ``mkldnn_rnn_layer`` has none either). The
-three compute the same function as the kernels they replace.
+  cost two backward-type passes each, and the graph-building backward also yields ``grad L``.
+- ``"forward"``: one fused dual-number forward gives the logits and ``J_z v`` together, then one backward of
+  ``J_z^T (H J_z v)`` through the primal graph (the floor: one forward with its tangents, one backward). It is the
+  default for :func:`gamma`, which then needs no backward at all (``d^T F d`` and ``d^T grad L`` both follow from
+  ``J_z d``), and for :func:`gammas`, which rates ``K`` directions from one forward carrying ``K`` tangents.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
-from torch.autograd import forward_ad
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .logit_jvp import (  # noqa: F401  (differentiable_kernels: imported from here by ief.jacobian)
+    JVP_METHODS,
+    ForwardModeUnsupported,
+    batched_jvps,
+    differentiable_kernels,
+    double_backward_jvps,
+    jvp_any_mode,
+    logits_and_jvp,
+)
 from .losses import Loss, get_loss, require_finite
 from .model_call import (
     Inputs,
     ReplayableForward,
+    all_finite,
     check_targets,
     flatten,
     param_names,
@@ -46,23 +48,6 @@ from .model_call import (
     unwrap_model,
 )
 
-JVP_METHODS = ("forward", "double_backward")
-
-
-@contextlib.contextmanager
-def differentiable_kernels() -> Iterator[None]:
-    """Reference kernels that support every AD mode: MATH attention, no fused transformer fast path, no oneDNN."""
-    fastpath, mkldnn = torch.backends.mha.get_fastpath_enabled(), torch.backends.mkldnn.enabled
-    torch.backends.mha.set_fastpath_enabled(False)
-    torch.backends.mkldnn.enabled = False  # not mkldnn.flags(): it also sets (and warns about) TF32
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fastpath)
-        torch.backends.mkldnn.enabled = mkldnn
-
-
 def check_logits(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> None:
     """The loss's shape checks, then ``FloatingPointError`` for logits the loss cannot use (NaN, ...)."""
     loss.check(logits, targets)
@@ -70,106 +55,22 @@ def check_logits(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> Non
     check_finite(logits, targets) if check_finite is not None else require_finite(logits)
 
 
-class ForwardModeUnsupported(NotImplementedError):
-    """An operation of the model has no forward-mode AD rule (the message names the module and the way out)."""
-
-
-def _dual_forward(forward, params, names, tangents):
-    with forward_ad.dual_level():
-        duals = {n: forward_ad.make_dual(p, t) for n, p, t in zip(names, params, tangents)}
-        return forward_ad.unpack_dual(forward(substitute=duals))
-
-
-def _unsupported_message(forward, params, names, tangents, err: NotImplementedError) -> str:
-    """Re-run the failing dual forward with hooks that track the running modules: name the innermost one."""
-    running: list[str] = []
-
-    def leave(module, args, output) -> None:  # returns None: the output is left as it is
-        running.pop()
-
-    handles = []
-    for name, module in forward.model.named_modules():
-        handles.append(module.register_forward_pre_hook(lambda mod, args, n=name: running.append(n)))
-        handles.append(module.register_forward_hook(leave))
-    try:
-        _dual_forward(forward, params, names, tangents)
-    except NotImplementedError:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-    where = "the model's own forward (outside any submodule)"
-    if running and running[-1]:
-        module = forward.model.get_submodule(running[-1])
-        where = f"module {running[-1]!r} ({type(module).__name__})"
-    reason = str(err).splitlines()[0].rstrip(".") if str(err) else type(err).__name__
-    return (
-        f"forward-mode AD is not available in {where}: {reason}. Use method='double_backward' (fisher_vp, "
-        "FisherOperator, hessian_free), which needs reverse mode only; gamma and check='exact' switch to it by "
-        "themselves"
-    )
-
-
-# Models whose forward has no forward-mode rule somewhere: gamma and the exact check go straight to double backward.
-_NO_FORWARD_MODE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-def jvp_any_mode(
-    forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str], tangents: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(z, J_z v)`` by forward mode, or by double backward where the model has no forward-mode rule (same value);
-    logits detached."""
-    if forward.model not in _NO_FORWARD_MODE:
-        try:
-            with torch.no_grad():
-                logits, jv = logits_and_jvp(forward, params, names, tangents, "forward")
-            return logits.detach(), jv
-        except ForwardModeUnsupported:
-            _NO_FORWARD_MODE[forward.model] = True
-    with torch.enable_grad():
-        logits, jv = logits_and_jvp(forward, params, names, tangents, "double_backward")
-    return logits.detach(), jv
-
-
-def logits_and_jvp(
-    forward: ReplayableForward,
-    params: Sequence[torch.Tensor],
-    names: Sequence[str],
-    tangents: Sequence[torch.Tensor],
-    method: str = "forward",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(z, J_z v)``: logits still attached to the autograd graph of ``params``, and their JVP (detached)."""
-    if method not in JVP_METHODS:
-        raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, JVP_METHODS))}")
-    # inference mode drops forward-mode tangents: leave it for these passes, keeping the caller's grad mode
-    grad_mode = torch.is_grad_enabled()
-    with differentiable_kernels(), torch.inference_mode(False), torch.set_grad_enabled(grad_mode):
-        if method == "forward":
-            try:
-                primal, tangent = _dual_forward(forward, params, names, tangents)
-            except NotImplementedError as err:
-                raise ForwardModeUnsupported(_unsupported_message(forward, params, names, tangents, err)) from err
-            if tangent is None:  # the logits do not depend on params (inference mode is switched off above)
-                tangent = torch.zeros_like(primal)
-            return primal, tangent.detach()
-        logits = forward()
-        probe = torch.zeros_like(logits, requires_grad=True)
-        vjp = torch.autograd.grad(logits, params, probe, create_graph=True, allow_unused=True)
-        pairs = [(g, t) for g, t in zip(vjp, tangents) if g is not None and g.requires_grad]
-        if not pairs:
-            return logits, torch.zeros_like(logits)
-        (jv,) = torch.autograd.grad([g for g, _ in pairs], probe, [t for _, t in pairs])
-        return logits, jv.detach()
-
-
 class FisherOperator:
     """The exact Fisher (= GGN) at one point, as a linear operator ``v -> F v`` that never forms ``P x P``.
 
-    Built once per point (model, batch); ``.gradient`` is the batch gradient from the same forward. With
-    ``method="double_backward"`` (default) the forward graph and the graph of ``u -> J_z^T u`` are built once and
-    every product costs two backward-type passes (``J_z v`` by differentiating ``J_z^T u`` w.r.t. ``u``, then
-    ``J_z^T (H J_z v)``), so repeated products (a CG solve) do not repeat the forward. With ``method="forward"``
-    every product is a fresh dual-number forward plus a backward, replaying the same dropout masks.
+    Built once per point (model, batch). ``.gradient`` is the batch gradient ``grad L`` at the same point (same
+    dropout masks), computed when first read. Per product:
+
+    - ``method="double_backward"`` (default; the paper's double-differentiation trick, ``sec:app-eval-complexity``):
+      the forward graph and the graph of ``u -> J_z^T u`` are built once, at construction; every product then costs
+      two backward-type passes (``J_z v`` by differentiating ``J_z^T u`` w.r.t. ``u``, then ``J_z^T (H J_z v)``), so
+      repeated products (a CG solve) never repeat the forward. The probe ``u`` is given the value of the logit
+      gradient ``dL/dz``: ``J_z^T u`` is linear in ``u``, so ``J_z v`` does not depend on that value, and the pass
+      that builds the graph yields ``grad L = J_z^T dL/dz`` for free.
+    - ``method="forward"``: one fused dual-number forward gives the logits and ``J_z v`` together, then one backward
+      of ``J_z^T (H J_z v)`` through the primal graph; nothing is built at construction. Every product replays the
+      same dropout masks. Raises :class:`ForwardModeUnsupported` (naming the module) where a layer has no
+      forward-mode rule.
     """
 
     def __init__(
@@ -192,16 +93,34 @@ class FisherOperator:
         self.targets = targets
         self.method = method
         self._forward = ReplayableForward(model, inputs)
-        with _autograd_on():
-            self.logits = self._forward()
-            check_logits(self.loss, self.logits, targets)
-            losses = self.loss.per_sample(self.logits, targets)
-            grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=True, allow_unused=True)
-            self.gradient = flatten(grads, self.params).detach()
-            if method == "double_backward":
-                self._probe = torch.zeros_like(self.logits, requires_grad=True)
+        self._gradient: torch.Tensor | None = None
+        self._checked = False
+        if method == "double_backward":
+            with _autograd_on():
+                self.logits = self._forward()
+                self._check(self.logits)
+                # u = dL/dz: J_z^T u is then grad L (free), and d(J_z^T u)/du does not depend on u's value
+                self._probe = self.loss.logit_grad(self.logits.detach(), targets).requires_grad_(True)
                 vjp = torch.autograd.grad(self.logits, self.params, self._probe, create_graph=True, allow_unused=True)
+                self._gradient = flatten([None if g is None else g.detach() for g in vjp], self.params)
                 self._vjp = [(k, g) for k, g in enumerate(vjp) if g is not None and g.requires_grad]
+
+    def _check(self, logits: torch.Tensor) -> None:
+        if not self._checked:
+            check_logits(self.loss, logits.detach(), self.targets)
+            self._checked = True
+
+    @property
+    def gradient(self) -> torch.Tensor:
+        """``grad L`` at this point, ``[P]`` (the same dropout masks as every product)."""
+        if self._gradient is None:
+            with _autograd_on():
+                logits = self._forward()
+                self._check(logits)
+                grad_z = self.loss.logit_grad(logits.detach(), self.targets)
+                grads = torch.autograd.grad(logits, self.params, grad_z, allow_unused=True)
+            self._gradient = flatten(grads, self.params)
+        return self._gradient
 
     def matvec(self, vector: torch.Tensor) -> torch.Tensor:
         """``F v``, ``[P]``."""
@@ -209,6 +128,7 @@ class FisherOperator:
         with _autograd_on():
             if self.method == "forward":
                 logits, jv = logits_and_jvp(self._forward, self.params, self.names, tangents, "forward")
+                self._check(logits)
             else:
                 logits = self.logits
                 if self._vjp:
@@ -218,7 +138,8 @@ class FisherOperator:
                 else:
                     jv = torch.zeros_like(logits)
             hjv = self.loss.hessian_vp(logits.detach(), self.targets, jv.detach())
-            grads = torch.autograd.grad(logits, self.params, hjv, retain_graph=True, allow_unused=True)
+            retain = self.method == "double_backward"  # the forward method's graph serves this one product only
+            grads = torch.autograd.grad(logits, self.params, hjv, retain_graph=retain, allow_unused=True)
         return flatten(grads, self.params)
 
     __matmul__ = matvec
@@ -244,10 +165,13 @@ def fisher_vp(
     """Exact Fisher (= GGN) times ``vector``, summed over samples and kept positions, ``[P]``.
 
     ``F v = sum_n J_{z_n}^T H_n J_{z_n} v`` (``sec:app-eval-complexity``). ``method="double_backward"`` (default):
-    the double-differentiation trick, 1 forward + 3 backward-type passes; ``method="forward"``: a dual-number
-    forward for ``J_z v`` + 1 backward. The default is the one measured faster (``benchmarks/step.py``): PyTorch's
-    forward-mode AD also records the tangent computation in the autograd graph when the primal needs a backward.
-    For many products at one point, build a :class:`FisherOperator` once.
+    the paper's double-differentiation trick, 1 forward + 3 backward-type passes, reverse mode only;
+    ``method="forward"``: one fused dual-number forward giving ``z`` and ``J_z v`` together + 1 backward (raises
+    :class:`ForwardModeUnsupported`, naming the module, where a layer has no forward-mode rule). Both were measured
+    within a few per cent of each other on the package's benchmarks (CPU, one thread; ``benchmarks/step.py``): the
+    tangent of every activation costs about as much as the primal forward, which bounds either method well above
+    one gradient. For many products at one point (a CG solve), build a :class:`FisherOperator` once: with double
+    backward each further product costs two backward-type passes.
     """
     return FisherOperator(model, inputs, targets, params, loss=loss, method=method).matvec(vector)
 
@@ -277,7 +201,7 @@ def gamma(
     check_targets(targets)
     params = resolve_params(model, params)
     tangents = split_vector(direction, params)
-    if not any(bool(t.ne(0).any()) for t in tangents):
+    if not bool(direction.any()):  # one reduction over [P], no temporary
         raise ValueError("gamma of a zero direction is undefined (0/0)")
     if method not in JVP_METHODS:
         raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, JVP_METHODS))}")
@@ -288,12 +212,89 @@ def gamma(
     else:
         with torch.enable_grad():
             logits, jd = logits_and_jvp(forward, params, names, tangents, method)
-    logits = logits.detach()
-    check_logits(loss_fn, logits, targets)
-    jd64, z64 = jd.to(torch.float64), logits.to(torch.float64)
-    curvature = float((jd64 * loss_fn.hessian_vp(z64, targets, jd64)).sum())
-    slope = float((loss_fn.logit_grad(z64, targets) * jd64).sum())
-    return gamma_from(curvature, slope)
+    return _gammas_of_jvps(loss_fn, logits.detach(), targets, [jd])[0]
+
+
+def gammas(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    directions: torch.Tensor,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    loss: str | Loss = "cross_entropy",
+    method: str = "forward",
+) -> list[float]:
+    """The indicator ``gamma(d_k) = sqrt(d_k^T F d_k) / |d_k^T grad L|`` (``sec:eval_framework``, ``alg:eval``) of the
+    ``K`` rows of ``directions [K, P]`` at one point, in one batched pass: ``K`` values equal to ``K`` calls of
+    :func:`gamma` (to rounding), for the cost of about one forward plus ``K`` tangent propagations.
+
+    ``method="forward"`` (default): one forward-mode pass carries all ``K`` tangents (``torch.func.vmap`` over
+    ``torch.func.jvp``; the primal forward runs once, in train mode with one set of dropout masks, drawn as one
+    plain forward would draw them). Where the model does not support that (an operation without a forward-mode or
+    batching rule, data-dependent control flow), it says so with a ``RuntimeWarning`` once per model and computes
+    the same values by double backward: one forward, one backward with ``create_graph`` and one backward-type pass
+    per direction. ``method="double_backward"`` takes that path directly.
+
+    Raises ``ValueError`` for ``directions`` not shaped ``[K, P]`` (``K >= 1``), non-finite, or with a zero row
+    (``gamma`` of a zero direction is ``0/0``), and ``FloatingPointError`` as :func:`gamma` does. Used by the
+    evaluation (``alg:eval``) to rate every method's direction at a checkpoint from one batched pass.
+    """
+    loss_fn = get_loss(loss)
+    model = unwrap_model(model)
+    check_targets(targets)
+    params = resolve_params(model, params)
+    total = sum(p.numel() for p in params)
+    if not isinstance(directions, torch.Tensor) or directions.dim() != 2 or directions.shape[0] < 1 \
+            or directions.shape[1] != total:
+        shape = tuple(directions.shape) if isinstance(directions, torch.Tensor) else type(directions).__name__
+        raise ValueError(f"directions must have shape [K, {total}] (K >= 1 rows, one entry per trainable parameter), "
+                         f"got {shape}")
+    if not all_finite(directions):
+        raise ValueError("directions contain non-finite values")
+    zero = ~directions.any(dim=1)
+    if bool(zero.any()):
+        raise ValueError(f"directions[{int(zero.nonzero()[0])}] is zero: its gamma is undefined (0/0)")
+    if method not in JVP_METHODS:
+        raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, JVP_METHODS))}")
+    forward = ReplayableForward(model, inputs)
+    names = param_names(model, params)
+    jds = None
+    if method == "forward" and model not in _NOT_BATCHABLE:
+        try:
+            logits, jds = batched_jvps(forward, params, names, directions)
+        except (RuntimeError, NotImplementedError) as err:  # the fallback below is exact; a real error recurs there
+            _NOT_BATCHABLE[model] = True
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            warnings.warn(f"ief.gammas: the batched forward-mode pass is not available for this "
+                          f"{type(model).__name__} ({reason}); using double backward (same values, one backward-type "
+                          "pass per direction)", RuntimeWarning, stacklevel=2)
+    if jds is None:
+        tangent_sets = [split_vector(d, params) for d in directions]
+        with _autograd_on():
+            logits = forward()
+            jds = double_backward_jvps(logits, params, tangent_sets)
+        logits = logits.detach()
+    return _gammas_of_jvps(loss_fn, logits, targets, list(jds))
+
+
+# Models on which the batched forward-mode pass of ``gammas`` failed once: later calls go straight to double backward.
+_NOT_BATCHABLE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _gammas_of_jvps(loss: Loss, logits: torch.Tensor, targets: torch.Tensor, jds: list[torch.Tensor]) -> list[float]:
+    """``gamma`` of each direction from ``J_z d`` alone: ``d^T F d = (J_z d)^T H (J_z d)``, ``d^T grad L =
+    (dL/dz)^T J_z d``, in float64."""
+    check_logits(loss, logits, targets)
+    z64 = logits.to(torch.float64)
+    grad_z = loss.logit_grad(z64, targets)
+    out = []
+    for jd in jds:
+        jd64 = jd.to(torch.float64)
+        curvature = float((jd64 * loss.hessian_vp(z64, targets, jd64)).sum())
+        slope = float((grad_z * jd64).sum())
+        out.append(gamma_from(curvature, slope))
+    return out
 
 
 def gamma_from(curvature: float, slope: float) -> float:

@@ -74,13 +74,14 @@ def hessian_free(
         if not rayleigh > 100 * eps * largest_rayleigh:
             break
         alpha = rr / curvature
-        x = x + alpha * v
-        r = r - alpha * fv
+        x.add_(v, alpha=alpha)  # in place: on a small model the [P] float64 updates cost as much as a product
+        r.add_(fv, alpha=-alpha)
         rr_next = float(r @ r)
-        v = r + (rr_next / rr) * v
+        v.mul_(rr_next / rr).add_(r)
         rr = rr_next
         result.residual_norms.append(rr**0.5)
         if return_gammas:
-            result.gammas.append(gamma_from(float(x @ (b64 - r)), float(x @ b64)))
+            slope = float(x @ b64)
+            result.gammas.append(gamma_from(slope - float(x @ r), slope))
     result.solution = x.to(b.dtype)
     return result if return_gammas else result.solution

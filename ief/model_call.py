@@ -85,7 +85,7 @@ def split_vector(vector: torch.Tensor, params: Sequence[torch.Tensor]) -> list[t
     if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.shape[0] != total:
         shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
         raise ValueError(f"vector must have shape [{total}] (one entry per trainable parameter), got {shape}")
-    if not torch.isfinite(vector).all():
+    if not all_finite(vector):
         raise ValueError("vector contains non-finite values")
     chunks = torch.split(vector, [p.numel() for p in params])
     return [c.reshape(p.shape).to(dtype=p.dtype, device=p.device) for c, p in zip(chunks, params)]

@@ -319,3 +319,152 @@ def test_hessian_free_train_mode_replays_one_mask():
     assert _rel(one, float(g @ g) / float(g @ fg) * g) < 1e-6
     again = _seeded(lambda: ief.gamma(case.model, case.inputs, case.targets, res.solution))
     assert again == pytest.approx(gammas[-1], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- FisherOperator
+@pytest.mark.parametrize("method", METHODS)
+def test_fisher_operator_gradient_matches_oracle(any_case, method):
+    """``FisherOperator.gradient`` is grad L at the operator's point for both methods: with double backward it is
+    ``J_z^T u`` at the probe ``u = dL/dz`` (the pass that builds the J_z v graph), with forward mode a lazy
+    forward + backward; products made after reading it are unchanged (the probe's value does not enter J_z v)."""
+    ref = reference(any_case.name)
+    tol = rtol(any_case.name)
+    op = ief.FisherOperator(any_case.model, any_case.inputs, any_case.targets, loss=any_case.loss, method=method)
+    assert op.gradient.dtype == model_dtype(any_case)
+    assert _rel(op.gradient, ref.gradient) < tol
+    (v,) = _randn(any_case, 1, seed=19)
+    assert _rel(op.matvec(v), ref.fisher @ v.double()) < tol
+    assert _rel(op @ v, ref.fisher @ v.double()) < tol  # a second product on the same graphs
+
+
+def test_fisher_vp_float32_sequence_with_masks_and_padding():
+    """float32 sequence model with padding tokens and -100 targets: both methods match the float64 oracle to float32
+    accuracy and agree with each other."""
+    from tiny_models import sequence_case
+
+    case = sequence_case()
+    ref = reference("sequence")
+    model32 = case.model.float()
+    (v,) = _randn(case, 1, seed=23)
+    got = {m: ief.fisher_vp(model32, case.inputs, case.targets, v.float(), method=m) for m in METHODS}
+    for m, fv in got.items():
+        assert fv.dtype == torch.float32
+        assert _rel(fv, ref.fisher @ v.double()) < 1e-5, m
+    assert _rel(got["forward"], got["double_backward"]) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------- gammas (batched)
+def _stack(case) -> torch.Tensor:
+    """K = 7 directions: the paper's (SGD, iEF, EF, SF), a random one, a scaled-and-flipped copy, and a sparse one."""
+    dirs = list(directions(case).values())
+    sparse = torch.zeros_like(dirs[0])
+    sparse[::3] = 1.0
+    return torch.stack(dirs + [-2.5 * dirs[1], sparse])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gammas_equal_separate_gamma_calls(any_case, method):
+    """``ief.gammas`` of K = 7 directions in one batched pass equals 7 separate ``ief.gamma`` calls to 1e-12 (float64),
+    and the dense oracle (sec:eval_framework, alg:eval), on every tiny model: sequences with padding and -100
+    positions, T5 / ViT LoRA, prompt tuning, the squared error."""
+    ref = reference(any_case.name)
+    stacked = _stack(any_case)
+    got = ief.gammas(any_case.model, any_case.inputs, any_case.targets, stacked, loss=any_case.loss, method=method)
+    assert isinstance(got, list) and len(got) == 7 and all(isinstance(g, float) for g in got)
+    for k, d in enumerate(stacked):
+        one = ief.gamma(any_case.model, any_case.inputs, any_case.targets, d, loss=any_case.loss, method=method)
+        assert got[k] == pytest.approx(one, rel=1e-12), k
+        assert got[k] == pytest.approx(ref.gamma(d), rel=rtol(any_case.name)), k
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gammas_train_mode_replays_one_dropout_mask(method):
+    """t5-lora in train() mode (LoRA dropout on): the batched pass draws the dropout masks exactly as one plain forward
+    would, so from the same RNG state its K values equal K separate ``gamma`` calls, each started from that state."""
+    case = t5_lora_case()
+    case.model.train()
+    stacked = _stack(case)
+    got = _seeded(lambda: ief.gammas(case.model, case.inputs, case.targets, stacked, method=method))
+    for k, d in enumerate(stacked):
+        one = _seeded(lambda: ief.gamma(case.model, case.inputs, case.targets, d, method=method))
+        assert got[k] == pytest.approx(one, rel=1e-12), k
+    case.model.eval()  # a different function (dropout off): different values
+    assert ief.gammas(case.model, case.inputs, case.targets, stacked)[1] != pytest.approx(got[1], rel=1e-6)
+
+
+def test_gammas_float32_and_inference_mode():
+    """float32 model: the batched values match the float64 oracle to float32 accuracy, also when called under
+    ``torch.inference_mode()`` (which would drop forward-mode tangents if the package did not leave it)."""
+    case = mlp_case()
+    ref = reference("mlp")
+    stacked = _stack(case)
+    model32 = case.model.float()
+    with torch.inference_mode():
+        got = ief.gammas(model32, case.inputs.float(), case.targets, stacked.float())
+    for k, d in enumerate(stacked):
+        assert got[k] == pytest.approx(ref.gamma(d), rel=1e-5), k
+
+
+def test_gammas_rejects_bad_directions():
+    case = mlp_case()
+    p = num_params(case)
+    good = torch.ones(2, p, dtype=torch.float64)
+    for bad in (torch.ones(p, dtype=torch.float64), torch.ones(2, p + 1, dtype=torch.float64),
+                torch.ones(0, p, dtype=torch.float64), torch.ones(1, 2, p, dtype=torch.float64), [good]):
+        with pytest.raises(ValueError, match=r"shape \[K, "):
+            ief.gammas(case.model, case.inputs, case.targets, bad)
+    nan = good.clone()
+    nan[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        ief.gammas(case.model, case.inputs, case.targets, nan)
+    zero = good.clone()
+    zero[1] = 0.0
+    for method in METHODS:
+        with pytest.raises(ValueError, match=r"directions\[1\] is zero"):
+            ief.gammas(case.model, case.inputs, case.targets, zero, method=method)
+    with pytest.raises(ValueError, match="unknown method"):
+        ief.gammas(case.model, case.inputs, case.targets, good, method="nope")
+
+
+class _SquareNoJvp(torch.autograd.Function):
+    """A custom op with a backward but no forward-mode rule (and no functorch support)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+def test_gammas_fall_back_to_double_backward_and_say_so():
+    """A layer without a forward-mode rule: ``gammas`` warns once per model and returns the double-backward values
+    (never a silently wrong tangent); ``fisher_vp(method="forward")`` still raises ForwardModeUnsupported."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.head(_SquareNoJvp.apply(self.inp(x)))
+
+    torch.manual_seed(0)
+    model = Model().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    p = sum(q.numel() for q in model.parameters())
+    stacked = torch.randn(3, p, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="double backward"):
+        got = ief.gammas(model, x, y, stacked)
+    expected = [ief.gamma(model, x, y, d, method="double_backward") for d in stacked]
+    assert got == pytest.approx(expected, rel=1e-12)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ief.gammas(model, x, y, stacked) == pytest.approx(expected, rel=1e-12)  # no second warning
+    with pytest.raises(ief.ForwardModeUnsupported):
+        ief.fisher_vp(model, x, y, stacked[0], method="forward")

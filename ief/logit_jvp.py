@@ -1,0 +1,259 @@
+"""Jacobian-vector products of a model's logits, ``J_z v`` (``sec:app-eval-complexity``), by two methods.
+
+- ``"forward"``: forward-mode AD. The trainable parameters are made dual (primal ``theta``, tangent ``v``) through
+  ``torch.func.functional_call``; one forward gives ``z`` and ``J_z v`` together (:func:`dual_forward`).
+  :func:`batched_jvps` pushes ``K`` tangents through one forward (``torch.func.vmap`` over ``torch.func.jvp``: the
+  primal is computed once, the tangents as one batch).
+- ``"double_backward"``: the paper's double-differentiation trick: a backward with ``create_graph`` gives
+  ``u -> J_z^T u``; its derivative w.r.t. ``u`` along ``v`` is ``J_z v``. Needs reverse mode only.
+
+PyTorch's own forward-mode rules for the bilinear operations (``linear``, ``matmul``, ``mm``, ``bmm``) replace a
+missing tangent by a zero tensor and still multiply by it: ``linear(x, W)`` with a frozen ``W`` (a LoRA base layer)
+or an input without tangent (the first layer) costs two products instead of one, and while the primal is recorded
+for a backward every tangent product is recorded too. :class:`BilinearTangents` computes the tangents of these
+operations itself, from the defined terms only (``d(x W^T + b) = dx W^T + x dW^T + db``, ``d(A B) = dA B + A dB``)
+and unrecorded (every consumer detaches ``J_z v``): the same function as PyTorch's rule. Every other operation keeps
+PyTorch's rule; where one has none, PyTorch raises and :class:`ForwardModeUnsupported` names the module (never a
+silently wrong tangent).
+
+Every pass runs inside :func:`differentiable_kernels`: scaled-dot-product attention restricted to the MATH kernel
+(forward-mode AD has no rule for the fused CPU kernels, and double backward through them fails once a padding mask is
+passed), torch's fused inference fast path of ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` switched off
+(``_native_multi_head_attention`` and ``_transformer_encoder_layer_fwd``, taken in ``eval()`` mode, have no
+forward-mode rule) and oneDNN (mkldnn) switched off (its float32 RNN kernel ``mkldnn_rnn_layer`` has none either). The
+three compute the same function as the kernels they replace.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.autograd import forward_ad
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from .model_call import ReplayableForward
+
+JVP_METHODS = ("forward", "double_backward")
+
+F = torch.nn.functional
+
+
+@contextlib.contextmanager
+def differentiable_kernels() -> Iterator[None]:
+    """Reference kernels that support every AD mode: MATH attention, no fused transformer fast path, no oneDNN."""
+    fastpath, mkldnn = torch.backends.mha.get_fastpath_enabled(), torch.backends.mkldnn.enabled
+    torch.backends.mha.set_fastpath_enabled(False)
+    torch.backends.mkldnn.enabled = False  # not mkldnn.flags(): it also sets (and warns about) TF32
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        torch.backends.mkldnn.enabled = mkldnn
+
+
+class ForwardModeUnsupported(NotImplementedError):
+    """An operation of the model has no forward-mode AD rule (the message names the module and the way out)."""
+
+
+def _split(x: object) -> tuple[object, torch.Tensor | None]:
+    """``(primal, tangent or None)`` of a possibly dual tensor (a zero tangent counts as none)."""
+    if not isinstance(x, torch.Tensor):
+        return x, None
+    primal, tangent = forward_ad.unpack_dual(x)
+    if tangent is not None and tangent._is_zerotensor():
+        tangent = None
+    return primal, tangent
+
+
+def _accumulate(total: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:
+    return term if total is None else total + term
+
+
+def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    (xp, xt), (wp, wt), (bp, bt) = _split(input), _split(weight), _split(bias)
+    out = F.linear(xp, wp, bp)
+    if xt is None and wt is None and bt is None:
+        return out
+    tangent = None
+    with torch.no_grad():
+        if xt is not None:
+            tangent = F.linear(xt, wp)
+        if wt is not None:
+            tangent = _accumulate(tangent, F.linear(xp, wt))
+        if bt is not None:
+            tangent = _accumulate(tangent, bt.expand(out.shape))
+    return forward_ad.make_dual(out, tangent)
+
+
+def _product(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    (ap, at), (bp, bt) = _split(a), _split(b)
+    out = op(ap, bp)
+    if at is None and bt is None:
+        return out
+    tangent = None
+    with torch.no_grad():
+        if at is not None:
+            tangent = op(at, bp)
+        if bt is not None:
+            tangent = _accumulate(tangent, op(ap, bt))
+    return forward_ad.make_dual(out, tangent)
+
+
+_PRODUCTS = {torch.matmul: torch.matmul, torch.Tensor.matmul: torch.matmul, torch.Tensor.__matmul__: torch.matmul,
+             torch.mm: torch.mm, torch.Tensor.mm: torch.mm, torch.bmm: torch.bmm, torch.Tensor.bmm: torch.bmm}
+
+
+class BilinearTangents(TorchFunctionMode):
+    """Inside a ``forward_ad.dual_level``: tangents of ``linear`` / ``matmul`` / ``mm`` / ``bmm`` from their defined
+    terms only, outside the autograd graph (see the module docstring). Everything else runs unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) + len(kwargs) <= 3 and "out" not in kwargs:
+            return _linear(*args, **kwargs)
+        if func in _PRODUCTS and len(args) == 2 and not kwargs:
+            return _product(_PRODUCTS[func], *args)
+        return func(*args, **kwargs)
+
+
+def dual_forward(
+    forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str], tangents: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(z, J_z v)`` from one dual-number forward (``J_z v`` is ``None`` when the logits do not depend on params).
+
+    ``z`` keeps the autograd graph of ``params`` when grad mode is on; ``J_z v`` is computed outside it.
+    """
+    with forward_ad.dual_level(), BilinearTangents():
+        # a tangent that is a view into a longer vector (ief.model_call.split_vector) would be copied into a zero-filled
+        # buffer by make_dual; a plain copy is cheaper
+        duals = {n: forward_ad.make_dual(p, t.clone() if t.storage_offset() or t.untyped_storage().nbytes()
+                                         != t.numel() * t.element_size() else t)
+                 for n, p, t in zip(names, params, tangents)}
+        return tuple(forward_ad.unpack_dual(forward(substitute=duals)))
+
+
+def unsupported_message(forward: ReplayableForward, params, names, tangents, err: NotImplementedError) -> str:
+    """Re-run the failing dual forward with hooks that track the running modules: name the innermost one."""
+    running: list[str] = []
+
+    def leave(module, args, output) -> None:  # returns None: the output is left as it is
+        running.pop()
+
+    handles = []
+    for name, module in forward.model.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda mod, args, n=name: running.append(n)))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        dual_forward(forward, params, names, tangents)
+    except NotImplementedError:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    where = "the model's own forward (outside any submodule)"
+    if running and running[-1]:
+        module = forward.model.get_submodule(running[-1])
+        where = f"module {running[-1]!r} ({type(module).__name__})"
+    reason = str(err).splitlines()[0].rstrip(".") if str(err) else type(err).__name__
+    return (
+        f"forward-mode AD is not available in {where}: {reason}. Use method='double_backward' (fisher_vp, "
+        "FisherOperator, hessian_free), which needs reverse mode only; gamma and check='exact' switch to it by "
+        "themselves"
+    )
+
+
+# Models whose forward has no forward-mode rule somewhere: gamma and the exact check go straight to double backward.
+_NO_FORWARD_MODE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def jvp_any_mode(
+    forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str], tangents: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, J_z v)`` by forward mode, or by double backward where the model has no forward-mode rule (same value);
+    logits detached."""
+    if forward.model not in _NO_FORWARD_MODE:
+        try:
+            with torch.no_grad():
+                logits, jv = logits_and_jvp(forward, params, names, tangents, "forward")
+            return logits.detach(), jv
+        except ForwardModeUnsupported:
+            _NO_FORWARD_MODE[forward.model] = True
+    with torch.enable_grad():
+        logits, jv = logits_and_jvp(forward, params, names, tangents, "double_backward")
+    return logits.detach(), jv
+
+
+def logits_and_jvp(
+    forward: ReplayableForward,
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    tangents: Sequence[torch.Tensor],
+    method: str = "forward",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, J_z v)``: logits still attached to the autograd graph of ``params``, and their JVP (detached)."""
+    if method not in JVP_METHODS:
+        raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, JVP_METHODS))}")
+    # inference mode drops forward-mode tangents: leave it for these passes, keeping the caller's grad mode
+    grad_mode = torch.is_grad_enabled()
+    with differentiable_kernels(), torch.inference_mode(False), torch.set_grad_enabled(grad_mode):
+        if method == "forward":
+            try:
+                primal, tangent = dual_forward(forward, params, names, tangents)
+            except NotImplementedError as err:
+                raise ForwardModeUnsupported(unsupported_message(forward, params, names, tangents, err)) from err
+            if tangent is None:  # the logits do not depend on params (inference mode is switched off above)
+                tangent = torch.zeros_like(primal)
+            return primal, tangent.detach()
+        logits = forward()
+        (jv,) = double_backward_jvps(logits, params, [tangents])
+        return logits, jv
+
+
+def double_backward_jvps(
+    logits: torch.Tensor, params: Sequence[torch.Tensor], tangent_sets: Sequence[Sequence[torch.Tensor]]
+) -> list[torch.Tensor]:
+    """``[J_z v_k]`` (detached) for several tangents from one graph of ``u -> J_z^T u`` (the double-differentiation
+    trick): one backward with ``create_graph``, then one backward-type pass per tangent. ``logits`` must be attached
+    to the autograd graph of ``params``."""
+    probe = torch.zeros_like(logits, requires_grad=True)
+    vjp = torch.autograd.grad(logits, params, probe, create_graph=True, allow_unused=True)
+    used = [k for k, g in enumerate(vjp) if g is not None and g.requires_grad]
+    if not used:
+        return [torch.zeros_like(logits) for _ in tangent_sets]
+    out = []
+    for i, tangents in enumerate(tangent_sets):
+        (jv,) = torch.autograd.grad(
+            [vjp[k] for k in used], probe, [tangents[k] for k in used], retain_graph=i < len(tangent_sets) - 1
+        )
+        out.append(jv.detach())
+    return out
+
+
+def batched_jvps(
+    forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str], directions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, [J_z d_1, ..., J_z d_K])`` for the rows of ``directions [K, P]`` from one forward-mode pass: the primal
+    forward runs once and the ``K`` tangents as one batch (``torch.func.vmap`` over ``torch.func.jvp``, dropout masks
+    shared by the ``K`` tangents and drawn as one plain forward would draw them). Returns the logits (detached) and
+    ``[K, *z.shape]``.
+
+    Raises what ``vmap`` or forward mode raise where the model does not support them (an operation without a batching
+    or forward-mode rule, data-dependent control flow): callers fall back to :func:`double_backward_jvps`.
+    """
+    sizes = [p.numel() for p in params]
+
+    def logits(*primals: torch.Tensor) -> torch.Tensor:
+        with BilinearTangents():
+            return forward(substitute=dict(zip(names, primals)))
+
+    def one(direction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tangents = [c.reshape(p.shape).to(p) for c, p in zip(torch.split(direction, sizes), params)]
+        return torch.func.jvp(logits, tuple(params), tuple(tangents))
+
+    with differentiable_kernels(), torch.inference_mode(False), torch.no_grad():
+        z, jvs = torch.func.vmap(one, randomness="same", out_dims=(None, 0))(directions)
+    return z.detach(), jvs.detach()

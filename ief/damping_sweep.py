@@ -21,7 +21,10 @@ so after the ``2M`` passes every ``(method, lambda)`` costs ``O(M^2)``: ``gamma 
 
 Cost against ``K`` separate evaluations (per damping: a per-sample backward, a sampled backward, three directions
 and four ``gamma`` passes): one per-sample and one sampled backward plus ``2M`` JVP forwards (``M`` without SF),
-whatever ``K``. Memory: ``Z`` holds ``2M`` logit tensors, ``2M x M x (kept positions) x C`` floats (ignored
+whatever ``K``; with the batch's logit Jacobian (``logit_space``, :mod:`ief.logit_space`: one per-sample backward
+per class, shared with :func:`ief.evaluation.evaluate_batch`) not even the ``2M`` passes: ``Z = J_z B^T`` is one
+matrix product.
+Memory: ``Z`` holds ``2M`` logit tensors, ``2M x M x (kept positions) x C`` floats (ignored
 positions are dropped): fine for classifiers, large for a big vocabulary (use :func:`ief.evaluate` per damping there).
 The curvature is exact up to rounding: tested against ``K`` separate ``ief.gamma`` calls to ~1e-10 in float64.
 """

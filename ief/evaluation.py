@@ -13,6 +13,13 @@ Methods (``METHODS``): ``sgd`` (``grad L``), ``ef`` / ``ief`` / ``sf`` (exact Wo
 (:func:`ief.hessian_free`), the reference closest to the natural gradient (CG minimises ``gamma`` step by step,
 ``sec:app-CG-gamma``).
 
+Cost (the evaluation jobs' algebra): with ``logit_space=None`` (default) a model in eval mode whose samples have few
+logit entries (a classifier) gets its logit Jacobian ``J_z`` formed once per batch (:mod:`ief.logit_space`, one
+per-sample backward per class); the true-label and sampled per-sample gradients, every ``gamma`` and every CG product
+are then matrix products with it, and :func:`ief.damping_sweep` can reuse it (:func:`evaluate_batch` returns it). The
+three K-FAC kinds share one forward (:func:`ief.kfac.kfac_directions`). Otherwise every quantity takes its own model
+pass (one forward-mode pass per ``gamma``, two per CG step). Both routes compute the same numbers.
+
 Damping is in the package's convention (sum loss ``L = sum_n l_n``): one float for every method, or a dict per
 method. SF needs ``damping > 0``. Randomness (SF's and KFAC's sampled labels) comes from a generator seeded with
 ``(seed, batch index)``, so a record is reproducible on its own. The model is used in the mode it is in; with

@@ -86,15 +86,21 @@ def _add_evaluate_parser(sub: Any) -> None:
     e.add_argument("--out", required=True, metavar="OUT.csv")
     e.add_argument("--batches", type=int, default=None, metavar="N", help="batches per checkpoint (default by scale)")
     e.add_argument("--batch-size", type=int, default=None, metavar="M", help="default: 160 at full, else the setup's")
+    e.add_argument("--cg-iterations", type=int, default=None, metavar="K",
+                   help="Hessian-free CG steps of the reference (default by scale)")
+    e.add_argument("--sweep-dampings", type=int, default=None, metavar="K",
+                   help="E3: K dampings log-spaced over 1e-10 .. 1e2 (default by scale)")
     e.add_argument("--no-sweep", action="store_true", help="skip the E3 damping sweep")
 
 
 def _evaluate_command(args: argparse.Namespace) -> int:
-    from .experiments.evaluate_runs import evaluate_run
+    from .experiments.evaluate_runs import evaluate_run, sweep_grid
 
     try:
+        grid = None if args.sweep_dampings is None else sweep_grid(args.sweep_dampings)
         path = evaluate_run(args.setup, args.scale, args.seed, args.runs, args.out, batches=args.batches,
-                            batch_size=args.batch_size, sweep=not args.no_sweep)
+                            batch_size=args.batch_size, cg_iterations=args.cg_iterations, sweep_dampings=grid,
+                            sweep=not args.no_sweep)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1

@@ -21,7 +21,10 @@ so after the ``2M`` passes every ``(method, lambda)`` costs ``O(M^2)``: ``gamma 
 
 Cost against ``K`` separate evaluations (per damping: a per-sample backward, a sampled backward, three directions
 and four ``gamma`` passes): one per-sample and one sampled backward plus ``2M`` JVP forwards (``M`` without SF),
-whatever ``K``. Memory: ``Z`` holds ``2M`` logit tensors, ``2M x M x (kept positions) x C`` floats (ignored
+whatever ``K``; with the batch's logit Jacobian (``logit_space``, :mod:`ief.logit_space`: one per-sample backward
+per class, shared with :func:`ief.evaluation.evaluate_batch`) not even the ``2M`` passes: ``Z = J_z B^T`` is one
+matrix product.
+Memory: ``Z`` holds ``2M`` logit tensors, ``2M x M x (kept positions) x C`` floats (ignored
 positions are dropped): fine for classifiers, large for a big vocabulary (use :func:`ief.evaluate` per damping there).
 The curvature is exact up to rounding: tested against ``K`` separate ``ief.gamma`` calls to ~1e-10 in float64.
 """
@@ -36,6 +39,7 @@ import torch
 from .curvature import gamma_from, logits_and_jvp
 from .directions import gram
 from .jacobian import per_sample, sampled_jacobian
+from .logit_space import LogitJacobian, logit_route
 from .losses import IGNORE_INDEX, Loss, check_damping, get_loss
 from .model_call import Inputs, ReplayableForward, param_names, resolve_params, split_vector
 
@@ -80,11 +84,14 @@ def damping_sweep(
     params: Iterable[torch.nn.Parameter] | None = None,
     loss: str | Loss = "cross_entropy",
     generator: torch.Generator | None = None,
+    logit_space: bool | LogitJacobian | None = None,
 ) -> list[dict[str, Any]]:
     """``gamma`` and ``gamma / gamma_SGD`` of EF / iEF / SF for every damping, on one batch.
 
     Returns tidy records ``{"method", "damping", "gamma", "ratio"}`` (plus one ``sgd`` record, ``damping=None``).
     SF needs dampings > 0. Equal to calling :func:`ief.gamma` on each direction (see the module docstring).
+    ``logit_space`` (as in :func:`ief.evaluation.directions`; a :class:`~ief.logit_space.LogitJacobian` of this
+    batch is reused): ``J``, the sampled ``A`` and ``Z`` come from the batch's logit Jacobian, no pass per row.
     """
     methods = list(dict.fromkeys([methods] if isinstance(methods, str) else methods))
     bad = [m for m in methods if m not in SWEEP_METHODS]
@@ -96,18 +103,28 @@ def damping_sweep(
     loss_fn = get_loss(loss)
     params = resolve_params(model, params)
     names = param_names(model, params)
-    ps = per_sample(model, inputs, targets, params, loss=loss)
-    jac = ps.jacobian
+    lj = logit_route(model, inputs, targets, params, loss_fn, logit_space)
+    if lj is not None:
+        jac, s_ief = lj.per_sample_gradients(targets).to(lj.dtype), lj.logit_sqnorm(targets)
+        rows = [jac]
+        if "sf" in methods:
+            rows.append(lj.per_sample_gradients(lj.sample_targets(generator)).to(lj.dtype))
+        z = lj.logits
+        keep = _kept_positions(z, targets, loss_fn)
+        Z = lj.jvp(torch.cat(rows))[:, keep]  # [R, kept, C]
+    else:
+        ps = per_sample(model, inputs, targets, params, loss=loss)
+        jac, s_ief = ps.jacobian, ps.logit_sqnorm
+        rows = [jac]
+        if "sf" in methods:
+            rows.append(sampled_jacobian(model, inputs, targets, generator, params, loss=loss))
+        forward = ReplayableForward(model, inputs)
+        with torch.no_grad():
+            logits, _ = logits_and_jvp(forward, params, names, [torch.zeros_like(p) for p in params])
+        z = logits.detach().to(torch.float64)
+        keep = _kept_positions(z, targets, loss_fn)
+        Z = _logit_jvps(forward, params, names, torch.cat(rows), keep)  # [R, kept, C]
     m = jac.shape[0]
-    rows = [jac]
-    if "sf" in methods:
-        rows.append(sampled_jacobian(model, inputs, targets, generator, params, loss=loss))
-    forward = ReplayableForward(model, inputs)
-    with torch.no_grad():
-        logits, _ = logits_and_jvp(forward, params, names, [torch.zeros_like(p) for p in params])
-    z = logits.detach().to(torch.float64)
-    keep = _kept_positions(z, targets, loss_fn)
-    Z = _logit_jvps(forward, params, names, torch.cat(rows), keep)  # [R, kept, C]
     # C = Z^T H Z, v = Z^T r (H and r at the kept positions)
     hz = torch.stack([loss_fn.hessian_vp(z, targets, _scatter(Z[i], keep, z))[keep] for i in range(Z.shape[0])])
     flat_z, flat_hz = Z.reshape(Z.shape[0], -1), hz.reshape(Z.shape[0], -1)
@@ -124,7 +141,7 @@ def damping_sweep(
     records: list[dict[str, Any]] = [{"method": "sgd", "damping": None, "gamma": gamma_sgd, "ratio": 1.0}]
     gram_j = gram(jac)
     e_j, q_j = torch.linalg.eigh(gram_j)
-    rhs = {"ef": ones, "ief": ps.logit_sqnorm.to(torch.float64)}
+    rhs = {"ef": ones, "ief": s_ief.to(torch.float64)}
     if "sf" in methods:
         a = rows[1].to(torch.float64)
         ag = a @ jac.to(torch.float64).T @ ones  # A g with g = J^T 1

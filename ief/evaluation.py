@@ -13,6 +13,13 @@ Methods (``METHODS``): ``sgd`` (``grad L``), ``ef`` / ``ief`` / ``sf`` (exact Wo
 (:func:`ief.hessian_free`), the reference closest to the natural gradient (CG minimises ``gamma`` step by step,
 ``sec:app-CG-gamma``).
 
+Cost (the evaluation jobs' algebra): with ``logit_space=None`` (default) a model in eval mode whose samples have few
+logit entries (a classifier) gets its logit Jacobian ``J_z`` formed once per batch (:mod:`ief.logit_space`, one
+per-sample backward per class); the true-label and sampled per-sample gradients, every ``gamma`` and every CG product
+are then matrix products with it, and :func:`ief.damping_sweep` can reuse it (:func:`evaluate_batch` returns it). The
+three K-FAC kinds share one forward (:func:`ief.kfac.kfac_directions`). Otherwise every quantity takes its own model
+pass (one forward-mode pass per ``gamma``, two per CG step). Both routes compute the same numbers.
+
 Damping is in the package's convention (sum loss ``L = sum_n l_n``): one float for every method, or a dict per
 method. SF needs ``damping > 0``. Randomness (SF's and KFAC's sampled labels) comes from a generator seeded with
 ``(seed, batch index)``, so a record is reproducible on its own. The model is used in the mode it is in; with
@@ -26,11 +33,12 @@ from typing import Any
 
 import torch
 
-from .curvature import gamma
+from .curvature import gamma, gamma_from
 from .directions import ef_direction, ief_direction, sf_direction
-from .hessian_free import hessian_free
+from .hessian_free import conjugate_gradient, hessian_free
 from .jacobian import per_sample, sampled_jacobian
-from .kfac import check_linear_only, kfac_direction
+from .kfac import check_linear_only, kfac_directions
+from .logit_space import LogitJacobian, logit_route
 from .losses import Loss, check_damping
 from .model_call import Inputs, resolve_params
 
@@ -85,12 +93,24 @@ def directions(
     loss: str | Loss = "cross_entropy",
     cg_iterations: int = 50,
     generator: torch.Generator | None = None,
+    logit_space: bool | LogitJacobian | None = None,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """``({method: direction [P]}, imbalance)`` for one batch (one per-sample backward shared by sgd/ef/ief/sf).
 
     SF and KFAC each start from ``generator``'s state at the call, so they draw the same labels: KFAC is then the
     block-diagonal K-FAC of the very sampled Fisher that SF inverts.
+
+    ``logit_space``: ``None`` (default) forms the batch's logit Jacobian ``J_z`` (:mod:`ief.logit_space`) when the
+    model is in eval mode and ``J_z`` is small (a classifier), and then takes the per-sample gradients (true and
+    sampled labels) and the CG products from it; ``True`` insists, ``False`` uses one model pass per quantity. Both
+    routes compute the same directions.
     """
+    dirs, imb, _ = _directions(model, inputs, targets, methods, damping, params=params, loss=loss,
+                               cg_iterations=cg_iterations, generator=generator, logit_space=logit_space)
+    return dirs, imb
+
+
+def _directions(model, inputs, targets, methods, damping, *, params, loss, cg_iterations, generator, logit_space):
     methods = _check_methods(methods)
     start = (generator if generator is not None else torch.Generator().manual_seed(0)).get_state()
 
@@ -104,23 +124,74 @@ def directions(
     for m in methods:
         if m in ("kfac", "ekfac", "iekfac"):
             check_linear_only(model, params, m)  # before any expensive pass
-    ps = per_sample(model, inputs, targets, params, loss=loss)
+    lj = logit_route(model, inputs, targets, params, loss, logit_space)
+    if lj is not None:
+        jac64 = lj.per_sample_gradients(targets)
+        jacobian, s_ief, gradient = jac64.to(lj.dtype), lj.logit_sqnorm(targets), jac64.sum(0).to(lj.dtype)
+    else:
+        ps = per_sample(model, inputs, targets, params, loss=loss)
+        jacobian, s_ief, gradient = ps.jacobian, ps.logit_sqnorm, ps.gradient
     out: dict[str, torch.Tensor] = {}
+    block = {m: lam[m] for m in methods if m in ("kfac", "ekfac", "iekfac")}
+    block_dirs = kfac_directions(model, inputs, targets, block, params, fresh(), loss=loss) if block else {}
     for m in methods:
         if m == "sgd":
-            out[m] = ps.gradient
+            out[m] = gradient
         elif m == "ef":
-            out[m] = ef_direction(ps.jacobian, lam[m])
+            out[m] = ef_direction(jacobian, lam[m])
         elif m == "ief":
-            out[m] = ief_direction(ps.jacobian, ps.logit_sqnorm, lam[m])
+            out[m] = ief_direction(jacobian, s_ief, lam[m])
         elif m == "sf":
-            sampled = sampled_jacobian(model, inputs, targets, fresh(), params, loss=loss)
-            out[m] = sf_direction(sampled, ps.gradient, lam[m])
+            if lj is not None:
+                sampled = lj.per_sample_gradients(lj.sample_targets(fresh())).to(lj.dtype)
+            else:
+                sampled = sampled_jacobian(model, inputs, targets, fresh(), params, loss=loss)
+            out[m] = sf_direction(sampled, gradient, lam[m])
         elif m in ("kfac", "ekfac", "iekfac"):
-            out[m] = kfac_direction(model, inputs, targets, m, lam[m], params, fresh(), loss=loss)
-        else:  # hf
+            out[m] = block_dirs[m]  # one forward for the three (ief.kfac_directions)
+        elif lj is not None:  # hf from J_z: the same CG on the same (exact) Fisher products
+            out[m] = conjugate_gradient(lj.fisher_vp, gradient, cg_iterations)
+        else:
             out[m] = hessian_free(model, inputs, targets, cg_iterations, params, loss=loss)
-    return out, imbalance(ps.jacobian)
+    return out, imbalance(jacobian), lj
+
+
+def evaluate_batch(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    methods: Sequence[str] = METHODS,
+    damping: float | Mapping[str, float] = 1e-7,
+    *,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    loss: str | Loss = "cross_entropy",
+    cg_iterations: int = 50,
+    generator: torch.Generator | None = None,
+    logit_space: bool | LogitJacobian | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> tuple[list[dict[str, Any]], LogitJacobian | None]:
+    """``alg:eval`` on one batch: ``(records, J_z or None)``; records as :func:`evaluate` (``batch`` not set).
+
+    With the logit-space route (``logit_space``, see :func:`directions`) every ``gamma`` is a product with ``J_z``
+    instead of a forward-mode pass; the returned ``J_z`` can be handed on (e.g. to :func:`ief.damping_sweep`).
+    """
+    methods = _check_methods(methods)
+    if "sgd" not in methods:
+        methods = ["sgd", *methods]
+    lam = _dampings(methods, damping)
+    params = resolve_params(model, params)
+    dirs, imb, lj = _directions(model, inputs, targets, methods, lam, params=params, loss=loss,
+                                cg_iterations=cg_iterations, generator=generator, logit_space=logit_space)
+    nonzero = [m for m, d in dirs.items() if bool(d.ne(0).any())]
+    gammas = {m: math.nan for m in dirs}
+    if lj is not None and nonzero:
+        curv, slope = lj.curvature_and_slope(torch.stack([dirs[m] for m in nonzero]))
+        gammas.update({m: gamma_from(float(c), float(s)) for m, c, s in zip(nonzero, curv, slope)})
+    else:
+        gammas.update({m: gamma(model, inputs, targets, dirs[m], params, loss=loss) for m in nonzero})
+    records = [{**(extra or {}), "method": m, "damping": None if m in ("sgd", "hf") else lam[m],
+                "gamma": gammas[m], "ratio": gammas[m] / gammas["sgd"], "imbalance": imb} for m in methods]
+    return records, lj
 
 
 def evaluate(
@@ -134,12 +205,14 @@ def evaluate(
     cg_iterations: int = 50,
     seed: int = 0,
     extra: Mapping[str, Any] | None = None,
+    logit_space: bool | None = None,
 ) -> list[dict[str, Any]]:
     """``alg:eval`` over ``batches`` of ``(inputs, targets)``: one tidy record per (batch, method).
 
     Each record: ``batch`` (its index), ``method``, ``damping`` (``None`` for sgd and hf), ``gamma``, ``ratio``
     (``gamma / gamma_SGD`` of the same batch), ``imbalance`` (the batch's), plus the keys of ``extra`` (e.g. the
-    checkpoint's training stage). ``sgd`` is always evaluated (the ratios need it) and recorded.
+    checkpoint's training stage). ``sgd`` is always evaluated (the ratios need it) and recorded. ``logit_space``:
+    as in :func:`directions` (the default picks the cheaper exact route per batch).
     """
     methods = _check_methods(methods)
     if "sgd" not in methods:
@@ -151,13 +224,8 @@ def evaluate(
             check_linear_only(model, params, m)  # fail before the first batch, not after hours
     records: list[dict[str, Any]] = []
     for b, (inputs, targets) in enumerate(batches):
-        dirs, imb = directions(model, inputs, targets, methods, lam, params=params, loss=loss,
-                               cg_iterations=cg_iterations, generator=batch_generator(seed, b))
-        gammas = {m: gamma(model, inputs, targets, d, params, loss=loss) if bool(d.ne(0).any()) else math.nan
-                  for m, d in dirs.items()}
-        for m in methods:
-            records.append({
-                **(extra or {}), "batch": b, "method": m, "damping": None if m in ("sgd", "hf") else lam[m],
-                "gamma": gammas[m], "ratio": gammas[m] / gammas["sgd"], "imbalance": imb,
-            })
+        batch_records, _ = evaluate_batch(model, inputs, targets, methods, lam, params=params, loss=loss,
+                                          cg_iterations=cg_iterations, generator=batch_generator(seed, b),
+                                          logit_space=logit_space, extra={**(extra or {}), "batch": b})
+        records += batch_records
     return records

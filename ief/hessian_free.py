@@ -6,7 +6,7 @@ iterates never increases. The gammas are free: with ``x_0 = 0`` the residual is 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -52,9 +52,21 @@ def hessian_free(
     if not (tolerance >= 0):
         raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
     fisher = FisherOperator(model, inputs, targets, params, loss=loss, method=method)
-    b = fisher.gradient
-    fvp = fisher.matvec
+    return conjugate_gradient(fisher.matvec, fisher.gradient, iterations, tolerance=tolerance,
+                              return_gammas=return_gammas)
 
+
+def conjugate_gradient(
+    matvec: Callable[[torch.Tensor], torch.Tensor],
+    b: torch.Tensor,
+    iterations: int,
+    *,
+    tolerance: float = 0.0,
+    return_gammas: bool = False,
+) -> torch.Tensor | CGResult:
+    """``alg:CG`` on ``F x = b`` from ``x_0 = 0`` for any product ``matvec(v) = F v`` (``v`` in ``b``'s dtype),
+    with the stopping rules of :func:`hessian_free`; float64 recurrences, the solution in ``b``'s dtype. Used by
+    :func:`hessian_free` and by the evaluation's logit-space route (:mod:`ief.logit_space`)."""
     b64 = b.to(torch.float64)
     x = torch.zeros_like(b64)
     r = b64.clone()
@@ -67,7 +79,7 @@ def hessian_free(
     for _ in range(iterations):
         if rr**0.5 <= stop or rr == 0.0:
             break
-        fv = fvp(v.to(b.dtype)).to(torch.float64)
+        fv = matvec(v.to(b.dtype)).to(torch.float64)
         curvature = float(v @ fv)
         rayleigh = curvature / float(v @ v)
         largest_rayleigh = max(largest_rayleigh, rayleigh)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .jacobian import recording_hook
+from .jacobian import _Capture
 from .losses import Loss, check_damping, get_loss, logit_sqnorm
 from .model_call import Inputs, ReplayableForward, batch_size, param_names, resolve_params
 
@@ -83,22 +83,16 @@ def _rows(x: torch.Tensor, m: int, approx: str, reduce_op: str) -> torch.Tensor:
     return x.mean(dim=1) if reduce_op == "mean" else x.sum(dim=1)
 
 
-class _LinearHooks:
-    """Forward hooks on the ``nn.Linear`` layers owning ``params``: every call's input and the gradient that flows
-    back into its output (the per-sample capture's recording hook, :func:`ief.jacobian.recording_hook`; K-FAC needs
-    the raw rows of every ``nn.Linear``, not per-sample products or sample axes). ``records[k]``: ``[[input, output grad], ...]`` per call."""
+class _LinearHooks(_Capture):
+    """The per-sample capture's hooks (:class:`ief.jacobian._Capture`: every call's input and the gradient flowing
+    back into its output), restricted to the ``nn.Linear`` layers owning ``params``: K-FAC needs their raw rows, not
+    per-sample products or sample axes. ``records[k]``: ``[[input, output grad, _], ...]`` per call; ``modules[k]``:
+    ``(module, rule, features, {"weight"/"bias": index in params})``. Any other trainable parameter: ``ValueError``."""
 
     def __init__(self, model: torch.nn.Module, params: list[torch.Tensor], names: list[str], kind: str):
-        index = {id(p): i for i, p in enumerate(params)}
-        self.modules: list[tuple[torch.nn.Module, dict[str, int]]] = []
-        covered: set[int] = set()
-        for module in model.modules():
-            if type(module) is not torch.nn.Linear:
-                continue
-            owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=False) if id(p) in index}
-            if owned and not (set(owned.values()) & covered):
-                self.modules.append((module, owned))
-                covered.update(owned.values())
+        super().__init__(model, params)
+        self.modules = [entry for entry in self.modules if type(entry[0]) is torch.nn.Linear]
+        covered = {i for *_, owned in self.modules for i in owned.values()}
         others = [names[i] for i in range(len(params)) if i not in covered]
         if others:
             raise ValueError(
@@ -106,26 +100,6 @@ class _LinearHooks:
                 f"nn.Linear: {others[:5]}{' ...' if len(others) > 5 else ''}. Pass params= with the linear layers' "
                 "parameters only (and the same params= to ief.gamma)"
             )
-        self.records: dict[int, list] = {k: [] for k in range(len(self.modules))}
-        self.handles: list = []
-
-    def __enter__(self) -> "_LinearHooks":
-        for k, (module, _) in enumerate(self.modules):
-            self.handles.append(module.register_forward_hook(self._hook(k)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-    def _hook(self, k: int):
-        return recording_hook(self.records[k])  # [input, output grad] per call
-
-    def clear_grads(self) -> None:
-        for calls in self.records.values():
-            for rec in calls:
-                rec[1] = None
 
 
 def check_linear_only(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] | None = None,
@@ -153,19 +127,28 @@ def kronecker_factors(
     labels drawn with ``generator`` for ``G``). ``sampled_targets`` replaces the draw (tests use it to reproduce a
     peer's labels).
     """
-    _check_kind(kind)
+    blocks, gradient, params = _factors(model, inputs, targets, [kind], params, generator=generator, loss=loss,
+                                        approx=approx, sampled_targets=sampled_targets)
+    return blocks[kind], gradient, params
+
+
+def _factors(model, inputs, targets, kinds, params, *, generator, loss, approx, sampled_targets=None):
+    """``({kind: blocks}, grad, params)`` for several kinds from one forward: ``A`` and the true-label backward are
+    shared by eKFAC and ieKFAC; KFAC adds one backward for the sampled labels."""
+    for kind in kinds:
+        _check_kind(kind)
     _check_approx(approx)
     loss_fn = get_loss(loss)
     params = resolve_params(model, params)
     names = param_names(model, params)
-    capture = _LinearHooks(model, params, names, kind)
+    capture = _LinearHooks(model, params, names, "/".join(kinds))
     forward = ReplayableForward(model, inputs)
     with capture, torch.enable_grad():
         logits = forward()
     loss_fn.check(logits, targets)
     m = batch_size(logits)
     module_names = {id(mod): n for n, mod in model.named_modules()}
-    for k, (module, _) in enumerate(capture.modules):
+    for k, (module, *_) in enumerate(capture.modules):
         shapes = {tuple(rec[0].shape) for rec in capture.records[k]}
         if any(len(s) < 2 or s[0] != m for s in shapes):
             raise ValueError(
@@ -179,45 +162,50 @@ def kronecker_factors(
             per_sample = loss_fn.per_sample(logits, y)
             return list(torch.autograd.grad(per_sample.sum(), params, retain_graph=retain, allow_unused=True))
 
-    if kind == "kfac":
+    def blocks(weights: torch.Tensor | None) -> list[KroneckerBlock]:
+        """Every layer's ``(G, A)`` from the gradients of the last backward (rows of sample n weighted by w_n)."""
+        out = []
+        for k, (module, *_, owned) in enumerate(capture.modules):
+            a_sum, g_sum = None, None
+            for x, g, _ in capture.records[k]:
+                a = _rows(x, m, approx, "mean")
+                if "bias" in owned:
+                    a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype, device=a.device)], dim=1)
+                if "weight" not in owned:
+                    a = a[:, -1:]
+                positions = a.shape[0] // m
+                a_cov = a.T @ a / positions  # curvlinops: each call's input covariance / (N * positions)
+                a_sum = a_cov if a_sum is None else a_sum + a_cov
+                if g is None:  # this call's output did not reach the loss
+                    continue
+                gr = _rows(g, m, approx, "sum")
+                if weights is not None:
+                    gr = gr * weights.repeat_interleave(gr.shape[0] // m).sqrt().unsqueeze(1)
+                g_cov = gr.T @ gr
+                g_sum = g_cov if g_sum is None else g_sum + g_cov
+            if a_sum is None:
+                continue
+            if g_sum is None:
+                g_sum = torch.zeros(module.out_features, module.out_features, dtype=torch.float64,
+                                    device=a_sum.device)
+            out.append(KroneckerBlock(module_names.get(id(module), ""), g_sum, a_sum / m, dict(owned)))
+        return out
+
+    result: dict[str, list[KroneckerBlock]] = {}
+    grads = backward(targets, retain="kfac" in kinds)
+    if "ekfac" in kinds:
+        result["ekfac"] = blocks(None)
+    if "iekfac" in kinds:
+        s = logit_sqnorm(loss_fn, logits, targets).to(torch.float64)  # [M]
+        result["iekfac"] = blocks(torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)),
+                                              torch.zeros_like(s)))
+    if "kfac" in kinds:
         if sampled_targets is None:
             sampled_targets = loss_fn.sample_targets(logits, targets, generator)
-        grads = backward(targets, retain=True)
         backward(sampled_targets, retain=False)
-    else:
-        grads = backward(targets, retain=False)
-    weights = None
-    if kind == "iekfac":
-        s = logit_sqnorm(loss_fn, logits, targets).to(torch.float64)  # [M]
-        weights = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
-
-    blocks = []
-    for k, (module, owned) in enumerate(capture.modules):
-        a_sum, g_sum = None, None
-        for x, g in capture.records[k]:
-            a = _rows(x, m, approx, "mean")
-            if "bias" in owned:
-                a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype, device=a.device)], dim=1)
-            if "weight" not in owned:
-                a = a[:, -1:]
-            positions = a.shape[0] // m
-            a_cov = a.T @ a / positions  # curvlinops: each call's input covariance / (N * positions)
-            a_sum = a_cov if a_sum is None else a_sum + a_cov
-            if g is None:  # this call's output did not reach the loss
-                continue
-            gr = _rows(g, m, approx, "sum")
-            if weights is not None:
-                gr = gr * weights.repeat_interleave(gr.shape[0] // m).sqrt().unsqueeze(1)
-            g_cov = gr.T @ gr
-            g_sum = g_cov if g_sum is None else g_sum + g_cov
-        out_features = module.out_features
-        if a_sum is None:
-            continue
-        if g_sum is None:
-            g_sum = torch.zeros(out_features, out_features, dtype=torch.float64, device=a_sum.device)
-        blocks.append(KroneckerBlock(module_names.get(id(module), ""), g_sum, a_sum / m, dict(owned)))
+        result["kfac"] = blocks(None)
     gradient = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
-    return blocks, gradient.detach(), params
+    return result, gradient.detach(), params
 
 
 def _damped_kronecker_solve(G: torch.Tensor, A: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
@@ -257,10 +245,31 @@ def kfac_direction(
             ``nn.Linear``, otherwise ``ValueError``.
         approx: ``"expand"`` (default: every sequence position a row) or ``"reduce"`` (one row per sample).
     """
-    damping = check_damping(damping)
-    blocks, gradient, params = kronecker_factors(
-        model, inputs, targets, kind, params, generator=generator, loss=loss, approx=approx
-    )
+    return kfac_directions(model, inputs, targets, {kind: damping}, params, generator, loss=loss, approx=approx)[kind]
+
+
+def kfac_directions(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    dampings: dict[str, float],
+    params: Iterable[torch.nn.Parameter] | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    loss: str | Loss = "cross_entropy",
+    approx: str = "expand",
+) -> dict[str, torch.Tensor]:
+    """``{kind: direction [P]}`` for several kinds (``{kind: damping}``) from one forward and one or two backward
+    passes: equal to :func:`kfac_direction` per kind (same labels for ``"kfac"`` from ``generator``)."""
+    dampings = {kind: check_damping(lam) for kind, lam in dampings.items()}
+    all_blocks, gradient, params = _factors(model, inputs, targets, list(dampings), params, generator=generator,
+                                            loss=loss, approx=approx)
+    return {kind: _direction(all_blocks[kind], gradient, params, dampings[kind], kind) for kind in dampings}
+
+
+def _direction(blocks: list[KroneckerBlock], gradient: torch.Tensor, params: list[torch.Tensor], damping: float,
+               kind: str) -> torch.Tensor:
+    """The damped block-diagonal solve of every layer, back in the parameter order of ``params``."""
     offsets = [0]
     for p in params:
         offsets.append(offsets[-1] + p.numel())

@@ -46,7 +46,8 @@ def test_epoch_checkpoints_and_rebuilt_initial_model(runs, tmp_path):
     assert all(r["damping"] == 1e-7 for r in e1 if r["method"] not in ("sgd", "hf"))
     sweep = [r for r in records if r["kind"] == "sweep"]
     assert {r["stage"] for r in sweep} == set(er.sweep_stages([0, 50, 100])) == {50, 100}
-    assert {r["damping"] for r in sweep if r["method"] != "sgd"} == set(er.SWEEP_DAMPINGS)
+    grid = er.sweep_grid(er.DEFAULTS[SCALE]["sweep_dampings"])
+    assert {r["damping"] for r in sweep if r["method"] != "sgd"} == set(grid)
     assert all(r["target_tokens"] == 8 for r in records)  # one target per sample, batch size 8
 
 
@@ -83,13 +84,13 @@ def test_cached_resumable_and_recomputes_only_what_changed(runs, tmp_path, monke
     er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
     first = out.read_text()
     calls = []
-    real = er.evaluate
+    real = er.evaluate_batch
 
-    def counting(model, batches, *args, **kwargs):
+    def counting(model, inputs, targets, *args, **kwargs):
         calls.append(kwargs["extra"]["stage"])
-        return real(model, batches, *args, **kwargs)
+        return real(model, inputs, targets, *args, **kwargs)
 
-    monkeypatch.setattr(er, "evaluate", counting)
+    monkeypatch.setattr(er, "evaluate_batch", counting)
     er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
     assert calls == [] and out.read_text() == first  # finished: skipped
     out.unlink()  # as if interrupted before the final write: every stage part is reused
@@ -116,6 +117,10 @@ def test_cli(runs, tmp_path, capsys):
                  "--batches", "1", "--batch-size", "4", "--no-sweep"]) == 0
     records = er.read_records(out)
     assert {r["target_tokens"] for r in records} == {4}
+    assert main(["evaluate", "--setup", SETUP, "--scale", SCALE, "--runs", str(runs), "--out", str(out),
+                 "--batches", "1", "--cg-iterations", "2", "--sweep-dampings", "3"]) == 0
+    sweep = [r for r in er.read_records(out) if r["kind"] == "sweep" and r["method"] == "ef"]
+    assert sorted({r["damping"] for r in sweep}) == pytest.approx([1e-10, 1e-4, 1e2])
     assert main(["evaluate", "--setup", SETUP, "--scale", "huge", "--runs", str(runs), "--out", str(out)]) == 2
     assert "unknown scale 'huge'" in capsys.readouterr().err
     assert main(["evaluate", "--setup", SETUP, "--scale", SCALE, "--runs", str(tmp_path), "--out", str(out)]) == 1
@@ -142,8 +147,42 @@ def test_notebook_at_smoke_scale(tmp_path):
 
     out = tmp_path / "fig"
     run_notebook("evaluation.ipynb", tmp_path, scale="smoke", out_dir=str(out))
-    for name in ("sample_gamma", "sample_blockdiag_gamma", "damping_gamma_digits-mlp",
+    for name in ("sample_gamma", "lora_gamma", "pt_gamma", "sample_blockdiag_gamma", "damping_gamma_digits-mlp",
                  "damping_gamma_tweets-minilm-lora", "damping_gamma_tweets-minilm-pt"):
         assert (out / f"{name}.png").stat().st_size > 10_000, name
     records = er.read_records(out / "smoke-tweets-minilm-pt.csv")
     assert "iekfac" not in {r["method"] for r in records}  # prompt tuning: no K-FAC factors for the prompt
+
+
+def test_summary_rows_per_setup_stage_and_method():
+    recs = [{"kind": "e1", "setup": "s", "stage": 50, "method": m, "ratio": r, "imbalance": i}
+            for m, r, i in (("sgd", 1.0, 2.0), ("ef", 1.0, 2.0), ("sgd", 1.0, 4.0), ("ef", 3.0, 4.0))]
+    recs.append({"kind": "sweep", "setup": "s", "stage": 50, "method": "ef", "ratio": 9.0, "imbalance": None})
+    rows = er.summary_rows(recs)
+    assert [(r["method"], r["mean"], r["sd"], r["n"]) for r in rows] == [("sgd", 1.0, 0.0, 2), ("ef", 2.0, 1.0, 2)]
+    assert rows[1]["imbalance_mean"] == 3.0 and rows[1]["imbalance_sd"] == 1.0
+
+
+def test_config_states_the_library_defaults():
+    """config/config.yaml's evaluation knobs (passed by the workflow's evaluate jobs) are the library's defaults,
+    so the notebook run on its own and the workflow's jobs compute (and cache) the same records."""
+    import yaml
+    from pathlib import Path
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "config.yaml").read_text())
+    for scale, knobs in er.DEFAULTS.items():
+        stated = {k: v for k, v in config["evaluation"][scale].items() if k != "sweep_setups"}
+        assert stated == knobs, scale
+
+
+def test_notebook_parameters_parse():
+    """papermill reads every parameter of the chapter (a comment it cannot parse drops the parameter's help)."""
+    import nbformat
+    from pathlib import Path
+    from papermill.translators import PythonTranslator
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / "evaluation.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    names = [p.name for p in PythonTranslator.inspect(cell)]
+    assigned = [line.split("=")[0].strip() for line in cell.source.splitlines() if "=" in line.split("#")[0]]
+    assert names == assigned and {"scale", "out_dir", "batches"} <= set(names)

@@ -156,42 +156,31 @@ def _dense_ours(blocks, params):
     return out
 
 
-def _curvlinops_dense(model, params, x, y, fisher_type, approx):
+def _curvlinops_dense(model, params, x, y, fisher_type, approx, seed=2147483647):
     op = KFACLinearOperator(model, torch.nn.CrossEntropyLoss(reduction="sum"), params, [(x, y)],
                             fisher_type=fisher_type, kfac_approx=approx, separate_weight_and_bias=False,
-                            check_deterministic=False)
+                            check_deterministic=False, seed=seed)
     return op @ torch.eye(sum(p.numel() for p in params))
 
 
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
-def test_empirical_matches_curvlinops_on_a_weight_shared_model(approx):
-    torch.manual_seed(1)
-    net = PositionwiseNet()
-    x = torch.randint(0, 9, (5, 4))
-    y = torch.randint(0, 3, (5, 4))
-    params = [p for p in net.parameters() if p.requires_grad]
-    blocks, _, _ = kronecker_factors(net, x, y, "ekfac", approx=approx)
-    ref = _curvlinops_dense(ChannelsSecond(net), params, x, y, "empirical", approx)
-    torch.testing.assert_close(_dense_ours(blocks, params), ref, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("approx", ["expand", "reduce"])
-def test_mc_matches_curvlinops_with_its_labels(approx):
-    """curvlinops draws its labels from a generator seeded with ``seed``: ours from the same labels agree."""
+@pytest.mark.parametrize("kind, fisher_type", [("ekfac", "empirical"), ("kfac", "mc")])
+def test_matches_curvlinops_on_a_weight_shared_model(kind, fisher_type, approx):
+    """eKFAC against curvlinops' empirical K-FAC; KFAC against its Monte-Carlo K-FAC, whose labels curvlinops draws
+    from a generator seeded with ``seed``: ours, from the same labels, agree."""
     torch.manual_seed(2)
     net = PositionwiseNet()
     x = torch.randint(0, 9, (6, 3))
     y = torch.randint(0, 3, (6, 3))
     params = [p for p in net.parameters() if p.requires_grad]
     seed = 1234
-    with torch.no_grad():
-        flat = net(x).reshape(-1, 3)
-    labels = flat.softmax(1).multinomial(1, generator=torch.Generator().manual_seed(seed)).reshape(6, 3)
-    blocks, _, _ = kronecker_factors(net, x, y, "kfac", approx=approx, sampled_targets=labels)
-    op = KFACLinearOperator(ChannelsSecond(net), torch.nn.CrossEntropyLoss(reduction="sum"), params, [(x, y)],
-                            fisher_type="mc", kfac_approx=approx, separate_weight_and_bias=False,
-                            check_deterministic=False, seed=seed)
-    ref = op @ torch.eye(sum(p.numel() for p in params))
+    labels = None
+    if kind == "kfac":
+        with torch.no_grad():
+            flat = net(x).reshape(-1, 3)
+        labels = flat.softmax(1).multinomial(1, generator=torch.Generator().manual_seed(seed)).reshape(6, 3)
+    blocks, _, _ = kronecker_factors(net, x, y, kind, approx=approx, sampled_targets=labels)
+    ref = _curvlinops_dense(ChannelsSecond(net), params, x, y, fisher_type, approx, seed=seed)
     torch.testing.assert_close(_dense_ours(blocks, params), ref, rtol=1e-10, atol=1e-12)
 
 
@@ -313,3 +302,20 @@ def test_property_direction_is_damped_solve_of_the_blocks(m, hidden, damping, ki
     else:  # pseudo-inverse: d solves the normal equations on the range of the block matrix
         torch.testing.assert_close(dense @ d, dense @ torch.linalg.pinv(dense, hermitian=True) @ grad,
                                    rtol=1e-5, atol=1e-8)
+
+
+def test_one_pass_for_several_kinds_equals_one_call_per_kind():
+    """ief.kfac.kfac_directions shares the forward and the true-label backward: the same directions (and KFAC's
+    labels from the same generator state) as kfac_direction per kind."""
+    from ief.kfac import kfac_directions
+
+    case = mlp_case(m=7)
+    dampings = {"kfac": 1e-3, "ekfac": 0.0, "iekfac": 1e-6}
+    together = kfac_directions(case.model, case.inputs, case.targets, dampings,
+                               generator=torch.Generator().manual_seed(4))
+    for kind, lam in dampings.items():
+        alone = ief.kfac_direction(case.model, case.inputs, case.targets, kind, lam,
+                                   generator=torch.Generator().manual_seed(4))
+        torch.testing.assert_close(together[kind], alone, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="unknown kind"):
+        kfac_directions(case.model, case.inputs, case.targets, {"kfac": 1e-3, "bogus": 1e-3})

@@ -41,7 +41,7 @@ import torch
 
 from .. import __version__
 from ..damping_sweep import damping_sweep
-from ..evaluation import batch_generator, evaluate
+from ..evaluation import batch_generator, evaluate_batch
 from ..kfac import check_linear_only
 from . import store
 from .runner import run_dir, seed_everything
@@ -52,11 +52,25 @@ BASELINE = {"lora": "adamw", "pt": "adafactor", "scratch": "adam"}
 E1_METHODS = ("sgd", "ef", "ief", "sf", "hf")
 BLOCK_METHODS = ("kfac", "ekfac", "iekfac")
 DAMPING_CONVENTION = "ief"  # dampings are stored in the sum-loss convention; see the module docstring
-SWEEP_DAMPINGS = tuple(float(x) for x in np.logspace(-10, 2, 13))
-# batches per stage, by scale (the paper: 100 batches of M = 160 at every checkpoint)
-DEFAULT_BATCHES = {"full": 100, "cpu": 4, "smoke": 2}
-DEFAULT_BATCH_SIZE = {"full": 160}  # cpu / smoke: the setup's training batch size
-DEFAULT_CG_ITERATIONS = {"full": 50, "cpu": 10, "smoke": 10}
+# The evaluation's knobs per scale (config/config.yaml's `evaluation` section states the same values; a test keeps
+# them equal). The paper: 100 batches of M = 160 at every checkpoint, CG as the reference. cpu: chosen so that the
+# three cpu setups' evaluation costs about 10 min of one core in all (measured: README, "Evaluation cost"); batch
+# size None: the setup's training batch size. sweep_dampings: that many dampings log-spaced over 1e-10 .. 1e2.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "full": {"batches": 100, "batch_size": 160, "cg_iterations": 50, "sweep_dampings": 13},
+    "cpu": {"batches": 12, "batch_size": None, "cg_iterations": 10, "sweep_dampings": 13},
+    "smoke": {"batches": 2, "batch_size": None, "cg_iterations": 5, "sweep_dampings": 7},
+}
+
+
+def sweep_grid(n: int) -> tuple[float, ...]:
+    """``n`` dampings log-spaced over ``1e-10 .. 1e2`` (the package's sum-loss convention), E3's axis."""
+    if n < 1:
+        raise ValueError(f"the damping sweep needs at least 1 damping, got {n}")
+    return tuple(float(x) for x in np.logspace(-10, 2, n))
+
+
+SWEEP_DAMPINGS = sweep_grid(DEFAULTS["cpu"]["sweep_dampings"])
 COLUMNS = ("setup", "scale", "seed", "optimizer", "stage", "source", "kind", "batch", "method", "damping", "gamma",
            "ratio", "imbalance", "target_tokens")
 _STAGE = re.compile(r"stage-(\d{3})\.pt$")
@@ -154,7 +168,7 @@ def evaluate_run(
     batches: int | None = None,
     batch_size: int | None = None,
     damping: float | None = None,
-    sweep_dampings: Sequence[float] = SWEEP_DAMPINGS,
+    sweep_dampings: Sequence[float] | None = None,
     cg_iterations: int | None = None,
     sweep: bool = True,
     progress: bool = True,
@@ -172,12 +186,15 @@ def evaluate_run(
         raise FileNotFoundError(f"no {optimizer} run of {setup} [{scale}] seed {seed} under {runs_dir} ({root}); "
                                 f"train it first: python -m ief train --setup {setup} --scale {scale} "
                                 f"--optimizer {optimizer} --seed {seed} --out {runs_dir}")
-    n_batches = batches if batches is not None else DEFAULT_BATCHES[scale]
-    m = batch_size if batch_size is not None else DEFAULT_BATCH_SIZE.get(scale, cfg.batch_size)
+    knobs = DEFAULTS[scale]
+    n_batches = batches if batches is not None else knobs["batches"]
+    m = batch_size if batch_size is not None else (knobs["batch_size"] or cfg.batch_size)
     if n_batches < 1 or m < 1:
         raise ValueError(f"batches and batch_size must be >= 1, got {n_batches} and {m}")
     lam = float(damping if damping is not None else cfg.optimizers["ief"].damping)
-    cg = cg_iterations if cg_iterations is not None else DEFAULT_CG_ITERATIONS[scale]
+    cg = cg_iterations if cg_iterations is not None else knobs["cg_iterations"]
+    if sweep_dampings is None:
+        sweep_dampings = sweep_grid(knobs["sweep_dampings"])
     stages = _checkpoints(root, cfg.epochs)
     if len(stages) < 2:
         raise FileNotFoundError(f"{root} has no checkpoints (checkpoints/stage-*.pt or epoch-*.pt): is it trained?")
@@ -222,25 +239,27 @@ def evaluate_run(
         if part.exists() and part_json.exists() and store.read_json(part_json).get("fingerprint") == prints[stage]:
             all_records += read_records(part)
             continue
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         store.load_trainable(model, initial if path is None else store.read_torch(path))
         extra = {**common, "stage": stage, "source": source, "kind": "e1"}
-        records = []
+        records, sweeps = [], []
         for b, (inputs, targets) in enumerate(fixed):
-            for r in evaluate(model, [(inputs, targets)], methods, lam, cg_iterations=cg, seed=seed * 7919 + b,
-                              extra=extra):
-                records.append({**r, "batch": b, "target_tokens": _target_tokens(targets)})
-        if stage in sweep_at:
-            for b, (inputs, targets) in enumerate(fixed):
-                for r in damping_sweep(model, inputs, targets, sweep_dampings,
+            # one logit Jacobian J_z per batch (ief.logit_space) serves every method's gamma, CG and the sweep
+            e1, lj = evaluate_batch(model, inputs, targets, methods, lam, cg_iterations=cg,
+                                    generator=batch_generator(seed * 7919 + b, 0), extra={**extra, "batch": b})
+            records += [{**r, "target_tokens": _target_tokens(targets)} for r in e1]
+            if stage in sweep_at:
+                for r in damping_sweep(model, inputs, targets, sweep_dampings, logit_space=lj,
                                        generator=batch_generator(seed * 7919 + b, 0)):
-                    records.append({**common, "stage": stage, "source": source, "kind": "sweep", "batch": b,
-                                    "imbalance": None, "target_tokens": _target_tokens(targets), **r})
+                    sweeps.append({**common, "stage": stage, "source": source, "kind": "sweep", "batch": b,
+                                   "imbalance": None, "target_tokens": _target_tokens(targets), **r})
+        records += sweeps
         store.write_text(part, _csv_text(records))
-        store.write_json(part_json, {"fingerprint": prints[stage], "seconds": time.time() - t0})
+        store.write_json(part_json, {"fingerprint": prints[stage], "seconds": time.time() - t0,
+                                     "cpu_seconds": time.process_time() - c0})
         if progress:
             print(f"{setup} [{scale}] stage {stage:3d}% ({source}): {len(records)} records in "
-                  f"{time.time() - t0:.1f}s")
+                  f"{time.time() - t0:.1f}s ({time.process_time() - c0:.1f}s of CPU)", flush=True)
         all_records += records
     store.write_text(out, _csv_text(all_records))
     store.write_json(manifest, {"stages": {str(k): v for k, v in prints.items()}, "params": params})
@@ -255,6 +274,30 @@ def summarise(records: list[dict[str, Any]], kind: str = "e1") -> dict[tuple, di
             groups.setdefault((r["setup"], r["stage"], r["method"]), []).append(r["ratio"])
     return {k: {"mean": float(np.mean(v)), "sd": float(np.std(v)), "n": len(v)} for k, v in groups.items()}
 
+
+
+def summary_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chapter's tidy summary: one row per (setup, stage, method) of the E1 records, with the mean and sd over
+    batches of ``gamma / gamma_SGD``, the number of batches ``n`` and the mean and sd of the batches' imbalance."""
+    ratios: dict[tuple, list[float]] = {}
+    imbalances: dict[tuple, list[float]] = {}
+    for r in records:
+        if r["kind"] != "e1":
+            continue
+        key = (r["setup"], r["stage"], r["method"])
+        if r["ratio"] is not None and math.isfinite(r["ratio"]):
+            ratios.setdefault(key, []).append(r["ratio"])
+        if r["imbalance"] is not None and math.isfinite(r["imbalance"]):
+            imbalances.setdefault(key, []).append(r["imbalance"])
+    order = {s: i for i, s in enumerate(dict.fromkeys(r["setup"] for r in records))}
+    rows = []
+    for key in sorted(ratios, key=lambda k: (order[k[0]], k[1])):
+        imb = imbalances.get(key, [])
+        rows.append({"setup": key[0], "stage": key[1], "method": key[2], "mean": float(np.mean(ratios[key])),
+                     "sd": float(np.std(ratios[key])), "n": len(ratios[key]),
+                     "imbalance_mean": float(np.mean(imb)) if imb else None,
+                     "imbalance_sd": float(np.std(imb)) if imb else None})
+    return rows
 
 def _stage_means(records: list[dict[str, Any]], setup: str) -> dict[int, dict[str, float]]:
     """``{stage: {method: mean gamma/gamma_SGD, "imbalance": mean}}`` of a setup's E1 records."""

@@ -61,8 +61,10 @@ def setups_of(records) -> list[str]:
     return list(dict.fromkeys(r["setup"] for r in records))
 
 
-def plot_sample_gamma(records, setups: Sequence[str] | None = None):
-    """``fig:sample_gamma``: gamma_EF/gamma_SGD, gamma_iEF/gamma_SGD, gamma_SF/gamma_EF and the imbalance vs stage."""
+def plot_sample_gamma(records, setups: Sequence[str] | None = None, error_bars: bool = True):
+    """``fig:sample_gamma``: gamma_EF/gamma_SGD, gamma_iEF/gamma_SGD, gamma_SF/gamma_EF and the imbalance vs stage.
+
+    ``error_bars=False``: as the paper's appendix figures for every task (``fig:lora_gamma``, ``fig:pt_gamma``)."""
     import matplotlib.pyplot as plt
 
     setups = list(setups or setups_of(records))
@@ -74,7 +76,8 @@ def plot_sample_gamma(records, setups: Sequence[str] | None = None):
         for ax, (num, den, title) in zip(axes, panels):
             field = "imbalance" if num is None else "gamma"
             x, mean, sd = stage_series(records, setup, num, den or "sgd", field)
-            ax.errorbar(x, mean, yerr=sd, marker="o", ms=4, capsize=3, color=color, label=setup)
+            ax.errorbar(x, mean, yerr=sd if error_bars else None, marker="o", ms=4, capsize=3, color=color,
+                        label=setup)
             ax.set_title(title)
     for ax in axes:
         ax.set_yscale("log")

@@ -74,6 +74,19 @@ def baseline(setup: str) -> str:
     return config["baseline"][method_of(setup)]
 
 
+def evaluation_flags(setup: str) -> str:
+    """The evaluate job's knobs (config evaluation.<scale>) as command-line flags."""
+    knobs = config["evaluation"][SCALE]
+    flags = [f"--batches {int(knobs['batches'])}", f"--cg-iterations {int(knobs['cg_iterations'])}",
+             f"--sweep-dampings {int(knobs['sweep_dampings'])}"]
+    if knobs.get("batch_size"):
+        flags.append(f"--batch-size {int(knobs['batch_size'])}")
+    sweep_setups = knobs.get("sweep_setups", "all")
+    if sweep_setups != "all" and setup not in sweep_setups:
+        flags.append("--no-sweep")
+    return " ".join(flags)
+
+
 E2_TABLES = [f"{RESULTS}/e2_runs.csv", f"{RESULTS}/e2_curves.csv"]
 EVAL_TABLES = [f"{RESULTS}/eval/{setup}.csv" for setup in SETUPS]
 RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES}

@@ -25,8 +25,9 @@ rule evaluate:
         f"{RESULTS}/logs/evaluate-{{setup}}.log",
     params:
         seed=config["evaluation_seed"],
+        knobs=lambda wc: evaluation_flags(wc.setup),
     resources:
         runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
     shell:
         "{PYTHON} -m ief evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
-        "--out {output} > {log} 2>&1"
+        "{params.knobs} --out {output} > {log} 2>&1"

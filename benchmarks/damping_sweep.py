@@ -7,8 +7,8 @@ Run from the repository root (single-threaded, as everything on a shared small C
 
 Both sides compute gamma and gamma/gamma_SGD of EF, iEF and SF at K dampings (log-spaced 1e-10 .. 1e2) on one batch:
 
-- ``separate``: for each damping, ``ief.evaluate(model, [batch], ["ef", "ief", "sf"], damping)`` (a per-sample
-  backward, a sampled backward, three Woodbury solves and four ``ief.gamma`` forward-mode passes, per damping);
+- ``separate``: for each damping, ``ief.evaluate(model, [batch], ["ef", "ief", "sf"], damping, logit_space=False)``
+  (a per-sample backward, a sampled backward, three Woodbury solves and four ``ief.gamma`` forward-mode passes, per damping);
 - ``sweep``: one ``ief.damping_sweep(model, *batch, dampings)`` (one per-sample and one sampled backward, one
   ``eigh`` per Gram, ``2M`` logit JVPs, then ``O(M^2)`` per damping).
 
@@ -59,7 +59,9 @@ def _minilm(m: int):
 def _separate(model, x, y, dampings):
     out = []
     for lam in dampings:
-        out += ief.evaluate(model, [(x, y)], ["ef", "ief", "sf"], lam, seed=0)
+        # logit_space=False: K full model evaluations, as the issue's baseline (the default route would share one
+        # logit Jacobian across calls' algebra and measure ief.evaluate's own shortcut instead)
+        out += ief.evaluate(model, [(x, y)], ["ef", "ief", "sf"], lam, seed=0, logit_space=False)
     return out
 
 

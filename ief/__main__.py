@@ -91,6 +91,9 @@ def _add_evaluate_parser(sub: Any) -> None:
     e.add_argument("--sweep-dampings", type=int, default=None, metavar="K",
                    help="E3: K dampings log-spaced over 1e-10 .. 1e2 (default by scale)")
     e.add_argument("--no-sweep", action="store_true", help="skip the E3 damping sweep")
+    e.add_argument("--stages", default=None, metavar="P[,P...]",
+                   help="only these stages (percent of training): their cached parts OUT.parts/stage-PPP.csv are "
+                        "computed and OUT is not written (the workflow's one job per checkpoint)")
 
 
 def _evaluate_command(args: argparse.Namespace) -> int:
@@ -98,9 +101,16 @@ def _evaluate_command(args: argparse.Namespace) -> int:
 
     try:
         grid = None if args.sweep_dampings is None else sweep_grid(args.sweep_dampings)
+        stages = None
+        if args.stages is not None:
+            try:
+                stages = [int(p) for p in args.stages.split(",") if p.strip()]
+            except ValueError:
+                raise ValueError(f"--stages: comma-separated percentages expected (e.g. 0,50,100), "
+                                 f"got {args.stages!r}") from None
         path = evaluate_run(args.setup, args.scale, args.seed, args.runs, args.out, batches=args.batches,
                             batch_size=args.batch_size, cg_iterations=args.cg_iterations, sweep_dampings=grid,
-                            sweep=not args.no_sweep)
+                            sweep=not args.no_sweep, stages=stages)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1

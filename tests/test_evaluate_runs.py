@@ -106,6 +106,23 @@ def test_cached_resumable_and_recomputes_only_what_changed(runs, tmp_path, monke
     assert sorted(set(calls)) == [0, 50, 100]  # new parameters: everything again
 
 
+def test_one_job_per_stage_then_assembly_equals_one_job(runs, tmp_path, monkeypatch):
+    """The workflow's evaluate_stage jobs (stages=[p]) fill the parts; the assembling call computes nothing and writes
+    the same table as one job over every stage."""
+    whole = er.evaluate_run(SETUP, SCALE, 0, runs, tmp_path / "whole.csv", batches=1, progress=False)
+    out = tmp_path / "staged.csv"
+    stages = sorted({r["stage"] for r in er.read_records(whole)})
+    for stage in stages:
+        parts = er.evaluate_run(SETUP, SCALE, 0, runs, out, batches=1, stages=[stage], progress=False)
+        assert (parts / f"stage-{stage:03d}.csv").exists() and not out.exists()
+    calls = []
+    monkeypatch.setattr(er, "_evaluation_inputs", lambda *a, **k: calls.append(a) or pytest.fail("model built"))
+    er.evaluate_run(SETUP, SCALE, 0, runs, out, batches=1, progress=False)
+    assert calls == [] and er.read_records(out) == er.read_records(whole)
+    with pytest.raises(ValueError, match=r"stages \[37\] not among the run's checkpoints; choose from \[0, "):
+        er.evaluate_run(SETUP, SCALE, 0, runs, out, batches=1, stages=[37], progress=False)
+
+
 def test_missing_run_says_how_to_train_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="python -m ief train --setup digits-mlp --scale smoke --optimizer adam"):
         er.evaluate_run(SETUP, SCALE, 0, tmp_path / "nothing", tmp_path / "x.csv")
@@ -124,6 +141,9 @@ def test_cli(runs, tmp_path, capsys):
     assert main(["evaluate", "--setup", SETUP, "--scale", "huge", "--runs", str(runs), "--out", str(out)]) == 2
     assert "unknown scale 'huge'" in capsys.readouterr().err
     assert main(["evaluate", "--setup", SETUP, "--scale", SCALE, "--runs", str(tmp_path), "--out", str(out)]) == 1
+    assert main(["evaluate", "--setup", SETUP, "--scale", SCALE, "--runs", str(runs), "--out", str(out),
+                 "--stages", "fifty"]) == 2
+    assert "--stages: comma-separated percentages expected (e.g. 0,50,100), got 'fifty'" in capsys.readouterr().err
 
 
 def test_baselines_are_the_papers():

@@ -64,6 +64,7 @@ def test_full_scale_dry_run_plans_the_paper_grid_through_slurm(full_plan):
     stats = _job_stats(full_plan.stdout + full_plan.stderr)
     assert stats["train"] == 16 * 5 * 3 == 240
     assert stats["evaluate"] == 16 and stats["aggregate_e2"] == 1
+    assert stats["evaluate_stage"] == 16 * 5  # one job per stage checkpoint (0, 25, 50, 75, 100 %)
     assert stats["execute_notebook"] == stats["publish"] == len(NOTEBOOKS) and stats["book"] == 1
 
 
@@ -76,6 +77,7 @@ def test_default_target_plans_what_the_present_notebooks_read():
     expected_train = 240 if "e2" in kinds else 16 if "eval" in kinds else 0
     assert stats.get("train", 0) == expected_train
     assert stats.get("evaluate", 0) == (16 if "eval" in kinds else 0)
+    assert stats.get("evaluate_stage", 0) == (16 * 5 if "eval" in kinds else 0)
     assert stats.get("aggregate_e2", 0) == (1 if "e2" in kinds else 0)
     assert stats["execute_notebook"] == len(NOTEBOOKS) and stats["book"] == 1
 

@@ -171,9 +171,14 @@ def evaluate_run(
     sweep_dampings: Sequence[float] | None = None,
     cg_iterations: int | None = None,
     sweep: bool = True,
+    stages: Sequence[int] | None = None,
     progress: bool = True,
 ) -> Path:
     """Evaluate the baseline run of ``setup`` at every stage and write ``out`` (CSV); returns its path.
+
+    ``stages`` (e.g. ``[50]``) computes only those stages' cached parts (``OUT.parts/stage-PPP.csv``) and returns the
+    parts folder without writing ``out``: the workflow runs one such job per checkpoint, then one call without
+    ``stages`` that finds every part cached and assembles ``out``.
 
     ``damping`` (default: the setup's iEF damping, the paper's near-zero value) is used by every method of E1 and
     the block-diagonal study. The block-diagonal methods run when every trainable parameter belongs to an
@@ -195,9 +200,16 @@ def evaluate_run(
     cg = cg_iterations if cg_iterations is not None else knobs["cg_iterations"]
     if sweep_dampings is None:
         sweep_dampings = sweep_grid(knobs["sweep_dampings"])
+    only = stages
     stages = _checkpoints(root, cfg.epochs)
     if len(stages) < 2:
         raise FileNotFoundError(f"{root} has no checkpoints (checkpoints/stage-*.pt or epoch-*.pt): is it trained?")
+    if only is not None:
+        only = sorted({int(s) for s in only})
+        unknown = [s for s in only if s not in stages]
+        if not only or unknown:
+            raise ValueError(f"stages {unknown or only!r} not among the run's checkpoints; choose from "
+                             f"{sorted(stages)} (percent of training)")
     out = Path(out)
     parts = out.with_name(out.name + ".parts")
     params = {"setup": setup, "scale": scale, "seed": seed, "batches": n_batches, "batch_size": m, "damping": lam,
@@ -206,37 +218,26 @@ def evaluate_run(
     prints = {s: _fingerprint(p, {**params, "stage": s, "source": src, "sweep": s in sweep_at})
               for s, (src, p) in stages.items()}
     manifest = out.with_name(out.name + ".json")
-    if out.exists() and manifest.exists() and store.read_json(manifest).get("stages") == {str(k): v for k, v in
-                                                                                        prints.items()}:
+    if only is None and out.exists() and manifest.exists() and store.read_json(manifest).get("stages") == {
+            str(k): v for k, v in prints.items()}:
         if progress:
             print(f"skipped (up to date): {out}")
         return out
 
-    from .data import load_data
-    from .models import build_model
-    from .tasks import make_task
+    def cached(stage: int) -> bool:
+        part, part_json = parts / f"stage-{stage:03d}.csv", parts / f"stage-{stage:03d}.json"
+        return part.exists() and part_json.exists() and store.read_json(part_json).get("fingerprint") == prints[stage]
 
-    seed_everything(seed)  # as the runner: the initial model is the run's own
-    data = load_data(cfg)
-    model, pre = build_model(cfg, data)
-    task = make_task(cfg, model, pre)
-    initial = store.trainable_state(model)
-    model.eval()  # dropout off: every pass of one evaluation sees the same function
-    rng = np.random.default_rng([seed, 12])
-    chosen = [rng.choice(len(data.train), size=min(m, len(data.train)), replace=False) for _ in range(n_batches)]
-    fixed = [task.collate([data.train[int(i)] for i in idx]) for idx in chosen]
-    methods = list(E1_METHODS)
-    try:
-        check_linear_only(model)
-        methods += list(BLOCK_METHODS)
-    except ValueError as err:
-        if progress:
-            print(f"{setup}: block-diagonal methods left out ({err})")
+    todo = [s for s in stages if (only is None or s in only) and not cached(s)]
+    if todo:  # the model and the fixed batches are built only when some stage has to be computed
+        model, initial, fixed, methods = _evaluation_inputs(cfg, setup, seed, m, n_batches, progress)
     common = {"setup": setup, "scale": scale, "seed": seed, "optimizer": optimizer}
     all_records: list[dict[str, Any]] = []
     for stage, (source, path) in stages.items():
+        if only is not None and stage not in only:
+            continue
         part, part_json = parts / f"stage-{stage:03d}.csv", parts / f"stage-{stage:03d}.json"
-        if part.exists() and part_json.exists() and store.read_json(part_json).get("fingerprint") == prints[stage]:
+        if stage not in todo:
             all_records += read_records(part)
             continue
         t0, c0 = time.time(), time.process_time()
@@ -261,9 +262,36 @@ def evaluate_run(
             print(f"{setup} [{scale}] stage {stage:3d}% ({source}): {len(records)} records in "
                   f"{time.time() - t0:.1f}s ({time.process_time() - c0:.1f}s of CPU)", flush=True)
         all_records += records
+    if only is not None:
+        return parts
     store.write_text(out, _csv_text(all_records))
     store.write_json(manifest, {"stages": {str(k): v for k, v in prints.items()}, "params": params})
     return out
+
+
+def _evaluation_inputs(cfg, setup: str, seed: int, m: int, n_batches: int, progress: bool):
+    """The run's initial model (eval mode), its initial trainable state, the fixed batches and the methods."""
+    from .data import load_data
+    from .models import build_model
+    from .tasks import make_task
+
+    seed_everything(seed)  # as the runner: the initial model is the run's own
+    data = load_data(cfg)
+    model, pre = build_model(cfg, data)
+    task = make_task(cfg, model, pre)
+    initial = store.trainable_state(model)
+    model.eval()  # dropout off: every pass of one evaluation sees the same function
+    rng = np.random.default_rng([seed, 12])
+    chosen = [rng.choice(len(data.train), size=min(m, len(data.train)), replace=False) for _ in range(n_batches)]
+    fixed = [task.collate([data.train[int(i)] for i in idx]) for idx in chosen]
+    methods = list(E1_METHODS)
+    try:
+        check_linear_only(model)
+        methods += list(BLOCK_METHODS)
+    except ValueError as err:
+        if progress:
+            print(f"{setup}: block-diagonal methods left out ({err})")
+    return model, initial, fixed, methods
 
 
 def summarise(records: list[dict[str, Any]], kind: str = "e1") -> dict[tuple, dict[str, float]]:

@@ -87,6 +87,16 @@ def evaluation_flags(setup: str) -> str:
     return " ".join(flags)
 
 
+def eval_stages(setup: str) -> list[int]:
+    """The stage checkpoints (percent of training) the runner writes for ``setup`` at this scale."""
+    return sorted({round(100 * f) for f in REGISTRY.resolve(setup, SCALE).stage_fractions})
+
+
+def eval_parts(setup: str) -> list[str]:
+    """One evaluation part per stage checkpoint: the outputs of the per-checkpoint evaluate_stage jobs."""
+    return [f"{RESULTS}/eval/{setup}.csv.parts/stage-{p:03d}.csv" for p in eval_stages(setup)]
+
+
 E2_TABLES = [f"{RESULTS}/e2_runs.csv", f"{RESULTS}/e2_curves.csv"]
 EVAL_TABLES = [f"{RESULTS}/eval/{setup}.csv" for setup in SETUPS]
 RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES}

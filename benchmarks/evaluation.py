@@ -45,7 +45,7 @@ def build(setup: str, checkpoint: str | None, seed: int):
     """The model of ``setup`` at the cpu scale (as ``evaluate_run`` builds it), one batch, damping and CG steps."""
     from ief.experiments import store
     from ief.experiments.data import load_data
-    from ief.experiments.evaluate_runs import BLOCK_METHODS, DEFAULT_CG_ITERATIONS, E1_METHODS, SWEEP_DAMPINGS
+    from ief.experiments.evaluate_runs import BLOCK_METHODS, DEFAULTS, E1_METHODS, sweep_grid
     from ief.experiments.models import build_model
     from ief.experiments.runner import seed_everything
     from ief.experiments.setups import resolve
@@ -72,8 +72,8 @@ def build(setup: str, checkpoint: str | None, seed: int):
     except ValueError:
         pass
     return dict(model=model, inputs=inputs, targets=targets, methods=methods, batch=m, source=source,
-                damping=float(cfg.optimizers["ief"].damping), cg=DEFAULT_CG_ITERATIONS["cpu"],
-                sweep=list(SWEEP_DAMPINGS),
+                damping=float(cfg.optimizers["ief"].damping), cg=DEFAULTS["cpu"]["cg_iterations"],
+                sweep=list(sweep_grid(DEFAULTS["cpu"]["sweep_dampings"])),
                 params=sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 

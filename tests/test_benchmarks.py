@@ -201,3 +201,14 @@ def test_documented_commands_name_existing_benchmarks():
     assert named, "no benchmark command found in the docs"
     missing = sorted(n for n in named if not (ROOT / "benchmarks" / f"{n}.py").exists())
     assert not missing, f"documented benchmark commands without a module: {missing}"
+
+
+def test_evaluation_benchmark_builds_its_workload_and_cases():
+    """The evaluation benchmark reads the evaluation jobs' knobs from the package (an import of a renamed constant
+    broke it once, unnoticed, since benchmarks are not run by the tests)."""
+    from benchmarks import evaluation
+    from ief.experiments.evaluate_runs import DEFAULTS
+
+    s = evaluation.build("digits-mlp", None, 0)
+    assert s["cg"] == DEFAULTS["cpu"]["cg_iterations"] and len(s["sweep"]) == DEFAULTS["cpu"]["sweep_dampings"]
+    assert {"sgd", "ief", "all methods", "damping sweep"} <= set(evaluation.cases(s))

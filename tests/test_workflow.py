@@ -119,8 +119,11 @@ def test_interrupted_grid_resumes_and_a_rebuild_runs_nothing(tmp_path):
             grid, "--", "runs"]
     runs = tmp_path / "runs"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # SIGINT back to its default in the child: a test run started in the background by a non-interactive shell
+    # (`cmd &`, as some CI runners do) inherits SIGINT ignored, and Python then never installs its Ctrl-C handler
     proc = subprocess.Popen([*SNAKEMAKE, "--directory", str(tmp_path), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stdout:  # Ctrl-C once Snakemake has registered the first finished run
         lines.append(line)

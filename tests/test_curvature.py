@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import ief
 from curvature_reference import directions, model_dtype, num_params, reference, rtol
-from tiny_models import mlp_case, mse_case, t5_lora_case
+from tiny_models import SquareNoJvp, mlp_case, mse_case, t5_lora_case
 
 METHODS = ("forward", "double_backward")
 
@@ -426,20 +426,6 @@ def test_gammas_rejects_bad_directions():
         ief.gammas(case.model, case.inputs, case.targets, good, method="nope")
 
 
-class _SquareNoJvp(torch.autograd.Function):
-    """A custom op with a backward but no forward-mode rule (and no functorch support)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
-
-
 def test_gammas_fall_back_to_double_backward_and_say_so():
     """A layer without a forward-mode rule: ``gammas`` warns once per model and returns the double-backward values
     (never a silently wrong tangent); ``fisher_vp(method="forward")`` still raises ForwardModeUnsupported."""
@@ -450,7 +436,7 @@ def test_gammas_fall_back_to_double_backward_and_say_so():
             self.inp, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
 
         def forward(self, x):
-            return self.head(_SquareNoJvp.apply(self.inp(x)))
+            return self.head(SquareNoJvp.apply(self.inp(x)))
 
     torch.manual_seed(0)
     model = Model().double()

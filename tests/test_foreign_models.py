@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ief
 import oracle
+from tiny_models import SquareNoJvp
 
 IGNORE = -100
 CLASSES = 3
@@ -399,23 +400,9 @@ def test_bare_parameter_warns():
         ief.per_sample(Bare(), x, y)
 
 
-class _Square(torch.autograd.Function):
-    """A custom op with a backward but no forward-mode rule (``jvp``)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
-
-
 class _SquareLayer(torch.nn.Module):
     def forward(self, x):
-        return _Square.apply(x)
+        return SquareNoJvp.apply(x)
 
 
 class _CustomOpModel(torch.nn.Module):

@@ -176,3 +176,17 @@ def saturated_case(seed: int = 0):
     y = z.argmin(dim=1)
     y[1] = z[1].argmax()
     return model, x, y
+
+
+class SquareNoJvp(torch.autograd.Function):
+    """A custom op with a backward but no forward-mode rule (``jvp``) and no functorch support: the fallbacks' test."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad

@@ -20,6 +20,26 @@ def use_book_style() -> None:
                          "figure.constrained_layout.use": False})
 
 
+def plain_log_ticks(ax, axis: str = "y") -> None:
+    """Label a logarithmic axis with plain numbers (``0.5``, ``2``, ``1e-05``), never ``1.35x10^0``: 1-2-5 ticks where
+    at least three of them fall in the shown range, otherwise about five evenly spaced ones (a narrow log range, where
+    matplotlib would label only minor ticks, in scientific notation). Call it after the data are drawn."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    lo, hi = sorted(ax.get_ylim() if axis == "y" else ax.get_xlim())
+    decades = range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1) if lo > 0 else range(0)
+    one_two_five = [m * 10.0**d for d in decades for m in (1, 2, 5) if lo <= m * 10.0**d <= hi]
+    if lo > 0 and len(one_two_five) < 3:
+        target.set_major_locator(MaxNLocator(nbins=5, steps=[1, 2, 5, 10]))
+    else:
+        target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=30))
+    target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    target.set_minor_formatter(NullFormatter())
+
+
 def save(fig, out_dir: str | Path, name: str) -> Path:
     """Write ``name.png`` and ``name.svg`` under ``out_dir`` (the figure is also shown inline); returns the PNG."""
     out = Path(out_dir)

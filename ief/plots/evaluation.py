@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..style import method_color
+from .common import plain_log_ticks
 
 LABELS = {"sgd": "SGD", "ef": "EF", "ief": "iEF", "sf": "SF", "hf": "HF", "kfac": "KFAC", "ekfac": "eKFAC",
           "iekfac": "ieKFAC"}
@@ -84,6 +85,7 @@ def plot_sample_gamma(records, setups: Sequence[str] | None = None, error_bars: 
         ax.set_xlabel("training stage (%)")
         if ax is not axes[-1]:
             ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
+        plain_log_ticks(ax)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -103,6 +105,7 @@ def plot_blockdiag_gamma(records, setups: Sequence[str] | None = None):
                         label=LABELS[method])
         ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
         ax.set_yscale("log")
+        plain_log_ticks(ax)
         ax.set_title(setup)
         ax.set_xlabel("training stage (%)")
         ax.set_ylabel(r"$\gamma / \gamma_{SGD}$")
@@ -141,7 +144,53 @@ def plot_damping_gamma(records, setup: str, axis: str = "ief"):
         ax.set_title(f"{setup}, stage {stage}%")
         ax.set_xlabel(r"damping $\lambda$ (" + ("package, sum loss" if axis == "ief" else "paper, token mean")
                       + ")")
+    plain_log_ticks(axes[0][0])  # the y axis is shared
     axes[0][0].set_ylabel(r"$\gamma / \gamma_{SGD}$")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+SUMMARY_METHODS = ("ef", "ief", "sf", "hf", "kfac", "ekfac", "iekfac")
+
+
+def _plain(x: float, digits: int) -> str:
+    """``x`` to ``digits`` significant digits, without an exponent from 1e-4 up (``46.1``, ``150``, ``0.0023``)."""
+    if not np.isfinite(x) or abs(x) < 1:
+        return f"{x:.{digits}g}"
+    return f"{x:.{max(0, digits - 1 - int(np.floor(np.log10(abs(x)))))}f}"
+
+
+def _mean_sd(mean: float, sd: float) -> str:
+    """``"0.695 ± 0.002"``, joined by no-break spaces (the cell is also set ``nowrap``: a value is never split)."""
+    return f"{_plain(mean, 3)}\u00a0±\u00a0{_plain(sd, 2)}"
+
+
+def summary_table(rows: Sequence[dict[str, Any]]):
+    """The chapter's summary of the E1 records (:func:`ief.experiments.evaluate_runs.summary_rows`): one row per
+    setup and method (``gamma / gamma_SGD``) plus the setup's gradient-norm imbalance, one column per training stage,
+    each cell ``mean ± sd`` over the batches. Returned as a pandas ``Styler`` whose cells never wrap inside a value
+    (a narrow page shrinks the table's font instead, ``book/_static/fit-tables.js``)."""
+    import pandas as pd
+
+    cells = []
+    for r in rows:
+        if r["method"] in SUMMARY_METHODS:
+            cells.append({"setup": r["setup"], "row": f"{LABELS[r['method']]} / SGD", "order": SUMMARY_METHODS.index(
+                r["method"]), "stage": f"{r['stage']}%", "value": _mean_sd(r["mean"], r["sd"])})
+        if r["method"] == "sgd" and r.get("imbalance_mean") is not None:
+            cells.append({"setup": r["setup"], "row": "imbalance", "order": len(SUMMARY_METHODS),
+                          "stage": f"{r['stage']}%", "value": _mean_sd(r["imbalance_mean"], r["imbalance_sd"])})
+    if not cells:
+        raise ValueError("no E1 records to summarise")
+    frame = pd.DataFrame(cells)
+    setups = list(dict.fromkeys(frame["setup"]))
+    stages = list(dict.fromkeys(frame.sort_values("stage", key=lambda s: s.str.rstrip("%").astype(float))["stage"]))
+    frame["setup"] = pd.Categorical(frame["setup"], setups)
+    frame = frame.sort_values(["setup", "order"])
+    wide = frame.pivot_table(index=["setup", "row"], columns="stage", values="value", aggfunc="first", sort=False,
+                             observed=True)
+    wide = wide[stages].fillna("–")
+    wide.index.names = ["setup", "γ ratio"]
+    wide.columns.name = "training stage"
+    return wide.style.set_properties(**{"white-space": "nowrap"}).set_table_attributes('class="dataframe"')

@@ -16,6 +16,7 @@ import pandas as pd
 
 from ..experiments.aggregate import curve_bands, mean_sd
 from ..style import method_color
+from .common import plain_log_ticks
 
 LABELS = {"adamw": "AdamW", "adafactor": "Adafactor", "adam": "Adam", "sgd": "SGD", "ef": "EF", "sf": "SF",
           "ief": "iEF"}
@@ -66,8 +67,6 @@ def loss_axis(ax, means: pd.Series) -> str:
     Linear when the means span at most :data:`LOG_SPAN` (the tweet setups, about 0.7-1.1), with limits from the
     means (± sd bands may leave the panel); logarithmic with labelled 1-2-5 ticks where they span orders of
     magnitude (digits: 2.3 down to 1e-3). Returns ``"linear"`` or ``"log"``."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
     values = means[np.isfinite(means) & (means > 0)]
     if values.empty:
         return "linear"
@@ -78,9 +77,7 @@ def loss_axis(ax, means: pd.Series) -> str:
         return "linear"
     ax.set_yscale("log")
     ax.set_ylim(lo / 1.6, hi * 1.6)
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=30))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
+    plain_log_ticks(ax)
     return "log"
 
 

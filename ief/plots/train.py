@@ -10,7 +10,7 @@ from ..paper import cite_keys
 from ..experiments.search import final_loss_definition, search_table
 from ..experiments.summaries import FINAL_FRACTION, final_train_loss, final_window
 from ..style import method_color
-from .common import PAGE_WIDTH_IN
+from .common import PAGE_WIDTH_IN, plain_log_ticks
 
 LABELS = {"ief": "iEF", "ef": "EF", "sf": "SF", "sgd": "SGD", "adamw": "AdamW", "adam": "Adam",
           "adafactor": "Adafactor"}
@@ -42,6 +42,7 @@ def run_figure(losses, evals, summary, setup: str, optimizer: str):
     finite = losses[np.isfinite(losses)]
     if len(finite) and finite.max() / max(finite.min(), 1e-12) > 5:
         ax_loss.set_yscale("log")
+        plain_log_ticks(ax_loss)
     ax_loss.set(xlabel="update step", ylabel="train loss (mean per sample)",
                 title=f"{setup}: {LABELS[optimizer]} training loss")
     ax_loss.legend()
@@ -160,6 +161,7 @@ def _loss_axis(ax, values: pd.Series, chosen: pd.Series) -> None:
                         va="top", fontsize=8, color="0.35")
     elif len(values):
         ax.set_yscale("log")
+        plain_log_ticks(ax)
 
 
 def grids_table(records: dict) -> pd.DataFrame:

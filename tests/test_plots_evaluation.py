@@ -2,6 +2,11 @@
 labelled with plain numbers."""
 from __future__ import annotations
 
+import json
+import math
+import re
+from pathlib import Path
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -62,3 +67,87 @@ def test_log_axes_are_labelled_with_plain_numbers(lo, hi):
     assert len(labels) >= 3 and not minor
     assert all("10^" not in s and "$" not in s and "times" not in s for s in labels), labels
     plt.close(fig)
+
+
+def _records():
+    """Two setups, three stages, two batches: EF above SGD and growing with the imbalance, iEF < SF < EF everywhere,
+    ieKFAC below KFAC/eKFAC; E3 sweeps where iEF is flat at small damping and EF/SF are best at a stage-dependent
+    damping."""
+    from ief.experiments.evaluate_runs import findings
+
+    recs = []
+    for setup in ("digits-mlp", "tweets-minilm-lora"):
+        for stage, grow in ((0, 1.0), (50, 2.0), (100, 4.0)):
+            for batch in (0, 1):
+                jitter = 1 + 0.01 * batch
+                ratios = {"sgd": 1.0, "ef": 1.1 * grow * jitter, "ief": 0.5 * jitter, "sf": 0.8 * jitter * (1 + 0.05 * grow),
+                          "hf": 0.3, "kfac": 0.9, "ekfac": 0.7, "iekfac": 0.6 * jitter}
+                for method, ratio in ratios.items():
+                    recs.append({"setup": setup, "stage": stage, "kind": "e1", "batch": batch, "method": method,
+                                 "damping": None if method == "sgd" else 1e-7, "gamma": ratio, "ratio": ratio,
+                                 "imbalance": 2.0 * grow, "target_tokens": 8})
+                for lam in (1e-9, 1e-7, 1e-2, 1.0):
+                    best = 1e-2 if stage == 0 else 1.0
+                    for method in ("ef", "sf", "ief"):
+                        ratio = 0.5 if method == "ief" and lam <= 1e-6 else 0.6 + abs(math.log10(lam / best)) / 10
+                        recs.append({"setup": setup, "stage": stage, "kind": "sweep", "batch": batch,
+                                     "method": method, "damping": lam, "gamma": ratio, "ratio": ratio,
+                                     "imbalance": 2.0 * grow, "target_tokens": 8})
+    return recs, findings(recs)
+
+
+def _notebook_glue_keys() -> set[str]:
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "evaluation.ipynb").read_text())
+    text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    return set(re.findall(r"\{glue:text\}`([^`:]+)", text))
+
+
+def test_chapter_glue_states_the_findings_the_records_show():
+    from ief.paper import cite
+    from ief.plots.evaluation import chapter_glue
+
+    recs, found = _records()
+    glued = chapter_glue(recs, found, "cpu", cite)
+    assert glued["ef_worse_than_sgd"] == "100%" and glued["v_ef_worse"] == "holds"
+    assert glued["ief_better_than_sgd"] == "100%" and glued["v_ief_better"] == "holds"
+    assert glued["ief_sf_ef_order"] == "100%" and glued["v_order"] == "holds"
+    assert glued["imbalance_growth"] == "digits-mlp: ×4.00, tweets-minilm-lora: ×4.00"
+    assert glued["v_imbalance"] == "holds for the growth; holds for the tracking"
+    assert glued["v_ief_robust"] == "holds" and glued["v_tuning"] == "holds"
+    assert glued["ef_best"].startswith("digits-mlp: 1e-02/1e+00/1e+00")
+    assert glued["v_iekfac_better"] == "holds" and glued["v_iekfac_close"] == "holds"
+    assert "Fig." in glued["damping_map"] and "fig:" not in glued["damping_map"]
+
+
+def test_every_number_the_chapter_glues_is_computed():
+    from ief.paper import cite
+    from ief.plots.evaluation import chapter_glue
+
+    recs, found = _records()
+    keys = set(chapter_glue(recs, found, "cpu", cite)) | {"n_batches", "batch_sizes", "stages", "damping_e1",
+                                                          "cg_iterations", "eval_seconds"}
+    assert _notebook_glue_keys() <= keys, _notebook_glue_keys() - keys
+
+
+def test_records_glue_reads_the_evaluation_jobs_times(tmp_path):
+    from ief.plots.evaluation import records_glue
+
+    recs, _ = _records()
+    paths = {}
+    for k, setup in enumerate(("digits-mlp", "tweets-minilm-lora")):
+        paths[setup] = tmp_path / f"{setup}.csv"
+        parts = tmp_path / f"{setup}.csv.parts"
+        parts.mkdir()
+        for stage in (0, 50, 100):
+            (parts / f"stage-{stage:03d}.json").write_text(json.dumps({"seconds": 9.0, "cpu_seconds": 1.5 + k}))
+    glued = records_glue(recs, paths, "cpu")
+    assert glued["n_batches"] == 2 and glued["eval_seconds"] == "digits-mlp: 4.5 s, tweets-minilm-lora: 7.5 s"
+    assert glued["stages"] == "digits-mlp: 0%, 50%, 100%; tweets-minilm-lora: 0%, 50%, 100%"
+
+
+def test_figure_setups_refuse_an_unknown_scale():
+    from ief.plots.evaluation import figure_setups
+
+    with pytest.raises(ValueError, match="scale must be one of"):
+        figure_setups("gpu")
+    assert figure_setups("full")[1][:3] == ["cola-t5-lora", "sst2-t5-pt", "cifar100-vit-lora"]

@@ -7,11 +7,13 @@ across 100 evaluations, error bars the standard deviation"), on log axes.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from ..experiments.evaluate_runs import DEFAULTS, summary_rows
+from ..experiments.setups import CPU_SETUPS, resolve
 from ..style import method_color
 from .common import plain_log_ticks
 
@@ -194,3 +196,137 @@ def summary_table(rows: Sequence[dict[str, Any]]):
     wide.index.names = ["setup", "γ ratio"]
     wide.columns.name = "training stage"
     return wide.style.set_properties(**{"white-space": "nowrap"}).set_table_attributes('class="dataframe"')
+
+
+# ------------------------------------------------------------------------------------------------ chapter numbers
+# Which setups each of the chapter's figures shows: the paper's own at full scale; at cpu and smoke the cpu siblings
+# (tweets-minilm-lora stands for T5 + LoRA, tweets-minilm-pt for T5 + prompt tuning, digits-mlp for CIFAR10 + MLP).
+GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte")
+_CPU_FIGURES = {
+    "sample_gamma": list(CPU_SETUPS),
+    "lora_gamma": ["tweets-minilm-lora"],
+    "pt_gamma": ["tweets-minilm-pt"],
+    "damping": {"tweets-minilm-lora": ["fig:damping_gamma_cola-t5-lora", "fig:damping_gamma_rte-t5-lora"],
+                "tweets-minilm-pt": ["fig:damping_gamma_sst2-t5-pt", "fig:damping_gamma_mrpc-t5-pt"],
+                "digits-mlp": ["fig:damping_gamma_cifar10-mlp"]},
+    "blockdiag": ["tweets-minilm-lora", "digits-mlp"],
+}
+FIGURE_SETUPS = {
+    "smoke": _CPU_FIGURES,
+    "cpu": _CPU_FIGURES,
+    "full": {
+        "sample_gamma": ["cola-t5-lora", "sst2-t5-pt", "cifar100-vit-lora"],
+        "lora_gamma": [f"{t}-t5-lora" for t in GLUE_TASKS] + ["cifar100-vit-lora"],
+        "pt_gamma": [f"{t}-t5-pt" for t in GLUE_TASKS],
+        "damping": {s: [f"fig:damping_gamma_{s}"] for s in ["cola-t5-lora", "sst2-t5-pt", "mrpc-t5-pt",
+                                                             "cifar100-vit-lora", "rte-t5-lora", "cifar10-mlp"]},
+        "blockdiag": ["qnli-t5-lora", "rte-t5-lora", "mrpc-t5-lora"],
+    },
+}
+
+
+def figure_setups(scale: str) -> tuple[dict[str, Any], list[str]]:
+    """``(figures, setups)``: the setups each figure of the chapter shows at ``scale`` and all of them, in order."""
+    if scale not in FIGURE_SETUPS:
+        raise ValueError(f"scale must be one of {sorted(FIGURE_SETUPS)}, got {scale!r}")
+    fig = FIGURE_SETUPS[scale]
+    setups = list(dict.fromkeys(fig["sample_gamma"] + fig["lora_gamma"] + fig["pt_gamma"] + list(fig["damping"])
+                                + fig["blockdiag"]))
+    return fig, setups
+
+
+def _share(findings: dict, key: str) -> float:
+    """The fraction of (setup, stage) points where a finding holds, over the setups where it is defined."""
+    num = sum(findings[s][key] * len(findings[s]["stages"]) for s in findings if findings[s][key] is not None)
+    den = sum(len(findings[s]["stages"]) for s in findings if findings[s][key] is not None)
+    return num / den if den else float("nan")
+
+
+def _verdict(fraction: float, most: float = 0.5) -> str:
+    if fraction != fraction:
+        return "not measured at this scale"
+    return "holds" if fraction > most else "does not hold"
+
+
+def _some(flags: list[bool], none: str = "does not hold") -> str:
+    return "holds" if flags and all(flags) else "holds for some setups" if any(flags) else none
+
+
+def chapter_glue(records: list[dict[str, Any]], findings: dict[str, dict[str, Any]], scale: str,
+                 cite: Callable[[str], str]) -> dict[str, str]:
+    """Every number and verdict the evaluation chapter's prose glues, from the E1/E3 records and their
+    :func:`ief.experiments.evaluate_runs.findings` (``cite``: a paper label -> "Fig. 3")."""
+    fig, _ = figure_setups(scale)
+    F = findings  # noqa: N806
+    out: dict[str, str] = {}
+    out["scale_note"] = ("the paper's three representative setups" if scale == "full" else
+                         f"a {scale}-scale analogue on this scale's setups, not the paper's T5 / ViT tasks")
+    for key in ("ef_worse_than_sgd", "ief_better_than_sgd", "ief_sf_ef_order", "ief_best_of_three",
+                "iekfac_beats_kfac_and_ekfac"):
+        out[key] = f"{_share(F, key):.0%}"
+    out["v_ef_worse"] = _verdict(_share(F, "ef_worse_than_sgd"))
+    out["v_ief_better"] = _verdict(_share(F, "ief_better_than_sgd"), most=0.9)
+    out["v_order"] = _verdict(_share(F, "ief_sf_ef_order"))
+    growth = {s: F[s]["imbalance_growth"] for s in F}
+    out["imbalance_growth"] = ", ".join(f"{s}: ×{v:.2f}" for s, v in growth.items() if v is not None)
+    corr = {s: (F[s]["imbalance_ef_correlation"], F[s]["imbalance_sf_correlation"]) for s in F
+            if F[s]["imbalance_ef_correlation"] is not None}
+    out["imbalance_corr"] = ", ".join(f"{s}: {a:+.2f} / {b:+.2f}" for s, (a, b) in corr.items()) or "too few stages"
+    tracks = [a > 0 and b > 0 for a, b in corr.values()]
+    out["v_imbalance"] = (_some([v > 1 for v in growth.values() if v is not None]) + " for the growth; "
+                          + _some(tracks, "does not hold" if tracks else "is not measured") + " for the tracking")
+    e1 = {m: [r["mean"] for r in summary_rows(records) if r["method"] == m] for m in ("ef", "ief")}
+    for m in ("ef", "ief"):
+        out[f"{m}_ratio_range"] = f"{min(e1[m]):.2f}–{max(e1[m]):.2f}" if e1[m] else "not measured"
+    out["lora_setups"] = ", ".join(fig["lora_gamma"])
+    out["pt_setups"] = ", ".join(fig["pt_gamma"])
+    out["appendix_note"] = (
+        "for all of the paper's LoRA and prompt-tuning tasks" if scale == "full" else
+        f"as a {scale}-scale analogue: the paper shows 8 LoRA and 7 prompt-tuning tasks; this scale has one sibling "
+        "of each, whose curves are those of the E1 figure above")
+    analogue = "" if scale == "full" else f"the {scale} analogue of "
+    out["damping_map"] = "; ".join(f"{s}: {analogue}" + ", ".join(cite(label) for label in labels)
+                                   for s, labels in fig["damping"].items())
+    spread = {s: F[s]["ief_near_zero_spread"] for s in F}
+    out["ief_spread"] = ", ".join(f"{s}: ×{v:.3g}" for s, v in spread.items() if v is not None) or "not measured"
+    for key, field in (("ef_best", "ef_best_damping"), ("sf_best", "sf_best_damping")):
+        out[key] = ", ".join(f"{s}: " + "/".join(f"{x:.0e}" for x in F[s][field]) for s in F)
+    for key, field in (("ief_vs_sf", "ief_over_best_sf"), ("ief_vs_ef", "ief_over_best_ef")):
+        out[key] = ", ".join(f"{s}: " + "/".join(f"{v:.2f}" for v in F[s][field]) for s in F)
+    robust = [v for v in spread.values() if v is not None]
+    out["v_ief_robust"] = "holds" if robust and max(robust) < 1.5 else "does not hold" if robust else "is not measured"
+    out["v_tuning"] = _some([len(set(F[s]["ef_best_damping"])) > 1 or len(set(F[s]["sf_best_damping"])) > 1
+                             for s in F])
+    vs_sf = [v for s in F for v in F[s]["ief_over_best_sf"] if v is not None]
+    out["v_sf_comparable"] = "holds" if vs_sf and max(vs_sf) < 2 else "does not hold" if vs_sf else "is not measured"
+    close = [F[s]["iekfac_over_ief"] for s in F if F[s]["iekfac_over_ief"] is not None]
+    out["iekfac_over_ief"] = ", ".join(f"{s}: {F[s]['iekfac_over_ief']:.2f}" for s in F
+                                       if F[s]["iekfac_over_ief"] is not None) or "not measured"
+    out["v_iekfac_close"] = "holds" if close and max(close) < 2 else "does not hold" if close else "is not measured"
+    out["v_iekfac_better"] = _verdict(_share(F, "iekfac_beats_kfac_and_ekfac"))
+    return out
+
+
+
+def records_glue(records: list[dict[str, Any]], csv_paths: dict[str, Any], scale: str) -> dict[str, Any]:
+    """What the chapter says of its records: batches per checkpoint, batch sizes, stages, E1's damping, CG steps and
+    the CPU seconds the evaluation jobs took (from each setup's ``<csv>.parts/stage-*.json``)."""
+    import json
+    from pathlib import Path
+
+    setups = list(csv_paths)
+    stages = {s: sorted({r["stage"] for r in records if r["setup"] == s}) for s in setups}
+    seconds = {}
+    for setup, path in csv_paths.items():
+        path = Path(path)
+        parts = [json.loads(p.read_text()) for p in sorted(path.with_name(path.name + ".parts").glob("stage-*.json"))]
+        seconds[setup] = sum(p.get("cpu_seconds", p["seconds"]) for p in parts)
+    return {
+        "n_batches": min(r["n"] for r in summary_rows(records)),
+        "batch_sizes": ", ".join(f"{s}: {DEFAULTS[scale]['batch_size'] or resolve(s, scale).batch_size}"
+                                 for s in setups),
+        "stages": "; ".join(f"{s}: {', '.join(f'{x}%' for x in v)}" for s, v in stages.items()),
+        "damping_e1": ", ".join(f"{s}: {resolve(s, scale).optimizers['ief'].damping:g}" for s in setups),
+        "cg_iterations": DEFAULTS[scale]["cg_iterations"],
+        "eval_seconds": ", ".join(f"{s}: {v:.1f} s" for s, v in seconds.items()),
+    }

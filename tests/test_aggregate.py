@@ -136,3 +136,23 @@ def test_a_diverged_run_is_a_row_with_its_step(tmp_path):
     (row,) = table.itertuples()
     assert row.diverged_step == 2 and row.steps == 1  # the failed update is not applied
     assert math.isfinite(row.final_train_loss) and len(curves[curves.quantity == "train_loss"]) == 1
+
+
+def test_load_e2_reads_the_workflow_tables_or_says_how_to_make_the_runs(runs, tmp_path):
+    from ief.experiments.aggregate import load_e2
+
+    runs, _ = runs
+    with pytest.raises(ValueError, match="scale must be one of"):
+        load_e2("gpu")
+    with pytest.raises(FileNotFoundError, match="make book"):
+        load_e2("cpu", tmp_path / "no-results", tmp_path / "no-runs")
+    aggregate(runs, "smoke", tmp_path / "results")
+    from_tables = load_e2("smoke", tmp_path / "results", tmp_path / "no-runs", setups=[SETUP])
+    from_runs = load_e2("smoke", tmp_path / "no-results", runs, setups=[SETUP])
+    assert from_tables.source.startswith("the aggregated tables") and from_runs.source.startswith("the runs in")
+    cols = ["setup", "optimizer", "seed", "steps", "final_train_loss"]
+    pd.testing.assert_frame_equal(from_tables.table[cols].reset_index(drop=True),
+                                  from_runs.table[cols].reset_index(drop=True), check_dtype=False)
+    assert from_runs.seeds == sorted(int(k) for k in from_runs.table.seed.unique())
+    assert set(from_runs.missing) == set(from_runs.expected) - set(
+        zip(from_runs.table.setup, from_runs.table.optimizer, from_runs.table.seed))

@@ -19,6 +19,7 @@ points over training, each the mean of the batches since the previous point).
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +195,60 @@ def curve_bands(curves: pd.DataFrame, quantity: str, points: int | None = None) 
     g = c.groupby(["setup", "optimizer", "step"], sort=False)["value"]
     out = g.agg(mean="mean", sd=lambda v: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, n="size").reset_index()
     return out.sort_values(["setup", "optimizer", "step"], kind="stable").reset_index(drop=True)
+
+
+@dataclass
+class E2Grid:
+    """The E2 runs a chapter shows: per-run rows and curves of the chosen setups and seeds, what the grid expects,
+    what is missing, and where the numbers came from (``source``, in words)."""
+
+    table: pd.DataFrame
+    curves: pd.DataFrame
+    setups: list[str]
+    seeds: list[int]
+    expected: list[tuple[str, str, int]]
+    missing: list[tuple[str, str, int]]
+    source: str
+
+
+def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | Path = "runs",
+            setups: list[str] | None = None, seeds: list[int] | None = None, train_missing: bool = False) -> E2Grid:
+    """The E2 grid of ``scale``: the workflow's aggregated tables in ``results_dir`` (default ``results/<scale>``)
+    if they exist, else the runs under ``runs_dir`` aggregated here. ``setups``/``seeds``: default every E2 setup of
+    the scale and the paper's three seeds (at smoke scale, the seeds the runs have). ``train_missing``: at smoke scale
+    only, train the tiny grid first when no run exists (seconds). Raises ``FileNotFoundError`` naming the commands
+    that make the runs when there are none."""
+    from .runner import train
+    from .setups import E2_SEEDS, SCALES, e2_optimizers, e2_setups
+
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    results_dir = Path(results_dir or f"results/{scale}")
+    seeds_given = seeds is not None
+    seeds = list(E2_SEEDS if seeds is None else seeds)
+    setups = list(e2_setups(scale) if setups is None else setups)
+    if (results_dir / RUNS_FILE).exists() and (results_dir / CURVES_FILE).exists():
+        table, curves = read_tables(results_dir)
+        source = f"the aggregated tables in {results_dir}"
+    else:
+        done, _ = find_runs(runs_dir, scale)
+        if not done and scale == "smoke" and train_missing:
+            for s, o, k in [(s, o, k) for s in setups for o in e2_optimizers(s) for k in seeds]:
+                train(s, o, k, "smoke", runs_dir, progress=False, verbose=False)
+            done, _ = find_runs(runs_dir, scale)
+        if not done:
+            raise FileNotFoundError(
+                f"no E2 runs under {Path(runs_dir) / scale} and no {RUNS_FILE} in {results_dir}. `make book` runs the "
+                f"workflow that trains them (SCALE={scale}); by hand: `python -m ief train --setup S --optimizer O "
+                f"--seed K --scale {scale} --out {runs_dir}` for every run, then `python -m ief aggregate --scale "
+                f"{scale} --runs {runs_dir} --out {results_dir}`")
+        table, curves = collect(runs_dir, scale)
+        source = f"the runs in {Path(runs_dir) / scale} (aggregated here)"
+    if scale == "smoke" and not seeds_given:  # the smoke grid's seeds (the workflow's smoke grid has two)
+        seeds = sorted(int(k) for k in table.seed.unique())
+    expected = [(s, o, k) for s in setups for o in e2_optimizers(s) for k in seeds]
+    table = table[table.setup.isin(setups) & table.seed.isin(seeds)]
+    curves = curves[curves.setup.isin(setups) & curves.seed.isin(seeds)]
+    have = set(zip(table.setup, table.optimizer, table.seed))
+    return E2Grid(table=table, curves=curves, setups=[s for s in setups if s in set(table.setup)], seeds=seeds,
+                  expected=expected, missing=[e for e in expected if e not in have], source=source)

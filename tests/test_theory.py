@@ -175,3 +175,13 @@ def test_convergence_notebook_smoke(tmp_path):
     assert all(b < a for a, b in zip(errors, errors[1:]))
     assert all(e["as_expected"] for e in margins["equivalence"])
     assert min(margins["gram_min_eig_normalised"].values()) > 0
+
+
+def test_chapter_settings_take_the_scale_and_the_notebook_overrides():
+    from ief.plots.theory import SETTINGS, chapter_settings
+
+    assert chapter_settings("cpu") == SETTINGS["cpu"]
+    cfg = chapter_settings("smoke", t_end=3.0, rtol=1e-9)
+    assert cfg["t_end"] == 3.0 and cfg["rtol"] == cfg["rtol_linear"] == 1e-9 and cfg["dt"] == SETTINGS["smoke"]["dt"]
+    with pytest.raises(ValueError, match="scale must be one of"):
+        chapter_settings("gpu")

@@ -9,6 +9,29 @@ from .common import PAGE_WIDTH_IN
 
 GUIDE = "#bbbbbb"  # reference slopes: not a method
 
+# Per scale: end time / largest step / tolerance of the two flows and the lemma's finite-difference steps
+SETTINGS = {
+    "smoke": dict(t_end=10.0, dt=0.5, rtol=1e-6, t_end_linear=1.5, dt_linear=0.05, rtol_linear=1e-5,
+                  lemma_dts=[1e-1, 1e-2, 1e-3, 1e-4]),
+    "cpu": dict(t_end=100.0, dt=0.5, rtol=1e-8, t_end_linear=6.0, dt_linear=0.05, rtol_linear=1e-6,
+                lemma_dts=[1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4]),
+    "full": dict(t_end=1000.0, dt=2.0, rtol=1e-10, t_end_linear=8.0, dt_linear=0.05, rtol_linear=1e-8,
+                 lemma_dts=[1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5]),
+}
+
+
+def chapter_settings(scale: str, t_end: float | None = None, dt: float | None = None, rtol: float | None = None,
+                     t_end_linear: float | None = None) -> dict:
+    """The convergence chapter's settings at ``scale`` (:data:`SETTINGS`), with the notebook's overrides (``None``:
+    the scale's value; ``rtol`` sets both flows' tolerance)."""
+    if scale not in SETTINGS:
+        raise ValueError(f"scale must be one of {sorted(SETTINGS)}, got {scale!r}")
+    cfg = dict(SETTINGS[scale])
+    cfg.update({k: v for k, v in dict(t_end=t_end, dt=dt, rtol=rtol, t_end_linear=t_end_linear).items()
+                if v is not None})
+    cfg["rtol_linear"] = rtol if rtol is not None else cfg["rtol_linear"]
+    return cfg
+
 
 def sample_color(n: int) -> str:
     return SEQUENCE_COLORS[n % len(SEQUENCE_COLORS)]

@@ -109,6 +109,10 @@ class PerSample:
     logit_sqnorm: torch.Tensor
     gradient: torch.Tensor
 
+    def __getstate__(self) -> dict:  # pickling and deep copies hold the gradient, not the way to compute it
+        self.gradient
+        return self.__dict__
+
 
 class _Deferred:
     """A value computed on first use (:attr:`PerSample.gradient`)."""
@@ -779,7 +783,7 @@ def _summed(grads: Sequence[torch.Tensor | None], owners: Sequence[int], extra: 
 
 
 def _batch_gradient(jacobian: torch.Tensor | FactoredJacobian, autograd: Sequence[torch.Tensor | None],
-                    capture: _Capture) -> torch.Tensor:
+                    offsets: Sequence[int], hooked: frozenset[int]) -> torch.Tensor:
     """``grad_theta L`` ``[P]`` after :func:`_backward_jacobian`: a hooked parameter's rows summed (``J^T 1``) plus
     its uses outside its hooked calls; autograd's batch gradient for a parameter of the per-sample loop."""
     if isinstance(jacobian, FactoredJacobian):
@@ -789,8 +793,8 @@ def _batch_gradient(jacobian: torch.Tensor | FactoredJacobian, autograd: Sequenc
         for lo, block in column_chunks(jacobian):  # a dim-0 reduction over all of J at once is strided
             torch.sum(block, dim=0, out=total[lo : lo + block.shape[1]])
     for i, g in enumerate(autograd):
-        dest = total[capture.offsets[i] : capture.offsets[i + 1]]
-        if i not in capture.hooked:
+        dest = total[offsets[i] : offsets[i + 1]]
+        if i not in hooked:
             dest.copy_(g.reshape(-1)) if g is not None else dest.zero_()
         elif g is not None:
             dest += g.reshape(-1)
@@ -937,8 +941,8 @@ class _HookedForward:
             check_no_outside_use(self.capture, jac, autograd, self.names)
         if self.mode == "exact":
             self._check_directional_derivatives(jac, targets)
-        capture = self.capture
-        return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, capture))
+        offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked)  # the records are not kept alive
+        return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
 
     def _check_directional_derivatives(self, jac: torch.Tensor | FactoredJacobian, targets: torch.Tensor) -> None:
         factored = isinstance(jac, FactoredJacobian)

@@ -331,3 +331,20 @@ def test_batchnorm_with_batch_statistics_is_refused_by_the_default_guard(form):
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
     with pytest.raises(ief.PerSampleGradientMismatch, match="batch statistics"):
         ief.per_sample(model, x, y, form=form)
+
+
+def test_per_sample_gradient_is_computed_on_first_access_and_survives_pickling():
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = _Repeated().double()
+    x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    expected = _autograd_gradient(model, x, y)
+    got = ief.per_sample(model, x, y, form="auto")
+    assert isinstance(got._gradient, jac_mod._Deferred)  # nobody asked yet: not computed
+    for copied in (pickle.loads(pickle.dumps(got)), copy.deepcopy(got)):
+        torch.testing.assert_close(copied.gradient, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got.gradient, expected, rtol=1e-10, atol=1e-12)
+    given = ief.PerSample(got.losses, got.jacobian, got.logit_sqnorm, expected)  # the public constructor
+    assert given.gradient is expected

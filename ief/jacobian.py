@@ -25,8 +25,8 @@ training loop with fixed shapes pays for it once; any new shape, ``T == M`` incl
 ``J`` comes in two forms (``form=``): the ``[M, P]`` tensor (``"dense"``), or a :class:`FactoredJacobian`
 (``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` weight (and each
 one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs and output gradients and gives
-``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the guard and the exact check
-need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
+``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the batch gradient, the guard
+and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
 
 Every trainable parameter that is not in a hooked module (a ``Conv2d`` with reflect / circular padding, a ``Conv1d``,
 an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``) or whose module had a call without an
@@ -236,9 +236,10 @@ class FactoredJacobian(FactoredRows):
             self._finite = all_finite(self.dense) and all(all_finite(a) and all_finite(g) for _, a, g in self.ghosts)
         return self._finite
 
-    # ---- what the guard needs
+    # ---- what the batch gradient and the guard need
     def row_sum(self) -> torch.Tensor:
-        """``J^T 1`` in the parameters' dtype, ``[P]`` (the batch gradient if the rows are right)."""
+        """``J^T 1`` in the parameters' dtype, ``[P]`` (the hooked parameters' batch gradients, see
+        :func:`_batch_gradient`)."""
         out = torch.empty(self.shape[1], dtype=self.dtype, device=self.device)  # every column is written below
         total = self.dense.sum(0)
         for i, lo, dlo, size in self._dense_columns():

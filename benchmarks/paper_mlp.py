@@ -11,8 +11,8 @@ Cases:
 - ``adam``: forward + ``backward()`` of ``L = sum_n l_n`` + ``torch.optim.Adam.step()`` + ``zero_grad()``.
 - ``ief-auto``: ``ief.optim.IEF(model).step(x, y)`` with the default ``form="auto"``: every Linear weight stays factored
   (ghost Gram ``(A A^T) * (G G^T)``, direction ``(c-weighted G)^T A``); no ``[M, P]`` tensor.
-- ``ief-auto-nocheck``: the same with ``check=False`` (no guard: shows what the default guard, ``J^T 1`` against the
-  autograd gradient from the factors, costs).
+- ``ief-auto-nocheck``: the same with ``check=False`` (no guard: shows what the default guard, the structural check
+  that no hooked parameter is used outside its hooked calls, costs).
 - ``ief-dense``: the same with ``form="dense"``: the ``[64, 10.5M]`` per-sample Jacobian (2.7 GB in float32).
 
 Time: in one process (``--threads``, default one), every case's model is built side by side (same weights and

@@ -25,8 +25,8 @@ training loop with fixed shapes pays for it once; any new shape, ``T == M`` incl
 ``J`` comes in two forms (``form=``): the ``[M, P]`` tensor (``"dense"``), or a :class:`FactoredJacobian`
 (``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` weight (and each
 one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs and output gradients and gives
-``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the guard and the exact check
-need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
+``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the batch gradient, the guard
+and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
 
 Every trainable parameter that is not in a hooked module (a ``Conv2d`` with reflect / circular padding, a ``Conv1d``,
 an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``) or whose module had a call without an
@@ -34,20 +34,24 @@ established sample axis falls back to an exact per-sample loop of backward passe
 slower); a :class:`SlowPathWarning` names those parameters once per model.
 
 The hooks assume what per-sample gradients presuppose: sample ``n``'s slice of a hooked input depends on sample ``n``
-alone (no layer mixes or reorders samples along the sample axis). A guard, on by default and cheap, raises
-:class:`PerSampleGradientMismatch` when the rows of ``J`` do not sum to the autograd batch gradient of the same
-backward (a parameter also used outside its hooked module, e.g. tied weights) or when batch norm normalises with
-batch statistics. For the weights of Linear and Conv2d layers it compares the two sums through a fresh random
-sketch ``W`` (``sum_n J_n W`` from the hooked factors against ``g W``, :mod:`ief.row_sum_sketch`) wherever that
-is cheaper than reading their columns of ``J``; every other hooked block is compared in full (``check="exact"``: every
-block in full). A custom layer that mixes or reorders samples (its hooked rows still add up) is what
-``check="exact"`` is for: it compares ``J v`` with the exact per-sample directional derivatives (forward mode, or
-double backward where a layer has no forward-mode rule); the optimisers run that exact check on their first step.
+alone (no layer mixes or reorders samples along the sample axis), and that a hooked parameter is used only by its
+module's calls. The latter is made structural: while a hooked module runs its forward, each of its parameters being
+differentiated is replaced by a *stand-in* (``p.detach().requires_grad_()``: a fresh leaf on ``p``'s storage, no
+copy), so autograd reaches ``p`` itself only through uses outside its hooked calls (a tied weight: an
+``nn.Embedding`` table reused by an ``F.linear`` head). The guard, on by default, reads that part ``o`` of the
+batch backward: ``None`` or zero means the hooked rows are the whole gradient by construction (cost ~0: no
+gradient is read); otherwise ``o = g - sum_n J_n`` exactly, and :class:`PerSampleGradientMismatch` names the
+parameter unless ``o`` is at rounding level. It also refuses batch norm with batch statistics. A side effect is a
+cheaper backward: autograd never computes the hooked layers' batch weight gradients (the stand-ins are not asked
+for); the batch gradient, when wanted, is ``J^T 1`` plus ``o`` (:attr:`PerSample.gradient`, computed on first
+access). A custom layer that mixes or reorders samples (its hooked rows still add up) is what ``check="exact"`` is
+for: it compares ``J v`` with the exact per-sample directional derivatives (forward mode, or double backward where a
+layer has no forward-mode rule, on a replay with the real parameters); the optimisers run that exact check on their
+first step.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import warnings
 import weakref
@@ -61,7 +65,6 @@ from .conv_rules import conv2d_factors, conv2d_is_unfoldable
 from .curvature import differentiable_kernels, jvp_any_mode
 from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
-from .row_sum_sketch import SKETCH_COLUMNS, sketch_flops, sketch_matrices, sketched_gradient, sketched_rows
 from .model_call import (
     Inputs,
     ReplayableForward,
@@ -93,13 +96,42 @@ class PerSample:
 
     ``losses [M]``: ``l_n``; ``jacobian [M, P]``: row ``n`` is ``grad_theta l_n`` (a tensor, or a
     :class:`FactoredJacobian` with ``per_sample(..., form="auto")``); ``logit_sqnorm [M]``:
-    ``||grad_{z_n} l_n||^2`` (``s_iEF``); ``gradient [P]``: the autograd batch gradient ``grad_theta L``.
+    ``||grad_{z_n} l_n||^2`` (``s_iEF``); ``gradient [P]``: the batch gradient ``grad_theta L``.
+
+    From :func:`per_sample`, ``gradient`` is computed on first access: the hooked parameters' rows summed
+    (``J^T 1``, the batch backward does not compute their batch gradients) plus any use outside their hooked
+    modules, autograd's batch gradient for the others. It reads ``jacobian``: with ``out=``, read it before the
+    buffer is reused.
     """
 
     losses: torch.Tensor
     jacobian: torch.Tensor | FactoredJacobian
     logit_sqnorm: torch.Tensor
     gradient: torch.Tensor
+
+    def __getstate__(self) -> dict:  # pickling and deep copies hold the gradient, not the way to compute it
+        self.gradient
+        return self.__dict__
+
+
+class _Deferred:
+    """A value computed on first use (:attr:`PerSample.gradient`)."""
+
+    def __init__(self, compute: Callable[[], torch.Tensor]):
+        self.compute = compute
+
+
+def _get_gradient(self: PerSample) -> torch.Tensor:
+    if isinstance(self._gradient, _Deferred):
+        self._gradient = self._gradient.compute()
+    return self._gradient
+
+
+def _set_gradient(self: PerSample, value) -> None:
+    self._gradient = value
+
+
+PerSample.gradient = property(_get_gradient, _set_gradient, doc="``grad_theta L``, ``[P]``")
 
 
 FORMS = ("dense", "auto", "ghost", "rows")
@@ -204,9 +236,10 @@ class FactoredJacobian(FactoredRows):
             self._finite = all_finite(self.dense) and all(all_finite(a) and all_finite(g) for _, a, g in self.ghosts)
         return self._finite
 
-    # ---- what the guard needs
+    # ---- what the batch gradient and the guard need
     def row_sum(self) -> torch.Tensor:
-        """``J^T 1`` in the parameters' dtype, ``[P]`` (the batch gradient if the rows are right)."""
+        """``J^T 1`` in the parameters' dtype, ``[P]`` (the hooked parameters' batch gradients, see
+        :func:`_batch_gradient`)."""
         out = torch.empty(self.shape[1], dtype=self.dtype, device=self.device)  # every column is written below
         total = self.dense.sum(0)
         for i, lo, dlo, size in self._dense_columns():
@@ -381,9 +414,22 @@ def recording_hook(records: list, slots: int = 2) -> Callable:
 
 
 class _Capture:
-    """Hooks that keep (input, output-gradient) pairs of every call of the modules owning trainable parameters."""
+    """Hooks that keep (input, output-gradient) pairs of every call of the modules owning trainable parameters.
 
-    def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor]):
+    With ``stand_ins=True`` (the per-sample capture; K-FAC's does without) each hooked call runs with *stand-ins*
+    of its module's parameters in ``params``: ``p.detach().requires_grad_()``, a fresh leaf sharing ``p``'s storage
+    (no copy), put in place by a forward pre-hook and put back by a forward hook that runs even when the forward
+    raises (and by ``__exit__``). Autograd then reaches ``p`` itself only through its uses outside its hooked calls
+    (normally none: the guard's structural check), and a backward that asks for ``params`` never computes the hooked
+    layers' batch weight gradients (their stand-ins are not asked for); the records also keep every call's output
+    gradient edge (``rec[3]``), which such a backward asks for instead so that it reaches every hooked call.
+    ``stand_ins[i]``: the stand-ins made for parameter ``i`` (one per call), for a backward that needs the whole
+    gradient (:meth:`leaves`). Calls with gradients off run with the real parameters."""
+
+    def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor], stand_ins: bool = False):
+        self.swap = stand_ins
+        self.stand_ins: dict[int, list[torch.Tensor]] = {}
+        self._originals: dict[tuple[int, str], tuple[torch.nn.Module, torch.Tensor]] = {}
         self.params = list(params)
         index = {id(p): i for i, p in enumerate(self.params)}
         self.sizes = [p.numel() for p in self.params]
@@ -405,18 +451,74 @@ class _Capture:
         self.handles: list = []
 
     def __enter__(self) -> "_Capture":
-        for k, (module, *_) in enumerate(self.modules):
+        self.stand_ins.clear()
+        for k, (module, _, _, owned) in enumerate(self.modules):
             self.records[k] = []
-            self.handles.append(module.register_forward_hook(self._forward_hook(k)))
+            # first of the module's forward hooks: the output as the layer returned it (another hook may replace it)
+            self.handles.append(module.register_forward_hook(self._forward_hook(k), prepend=True))
+            if self.swap:  # last of the pre-hooks, first of the hooks: other hooks see the real parameters
+                self.handles.append(module.register_forward_pre_hook(self._install(owned)))
+                self.handles.append(module.register_forward_hook(self._restore(owned), prepend=True, always_call=True))
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for module_id, name in list(self._originals):  # e.g. a pre-hook raised before the forward
+            self._put_back(module_id, name)
+
+    def _install(self, owned: dict[str, int]):
+        def pre_hook(module, args):
+            if not torch.is_grad_enabled():
+                return
+            for name, i in owned.items():
+                p = module._parameters.get(name)
+                if p is not self.params[i] or (id(module), name) in self._originals:
+                    continue
+                stand_in = p.detach().requires_grad_()  # shares p's storage and version counter
+                self._originals[(id(module), name)] = (module, p)
+                module._parameters[name] = stand_in
+                self.stand_ins.setdefault(i, []).append(stand_in)
+
+        return pre_hook
+
+    def _restore(self, owned: dict[str, int]):
+        def hook(module, args, output):
+            for name in owned:
+                self._put_back(id(module), name)
+
+        return hook
+
+    def _put_back(self, module_id: int, name: str) -> None:
+        entry = self._originals.pop((module_id, name), None)
+        if entry is not None:
+            entry[0]._parameters[name] = entry[1]
 
     def _forward_hook(self, k: int):
-        return recording_hook(self.records[k], slots=3)  # [input, output grad, sample axis]
+        if not self.swap:
+            return recording_hook(self.records[k], slots=3)  # [input, output grad, sample axis]
+        calls = self.records[k]
+        record = recording_hook(calls, slots=4)  # [input, output grad, sample axis, output gradient edge]
+
+        def hook(module, args, output):
+            n = len(calls)
+            record(module, args, output)
+            if len(calls) > n:
+                calls[-1][3] = torch.autograd.graph.get_gradient_edge(output)
+
+        return hook
+
+    def output_edges(self) -> list:
+        """The gradient edges of the hooked calls' outputs (modules with an established sample axis)."""
+        return [rec[3] for calls in self.records.values() for rec in calls] if self.swap else []
+
+    def leaves(self, params: Sequence[torch.Tensor], which: Iterable[int]) -> tuple[list[int], list[torch.Tensor]]:
+        """``(owners, leaves)``: the parameters ``which`` (in that order), then the stand-ins made for them; a
+        backward asking for all of them gets each parameter's whole gradient (summed over its owner)."""
+        which = list(which)
+        extra = [(i, s) for i in which for s in self.stand_ins.get(i, [])]
+        return which + [i for i, _ in extra], [params[i] for i in which] + [s for _, s in extra]
 
     def call_shapes(self) -> tuple:
         """Every hooked call's input shape, per hooked module, in call order."""
@@ -506,7 +608,7 @@ class _Capture:
 
     def calls(self, k: int):
         """``(input, output gradient)`` of module ``k``'s calls that reached the loss, sample axis first."""
-        for x, grad, axis in self.records[k]:
+        for x, grad, axis, *_ in self.records[k]:
             if grad is None:  # this call's output did not reach the loss
                 continue
             if axis == WHOLE_CALL:
@@ -603,14 +705,24 @@ def _backward_jacobian(
     retain_graph: bool,
     out: torch.Tensor | None = None,
     form: str = "dense",
-) -> tuple[torch.Tensor | FactoredJacobian, torch.Tensor]:
-    """One backward of ``sum(losses)`` through the hooks (plus the loop for unhooked parameters): ``(J, grad)``,
+) -> tuple[torch.Tensor | FactoredJacobian, list[torch.Tensor | None]]:
+    """One backward of ``sum(losses)`` through the hooks (plus the loop for unhooked parameters): ``(J, autograd)``,
     ``J`` an ``[M, P]`` tensor (``form="dense"``) or a :class:`FactoredJacobian` (``"auto"``, ``"ghost"``,
-    ``"rows"``: the form of every ``nn.Linear`` weight, see :func:`_prefer_ghost`)."""
+    ``"rows"``: the form of every ``nn.Linear`` weight, see :func:`_prefer_ghost`).
+
+    ``autograd[i]`` is what autograd's batch backward gives parameter ``i``: its whole batch gradient for a parameter
+    of the per-sample loop; for a hooked one (its module's calls ran with stand-ins, see :class:`_Capture`) only the
+    contribution of its uses outside those calls, ``None`` when there are none (the guard reads it, and
+    :func:`_batch_gradient` adds it to ``J^T 1``). Autograd never computes a hooked layer's batch weight gradient:
+    the backward asks for the hooked calls' outputs instead (their gradient edges), which is all the rules need."""
     m = losses.shape[0]
     fallback = [i for i in range(len(params)) if i not in capture.hooked]
     capture.clear_grads()
-    grads = torch.autograd.grad(losses.sum(), params, retain_graph=retain_graph or bool(fallback), allow_unused=True)
+    loop_owners, loop_inputs = capture.leaves(params, fallback)  # demoted modules: the parameter and its stand-ins
+    extra = len(loop_inputs) - len(fallback)
+    inputs = [*params, *loop_inputs[len(fallback):], *capture.output_edges()]
+    grads = torch.autograd.grad(losses.sum(), inputs, retain_graph=retain_graph or bool(fallback), allow_unused=True)
+    autograd = _summed(grads[: len(params)], loop_owners[len(fallback):], grads[len(params) : len(params) + extra])
     ref = params[0]
     ghosts, ghost_modules, bias_rows = [], set(), {}
     if form != "dense":
@@ -645,63 +757,82 @@ def _backward_jacobian(
     for i, lo in columns.items():
         if i not in written:  # fallback blocks and hooked parameters the loss did not reach
             jac[:, lo : lo + capture.sizes[i]].zero_()
-    # the loop's backward passes also reach the hooks: the records keep the batch backward's output gradients (the
-    # guard reads them)
+    # the loop's backward passes also reach the hooks: the records keep the batch backward's output gradients
     batch_grads = [[rec[1] for rec in calls] for calls in capture.records.values()] if fallback else []
     for n in range(m):
         if not fallback:
             break
-        rows = torch.autograd.grad(
-            losses[n], [params[i] for i in fallback], retain_graph=retain_graph or n < m - 1, allow_unused=True
-        )
-        for i, g in zip(fallback, rows):
+        rows = torch.autograd.grad(losses[n], loop_inputs, retain_graph=retain_graph or n < m - 1, allow_unused=True)
+        for i, g in zip(loop_owners, rows):
             if g is not None:
-                jac[n, columns[i] : columns[i] + capture.sizes[i]] = g.reshape(-1)
+                jac[n, columns[i] : columns[i] + capture.sizes[i]] += g.reshape(-1)
     for calls, kept in zip(capture.records.values(), batch_grads):
         for rec, g in zip(calls, kept):
             rec[1] = g
-    gradient = flatten(grads, params)
     if form == "dense":
-        return jac, gradient
-    return FactoredJacobian(m, capture.sizes, ref, ghosts, jac, columns), gradient
+        return jac, autograd
+    return FactoredJacobian(m, capture.sizes, ref, ghosts, jac, columns), autograd
 
 
-@functools.lru_cache(maxsize=8)
-def _block_ids(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Parameter index of every column of J (cached: the same model is checked at every step)."""
-    ids = torch.arange(len(sizes), device=device)
-    return torch.repeat_interleave(ids, torch.tensor(sizes, device=device))
+def _summed(grads: Sequence[torch.Tensor | None], owners: Sequence[int], extra: Sequence[torch.Tensor | None]):
+    """``grads`` (one per parameter) with the gradients ``extra`` of further leaves added to their ``owners``."""
+    out = list(grads)
+    for i, g in zip(owners, extra):
+        if g is not None:
+            out[i] = g if out[i] is None else out[i] + g
+    return out
 
 
-def check_rows_sum_to_gradient(
-    jacobian: torch.Tensor | FactoredJacobian, gradient: torch.Tensor, names: Sequence[str], sizes: Sequence[int]
-) -> None:
-    """Raise :class:`PerSampleGradientMismatch` if ``sum_n J[n] != grad`` beyond rounding error, per parameter.
-
-    A parameter block fails when ``||sum_n J_n - g|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds
-    ``tol * sum_n ||J_n||``), ``tol = 50 sqrt(eps)``. Vectorised over blocks: no per-parameter loop, no J-sized
-    temporary. For a :class:`FactoredJacobian`, ``sum_n J_n = J^T 1`` and ``||J_block||_F`` come from the factors.
-    """
-    factored = isinstance(jacobian, FactoredJacobian)
-    if not ((jacobian.is_finite() if factored else all_finite(jacobian)) and all_finite(gradient)):
-        return  # non-finite values are reported by the caller (FloatingPointError in the optimisers)
-    if factored:  # per block by slices: no P-sized index_add
-        diff = jacobian.row_sum().sub_(gradient)
-        err = torch.stack([diff[lo : lo + size].norm() for lo, size in zip(jacobian.offsets, sizes)])
-        fro = jacobian.row_sqnorms().sum(0).sqrt().to(gradient.dtype)
+def _batch_gradient(jacobian: torch.Tensor | FactoredJacobian, autograd: Sequence[torch.Tensor | None],
+                    offsets: Sequence[int], hooked: frozenset[int]) -> torch.Tensor:
+    """``grad_theta L`` ``[P]`` after :func:`_backward_jacobian`: a hooked parameter's rows summed (``J^T 1``) plus
+    its uses outside its hooked calls; autograd's batch gradient for a parameter of the per-sample loop."""
+    if isinstance(jacobian, FactoredJacobian):
+        total = jacobian.row_sum()
     else:
-        block_of = _block_ids(tuple(sizes), gradient.device)  # [P]
-        diff_sq = (jacobian.sum(0) - gradient).square()
-        col_sq = torch.empty_like(gradient)
-        for lo, block in column_chunks(jacobian):
-            col_sq[lo : lo + block.shape[1]] = block.square().sum(0)
-        fro = torch.zeros(len(sizes), dtype=gradient.dtype, device=gradient.device).index_add_(0, block_of, col_sq)
-        fro = fro.sqrt()
-        err = torch.zeros(len(sizes), dtype=gradient.dtype, device=gradient.device).index_add_(0, block_of, diff_sq)
-        err = err.sqrt()
-    tol = 50 * math.sqrt(torch.finfo(jacobian.dtype).eps)
-    scale = fro * math.sqrt(jacobian.shape[0]) + torch.finfo(jacobian.dtype).tiny
-    _raise_if_beyond(err, scale, tol, names)
+        total = torch.empty(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
+        for lo, block in column_chunks(jacobian):  # a dim-0 reduction over all of J at once is strided
+            torch.sum(block, dim=0, out=total[lo : lo + block.shape[1]])
+    for i, g in enumerate(autograd):
+        dest = total[offsets[i] : offsets[i + 1]]
+        if i not in hooked:
+            dest.copy_(g.reshape(-1)) if g is not None else dest.zero_()
+        elif g is not None:
+            dest += g.reshape(-1)
+    return total
+
+
+def _block_norm(jacobian: torch.Tensor | FactoredJacobian, i: int, offsets: Sequence[int]) -> torch.Tensor:
+    """``||J_block||_F`` of parameter ``i`` (float64)."""
+    if isinstance(jacobian, FactoredJacobian):
+        if i not in jacobian.dense_index:
+            return jacobian.row_sqnorms()[:, i].sum().sqrt()
+        lo = jacobian.dense_index[i]
+        block = jacobian.dense[:, lo : lo + offsets[i + 1] - offsets[i]]
+    else:
+        block = jacobian[:, offsets[i] : offsets[i + 1]]
+    return torch.linalg.vector_norm(block, dtype=torch.float64)
+
+
+def check_no_outside_use(capture: _Capture, jacobian: torch.Tensor | FactoredJacobian,
+                         autograd: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
+    """The guard (``check=True``): raise :class:`PerSampleGradientMismatch` if a hooked parameter is used outside
+    its hooked module calls beyond rounding error.
+
+    Its hooked calls ran with stand-ins (:class:`_Capture`), so autograd's gradient of the parameter itself,
+    ``o = autograd[i]``, is exactly the part of the batch gradient that the hooked rows miss: ``o = g - sum_n J_n``.
+    ``None`` or zero: the rows are the whole gradient by construction (no gradient is read). Otherwise the block
+    fails when ``||o|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds ``tol * sum_n ||J_n||``),
+    ``tol = 50 sqrt(eps)``. Parameters of the per-sample loop are not checked: their rows are gradients of the
+    individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
+    the optimisers)."""
+    found = [i for i in sorted(capture.hooked) if autograd[i] is not None and bool(autograd[i].any())]
+    if not found:
+        return
+    err = torch.stack([torch.linalg.vector_norm(autograd[i], dtype=torch.float64) for i in found])
+    eps = torch.finfo(jacobian.dtype)
+    scale = torch.stack([_block_norm(jacobian, i, capture.offsets) for i in found]) * math.sqrt(jacobian.shape[0])
+    _raise_if_beyond(err, scale + eps.tiny, 50 * math.sqrt(eps.eps), [names[i] for i in found])
 
 
 def _raise_if_beyond(err: torch.Tensor, scale: torch.Tensor, tol: float, names: Sequence[str]) -> None:
@@ -715,103 +846,6 @@ def _raise_if_beyond(err: torch.Tensor, scale: torch.Tensor, tol: float, names: 
             "cannot see it; pass params= to leave it out, or check=False to skip this guard if you know the rows "
             "are right."
         )
-
-
-# The sketches of the default guard: drawn afresh at every call, from a generator of their own.
-_SKETCH_GENERATOR = torch.Generator().manual_seed(0x1EF)
-
-
-def check_rows_sum_to_gradient_sketched(
-    capture: _Capture, jacobian: torch.Tensor | FactoredJacobian, gradient: torch.Tensor, names: Sequence[str]
-) -> None:
-    """The default guard (``check=True``): :func:`check_rows_sum_to_gradient` at a small fraction of a backward.
-
-    Every hooked ``nn.Linear`` / ``nn.Conv2d`` weight is checked through a fresh random sketch
-    (:mod:`ief.row_sum_sketch`: ``||(sum_n J_n - g) W||`` against ``tol sqrt(M) (sum_n ||J_n W||^2)^(1/2)``, from the
-    hooked inputs and output gradients; neither ``J``'s block nor ``sum_n J_n`` is formed); every other hooked
-    parameter (biases, norms, embeddings: small blocks) exactly, from its columns of ``J``. Parameters of the
-    per-sample loop are left out: their rows are gradients of the individual losses by construction, so they sum to
-    the batch gradient whatever the model does. A sketch that is not finite falls back to the exact block check.
-    """
-    offsets, sketched, err, scale, m = capture.offsets, [], [], [], jacobian.shape[0]
-    in_j = jacobian.dense_index if isinstance(jacobian, FactoredJacobian) else range(len(capture.sizes))
-    layers = []
-    for k, (module, rule, _, owned) in enumerate(capture.modules):
-        calls = list(capture.calls(k)) if rule in (_linear_grads, _conv2d_grads) and "weight" in owned else []
-        # the sketch where it is cheaper than reading the weight's columns of J twice (or where there are none)
-        if calls and (owned["weight"] not in in_j or sketch_flops(module, calls, SKETCH_COLUMNS) < 2 * m *
-                      capture.sizes[owned["weight"]]):
-            layers.append((module, owned["weight"], calls))
-    sketches = sketch_matrices([module for module, _, _ in layers], SKETCH_COLUMNS, _SKETCH_GENERATOR)
-    for (module, i, calls), w in zip(layers, sketches):
-        total, sqnorm = sketched_rows(module, calls, w)  # sum_n J_n W [O, k], sum_n ||J_n W||^2
-        err.append((total - sketched_gradient(gradient[offsets[i] : offsets[i + 1]], w)).norm())
-        scale.append(sqnorm.sqrt())
-        sketched.append(i)
-    exact = sorted(capture.hooked - set(sketched))
-    errors, scales = _exact_block_errors(jacobian, gradient, exact, capture)
-    if sketched:
-        errors, scales = torch.cat([torch.stack(err), errors]), torch.cat([torch.stack(scale), scales])
-    blocks = sketched + exact
-    if not blocks:
-        return
-    finite = torch.isfinite(errors) & torch.isfinite(scales)
-    if not bool(finite[: len(sketched)].all()):  # rare: an overflowing sketch (or non-finite factors): exact instead
-        redo = [i for i, ok in zip(sketched, finite.tolist()) if not ok]
-        e, sc = _exact_block_errors(jacobian, gradient, redo, capture)
-        keep = finite[: len(sketched)]
-        errors = torch.cat([errors[: len(sketched)][keep], e, errors[len(sketched):]])
-        scales = torch.cat([scales[: len(sketched)][keep], sc, scales[len(sketched):]])
-        blocks = [i for i, ok in zip(sketched, keep.tolist()) if ok] + redo + exact
-        finite = torch.isfinite(errors) & torch.isfinite(scales)
-    # non-finite values are reported by the caller (FloatingPointError in the optimisers)
-    eps = torch.finfo(jacobian.dtype)
-    scales = torch.where(finite, scales, 1.0) * math.sqrt(jacobian.shape[0]) + eps.tiny
-    _raise_if_beyond(torch.where(finite, errors, 0.0), scales, 50 * math.sqrt(eps.eps), [names[i] for i in blocks])
-
-
-def _exact_block_errors(jacobian, gradient: torch.Tensor, blocks: list[int], capture: _Capture):
-    """``||sum_n J_n - g||`` and ``||J_block||_F`` (``[len(blocks)]`` each, the gradient's dtype) of the given
-    parameter blocks, from their columns of ``J`` (runs of adjacent blocks as one view: no gather), or, for a
-    ghosted weight (its sketch was not finite), from its factors."""
-    factored = isinstance(jacobian, FactoredJacobian)
-    dense = jacobian.dense if factored else jacobian
-    where = jacobian.dense_index if factored else dict(zip(range(len(capture.sizes)), capture.offsets))
-    sizes, offsets = capture.sizes, capture.offsets
-    runs: list[list[int]] = []  # blocks whose columns of J follow each other
-    for i in sorted((i for i in blocks if i in where), key=where.get):
-        if runs and where[runs[-1][-1]] + sizes[runs[-1][-1]] == where[i]:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    err_sq, fro_sq, order = [], [], []
-    for run in runs:
-        lo, hi = where[run[0]], where[run[-1]] + sizes[run[-1]]
-        block = dense[:, lo:hi]
-        g = gradient[offsets[run[0]] : offsets[run[-1] + 1]] if not factored or len(run) == 1 else torch.cat(
-            [gradient[offsets[i] : offsets[i + 1]] for i in run])
-        ids = _block_ids(tuple(sizes[i] for i in run), gradient.device)  # column -> block within the run
-        err_sq.append(block.new_zeros(len(run)).index_add_(0, ids, (block.sum(0) - g).square()))
-        col_sq = torch.empty(hi - lo, dtype=block.dtype, device=block.device)
-        for c, chunk in column_chunks(block):  # bounded temporaries
-            col_sq[c : c + chunk.shape[1]] = chunk.square().sum(0)
-        fro_sq.append(block.new_zeros(len(run)).index_add_(0, ids, col_sq))
-        order += run
-    for i in blocks:
-        if i in where:
-            continue
-        _, a, g = next(entry for entry in jacobian.ghosts if entry[0] == i)
-        total = (g.flatten(0, 1).T @ a.flatten(0, 1)).flatten()
-        err_sq.append((total - gradient[offsets[i] : offsets[i + 1]]).square().sum()[None])
-        fro_sq.append(jacobian.row_sqnorms()[:, i].sum()[None].to(total.dtype))
-        order.append(i)
-    if not order:
-        empty = torch.zeros(0, dtype=gradient.dtype, device=gradient.device)
-        return empty, empty
-    rank = {i: r for r, i in enumerate(order)}  # back to the order of ``blocks``
-    perm = torch.tensor([rank[i] for i in blocks], dtype=torch.long, device=gradient.device)
-    err = torch.cat([e.to(gradient.dtype) for e in err_sq]).sqrt()[perm]
-    return err, torch.cat([f.to(gradient.dtype) for f in fro_sq]).sqrt()[perm]
 
 
 CHECKS = (True, False, "exact")
@@ -850,8 +884,8 @@ def _refuse_sample_mixing(model: torch.nn.Module) -> None:
 class _HookedForward:
     """One forward through the capture hooks; per-sample backward passes of any loss of its logits.
 
-    ``check``: ``True`` (cheap: no sample-mixing batch norm, and the rows of ``J`` sum to the autograd batch
-    gradient: catches parameters used outside the hooked module, e.g. tied weights), ``"exact"`` (additionally
+    ``check``: ``True`` (~free: no sample-mixing batch norm, and no hooked parameter used outside its hooked calls,
+    e.g. tied weights, see :func:`check_no_outside_use`), ``"exact"`` (additionally
     compares ``J v`` with the exact per-sample directional derivatives from one forward-mode pass, for a random
     ``v``: catches a custom layer that mixes samples), or ``False``.
     """
@@ -864,7 +898,7 @@ class _HookedForward:
         self.params = resolve_params(model, params)
         if self.mode is not None:
             _refuse_sample_mixing(model)
-        self.capture = _Capture(model, self.params)
+        self.capture = _Capture(model, self.params, stand_ins=True)
         self.forward = ReplayableForward(model, inputs)
         # The exact check replays this forward with the reference kernels (forward-mode AD needs them); fused kernels
         # draw attention-dropout masks differently, so with the exact check on, this forward uses them too.
@@ -898,18 +932,18 @@ class _HookedForward:
 
     def jacobian(
         self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None, form: str = "dense"
-    ) -> tuple[torch.Tensor, torch.Tensor | FactoredJacobian, torch.Tensor]:
-        """``(losses, J, grad)`` for the given targets (``J`` in the given form, see :func:`per_sample`)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | FactoredJacobian, _Deferred]:
+        """``(losses, J, grad)`` for the given targets (``J`` in the given form, see :func:`per_sample`; ``grad``
+        computed on first use, see :class:`PerSample`)."""
         with torch.enable_grad():
             losses = self.loss.per_sample(self.logits, targets)
-            jac, gradient = _backward_jacobian(self.capture, losses, self.params, retain_graph, out, form)
-        if self.mode == "sum":
-            check_rows_sum_to_gradient_sketched(self.capture, jac, gradient, self.names)
-        elif self.mode == "exact":
-            check_rows_sum_to_gradient(jac, gradient, self.names, self.capture.sizes)
+            jac, autograd = _backward_jacobian(self.capture, losses, self.params, retain_graph, out, form)
+        if self.mode is not None:
+            check_no_outside_use(self.capture, jac, autograd, self.names)
         if self.mode == "exact":
             self._check_directional_derivatives(jac, targets)
-        return losses.detach(), jac, gradient
+        offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked)  # the records are not kept alive
+        return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
 
     def _check_directional_derivatives(self, jac: torch.Tensor | FactoredJacobian, targets: torch.Tensor) -> None:
         factored = isinstance(jac, FactoredJacobian)
@@ -935,11 +969,14 @@ class _HookedForward:
             )
 
     def gradient(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(losses, grad)`` only: a plain backward (the hooks' records are not turned into a Jacobian)."""
+        """``(losses, grad)`` only: a plain backward (the hooks' records are not turned into a Jacobian); it asks
+        for the hooked calls' stand-ins too, so that autograd gives every parameter its whole batch gradient."""
+        owners, leaves = self.capture.leaves(self.params, range(len(self.params)))
+        n = len(self.params)
         with torch.enable_grad():
             losses = self.loss.per_sample(self.logits, targets)
-            grads = torch.autograd.grad(losses.sum(), self.params, retain_graph=retain_graph, allow_unused=True)
-        return losses.detach(), flatten(grads, self.params)
+            grads = torch.autograd.grad(losses.sum(), leaves, retain_graph=retain_graph, allow_unused=True)
+        return losses.detach(), flatten(_summed(grads[:n], owners[n:], grads[n:]), self.params)
 
     def sampled_targets(self, generator: torch.Generator | None) -> torch.Tensor:
         return self.loss.sample_targets(self.logits, self.targets, generator)
@@ -968,10 +1005,10 @@ def per_sample(
             like the logits (``loss="mse"``).
         params: parameters to differentiate; default: the model's trainable ones.
         loss: ``"cross_entropy"`` (default) or ``"mse"``.
-        check: ``True`` (default, cheap): refuse batch norm with batch statistics and verify that the rows of ``J``
-            sum to the batch gradient (Linear / Conv2d weights through a fresh random sketch, see
-            :func:`check_rows_sum_to_gradient_sketched`); ``"exact"``: the full sum check, and ``J v`` against exact
-            per-sample directional derivatives (one extra forward-mode pass); ``False``: no guard.
+        check: ``True`` (default, ~free): refuse batch norm with batch statistics and verify that no hooked
+            parameter is used outside its hooked module, so that the rows of ``J`` sum to the batch gradient (see
+            :func:`check_no_outside_use`); ``"exact"``: that, and ``J v`` against exact per-sample directional
+            derivatives (one extra forward-mode pass); ``False``: no guard.
         out: optional ``[M, P]`` buffer of the parameters' dtype and device to write ``J`` into (overwritten; used
             when its shape matches). The optimisers reuse one across steps.
         form: how ``J`` is returned. ``"dense"`` (default): the ``[M, P]`` tensor. ``"auto"``: a

@@ -1,147 +1,299 @@
-"""The default guard of ``ief.per_sample`` (``check=True``) made cheap (``ief.row_sum_sketch``), and still sure.
+"""The default guard of ``ief.per_sample`` (``check=True``): structural, through stand-in leaves (``ief.jacobian``).
 
-- The sketch is exact algebra: ``sum_n J_n W`` and ``sum_n ||J_n W||^2`` from the hooked inputs and output gradients
-  equal those of the materialised ``J`` (Linear with one and several positions and calls, Conv2d with groups, stride,
-  dilation, "same" padding), and ``g W`` that of the gradient.
-- It catches what the full check catches: a Linear / Conv2d weight also used outside its module, in every form of
-  ``J``, on every one of many calls (fresh sketches), also when the outside use is small (relative 1e-4 in float64).
-- No false alarms: float32 models with many samples pass on many calls.
+While a hooked module runs, its parameters being differentiated are replaced by stand-ins, so autograd reaches a
+parameter itself only through uses outside its hooked calls: that part is exactly what the hooked rows miss.
+
+- Caught: a Linear / Conv2d / Embedding weight also used outside its module (tied weights), in every form of ``J``,
+  float32 and float64, also when the outside use is small (relative 1e-4), with the offending parameter named.
+- No false alarm: models not designed here (torch's TransformerEncoderLayer, a CNN, an RNN with a Linear head), a
+  zero outside contribution, hooked calls repeated or under ``torch.no_grad``.
+- ``.gradient`` stays the batch gradient (``J^T 1`` plus the outside part; autograd's for the loop's parameters),
+  also with ``check=False`` on a tied model; the plain gradient of SF too.
+- The stand-ins never outlive a call: parameters are restored after every forward, also one that raises; only the
+  selected parameters are swapped; the exact check replays with the real parameters.
 - What the sum check cannot see (a layer that mixes samples: its hooked rows still add up) is caught by
-  ``check="exact"`` and by the optimisers' first step; batch norm with batch statistics is refused by the default
-  guard.
+  ``check="exact"`` and by the optimisers' first step; batch norm with batch statistics is refused.
 """
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 import ief
 import ief.jacobian as jac_mod
-from ief.row_sum_sketch import sketch_matrices, sketched_gradient, sketched_rows
+from ief.model_call import call_model
+from tiny_models import sequence_case, t5_lora_case, t5_prompt_case
 
 FORMS = ["dense", "ghost", "rows", "auto"]
 
 
-def _hooked(model, x, y, form="dense"):
-    """``(capture, J, gradient)`` of one backward, no guard."""
-    fwd = jac_mod._HookedForward(model, x, y, None, "cross_entropy", False)
-    with torch.enable_grad():
-        losses = fwd.loss.per_sample(fwd.logits, y)
-        jac, grad = jac_mod._backward_jacobian(fwd.capture, losses, fwd.params, False, None, form)
-    return fwd.capture, jac, grad
+def _autograd_gradient(model, x, y, params=None) -> torch.Tensor:
+    """The oracle: torch.autograd on ``L = sum_n l_n`` without any hook."""
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else params
+    logits = call_model(model, x)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="sum")
+    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
 
 
-class _TwoCalls(torch.nn.Module):
-    """A Linear called twice (on a sequence and on its mean) and a grouped, strided, dilated conv."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(4, 6, 3, stride=2, dilation=2, padding="valid", groups=2)
-        self.same = torch.nn.Conv2d(6, 3, (2, 3), padding="same", bias=False)
-        self.lin = torch.nn.Linear(12, 12)
-        self.head = torch.nn.Linear(12, 3)
-
-    def forward(self, x):  # [M, 4, 9, 12]
-        h = self.same(torch.tanh(self.conv(x)))  # [M, 3, 3, 4]
-        seq = h.flatten(1).unflatten(1, (3, 12))  # [M, 3, 12]
-        h = torch.tanh(self.lin(seq)).mean(1) + self.lin(seq.mean(1))
-        return self.head(h)
-
-
-def test_sketch_equals_the_materialised_jacobian_times_w():
-    torch.manual_seed(0)
-    model = _TwoCalls().double()
-    x, y = torch.randn(5, 4, 9, 12, dtype=torch.float64), torch.randint(0, 3, (5,))
-    capture, jac, grad = _hooked(model, x, y)
-    gen = torch.Generator().manual_seed(1)
-    checked = 0
-    for k, (module, _, _, owned) in enumerate(capture.modules):
-        if "weight" not in owned or not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
-            continue
-        i = owned["weight"]
-        lo, hi = capture.offsets[i], capture.offsets[i + 1]
-        wt = sketch_matrices([module], 2, gen)[0]  # [groups, k, I_g]
-        groups, _, fan_in = wt.shape
-        rows = jac[:, lo:hi].reshape(5, groups, -1, fan_in)  # J_n, [M, groups, O_g, I_g]
-        expected_rows = (rows @ wt.transpose(1, 2)[None]).transpose(2, 3).transpose(1, 2).flatten(2)  # [M, k, O]
-        total, sqnorm = sketched_rows(module, list(capture.calls(k)), wt)
-        torch.testing.assert_close(total, expected_rows.sum(0), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(sqnorm, expected_rows.square().sum(), rtol=1e-12, atol=0)
-        torch.testing.assert_close(sketched_gradient(grad[lo:hi], wt), expected_rows.sum(0), rtol=1e-10, atol=1e-12)
-        checked += 1
-    assert checked == 4
+def _assert_real_parameters(model):
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            assert p is None or isinstance(p, torch.nn.Parameter), f"{type(module).__name__}.{name} left a stand-in"
 
 
 class _Tied(torch.nn.Module):
-    """A Linear (fan-in 24 > the sketch's 8 columns) and a Conv2d whose weights are used a second time outside
-    their modules, scaled by ``leak``."""
+    """A Linear, a Conv2d and an Embedding whose weights may be used a second time outside their modules (scaled by
+    ``leak``, which may be 0)."""
 
     def __init__(self, leak: float, tie: str):
         super().__init__()
+        self.embed = torch.nn.Embedding(5, 8)
         self.conv = torch.nn.Conv2d(3, 3, 3, padding=1)
-        self.lin = torch.nn.Linear(24, 24)
-        self.head = torch.nn.Linear(24, 4)
+        self.lin = torch.nn.Linear(24 + 8, 24)
+        self.head = torch.nn.Linear(24, 5)
         self.leak, self.tie = leak, tie
 
-    def forward(self, x):  # [M, 3, 4, 2]
+    def forward(self, x, tokens):  # [M, 3, 4, 2], [M]
         h = torch.tanh(self.conv(x))
         if self.tie == "conv":
             h = h + self.leak * torch.nn.functional.conv2d(h, self.conv.weight, padding=1)
-        h = torch.tanh(self.lin(h.flatten(1)))
+        h = torch.tanh(self.lin(torch.cat([h.flatten(1), self.embed(tokens)], 1)))
         if self.tie == "lin":
-            h = h + self.leak * torch.nn.functional.linear(h, self.lin.weight)
-        return self.head(h)
+            h = h + self.leak * torch.nn.functional.linear(h, self.lin.weight[:, :24])
+        logits = self.head(h)
+        if self.tie == "embed":  # an output layer tied to the input table, as in language models
+            logits = logits + self.leak * torch.nn.functional.linear(h[:, :8], self.embed.weight)
+        return logits
+
+
+def _tied_batch(m, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 3, 4, 2, generator=gen, dtype=dtype)
+    return (x, torch.randint(0, 5, (m,), generator=gen)), torch.randint(0, 5, (m,), generator=gen)
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("tie", ["lin", "conv"])
-@pytest.mark.parametrize("m", [4, 48], ids=["M=4", "M=48"])
-def test_guard_catches_a_weight_used_outside_its_module_on_every_call(form, tie, m):
-    """Small and large batches (the exact block check and the sketch), every form, 10 calls (10 fresh sketches);
-    the outside use contributes about 1e-4 of the gradient."""
+@pytest.mark.parametrize("tie", ["lin", "conv", "embed"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_guard_names_a_weight_used_outside_its_module(form, tie, dtype):
+    """The outside use is scaled by 1e-4 in float64 (by 1 in float32, whose tolerance ``50 sqrt(eps)`` is 2e-2);
+    check=False returns the right batch gradient anyway (the outside part is added to the hooked rows)."""
     torch.manual_seed(0)
-    model = _Tied(1e-4, tie).double()
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(m, 3, 4, 2, generator=gen, dtype=torch.float64), torch.randint(0, 4, (m,), generator=gen)
-    for _ in range(10):
-        with pytest.raises(ief.PerSampleGradientMismatch, match=f"{tie}.weight"):
+    model = _Tied(1e-4 if dtype == torch.float64 else 1.0, tie).to(dtype)
+    inputs, y = _tied_batch(12, dtype)
+    with pytest.raises(ief.PerSampleGradientMismatch, match=rf"{tie}\.weight \(relative error") as err:
+        ief.per_sample(model, inputs, y, form=form)
+    assert "head" not in str(err.value)
+    _assert_real_parameters(model)
+    got = ief.per_sample(model, inputs, y, form=form, check=False)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(got.gradient, _autograd_gradient(model, inputs, y), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_zero_outside_contribution_passes_and_the_gradient_is_autograd(form):
+    torch.manual_seed(0)
+    for tie in ("lin", "conv", "embed"):
+        model = _Tied(0.0, tie).double()
+        inputs, y = _tied_batch(7, torch.float64)
+        got = ief.per_sample(model, inputs, y, form=form, check="exact")
+        torch.testing.assert_close(got.gradient, _autograd_gradient(model, inputs, y), rtol=1e-10, atol=1e-12)
+        jac = got.jacobian if form == "dense" else got.jacobian.materialize()
+        torch.testing.assert_close(jac.sum(0), got.gradient, rtol=1e-10, atol=1e-12)
+
+
+class _Chain(torch.nn.Module):
+    """Linears ``lins[k]``, and for every ``k`` in ``reuse`` a second use of ``lins[k].weight`` outside its module,
+    scaled by ``leaks[k]``."""
+
+    def __init__(self, width: int, depth: int, leaks: dict[int, float]):
+        super().__init__()
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 3)
+        self.leaks = leaks
+
+    def forward(self, x):
+        for k, lin in enumerate(self.lins):
+            x = torch.tanh(lin(x))
+            if k in self.leaks:
+                x = x + self.leaks[k] * torch.nn.functional.linear(x, lin.weight)
+        return self.head(x)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    width=st.integers(2, 6), depth=st.integers(1, 3), m=st.integers(1, 9), seed=st.integers(0, 2**16),
+    leaks=st.dictionaries(st.integers(0, 2), st.sampled_from([0.0, 1e-3, 1.0]), max_size=3),
+    form=st.sampled_from(FORMS),
+)
+def test_property_raises_exactly_when_a_weight_is_used_outside_and_names_it(width, depth, m, seed, leaks, form):
+    torch.manual_seed(seed)
+    leaks = {k: v for k, v in leaks.items() if k < depth}
+    model = _Chain(width, depth, leaks).double()
+    x, y = torch.randn(m, width, dtype=torch.float64), torch.randint(0, 3, (m,))
+    leaking = sorted(k for k, v in leaks.items() if v != 0.0)
+    if not leaking:
+        got = ief.per_sample(model, x, y, form=form)
+        torch.testing.assert_close(got.gradient, _autograd_gradient(model, x, y), rtol=1e-10, atol=1e-12)
+    else:
+        with pytest.raises(ief.PerSampleGradientMismatch) as err:
             ief.per_sample(model, x, y, form=form)
+        named = {k for k in range(depth) if f"lins.{k}.weight" in str(err.value)}
+        assert named == set(leaking)
+        assert "bias" not in str(err.value)
+    _assert_real_parameters(model)
 
 
-def test_guard_takes_the_sketch_for_large_batches_and_the_columns_for_small_ones(monkeypatch):
-    """Which way each weight is checked (by cost): the sketch when ``k P + M T k (I + O) < 2 M P``."""
-    sketched = []
-    real = jac_mod.sketched_rows
-
-    def spy(module, calls, wt):
-        sketched.append(module)
-        return real(module, calls, wt)
-
-    monkeypatch.setattr(jac_mod, "sketched_rows", spy)
+def _transformer():
     torch.manual_seed(0)
-    model = _Tied(0.0, "none").double()
-    for m, expected in ((4, []), (48, [model.lin])):
-        sketched.clear()
-        x, y = torch.randn(m, 3, 4, 2, dtype=torch.float64), torch.randint(0, 4, (m,))
-        ief.per_sample(model, x, y)
-        assert sketched == expected
-        sketched.clear()
-        ief.per_sample(model, x, y, form="ghost")  # no columns of J for ghosted weights: always the sketch
-        assert model.lin in sketched and model.head in sketched
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(layer, torch.nn.Linear(8, 3)).double()
+    return model, torch.randn(4, 5, 8, dtype=torch.float64), torch.randint(0, 3, (4, 5))
 
 
-@pytest.mark.parametrize("form", ["dense", "auto"])
-def test_no_false_alarm_in_float32_on_many_calls(form):
+def _cnn():
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, stride=2, groups=2),
-        torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 3 * 3, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10),
-    )
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        x = torch.randn(64, 3, 8, 8, generator=gen) * 10
-        y = torch.randint(0, 10, (64,), generator=gen)
-        ief.per_sample(model, x, y, form=form)
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(inplace=True),
+        torch.nn.Conv2d(4, 4, 3, stride=2, groups=2), torch.nn.ReLU(), torch.nn.Flatten(),
+        torch.nn.Linear(4 * 3 * 3, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3),
+    ).double().eval()
+    return model, torch.randn(5, 3, 8, 8, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+
+class _RNNHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.GRU(4, 6, batch_first=True)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def _rnn():
+    torch.manual_seed(0)
+    return _RNNHead().double(), torch.randn(4, 5, 4, dtype=torch.float64), torch.randint(0, 3, (4, 5))
+
+
+@pytest.mark.filterwarnings("ignore::ief.SlowPathWarning")
+@pytest.mark.parametrize("build", [_transformer, _cnn, _rnn], ids=["transformer", "cnn", "rnn"])
+@pytest.mark.parametrize("form", ["dense", "auto"])
+def test_no_false_alarm_on_models_not_designed_here(build, form):
+    """Also the exact check (its forward-mode replay runs with the real parameters) and the SF path's plain
+    gradient; the hooked parameters' batch gradients are left to the rows (autograd gives them nothing)."""
+    model, x, y = build()
+    expected = _autograd_gradient(model, x, y)
+    for check in (True, "exact"):
+        got = ief.per_sample(model, x, y, form=form, check=check)
+        torch.testing.assert_close(got.gradient, expected, rtol=1e-10, atol=1e-12)
+    _assert_real_parameters(model)
+    _, grad, _ = ief.jacobian.gradient_and_sampled_jacobian(model, x, y, form=form)
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
+    fwd = jac_mod._HookedForward(model, x, y, None, "cross_entropy", False)
+    with torch.enable_grad():
+        _, autograd = jac_mod._backward_jacobian(fwd.capture, fwd.loss.per_sample(fwd.logits, y), fwd.params, False)
+    assert fwd.capture.hooked and all(autograd[i] is None for i in fwd.capture.hooked)
+
+
+@pytest.mark.filterwarnings("ignore::ief.SlowPathWarning")
+@pytest.mark.parametrize("factory", [t5_lora_case, t5_prompt_case, sequence_case], ids=["t5-lora", "t5-prompt", "seq"])
+def test_gradient_of_foreign_models_with_loop_and_demoted_parameters(factory):
+    """peft LoRA (hooked), peft prompt tuning (an Embedding called without a sample axis: demoted to the loop, whose
+    backward passes ask for its stand-ins too), raw-Parameter attention (the loop)."""
+    c = factory()
+    got = ief.per_sample(c.model, c.inputs, c.targets, form="auto")
+    params = [p for p in c.model.parameters() if p.requires_grad]
+    expected = _autograd_gradient(c.model, c.inputs, c.targets, params)
+    torch.testing.assert_close(got.gradient, expected, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got.jacobian.materialize().sum(0), expected, rtol=1e-9, atol=1e-12)
+    _assert_real_parameters(c.model)
+
+
+class _Repeated(torch.nn.Module):
+    """A Linear called three times (one call under no_grad), its bias left out of ``params`` in one test."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):  # [M, T, 4]
+        h = torch.tanh(self.lin(x)).mean(1) + self.lin(x.mean(1))
+        with torch.no_grad():
+            frozen = self.lin(x[:, 0])
+        return self.head(h + frozen)
+
+
+def test_a_module_called_several_times_and_under_no_grad():
+    torch.manual_seed(0)
+    model = _Repeated().double()
+    x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    fwd = jac_mod._HookedForward(model, x, y, None, "cross_entropy", True)
+    assert len(fwd.capture.stand_ins[0]) == 2  # lin.weight: the two calls with gradients on
+    _assert_real_parameters(model)
+    for form in FORMS:
+        got = ief.per_sample(model, x, y, form=form)
+        torch.testing.assert_close(got.gradient, _autograd_gradient(model, x, y), rtol=1e-10, atol=1e-12)
+
+
+def test_only_the_selected_parameters_are_swapped(monkeypatch):
+    torch.manual_seed(0)
+    model = _Repeated().double()
+    x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    seen = []
+    real, lin_weight, lin_bias = torch.nn.functional.linear, model.lin.weight, model.lin.bias
+
+    def spy(inp, weight, bias=None):
+        seen.append((weight is lin_weight, bias is lin_bias, type(weight) is torch.nn.Parameter))
+        return real(inp, weight, bias)
+
+    monkeypatch.setattr(torch.nn.modules.linear.F, "linear", spy)
+    params = [model.lin.weight, model.head.bias]
+    got = ief.per_sample(model, x, y, params)
+    monkeypatch.undo()
+    # the batch forward's two lin calls with gradients: the weight a stand-in, the unselected bias the real one;
+    # lin under no_grad and every call of the probe forward: the real parameters
+    lin_calls = [s for s in seen if s[1]]
+    assert lin_calls[:2] == [(False, True, False)] * 2
+    assert all(s == (True, True, True) for s in lin_calls[2:])
+    expected = _autograd_gradient(model, x, y, params)
+    torch.testing.assert_close(got.gradient, expected, rtol=1e-10, atol=1e-12)
+    _assert_real_parameters(model)
+
+
+class _Raises(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x[:, :3])  # wrong width: the Linear's forward raises
+
+
+def test_parameters_are_restored_when_the_forward_raises():
+    model = _Raises()
+    weight, bias = model.lin.weight, model.lin.bias
+    with pytest.raises(RuntimeError):
+        ief.per_sample(model, torch.randn(3, 4), torch.zeros(3, dtype=torch.long))
+    assert model.lin.weight is weight and model.lin.bias is bias
+    capture = jac_mod._Capture(model, [weight, bias], stand_ins=True)
+    with pytest.raises(RuntimeError), capture:
+        model(torch.randn(3, 4))
+    assert model.lin.weight is weight and model.lin.bias is bias and not capture._originals
+
+
+def test_kfac_capture_keeps_the_real_parameters():
+    """K-FAC's capture (no stand-ins) takes the gradient from autograd."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    capture = jac_mod._Capture(model, list(model.parameters()))
+    with capture:
+        out = model(torch.randn(5, 3, dtype=torch.float64)).sum()
+    grads = torch.autograd.grad(out, list(model.parameters()))
+    assert all(g is not None for g in grads) and not capture.stand_ins
 
 
 class _MixesSamples(torch.nn.Module):
@@ -169,6 +321,7 @@ def test_a_layer_that_mixes_samples_is_caught_by_the_exact_check_and_the_first_o
     for form in ("dense", "auto"):
         with pytest.raises(ief.PerSampleGradientMismatch, match="directional derivative"):
             ief.optim.IEF(model, lr=1e-3, form=form).step(x, y)
+    _assert_real_parameters(model)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -178,3 +331,20 @@ def test_batchnorm_with_batch_statistics_is_refused_by_the_default_guard(form):
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
     with pytest.raises(ief.PerSampleGradientMismatch, match="batch statistics"):
         ief.per_sample(model, x, y, form=form)
+
+
+def test_per_sample_gradient_is_computed_on_first_access_and_survives_pickling():
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = _Repeated().double()
+    x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    expected = _autograd_gradient(model, x, y)
+    got = ief.per_sample(model, x, y, form="auto")
+    assert isinstance(got._gradient, jac_mod._Deferred)  # nobody asked yet: not computed
+    for copied in (pickle.loads(pickle.dumps(got)), copy.deepcopy(got)):
+        torch.testing.assert_close(copied.gradient, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got.gradient, expected, rtol=1e-10, atol=1e-12)
+    given = ief.PerSample(got.losses, got.jacobian, got.logit_sqnorm, expected)  # the public constructor
+    assert given.gradient is expected

@@ -547,3 +547,41 @@ def test_unknown_form_is_refused(bad):
     c = mlp_case()
     with pytest.raises(ValueError, match="form must be one of 'dense', 'auto', 'ghost', 'rows'"):
         ief.per_sample(c.model, c.inputs, c.targets, form=bad)
+
+
+def test_the_hooked_backward_skips_the_batch_weight_gradients(monkeypatch):
+    """Stand-ins (``ief.jacobian._Capture``): the backward of ``per_sample`` runs only the input-gradient matmuls of a
+    3-layer MLP (2), not its 3 batch weight-gradient matmuls; the SF path's plain gradient runs all 5."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "baddbmm")
+            return func(*args, **(kwargs or {}))
+
+    real, counts = torch.autograd.grad, []
+
+    def counted(*args, **kwargs):
+        with CountMatmuls() as mode:
+            out = real(*args, **kwargs)
+        counts.append(mode.count)
+        return out
+
+    monkeypatch.setattr(torch.autograd, "grad", counted)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 7), torch.nn.Tanh(),
+                                torch.nn.Linear(7, 3)).double()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    got = ief.per_sample(model, x, y)
+    assert counts == [2]
+    counts.clear()
+    _, grad, _ = ief.jacobian.gradient_and_sampled_jacobian(model, x, y)
+    assert counts == [5, 2]
+    monkeypatch.undo()
+    expected = oracle.gradient(model, x, y)
+    assert_rel(got.gradient, expected, F64_RTOL, "gradient from the rows")
+    assert_rel(grad, expected, F64_RTOL, "plain gradient")

@@ -10,11 +10,14 @@
 PyTorch's own forward-mode rules for the bilinear operations (``linear``, ``matmul``, ``mm``, ``bmm``) replace a
 missing tangent by a zero tensor and still multiply by it: ``linear(x, W)`` with a frozen ``W`` (a LoRA base layer)
 or an input without tangent (the first layer) costs two products instead of one, and while the primal is recorded
-for a backward every tangent product is recorded too. :class:`BilinearTangents` computes the tangents of these
+for a backward every tangent product is recorded too. :class:`LeanTangents` computes the tangents of these
 operations itself, from the defined terms only (``d(x W^T + b) = dx W^T + x dW^T + db``, ``d(A B) = dA B + A dB``)
-and unrecorded (every consumer detaches ``J_z v``): the same function as PyTorch's rule. Every other operation keeps
-PyTorch's rule; where one has none, PyTorch raises and :class:`ForwardModeUnsupported` names the module (never a
-silently wrong tangent).
+and unrecorded (every consumer detaches ``J_z v``): the same function as PyTorch's rule. It does the same for
+``dropout`` on CPU, where ATen's composite (``noise = bernoulli(1 - p) / (1 - p)``, ``x * noise``) makes the noise a
+dual tensor with a zero tangent and pays for a zero-tensor product and sum per layer (it was half the cost of the
+tangents on the tiny T5-LoRA): the same steps on the primal draw the same mask from the same generator, and the tangent
+is ``dx * noise``. Every other operation keeps PyTorch's rule; where one has none, PyTorch raises and
+:class:`ForwardModeUnsupported` names the module (never a silently wrong tangent).
 
 Every pass runs inside :func:`differentiable_kernels`: scaled-dot-product attention restricted to the MATH kernel
 (forward-mode AD has no rule for the fused CPU kernels, and double backward through them fails once a padding mask is
@@ -89,6 +92,18 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return forward_ad.make_dual(out, tangent)
 
 
+def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    xp, xt = _split(input)
+    if xt is None or inplace or not training or xp.device.type != "cpu" or not 0 < p < 1 or xp.numel() == 0:
+        return F.dropout(input, p, training, inplace)  # PyTorch's own rule (CUDA's fused kernel has a cheap one)
+    # ATen's CPU dropout, step by step (same draws from the same generator): noise = bernoulli(1 - p) / (1 - p)
+    noise = torch.empty_like(xp).bernoulli_(1 - p).div_(1 - p)
+    out = xp * noise
+    with torch.no_grad():
+        tangent = xt * noise
+    return forward_ad.make_dual(out, tangent)
+
+
 def _product(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (ap, at), (bp, bt) = _split(a), _split(b)
     out = op(ap, bp)
@@ -107,9 +122,10 @@ _PRODUCTS = {torch.matmul: torch.matmul, torch.Tensor.matmul: torch.matmul, torc
              torch.mm: torch.mm, torch.Tensor.mm: torch.mm, torch.bmm: torch.bmm, torch.Tensor.bmm: torch.bmm}
 
 
-class BilinearTangents(TorchFunctionMode):
+class LeanTangents(TorchFunctionMode):
     """Inside a ``forward_ad.dual_level``: tangents of ``linear`` / ``matmul`` / ``mm`` / ``bmm`` from their defined
-    terms only, outside the autograd graph (see the module docstring). Everything else runs unchanged."""
+    terms only, and of CPU ``dropout`` from its mask, outside the autograd graph (see the module docstring).
+    Everything else runs unchanged."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -117,6 +133,8 @@ class BilinearTangents(TorchFunctionMode):
             return _linear(*args, **kwargs)
         if func in _PRODUCTS and len(args) == 2 and not kwargs:
             return _product(_PRODUCTS[func], *args)
+        if func is F.dropout and len(args) + len(kwargs) <= 4:
+            return _dropout(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -127,7 +145,7 @@ def dual_forward(
 
     ``z`` keeps the autograd graph of ``params`` when grad mode is on; ``J_z v`` is computed outside it.
     """
-    with forward_ad.dual_level(), BilinearTangents():
+    with forward_ad.dual_level(), LeanTangents():
         # a tangent that is a view into a longer vector (ief.model_call.split_vector) would be copied into a zero-filled
         # buffer by make_dual; a plain copy is cheaper
         duals = {n: forward_ad.make_dual(p, t.clone() if t.storage_offset() or t.untyped_storage().nbytes()
@@ -247,7 +265,7 @@ def batched_jvps(
     sizes = [p.numel() for p in params]
 
     def logits(*primals: torch.Tensor) -> torch.Tensor:
-        with BilinearTangents():
+        with LeanTangents():
             return forward(substitute=dict(zip(names, primals)))
 
     def one(direction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""``ief.logit_jvp``: forward-mode tangents of the bilinear operations (``BilinearTangents``) and the batched JVPs.
+"""``ief.logit_jvp``: forward-mode tangents of the bilinear operations (``LeanTangents``) and the batched JVPs.
 
 ``J_z v`` (sec:app-eval-complexity) from forward mode must be the same function as PyTorch's own forward-mode rules:
 every case below compares against ``torch.autograd.forward_ad`` without the mode, in float64, for each subset of
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.autograd import forward_ad
 
-from ief.logit_jvp import BilinearTangents, differentiable_kernels, dual_forward
+from ief.logit_jvp import LeanTangents, differentiable_kernels, dual_forward
 from ief.model_call import ReplayableForward, param_names, split_vector
 from tiny_models import sequence_case
 
@@ -24,7 +24,7 @@ def _run(fn, operands, tangents, mode: bool):
     with forward_ad.dual_level():
         duals = [x if t is None else forward_ad.make_dual(x, t) for x, t in zip(operands, tangents)]
         if mode:
-            with BilinearTangents():
+            with LeanTangents():
                 out = fn(*duals)
         else:
             out = fn(*duals)
@@ -97,3 +97,68 @@ def test_dual_forward_of_attention_model_equals_pytorch_rule():
             ref = forward_ad.unpack_dual(torch.func.functional_call(model, duals, (case.inputs,)))
     torch.testing.assert_close(z, ref.primal, rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(jv, ref.tangent, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("p, training, inplace", [(0.1, True, False), (0.5, True, False), (0.0, True, False),
+                                                  (1.0, True, False), (0.3, False, False), (0.3, True, True)])
+def test_dropout_tangent_equals_pytorch_rule_with_the_same_mask(p, training, inplace):
+    """CPU dropout under the mode draws the same mask from the same generator as ATen's dropout (primal bit-equal to
+    PyTorch's forward mode after the same seed) and its tangent is ``dx * noise``; the edge cases (``p`` 0 or 1, eval,
+    in place) keep PyTorch's rule."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, 5, generator=gen, dtype=torch.float64)
+    t = torch.randn(4, 6, 5, generator=gen, dtype=torch.float64)
+
+    def fn(a):
+        return F.dropout(a.clone() if inplace else a, p, training, inplace)
+
+    torch.manual_seed(11)
+    p_ref, t_ref = _run(fn, [x], [t], mode=False)
+    torch.manual_seed(11)
+    p_got, t_got = _run(fn, [x], [t], mode=True)
+    assert torch.equal(p_got, p_ref)
+    torch.testing.assert_close(t_got, t_ref, rtol=1e-15, atol=0)
+    torch.manual_seed(11)
+    assert torch.equal(fn(x), p_ref)  # the mask a plain forward draws
+    if training and 0 < p < 1:
+        assert bool((p_got == 0).any()) and bool((p_got != 0).any())  # the case really drops something
+
+
+def test_dropout_under_the_mode_keeps_the_primal_graph():
+    """The primal of the intercepted dropout is still differentiable in reverse mode (the gradient of a plain dropout
+    with the same mask) and its tangent stays out of the autograd graph."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    dx = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    cot = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    torch.manual_seed(5)
+    (plain,) = torch.autograd.grad(F.dropout(x, 0.4, True), x, cot)
+    torch.manual_seed(5)
+    primal, tangent = _run(lambda a: F.dropout(a, 0.4, True), [x], [dx], mode=True)
+    (got,) = torch.autograd.grad(primal, x, cot)
+    assert torch.equal(got, plain)
+    assert not tangent.requires_grad
+
+
+def test_dual_forward_of_a_model_with_dropout_in_train_mode_equals_pytorch_rule():
+    """nn.Dropout inside a model in train mode (the T5 / BERT case): J_z v with the mode equals PyTorch's forward mode
+    after the same seed, and the logits equal a plain forward's (same masks)."""
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.3), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                torch.nn.Dropout(0.2), torch.nn.Linear(8, 3)).double().train()
+    x = torch.randn(10, 6, dtype=torch.float64)
+    params = list(model.parameters())
+    names = param_names(model, params)
+    v = torch.randn(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    tangents = split_vector(v, params)
+    with torch.no_grad():
+        torch.manual_seed(8)
+        z, jv = dual_forward(ReplayableForward(model, x), params, names, tangents)
+        torch.manual_seed(8)
+        with forward_ad.dual_level():
+            duals = {n: forward_ad.make_dual(p, t) for n, p, t in zip(names, params, tangents)}
+            ref = forward_ad.unpack_dual(torch.func.functional_call(model, duals, (x,)))
+        torch.manual_seed(8)
+        plain = model(x)
+    assert torch.equal(z, ref.primal) and torch.equal(z, plain)
+    torch.testing.assert_close(jv, ref.tangent, rtol=1e-13, atol=1e-14)

@@ -16,7 +16,9 @@ and unrecorded (every consumer detaches ``J_z v``): the same function as PyTorch
 ``dropout`` on CPU, where ATen's composite (``noise = bernoulli(1 - p) / (1 - p)``, ``x * noise``) makes the noise a
 dual tensor with a zero tangent and pays for a zero-tensor product and sum per layer (it was half the cost of the
 tangents on the tiny T5-LoRA): the same steps on the primal draw the same mask from the same generator, and the tangent
-is ``dx * noise``. Every other operation keeps PyTorch's rule; where one has none, PyTorch raises and
+is ``dx * noise``. Elementwise ``*``, ``+``, ``-``, ``/`` likewise: PyTorch's generated rules stand a zero tensor
+in for the missing tangent of a frozen operand (a LayerNorm weight, a mask, a scalar) and run its arithmetic through
+Python reference decompositions. Every other operation keeps PyTorch's rule; where one has none, PyTorch raises and
 :class:`ForwardModeUnsupported` names the module (never a silently wrong tangent).
 
 Every pass runs inside :func:`differentiable_kernels`: scaled-dot-product attention restricted to the MATH kernel
@@ -118,14 +120,50 @@ def _product(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return forward_ad.make_dual(out, tangent)
 
 
+def _arithmetic(kind: str, op, a: object, b: object) -> torch.Tensor | None:
+    """``a * b``, ``a + b``, ``a - b``, ``a / b`` with the tangent from the defined terms (``None``: not handled).
+
+    PyTorch's generated rules stand a zero tensor in for a missing tangent (a frozen LayerNorm weight, a mask, a
+    scalar) and run its arithmetic through Python reference decompositions: most of the remaining tangent overhead on
+    the transformers. A quotient whose divisor has a tangent keeps PyTorch's rule."""
+    if not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in (a, b)):
+        return None
+    (ap, at), (bp, bt) = _split(a), _split(b)
+    if (at is None and bt is None) or (kind == "div" and bt is not None):
+        return None
+    out = op(ap, bp)
+    with torch.no_grad():
+        if kind == "mul":
+            tangent = None if at is None else at * bp
+            if bt is not None:
+                tangent = _accumulate(tangent, ap * bt)
+        elif kind == "div":
+            tangent = at / bp
+        elif at is not None and bt is not None:
+            tangent = op(at, bt)
+        elif at is not None:  # one tangent, broadcast to the result: a fresh tensor (an in-place op on the result
+            tangent = at.expand(out.shape).to(out.dtype, copy=True)  # must not alter it), out of place (vmap)
+        else:
+            tangent = (-bt if kind == "sub" else bt).expand(out.shape).to(out.dtype, copy=True)
+    return forward_ad.make_dual(out, tangent)
+
+
+_ARITHMETIC = {torch.mul: "mul", torch.multiply: "mul", torch.Tensor.mul: "mul", torch.Tensor.multiply: "mul",
+               torch.add: "add", torch.Tensor.add: "add", torch.sub: "sub", torch.subtract: "sub",
+               torch.Tensor.sub: "sub", torch.Tensor.subtract: "sub", torch.div: "div", torch.divide: "div",
+               torch.true_divide: "div", torch.Tensor.div: "div", torch.Tensor.divide: "div",
+               torch.Tensor.true_divide: "div"}
+_ARITHMETIC_OPS = {"mul": torch.mul, "add": torch.add, "sub": torch.sub, "div": torch.div}
+
 _PRODUCTS = {torch.matmul: torch.matmul, torch.Tensor.matmul: torch.matmul, torch.Tensor.__matmul__: torch.matmul,
              torch.mm: torch.mm, torch.Tensor.mm: torch.mm, torch.bmm: torch.bmm, torch.Tensor.bmm: torch.bmm}
 
 
 class LeanTangents(TorchFunctionMode):
     """Inside a ``forward_ad.dual_level``: tangents of ``linear`` / ``matmul`` / ``mm`` / ``bmm`` from their defined
-    terms only, and of CPU ``dropout`` from its mask, outside the autograd graph (see the module docstring).
-    Everything else runs unchanged."""
+    terms only, of elementwise ``*`` / ``+`` / ``-`` / ``/`` with one operand without tangent from the defined term, and
+    of CPU ``dropout`` from its mask, all outside the autograd graph (see the module docstring). Everything else runs
+    unchanged."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -135,7 +173,13 @@ class LeanTangents(TorchFunctionMode):
             return _product(_PRODUCTS[func], *args)
         if func is F.dropout and len(args) + len(kwargs) <= 4:
             return _dropout(*args, **kwargs)
+        kind = _ARITHMETIC.get(func)
+        if kind is not None and len(args) == 2 and not kwargs:
+            out = _arithmetic(kind, _ARITHMETIC_OPS[kind], *args)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
+
 
 
 def dual_forward(

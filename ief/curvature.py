@@ -7,14 +7,15 @@ For softmax cross-entropy the Fisher equals the generalised Gauss-Newton matrix 
 and for ``loss="mse"`` ``H_n = I``. ``J_z v``, the logits' Jacobian-vector product, comes from :mod:`ief.logit_jvp`
 by one of two methods:
 
-- ``"double_backward"`` (default for products): the paper's double-differentiation trick. One forward, one
-  backward with ``create_graph`` giving ``u -> J_z^T u``, its derivative w.r.t. ``u`` giving ``J_z v``, and a final
-  backward for ``J_z^T (H J_z v)``. :class:`FisherOperator` keeps both graphs, so further products at the same point
-  cost two backward-type passes each, and the graph-building backward also yields ``grad L``.
+- ``"double_backward"`` (the default of :class:`FisherOperator`): the paper's double-differentiation trick. One
+  forward, one backward with ``create_graph`` giving ``u -> J_z^T u``, its derivative w.r.t. ``u`` giving ``J_z v``, and
+  a final backward for ``J_z^T (H J_z v)``. :class:`FisherOperator` keeps both graphs, so further products at the same
+  point cost two backward-type passes each, and the graph-building backward also yields ``grad L``.
 - ``"forward"``: one fused dual-number forward gives the logits and ``J_z v`` together, then one backward of
-  ``J_z^T (H J_z v)`` through the primal graph (the floor: one forward with its tangents, one backward). It is the
-  default for :func:`gamma`, which then needs no backward at all (``d^T F d`` and ``d^T grad L`` both follow from
-  ``J_z d``), and for :func:`gammas`, which rates ``K`` directions from one forward carrying ``K`` tangents.
+  ``J_z^T (H J_z v)`` through the primal graph (the floor: one forward with its tangents, one backward). It is what
+  :func:`fisher_vp`'s default ``"auto"`` takes for a single product (double backward where a layer has no forward-mode
+  rule), the default for :func:`gamma`, which then needs no backward at all (``d^T F d`` and ``d^T grad L`` both follow
+  from ``J_z d``), and for :func:`gammas`, which rates ``K`` directions from one forward carrying ``K`` tangents.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from .logit_jvp import (  # noqa: F401  (differentiable_kernels: imported from here by ief.jacobian)
+    _NO_FORWARD_MODE,
     JVP_METHODS,
     ForwardModeUnsupported,
     batched_jvps,
@@ -96,14 +98,20 @@ class FisherOperator:
         self._gradient: torch.Tensor | None = None
         self._checked = False
         if method == "double_backward":
-            with _autograd_on():
-                self.logits = self._forward()
-                self._check(self.logits)
-                # u = dL/dz: J_z^T u is then grad L (free), and d(J_z^T u)/du does not depend on u's value
-                self._probe = self.loss.logit_grad(self.logits.detach(), targets).requires_grad_(True)
-                vjp = torch.autograd.grad(self.logits, self.params, self._probe, create_graph=True, allow_unused=True)
-                self._gradient = flatten([None if g is None else g.detach() for g in vjp], self.params)
-                self._vjp = [(k, g) for k, g in enumerate(vjp) if g is not None and g.requires_grad]
+            self._build_double_backward()
+
+    def _build_double_backward(self) -> None:
+        """The forward graph and the graph of ``u -> J_z^T u`` (the first forward draws the dropout masks, every later
+        one replays them: a switch from the forward method keeps the point)."""
+        self.method = "double_backward"
+        with _autograd_on():
+            self.logits = self._forward()
+            self._check(self.logits)
+            # u = dL/dz: J_z^T u is then grad L (free), and d(J_z^T u)/du does not depend on u's value
+            self._probe = self.loss.logit_grad(self.logits.detach(), self.targets).requires_grad_(True)
+            vjp = torch.autograd.grad(self.logits, self.params, self._probe, create_graph=True, allow_unused=True)
+            self._gradient = flatten([None if g is None else g.detach() for g in vjp], self.params)
+            self._vjp = [(k, g) for k, g in enumerate(vjp) if g is not None and g.requires_grad]
 
     def _check(self, logits: torch.Tensor) -> None:
         if not self._checked:
@@ -152,6 +160,9 @@ def _autograd_on() -> Iterator[None]:
         yield
 
 
+FVP_METHODS = ("auto", *JVP_METHODS)
+
+
 def fisher_vp(
     model: torch.nn.Module,
     inputs: Inputs,
@@ -160,20 +171,45 @@ def fisher_vp(
     params: Iterable[torch.nn.Parameter] | None = None,
     *,
     loss: str | Loss = "cross_entropy",
-    method: str = "double_backward",
+    method: str = "auto",
 ) -> torch.Tensor:
     """Exact Fisher (= GGN) times ``vector``, summed over samples and kept positions, ``[P]``.
 
-    ``F v = sum_n J_{z_n}^T H_n J_{z_n} v`` (``sec:app-eval-complexity``). ``method="double_backward"`` (default):
-    the paper's double-differentiation trick, 1 forward + 3 backward-type passes, reverse mode only;
-    ``method="forward"``: one fused dual-number forward giving ``z`` and ``J_z v`` together + 1 backward (raises
-    :class:`ForwardModeUnsupported`, naming the module, where a layer has no forward-mode rule). Both were measured
-    within a few per cent of each other on the package's benchmarks (CPU, one thread; ``benchmarks/step.py``): the
-    tangent of every activation costs about as much as the primal forward, which bounds either method well above
-    one gradient. For many products at one point (a CG solve), build a :class:`FisherOperator` once: with double
-    backward each further product costs two backward-type passes.
+    ``F v = sum_n J_{z_n}^T H_n J_{z_n} v`` (``sec:app-eval-complexity``). Methods:
+
+    - ``"forward"``: one dual-number forward gives ``z`` and ``J_z v`` together, then one backward of
+      ``J_z^T (H J_z v)``: forward + tangents + backward. Raises :class:`ForwardModeUnsupported` (naming the module)
+      where a layer has no forward-mode rule.
+    - ``"double_backward"``: the paper's double-differentiation trick with the forward graph shared: one forward, one
+      backward with ``create_graph`` (``u -> J_z^T u``), one backward-type pass through it for ``J_z v``, one
+      backward for ``J_z^T (H J_z v)``: forward + 3 backward-type passes, reverse mode only.
+    - ``"auto"`` (default): ``"forward"``, and ``"double_backward"`` (same dropout masks, same value) on a model
+      where a layer has no forward-mode rule (remembered per model). One product by forward mode was cheaper on
+      every benchmark model; for many products at one point (a CG solve), build a :class:`FisherOperator` once
+      (double backward: two backward-type passes per further product).
+
+    Cost against one gradient (forward + backward), CPU, one thread, batch 32 (``benchmarks/step.py``; measured
+    parts in the integrator's notes of issue 13): the tangents cost about what the backward costs (each layer's
+    ``dW x + W dx`` is the same products as its ``dW`` and ``dx`` in the backward), so the exact floor is
+    ``(forward + 2 backward) / (forward + backward)``: about 1.33x on a LoRA transformer, whose frozen forward
+    dominates, and 1.3-1.6x on an all-trainable MLP. On the tiny MLP of the benchmark (0.2 ms of products per pass)
+    the per-operation overhead of autograd and forward-mode AD, not arithmetic, bounds it: a hand-written FVP of the
+    same MLP costs 1.3x a hand-written gradient, the autograd one about 2.5x an autograd gradient.
     """
-    return FisherOperator(model, inputs, targets, params, loss=loss, method=method).matvec(vector)
+    if method not in FVP_METHODS:
+        raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, FVP_METHODS))}")
+    automatic = method == "auto"
+    if automatic:
+        method = "double_backward" if unwrap_model(model) in _NO_FORWARD_MODE else "forward"
+    operator = FisherOperator(model, inputs, targets, params, loss=loss, method=method)
+    try:
+        return operator.matvec(vector)
+    except ForwardModeUnsupported:
+        if not automatic:
+            raise
+        _NO_FORWARD_MODE[operator._forward.model] = True
+    operator._build_double_backward()  # replays the masks the failed dual forward drew
+    return operator.matvec(vector)
 
 
 def gamma(

@@ -222,9 +222,9 @@ def unsupported_message(forward: ReplayableForward, params, names, tangents, err
         where = f"module {running[-1]!r} ({type(module).__name__})"
     reason = str(err).splitlines()[0].rstrip(".") if str(err) else type(err).__name__
     return (
-        f"forward-mode AD is not available in {where}: {reason}. Use method='double_backward' (fisher_vp, "
-        "FisherOperator, hessian_free), which needs reverse mode only; gamma and check='exact' switch to it by "
-        "themselves"
+        f"forward-mode AD is not available in {where}: {reason}. Use method='double_backward' (FisherOperator, "
+        "hessian_free), which needs reverse mode only; fisher_vp's default method='auto', gamma and check='exact' "
+        "switch to it by themselves"
     )
 
 

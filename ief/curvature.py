@@ -197,7 +197,8 @@ def fisher_vp(
       (double backward); measured 1.70x and 1.75x. The dual forward costs 1.27 against ``F + T`` of about 1.0 (per
       operation forward-mode overhead, chiefly inside attention, whose reference kernel PyTorch differentiates
       through zero tangents); the backward through its graph about 0.43.
-    - all-MiniLM-L6-v2 LoRA: ``F`` 0.60, ``B`` 0.40: floor 1.40x; measured 1.58x (forward), 1.9x (double backward).
+    - all-MiniLM-L6-v2 LoRA: ``F`` 0.55-0.60, ``B`` 0.40-0.45: floor 1.4-1.45x; measured 1.6-1.65x (forward), 1.9x
+      (double backward).
     - MLP 784-256-256-10, all trainable: ``F`` 0.33, ``B`` 0.67: floor 1.67x at autograd's cost of a backward, so
       1.5x lies below it; measured 2.6-2.8x (forward), 3.3x (double backward). With 0.2 ms of products per pass the
       bound is per-operation overhead (autograd, dual tensors, argument checks), not arithmetic: a hand-written FVP of

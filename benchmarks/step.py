@@ -17,8 +17,10 @@ region, after every call that updates them; ``.grad`` is set to ``None`` before 
 - ``per-sample J``: ``ief.per_sample(model, inputs, targets)`` (its own forward + backward); vs plain backward.
 - ``AdamW step``: forward + backward + ``torch.optim.AdamW.step()`` + ``zero_grad()``; vs plain backward.
 - ``iEF step``: ``ief.optim.IEF(model).step(inputs, targets)`` (paper defaults lr 100, damping 1e-7); vs AdamW step.
-- ``FVP (double backward, default)`` / ``FVP (forward-mode)``: ``ief.fisher_vp(model, inputs, targets, v)`` with the
-  default ``method="double_backward"`` / ``method="forward"``, ``v`` a fixed random vector; vs plain backward.
+- ``FVP (default: forward mode)`` / ``FVP (double backward)``: ``ief.fisher_vp(model, inputs, targets, v)`` with the
+  default ``method="auto"`` (forward mode on these models: every layer has a forward-mode rule) /
+  ``method="double_backward"``, ``v`` a fixed random vector; vs plain backward. Forward mode: one dual-number forward
+  (logits and ``J_z v``) + one backward; double backward: one forward + 3 backward-type passes.
 - ``gamma``: ``ief.gamma(model, inputs, targets, v)``; vs plain backward.
 - ``hessian_free, 10 CG steps``: ``ief.hessian_free(model, inputs, targets, 10)``; vs plain backward.
 
@@ -94,10 +96,9 @@ def make_ops(w: Workload, seed: int) -> tuple[list[Op], Callable[[], None], int]
         Op("per_sample", "per-sample J", lambda: ief.per_sample(model, inputs, targets), "backward"),
         Op("adamw", "AdamW step", adamw_step, "backward"),
         Op("ief", "iEF step", lambda: ief_opt.step(inputs, targets), "adamw"),
-        Op("fvp_double_backward", "FVP (double backward, default)",
-           lambda: ief.fisher_vp(model, inputs, targets, v), "backward"),
-        Op("fvp_forward", "FVP (forward-mode)",
-           lambda: ief.fisher_vp(model, inputs, targets, v, method="forward"), "backward"),
+        Op("fvp_forward", "FVP (default: forward mode)", lambda: ief.fisher_vp(model, inputs, targets, v), "backward"),
+        Op("fvp_double_backward", "FVP (double backward)",
+           lambda: ief.fisher_vp(model, inputs, targets, v, method="double_backward"), "backward"),
         Op("gamma", "gamma", lambda: ief.gamma(model, inputs, targets, v), "backward"),
         Op("cg10", "hessian_free, 10 CG steps",
            lambda: ief.hessian_free(model, inputs, targets, 10, tolerance=0.0), "backward"),
@@ -179,11 +180,11 @@ def printed_table(result: dict, device: torch.device, memory: bool) -> str:
 
 
 RATIO_COLUMNS = (("per_sample", "per-sample J / backward"), ("ief", "iEF step / AdamW step"),
-                 ("fvp_double_backward", "FVP / backward (default: double backward)"),
-                 ("fvp_forward", "FVP forward-mode / backward"), ("gamma", "γ / backward"),
+                 ("fvp_forward", "FVP / backward (default: forward mode)"),
+                 ("fvp_double_backward", "FVP double backward / backward"), ("gamma", "γ / backward"),
                  ("cg10", "10 CG steps / backward"))
 MEMORY_COLUMNS = (("backward", "backward"), ("per_sample", "per-sample J"), ("ief", "iEF step"),
-                  ("fvp_double_backward", "FVP"), ("gamma", "γ"))
+                  ("fvp_forward", "FVP"), ("gamma", "γ"))
 
 
 def model_label(name: str, t5_size: str) -> str:

@@ -7,14 +7,15 @@ For softmax cross-entropy the Fisher equals the generalised Gauss-Newton matrix 
 and for ``loss="mse"`` ``H_n = I``. ``J_z v``, the logits' Jacobian-vector product, comes from :mod:`ief.logit_jvp`
 by one of two methods:
 
-- ``"double_backward"`` (default for products): the paper's double-differentiation trick. One forward, one
-  backward with ``create_graph`` giving ``u -> J_z^T u``, its derivative w.r.t. ``u`` giving ``J_z v``, and a final
-  backward for ``J_z^T (H J_z v)``. :class:`FisherOperator` keeps both graphs, so further products at the same point
-  cost two backward-type passes each, and the graph-building backward also yields ``grad L``.
+- ``"double_backward"`` (the default of :class:`FisherOperator`): the paper's double-differentiation trick. One
+  forward, one backward with ``create_graph`` giving ``u -> J_z^T u``, its derivative w.r.t. ``u`` giving ``J_z v``, and
+  a final backward for ``J_z^T (H J_z v)``. :class:`FisherOperator` keeps both graphs, so further products at the same
+  point cost two backward-type passes each, and the graph-building backward also yields ``grad L``.
 - ``"forward"``: one fused dual-number forward gives the logits and ``J_z v`` together, then one backward of
-  ``J_z^T (H J_z v)`` through the primal graph (the floor: one forward with its tangents, one backward). It is the
-  default for :func:`gamma`, which then needs no backward at all (``d^T F d`` and ``d^T grad L`` both follow from
-  ``J_z d``), and for :func:`gammas`, which rates ``K`` directions from one forward carrying ``K`` tangents.
+  ``J_z^T (H J_z v)`` through the primal graph (the floor: one forward with its tangents, one backward). It is what
+  :func:`fisher_vp`'s default ``"auto"`` takes for a single product (double backward where a layer has no forward-mode
+  rule), the default for :func:`gamma`, which then needs no backward at all (``d^T F d`` and ``d^T grad L`` both follow
+  from ``J_z d``), and for :func:`gammas`, which rates ``K`` directions from one forward carrying ``K`` tangents.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from .logit_jvp import (  # noqa: F401  (differentiable_kernels: imported from here by ief.jacobian)
+    _NO_FORWARD_MODE,
     JVP_METHODS,
     ForwardModeUnsupported,
     batched_jvps,
@@ -96,14 +98,20 @@ class FisherOperator:
         self._gradient: torch.Tensor | None = None
         self._checked = False
         if method == "double_backward":
-            with _autograd_on():
-                self.logits = self._forward()
-                self._check(self.logits)
-                # u = dL/dz: J_z^T u is then grad L (free), and d(J_z^T u)/du does not depend on u's value
-                self._probe = self.loss.logit_grad(self.logits.detach(), targets).requires_grad_(True)
-                vjp = torch.autograd.grad(self.logits, self.params, self._probe, create_graph=True, allow_unused=True)
-                self._gradient = flatten([None if g is None else g.detach() for g in vjp], self.params)
-                self._vjp = [(k, g) for k, g in enumerate(vjp) if g is not None and g.requires_grad]
+            self._build_double_backward()
+
+    def _build_double_backward(self) -> None:
+        """The forward graph and the graph of ``u -> J_z^T u`` (the first forward draws the dropout masks, every later
+        one replays them: a switch from the forward method keeps the point)."""
+        self.method = "double_backward"
+        with _autograd_on():
+            self.logits = self._forward()
+            self._check(self.logits)
+            # u = dL/dz: J_z^T u is then grad L (free), and d(J_z^T u)/du does not depend on u's value
+            self._probe = self.loss.logit_grad(self.logits.detach(), self.targets).requires_grad_(True)
+            vjp = torch.autograd.grad(self.logits, self.params, self._probe, create_graph=True, allow_unused=True)
+            self._gradient = flatten([None if g is None else g.detach() for g in vjp], self.params)
+            self._vjp = [(k, g) for k, g in enumerate(vjp) if g is not None and g.requires_grad]
 
     def _check(self, logits: torch.Tensor) -> None:
         if not self._checked:
@@ -152,6 +160,9 @@ def _autograd_on() -> Iterator[None]:
         yield
 
 
+FVP_METHODS = ("auto", *JVP_METHODS)
+
+
 def fisher_vp(
     model: torch.nn.Module,
     inputs: Inputs,
@@ -160,20 +171,53 @@ def fisher_vp(
     params: Iterable[torch.nn.Parameter] | None = None,
     *,
     loss: str | Loss = "cross_entropy",
-    method: str = "double_backward",
+    method: str = "auto",
 ) -> torch.Tensor:
     """Exact Fisher (= GGN) times ``vector``, summed over samples and kept positions, ``[P]``.
 
-    ``F v = sum_n J_{z_n}^T H_n J_{z_n} v`` (``sec:app-eval-complexity``). ``method="double_backward"`` (default):
-    the paper's double-differentiation trick, 1 forward + 3 backward-type passes, reverse mode only;
-    ``method="forward"``: one fused dual-number forward giving ``z`` and ``J_z v`` together + 1 backward (raises
-    :class:`ForwardModeUnsupported`, naming the module, where a layer has no forward-mode rule). Both were measured
-    within a few per cent of each other on the package's benchmarks (CPU, one thread; ``benchmarks/step.py``): the
-    tangent of every activation costs about as much as the primal forward, which bounds either method well above
-    one gradient. For many products at one point (a CG solve), build a :class:`FisherOperator` once: with double
-    backward each further product costs two backward-type passes.
+    ``F v = sum_n J_{z_n}^T H_n J_{z_n} v`` (``sec:app-eval-complexity``). Methods:
+
+    - ``"forward"``: one dual-number forward gives ``z`` and ``J_z v`` together, then one backward of
+      ``J_z^T (H J_z v)``: forward + tangents + backward. Raises :class:`ForwardModeUnsupported` (naming the module)
+      where a layer has no forward-mode rule.
+    - ``"double_backward"``: the paper's double-differentiation trick with the forward graph shared: one forward, one
+      backward with ``create_graph`` (``u -> J_z^T u``), one backward-type pass through it for ``J_z v``, one
+      backward for ``J_z^T (H J_z v)``: forward + 3 backward-type passes, reverse mode only.
+    - ``"auto"`` (default): ``"forward"``, and ``"double_backward"`` (same dropout masks, same value) on a model
+      where a layer has no forward-mode rule (remembered per model). One product by forward mode was cheaper on
+      every benchmark model; for many products at one point (a CG solve), build a :class:`FisherOperator` once
+      (double backward: two backward-type passes per further product).
+
+    Cost against one gradient ``G = F + B`` (forward with graph + backward), CPU, one thread, batch 32, the models of
+    ``benchmarks/step.py``. Forward mode costs ``F + T + B``: the tangents ``T`` cost about what the backward costs
+    (a layer's ``dW x + W dx`` are the products of its ``dW`` and ``dx``), so its exact floor is ``(F + 2B) / G``;
+    double backward costs ``F + 3`` backward-type passes, floor ``(F + 3B) / G``. Measured parts (ratios to ``G``):
+
+    - tiny T5-LoRA: ``F`` 0.66, ``B`` 0.34 (the frozen forward dominates): floors 1.34x (forward mode) and 1.68x
+      (double backward); measured 1.70x and 1.75x. The dual forward costs 1.27 against ``F + T`` of about 1.0 (per
+      operation forward-mode overhead, chiefly inside attention, whose reference kernel PyTorch differentiates
+      through zero tangents); the backward through its graph about 0.43.
+    - all-MiniLM-L6-v2 LoRA: ``F`` 0.55-0.60, ``B`` 0.40-0.45: floor 1.4-1.45x; measured 1.6-1.65x (forward), 1.9x
+      (double backward).
+    - MLP 784-256-256-10, all trainable: ``F`` 0.33, ``B`` 0.67: floor 1.67x at autograd's cost of a backward, so
+      1.5x lies below it; measured 2.6-2.8x (forward), 3.3x (double backward). With 0.2 ms of products per pass the
+      bound is per-operation overhead (autograd, dual tensors, argument checks), not arithmetic: a hand-written FVP of
+      the same MLP costs 1.31x a hand-written gradient, 0.88x an autograd one.
     """
-    return FisherOperator(model, inputs, targets, params, loss=loss, method=method).matvec(vector)
+    if method not in FVP_METHODS:
+        raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, FVP_METHODS))}")
+    automatic = method == "auto"
+    if automatic:
+        method = "double_backward" if unwrap_model(model) in _NO_FORWARD_MODE else "forward"
+    operator = FisherOperator(model, inputs, targets, params, loss=loss, method=method)
+    try:
+        return operator.matvec(vector)
+    except ForwardModeUnsupported:
+        if not automatic:
+            raise
+        _NO_FORWARD_MODE[operator._forward.model] = True
+    operator._build_double_backward()  # replays the masks the failed dual forward drew
+    return operator.matvec(vector)
 
 
 def gamma(

@@ -10,11 +10,16 @@
 PyTorch's own forward-mode rules for the bilinear operations (``linear``, ``matmul``, ``mm``, ``bmm``) replace a
 missing tangent by a zero tensor and still multiply by it: ``linear(x, W)`` with a frozen ``W`` (a LoRA base layer)
 or an input without tangent (the first layer) costs two products instead of one, and while the primal is recorded
-for a backward every tangent product is recorded too. :class:`BilinearTangents` computes the tangents of these
+for a backward every tangent product is recorded too. :class:`LeanTangents` computes the tangents of these
 operations itself, from the defined terms only (``d(x W^T + b) = dx W^T + x dW^T + db``, ``d(A B) = dA B + A dB``)
-and unrecorded (every consumer detaches ``J_z v``): the same function as PyTorch's rule. Every other operation keeps
-PyTorch's rule; where one has none, PyTorch raises and :class:`ForwardModeUnsupported` names the module (never a
-silently wrong tangent).
+and unrecorded (every consumer detaches ``J_z v``): the same function as PyTorch's rule. It does the same for
+``dropout`` on CPU, where ATen's composite (``noise = bernoulli(1 - p) / (1 - p)``, ``x * noise``) makes the noise a
+dual tensor with a zero tangent and pays for a zero-tensor product and sum per layer (it was half the cost of the
+tangents on the tiny T5-LoRA): the same steps on the primal draw the same mask from the same generator, and the tangent
+is ``dx * noise``. Elementwise ``*``, ``+``, ``-``, ``/`` likewise: PyTorch's generated rules stand a zero tensor
+in for the missing tangent of a frozen operand (a LayerNorm weight, a mask, a scalar) and run its arithmetic through
+Python reference decompositions. Every other operation keeps PyTorch's rule; where one has none, PyTorch raises and
+:class:`ForwardModeUnsupported` names the module (never a silently wrong tangent).
 
 Every pass runs inside :func:`differentiable_kernels`: scaled-dot-product attention restricted to the MATH kernel
 (forward-mode AD has no rule for the fused CPU kernels, and double backward through them fails once a padding mask is
@@ -89,6 +94,18 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return forward_ad.make_dual(out, tangent)
 
 
+def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    xp, xt = _split(input)
+    if xt is None or inplace or not training or xp.device.type != "cpu" or not 0 < p < 1 or xp.numel() == 0:
+        return F.dropout(input, p, training, inplace)  # PyTorch's own rule (CUDA's fused kernel has a cheap one)
+    # ATen's CPU dropout, step by step (same draws from the same generator): noise = bernoulli(1 - p) / (1 - p)
+    noise = torch.empty_like(xp).bernoulli_(1 - p).div_(1 - p)
+    out = xp * noise
+    with torch.no_grad():
+        tangent = xt * noise
+    return forward_ad.make_dual(out, tangent)
+
+
 def _product(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (ap, at), (bp, bt) = _split(a), _split(b)
     out = op(ap, bp)
@@ -103,13 +120,50 @@ def _product(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return forward_ad.make_dual(out, tangent)
 
 
+def _arithmetic(kind: str, op, a: object, b: object) -> torch.Tensor | None:
+    """``a * b``, ``a + b``, ``a - b``, ``a / b`` with the tangent from the defined terms (``None``: not handled).
+
+    PyTorch's generated rules stand a zero tensor in for a missing tangent (a frozen LayerNorm weight, a mask, a
+    scalar) and run its arithmetic through Python reference decompositions: most of the remaining tangent overhead on
+    the transformers. A quotient whose divisor has a tangent keeps PyTorch's rule."""
+    if not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in (a, b)):
+        return None
+    (ap, at), (bp, bt) = _split(a), _split(b)
+    if (at is None and bt is None) or (kind == "div" and bt is not None):
+        return None
+    out = op(ap, bp)
+    with torch.no_grad():
+        if kind == "mul":
+            tangent = None if at is None else at * bp
+            if bt is not None:
+                tangent = _accumulate(tangent, ap * bt)
+        elif kind == "div":
+            tangent = at / bp
+        elif at is not None and bt is not None:
+            tangent = op(at, bt)
+        elif at is not None:  # one tangent, broadcast to the result: a fresh tensor (an in-place op on the result
+            tangent = at.expand(out.shape).to(out.dtype, copy=True)  # must not alter it), out of place (vmap)
+        else:
+            tangent = (-bt if kind == "sub" else bt).expand(out.shape).to(out.dtype, copy=True)
+    return forward_ad.make_dual(out, tangent)
+
+
+_ARITHMETIC = {torch.mul: "mul", torch.multiply: "mul", torch.Tensor.mul: "mul", torch.Tensor.multiply: "mul",
+               torch.add: "add", torch.Tensor.add: "add", torch.sub: "sub", torch.subtract: "sub",
+               torch.Tensor.sub: "sub", torch.Tensor.subtract: "sub", torch.div: "div", torch.divide: "div",
+               torch.true_divide: "div", torch.Tensor.div: "div", torch.Tensor.divide: "div",
+               torch.Tensor.true_divide: "div"}
+_ARITHMETIC_OPS = {"mul": torch.mul, "add": torch.add, "sub": torch.sub, "div": torch.div}
+
 _PRODUCTS = {torch.matmul: torch.matmul, torch.Tensor.matmul: torch.matmul, torch.Tensor.__matmul__: torch.matmul,
              torch.mm: torch.mm, torch.Tensor.mm: torch.mm, torch.bmm: torch.bmm, torch.Tensor.bmm: torch.bmm}
 
 
-class BilinearTangents(TorchFunctionMode):
+class LeanTangents(TorchFunctionMode):
     """Inside a ``forward_ad.dual_level``: tangents of ``linear`` / ``matmul`` / ``mm`` / ``bmm`` from their defined
-    terms only, outside the autograd graph (see the module docstring). Everything else runs unchanged."""
+    terms only, of elementwise ``*`` / ``+`` / ``-`` / ``/`` with one operand without tangent from the defined term, and
+    of CPU ``dropout`` from its mask, all outside the autograd graph (see the module docstring). Everything else runs
+    unchanged."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -117,7 +171,15 @@ class BilinearTangents(TorchFunctionMode):
             return _linear(*args, **kwargs)
         if func in _PRODUCTS and len(args) == 2 and not kwargs:
             return _product(_PRODUCTS[func], *args)
+        if func is F.dropout and len(args) + len(kwargs) <= 4:
+            return _dropout(*args, **kwargs)
+        kind = _ARITHMETIC.get(func)
+        if kind is not None and len(args) == 2 and not kwargs:
+            out = _arithmetic(kind, _ARITHMETIC_OPS[kind], *args)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
+
 
 
 def dual_forward(
@@ -127,7 +189,7 @@ def dual_forward(
 
     ``z`` keeps the autograd graph of ``params`` when grad mode is on; ``J_z v`` is computed outside it.
     """
-    with forward_ad.dual_level(), BilinearTangents():
+    with forward_ad.dual_level(), LeanTangents():
         # a tangent that is a view into a longer vector (ief.model_call.split_vector) would be copied into a zero-filled
         # buffer by make_dual; a plain copy is cheaper
         duals = {n: forward_ad.make_dual(p, t.clone() if t.storage_offset() or t.untyped_storage().nbytes()
@@ -160,9 +222,9 @@ def unsupported_message(forward: ReplayableForward, params, names, tangents, err
         where = f"module {running[-1]!r} ({type(module).__name__})"
     reason = str(err).splitlines()[0].rstrip(".") if str(err) else type(err).__name__
     return (
-        f"forward-mode AD is not available in {where}: {reason}. Use method='double_backward' (fisher_vp, "
-        "FisherOperator, hessian_free), which needs reverse mode only; gamma and check='exact' switch to it by "
-        "themselves"
+        f"forward-mode AD is not available in {where}: {reason}. Use method='double_backward' (FisherOperator, "
+        "hessian_free), which needs reverse mode only; fisher_vp's default method='auto', gamma and check='exact' "
+        "switch to it by themselves"
     )
 
 
@@ -247,7 +309,7 @@ def batched_jvps(
     sizes = [p.numel() for p in params]
 
     def logits(*primals: torch.Tensor) -> torch.Tensor:
-        with BilinearTangents():
+        with LeanTangents():
             return forward(substitute=dict(zip(names, primals)))
 
     def one(direction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -454,3 +454,37 @@ def test_gammas_fall_back_to_double_backward_and_say_so():
         assert ief.gammas(model, x, y, stacked) == pytest.approx(expected, rel=1e-12)  # no second warning
     with pytest.raises(ief.ForwardModeUnsupported):
         ief.fisher_vp(model, x, y, stacked[0], method="forward")
+
+
+def test_fisher_vp_auto_takes_forward_mode_and_falls_back_without_changing_the_point():
+    """``method="auto"`` (the default) is the forward-mode product where every layer has a forward rule (the very same
+    numbers), and double backward where one has none: no error, the value of ``method="double_backward"`` from the
+    same RNG state (the fallback replays the dropout masks the failed dual forward drew), remembered per model."""
+    from ief.logit_jvp import _NO_FORWARD_MODE
+
+    case = mlp_case()
+    v = torch.randn(num_params(case), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    assert torch.equal(ief.fisher_vp(case.model, case.inputs, case.targets, v),
+                       ief.fisher_vp(case.model, case.inputs, case.targets, v, method="forward"))
+    assert case.model not in _NO_FORWARD_MODE
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.drop, self.head = torch.nn.Linear(4, 5), torch.nn.Dropout(0.4), torch.nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.head(SquareNoJvp.apply(self.drop(self.inp(x))))
+
+    torch.manual_seed(0)
+    model = Model().double().train()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    d = torch.randn(sum(q.numel() for q in model.parameters()), generator=torch.Generator().manual_seed(4),
+                    dtype=torch.float64)
+    expected = _seeded(lambda: ief.fisher_vp(model, x, y, d, method="double_backward"))
+    got = _seeded(lambda: ief.fisher_vp(model, x, y, d))
+    torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)
+    assert model in _NO_FORWARD_MODE
+    torch.testing.assert_close(_seeded(lambda: ief.fisher_vp(model, x, y, d)), expected, rtol=1e-13, atol=1e-13)
+    with pytest.raises(ValueError, match="'auto', 'forward', 'double_backward'"):
+        ief.fisher_vp(model, x, y, d, method="nope")

@@ -265,7 +265,19 @@ def e2_statements(obs: pd.DataFrame) -> dict[str, str]:
                                                                       obs["optimisers"]))
     ranks_test = "; ".join(f"{s}: {int(r)} of {n}" for s, r, n in zip(obs.index, obs["iEF rank by test"],
                                                                       obs["optimisers"]))
-    return {"e2_ief_lowest_loss": where("iEF lowest train loss"), "e2_ief_best_test": where("iEF best test"),
+    n, loss_hits = len(obs), int(obs["iEF lowest train loss"].astype(bool).sum())
+    test_hits = int(obs["iEF best test"].astype(bool).sum())
+    majority = [loss_hits > n / 2, test_hits > n / 2]
+    verdict = ("holds for the majority of the setups" if all(majority) else
+               "mostly does not hold" if not any(majority) else "holds only in part")
+    parts = [f"iEF has the lowest final training loss on {loss_hits} of {n} setups",
+             f"the best test score on {test_hits} of {n}"]
+    summary = ("both hold for the majority of the setups here" if all(majority) else
+               "neither holds for the majority of the setups here" if not any(majority) else
+               ("only the training loss" if majority[0] else "only the test score")
+               + " holds for the majority of the setups here")
+    return {"e2_verdict": verdict, "e2_verdict_detail": f"{'; '.join(parts)}: {summary}",
+            "e2_ief_lowest_loss": where("iEF lowest train loss"), "e2_ief_best_test": where("iEF best test"),
             "e2_ef_worst": where("EF highest train loss"), "e2_ief_loss_ranks": ranks_loss,
             "e2_ief_test_ranks": ranks_test,
             "e2_best_tests": "; ".join(f"{s}: {b}" for s, b in obs["best test"].items()),

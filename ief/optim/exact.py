@@ -46,13 +46,13 @@ multiplies the step size by ``1 - t/T`` (linear decay to 0). The paper trains EF
 
 **Defaults** depend on ``reduction`` (``sec:app-optimiser``). ``"mean"``: the paper's LoRA values, iEF ``lr=100``,
 EF/SF ``lr=0.01`` (normalised update), damping ``1e-7`` (prompt tuning: damping ``1e-12``, iEF ``lr=50``, EF/SF
-``lr=1``); the paper tuned them for batches of 32 samples of 1-2 target tokens. ``"sum"``: iEF ``lr=1``, EF/SF
+``lr=1``); the paper tuned them for batches of 32 samples of a few target tokens each. ``"sum"``: iEF ``lr=1``, EF/SF
 ``lr=0.01`` (a normalised rate is the same in both conventions) and damping ``1e-4``, about the paper's ``1e-7``
 converted for a batch of ``K = 32`` target tokens (``K^2 lambda``). The paper's values taken literally in the sum
 convention are unstable: iEF moves every sample's logits by ``-lr`` times its loss gradient to first order
 (``eqn:iEF_lsq``: ``J d = s``), so ``lr=100`` moves them 100 times as far as ``lr=1`` does, and ``damping=1e-7``
-leaves the Gram system's small eigenvalues unregularised (``J J^T`` sums ``K``-times larger gradients than the mean
-convention's): on a tiny BERT-LoRA (random weights, 32 samples) one step with ``lr=100, damping=1e-7`` takes the
+leaves the Gram system's small eigenvalues unregularised (the sum convention's ``J J^T`` is ``K^2`` times the mean
+convention's, so the same ``lambda`` damps ``K^2`` times less): on a tiny BERT-LoRA (random weights, 32 samples) one step with ``lr=100, damping=1e-7`` takes the
 loss ``L`` from 22.2 to 58,192, ``lr=1, damping=1e-7`` to 78-2,549 (3 batches), ``lr=1, damping=1e-4`` to 12.0-12.9.
 The cpu setups' learning-rate searches chose iEF ``lr=1`` in the sum convention.
 

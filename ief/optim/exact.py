@@ -12,9 +12,9 @@ class indices with ``-100`` for ignored positions (or float targets with ``loss=
 position ``t`` predict token ``t + 1``; pass ``ief.causal_lm_targets(labels)``, not Hugging Face's unshifted
 ``labels`` (a step warns when the targets equal ``inputs["input_ids"]``). There is no ``.grad`` to zero and no
 closure: ``step()`` and ``step(closure)`` raise ``TypeError`` saying so. For the same reason
-``transformers.Trainer(optimizers=(opt, None))`` cannot drive these optimisers (it calls ``step()`` after its own
-forward and backward, and the batch never reaches the optimiser); override ``Trainer.training_step`` to call
-``opt.step(inputs, targets)`` instead, or write the loop above. ``lr`` and ``damping`` live in ``param_groups`` so
+``transformers.Trainer(optimizers=(opt, None))`` is not supported: its loop runs its own forward and backward and
+then calls ``optimizer.step()`` (overriding ``Trainer.training_step`` alone does not help, that call still follows),
+so the batch never reaches the optimiser; write the loop above. ``lr`` and ``damping`` live in ``param_groups`` so
 torch LR schedulers work, and ``state_dict()`` / ``load_state_dict()`` round-trip the step counter (and SF's
 ``generator`` state).
 
@@ -81,10 +81,10 @@ _MISSING: Any = object()
 
 
 def _how_to_step(name: str) -> str:
-    return (f"{name}.step needs the batch: call opt.step(inputs, targets), which runs the forward and the per-sample "
-            f"backward itself (no loss.backward(), closure or zero_grad()), so it cannot be driven by a training loop "
-            f"that calls step() or step(closure) after its own backward, such as transformers.Trainer(optimizers="
-            f"(opt, None)): write the loop, or override Trainer.training_step to call opt.step(inputs, targets)")
+    return (f"{name}.step needs the batch: call opt.step(inputs, targets) in your own loop, which runs the forward "
+            f"and the per-sample backward itself (no loss.backward() and no closure), so a loop that calls step() or "
+            f"step(closure) after its own backward cannot drive it, and transformers.Trainer(optimizers=(opt, None)) "
+            f"is not supported (its training loop calls step() without the batch)")
 
 
 def _check_positive(name: str, value: float) -> float:

@@ -14,10 +14,10 @@ cluster log shows how far a run is. A resumed run says so first: ``resuming from
 Resuming: ``resume.pt`` holds the trainable parameters, the optimiser and scheduler states, every RNG state, the
 position in the data (epoch orders are a function of the seed and the epoch, so the step count is the position)
 and the histories. It is written every ``checkpoint_every_s`` seconds of wall time and when SIGTERM, SIGINT or
-SIGHUP (a closed terminal or a dropped SSH session) arrives (the signal is honoured after the current update, or aborts an evaluation, whose result is then recomputed
-on resume). A second signal stops at once; the last checkpoint stays valid because every file is written
-atomically. Evaluation touches no RNG and no parameter, so a resumed run ends with exactly the numbers of an
-uninterrupted one. A run whose ``summary.json`` exists is skipped and never written again.
+SIGHUP (a closed terminal or a dropped SSH session) arrives (the signal is honoured after the current update, or
+aborts an evaluation, whose result is then recomputed on resume). A second signal stops at once; the last
+checkpoint stays valid because every file is written atomically. Evaluation touches no RNG and no parameter, so a
+resumed run ends with exactly the numbers of an uninterrupted one. A run whose ``summary.json`` exists is skipped and never written again.
 
 One process per run folder: the runner holds an ``fcntl.flock`` on ``run.lock`` in the folder (the kernel releases it
 when the process dies, however it dies). A second invocation of the same run (a SLURM requeue, a second terminal)
@@ -203,7 +203,8 @@ def format_summary(s: dict[str, Any]) -> str:
     over = f" (last {window} of {s['steps']} updates)" if window else " (last 100 updates: an older run)"
     div = f" DIVERGED at step {s['diverged']['step']}" if s.get("diverged") else ""
     return (f"{s['setup']}/{s['optimizer']}/seed-{s['seed']} [{s['scale']}]: final_train_loss="
-            f"{'n/a' if loss is None else f'{loss:.4f}{over}'} | best validation (step {s['best_validation']['step']}): "
+            f"{'n/a' if loss is None else f'{loss:.4f}{over}'} | "
+            f"best validation (step {s['best_validation']['step']}): "
             f"{fmt(s['best_validation']['metrics'])} | test: {fmt(s['test'])}{div} | {s['wall_time_s']:.1f}s")
 
 
@@ -307,8 +308,8 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
     setup (all recorded in ``config.json``). Every argument is checked before anything is written (``ValueError``).
     ``verbose`` without ``progress``: a progress line at every validation and at least every ``log_every_s`` seconds.
     Raises :class:`RunLocked` when another process runs this run (``wait_lock=True``: wait for it instead),
-    :class:`RunInterrupted` after SIGTERM/SIGINT/SIGHUP (``resume.pt`` saved), :class:`.store.CorruptFile` when a file of
-    the run cannot be read and nothing can replace it (the message names the file and the remedy).
+    :class:`RunInterrupted` after SIGTERM/SIGINT/SIGHUP (``resume.pt`` saved), :class:`.store.CorruptFile` when a
+    file of the run cannot be read and nothing can replace it (the message names the file and the remedy).
     """
     cfg = check_setup(resolve(setup, scale, overrides))
     registered = optimizer_config(cfg, optimizer)

@@ -52,8 +52,9 @@ converted for a batch of ``K = 32`` target tokens (``K^2 lambda``). The paper's 
 convention are unstable: iEF moves every sample's logits by ``-lr`` times its loss gradient to first order
 (``eqn:iEF_lsq``: ``J d = s``), so ``lr=100`` moves them 100 times as far as ``lr=1`` does, and ``damping=1e-7``
 leaves the Gram system's small eigenvalues unregularised (the sum convention's ``J J^T`` is ``K^2`` times the mean
-convention's, so the same ``lambda`` damps ``K^2`` times less): on a tiny BERT-LoRA (random weights, 32 samples) one step with ``lr=100, damping=1e-7`` takes the
-loss ``L`` from 22.2 to 58,192, ``lr=1, damping=1e-7`` to 78-2,549 (3 batches), ``lr=1, damping=1e-4`` to 12.0-12.9.
+convention's, so the same ``lambda`` damps ``K^2`` times less): on a tiny BERT-LoRA (random weights, 32 samples)
+one step with ``lr=100, damping=1e-7`` takes the loss ``L`` from 22.2 to 58,192, ``lr=1, damping=1e-7`` to
+78-2,549 (3 batches), ``lr=1, damping=1e-4`` to 12.0-12.9.
 The cpu setups' learning-rate searches chose iEF ``lr=1`` in the sum convention.
 
 Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's

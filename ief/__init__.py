@@ -11,7 +11,8 @@ Conventions, followed by every function of the package:
   the per-sample gradients come from the exact, slower loop). ``torch.compile``d and ``nn.DataParallel`` models are
   run through their eager module.
 - ``targets`` are class indices ``[M]`` or ``[M, T]`` (any integer dtype; ``M >= 1``); ``-100`` marks ignored
-  positions.
+  positions. Position ``t``'s logits are scored against ``targets[:, t]``: for a causal LM pass
+  ``causal_lm_targets(labels)`` (the next token), not Hugging Face's unshifted ``labels``.
 - The per-sample loss ``l_n`` is the sum of the cross-entropies over sample ``n``'s non-ignored positions and the
   batch loss is ``L = sum_n l_n`` (``eqn:prob_loss``). ``z_n`` is all logits of sample ``n``, so
   ``||grad_{z_n} l_n||^2`` sums over its positions.
@@ -31,6 +32,7 @@ from .hessian_free import CGResult, hessian_free
 from .damping_sweep import damping_sweep
 from .evaluation import METHODS, evaluate
 from .kfac import kfac_direction
+from .losses import causal_lm_targets
 from .jacobian import PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample, sampled_jacobian
 from .peft_support import per_sample_prompts
 
@@ -58,4 +60,5 @@ __all__ = [
     "evaluate",
     "METHODS",
     "damping_sweep",
+    "causal_lm_targets",
 ]

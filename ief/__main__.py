@@ -2,7 +2,8 @@
 
 Exit codes: 0 done (or skipped: finished), 2 bad input or an unreadable run file (an ``error:`` line naming the value
 or the file, nothing written), 1 missing data or weights, 75 the run is being run by another process (try again
-later, or pass ``--wait-lock``), 128 + N stopped by signal N (``resume.pt`` saved), 130 stopped at once.
+later, or pass ``--wait-lock``), 128 + N stopped by signal N (SIGINT, SIGTERM or SIGHUP; ``resume.pt`` saved), 130
+stopped at once (a second signal).
 """
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     t.add_argument("--checkpoint-every", type=float, default=120.0, metavar="SECONDS",
                    help="write resume.pt at least this often (default 120)")
-    t.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no tqdm progress bars: a progress line at every validation and every --log-every seconds")
+    t.add_argument("--log-every", type=float, default=300.0, metavar="SECONDS",
+                   help="with --no-progress, a progress line at least this often (default 300)")
     for q in (t, r):
         q.add_argument("--wait-lock", action="store_true",
                        help="when another process runs this run (e.g. a requeued job), wait for it instead of "
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         train(args.setup, args.optimizer, args.seed, args.scale, args.out, lr=args.lr, schedule=args.schedule,
               overrides=overrides, device=args.device, progress=not args.no_progress,
-              checkpoint_every_s=args.checkpoint_every, wait_lock=args.wait_lock)
+              checkpoint_every_s=args.checkpoint_every, wait_lock=args.wait_lock, log_every_s=args.log_every)
         return 0
     except RunInterrupted as err:
         print(f"interrupted: {err}", file=sys.stderr)

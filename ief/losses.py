@@ -209,3 +209,37 @@ def check_damping(damping: float, *, allow_zero: bool = True) -> float:
         accepted = "a finite number >= 0" if allow_zero else "a finite number > 0"
         raise ValueError(f"damping must be {accepted}, got {damping!r}")
     return value
+
+
+def causal_lm_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Hugging Face causal-LM ``labels`` as this package's targets: shifted left by one position.
+
+    A causal LM's logits at position ``t`` predict token ``t + 1``, and Hugging Face's ``*ForCausalLM`` models take
+    *unshifted* ``labels`` (usually ``input_ids`` with ``-100`` on padding) and shift them inside their loss. ``ief``
+    computes the loss itself, position by position (``eqn:prob_loss``), so it needs the shifted targets:
+    ``targets[:, t] = labels[:, t + 1]`` and ``-100`` at the last position. Passing the labels unshifted would
+    silently train every position to predict its own input token.
+
+    Args:
+        labels: integer tensor ``[M, T]`` (or ``[..., T]``), the labels a ``*ForCausalLM`` model takes.
+        ignore_index: the value that marks ignored labels (``-100``, Hugging Face's default); they become ``-100``.
+
+    Returns:
+        The targets, same shape and dtype: ``-100`` where the next label is ignored and at the last position, so
+        ``sum_n l_n / K`` (``K`` their non-ignored count) is the model's own ``outputs.loss``.
+
+    Raises:
+        ValueError: ``labels`` is not an integer tensor with a sequence dimension (``dim >= 2``).
+    """
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex \
+            or labels.dtype == torch.bool:
+        kind = f"a tensor of dtype {labels.dtype}" if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"causal_lm_targets needs integer labels [M, T] (token ids, {ignore_index} = ignored), "
+                         f"got {kind}")
+    if labels.dim() < 2:
+        raise ValueError(f"causal_lm_targets needs labels with a sequence dimension, [M, T], got shape "
+                         f"{tuple(labels.shape)}")
+    nxt = labels[..., 1:]
+    targets = labels.new_full(labels.shape, IGNORE_INDEX)
+    targets[..., :-1] = torch.where(nxt == ignore_index, torch.full_like(nxt, IGNORE_INDEX), nxt)
+    return targets

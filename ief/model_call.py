@@ -62,6 +62,12 @@ def resolve_params(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] 
             if id(p) not in seen:
                 seen.add(id(p))
                 chosen.append(p)
+    if not chosen and params is not None:
+        raise ValueError(
+            f"params= was given but holds no parameter (got {type(params).__name__} of length 0): pass a non-empty "
+            "iterable of the model's parameters (e.g. [layer.weight] or the LoRA weights), or leave params=None for "
+            "every trainable parameter"
+        )
     if not chosen:
         raise ValueError(
             "the model has no trainable parameters (none with requires_grad=True) and no params= were given; "

@@ -49,6 +49,8 @@ def test_aggregate_one_row_per_finished_run(runs, tmp_path):
         root = run_dir(out, "smoke", SETUP, row["optimizer"], row["seed"])
         losses = store.read_run(root)["losses"]
         assert row["final_train_loss"] == pytest.approx(final_loss(losses), rel=1e-12)
+        assert row["final_train_loss"] == pytest.approx(s["final_train_loss"], rel=1e-12)  # one definition: the
+        # runner's summary (and its CLI line) and the E2 table agree
         assert row["steps"] == s["steps"] == len(losses)
         assert row["best_step"] == s["best_validation"]["step"]
         assert row["val_accuracy"] == pytest.approx(s["best_validation"]["metrics"]["accuracy"])

@@ -21,7 +21,7 @@ import torch
 
 import ief
 import oracle
-from tiny_models import _t5_batch, mlp_case, t5_lora_case, t5_prompt_case
+from tiny_models import _t5_batch, mlp_case, mse_case, sequence_case, t5_lora_case, t5_prompt_case
 
 RTOL = 1e-10
 
@@ -525,3 +525,263 @@ def test_bad_form_is_refused_by_the_constructor(bad):
     c = mlp_case()
     with pytest.raises(ValueError, match="form must be one of"):
         ief.optim.IEF(c.model, form=bad)
+
+
+# ----------------------------------------------------------------------- driving the optimisers: API edges (issue 18)
+@pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
+def test_add_param_group_is_refused_with_the_reason_and_the_remedy(cls):
+    """One joint direction over one group: a group added later would never be updated, so it is refused."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).double()
+    opt = cls(model, damping=1e-3, params=list(model[0].parameters()))
+    with pytest.raises(ValueError, match=rf"{cls.__name__} takes one parameter group.*never be updated.*params="):
+        opt.add_param_group({"params": list(model[1].parameters())})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("call", [lambda o: o.step(), lambda o: o.step(lambda: torch.tensor(0.0)),
+                                  lambda o: o.step(None), lambda o: o.step(closure=lambda: 0.0)],
+                         ids=["step()", "step(closure)", "step(None)", "step(closure=)"])
+def test_step_without_a_batch_says_how_the_optimiser_is_driven(call):
+    c = mlp_case()
+    opt = ief.optim.IEF(c.model, damping=1e-3)
+    theta = flat(c.model)
+    with pytest.raises(TypeError) as info:
+        call(opt)
+    text = str(info.value)
+    assert "opt.step(inputs, targets)" in text and "transformers.Trainer" in text and "not supported" in text
+    assert text.count(". ") == 0 and "missing" not in text  # one sentence, not Python's bare signature error
+    assert torch.equal(flat(c.model), theta) and opt.steps_taken == 0
+
+
+def test_hf_trainer_with_an_ief_optimiser_stops_with_the_sentence(tmp_path):
+    """What ``transformers.Trainer(optimizers=(opt, None))`` does: its own forward and backward, then ``step()``."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=16))
+    data = [{"input_ids": torch.randint(1, 30, (6,)), "labels": torch.tensor(i % 2)} for i in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      optimizers=(ief.optim.IEF(model), None))
+    with pytest.raises(TypeError, match=r"IEF\.step needs the batch.*transformers\.Trainer.*is not supported"):
+        trainer.train()
+    assert transformers.__version__
+
+
+def test_empty_params_names_what_was_given():
+    c = mlp_case()
+    for params in ([], (), iter([])):
+        with pytest.raises(ValueError, match=r"params= was given but holds no parameter \(got \w+ of length 0\).*"
+                                             r"params=None"):
+            ief.optim.IEF(c.model, params=params)
+
+
+# ---------------------------------------------------------------------------------- reduction="mean" (issue 18)
+def _mean_convention_oracle(case, lr, damping, method, normalize=False):
+    """The update of the paper's code, by brute force in float64: per-sample gradients of the *mean* loss
+    ``L / K`` (rows ``J / K``, ``s / K^2``) and the dense formula of ``alg:iEF`` / ``alg:EF``."""
+    losses, jac, s = oracle.per_sample(case.model, case.inputs, case.targets, case.loss)
+    targets = case.targets
+    k = targets.numel() if targets.dtype.is_floating_point else int((targets != -100).sum())
+    jp, sp = jac.double() / k, s.double() / k**2
+    rhs = sp if method == "ief" else torch.ones_like(sp)
+    gram = jp @ jp.T + damping * torch.eye(len(sp), dtype=torch.float64)
+    d = jp.T @ torch.linalg.solve(gram, rhs)
+    update = -lr * (d / d.norm() if normalize else d)
+    return update, float(losses.sum()) / k
+
+
+def _cast(case, dtype):
+    def cast(x):
+        if isinstance(x, dict):
+            return {k: cast(v) for k, v in x.items()}
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype.is_floating_point else x
+    case.model.to(dtype)
+    case.inputs, case.targets = cast(case.inputs), cast(case.targets)
+    return case
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-9), (torch.float32, 2e-4)], ids=["f64", "f32"])
+@pytest.mark.parametrize("make", [mlp_case, sequence_case, t5_lora_case], ids=["mlp", "sequence", "t5-lora"])
+@pytest.mark.parametrize("method,normalize", [("ief", False), ("ef", False), ("ef", True)])
+def test_reduction_mean_is_the_paper_codes_update(make, method, normalize, dtype, rtol):
+    """``reduction="mean"``: lr and damping of the mean loss over the K counted targets (ignored positions and a
+    sample with none among them), the update equal to the brute-force token-mean computation; ``step`` returns
+    ``L / K``; ``param_groups`` keep the given values."""
+    case = make(dtype=torch.float64)
+    lr, damping = (50.0, 1e-4) if method == "ief" else (0.3, 1e-4)
+    expected, mean_loss = _mean_convention_oracle(case, lr, damping, method, normalize)
+    case = _cast(make(dtype=torch.float64), dtype)  # the same weights and inputs, rounded
+    cls = ief.optim.IEF if method == "ief" else ief.optim.EF
+    opt = cls(case.model, lr=lr, damping=damping, reduction="mean", normalize=normalize)
+    theta = flat(case.model)
+    loss = opt.step(case.inputs, case.targets)
+    assert_rel((flat(case.model) - theta).double(), expected, rtol=rtol, what=f"{method} update")
+    assert math.isclose(float(loss), mean_loss, rel_tol=max(rtol, 1e-12))
+    assert opt.param_groups[0]["lr"] == lr and opt.param_groups[0]["damping"] == damping
+    assert opt.last_tokens == int((case.targets != -100).sum())
+
+
+def test_reduction_mean_with_mse_counts_every_target_entry():
+    c = mse_case()
+    expected, mean_loss = _mean_convention_oracle(mse_case(), 2.0, 1e-3, "ief")
+    opt = ief.optim.IEF(c.model, lr=2.0, damping=1e-3, loss="mse", reduction="mean")
+    theta = flat(c.model)
+    assert math.isclose(float(opt.step(c.inputs, c.targets)), mean_loss, rel_tol=1e-12)
+    assert_rel(flat(c.model) - theta, expected, rtol=1e-9, what="mse update")
+    assert opt.last_tokens == c.targets.numel()
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_reduction_mean_sf_equals_the_sum_convention_with_converted_values(normalize):
+    """SF samples its labels: with the same generator, ``reduction="mean"`` is the sum-convention SF with
+    ``to_sum_convention``'s values for the batch (which ``test_convention`` checks against the paper's code)."""
+    from ief.optim.convention import to_sum_convention
+
+    c = sequence_case()
+    k = int((c.targets != -100).sum())
+    lr, damping = to_sum_convention("sf", 0.2, 1e-3, k, normalized=normalize)
+    ref = sequence_case()
+    theta = flat(c.model)
+    ief.optim.SF(ref.model, lr=lr, damping=damping, normalize=normalize,
+                 generator=torch.Generator().manual_seed(3)).step(ref.inputs, ref.targets)
+    ief.optim.SF(c.model, lr=0.2, damping=1e-3, normalize=normalize, reduction="mean",
+                 generator=torch.Generator().manual_seed(3)).step(c.inputs, c.targets)
+    assert_rel(flat(c.model) - theta, flat(ref.model) - theta, rtol=1e-9, what="SF update")
+
+
+def test_reduction_mean_equals_the_experiments_token_mean_optimiser():
+    """The experiments' ``TokenMeanIEF`` (paper setups) and ``IEF(reduction="mean")``: the same updates, 3 steps."""
+    from ief.experiments.optimizers import TokenMeanIEF
+
+    a, b = t5_lora_case(), t5_lora_case()
+    opt_a = ief.optim.IEF(a.model, lr=100.0, damping=1e-7, reduction="mean")
+    opt_b = TokenMeanIEF(b.model, lr=100.0, damping=1e-7)
+    for _ in range(3):
+        la, lb = opt_a.step(a.inputs, a.targets), opt_b.step(b.inputs, b.targets)
+        assert math.isclose(float(la), float(lb) / opt_b.last_tokens, rel_tol=1e-12)
+        assert_rel(flat(a.model), flat(b.model), rtol=1e-12, what="parameters")
+
+
+@pytest.mark.parametrize("bad", ["Mean", "none", None, 1])
+def test_bad_reduction_is_refused(bad):
+    with pytest.raises(ValueError, match=r"reduction must be one of 'sum', 'mean'.*got"):
+        ief.optim.IEF(mlp_case().model, reduction=bad)
+
+
+def test_reduction_mean_refuses_a_batch_without_a_counted_target():
+    c = sequence_case()
+    theta = flat(c.model)
+    with pytest.raises(ValueError, match="no counted target.*parameters left unchanged"):
+        ief.optim.IEF(c.model, reduction="mean").step(c.inputs, torch.full_like(c.targets, -100))
+    assert torch.equal(flat(c.model), theta)
+
+
+# ------------------------------------------------------------------------------ defaults cannot mislead (issue 18)
+def _tiny_bert_lora(seed: int = 0):
+    import peft
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return peft.get_peft_model(BertForSequenceClassification(config),
+                               peft.LoraConfig(r=8, target_modules=["query", "value"], modules_to_save=["classifier"]))
+
+
+def _bert_loss(model, inputs, targets) -> float:
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(**inputs).logits, targets, reduction="sum"))
+
+
+def test_defaults_of_each_reduction():
+    model = mlp_case().model
+    assert {k: ief.optim.IEF(model).param_groups[0][k] for k in ("lr", "damping")} == {"lr": 1.0, "damping": 1e-4}
+    assert {k: ief.optim.IEF(model, reduction="mean").param_groups[0][k] for k in ("lr", "damping")} == \
+        {"lr": 100.0, "damping": 1e-7}  # the paper's LoRA values (sec:app-optimiser)
+    for cls in (ief.optim.EF, ief.optim.SF):
+        assert cls(model).param_groups[0]["damping"] == 1e-4
+        assert cls(model, reduction="mean").param_groups[0]["damping"] == 1e-7
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("batch,seed", [(4, 0), (32, 0), (32, 1), (32, 2)])
+def test_default_iEF_step_lowers_a_tiny_bert_lora_loss(reduction, batch, seed):
+    """``IEF(model)`` (and ``IEF(model, reduction="mean")``) with every other setting left at its default: one step
+    on a tiny BERT-LoRA built from a config lowers the batch loss. (The paper's values read in the sum convention,
+    ``lr=100, damping=1e-7``, raise it from 22 to 58,000: see the next test.)"""
+    model = _tiny_bert_lora()
+    torch.manual_seed(seed)
+    inputs, targets = {"input_ids": torch.randint(1, 100, (batch, 12))}, torch.randint(0, 2, (batch,))
+    before = _bert_loss(model, inputs, targets)
+    ief.optim.IEF(model, reduction=reduction).step(inputs, targets)
+    assert _bert_loss(model, inputs, targets) < before
+
+
+def test_the_paper_values_in_the_sum_convention_do_diverge():
+    """The check above can fail: the old default (the paper's token-mean values used as sum-convention values)."""
+    model = _tiny_bert_lora()
+    torch.manual_seed(0)
+    inputs, targets = {"input_ids": torch.randint(1, 100, (32, 12))}, torch.randint(0, 2, (32,))
+    before = _bert_loss(model, inputs, targets)
+    ief.optim.IEF(model, lr=100.0, damping=1e-7).step(inputs, targets)
+    assert _bert_loss(model, inputs, targets) > 100 * before
+
+
+# ------------------------------------------------------------------------------------------ causal LMs (issue 18)
+def _causal_lm(kind: str):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                          tie_word_embeddings=False)).double()  # tied weights: another test's
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                                        pad_token_id=0)).double()
+
+
+def _lm_batch():
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, 40, (3, 7), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    input_ids[1, 5:], attention_mask[1, 5:] = 0, 0  # right padding
+    labels = input_ids.clone()
+    labels[attention_mask == 0] = -100
+    labels[2, :3] = -100  # a masked prompt
+    return {"input_ids": input_ids, "attention_mask": attention_mask}, labels
+
+
+def test_causal_lm_targets_shift_left_and_ignore_the_last_position():
+    labels = torch.tensor([[5, 6, 7, -100], [1, -100, 3, 4]])
+    assert ief.causal_lm_targets(labels).tolist() == [[6, 7, -100, -100], [-100, 3, 4, -100]]
+    assert ief.causal_lm_targets(torch.tensor([[1, 0, 2]]), ignore_index=0).tolist() == [[-100, 2, -100]]
+    for bad, shown in [(torch.tensor([1, 2]), "shape"), (torch.ones(2, 3), "dtype"), ([[1, 2]], "list")]:
+        with pytest.raises(ValueError, match=shown):
+            ief.causal_lm_targets(bad)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_causal_lm_targets_give_hugging_faces_own_shifted_loss(kind):
+    """``sum_n l_n / K`` with ``causal_lm_targets(labels)`` is the model's ``outputs.loss`` for ``labels``, and
+    ``IEF(reduction="mean").step`` returns it; the unshifted labels give another loss, and a step warns. (Hugging
+    Face computes its loss in float32 whatever the model's dtype: 1e-6.)"""
+    model = _causal_lm(kind)
+    inputs, labels = _lm_batch()
+    with torch.no_grad():
+        hf = float(model(**inputs, labels=labels).loss)
+    targets = ief.causal_lm_targets(labels)
+    losses = ief.per_sample(model, inputs, targets).losses
+    assert math.isclose(float(losses.sum()) / int((targets != -100).sum()), hf, rel_tol=1e-6)
+    unshifted = float(ief.per_sample(model, inputs, labels).losses.sum()) / int((labels != -100).sum())
+    assert not math.isclose(unshifted, hf, rel_tol=1e-3)
+    opt = ief.optim.IEF(model, reduction="mean")
+    assert math.isclose(float(opt.step(inputs, targets)), hf, rel_tol=1e-6)
+    with pytest.warns(UserWarning, match=r"unshifted labels.*ief\.causal_lm_targets\(labels\)"):
+        ief.optim.IEF(_causal_lm(kind)).step(inputs, labels)

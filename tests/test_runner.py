@@ -16,7 +16,9 @@ import torch
 
 from ief.experiments import RunConflict, run_dir, train
 from ief.__main__ import main
-from ief.experiments import runner, store
+from ief.experiments import format_summary, runner, store
+from ief.experiments.aggregate import run_row
+from ief.experiments.summaries import final_train_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP, OPT = "tweets-minilm-lora", "sf"  # dropout, LoRA dropout and SF's label sampling all draw random numbers
@@ -47,7 +49,11 @@ def test_run_files(reference):
     rows = (root / "train_loss.csv").read_text().splitlines()
     assert rows[0] == "step,epoch,loss" and len(rows) == 13
     losses = [float(r.split(",")[2]) for r in rows[1:]]
-    assert summary["final_train_loss"] == pytest.approx(sum(losses[-100:]) / len(losses[-100:]), rel=1e-12)
+    # the book's one definition (ief.experiments.summaries): the last 10 % of the 12 updates, ceil(1.2) = 2 of them
+    assert summary["final_train_loss_updates"] == 2
+    assert summary["final_train_loss"] == pytest.approx(sum(losses[-2:]) / 2, rel=1e-12)
+    assert summary["final_train_loss"] == final_train_loss(losses) == run_row(store.read_run(root))["final_train_loss"]
+    assert "final_train_loss=%.4f (last 2 of 12 updates)" % summary["final_train_loss"] in format_summary(summary)
     evals = [json.loads(line) for line in (root / "validation.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [2, 4, 6, 8, 10, 12]
     best = max(evals, key=lambda e: e["score"])  # the first of the best scores
@@ -88,20 +94,24 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def _interrupt(out: Path, signum: int, after_steps: int) -> int:
-    """Run the CLI in a subprocess (slowed down), send ``signum`` after ``after_steps`` steps; its exit code."""
+def _interrupt(out: Path, signum: int, after_steps: int, output: list[str] | None = None) -> int:
+    """Run the CLI in a subprocess (slowed down), send ``signum`` after ``after_steps`` steps; its exit code (its
+    stdout lines appended to ``output``)."""
     args = ["train", "--setup", SETUP, "--optimizer", OPT, "--seed", "3", "--scale", "smoke", "--out", str(out),
             "--set", "epochs=3", "--no-progress"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(torch.get_num_threads()), *args], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    seen = 0
+    seen, lines = 0, []
     for line in child.stdout:
+        lines.append(line)
         seen += line.startswith("STEP")
         if seen == after_steps:
             child.send_signal(signum)
             break
-    child.stdout.read()
+    lines += child.stdout.read().splitlines(keepends=True)
+    if output is not None:
+        output += lines
     return child.wait(timeout=60)
 
 
@@ -432,3 +442,54 @@ def test_stage_checkpoints(fast_reference, tmp_path):
               progress=False, verbose=False)
     assert s["stages"] == {"000": 0, "050": 4, "100": 8}
     assert list(store.stage_checkpoints(_fast_root(tmp_path / "custom"))) == [0, 50, 100]
+
+
+def test_sighup_is_handled_like_sigterm_and_the_resumed_run_says_where_it_resumed(reference, tmp_path, capsys):
+    """A dropped SSH session (SIGHUP): resume.pt saved after the current update, exit 128 + 1; the same command
+    resumes, says "resuming from step 3 of 12" and ends with the numbers of an uninterrupted run."""
+    summary, _ = reference
+    root = run_dir(tmp_path, "smoke", SETUP, OPT, 3)
+    output: list[str] = []
+    assert _interrupt(tmp_path, signal.SIGHUP, 3, output) == 128 + signal.SIGHUP
+    assert torch.load(root / "resume.pt", weights_only=False)["state"]["done"] == 3
+    assert any(line.startswith(f"{SETUP}/{OPT}/seed-3 [smoke]: step 2/12 (epoch 0.50)") for line in output)  # a
+    # progress line without a progress bar (the CLI's --no-progress), before the signal
+    resumed = train(SETUP, OPT, 3, "smoke", tmp_path, overrides=LONGER, progress=False, verbose=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{SETUP}/{OPT}/seed-3 [smoke]: resuming from step 3 of 12 (")
+    assert lines[0].endswith("trained before; next: update 4)")
+    assert _numbers(resumed) == _numbers(summary)
+
+
+def test_a_line_at_every_validation_without_a_progress_bar(fast_reference, tmp_path, capsys):
+    """``progress=False`` (the workflow's ``--no-progress``): one flushed line per validation, naming the step, the
+    epoch, the mean training loss since the previous line and the validation score; none with the bar."""
+    summary, _ = fast_reference
+    train("digits-mlp", "ief", 0, "smoke", tmp_path, progress=False, verbose=True)
+    lines = capsys.readouterr().out.splitlines()
+    evals = [json.loads(x) for x in (_fast_root(tmp_path) / "validation.jsonl").read_text().splitlines()]
+    total = summary["steps"]
+    progress = [x for x in lines if ": step " in x]
+    assert len(progress) == len(evals) >= 2 and len(lines) == len(progress) + 1  # + the summary line
+    losses = store.read_run(_fast_root(tmp_path))["losses"]
+    previous = 0
+    for line, e in zip(progress, evals):
+        step = e["step"]
+        mean = sum(losses[previous:step]) / (step - previous)
+        assert f"step {step}/{total} (epoch {step / summary['steps_per_epoch']:.2f}), train loss {mean:.4f} (mean " \
+               f"of updates {previous + 1}-{step}), validation score {e['score']:.4f} at step {step}, " in line
+        assert line.endswith(" left") and " elapsed, ~" in line
+        previous = step
+    train("digits-mlp", "ief", 0, "smoke", tmp_path / "bar", progress=True, verbose=True)
+    assert not [x for x in capsys.readouterr().out.splitlines() if ": step " in x]
+
+
+def test_a_line_every_log_every_seconds_between_validations(tmp_path, capsys):
+    train("digits-mlp", "ief", 0, "smoke", tmp_path, progress=False, verbose=True, log_every_s=1e-9)
+    summary = json.loads((_fast_root(tmp_path) / "summary.json").read_text())
+    lines = [x for x in capsys.readouterr().out.splitlines() if ": step " in x]
+    assert [int(x.split(": step ")[1].split("/")[0]) for x in lines] == list(range(1, summary["steps"] + 1))
+    assert main(["train", "--setup", "digits-mlp", "--optimizer", "ief", "--scale", "smoke", "--out",
+                 str(tmp_path / "bad"), "--log-every", "0"]) == 2
+    assert "log_every_s must be a number of seconds > 0, got 0.0" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -42,6 +42,7 @@ def final_loss(losses: list[float] | np.ndarray, fraction: float = FINAL_FRACTIO
     run at cpu and smoke scale (64 and 8 updates), so the window is a fraction of the run, which is ~the paper's
     share at full scale (e.g. 100 of 4,200 steps for SST-2 + T5 is 2.4 %; 10 % of 64 cpu steps is 7 steps).
     ``nan`` for a run without updates; a non-finite loss in the window makes the result non-finite (never hidden).
+    The window is :func:`.summaries.final_window`'s, so a run's row equals its ``summary.json`` (and CLI line).
     """
     values = np.asarray(losses, dtype=float)
     if values.size == 0:

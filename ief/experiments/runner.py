@@ -2,15 +2,22 @@
 
 A run follows the paper's protocol (``sec:app-optimiser``): batches of the setup's size drawn without replacement
 each epoch, validation every ``eval_every`` update steps (tab:train-epochs) and at the end, the best-validation
-checkpoint kept and its test metrics reported; ``final_train_loss`` is the mean loss of the last 100 steps.
+checkpoint kept and its test metrics reported; ``final_train_loss`` is the book's one definition
+(:func:`.summaries.final_train_loss`: the mean loss of the last 10 % of the updates, ``final_train_loss_updates`` of
+them; ``summary.json`` files written before held the mean of the last 100 updates and lack that field).
+
+Progress: with ``progress=True`` a tqdm bar; without it (``--no-progress``, the workflow's and cluster jobs' choice)
+and with ``verbose``, one line per validation and at least one every ``log_every_s`` seconds (step, epoch, the mean
+training loss since the previous line, the last validation score, elapsed and remaining time), flushed at once, so a
+cluster log shows how far a run is. A resumed run says so first: ``resuming from step k of n``.
 
 Resuming: ``resume.pt`` holds the trainable parameters, the optimiser and scheduler states, every RNG state, the
 position in the data (epoch orders are a function of the seed and the epoch, so the step count is the position)
-and the histories. It is written every ``checkpoint_every_s`` seconds of wall time and when SIGTERM or SIGINT
-arrives (the signal is honoured after the current update, or aborts an evaluation, whose result is then recomputed
-on resume). A second signal stops at once; the last checkpoint stays valid because every file is written
-atomically. Evaluation touches no RNG and no parameter, so a resumed run ends with exactly the numbers of an
-uninterrupted one. A run whose ``summary.json`` exists is skipped and never written again.
+and the histories. It is written every ``checkpoint_every_s`` seconds of wall time and when SIGTERM, SIGINT or
+SIGHUP (a closed terminal or a dropped SSH session) arrives (the signal is honoured after the current update, or
+aborts an evaluation, whose result is then recomputed on resume). A second signal stops at once; the last
+checkpoint stays valid because every file is written atomically. Evaluation touches no RNG and no parameter, so a
+resumed run ends with exactly the numbers of an uninterrupted one. A run whose ``summary.json`` exists is skipped and never written again.
 
 One process per run folder: the runner holds an ``fcntl.flock`` on ``run.lock`` in the folder (the kernel releases it
 when the process dies, however it dies). A second invocation of the same run (a SLURM requeue, a second terminal)
@@ -58,11 +65,12 @@ from .metrics import score, split_metrics, write_glue_predictions
 from .models import build_model, count_parameters
 from .optimizers import Diverged, make_optimizer, train_step
 from .setups import GLUE_TASKS, SetupConfig, optimizer_config, resolve
+from .summaries import final_train_loss, final_window
 from .tasks import make_task, to_device
 
 
 class RunInterrupted(Exception):
-    """SIGTERM / SIGINT stopped the run after saving ``resume.pt``; the same command resumes it."""
+    """SIGTERM / SIGINT / SIGHUP stopped the run after saving ``resume.pt``; the same command resumes it."""
 
     def __init__(self, signum: int, where: str):
         self.signum = signum
@@ -82,8 +90,12 @@ class _Aborted(Exception):
     pass
 
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 class _Signals:
-    """SIGINT/SIGTERM set ``pending`` (handled at the next safe point); a second one raises KeyboardInterrupt."""
+    """SIGINT/SIGTERM/SIGHUP set ``pending`` (handled at the next safe point); a second one raises
+    KeyboardInterrupt."""
 
     def __init__(self) -> None:
         self.pending: int | None = None
@@ -91,7 +103,7 @@ class _Signals:
 
     def __enter__(self) -> "_Signals":
         if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
+            for s in STOP_SIGNALS:
                 self._old[s] = signal.signal(s, self._handle)
         return self
 
@@ -187,9 +199,12 @@ def format_summary(s: dict[str, Any]) -> str:
                                             for k, v in m.items())
 
     loss = s.get("final_train_loss")
+    window = s.get("final_train_loss_updates")
+    over = f" (last {window} of {s['steps']} updates)" if window else " (last 100 updates: an older run)"
     div = f" DIVERGED at step {s['diverged']['step']}" if s.get("diverged") else ""
     return (f"{s['setup']}/{s['optimizer']}/seed-{s['seed']} [{s['scale']}]: final_train_loss="
-            f"{'n/a' if loss is None else f'{loss:.4f}'} | best validation (step {s['best_validation']['step']}): "
+            f"{'n/a' if loss is None else f'{loss:.4f}{over}'} | "
+            f"best validation (step {s['best_validation']['step']}): "
             f"{fmt(s['best_validation']['metrics'])} | test: {fmt(s['test'])}{div} | {s['wall_time_s']:.1f}s")
 
 
@@ -286,14 +301,15 @@ def _read_config(path: Path) -> dict[str, Any]:
 def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: str | Path = "runs", *,
           lr: float | None = None, schedule: str | None = None, overrides: dict[str, Any] | None = None,
           device: str | None = None, progress: bool = True, checkpoint_every_s: float = 120.0,
-          verbose: bool = True, wait_lock: bool = False) -> dict[str, Any]:
+          verbose: bool = True, wait_lock: bool = False, log_every_s: float = 300.0) -> dict[str, Any]:
     """Run (or resume, or skip if finished) one training run; returns its summary (see :mod:`.store` for the files).
 
     ``lr`` and ``schedule`` override the optimiser's learning rate and schedule, ``overrides`` fields of the resolved
     setup (all recorded in ``config.json``). Every argument is checked before anything is written (``ValueError``).
+    ``verbose`` without ``progress``: a progress line at every validation and at least every ``log_every_s`` seconds.
     Raises :class:`RunLocked` when another process runs this run (``wait_lock=True``: wait for it instead),
-    :class:`RunInterrupted` after SIGTERM/SIGINT (``resume.pt`` saved), :class:`.store.CorruptFile` when a file of
-    the run cannot be read and nothing can replace it (the message names the file and the remedy).
+    :class:`RunInterrupted` after SIGTERM/SIGINT/SIGHUP (``resume.pt`` saved), :class:`.store.CorruptFile` when a
+    file of the run cannot be read and nothing can replace it (the message names the file and the remedy).
     """
     cfg = check_setup(resolve(setup, scale, overrides))
     registered = optimizer_config(cfg, optimizer)
@@ -302,6 +318,8 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
                             None if schedule == registered.schedule else schedule)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if isinstance(log_every_s, bool) or not isinstance(log_every_s, (int, float)) or not log_every_s > 0:
+        raise ValueError(f"log_every_s must be a number of seconds > 0, got {log_every_s!r}")
     dev = resolve_device(device)
     root = run_dir(out, scale, setup, optimizer, seed)
     record = _run_record(cfg, ocfg, seed)
@@ -326,8 +344,52 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
                 if verbose:
                     print(f"skipped (finished): {format_summary(summary)}")
                 return summary
+        log = _ProgressLog(f"{setup}/{optimizer}/seed-{seed} [{scale}]", verbose, progress, log_every_s)
         return _train_owned(cfg, ocfg, record, root, setup, optimizer, seed, scale, dev, progress,
-                            checkpoint_every_s, verbose)
+                            checkpoint_every_s, verbose, log)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class _ProgressLog:
+    """The lines a run without a progress bar prints (``verbose`` and not ``progress``), flushed at once: one per
+    validation and at least one every ``every_s`` seconds; the resume line is printed whenever ``verbose``."""
+
+    def __init__(self, name: str, verbose: bool, progress: bool, every_s: float):
+        self.name, self.verbose, self.lines, self.every_s = name, verbose, verbose and not progress, every_s
+        self.started = self.last_time = time.time()
+        self.start_step = self.last_step = 0
+        self.wall_before = 0.0
+
+    def begin(self, state: dict[str, Any], total: int, resumed: bool) -> None:
+        """Called once the run state is known: this session's clock starts (the remaining time is estimated from
+        this session's updates); a resumed run says where it resumed."""
+        self.started = self.last_time = time.time()
+        self.start_step = self.last_step = state["done"]
+        self.wall_before = state["wall"]
+        if resumed and self.verbose:
+            what = "the test evaluation" if state["training_done"] else f"update {state['done'] + 1}"
+            print(f"{self.name}: resuming from step {state['done']} of {total} ({_duration(state['wall'])} trained "
+                  f"before; next: {what})", flush=True)
+
+    def step(self, state: dict[str, Any], total: int, spe: int, validated: bool) -> None:
+        done, now = state["done"], time.time()
+        if not self.lines or not (validated or now - self.last_time >= self.every_s):
+            return
+        recent = state["losses"][self.last_step:done]
+        loss = f"train loss {sum(recent) / len(recent):.4f} (mean of updates {self.last_step + 1}-{done})" \
+            if recent else "no update since the last line"
+        evals = state["evals"]
+        val = f", validation score {evals[-1]['score']:.4f} at step {evals[-1]['step']}" if evals else ""
+        rate = (now - self.started) / max(1, done - self.start_step)
+        print(f"{self.name}: step {done}/{total} (epoch {done / spe:.2f}), {loss}{val}, "
+              f"{_duration(self.wall_before + now - self.started)} elapsed, ~{_duration(rate * (total - done))} left",
+              flush=True)
+        self.last_time, self.last_step = now, done
 
 
 _RESUME_KEYS = ("model", "optimizer", "scheduler", "state", "rng")
@@ -400,7 +462,7 @@ def _load_best(root: Path, model: torch.nn.Module, state: dict[str, Any], candid
 
 def _train_owned(cfg: SetupConfig, ocfg: Any, record: dict[str, Any], root: Path, setup: str, optimizer: str,
                  seed: int, scale: str, dev: torch.device, progress: bool, checkpoint_every_s: float,
-                 verbose: bool) -> dict[str, Any]:
+                 verbose: bool, log: _ProgressLog) -> dict[str, Any]:
     """The run itself, once ``train`` holds the folder's lock and found it unfinished."""
     seed_everything(seed)
     data = load_data(cfg)  # missing data or weights fail here, before anything is written
@@ -419,7 +481,9 @@ def _train_owned(cfg: SetupConfig, ocfg: Any, record: dict[str, Any], root: Path
     state: dict[str, Any] = {"done": 0, "post_pending": False, "training_done": False, "losses": [], "evals": [],
                              "best": None, "diverged": None, "wall": 0.0}
     resume, previous = root / "resume.pt", root / "resume.prev.pt"
-    state = _resume(root, model, opt, scheduler) or state
+    resumed = _resume(root, model, opt, scheduler)
+    state = resumed or state
+    log.begin(state, total, resumed is not None)
     t0, wall0, last_save = time.time(), state["wall"], time.time()
 
     def save_resume() -> None:
@@ -451,8 +515,10 @@ def _train_owned(cfg: SetupConfig, ocfg: Any, record: dict[str, Any], root: Path
 
     def post(done: int, sig: _Signals) -> None:
         """What follows update ``done``: validation when due, the epoch checkpoint and the epoch scheduler."""
-        if done % eval_every == 0 or done == total:
+        due = done % eval_every == 0 or done == total
+        if due:
             validate(done, sig)
+        log.step(state, total, spe, due)
         write_stages(done)
         if done % spe == 0:
             store.write_torch(root / "checkpoints" / f"epoch-{done // spe:03d}.pt", store.trainable_state(model))
@@ -519,7 +585,8 @@ def _train_owned(cfg: SetupConfig, ocfg: Any, record: dict[str, Any], root: Path
     summary = {
         "setup": setup, "scale": scale, "optimizer": optimizer, "seed": seed,
         "steps": state["done"], "epochs": cfg.epochs, "steps_per_epoch": spe,
-        "final_train_loss": float(np.mean(losses[-100:])) if losses else None,
+        "final_train_loss": final_train_loss(losses) if losses else None,
+        "final_train_loss_updates": final_window(len(losses)) if losses else 0,
         "best_validation": {"step": best["step"], "epoch": best["epoch"], "metrics": best["metrics"],
                             "score": best["score"]},
         "test": metrics_of(cfg.task, results), "test_predictions": predictions,

@@ -3,14 +3,34 @@
 Unlike first-order optimisers, a step needs the per-sample gradients, so the optimiser runs the forward and backward
 itself. The calling convention::
 
-    opt = ief.optim.IEF(model, lr=100.0, damping=1e-7)     # model: any nn.Module, e.g. a peft model
+    opt = ief.optim.IEF(model)                             # model: any nn.Module, e.g. a peft model
     for inputs, targets in loader:
         loss = opt.step(inputs, targets)                  # forward, per-sample backward, update; returns L
 
 ``inputs`` is what the model takes (a tensor, a tuple, or a dict passed as ``model(**inputs)``), ``targets`` are
-class indices with ``-100`` for ignored positions (or float targets with ``loss="mse"``). There is no ``.grad`` to
-zero and no closure. ``lr`` and ``damping`` live in ``param_groups`` so torch LR schedulers work, and
-``state_dict()`` / ``load_state_dict()`` round-trip the step counter (and SF's ``generator`` state).
+class indices with ``-100`` for ignored positions (or float targets with ``loss="mse"``). Causal LMs: the logits at
+position ``t`` predict token ``t + 1``; pass ``ief.causal_lm_targets(labels)``, not Hugging Face's unshifted
+``labels`` (a step warns when the targets equal ``inputs["input_ids"]``). There is no ``.grad`` to zero and no
+closure: ``step()`` and ``step(closure)`` raise ``TypeError`` saying so. For the same reason
+``transformers.Trainer(optimizers=(opt, None))`` is not supported: its loop runs its own forward and backward and
+then calls ``optimizer.step()`` (overriding ``Trainer.training_step`` alone does not help, that call still follows),
+so the batch never reaches the optimiser; write the loop above. ``lr`` and ``damping`` live in ``param_groups`` so
+torch LR schedulers work, and ``state_dict()`` / ``load_state_dict()`` round-trip the step counter (and SF's
+``generator`` state).
+
+One parameter group: the update preconditions all the parameters jointly (one ``J``, one Gram system), so
+``add_param_group`` after construction raises ``ValueError`` (a group added to a torch optimiser is expected to be
+updated, and it would not be; per-group rates would scale blocks of the direction, which is then no longer iEF's).
+Choose the parameters once, ``params=[...]`` (default: every trainable one).
+
+**Loss convention** (``reduction``, torch's word). ``"sum"`` (default): the optimiser minimises ``L = sum_n l_n``,
+this package's convention, with ``l_n`` the sum over sample ``n``'s counted positions. ``"mean"``: ``lr`` and
+``damping`` are values for the mean ``L / K`` over the batch's ``K`` counted target positions (tokens; entries of the
+target for ``loss="mse"``), the convention of Hugging Face's ``outputs.loss`` and of the paper's released code, so
+the paper's hyperparameters mean what the paper means; every step converts them for its batch's ``K``
+(:func:`ief.optim.convention.to_sum_convention`, derivation in :mod:`ief.experiments.convention`: iEF's rate by
+``1/K``, un-normalised EF/SF's by ``K``, normalised updates unchanged, the damping by ``K^2``), and ``step`` returns
+``L / K``. ``param_groups`` keep the given values (a scheduler acts on them).
 
 Bad values are refused before anything changes: the constructor checks ``lr`` (finite, > 0), ``damping`` (finite,
 >= 0; > 0 for SF), ``total_steps`` and ``check``; every ``step`` checks the values it is about to use again, because
@@ -24,9 +44,18 @@ Schedules: ``normalize=True`` rescales each update to norm ``lr`` ("normalised u
 multiplies the step size by ``1 - t/T`` (linear decay to 0). The paper trains EF and SF with both
 (``sec:app-optimiser``) because of EF's inversely-scaled update norms; iEF uses a constant learning rate.
 
-Defaults are the paper's LoRA hyperparameters (T5-base / ViT LoRA): iEF ``lr=100``, EF/SF ``lr=0.01``, damping
-``1e-7``. For prompt tuning the paper uses damping ``1e-12``, iEF ``lr=50`` and EF/SF ``lr=1``. The learning rate is
-tied to the loss convention ``L = sum_n l_n`` used throughout this package.
+**Defaults** depend on ``reduction`` (``sec:app-optimiser``). ``"mean"``: the paper's LoRA values, iEF ``lr=100``,
+EF/SF ``lr=0.01`` (normalised update), damping ``1e-7`` (prompt tuning: damping ``1e-12``, iEF ``lr=50``, EF/SF
+``lr=1``); the paper tuned them for batches of 32 samples of a few target tokens each. ``"sum"``: iEF ``lr=1``, EF/SF
+``lr=0.01`` (a normalised rate is the same in both conventions) and damping ``1e-4``, about the paper's ``1e-7``
+converted for a batch of ``K = 32`` target tokens (``K^2 lambda``). The paper's values taken literally in the sum
+convention are unstable: iEF moves every sample's logits by ``-lr`` times its loss gradient to first order
+(``eqn:iEF_lsq``: ``J d = s``), so ``lr=100`` moves them 100 times as far as ``lr=1`` does, and ``damping=1e-7``
+leaves the Gram system's small eigenvalues unregularised (the sum convention's ``J J^T`` is ``K^2`` times the mean
+convention's, so the same ``lambda`` damps ``K^2`` times less): on a tiny BERT-LoRA (random weights, 32 samples)
+one step with ``lr=100, damping=1e-7`` takes the loss ``L`` from 22.2 to 58,192, ``lr=1, damping=1e-7`` to
+78-2,549 (3 batches), ``lr=1, damping=1e-4`` to 12.0-12.9.
+The cpu setups' learning-rate searches chose iEF ``lr=1`` in the sum convention.
 
 Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's
 Gram block and direction come from its layer's inputs and output gradients (see ``ief.per_sample``'s ``form``);
@@ -35,14 +64,28 @@ Gram block and direction come from its layer's inputs and output gradients (see 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from ..directions import ef_direction, ief_direction, sf_direction
 from ..jacobian import CHECKS, FactoredJacobian, _check_form, gradient_and_sampled_jacobian, per_sample
-from ..losses import Loss, check_damping
+from ..losses import IGNORE_INDEX, Loss, check_damping
 from ..model_call import Inputs, all_finite, resolve_params
+from .convention import to_sum_convention
+
+REDUCTIONS = ("sum", "mean")
+DEFAULT_DAMPING = {"sum": 1e-4, "mean": 1e-7}  # see "Defaults" above
+_MISSING: Any = object()
+
+
+def _how_to_step(name: str) -> str:
+    return (f"{name}.step needs the batch: call opt.step(inputs, targets) in your own loop, which runs the forward "
+            f"and the per-sample backward itself (no loss.backward() and no closure), so a loop that calls step() or "
+            f"step(closure) after its own backward cannot drive it, and transformers.Trainer(optimizers=(opt, None)) "
+            f"is not supported (its training loop calls step() without the batch)")
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -70,31 +113,55 @@ def _check_total_steps(total_steps) -> int | None:
     return total_steps
 
 
+def _check_reduction(reduction) -> str:
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))} (the loss whose lr and damping "
+                         f"these are: sum_n l_n, or its mean over the counted target positions), got {reduction!r}")
+    return reduction
+
+
+def _looks_unshifted(inputs: Inputs, targets: torch.Tensor) -> bool:
+    """Whether ``targets`` equal ``inputs["input_ids"]`` at every counted position of a sequence (Hugging Face's
+    causal-LM ``labels``, which the model shifts itself)."""
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+    if not isinstance(ids, torch.Tensor) or targets.dtype.is_floating_point or targets.dim() < 2 \
+            or tuple(ids.shape) != tuple(targets.shape) or targets.shape[-1] < 2:
+        return False
+    kept = targets != IGNORE_INDEX
+    return bool(kept.any()) and bool((targets[kept] == ids.to(targets.device)[kept]).all())
+
+
 class _ExactPreconditioned(torch.optim.Optimizer):
     """Shared machinery: validation, schedule, finite checks and the in-place update."""
 
     _needs_positive_damping = False
+    method = ""  # "ief" / "ef" / "sf": the rule that converts a token-mean rate (reduction="mean")
 
     def __init__(
         self,
         model: torch.nn.Module,
         lr: float,
-        damping: float,
+        damping: float | None,
         *,
         params: Iterable[torch.nn.Parameter] | None = None,
         loss: str | Loss = "cross_entropy",
+        reduction: str = "sum",
         normalize: bool = False,
         total_steps: int | None = None,
         check: bool = True,
         form: str = "auto",
     ):
+        self._constructed = False
         if not isinstance(model, torch.nn.Module):
             raise ValueError(
                 f"model must be a torch.nn.Module (the optimiser runs its forward), got {type(model).__name__}")
         lr = _check_positive("lr", lr)
+        if damping is None:  # the defaults of the module docstring
+            damping = DEFAULT_DAMPING[_check_reduction(reduction)]
         damping = check_damping(damping, allow_zero=not self._needs_positive_damping)
         total_steps = _check_total_steps(total_steps)
         check = _check_check(check)
+        self.reduction = _check_reduction(reduction)
         self.form = _check_form(form)
         chosen = resolve_params(model, params)
         super().__init__(chosen, dict(lr=lr, damping=damping, normalize=bool(normalize), total_steps=total_steps))
@@ -106,6 +173,21 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         self.last_update_norm: float | None = None
         self._buffer: torch.Tensor | None = None
         self.last_losses: torch.Tensor | None = None
+        self.last_tokens: int | None = None  # K of the last batch (reduction="mean")
+        self._warned_unshifted = False
+        self._constructed = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused after construction (``ValueError``): the update preconditions all parameters jointly, so a second
+        group would never be updated (see the module docstring)."""
+        if getattr(self, "_constructed", False):
+            name = type(self).__name__
+            raise ValueError(
+                f"{name} takes one parameter group: its update preconditions all parameters jointly (one per-sample "
+                f"Jacobian, one Gram system), so a group added by add_param_group would never be updated, and "
+                f"per-group learning rates would no longer give the {name} direction; construct "
+                f"{name}(model, params=[...every parameter to train...]) instead")
+        super().add_param_group(param_group)
 
     @property
     def steps_taken(self) -> int:
@@ -148,14 +230,45 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             p.add_(d.view(p.shape), alpha=-size)
             self.state[p]["step"] = self.state[p].get("step", 0) + 1
 
-    def step(self, inputs: Inputs, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """One update on the batch ``(inputs, targets)``; returns the batch loss ``L = sum_n l_n`` before it.
+    def _tokens(self, targets: torch.Tensor) -> int:
+        """``K``: the counted target positions (class indices other than ``-100``; every entry of a float target)."""
+        if targets.dtype.is_floating_point:
+            k = targets.numel()
+        else:
+            k = int((targets != IGNORE_INDEX).sum())
+        if k < 1:
+            raise ValueError("reduction='mean': the batch has no counted target (every target is -100), so the mean "
+                             "loss is undefined; parameters left unchanged")
+        return k
 
-        Raises ``FloatingPointError`` (parameters untouched) if the loss, the gradients or the update are not finite.
+    def step(self, inputs: Inputs = _MISSING, targets: torch.Tensor = _MISSING, *,  # type: ignore[override]
+             closure: Any = None) -> torch.Tensor:
+        """One update on the batch ``(inputs, targets)``; returns the batch loss before it: ``L = sum_n l_n``, or
+        ``L / K`` with ``reduction="mean"``.
+
+        Raises:
+            TypeError: no batch (``step()``, ``step(closure)``: how these optimisers are driven, in one sentence).
+            ValueError: a bad value in ``param_groups`` (parameters untouched).
+            FloatingPointError: the loss, the gradients or the update are not finite (parameters untouched).
         """
+        if targets is _MISSING or closure is not None:
+            raise TypeError(_how_to_step(type(self).__name__))
         for index, g in enumerate(self.param_groups):
             self._check_group(index, g)
+        if not self._warned_unshifted and _looks_unshifted(inputs, targets):
+            self._warned_unshifted = True
+            warnings.warn(
+                "the targets equal inputs['input_ids'] at every counted position: for a causal LM (GPT-2, Llama, "
+                "...) these are Hugging Face's unshifted labels, and this step trains every position to predict its "
+                "own input token; pass ief.causal_lm_targets(labels) (the next token at each position)",
+                UserWarning, stacklevel=2)
         group = self.param_groups[0]
+        tokens = None
+        if self.reduction == "mean":  # the given (token-mean) rates as this package's (sum) ones for this batch
+            tokens = self.last_tokens = self._tokens(targets)
+            lr, damping = to_sum_convention(self.method, group["lr"], group["damping"], tokens,
+                                            normalized=group["normalize"])
+            group = dict(group, lr=lr, damping=damping)
         number = self.steps_taken
         try:
             with torch.enable_grad():
@@ -171,7 +284,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         self._apply(group, direction, size)
         self.last_update_norm = abs(size) * norm
         self.last_losses = losses
-        return losses.sum()
+        return losses.sum() if tokens is None else losses.sum() / tokens
 
     def _check_now(self):
         """The thorough (exact) per-sample check on the first step, the cheap one afterwards."""
@@ -179,7 +292,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             return "exact"
         return self.check
 
-    def _per_sample(self, inputs: Inputs, targets: torch.Tensor, group: dict):
+    def _per_sample(self, inputs: Inputs, targets: torch.Tensor, group: dict) -> Any:
         result = per_sample(self.model, inputs, targets, group["params"], loss=self.loss, check=self._check_now(),
                             out=self._buffer, form=self.form)
         # reused next step (same batch size): no fresh allocation of J (or of its materialised column blocks)
@@ -197,9 +310,26 @@ class _ExactPreconditioned(torch.optim.Optimizer):
 
 
 class IEF(_ExactPreconditioned):
-    """Exact iEF: ``theta <- theta - lr * J^T (J J^T + lambda I)^{-1} s_iEF`` (``alg:iEF``, ``eqn:iEF_lsq``)."""
+    """Exact iEF: ``theta <- theta - lr * J^T (J J^T + lambda I)^{-1} s_iEF`` (``alg:iEF``, ``eqn:iEF_lsq``).
 
-    def __init__(self, model: torch.nn.Module, lr: float = 100.0, damping: float = 1e-7, **kwargs):
+    Args:
+        model: the ``nn.Module`` whose forward the optimiser runs.
+        lr: the rate; default ``1.0`` with ``reduction="sum"`` (stable: see the module docstring), the paper's
+            LoRA ``100.0`` with ``reduction="mean"`` (``sec:app-optimiser``).
+        damping: ``lambda`` (>= 0) in the ``reduction``'s convention; default ``1e-4`` (``"sum"``) or the paper's
+            ``1e-7`` (``"mean"``).
+        **kwargs: ``params``, ``loss``, ``reduction``, ``normalize``, ``total_steps``, ``check``, ``form``.
+
+    Raises:
+        ValueError: a bad argument, named with its value.
+    """
+
+    method = "ief"
+
+    def __init__(self, model: torch.nn.Module, lr: float | None = None, damping: float | None = None,
+                 **kwargs: Any):
+        if lr is None:
+            lr = 100.0 if kwargs.get("reduction", "sum") == "mean" else 1.0
         super().__init__(model, lr, damping, **kwargs)
 
     def _direction(self, inputs, targets, group):
@@ -213,8 +343,10 @@ class EF(_ExactPreconditioned):
     Defaults to the paper's normalised update; pass ``total_steps`` for its linear decay to 0.
     """
 
-    def __init__(self, model: torch.nn.Module, lr: float = 0.01, damping: float = 1e-7, *, normalize: bool = True,
-                 **kwargs):
+    method = "ef"
+
+    def __init__(self, model: torch.nn.Module, lr: float = 0.01, damping: float | None = None, *,
+                 normalize: bool = True, **kwargs: Any):
         super().__init__(model, lr, damping, normalize=normalize, **kwargs)
 
     def _direction(self, inputs, targets, group):
@@ -230,16 +362,17 @@ class SF(_ExactPreconditioned):
     """
 
     _needs_positive_damping = True
+    method = "sf"
 
     def __init__(
         self,
         model: torch.nn.Module,
         lr: float = 0.01,
-        damping: float = 1e-7,
+        damping: float | None = None,
         *,
         normalize: bool = True,
         generator: torch.Generator | None = None,
-        **kwargs,
+        **kwargs: Any,
     ):
         super().__init__(model, lr, damping, normalize=normalize, **kwargs)
         self.generator = generator

@@ -267,14 +267,14 @@ def _linear_modules(model: torch.nn.Module, params: list[torch.Tensor]) -> list[
 
 @functools.lru_cache(maxsize=None)
 def kfac_blocks(name: str, dtype: torch.dtype, kind: str, seed: int) -> list[tuple]:
-    """Every preconditioned layer's ``(g [R, out], a [R', k], grad [out, k], where)``, ``G = g^T g`` and
-    ``A = a^T a``, by explicit per-sample passes
-    (``sec:app-iEF-eNGDopt``, expand): ``A = 1/M sum_n 1/T sum_t a a^T`` (``[a, 1]`` with a trained bias),
-    ``G = sum_n w_n sum_t g g^T`` with ``g`` the gradient of ``l_n`` (true labels, or the labels the package draws in
-    ``dtype`` with ``seed`` for ``"kfac"``) w.r.t. the layer's output at position ``t``; ``w_n = 1 / s_n`` for
-    ``"iekfac"`` (0 where ``s_n = 0``), else 1. The rows are kept (not only ``G`` and ``A``) so that a sensitivity
-    check can round them as a float32 computation does (which breaks ``sum_c g_c = 0`` at ``eps``, not ``eps^2``). The gradient block is ``[grad_W, grad_b]`` from the dense oracle,
-    so that row-major ``vec`` matches ``G (x) A``; ``where``: ``[("weight" | "bias", index in the parameters)]``."""
+    """Every preconditioned layer's ``(g [R, out], a [R', k], grad [out, k], where)`` with ``G = g^T g`` and
+    ``A = a^T a``, by explicit per-sample passes (``sec:app-iEF-eNGDopt``, expand):
+    ``A = 1/M sum_n 1/T sum_t a a^T`` (``[a, 1]`` with a trained bias), ``G = sum_n w_n sum_t g g^T`` with ``g`` the
+    gradient of ``l_n`` (true labels, or for ``"kfac"`` the labels the package draws in ``dtype`` with ``seed``)
+    w.r.t. the layer's output at position ``t``; ``w_n = 1 / s_n`` for ``"iekfac"`` (0 where ``s_n = 0``), else 1.
+    ``grad = [grad_W, grad_b]`` from the dense oracle, so that its row-major ``vec`` matches ``G (x) A``; ``where``:
+    ``[("weight" | "bias", index in the parameters)]``. The rows are kept, not only ``G`` and ``A``, so that a
+    sensitivity check can round them as a float32 computation does (which breaks ``sum_c g_c = 0`` at ``eps``)."""
     c = case(name, torch.float64)
     model = c.model
     params = kfac_params(name, c) or oracle.trainable(model)
@@ -364,6 +364,26 @@ def kfac_oracle_direction(name: str, dtype: torch.dtype, kind: str, seed: int, d
         if perturb is not None:
             g_rows, a_rows, grad = (perturb(t, 3 * layer + i) for i, t in enumerate((g_rows, a_rows, grad)))
         solved = kronecker_solve(g_rows.T @ g_rows, a_rows.T @ a_rows, grad, damping)
+        for part, i in where:
+            piece = solved[:, :-1] if part == "weight" and len(where) == 2 else solved
+            piece = solved[:, -1] if part == "bias" else piece
+            direction[starts[i] : starts[i] + sizes[i]] = piece.reshape(-1)
+    return direction
+
+
+def kfac_dense_direction(name: str, dtype: torch.dtype, kind: str, seed: int, damping: float) -> torch.Tensor:
+    """As :func:`kfac_oracle_direction` (``damping > 0``), by a dense solve of ``G (x) A + lambda I`` per layer: the
+    definition itself, accurate where the block is well conditioned (``damping`` not far below its largest
+    eigenvalue)."""
+    c = case(name, torch.float64)
+    params = kfac_params(name, c) or oracle.trainable(c.model)
+    sizes = [p.numel() for p in params]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    direction = torch.zeros(sum(sizes), dtype=torch.float64)
+    for g_rows, a_rows, grad, where in kfac_blocks(name, dtype, kind, seed):
+        block = torch.kron(g_rows.T @ g_rows, a_rows.T @ a_rows)
+        eye = torch.eye(block.shape[0], dtype=torch.float64)
+        solved = torch.linalg.solve(block + damping * eye, grad.reshape(-1)).reshape(grad.shape)
         for part, i in where:
             piece = solved[:, :-1] if part == "weight" and len(where) == 2 else solved
             piece = solved[:, -1] if part == "bias" else piece

@@ -62,7 +62,8 @@ from dataclasses import dataclass
 import torch
 
 from .conv_rules import conv2d_factors, conv2d_is_unfoldable
-from .curvature import differentiable_kernels, jvp_any_mode
+from .curvature import differentiable_kernels
+from .logit_jvp import jvps_any_mode
 from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
 from .model_call import (
@@ -74,6 +75,7 @@ from .model_call import (
     check_targets,
     column_chunks,
     flatten,
+    non_reentrant_checkpointing,
     param_names,
     resolve_params,
     shapes_of,
@@ -580,26 +582,49 @@ class _Capture:
         else:
             cache.move_to_end(key)
         axes, probe_error = cached
-        kept = []
+        reasons = {}
         for k, entry in enumerate(self.modules):
             if all(axis is not None for axis in axes[k]):
                 for rec, axis in zip(self.records[k], axes[k]):
                     rec[2] = axis
-                kept.append((k, entry))
                 continue
             shapes = sorted({str(shape) for shape, axis in zip(full[k], axes[k]) if axis is None})
             if probe_error is not None:
-                why = f"the one-sample probe forward that finds the sample axis failed: {probe_error}"
+                reasons[k] = f"the one-sample probe forward that finds the sample axis failed: {probe_error}"
             else:
-                why = (
+                reasons[k] = (
                     f"{type(entry[0]).__name__} input shapes {', '.join(shapes)} have no dimension that is the {m} "
                     "samples (a probe forward of one sample does not shrink exactly one of them to 1)"
                 )
+        self.demote(reasons)
+
+    def demote(self, reasons: dict[int, str]) -> None:
+        """Send the parameters of hooked modules ``k`` (``reasons``: ``k -> why``) to the per-sample loop: the module
+        is no longer hooked; its calls' stand-ins stay, so that the loop differentiates every use (:meth:`leaves`)."""
+        if not reasons:
+            return
+        kept = []
+        for k, entry in enumerate(self.modules):
+            if k not in reasons:
+                kept.append((k, entry))
+                continue
             for i in entry[3].values():
-                self.demoted[i] = why
+                self.demoted[i] = reasons[k]
             self.hooked -= set(entry[3].values())
         self.modules = [e for _, e in kept]
         self.records = {new: self.records[old] for new, (old, _) in enumerate(kept)}
+
+    def demote_outside_uses(self, reached: set[int], names: Sequence[str]) -> None:
+        """Demote the modules of hooked parameters that the graph reaches outside their hooked calls (``reached``:
+        their own gradient accumulators are in the graph, see :func:`ief.model_call.scan_graph`; e.g. tied weights):
+        their hooked rows would miss that use, the loop's rows are exact."""
+        reasons = {}
+        for k, (module, _, _, owned) in enumerate(self.modules):
+            outside = [i for i in owned.values() if i in reached]
+            if outside:
+                reasons[k] = (f"{', '.join(names[i] for i in outside)} also used outside its {type(module).__name__} "
+                              "(e.g. tied weights)")
+        self.demote(reasons)
 
     def clear_grads(self) -> None:
         for calls in self.records.values():
@@ -842,9 +867,9 @@ def _raise_if_beyond(err: torch.Tensor, scale: torch.Tensor, tol: float, names: 
         bad = [f"{names[k]} (relative error {float(err[k] / scale[k]):.2e})" for k in failing[:5]]
         raise PerSampleGradientMismatch(
             "per-sample gradients do not sum to the batch gradient for: " + ", ".join(bad)
-            + ". A parameter is used outside the module that owns it (e.g. tied weights) where the per-sample hooks "
-            "cannot see it; pass params= to leave it out, or check=False to skip this guard if you know the rows "
-            "are right."
+            + ". A parameter is used outside the module that owns it where the per-sample hooks cannot see it (tied "
+            "weights are found before the backward and take the exact per-sample loop: this use escaped that "
+            "search); pass params= to leave it out."
         )
 
 
@@ -876,9 +901,94 @@ def _refuse_sample_mixing(model: torch.nn.Module) -> None:
             raise PerSampleGradientMismatch(
                 f"module {name or type(module).__name__!r} ({type(module).__name__}) normalises with batch "
                 "statistics, so samples are mixed and per-sample gradients from one backward are not the gradients "
-                "of the individual losses; put it in eval mode (module.eval()) or pass check=False if you accept "
-                "the hooked approximation"
+                "of the individual losses; put it in eval mode (module.eval()), or replace it by a per-sample "
+                "normalisation (e.g. nn.GroupNorm / nn.LayerNorm)"
             )
+
+
+CHECK_TANGENTS = 8  # random tangents of the exact check
+
+
+def exact_check_tolerance(dtype: torch.dtype) -> float:
+    """The exact check's bound on ``||J_n V - exact_n|| / ||exact_n||``: ``1e4`` units of rounding of ``dtype``
+    (float32 1.2e-3, float64 2.2e-12), at most 0.1 (16-bit dtypes, whose rounding hides smaller errors)."""
+    return min(1e4 * torch.finfo(dtype).eps, 0.1)
+
+
+def check_directional_derivatives(forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str],
+                                  jac: torch.Tensor | FactoredJacobian, grad_z: torch.Tensor) -> None:
+    """The exact check (``check="exact"``): every row ``J_n`` against sample ``n``'s exact directional derivatives.
+
+    For ``K`` = :data:`CHECK_TANGENTS` random tangents ``v_k`` (fixed seed), ``exact_nk = (dl_n/dz_n)^T J_{z_n} v_k``
+    (one batched forward-mode pass, or double backward, on a replay of the forward with the real parameters;
+    ``dl_n/dz_n`` as the batch backward computed it, so that a confident sample's rounded ``p - 1`` is shared) and
+    ``J_n v_k`` from the rows, both summed in float64. Sample ``n`` fails when
+    ``||J_n V - exact_n|| > tol * max(||exact_n||, ||J_n V||)`` (norms over the ``K`` tangents; ``tol`` from
+    :func:`exact_check_tolerance`). Normalised by the size of the products themselves, an error of relative size
+    ``r`` in ``J_n`` shows as ``~r`` whatever ``P`` (``exact_nk`` and the error's product both scale like
+    ``1/sqrt(P)``); with ``K = 8`` the ratio falls below a third of ``r`` with probability ~1e-4, so a 1 % error is
+    caught in float32 (``tol`` 1.2e-3) and float64 alike.
+
+    Raises:
+        PerSampleGradientMismatch: naming the samples that fail, the worst one and its relative error.
+    """
+    m, total = jac.shape
+    gen = torch.Generator().manual_seed(0)
+    directions = torch.randn(CHECK_TANGENTS, total, generator=gen, dtype=torch.float64)
+    chunks = torch.split(directions, [p.numel() for p in params], dim=1)
+    directions = torch.cat([c.to(p.dtype).to(torch.float64) for c, p in zip(chunks, params)], dim=1)  # as applied
+    _, jvs = jvps_any_mode(forward, params, names, directions)
+    g = grad_z.detach().to(torch.float64).reshape(1, m, -1)
+    exact = (g * jvs.to(torch.float64).reshape(CHECK_TANGENTS, m, -1)).sum(dim=2).T  # [M, K]
+    if isinstance(jac, FactoredJacobian):
+        hooked = torch.stack([jac.times(d) for d in directions], dim=1)
+    else:
+        hooked = torch.zeros(m, CHECK_TANGENTS, dtype=torch.float64, device=jac.device)
+        for lo, block in column_chunks(jac):
+            hooked += block.to(torch.float64) @ directions[:, lo : lo + block.shape[1]].T.to(jac.device)
+    err = (hooked - exact).norm(dim=1)
+    scale = torch.maximum(exact.norm(dim=1), hooked.norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
+    rel = err / scale
+    tol = exact_check_tolerance(jac.dtype)
+    failing = torch.nonzero(rel > tol).flatten().tolist()
+    if failing:
+        n = int(rel.argmax())
+        raise PerSampleGradientMismatch(
+            f"per-sample gradients of samples {failing[:10]}{' ...' if len(failing) > 10 else ''} disagree with their "
+            f"exact directional derivatives (worst: sample {n}, relative error {float(rel[n]):.2e} > {tol:.1e}): a "
+            "layer mixes samples or a hooked layer's leading dimension is not the sample dimension; pass params= to "
+            "leave its parameters out, or make it a module without a per-sample hook (its parameters then take the "
+            "exact per-sample loop)"
+        )
+
+
+def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian | None) -> None:
+    """``FloatingPointError`` naming the samples whose loss (or, given ``jac``, row of ``J``) is not finite."""
+    if jac is None:
+        if all_finite(losses):
+            return
+        bad = torch.nonzero(~torch.isfinite(losses.detach())).flatten().tolist()
+        what = "loss"
+    else:
+        if jac.is_finite() if isinstance(jac, FactoredJacobian) else all_finite(jac):
+            return
+        bad = torch.nonzero(~_finite_rows(jac)).flatten().tolist()
+        what = "per-sample gradient"
+    raise FloatingPointError(
+        f"non-finite {what} for samples {bad[:10]}{' ...' if len(bad) > 10 else ''} (of {losses.shape[0]}): a NaN or "
+        "inf in those samples' inputs, logits or targets, or in the parameters; per-sample gradients are refused "
+        "rather than returned as non-finite rows (drop or fix those samples)"
+    )
+
+
+def _finite_rows(jac: torch.Tensor | FactoredJacobian) -> torch.Tensor:
+    """``[M]`` booleans: whether row ``n`` of ``J`` is finite."""
+    if isinstance(jac, FactoredJacobian):
+        ok = torch.isfinite(jac.dense).all(dim=1)
+        for _, a, g in jac.ghosts:
+            ok &= torch.isfinite(a).flatten(1).all(dim=1) & torch.isfinite(g).flatten(1).all(dim=1)
+        return ok
+    return torch.isfinite(jac).all(dim=1)
 
 
 class _HookedForward:
@@ -900,9 +1010,13 @@ class _HookedForward:
             _refuse_sample_mixing(model)
         self.capture = _Capture(model, self.params, stand_ins=True)
         self.forward = ReplayableForward(model, inputs)
+        # which hooked parameters the graph reaches outside their hooked calls (they ran with stand-ins)
+        self.forward.watch = {id(self.params[i]): i for i in self.capture.hooked}
         # The exact check replays this forward with the reference kernels (forward-mode AD needs them); fused kernels
-        # draw attention-dropout masks differently, so with the exact check on, this forward uses them too.
+        # draw attention-dropout masks differently, so with the exact check on, this forward uses them too, and so do
+        # the backward passes (activation checkpointing recomputes the forward inside them: same kernels, same graph).
         kernels = differentiable_kernels if self.mode == "exact" else contextlib.nullcontext
+        self.kernels = kernels
         with self.capture, torch.enable_grad(), kernels():
             self.logits = self.forward()
         self.loss.check(self.logits, targets)
@@ -913,7 +1027,8 @@ class _HookedForward:
             def run():
                 buffers = [(b, b.clone()) for b in model.buffers()]  # e.g. batch-norm running statistics
                 try:
-                    with torch.random.fork_rng(devices=self.forward._devices), torch.enable_grad(), kernels():
+                    with torch.random.fork_rng(devices=self.forward._devices), torch.enable_grad(), kernels(), \
+                            non_reentrant_checkpointing(model):
                         logits = call_model(model, take_first(inputs, m))
                 finally:  # restored through .data: no version bump for the batch forward's saved tensors
                     for b, saved in buffers:
@@ -926,6 +1041,7 @@ class _HookedForward:
 
         self.capture.establish_axes(m, model, inputs, probe)
         names = param_names(model, self.params)
+        self.capture.demote_outside_uses(self.forward.reached, names)
         _warn_slow_path(model, self.capture, names, m)
         self.targets = targets
         self.names = names if self.mode is not None else None
@@ -934,47 +1050,36 @@ class _HookedForward:
         self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None, form: str = "dense"
     ) -> tuple[torch.Tensor, torch.Tensor | FactoredJacobian, _Deferred]:
         """``(losses, J, grad)`` for the given targets (``J`` in the given form, see :func:`per_sample`; ``grad``
-        computed on first use, see :class:`PerSample`)."""
-        with torch.enable_grad():
+        computed on first use, see :class:`PerSample`). Raises ``FloatingPointError`` naming the samples whose loss
+        or row of ``J`` is not finite."""
+        logit_grads: list[torch.Tensor] = []  # dL/dz as the batch backward computed it (for the exact check)
+        with torch.enable_grad(), self.kernels():
             losses = self.loss.per_sample(self.logits, targets)
-            jac, autograd = _backward_jacobian(self.capture, losses, self.params, retain_graph, out, form)
+            _refuse_nonfinite(losses, None)
+            handle = self.logits.register_hook(lambda g: logit_grads.append(g) if not logit_grads else None) \
+                if self.mode == "exact" and self.logits.requires_grad else None
+            try:
+                jac, autograd = _backward_jacobian(self.capture, losses, self.params, retain_graph, out, form)
+            finally:
+                if handle is not None:
+                    handle.remove()
+        _refuse_nonfinite(losses, jac)
         if self.mode is not None:
             check_no_outside_use(self.capture, jac, autograd, self.names)
         if self.mode == "exact":
-            self._check_directional_derivatives(jac, targets)
+            grad_z = logit_grads[0] if logit_grads else self.loss.logit_grad(self.logits.detach(), targets)
+            check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z)
         offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked)  # the records are not kept alive
         return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
-
-    def _check_directional_derivatives(self, jac: torch.Tensor | FactoredJacobian, targets: torch.Tensor) -> None:
-        factored = isinstance(jac, FactoredJacobian)
-        if not (jac.is_finite() if factored else all_finite(jac)):
-            return
-        gen = torch.Generator().manual_seed(0)
-        tangents = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p) for p in self.params]
-        logits, jv = jvp_any_mode(self.forward, self.params, self.names, tangents)
-        m = jac.shape[0]
-        exact = (self.loss.logit_grad(logits.double(), targets) * jv.double()).reshape(m, -1).sum(dim=1)
-        v = torch.cat([t.reshape(-1) for t in tangents]).double()
-        hooked = jac.times(v) if factored else jac.double() @ v
-        norms = jac.row_sqnorms().sum(1).sqrt() if factored else jac.double().norm(dim=1)
-        scale = norms * v.norm() + torch.finfo(jac.dtype).tiny
-        rel = (exact - hooked).abs() / scale
-        if bool((rel > 50 * math.sqrt(torch.finfo(jac.dtype).eps)).any()):
-            n = int(rel.argmax())
-            raise PerSampleGradientMismatch(
-                f"per-sample gradient of sample {n} disagrees with its exact directional derivative (relative "
-                f"error {float(rel[n]):.2e}): a layer mixes samples or a hooked layer's leading dimension is not "
-                "the sample dimension; pass params= to exclude it, or use the per-sample loop by making the layer "
-                "a non-hooked module"
-            )
 
     def gradient(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(losses, grad)`` only: a plain backward (the hooks' records are not turned into a Jacobian); it asks
         for the hooked calls' stand-ins too, so that autograd gives every parameter its whole batch gradient."""
         owners, leaves = self.capture.leaves(self.params, range(len(self.params)))
         n = len(self.params)
-        with torch.enable_grad():
+        with torch.enable_grad(), self.kernels():
             losses = self.loss.per_sample(self.logits, targets)
+            _refuse_nonfinite(losses, None)
             grads = torch.autograd.grad(losses.sum(), leaves, retain_graph=retain_graph, allow_unused=True)
         return losses.detach(), flatten(_summed(grads[:n], owners[n:], grads[n:]), self.params)
 

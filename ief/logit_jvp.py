@@ -249,6 +249,31 @@ def jvp_any_mode(
     return logits.detach(), jv
 
 
+# Models on which the batched forward-mode pass failed once (no batching rule, data-dependent control flow).
+_NO_BATCHED_JVP: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def jvps_any_mode(
+    forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str], directions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, [J_z d_1, ..., J_z d_K])`` for the rows of ``directions [K, P]``: one batched forward-mode pass
+    (:func:`batched_jvps`), or, where the model supports no batched forward mode (remembered per model), one forward,
+    one backward with ``create_graph`` and one backward-type pass per direction (:func:`double_backward_jvps`, the
+    same values). Logits detached, ``[K, *z.shape]`` detached."""
+    model = forward.model
+    if model not in _NO_FORWARD_MODE and model not in _NO_BATCHED_JVP:
+        try:
+            return batched_jvps(forward, params, names, directions)
+        except (RuntimeError, NotImplementedError):  # the fallback is exact; a real error recurs there
+            _NO_BATCHED_JVP[model] = True
+    sizes = [p.numel() for p in params]
+    tangent_sets = [[c.reshape(p.shape).to(p) for c, p in zip(torch.split(d, sizes), params)] for d in directions]
+    with differentiable_kernels(), torch.inference_mode(False), torch.enable_grad():
+        logits = forward()
+        jvs = double_backward_jvps(logits, params, tangent_sets)
+    return logits.detach(), torch.stack(jvs)
+
+
 def logits_and_jvp(
     forward: ReplayableForward,
     params: Sequence[torch.Tensor],

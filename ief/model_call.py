@@ -16,8 +16,8 @@
   every pass here uses, never enters it, so the block's parameters would silently get zero gradients. HuggingFace
   layers checkpointed that way (``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
   True})``) are run non-reentrantly inside this package's forwards (:func:`non_reentrant_checkpointing`: same values,
-  same memory saving, the user's setting restored after the call); any other reentrant checkpoint found in a graph
-  raises :class:`ReentrantCheckpointError` (:func:`scan_graph`).
+  same memory saving, the user's setting restored after the call); any other reentrant checkpoint raises
+  :class:`ReentrantCheckpointError` naming the fix.
 """
 from __future__ import annotations
 
@@ -47,13 +47,32 @@ def _reentrant(func: object) -> bool:
     return func.func is torch.utils.checkpoint.checkpoint
 
 
+REENTRANT_MESSAGE = (
+    "the model checkpoints activations with torch.utils.checkpoint(..., use_reentrant=True), whose block "
+    "autograd.grad and forward-mode AD do not differentiate (its parameters would get zero gradients and tangents); "
+    "checkpoint with use_reentrant=False instead (HuggingFace layers are switched to it by this package; "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) does it for good), "
+    "or disable checkpointing"
+)
+
+
+class _RefuseReentrant:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` (the reentrant checkpoint's ``autograd.Function``,
+    looked up by ``checkpoint()`` at every call) inside this package's forwards."""
+
+    @staticmethod
+    def apply(*args) -> None:
+        raise ReentrantCheckpointError(REENTRANT_MESSAGE)
+
+
 @contextlib.contextmanager
 def non_reentrant_checkpointing(model: torch.nn.Module) -> Iterator[None]:
     """Inside: every HuggingFace layer checkpointed reentrantly (``gradient_checkpointing`` on, its
     ``_gradient_checkpointing_func`` a ``partial`` with ``use_reentrant=True``) checkpoints with
     ``use_reentrant=False`` instead: the same values and memory saving, and a graph that ``autograd.grad`` and
     forward-mode AD differentiate. A backward after the block recomputes with the function recorded in the forward,
-    so restoring the user's setting on exit is safe."""
+    so restoring the user's setting on exit is safe. Any other reentrant ``torch.utils.checkpoint`` call raises
+    :class:`ReentrantCheckpointError` (the reentrant ``autograd.Function`` is swapped for a refusal meanwhile)."""
     swapped = []
     for module in model.modules():
         func = module.__dict__.get("_gradient_checkpointing_func")
@@ -61,37 +80,27 @@ def non_reentrant_checkpointing(model: torch.nn.Module) -> Iterator[None]:
             keywords = {**func.keywords, "use_reentrant": False}
             module._gradient_checkpointing_func = functools.partial(func.func, *func.args, **keywords)
             swapped.append((module, func))
+    reentrant = torch.utils.checkpoint.CheckpointFunction
+    torch.utils.checkpoint.CheckpointFunction = _RefuseReentrant
     try:
         yield
     finally:
+        torch.utils.checkpoint.CheckpointFunction = reentrant
         for module, func in swapped:
             module._gradient_checkpointing_func = func
 
 
-REENTRANT_NODES = ("CheckpointFunctionBackward",)  # torch.utils.checkpoint's reentrant autograd.Function
-
-
-def scan_graph(tensor: torch.Tensor, watch: Mapping[int, int] | None = None) -> set[int]:
-    """Walk the autograd graph behind ``tensor``: raise :class:`ReentrantCheckpointError` if it holds a reentrant
-    checkpoint (its parameters are invisible to ``autograd.grad``), and return the values of ``watch`` (``id`` of a
-    leaf tensor -> index) whose leaves the graph reaches (their gradient accumulators are in it)."""
+def scan_graph(tensor: torch.Tensor, watch: Mapping[int, int]) -> set[int]:
+    """The values of ``watch`` (``id`` of a leaf tensor -> index) whose leaves the autograd graph behind ``tensor``
+    reaches (their gradient accumulators are in it): one walk over the graph's nodes."""
     reached: set[int] = set()
     root = tensor.grad_fn
-    if root is None:
+    if root is None or not watch:
         return reached
     seen, stack = {root}, [root]
     while stack:
         node = stack.pop()
-        name = type(node).__name__
-        if name in REENTRANT_NODES:
-            raise ReentrantCheckpointError(
-                "the model checkpoints activations with torch.utils.checkpoint(..., use_reentrant=True), whose block "
-                "autograd.grad cannot differentiate (its parameters would get zero gradients); checkpoint with "
-                "use_reentrant=False instead (HuggingFace: model.gradient_checkpointing_enable("
-                "gradient_checkpointing_kwargs={'use_reentrant': False}), which this package also applies by itself "
-                "to HuggingFace layers), or disable checkpointing"
-            )
-        if watch and name == "AccumulateGrad":
+        if type(node).__name__ == "AccumulateGrad":
             index = watch.get(id(node.variable))
             if index is not None:
                 reached.add(index)
@@ -295,15 +304,15 @@ class ReplayableForward:
     def __call__(self, substitute: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits, optionally with some parameters substituted (``torch.func.functional_call``).
 
-        HuggingFace layers checkpointed reentrantly run non-reentrantly (:func:`non_reentrant_checkpointing`); a graph
-        with another reentrant checkpoint raises :class:`ReentrantCheckpointError` (:func:`scan_graph`, which also
-        fills ``reached`` from ``watch``)."""
+        HuggingFace layers checkpointed reentrantly run non-reentrantly, any other reentrant checkpoint raises
+        :class:`ReentrantCheckpointError` (:func:`non_reentrant_checkpointing`). With ``watch`` set and gradients on,
+        ``reached`` is filled from it (:func:`scan_graph`)."""
         with self._replayed_rng(), non_reentrant_checkpointing(self.model):
             if substitute is None:
                 logits = call_model(self.model, self.inputs)
             else:
                 logits = _functional_logits(self.model, substitute, self.inputs)
-        self.reached = scan_graph(logits, self.watch) if torch.is_grad_enabled() else set()
+        self.reached = scan_graph(logits, self.watch) if self.watch and torch.is_grad_enabled() else set()
         return logits
 
 

@@ -19,6 +19,7 @@ parameter itself only through uses outside its hooked calls: that part is exactl
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import hypothesis.strategies as st
@@ -385,3 +386,89 @@ def test_per_sample_gradient_is_computed_on_first_access_and_survives_pickling()
     torch.testing.assert_close(got.gradient, expected, rtol=1e-10, atol=1e-12)
     given = ief.PerSample(got.losses, got.jacobian, got.logit_sqnorm, expected)  # the public constructor
     assert given.gradient is expected
+
+
+# ------------------------------------------------------------------------------ the exact check, whatever P and dtype
+class _FlipMix(torch.nn.Module):
+    """``Linear(D, D) -> tanh -> h + mix * h.flip(0) -> Linear(D, 3)`` (issue 18): with ``mix != 0`` every l_n
+    depends on sample ``M - 1 - n``; the hooked rows still add up. ``P = D^2 + 4 D + 3`` (4 355 for D = 64, 66 563
+    for D = 256)."""
+
+    def __init__(self, d: int, mix: float):
+        super().__init__()
+        self.lin, self.head, self.mix = torch.nn.Linear(d, d), torch.nn.Linear(d, 3), mix
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return self.head(h + self.mix * h.flip(0))
+
+
+def _flip_mix(d: int, mix: float, dtype: torch.dtype, m: int = 6, seed: int = 0):
+    torch.manual_seed(seed)
+    model = _FlipMix(d, mix).double()
+    gen = torch.Generator().manual_seed(seed + 1)
+    x, y = torch.randn(m, d, generator=gen, dtype=torch.float64), torch.randint(0, 3, (m,), generator=gen)
+    return model.to(dtype), x.to(dtype), y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("d", [64, 256])
+def test_exact_check_catches_sample_mixing_whatever_p_and_dtype(d, dtype):
+    """Before: float32 passed J 46-48 % wrong (the old bound, 50 sqrt(eps) of ||J_n|| ||v||, lost sensitivity like
+    1/sqrt(P)). Now caught in both dtypes, by per_sample and the optimisers' first step (parameters untouched);
+    without the mixing the same model passes and its rows are the oracle's."""
+    model, x, y = _flip_mix(d, 0.5, dtype)
+    with pytest.raises(ief.PerSampleGradientMismatch, match="directional derivatives"):
+        ief.per_sample(model, x, y, check="exact")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ief.PerSampleGradientMismatch, match="directional derivatives"):
+        ief.optim.IEF(model, lr=0.1).step(x, y)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    clean, x, y = _flip_mix(d, 0.0, dtype)
+    _, expected, _ = oracle.per_sample(copy.deepcopy(clean).double(), x.double(), y)
+    got = ief.per_sample(clean, x, y, check="exact")
+    assert _rel(got.jacobian, expected) < (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def _inject(monkeypatch, row: int, size: float, seed: int):
+    """Make ``per_sample``'s rows wrong by ``size`` (relative) in row ``row``, in a random direction."""
+    real = jac_mod._backward_jacobian
+
+    def wrong(*args, **kwargs):
+        jac, autograd = real(*args, **kwargs)
+        gen = torch.Generator().manual_seed(seed)
+        noise = torch.randn(jac.shape[1], generator=gen, dtype=torch.float64)
+        jac[row] += (size * jac[row].double().norm() / noise.norm() * noise).to(jac.dtype)
+        return jac, autograd
+
+    monkeypatch.setattr(jac_mod, "_backward_jacobian", wrong)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("d", [3, 64, 256], ids=["P=24", "P=4355", "P=66563"])
+def test_exact_check_catches_a_one_percent_error_in_any_row(monkeypatch, d, dtype):
+    """A 1 % error (relative to ||J_n||, random direction) in one row is named, whatever P and the dtype (before: at
+    P = 66 563 the old bound, 0.017 of ||J_n|| ||v|| in float32, needed an error of ~4 ||J_n||); no error, no
+    alarm."""
+    model, x, y = _flip_mix(d, 0.0, dtype)
+    ief.per_sample(model, x, y, check="exact")
+    for row in (0, 4):
+        _inject(monkeypatch, row, 0.01, seed=row)
+        with pytest.raises(ief.PerSampleGradientMismatch, match=rf"samples \[{row}\]"):
+            ief.per_sample(model, x, y, check="exact")
+        monkeypatch.undo()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(d=st.integers(1, 40), m=st.integers(2, 8), seed=st.integers(0, 2**16), data=st.data(),
+       dtype=st.sampled_from([torch.float32, torch.float64]), size=st.sampled_from([0.01, 0.05, 1.0]))
+def test_property_exact_check_names_exactly_the_wrong_row(monkeypatch, d, m, seed, data, dtype, size):
+    model, x, y = _flip_mix(d, 0.0, dtype, m=m, seed=seed)
+    row = data.draw(st.integers(0, m - 1))
+    ief.per_sample(model, x, y, check="exact")  # no false alarm
+    _inject(monkeypatch, row, size, seed)
+    try:
+        with pytest.raises(ief.PerSampleGradientMismatch, match=rf"samples \[{row}\]"):
+            ief.per_sample(model, x, y, check="exact")
+    finally:
+        monkeypatch.undo()

@@ -593,3 +593,37 @@ def test_the_hooked_backward_skips_the_batch_weight_gradients(monkeypatch):
     expected = oracle.gradient(model, x, y)
     assert_rel(got.gradient, expected, F64_RTOL, "gradient from the rows")
     assert_rel(grad, expected, F64_RTOL, "plain gradient")
+
+
+# ------------------------------------------------------------------------------------------------ non-finite input
+@pytest.mark.parametrize("form", ["dense", "auto"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_samples_are_named_not_returned_as_nan_rows(form, bad):
+    """Before: NaN rows came back without error. Now ``FloatingPointError`` names the non-finite samples (with
+    ``check=False`` too); the optimisers' contract (``FloatingPointError`` naming the step) holds."""
+    c = mlp_case()
+    x = c.inputs.clone()
+    x[1, 0] = bad
+    x[3, 2] = bad
+    for check in (True, False, "exact"):
+        with pytest.raises(FloatingPointError, match=r"samples \[1, 3\] \(of 6\)"):
+            ief.per_sample(c.model, x, c.targets, check=check, form=form)
+    with pytest.raises(FloatingPointError, match=r"samples \[1, 3\]|logits hold nan at index \(1, "):  # the draw checks NaN logits
+        ief.sampled_jacobian(c.model, x, c.targets, form=form)
+    with pytest.raises(FloatingPointError, match=r"step 0: .*samples \[1, 3\]"):
+        ief.optim.IEF(c.model, lr=0.1, form=form).step(x, c.targets)
+
+
+def test_a_non_finite_row_with_a_finite_loss_is_named(monkeypatch):
+    """A row can overflow while its loss is finite: the rows are checked too."""
+    c = mlp_case()
+    real = ief.jacobian._backward_jacobian
+
+    def overflowing(*args, **kwargs):
+        jac, autograd = real(*args, **kwargs)
+        jac[2, 0] = float("inf")
+        return jac, autograd
+
+    monkeypatch.setattr(ief.jacobian, "_backward_jacobian", overflowing)
+    with pytest.raises(FloatingPointError, match=r"non-finite per-sample gradient for samples \[2\]"):
+        ief.per_sample(c.model, c.inputs, c.targets)

@@ -29,25 +29,33 @@ one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs
 and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
 
 Every trainable parameter that is not in a hooked module (a ``Conv2d`` with reflect / circular padding, a ``Conv1d``,
-an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``) or whose module had a call without an
-established sample axis falls back to an exact per-sample loop of backward passes (``M`` backward passes: exact,
-slower); a :class:`SlowPathWarning` names those parameters once per model.
+an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``), whose module had a call without an
+established sample axis, or that is also used outside its hooked module (a tied weight, see below) falls back to an
+exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names
+those parameters once per model.
 
 The hooks assume what per-sample gradients presuppose: sample ``n``'s slice of a hooked input depends on sample ``n``
 alone (no layer mixes or reorders samples along the sample axis), and that a hooked parameter is used only by its
 module's calls. The latter is made structural: while a hooked module runs its forward, each of its parameters being
 differentiated is replaced by a *stand-in* (``p.detach().requires_grad_()``: a fresh leaf on ``p``'s storage, no
 copy), so autograd reaches ``p`` itself only through uses outside its hooked calls (a tied weight: an
-``nn.Embedding`` table reused by an ``F.linear`` head). The guard, on by default, reads that part ``o`` of the
-batch backward: ``None`` or zero means the hooked rows are the whole gradient by construction (cost ~0: no
-gradient is read); otherwise ``o = g - sum_n J_n`` exactly, and :class:`PerSampleGradientMismatch` names the
-parameter unless ``o`` is at rounding level. It also refuses batch norm with batch statistics. A side effect is a
-cheaper backward: autograd never computes the hooked layers' batch weight gradients (the stand-ins are not asked
-for); the batch gradient, when wanted, is ``J^T 1`` plus ``o`` (:attr:`PerSample.gradient`, computed on first
-access). A custom layer that mixes or reorders samples (its hooked rows still add up) is what ``check="exact"`` is
-for: it compares ``J v`` with the exact per-sample directional derivatives (forward mode, or double backward where a
-layer has no forward-mode rule, on a replay with the real parameters); the optimisers run that exact check on their
-first step.
+``nn.Embedding`` table reused by an ``F.linear`` head, GPT-2's ``lm_head``). One walk over the forward's graph
+(:func:`ief.model_call.scan_graph`) finds such a ``p`` (its gradient accumulator is in the graph) before the
+backward, and its module's parameters take the loop, whose backward passes differentiate ``p`` and its stand-ins
+together: the rows are then exact whatever ``check``. The guard, on by default, reads what the batch backward gives
+the remaining hooked parameters, ``o = g - sum_n J_n``: ``None`` (by construction, cost ~0) unless a use escaped that
+search, when :class:`PerSampleGradientMismatch` names the parameter. It also refuses batch norm with batch
+statistics. A side effect is a cheaper backward: autograd never computes the hooked layers' batch weight gradients
+(the stand-ins are not asked for); the batch gradient, when wanted, is ``J^T 1`` (:attr:`PerSample.gradient`,
+computed on first access). A custom layer that mixes or reorders samples (its hooked rows still add up) is what
+``check="exact"`` is for (:func:`check_directional_derivatives`: every row against ``K = 8`` exact per-sample
+directional derivatives, relative to their own size, so that a 1 % error in any row is caught whatever ``P`` and
+the dtype); the optimisers run that exact check on their first step. Non-finite losses or rows raise
+``FloatingPointError`` naming the samples.
+
+Activation checkpointing (``torch.utils.checkpoint``): the non-reentrant kind is exact (the backward runs in the
+forward's kernel context, so its recomputation saves what the forward saved); HuggingFace layers checkpointed
+reentrantly are run non-reentrantly, and any other reentrant checkpoint raises (:mod:`ief.model_call`).
 """
 from __future__ import annotations
 
@@ -850,7 +858,8 @@ def check_no_outside_use(capture: _Capture, jacobian: torch.Tensor | FactoredJac
     fails when ``||o|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds ``tol * sum_n ||J_n||``),
     ``tol = 50 sqrt(eps)``. Parameters of the per-sample loop are not checked: their rows are gradients of the
     individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
-    the optimisers)."""
+    the optimisers). A parameter whose outside use is in the forward's graph (tied weights) has already been sent to
+    the loop (:meth:`_Capture.demote_outside_uses`): this is the safety net behind that search."""
     found = [i for i in sorted(capture.hooked) if autograd[i] is not None and bool(autograd[i].any())]
     if not found:
         return
@@ -996,10 +1005,10 @@ def _finite_rows(jac: torch.Tensor | FactoredJacobian) -> torch.Tensor:
 class _HookedForward:
     """One forward through the capture hooks; per-sample backward passes of any loss of its logits.
 
-    ``check``: ``True`` (~free: no sample-mixing batch norm, and no hooked parameter used outside its hooked calls,
-    e.g. tied weights, see :func:`check_no_outside_use`), ``"exact"`` (additionally
-    compares ``J v`` with the exact per-sample directional derivatives from one forward-mode pass, for a random
-    ``v``: catches a custom layer that mixes samples), or ``False``.
+    ``check``: ``True`` (~free: no sample-mixing batch norm, and no hooked parameter used outside its hooked calls
+    that the graph search missed, see :func:`check_no_outside_use`), ``"exact"`` (additionally every row against
+    exact per-sample directional derivatives, :func:`check_directional_derivatives`: catches a custom layer that
+    mixes samples), or ``False``. Tied weights take the exact loop whatever ``check``.
     """
 
     def __init__(self, model, inputs, targets, params, loss, check):
@@ -1114,8 +1123,9 @@ def per_sample(
         loss: ``"cross_entropy"`` (default) or ``"mse"``.
         check: ``True`` (default, ~free): refuse batch norm with batch statistics and verify that no hooked
             parameter is used outside its hooked module, so that the rows of ``J`` sum to the batch gradient (see
-            :func:`check_no_outside_use`); ``"exact"``: that, and ``J v`` against exact per-sample directional
-            derivatives (one extra forward-mode pass); ``False``: no guard.
+            :func:`check_no_outside_use`; tied weights are found before and take the exact loop); ``"exact"``:
+            that, and every row against exact per-sample directional derivatives along 8 random tangents (one
+            batched forward-mode pass, :func:`check_directional_derivatives`); ``False``: no guard.
         out: optional ``[M, P]`` buffer of the parameters' dtype and device to write ``J`` into (overwritten; used
             when its shape matches). The optimisers reuse one across steps.
         form: how ``J`` is returned. ``"dense"`` (default): the ``[M, P]`` tensor. ``"auto"``: a
@@ -1124,6 +1134,14 @@ def per_sample(
             (``M I O``), whichever is cheaper for that layer; every other parameter as its (small) column block.
             ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight. ``ief_direction``,
             ``ef_direction`` and ``sf_direction`` take either form; ``.materialize()`` gives the tensor.
+
+    Returns:
+        :class:`PerSample` (``losses``, ``jacobian``, ``logit_sqnorm``, ``gradient``).
+
+    Raises:
+        FloatingPointError: naming the samples whose loss or row of ``J`` is not finite (never NaN rows).
+        PerSampleGradientMismatch: from the guard / the exact check (naming the parameter or the samples).
+        ief.model_call.ReentrantCheckpointError: a reentrant ``torch.utils.checkpoint`` outside HuggingFace layers.
     """
     form = _check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)

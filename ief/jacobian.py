@@ -926,37 +926,80 @@ def exact_check_tolerance(dtype: torch.dtype) -> float:
     return min(1e4 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps), 0.1)
 
 
+def _check_tangents(params: Sequence[torch.Tensor], k: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``K`` random tangents per parameter (fixed seed), as float64 factors rounded to the parameter's dtype (both
+    sides of the check then use the same numbers): ``(u [K, O], w [K, I])`` for a parameter of two or more dimensions
+    viewed ``[O, I]`` (the rank-1 tangent ``u w^T``: ``O + I`` draws instead of ``O I``, and ``J_n . u w^T`` straight
+    from a factored weight's ``G`` and ``A``), ``(t [K, numel], None)`` otherwise. ``E[(u^T D w)^2] = ||D||_F^2``:
+    an error ``D`` shows in proportion to its size, as with a dense Gaussian tangent."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for p in params:
+        rows = p.shape[0] if p.dim() >= 2 else p.numel()
+        u = torch.randn(k, rows, generator=gen, dtype=torch.float64).to(p.dtype).to(torch.float64)
+        w = None
+        if p.dim() >= 2:
+            w = torch.randn(k, p.numel() // rows, generator=gen, dtype=torch.float64).to(p.dtype).to(torch.float64)
+        out.append((u, w))
+    return out
+
+
+def _tangent_columns(u: torch.Tensor, w: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+    """Columns ``lo:hi`` of the flattened tangents, ``[K, hi - lo]`` (float64)."""
+    if w is None:
+        return u[:, lo:hi]
+    idx = torch.arange(lo, hi)
+    return u[:, idx // w.shape[1]] * w[:, idx % w.shape[1]]
+
+
+def _hooked_products(jac: torch.Tensor | FactoredJacobian, tangents, offsets: Sequence[int]) -> torch.Tensor:
+    """``J_n v_k`` for the tangents of :func:`_check_tangents`, ``[M, K]`` in float64, column block by column block
+    (no float64 copy of ``J``, no ``[K, P]`` matrix); a factored weight's from its ``G`` and ``A``."""
+    factored = isinstance(jac, FactoredJacobian)
+    out = torch.zeros(jac.shape[0], CHECK_TANGENTS, dtype=torch.float64, device=jac.device)
+    ghosts = {i: (a, g) for i, a, g in jac.ghosts} if factored else {}
+    for i, (u, w) in enumerate(tangents):
+        size = offsets[i + 1] - offsets[i]
+        if i in ghosts:
+            a, g = FactoredJacobian._scaled(*ghosts[i], 1.0)  # [M, T, I], [M, T, O]
+            out += ((a @ w.T.to(a.device)) * (g @ u.T.to(g.device))).sum(dim=1)
+            continue
+        if factored:
+            block = jac.dense[:, jac.dense_index[i] : jac.dense_index[i] + size]
+        else:
+            block = jac[:, offsets[i] : offsets[i + 1]]
+        for lo, chunk in column_chunks(block):
+            cols = _tangent_columns(u, w, lo, lo + chunk.shape[1]).to(jac.device)
+            out += chunk.to(torch.float64) @ cols.T
+    return out
+
+
 def check_directional_derivatives(forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str],
                                   jac: torch.Tensor | FactoredJacobian, grad_z: torch.Tensor) -> None:
     """The exact check (``check="exact"``): every row ``J_n`` against sample ``n``'s exact directional derivatives.
 
-    For ``K`` = :data:`CHECK_TANGENTS` random tangents ``v_k`` (fixed seed), ``exact_nk = (dl_n/dz_n)^T J_{z_n} v_k``
-    (one batched forward-mode pass, or double backward, on a replay of the forward with the real parameters;
-    ``dl_n/dz_n`` as the batch backward computed it, so that a confident sample's rounded ``p - 1`` is shared) and
-    ``J_n v_k`` from the rows, both summed in float64. Sample ``n`` fails when
+    For ``K`` = :data:`CHECK_TANGENTS` random tangents ``v_k`` (:func:`_check_tangents`: rank one per weight matrix),
+    ``exact_nk = (dl_n/dz_n)^T J_{z_n} v_k`` (one batched forward-mode pass, or double backward, on a replay of the
+    forward with the real parameters; ``dl_n/dz_n`` as the batch backward computed it, so that a confident sample's
+    rounded ``p - 1`` is shared) and ``J_n v_k`` from the rows, both summed in float64. Sample ``n`` fails when
     ``||J_n V - exact_n|| > tol * max(||exact_n||, ||J_n V||)`` (norms over the ``K`` tangents; ``tol`` from
     :func:`exact_check_tolerance`). Normalised by the size of the products themselves, an error of relative size
     ``r`` in ``J_n`` shows as ``~r`` whatever ``P`` (``exact_nk`` and the error's product both scale like
-    ``1/sqrt(P)``); with ``K = 8`` the ratio falls below a third of ``r`` with probability ~1e-4, so a 1 % error is
-    caught in float32 and float64 alike (``tol`` 1.2e-3).
+    ``1/sqrt(P)``), so a 1 % error is caught in float32 and float64 alike (``tol`` 1.2e-3: ten times below it).
 
     Raises:
         PerSampleGradientMismatch: naming the samples that fail, the worst one and its relative error.
     """
-    m, total = jac.shape
-    gen = torch.Generator().manual_seed(0)
-    directions = torch.randn(CHECK_TANGENTS, total, generator=gen, dtype=torch.float64)
-    chunks = torch.split(directions, [p.numel() for p in params], dim=1)
-    directions = torch.cat([c.to(p.dtype).to(torch.float64) for c, p in zip(chunks, params)], dim=1)  # as applied
-    _, jvs = jvps_any_mode(forward, params, names, directions)
+    m = jac.shape[0]
+    tangents = _check_tangents(params, CHECK_TANGENTS)
+    full = [(u.to(p) if w is None else u.to(p)[:, :, None] * w.to(p)[:, None, :]).reshape(-1, *p.shape)
+            for (u, w), p in zip(tangents, params)]  # formed in the parameter's dtype (no float64 [K, P])
+    _, jvs = jvps_any_mode(forward, params, names, full)
+    del full
     g = grad_z.detach().to(torch.float64).reshape(1, m, -1)
     exact = (g * jvs.to(torch.float64).reshape(CHECK_TANGENTS, m, -1)).sum(dim=2).T  # [M, K]
-    if isinstance(jac, FactoredJacobian):
-        hooked = torch.stack([jac.times(d) for d in directions], dim=1)
-    else:
-        hooked = torch.zeros(m, CHECK_TANGENTS, dtype=torch.float64, device=jac.device)
-        for lo, block in column_chunks(jac):
-            hooked += block.to(torch.float64) @ directions[:, lo : lo + block.shape[1]].T.to(jac.device)
+    offsets = [0, *torch.tensor([p.numel() for p in params]).cumsum(0).tolist()]
+    hooked = _hooked_products(jac, tangents, offsets)
     err = (hooked - exact).norm(dim=1)
     scale = torch.maximum(exact.norm(dim=1), hooked.norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
     rel = err / scale

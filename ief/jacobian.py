@@ -926,17 +926,22 @@ def exact_check_tolerance(dtype: torch.dtype) -> float:
     return min(1e4 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps), 0.1)
 
 
-def _check_tangents(params: Sequence[torch.Tensor], k: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def _check_tangents(params: Sequence[torch.Tensor], k: int,
+                    padding: dict[int, int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """``K`` random tangents per parameter (fixed seed), as float64 factors rounded to the parameter's dtype (both
     sides of the check then use the same numbers): ``(u [K, O], w [K, I])`` for a parameter of two or more dimensions
     viewed ``[O, I]`` (the rank-1 tangent ``u w^T``: ``O + I`` draws instead of ``O I``, and ``J_n . u w^T`` straight
     from a factored weight's ``G`` and ``A``), ``(t [K, numel], None)`` otherwise. ``E[(u^T D w)^2] = ||D||_F^2``:
-    an error ``D`` shows in proportion to its size, as with a dense Gaussian tangent."""
+    an error ``D`` shows in proportion to its size, as with a dense Gaussian tangent. ``padding``: ``id`` of an
+    ``nn.Embedding`` weight -> its ``padding_idx``, whose row gets no tangent (autograd defines its gradient as 0,
+    forward mode would differentiate it)."""
     gen = torch.Generator().manual_seed(0)
     out = []
     for p in params:
         rows = p.shape[0] if p.dim() >= 2 else p.numel()
         u = torch.randn(k, rows, generator=gen, dtype=torch.float64).to(p.dtype).to(torch.float64)
+        if padding and id(p) in padding:
+            u[:, padding[id(p)]] = 0
         w = None
         if p.dim() >= 2:
             w = torch.randn(k, p.numel() // rows, generator=gen, dtype=torch.float64).to(p.dtype).to(torch.float64)
@@ -991,7 +996,9 @@ def check_directional_derivatives(forward: ReplayableForward, params: Sequence[t
         PerSampleGradientMismatch: naming the samples that fail, the worst one and its relative error.
     """
     m = jac.shape[0]
-    tangents = _check_tangents(params, CHECK_TANGENTS)
+    padding = {id(mod.weight): mod.padding_idx for mod in forward.model.modules()
+               if isinstance(mod, torch.nn.Embedding) and mod.padding_idx is not None}
+    tangents = _check_tangents(params, CHECK_TANGENTS, padding)
     full = [(u.to(p) if w is None else u.to(p)[:, :, None] * w.to(p)[:, None, :]).reshape(-1, *p.shape)
             for (u, w), p in zip(tangents, params)]  # formed in the parameter's dtype (no float64 [K, P])
     _, jvs = jvps_any_mode(forward, params, names, full)

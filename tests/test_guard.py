@@ -472,3 +472,27 @@ def test_property_exact_check_names_exactly_the_wrong_row(monkeypatch, d, m, see
             ief.per_sample(model, x, y, check="exact")
     finally:
         monkeypatch.undo()
+
+
+class _MeanPooled(torch.nn.Module):
+    """Embedding with ``padding_idx`` mean-pooled over every position, padding included (no mask): the logits depend on
+    the padding row, whose gradient autograd defines as 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(7, 4, padding_idx=0), torch.nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.embed(tokens)).mean(1))
+
+
+def test_exact_check_gives_the_padding_row_no_tangent():
+    """No false alarm where forward mode would differentiate the padding row that autograd (and the hooks) leave at
+    zero; the rows are the oracle's."""
+    torch.manual_seed(0)
+    model = _MeanPooled().double()
+    tokens = torch.randint(1, 7, (5, 4))
+    tokens[:, -1] = 0
+    y = torch.randint(0, 3, (5,))
+    _, expected, _ = oracle.per_sample(model, tokens, y)
+    assert _rel(ief.per_sample(model, tokens, y, check="exact").jacobian, expected) < 1e-12

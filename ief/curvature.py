@@ -73,7 +73,9 @@ class FisherOperator:
     - ``method="forward"``: one fused dual-number forward gives the logits and ``J_z v`` together, then one backward
       of ``J_z^T (H J_z v)`` through the primal graph; nothing is built at construction. Every product replays the
       same dropout masks. Raises :class:`ForwardModeUnsupported` (naming the module) where a layer has no
-      forward-mode rule.
+      forward-mode rule. Under activation checkpointing (the backward's recomputation cannot replay a dual forward:
+      ``CheckpointError``) the tangents come from a dual forward without graph and the graph from a plain forward,
+      remembered per model.
     """
 
     def __init__(

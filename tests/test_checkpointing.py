@@ -191,8 +191,9 @@ def test_hf_lora_with_gradient_checkpointing_is_exact_everywhere(mode):
     expected = _gamma_oracle(twin, x, y, v)
     assert ief.gamma(model, x, y, v) == pytest.approx(expected, rel=1e-9)
     assert ief.gammas(model, x, y, torch.stack([v, 2 * v]))[1] == pytest.approx(expected, rel=1e-9)
-    records = ief.evaluate(model, [(x, y)], methods=("sgd", "ief", "ef"), damping=1e-3)
-    twin_records = ief.evaluate(twin, [(x, y)], methods=("sgd", "ief", "ef"), damping=1e-3)
+    records = ief.evaluate(model, [(x, y)], damping=1e-3)  # every method: sgd, ef, ief, sf, K-FACs, hf
+    twin_records = ief.evaluate(twin, [(x, y)], damping=1e-3)
+    assert [r["method"] for r in records] == list(ief.METHODS)
     for got, ref in zip(records, twin_records):
         assert got["method"] == ref["method"] and got["gamma"] == pytest.approx(ref["gamma"], rel=1e-8)
     start = _flat(model)

@@ -75,8 +75,9 @@ def non_reentrant_checkpointing(model: torch.nn.Module) -> Iterator[None]:
     :class:`ReentrantCheckpointError` (the reentrant ``autograd.Function`` is swapped for a refusal meanwhile)."""
     swapped = []
     for module in model.modules():
-        func = module.__dict__.get("_gradient_checkpointing_func")
-        if getattr(module, "gradient_checkpointing", False) is True and _reentrant(func):
+        attributes = module.__dict__  # not getattr: nn.Module's __getattr__ fallback is slow on a miss
+        func = attributes.get("_gradient_checkpointing_func")
+        if func is not None and attributes.get("gradient_checkpointing") is True and _reentrant(func):
             keywords = {**func.keywords, "use_reentrant": False}
             module._gradient_checkpointing_func = functools.partial(func.func, *func.args, **keywords)
             swapped.append((module, func))

@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 from .logit_jvp import (  # noqa: F401  (differentiable_kernels: imported from here by ief.jacobian)
     _NO_FORWARD_MODE,
@@ -72,7 +73,9 @@ class FisherOperator:
     - ``method="forward"``: one fused dual-number forward gives the logits and ``J_z v`` together, then one backward
       of ``J_z^T (H J_z v)`` through the primal graph; nothing is built at construction. Every product replays the
       same dropout masks. Raises :class:`ForwardModeUnsupported` (naming the module) where a layer has no
-      forward-mode rule.
+      forward-mode rule. Under activation checkpointing (the backward's recomputation cannot replay a dual forward:
+      ``CheckpointError``) the tangents come from a dual forward without graph and the graph from a plain forward,
+      remembered per model.
     """
 
     def __init__(
@@ -135,8 +138,7 @@ class FisherOperator:
         tangents = split_vector(vector, self.params)
         with _autograd_on():
             if self.method == "forward":
-                logits, jv = logits_and_jvp(self._forward, self.params, self.names, tangents, "forward")
-                self._check(logits)
+                logits, jv = self._forward_jvp(tangents)
             else:
                 logits = self.logits
                 if self._vjp:
@@ -147,10 +149,37 @@ class FisherOperator:
                     jv = torch.zeros_like(logits)
             hjv = self.loss.hessian_vp(logits.detach(), self.targets, jv.detach())
             retain = self.method == "double_backward"  # the forward method's graph serves this one product only
-            grads = torch.autograd.grad(logits, self.params, hjv, retain_graph=retain, allow_unused=True)
+            try:
+                grads = torch.autograd.grad(logits, self.params, hjv, retain_graph=retain, allow_unused=True)
+            except torch.utils.checkpoint.CheckpointError:
+                if self.method != "forward" or self._forward.model in _RECOMPUTES_FORWARD:
+                    raise
+                # activation checkpointing recomputed the block outside the dual forward: one plain forward instead
+                _RECOMPUTES_FORWARD[self._forward.model] = True
+                logits = self._forward()
+                grads = torch.autograd.grad(logits, self.params, hjv, allow_unused=True)
         return flatten(grads, self.params)
 
+    def _forward_jvp(self, tangents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(z attached to the graph of params, J_z v)`` by forward mode: one dual forward; for a model that
+        checkpoints activations (:data:`_RECOMPUTES_FORWARD`) the tangents from a dual forward without graph and the
+        graph from a plain forward (same dropout masks), since the backward's recomputation of a checkpointed block
+        runs outside the dual forward and would not match what it saved."""
+        if self._forward.model in _RECOMPUTES_FORWARD:
+            with torch.no_grad():
+                _, jv = logits_and_jvp(self._forward, self.params, self.names, tangents, "forward")
+            logits = self._forward()
+        else:
+            logits, jv = logits_and_jvp(self._forward, self.params, self.names, tangents, "forward")
+        self._check(logits)
+        return logits, jv
+
     __matmul__ = matvec
+
+
+# Models whose activation checkpointing cannot replay a dual forward's saved tensors (``CheckpointError`` in the
+# backward): FisherOperator's forward method takes its graph from a plain forward for them.
+_RECOMPUTES_FORWARD: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager

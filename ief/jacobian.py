@@ -29,25 +29,33 @@ one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs
 and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
 
 Every trainable parameter that is not in a hooked module (a ``Conv2d`` with reflect / circular padding, a ``Conv1d``,
-an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``) or whose module had a call without an
-established sample axis falls back to an exact per-sample loop of backward passes (``M`` backward passes: exact,
-slower); a :class:`SlowPathWarning` names those parameters once per model.
+an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``), whose module had a call without an
+established sample axis, or that is also used outside its hooked module (a tied weight, see below) falls back to an
+exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names
+those parameters once per model.
 
 The hooks assume what per-sample gradients presuppose: sample ``n``'s slice of a hooked input depends on sample ``n``
 alone (no layer mixes or reorders samples along the sample axis), and that a hooked parameter is used only by its
 module's calls. The latter is made structural: while a hooked module runs its forward, each of its parameters being
 differentiated is replaced by a *stand-in* (``p.detach().requires_grad_()``: a fresh leaf on ``p``'s storage, no
 copy), so autograd reaches ``p`` itself only through uses outside its hooked calls (a tied weight: an
-``nn.Embedding`` table reused by an ``F.linear`` head). The guard, on by default, reads that part ``o`` of the
-batch backward: ``None`` or zero means the hooked rows are the whole gradient by construction (cost ~0: no
-gradient is read); otherwise ``o = g - sum_n J_n`` exactly, and :class:`PerSampleGradientMismatch` names the
-parameter unless ``o`` is at rounding level. It also refuses batch norm with batch statistics. A side effect is a
-cheaper backward: autograd never computes the hooked layers' batch weight gradients (the stand-ins are not asked
-for); the batch gradient, when wanted, is ``J^T 1`` plus ``o`` (:attr:`PerSample.gradient`, computed on first
-access). A custom layer that mixes or reorders samples (its hooked rows still add up) is what ``check="exact"`` is
-for: it compares ``J v`` with the exact per-sample directional derivatives (forward mode, or double backward where a
-layer has no forward-mode rule, on a replay with the real parameters); the optimisers run that exact check on their
-first step.
+``nn.Embedding`` table reused by an ``F.linear`` head, GPT-2's ``lm_head``). One walk over the forward's graph
+(:func:`ief.model_call.scan_graph`) finds such a ``p`` (its gradient accumulator is in the graph) before the
+backward, and its module's parameters take the loop, whose backward passes differentiate ``p`` and its stand-ins
+together: the rows are then exact whatever ``check``. The guard, on by default, reads what the batch backward gives
+the remaining hooked parameters, ``o = g - sum_n J_n``: ``None`` (by construction, cost ~0) unless a use escaped that
+search, when :class:`PerSampleGradientMismatch` names the parameter. It also refuses batch norm with batch
+statistics. A side effect is a cheaper backward: autograd never computes the hooked layers' batch weight gradients
+(the stand-ins are not asked for); the batch gradient, when wanted, is ``J^T 1`` (:attr:`PerSample.gradient`,
+computed on first access). A custom layer that mixes or reorders samples (its hooked rows still add up) is what
+``check="exact"`` is for (:func:`check_directional_derivatives`: every row against ``K = 8`` exact per-sample
+directional derivatives, relative to their own size, so that a 1 % error in any row is caught whatever ``P`` and
+the dtype); the optimisers run that exact check on their first step. Non-finite losses or rows raise
+``FloatingPointError`` naming the samples.
+
+Activation checkpointing (``torch.utils.checkpoint``): the non-reentrant kind is exact (the backward runs in the
+forward's kernel context, so its recomputation saves what the forward saved); HuggingFace layers checkpointed
+reentrantly are run non-reentrantly, and any other reentrant checkpoint raises (:mod:`ief.model_call`).
 """
 from __future__ import annotations
 
@@ -62,7 +70,8 @@ from dataclasses import dataclass
 import torch
 
 from .conv_rules import conv2d_factors, conv2d_is_unfoldable
-from .curvature import differentiable_kernels, jvp_any_mode
+from .curvature import differentiable_kernels
+from .logit_jvp import jvps_any_mode
 from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
 from .model_call import (
@@ -74,6 +83,7 @@ from .model_call import (
     check_targets,
     column_chunks,
     flatten,
+    non_reentrant_checkpointing,
     param_names,
     resolve_params,
     shapes_of,
@@ -580,26 +590,49 @@ class _Capture:
         else:
             cache.move_to_end(key)
         axes, probe_error = cached
-        kept = []
+        reasons = {}
         for k, entry in enumerate(self.modules):
             if all(axis is not None for axis in axes[k]):
                 for rec, axis in zip(self.records[k], axes[k]):
                     rec[2] = axis
-                kept.append((k, entry))
                 continue
             shapes = sorted({str(shape) for shape, axis in zip(full[k], axes[k]) if axis is None})
             if probe_error is not None:
-                why = f"the one-sample probe forward that finds the sample axis failed: {probe_error}"
+                reasons[k] = f"the one-sample probe forward that finds the sample axis failed: {probe_error}"
             else:
-                why = (
+                reasons[k] = (
                     f"{type(entry[0]).__name__} input shapes {', '.join(shapes)} have no dimension that is the {m} "
                     "samples (a probe forward of one sample does not shrink exactly one of them to 1)"
                 )
+        self.demote(reasons)
+
+    def demote(self, reasons: dict[int, str]) -> None:
+        """Send the parameters of hooked modules ``k`` (``reasons``: ``k -> why``) to the per-sample loop: the module
+        is no longer hooked; its calls' stand-ins stay, so that the loop differentiates every use (:meth:`leaves`)."""
+        if not reasons:
+            return
+        kept = []
+        for k, entry in enumerate(self.modules):
+            if k not in reasons:
+                kept.append((k, entry))
+                continue
             for i in entry[3].values():
-                self.demoted[i] = why
+                self.demoted[i] = reasons[k]
             self.hooked -= set(entry[3].values())
         self.modules = [e for _, e in kept]
         self.records = {new: self.records[old] for new, (old, _) in enumerate(kept)}
+
+    def demote_outside_uses(self, reached: set[int], names: Sequence[str]) -> None:
+        """Demote the modules of hooked parameters that the graph reaches outside their hooked calls (``reached``:
+        their own gradient accumulators are in the graph, see :func:`ief.model_call.scan_graph`; e.g. tied weights):
+        their hooked rows would miss that use, the loop's rows are exact."""
+        reasons = {}
+        for k, (module, _, _, owned) in enumerate(self.modules):
+            outside = [i for i in owned.values() if i in reached]
+            if outside:
+                reasons[k] = (f"{', '.join(names[i] for i in outside)} also used outside its {type(module).__name__} "
+                              "(e.g. tied weights)")
+        self.demote(reasons)
 
     def clear_grads(self) -> None:
         for calls in self.records.values():
@@ -825,7 +858,8 @@ def check_no_outside_use(capture: _Capture, jacobian: torch.Tensor | FactoredJac
     fails when ``||o|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds ``tol * sum_n ||J_n||``),
     ``tol = 50 sqrt(eps)``. Parameters of the per-sample loop are not checked: their rows are gradients of the
     individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
-    the optimisers)."""
+    the optimisers). A parameter whose outside use is in the forward's graph (tied weights) has already been sent to
+    the loop (:meth:`_Capture.demote_outside_uses`): this is the safety net behind that search."""
     found = [i for i in sorted(capture.hooked) if autograd[i] is not None and bool(autograd[i].any())]
     if not found:
         return
@@ -842,9 +876,9 @@ def _raise_if_beyond(err: torch.Tensor, scale: torch.Tensor, tol: float, names: 
         bad = [f"{names[k]} (relative error {float(err[k] / scale[k]):.2e})" for k in failing[:5]]
         raise PerSampleGradientMismatch(
             "per-sample gradients do not sum to the batch gradient for: " + ", ".join(bad)
-            + ". A parameter is used outside the module that owns it (e.g. tied weights) where the per-sample hooks "
-            "cannot see it; pass params= to leave it out, or check=False to skip this guard if you know the rows "
-            "are right."
+            + ". A parameter is used outside the module that owns it where the per-sample hooks cannot see it (tied "
+            "weights are found before the backward and take the exact per-sample loop: this use escaped that "
+            "search); pass params= to leave it out."
         )
 
 
@@ -876,18 +910,155 @@ def _refuse_sample_mixing(model: torch.nn.Module) -> None:
             raise PerSampleGradientMismatch(
                 f"module {name or type(module).__name__!r} ({type(module).__name__}) normalises with batch "
                 "statistics, so samples are mixed and per-sample gradients from one backward are not the gradients "
-                "of the individual losses; put it in eval mode (module.eval()) or pass check=False if you accept "
-                "the hooked approximation"
+                "of the individual losses; put it in eval mode (module.eval()), or replace it by a per-sample "
+                "normalisation (e.g. nn.GroupNorm / nn.LayerNorm)"
             )
+
+
+CHECK_TANGENTS = 8  # random tangents of the exact check
+
+
+def exact_check_tolerance(dtype: torch.dtype) -> float:
+    """The exact check's bound on ``||J_n V - exact_n|| / ||exact_n||``: ``1e4`` units of float32 rounding (1.2e-3)
+    for float32 and float64 parameters alike (models compute parts in float32 whatever their parameters' dtype:
+    T5's layer norm; the exact products of a float64 T5-LoRA differ from its rows by 7.5e-8), ``1e4`` units of the
+    dtype's rounding for wider rounding, at most 0.1 (16-bit dtypes, whose rounding hides smaller errors)."""
+    return min(1e4 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps), 0.1)
+
+
+def _check_tangents(params: Sequence[torch.Tensor], k: int,
+                    padding: dict[int, int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``K`` random tangents per parameter (fixed seed), as float64 factors rounded to the parameter's dtype (both
+    sides of the check then use the same numbers): ``(u [K, O], w [K, I])`` for a parameter of two or more dimensions
+    viewed ``[O, I]`` (the rank-1 tangent ``u w^T``: ``O + I`` draws instead of ``O I``, and ``J_n . u w^T`` straight
+    from a factored weight's ``G`` and ``A``), ``(t [K, numel], None)`` otherwise. ``E[(u^T D w)^2] = ||D||_F^2``:
+    an error ``D`` shows in proportion to its size, as with a dense Gaussian tangent. ``padding``: ``id`` of an
+    ``nn.Embedding`` weight -> its ``padding_idx``, whose row gets no tangent (autograd defines its gradient as 0,
+    forward mode would differentiate it)."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for p in params:
+        rows = p.shape[0] if p.dim() >= 2 else p.numel()
+        u = torch.randn(k, rows, generator=gen, dtype=torch.float64).to(p.dtype).to(torch.float64)
+        if padding and id(p) in padding:
+            u[:, padding[id(p)]] = 0
+        w = None
+        if p.dim() >= 2:
+            w = torch.randn(k, p.numel() // rows, generator=gen, dtype=torch.float64).to(p.dtype).to(torch.float64)
+        out.append((u, w))
+    return out
+
+
+def _tangent_columns(u: torch.Tensor, w: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+    """Columns ``lo:hi`` of the flattened tangents, ``[K, hi - lo]`` (float64)."""
+    if w is None:
+        return u[:, lo:hi]
+    idx = torch.arange(lo, hi)
+    return u[:, idx // w.shape[1]] * w[:, idx % w.shape[1]]
+
+
+def _hooked_products(jac: torch.Tensor | FactoredJacobian, tangents, offsets: Sequence[int]) -> torch.Tensor:
+    """``J_n v_k`` for the tangents of :func:`_check_tangents`, ``[M, K]`` in float64, column block by column block
+    (no float64 copy of ``J``, no ``[K, P]`` matrix); a factored weight's from its ``G`` and ``A``."""
+    factored = isinstance(jac, FactoredJacobian)
+    out = torch.zeros(jac.shape[0], CHECK_TANGENTS, dtype=torch.float64, device=jac.device)
+    ghosts = {i: (a, g) for i, a, g in jac.ghosts} if factored else {}
+    for i, (u, w) in enumerate(tangents):
+        size = offsets[i + 1] - offsets[i]
+        if i in ghosts:
+            a, g = FactoredJacobian._scaled(*ghosts[i], 1.0)  # [M, T, I], [M, T, O]
+            out += ((a @ w.T.to(a.device)) * (g @ u.T.to(g.device))).sum(dim=1)
+            continue
+        if factored:
+            block = jac.dense[:, jac.dense_index[i] : jac.dense_index[i] + size]
+        else:
+            block = jac[:, offsets[i] : offsets[i + 1]]
+        for lo, chunk in column_chunks(block):
+            cols = _tangent_columns(u, w, lo, lo + chunk.shape[1]).to(jac.device)
+            out += chunk.to(torch.float64) @ cols.T
+    return out
+
+
+def check_directional_derivatives(forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str],
+                                  jac: torch.Tensor | FactoredJacobian, grad_z: torch.Tensor) -> None:
+    """The exact check (``check="exact"``): every row ``J_n`` against sample ``n``'s exact directional derivatives.
+
+    For ``K`` = :data:`CHECK_TANGENTS` random tangents ``v_k`` (:func:`_check_tangents`: rank one per weight matrix),
+    ``exact_nk = (dl_n/dz_n)^T J_{z_n} v_k`` (one batched forward-mode pass, or double backward, on a replay of the
+    forward with the real parameters; ``dl_n/dz_n`` as the batch backward computed it, so that a confident sample's
+    rounded ``p - 1`` is shared) and ``J_n v_k`` from the rows, both summed in float64. Sample ``n`` fails when
+    ``||J_n V - exact_n|| > tol * max(||exact_n||, ||J_n V||)`` (norms over the ``K`` tangents; ``tol`` from
+    :func:`exact_check_tolerance`). Normalised by the size of the products themselves, an error of relative size
+    ``r`` in ``J_n`` shows as ``~r`` whatever ``P`` (``exact_nk`` and the error's product both scale like
+    ``1/sqrt(P)``), so a 1 % error is caught in float32 and float64 alike (``tol`` 1.2e-3: ten times below it).
+
+    Raises:
+        PerSampleGradientMismatch: naming the samples that fail, the worst one and its relative error.
+    """
+    m = jac.shape[0]
+    padding = {id(mod.weight): mod.padding_idx for mod in forward.model.modules()
+               if isinstance(mod, torch.nn.Embedding) and mod.padding_idx is not None}
+    tangents = _check_tangents(params, CHECK_TANGENTS, padding)
+    full = [(u.to(p) if w is None else u.to(p)[:, :, None] * w.to(p)[:, None, :]).reshape(-1, *p.shape)
+            for (u, w), p in zip(tangents, params)]  # formed in the parameter's dtype (no float64 [K, P])
+    _, jvs = jvps_any_mode(forward, params, names, full)
+    del full
+    g = grad_z.detach().to(torch.float64).reshape(1, m, -1)
+    exact = (g * jvs.to(torch.float64).reshape(CHECK_TANGENTS, m, -1)).sum(dim=2).T  # [M, K]
+    offsets = [0, *torch.tensor([p.numel() for p in params]).cumsum(0).tolist()]
+    hooked = _hooked_products(jac, tangents, offsets)
+    err = (hooked - exact).norm(dim=1)
+    scale = torch.maximum(exact.norm(dim=1), hooked.norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
+    rel = err / scale
+    tol = exact_check_tolerance(jac.dtype)
+    failing = torch.nonzero(rel > tol).flatten().tolist()
+    if failing:
+        n = int(rel.argmax())
+        raise PerSampleGradientMismatch(
+            f"per-sample gradients of samples {failing[:10]}{' ...' if len(failing) > 10 else ''} disagree with their "
+            f"exact directional derivatives (worst: sample {n}, relative error {float(rel[n]):.2e} > {tol:.1e}): a "
+            "layer mixes samples or a hooked layer's leading dimension is not the sample dimension; pass params= to "
+            "leave its parameters out, or make it a module without a per-sample hook (its parameters then take the "
+            "exact per-sample loop)"
+        )
+
+
+def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian | None) -> None:
+    """``FloatingPointError`` naming the samples whose loss (or, given ``jac``, row of ``J``) is not finite."""
+    if jac is None:
+        if all_finite(losses):
+            return
+        bad = torch.nonzero(~torch.isfinite(losses.detach())).flatten().tolist()
+        what = "loss"
+    else:
+        if jac.is_finite() if isinstance(jac, FactoredJacobian) else all_finite(jac):
+            return
+        bad = torch.nonzero(~_finite_rows(jac)).flatten().tolist()
+        what = "per-sample gradient"
+    raise FloatingPointError(
+        f"non-finite {what} for samples {bad[:10]}{' ...' if len(bad) > 10 else ''} (of {losses.shape[0]}): a NaN or "
+        "inf in those samples' inputs, logits or targets, or in the parameters; per-sample gradients are refused "
+        "rather than returned as non-finite rows (drop or fix those samples)"
+    )
+
+
+def _finite_rows(jac: torch.Tensor | FactoredJacobian) -> torch.Tensor:
+    """``[M]`` booleans: whether row ``n`` of ``J`` is finite."""
+    if isinstance(jac, FactoredJacobian):
+        ok = torch.isfinite(jac.dense).all(dim=1)
+        for _, a, g in jac.ghosts:
+            ok &= torch.isfinite(a).flatten(1).all(dim=1) & torch.isfinite(g).flatten(1).all(dim=1)
+        return ok
+    return torch.isfinite(jac).all(dim=1)
 
 
 class _HookedForward:
     """One forward through the capture hooks; per-sample backward passes of any loss of its logits.
 
-    ``check``: ``True`` (~free: no sample-mixing batch norm, and no hooked parameter used outside its hooked calls,
-    e.g. tied weights, see :func:`check_no_outside_use`), ``"exact"`` (additionally
-    compares ``J v`` with the exact per-sample directional derivatives from one forward-mode pass, for a random
-    ``v``: catches a custom layer that mixes samples), or ``False``.
+    ``check``: ``True`` (~free: no sample-mixing batch norm, and no hooked parameter used outside its hooked calls
+    that the graph search missed, see :func:`check_no_outside_use`), ``"exact"`` (additionally every row against
+    exact per-sample directional derivatives, :func:`check_directional_derivatives`: catches a custom layer that
+    mixes samples), or ``False``. Tied weights take the exact loop whatever ``check``.
     """
 
     def __init__(self, model, inputs, targets, params, loss, check):
@@ -900,9 +1071,13 @@ class _HookedForward:
             _refuse_sample_mixing(model)
         self.capture = _Capture(model, self.params, stand_ins=True)
         self.forward = ReplayableForward(model, inputs)
+        # which hooked parameters the graph reaches outside their hooked calls (they ran with stand-ins)
+        self.forward.watch = {id(self.params[i]): i for i in self.capture.hooked}
         # The exact check replays this forward with the reference kernels (forward-mode AD needs them); fused kernels
-        # draw attention-dropout masks differently, so with the exact check on, this forward uses them too.
+        # draw attention-dropout masks differently, so with the exact check on, this forward uses them too, and so do
+        # the backward passes (activation checkpointing recomputes the forward inside them: same kernels, same graph).
         kernels = differentiable_kernels if self.mode == "exact" else contextlib.nullcontext
+        self.kernels = kernels
         with self.capture, torch.enable_grad(), kernels():
             self.logits = self.forward()
         self.loss.check(self.logits, targets)
@@ -913,7 +1088,8 @@ class _HookedForward:
             def run():
                 buffers = [(b, b.clone()) for b in model.buffers()]  # e.g. batch-norm running statistics
                 try:
-                    with torch.random.fork_rng(devices=self.forward._devices), torch.enable_grad(), kernels():
+                    with torch.random.fork_rng(devices=self.forward._devices), torch.enable_grad(), kernels(), \
+                            non_reentrant_checkpointing(model):
                         logits = call_model(model, take_first(inputs, m))
                 finally:  # restored through .data: no version bump for the batch forward's saved tensors
                     for b, saved in buffers:
@@ -926,6 +1102,7 @@ class _HookedForward:
 
         self.capture.establish_axes(m, model, inputs, probe)
         names = param_names(model, self.params)
+        self.capture.demote_outside_uses(self.forward.reached, names)
         _warn_slow_path(model, self.capture, names, m)
         self.targets = targets
         self.names = names if self.mode is not None else None
@@ -934,47 +1111,36 @@ class _HookedForward:
         self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None, form: str = "dense"
     ) -> tuple[torch.Tensor, torch.Tensor | FactoredJacobian, _Deferred]:
         """``(losses, J, grad)`` for the given targets (``J`` in the given form, see :func:`per_sample`; ``grad``
-        computed on first use, see :class:`PerSample`)."""
-        with torch.enable_grad():
+        computed on first use, see :class:`PerSample`). Raises ``FloatingPointError`` naming the samples whose loss
+        or row of ``J`` is not finite."""
+        logit_grads: list[torch.Tensor] = []  # dL/dz as the batch backward computed it (for the exact check)
+        with torch.enable_grad(), self.kernels():
             losses = self.loss.per_sample(self.logits, targets)
-            jac, autograd = _backward_jacobian(self.capture, losses, self.params, retain_graph, out, form)
+            _refuse_nonfinite(losses, None)
+            handle = self.logits.register_hook(lambda g: logit_grads.append(g) if not logit_grads else None) \
+                if self.mode == "exact" and self.logits.requires_grad else None
+            try:
+                jac, autograd = _backward_jacobian(self.capture, losses, self.params, retain_graph, out, form)
+            finally:
+                if handle is not None:
+                    handle.remove()
+        _refuse_nonfinite(losses, jac)
         if self.mode is not None:
             check_no_outside_use(self.capture, jac, autograd, self.names)
         if self.mode == "exact":
-            self._check_directional_derivatives(jac, targets)
+            grad_z = logit_grads[0] if logit_grads else self.loss.logit_grad(self.logits.detach(), targets)
+            check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z)
         offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked)  # the records are not kept alive
         return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
-
-    def _check_directional_derivatives(self, jac: torch.Tensor | FactoredJacobian, targets: torch.Tensor) -> None:
-        factored = isinstance(jac, FactoredJacobian)
-        if not (jac.is_finite() if factored else all_finite(jac)):
-            return
-        gen = torch.Generator().manual_seed(0)
-        tangents = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p) for p in self.params]
-        logits, jv = jvp_any_mode(self.forward, self.params, self.names, tangents)
-        m = jac.shape[0]
-        exact = (self.loss.logit_grad(logits.double(), targets) * jv.double()).reshape(m, -1).sum(dim=1)
-        v = torch.cat([t.reshape(-1) for t in tangents]).double()
-        hooked = jac.times(v) if factored else jac.double() @ v
-        norms = jac.row_sqnorms().sum(1).sqrt() if factored else jac.double().norm(dim=1)
-        scale = norms * v.norm() + torch.finfo(jac.dtype).tiny
-        rel = (exact - hooked).abs() / scale
-        if bool((rel > 50 * math.sqrt(torch.finfo(jac.dtype).eps)).any()):
-            n = int(rel.argmax())
-            raise PerSampleGradientMismatch(
-                f"per-sample gradient of sample {n} disagrees with its exact directional derivative (relative "
-                f"error {float(rel[n]):.2e}): a layer mixes samples or a hooked layer's leading dimension is not "
-                "the sample dimension; pass params= to exclude it, or use the per-sample loop by making the layer "
-                "a non-hooked module"
-            )
 
     def gradient(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(losses, grad)`` only: a plain backward (the hooks' records are not turned into a Jacobian); it asks
         for the hooked calls' stand-ins too, so that autograd gives every parameter its whole batch gradient."""
         owners, leaves = self.capture.leaves(self.params, range(len(self.params)))
         n = len(self.params)
-        with torch.enable_grad():
+        with torch.enable_grad(), self.kernels():
             losses = self.loss.per_sample(self.logits, targets)
+            _refuse_nonfinite(losses, None)
             grads = torch.autograd.grad(losses.sum(), leaves, retain_graph=retain_graph, allow_unused=True)
         return losses.detach(), flatten(_summed(grads[:n], owners[n:], grads[n:]), self.params)
 
@@ -1007,8 +1173,9 @@ def per_sample(
         loss: ``"cross_entropy"`` (default) or ``"mse"``.
         check: ``True`` (default, ~free): refuse batch norm with batch statistics and verify that no hooked
             parameter is used outside its hooked module, so that the rows of ``J`` sum to the batch gradient (see
-            :func:`check_no_outside_use`); ``"exact"``: that, and ``J v`` against exact per-sample directional
-            derivatives (one extra forward-mode pass); ``False``: no guard.
+            :func:`check_no_outside_use`; tied weights are found before and take the exact loop); ``"exact"``:
+            that, and every row against exact per-sample directional derivatives along 8 random tangents (one
+            batched forward-mode pass, :func:`check_directional_derivatives`); ``False``: no guard.
         out: optional ``[M, P]`` buffer of the parameters' dtype and device to write ``J`` into (overwritten; used
             when its shape matches). The optimisers reuse one across steps.
         form: how ``J`` is returned. ``"dense"`` (default): the ``[M, P]`` tensor. ``"auto"``: a
@@ -1017,6 +1184,14 @@ def per_sample(
             (``M I O``), whichever is cheaper for that layer; every other parameter as its (small) column block.
             ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight. ``ief_direction``,
             ``ef_direction`` and ``sf_direction`` take either form; ``.materialize()`` gives the tensor.
+
+    Returns:
+        :class:`PerSample` (``losses``, ``jacobian``, ``logit_sqnorm``, ``gradient``).
+
+    Raises:
+        FloatingPointError: naming the samples whose loss or row of ``J`` is not finite (never NaN rows).
+        PerSampleGradientMismatch: from the guard / the exact check (naming the parameter or the samples).
+        ief.model_call.ReentrantCheckpointError: a reentrant ``torch.utils.checkpoint`` outside HuggingFace layers.
     """
     form = _check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)

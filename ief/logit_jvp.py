@@ -249,6 +249,31 @@ def jvp_any_mode(
     return logits.detach(), jv
 
 
+# Models on which the batched forward-mode pass failed once (no batching rule, data-dependent control flow).
+_NO_BATCHED_JVP: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def jvps_any_mode(
+    forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str], tangents: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, [J_z v_1, ..., J_z v_K])`` for ``K`` tangents given per parameter (``tangents[i]`` shaped
+    ``[K, *params[i].shape]``): one batched forward-mode pass (:func:`batched_tangent_jvps`), or, where the model
+    supports no batched forward mode (remembered per model), one forward, one backward with ``create_graph`` and one
+    backward-type pass per tangent (:func:`double_backward_jvps`, the same values). Logits detached, ``[K, *z.shape]``
+    detached."""
+    model = forward.model
+    if model not in _NO_FORWARD_MODE and model not in _NO_BATCHED_JVP:
+        try:
+            return batched_tangent_jvps(forward, params, names, tangents)
+        except (RuntimeError, NotImplementedError):  # the fallback is exact; a real error recurs there
+            _NO_BATCHED_JVP[model] = True
+    tangent_sets = [[t[k] for t in tangents] for k in range(tangents[0].shape[0])]
+    with differentiable_kernels(), torch.inference_mode(False), torch.enable_grad():
+        logits = forward()
+        jvs = double_backward_jvps(logits, params, tangent_sets)
+    return logits.detach(), torch.stack(jvs)
+
+
 def logits_and_jvp(
     forward: ReplayableForward,
     params: Sequence[torch.Tensor],
@@ -307,15 +332,23 @@ def batched_jvps(
     or forward-mode rule, data-dependent control flow): callers fall back to :func:`double_backward_jvps`.
     """
     sizes = [p.numel() for p in params]
+    tangents = [c.reshape(-1, *p.shape).to(p) for c, p in zip(torch.split(directions, sizes, dim=1), params)]
+    return batched_tangent_jvps(forward, params, names, tangents)
+
+
+def batched_tangent_jvps(
+    forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str], tangents: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`batched_jvps` with the ``K`` tangents given per parameter, ``tangents[i]`` shaped ``[K, *params[i].shape]``
+    in the parameter's dtype (no ``[K, P]`` matrix)."""
 
     def logits(*primals: torch.Tensor) -> torch.Tensor:
         with LeanTangents():
             return forward(substitute=dict(zip(names, primals)))
 
-    def one(direction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tangents = [c.reshape(p.shape).to(p) for c, p in zip(torch.split(direction, sizes), params)]
-        return torch.func.jvp(logits, tuple(params), tuple(tangents))
+    def one(*tangent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.func.jvp(logits, tuple(params), tangent)
 
     with differentiable_kernels(), torch.inference_mode(False), torch.no_grad():
-        z, jvs = torch.func.vmap(one, randomness="same", out_dims=(None, 0))(directions)
+        z, jvs = torch.func.vmap(one, randomness="same", out_dims=(None, 0))(*tangents)
     return z.detach(), jvs.detach()

@@ -11,16 +11,105 @@
   evaluations at the same point (the Fisher-vector products of a CG solve, a per-sample backward and a Fisher
   product in the same step) see the same dropout masks: the curvature they measure is that of one well-defined
   function.
+- Activation checkpointing: reentrant ``torch.utils.checkpoint`` (``use_reentrant=True``) runs its block under
+  ``no_grad`` and differentiates it inside ``.backward()`` only; ``torch.autograd.grad(..., inputs=params)``, which
+  every pass here uses, never enters it, so the block's parameters would silently get zero gradients. HuggingFace
+  layers checkpointed that way (``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
+  True})``) are run non-reentrantly inside this package's forwards (:func:`non_reentrant_checkpointing`: same values,
+  same memory saving, the user's setting restored after the call); any other reentrant checkpoint raises
+  :class:`ReentrantCheckpointError` naming the fix.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 Inputs = Any  # a tensor, a tuple of tensors or a dict of keyword arguments
+
+
+class ReentrantCheckpointError(RuntimeError):
+    """The model checkpoints activations with reentrant ``torch.utils.checkpoint``, which ``autograd.grad`` cannot
+    differentiate through (the message names the fix)."""
+
+
+def _reentrant(func: object) -> bool:
+    """Whether a HuggingFace ``_gradient_checkpointing_func`` is ``partial(checkpoint, use_reentrant=True)`` (torch's
+    default when ``use_reentrant`` is not given)."""
+    if not isinstance(func, functools.partial):
+        return False
+    if "use_reentrant" in func.keywords:
+        return func.keywords["use_reentrant"] is not False
+    return func.func is torch.utils.checkpoint.checkpoint
+
+
+REENTRANT_MESSAGE = (
+    "the model checkpoints activations with torch.utils.checkpoint(..., use_reentrant=True), whose block "
+    "autograd.grad and forward-mode AD do not differentiate (its parameters would get zero gradients and tangents); "
+    "checkpoint with use_reentrant=False instead (HuggingFace layers are switched to it by this package; "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) does it for good), "
+    "or disable checkpointing"
+)
+
+
+class _RefuseReentrant:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` (the reentrant checkpoint's ``autograd.Function``,
+    looked up by ``checkpoint()`` at every call) inside this package's forwards."""
+
+    @staticmethod
+    def apply(*args) -> None:
+        raise ReentrantCheckpointError(REENTRANT_MESSAGE)
+
+
+@contextlib.contextmanager
+def non_reentrant_checkpointing(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: every HuggingFace layer checkpointed reentrantly (``gradient_checkpointing`` on, its
+    ``_gradient_checkpointing_func`` a ``partial`` with ``use_reentrant=True``) checkpoints with
+    ``use_reentrant=False`` instead: the same values and memory saving, and a graph that ``autograd.grad`` and
+    forward-mode AD differentiate. A backward after the block recomputes with the function recorded in the forward,
+    so restoring the user's setting on exit is safe. Any other reentrant ``torch.utils.checkpoint`` call raises
+    :class:`ReentrantCheckpointError` (the reentrant ``autograd.Function`` is swapped for a refusal meanwhile)."""
+    swapped = []
+    for module in model.modules():
+        attributes = module.__dict__  # not getattr: nn.Module's __getattr__ fallback is slow on a miss
+        func = attributes.get("_gradient_checkpointing_func")
+        if func is not None and attributes.get("gradient_checkpointing") is True and _reentrant(func):
+            keywords = {**func.keywords, "use_reentrant": False}
+            module._gradient_checkpointing_func = functools.partial(func.func, *func.args, **keywords)
+            swapped.append((module, func))
+    reentrant = torch.utils.checkpoint.CheckpointFunction
+    torch.utils.checkpoint.CheckpointFunction = _RefuseReentrant
+    try:
+        yield
+    finally:
+        torch.utils.checkpoint.CheckpointFunction = reentrant
+        for module, func in swapped:
+            module._gradient_checkpointing_func = func
+
+
+def scan_graph(tensor: torch.Tensor, watch: Mapping[int, int]) -> set[int]:
+    """The values of ``watch`` (``id`` of a leaf tensor -> index) whose leaves the autograd graph behind ``tensor``
+    reaches (their gradient accumulators are in it): one walk over the graph's nodes."""
+    reached: set[int] = set()
+    root = tensor.grad_fn
+    if root is None or not watch:
+        return reached
+    seen, stack = {root}, [root]
+    while stack:
+        node = stack.pop()
+        if type(node).__name__ == "AccumulateGrad":
+            index = watch.get(id(node.variable))
+            if index is not None:
+                reached.add(index)
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return reached
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -204,6 +293,8 @@ class ReplayableForward:
         self._cpu_state = torch.get_rng_state()
         self._cuda_states = [torch.cuda.get_rng_state(d) for d in self._devices]
         self._calls = 0
+        self.watch: Mapping[int, int] | None = None  # leaves whose presence in the graph is reported in ``reached``
+        self.reached: set[int] = set()
 
     @contextlib.contextmanager
     def _replayed_rng(self) -> Iterator[None]:
@@ -218,11 +309,18 @@ class ReplayableForward:
             yield
 
     def __call__(self, substitute: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Logits, optionally with some parameters substituted (``torch.func.functional_call``)."""
-        with self._replayed_rng():
+        """Logits, optionally with some parameters substituted (``torch.func.functional_call``).
+
+        HuggingFace layers checkpointed reentrantly run non-reentrantly, any other reentrant checkpoint raises
+        :class:`ReentrantCheckpointError` (:func:`non_reentrant_checkpointing`). With ``watch`` set and gradients on,
+        ``reached`` is filled from it (:func:`scan_graph`)."""
+        with self._replayed_rng(), non_reentrant_checkpointing(self.model):
             if substitute is None:
-                return call_model(self.model, self.inputs)
-            return _functional_logits(self.model, substitute, self.inputs)
+                logits = call_model(self.model, self.inputs)
+            else:
+                logits = _functional_logits(self.model, substitute, self.inputs)
+        self.reached = scan_graph(logits, self.watch) if self.watch and torch.is_grad_enabled() else set()
+        return logits
 
 
 def _functional_logits(model: torch.nn.Module, substitute: Mapping[str, torch.Tensor], inputs: Inputs) -> torch.Tensor:

@@ -427,14 +427,19 @@ class _TiedEmbedding(torch.nn.Module):
         return torch.nn.functional.linear(torch.tanh(self.embed(tokens)), self.embed.weight)
 
 
-def test_tied_weight_used_outside_its_module_raises_mismatch():
-    """The cheap guard's purpose: rows that miss part of a parameter's use do not sum to the batch gradient."""
+@pytest.mark.filterwarnings("ignore::ief.SlowPathWarning")
+@pytest.mark.parametrize("check", [True, False, "exact"])
+def test_tied_weight_used_outside_its_module_takes_the_exact_loop(check):
+    """Before: refused with a message offering check=False, whose rows miss the F.linear use. Now the tied table
+    takes the per-sample loop: the oracle's rows with every check."""
     torch.manual_seed(0)
     model = _TiedEmbedding().double()
     tokens = torch.randint(0, 7, (5, 3))
     targets = torch.randint(0, 7, (5, 3))
-    with pytest.raises(ief.PerSampleGradientMismatch, match="embed.weight"):
-        ief.per_sample(model, tokens, targets)
+    _, jac, _ = oracle.per_sample(model, tokens, targets)
+    got = ief.per_sample(model, tokens, targets, check=check)
+    assert_rel(got.jacobian, jac, F64_RTOL, "jacobian")
+    assert_rel(got.gradient, jac.sum(0), F64_RTOL, "gradient")
 
 
 def test_peft_prompt_tuning_uses_one_backward_after_per_sample_prompts():
@@ -532,14 +537,17 @@ class _TiedLinear(torch.nn.Module):
         return torch.nn.functional.linear(torch.tanh(self.lin(x)), self.lin.weight)
 
 
+@pytest.mark.filterwarnings("ignore::ief.SlowPathWarning")
 @pytest.mark.parametrize("factored", ["ghost", "rows"])
-def test_factored_guard_catches_a_linear_weight_used_outside_its_module(factored):
-    """The guard without J: ``J^T 1`` from the factors misses the weight's use outside its Linear."""
+def test_factored_form_of_a_linear_weight_used_outside_its_module_takes_the_loop(factored):
+    """``J^T 1`` from the factors would miss the weight's use outside its Linear: the weight takes the loop."""
     torch.manual_seed(0)
     model = _TiedLinear().double()
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 4, (5,))
-    with pytest.raises(ief.PerSampleGradientMismatch, match="lin.weight"):
-        ief.per_sample(model, x, y, form=factored)
+    _, jac, _ = oracle.per_sample(model, x, y)
+    got = ief.per_sample(model, x, y, form=factored).jacobian
+    assert not got.ghosts
+    assert_rel(got.materialize(), jac, F64_RTOL, "jacobian")
 
 
 @pytest.mark.parametrize("bad", ["Dense", "factored", None, 1])
@@ -585,3 +593,37 @@ def test_the_hooked_backward_skips_the_batch_weight_gradients(monkeypatch):
     expected = oracle.gradient(model, x, y)
     assert_rel(got.gradient, expected, F64_RTOL, "gradient from the rows")
     assert_rel(grad, expected, F64_RTOL, "plain gradient")
+
+
+# ------------------------------------------------------------------------------------------------ non-finite input
+@pytest.mark.parametrize("form", ["dense", "auto"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_samples_are_named_not_returned_as_nan_rows(form, bad):
+    """Before: NaN rows came back without error. Now ``FloatingPointError`` names the non-finite samples (with
+    ``check=False`` too); the optimisers' contract (``FloatingPointError`` naming the step) holds."""
+    c = mlp_case()
+    x = c.inputs.clone()
+    x[1, 0] = bad
+    x[3, 2] = bad
+    for check in (True, False, "exact"):
+        with pytest.raises(FloatingPointError, match=r"samples \[1, 3\] \(of 6\)"):
+            ief.per_sample(c.model, x, c.targets, check=check, form=form)
+    with pytest.raises(FloatingPointError, match=r"samples \[1, 3\]|logits hold nan at index \(1, "):  # the draw checks NaN logits
+        ief.sampled_jacobian(c.model, x, c.targets, form=form)
+    with pytest.raises(FloatingPointError, match=r"step 0: .*samples \[1, 3\]"):
+        ief.optim.IEF(c.model, lr=0.1, form=form).step(x, c.targets)
+
+
+def test_a_non_finite_row_with_a_finite_loss_is_named(monkeypatch):
+    """A row can overflow while its loss is finite: the rows are checked too."""
+    c = mlp_case()
+    real = ief.jacobian._backward_jacobian
+
+    def overflowing(*args, **kwargs):
+        jac, autograd = real(*args, **kwargs)
+        jac[2, 0] = float("inf")
+        return jac, autograd
+
+    monkeypatch.setattr(ief.jacobian, "_backward_jacobian", overflowing)
+    with pytest.raises(FloatingPointError, match=r"non-finite per-sample gradient for samples \[2\]"):
+        ief.per_sample(c.model, c.inputs, c.targets)

@@ -199,3 +199,44 @@ def test_batched_jvps_stay_batched_on_transformers_in_train_mode(make_case):
         torch.testing.assert_close(z, z1, rtol=1e-13, atol=1e-13)
         torch.testing.assert_close(jvs[k], jv1, rtol=1e-10, atol=1e-12)
     model.eval()
+
+
+class _NoJvp(torch.nn.Module):
+    """A Linear, a custom op without forward-mode rule, a head: batched forward mode fails, double backward works."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        from tiny_models import SquareNoJvp
+
+        return self.b(SquareNoJvp.apply(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("build", ["sequence", "no-jvp"])
+def test_jvps_any_mode_equals_one_double_backward_product_per_tangent(build):
+    """The exact check's ``K`` products (:func:`ief.logit_jvp.jvps_any_mode`, tangents given per parameter) equal
+    the products of the reverse-mode definition, one tangent at a time; a model without forward-mode rule falls back
+    to double backward (the same values) and is remembered."""
+    from ief.logit_jvp import _NO_BATCHED_JVP, _NO_FORWARD_MODE, double_backward_jvps, jvps_any_mode
+
+    if build == "sequence":
+        c = sequence_case()
+        model, inputs = c.model, c.inputs
+    else:
+        torch.manual_seed(0)
+        model, inputs = _NoJvp().double(), torch.randn(6, 4, dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = param_names(model, params)
+    gen = torch.Generator().manual_seed(0)
+    tangents = [torch.randn(3, *p.shape, generator=gen, dtype=torch.float64).to(p) for p in params]
+    if build == "sequence":  # the padding row: forward mode differentiates it, the backward's convention gives it 0
+        tangents[names.index("embed.weight")][:, 0] = 0
+    forward = ReplayableForward(model, inputs)
+    _, jvs = jvps_any_mode(forward, params, names, tangents)
+    with torch.enable_grad(), differentiable_kernels():  # the fused CPU attention has no double backward
+        expected = double_backward_jvps(forward(), params, [[t[k] for t in tangents] for k in range(3)])
+    for k in range(3):
+        torch.testing.assert_close(jvs[k], expected[k], rtol=1e-10, atol=1e-12)
+    assert (model in _NO_BATCHED_JVP or model in _NO_FORWARD_MODE) == (build == "no-jvp")

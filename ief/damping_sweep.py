@@ -140,22 +140,23 @@ def damping_sweep(
     sampled = _SharedGram(sampled_rows(model, inputs, targets, params, loss_fn, lj, fresh())) \
         if "sf" in methods else None
 
-    def gammas(dirs: dict[str, torch.Tensor], where: str) -> dict[str, float]:
-        return rate(dirs, model, inputs, targets, params, loss_fn, lj, where)
-
-    gamma_sgd = gammas({"sgd": gradient}, "damping sweep")["sgd"]
-    records: list[dict[str, Any]] = [{"method": "sgd", "damping": None, "gamma": gamma_sgd, "ratio": 1.0}]
+    # every direction first, then one rating of them all (on the logit-space route one product with J_z for all)
+    dirs = {"sgd": gradient}
     for lam in lams:
-        dirs = {}
         for method in methods:
+            label = f"{method} at lambda = {lam!r}"
             if method == "ef":
-                dirs[method] = ef_direction(jac, lam)
+                dirs[label] = ef_direction(jac, lam)
             elif method == "ief":
-                dirs[method] = ief_direction(jac, s_ief, lam)
+                dirs[label] = ief_direction(jac, s_ief, lam)
             else:
-                dirs[method] = sf_direction(sampled, gradient, lam)
-        for method, g in gammas(dirs, f"damping sweep at lambda = {lam:g}").items():
-            records.append({"method": method, "damping": lam, "gamma": g, "ratio": g / gamma_sgd})
+                dirs[label] = sf_direction(sampled, gradient, lam)
+    gammas = rate(dirs, model, inputs, targets, params, loss_fn, lj, "damping sweep")
+    records: list[dict[str, Any]] = [{"method": "sgd", "damping": None, "gamma": gammas["sgd"], "ratio": 1.0}]
+    for lam in lams:
+        for method in methods:
+            g = gammas[f"{method} at lambda = {lam!r}"]
+            records.append({"method": method, "damping": lam, "gamma": g, "ratio": g / gammas["sgd"]})
     return records
 
 

@@ -24,6 +24,12 @@ Damping is in the package's convention (sum loss ``L = sum_n l_n``): one float f
 method. SF needs ``damping > 0``. Randomness (SF's and KFAC's sampled labels) comes from a generator seeded with
 ``(seed, batch index)``, so a record is reproducible on its own. The model is used in the mode it is in; with
 dropout active every call draws its own masks, so evaluate in ``eval()`` mode unless that is what you study.
+
+Undefined indicators are never recorded: a zero direction (a saturated batch, ``J = 0`` or ``grad L = 0``: ``gamma =
+0/0``) or a ``gamma`` that is 0, ``inf`` or NaN (``d^T F d`` or ``d^T grad L`` rounded or underflowed to zero, e.g.
+``gamma_SGD`` of a classifier with weights x 1e4) raises :class:`ief.curvature.DegenerateIndicator` naming the batch
+and the method (:func:`rate`, :func:`ief.curvature.check_gamma`), here and in :func:`ief.damping_sweep` alike; so every
+recorded ``gamma`` is finite and positive and ``ratio = gamma / gamma_SGD`` never divides by an unchecked value.
 """
 from __future__ import annotations
 
@@ -265,6 +271,10 @@ def evaluate(
     (``gamma / gamma_SGD`` of the same batch), ``imbalance`` (the batch's), plus the keys of ``extra`` (e.g. the
     checkpoint's training stage). ``sgd`` is always evaluated (the ratios need it) and recorded. ``logit_space``:
     as in :func:`directions` (the default picks the cheaper exact route per batch).
+
+    Raises:
+        DegenerateIndicator: a batch whose direction is zero or whose ``gamma`` is 0, ``inf`` or NaN, naming the
+            batch index and the method (see the module docstring).
     """
     methods = _check_methods(methods)
     if "sgd" not in methods:

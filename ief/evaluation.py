@@ -129,7 +129,14 @@ def fresh_generator(generator: torch.Generator | None) -> Callable[[], torch.Gen
     return fresh
 
 
-def batch_rows(model, inputs, targets, params, loss, logit_space):
+def batch_rows(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    params: Sequence[torch.nn.Parameter],
+    loss: str | Loss,
+    logit_space: bool | LogitJacobian | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogitJacobian | None]:
     """``(J [M, P], s_iEF [M], grad L [P], J_z or None)`` of one batch, by the route :func:`directions` takes: from
     the batch's logit Jacobian (``logit_space``, :func:`ief.logit_space.logit_route`) or one per-sample backward.
     ``J`` and ``grad L`` in the parameters' dtype. Shared with :func:`ief.damping_sweep`."""
@@ -141,7 +148,15 @@ def batch_rows(model, inputs, targets, params, loss, logit_space):
     return ps.jacobian, ps.logit_sqnorm, ps.gradient, None
 
 
-def sampled_rows(model, inputs, targets, params, loss, lj, generator: torch.Generator) -> torch.Tensor:
+def sampled_rows(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    params: Sequence[torch.nn.Parameter],
+    loss: str | Loss,
+    lj: LogitJacobian | None,
+    generator: torch.Generator,
+) -> torch.Tensor:
     """SF's sampled Jacobian ``A [M, P]`` (labels drawn with ``generator``), from ``J_z`` when given."""
     if lj is not None:
         return lj.per_sample_gradients(lj.sample_targets(generator)).to(lj.dtype)
@@ -210,7 +225,7 @@ def rate(
             raise DegenerateIndicator(
                 f"{where or 'batch'}: the {m} direction is zero, so gamma = 0/0 is undefined; the batch is saturated "
                 "(every per-sample gradient is zero, or the batch gradient is): evaluate other batches")
-        check_gamma(values[m], m, where)
+        check_gamma(values[m], m, where or "batch")
     return values
 
 

@@ -9,8 +9,10 @@ Both sides compute gamma and gamma/gamma_SGD of EF, iEF and SF at K dampings (lo
 
 - ``separate``: for each damping, ``ief.evaluate(model, [batch], ["ef", "ief", "sf"], damping, logit_space=False)``
   (a per-sample backward, a sampled backward, three Woodbury solves and four ``ief.gamma`` forward-mode passes, per damping);
-- ``sweep``: one ``ief.damping_sweep(model, *batch, dampings)`` (one per-sample and one sampled backward, one
-  ``eigh`` per Gram, ``2M`` logit JVPs, then ``O(M^2)`` per damping).
+- ``sweep``: one ``ief.damping_sweep(model, *batch, dampings)`` (default route: the batch's logit Jacobian; one
+  per-sample and one sampled Jacobian and one Gram matrix each, shared by all dampings, then per damping and method
+  the exact direction and its ``gamma``, as ``ief.evaluate`` computes them; until issue 18 it rated every damping by
+  an ``O(M^2)`` quadratic form after ``2M`` logit JVPs, which was wrong on singular Grams at small damping).
 
 Models (float32, eval mode): ``mlp``: the digits-mlp architecture (64-128-128-10 ReLU, 26,122 parameters) on random
 inputs; ``minilm-lora``: the cpu setup tweets-minilm-lora (packaged all-MiniLM-L6-v2 + LoRA r=8 + 3-class head,

@@ -371,8 +371,33 @@ def _gammas_of_jvps(loss: Loss, logits: torch.Tensor, targets: torch.Tensor, jds
 
 
 def gamma_from(curvature: float, slope: float) -> float:
-    """``sqrt(d^T F d) / |d^T g|`` from its two scalars; ``inf`` for zero slope."""
+    """``sqrt(d^T F d) / |d^T g|`` from its two scalars; ``inf`` for zero slope (a primitive: the evaluation checks
+    what it returns with :func:`check_gamma`)."""
     curvature = max(curvature, 0.0)  # PSD up to rounding
     if slope == 0.0:
         return math.inf
     return math.sqrt(curvature) / abs(slope)
+
+
+class DegenerateIndicator(FloatingPointError):
+    """An evaluation's ``gamma`` is 0, ``inf`` or NaN, or its direction is zero: never recorded (see :func:`check_gamma`)."""
+
+
+def check_gamma(value: float, method: str, where: str = "batch") -> float:
+    """``value`` if it is a usable indicator (finite and > 0), else :class:`DegenerateIndicator` naming ``where`` (the
+    batch) and ``method``: the rule by which :func:`ief.evaluate` and :func:`ief.damping_sweep` never hand 0, ``inf``
+    or NaN to a chapter, nor divide by one (``ratio = gamma / gamma_SGD``).
+
+    In exact arithmetic ``gamma(d) = sqrt(d^T F d) / |d^T grad L|`` of a non-zero EF / iEF / SF / SGD direction with
+    ``grad L != 0`` is finite and positive (``d^T F d = 0`` forces ``J_z d`` into the logit Hessian's null space,
+    which ``grad_z L`` is orthogonal to, so ``d^T grad L = 0`` too). A 0 therefore means ``d^T F d`` rounded or
+    underflowed to zero (e.g. a saturated softmax, weights x 1e4), ``inf`` that ``d^T grad L`` did: the value is
+    rounding, not a measurement.
+    """
+    if math.isfinite(value) and value > 0.0:
+        return value
+    why = {0.0: "d^T F d rounded or underflowed to zero (a saturated softmax?)",
+           math.inf: "d^T grad L rounded to zero (a saturated batch, or a direction orthogonal to the gradient)"}
+    reason = "it is NaN" if math.isnan(value) else why.get(value, "it is negative")
+    raise DegenerateIndicator(f"{where}: gamma of the {method} direction is {value} ({reason}); an evaluation records "
+                              "only finite, positive gammas: evaluate other batches or a larger damping")

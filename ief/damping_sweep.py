@@ -1,77 +1,94 @@
-"""EF / iEF / SF indicators for many dampings from one factorisation per Gram and no model pass per damping
-(experiment E3, ``sec:exp-damping``, ``fig:damping_gamma_cola-t5-lora``).
+"""EF / iEF / SF indicators for many dampings on one batch (experiment E3, ``sec:exp-damping``,
+``fig:damping_gamma_cola-t5-lora``): exactly the numbers of one :func:`ief.evaluate` per damping, for one
+per-sample backward and one Gram matrix per batch.
 
-Derivation. Let ``J [M, P]`` hold the per-sample gradients, ``A [M, P]`` those for sampled labels (SF), ``g = J^T 1``
-the batch gradient (``L = sum_n l_n``). Every direction is a combination of the rows of ``J`` and ``A``:
+What is shared and what is not. The expensive part of an evaluation is the batch's per-sample gradients ``J [M, P]``
+(and SF's sampled ``A``): they do not depend on the damping, so they are formed once (from the batch's logit
+Jacobian ``J_z`` when :func:`ief.logit_space.logit_route` takes it, as the evaluation does), and so are the float64
+Gram matrices ``J J^T`` and ``A A^T`` (``M x M``, the ``M^2 P`` part of a Woodbury solve). Per ``(method, lambda)``
+the direction is then computed by the very functions of :mod:`ief.directions` (``eqn:EF_lsq``, ``eqn:iEF_lsq``,
+``eqn:SF-smw``: an ``M x M`` solve, the combination ``J^T c`` in float64 parameter space, the cast to the model's
+dtype) and rated by :func:`ief.evaluation.rate`, the evaluation's own ``gamma`` (a product with ``J_z``, or one
+forward-mode pass). Every record is therefore the value :func:`ief.evaluate` computes at that damping (the tests
+check it, and both against a dense float64 oracle, on singular and near-singular Grams and ``lambda = 0``).
 
-- EF:  ``d = J^T c``,  ``c = (J J^T + lambda I)^{-1} 1 = Q diag(1/(e + lambda)) Q^T 1``  (``J J^T = Q diag(e) Q^T``)
-- iEF: ``d = J^T c``,  ``c = Q diag(1/(e + lambda)) Q^T s_iEF``
-- SF:  ``d = (1/lambda) [g - A^T c_A] = J^T (1/lambda) - A^T (c_A / lambda)``,
-  ``c_A = Q_A diag(1/(e_A + lambda)) Q_A^T (A J^T) 1``  (``A A^T = Q_A diag(e_A) Q_A^T``)
+Why not the cheaper algebra this module used before (until issue 18). It wrote every direction as ``d = B^T w``,
+``B = [J; A]``, formed ``Z = J_z B^T`` once (``2M`` logit JVPs along the *rows* of ``B``) and rated each
+``(method, lambda)`` by the quadratic form ``w^T (Z^T H Z) w / |w^T Z^T r|`` in ``O(M^2)``. That is exact in exact
+arithmetic but not in floating point whenever ``J J^T`` is singular or ill-conditioned (``P < M``, repeated samples,
+samples whose every position is ignored, ``lambda`` near 0): on a null eigenvector ``q`` of the Gram the coefficient
+``w`` carries ``q / lambda``, and ``J^T q = 0`` holds only through the cancellation ``sum_n q_n Z_n``, which then
+happens in ``Z``'s rounding (each column its own JVP, in the model's dtype: ``6e-8 x 1e10`` in float32) and inside
+a ``2M x 2M`` quadratic form whose terms are ``|w|^2 |C| ~ 1e20 |C|`` (float64 too). The curvature came out as
+rounding noise: ``gamma = 0`` (clamped negative curvature) or values off by factors of 2 at ``lambda <= 1e-8``
+(issue 18: ``Linear(4, 3)``, ``M = 32``: 0 against 0.2622; a prompt-tuned MLP in float32: 2.22 against 0.630), the
+very region E3's "iEF is insensitive to near-zero damping" is read from. The direct route cancels in float64 in
+parameter space on the exact ``J`` (:func:`ief.directions.combine_rows`) *before* any JVP, so nothing large is ever
+subtracted afterwards: it is exact by construction, and no fast route with a guard is kept.
 
-so one ``eigh`` of each ``M x M`` Gram gives the coefficients for every ``lambda``. For the indicator, write
-``B = [J; A]`` (``2M`` rows) and ``d = B^T w``. The logit JVP is ``J_z d = Z w`` with ``Z = J_z B^T``, whose ``2M``
-columns are the logit JVPs along the rows of ``B`` (one forward-mode pass each, computed once). With ``H`` the loss's
-logit Hessian (``diag(p) - p p^T`` per kept position) and ``r = grad_z L``:
+Cost (E3's grids: 7 dampings at smoke, 13 at cpu and full; ``K`` dampings, ``k`` methods): one per-sample (and one
+sampled) backward or the shared ``J_z``, two Gram matrices, then per ``(method, lambda)`` an ``M x M`` solve and one
+``J^T c`` (``M P``); all ``k K`` directions are then rated together: one product of them with ``J_z`` on the
+logit-space route, or one forward-mode pass each on the per-pass route: ``k K`` passes (39 for the full grid) where
+the old algebra took ``2M`` (64 at ``M = 32``, 320 at the paper's ``M = 160``). ``benchmarks/damping_sweep.py``
+measures it against ``K`` separate evaluations (digits-mlp architecture, ``M = 32``, ``K = 20``, one thread on a
+loaded 2-core machine: 0.69 s against 0.50 s for the old algebra and 0.91 s for 20 separate evaluations).
 
-    d^T F d = w^T (Z^T H Z) w,      d^T grad L = w^T (Z^T r),
-
-so after the ``2M`` passes every ``(method, lambda)`` costs ``O(M^2)``: ``gamma = sqrt(w^T C w) / |w^T v|`` with
-``C = Z^T H Z`` and ``v = Z^T r`` (``2M x 2M`` and ``2M``). SGD is ``w = [1; 0]``.
-
-Cost against ``K`` separate evaluations (per damping: a per-sample backward, a sampled backward, three directions
-and four ``gamma`` passes): one per-sample and one sampled backward plus ``2M`` JVP forwards (``M`` without SF),
-whatever ``K``; with the batch's logit Jacobian (``logit_space``, :mod:`ief.logit_space`: one per-sample backward
-per class, shared with :func:`ief.evaluation.evaluate_batch`) not even the ``2M`` passes: ``Z = J_z B^T`` is one
-matrix product.
-Memory: ``Z`` holds ``2M`` logit tensors, ``2M x M x (kept positions) x C`` floats (ignored
-positions are dropped): fine for classifiers, large for a big vocabulary (use :func:`ief.evaluate` per damping there).
-The curvature is exact up to rounding: tested against ``K`` separate ``ief.gamma`` calls to ~1e-10 in float64.
+Undefined indicators: a saturated batch (``J = 0`` or ``grad L = 0``) or a ``gamma`` that is 0, ``inf`` or NaN
+raises :class:`ief.curvature.DegenerateIndicator` naming the method, exactly as :func:`ief.evaluate` does
+(:func:`ief.curvature.check_gamma`).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from .curvature import gamma_from, logits_and_jvp
-from .directions import gram
-from .jacobian import per_sample, sampled_jacobian
-from .logit_space import LogitJacobian, logit_route
-from .losses import IGNORE_INDEX, Loss, check_damping, get_loss
-from .model_call import Inputs, ReplayableForward, param_names, resolve_params, split_vector
+from .directions import FactoredRows, combine_rows, ef_direction, gram, ief_direction, max_abs, sf_direction
+from .evaluation import batch_rows, fresh_generator, rate, sampled_rows
+from .logit_space import LogitJacobian
+from .losses import Loss, check_damping, get_loss
+from .model_call import Inputs, all_finite, column_chunks, resolve_params
 
 SWEEP_METHODS = ("ef", "ief", "sf")
 
 
-def _kept_positions(logits: torch.Tensor, targets: torch.Tensor, loss: Loss) -> torch.Tensor:
-    """Boolean mask over the logits' leading dims of positions that enter the loss."""
-    if loss.name == "cross_entropy":
-        return targets != IGNORE_INDEX
-    return torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device)
+class _SharedGram(FactoredRows):
+    """``J`` (a tensor or a :class:`~ief.directions.FactoredRows`) whose float64 Gram matrix, ``max|J|`` and
+    finiteness are computed once and reused by every damping's Woodbury solve; everything else is ``J``'s own."""
 
+    def __init__(self, rows: torch.Tensor | FactoredRows):
+        self.rows, self.shape, self.dtype, self.device = rows, rows.shape, rows.dtype, rows.device
+        self._grams: dict[float, torch.Tensor] = {}
+        self._max_abs: float | None = None
+        self._finite: bool | None = None
 
-def _logit_jvps(forward: ReplayableForward, params, names, rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``[R, kept, C]`` float64: the logit JVP along every row of ``rows [R, P]`` at the kept positions."""
-    out = []
-    for r in range(rows.shape[0]):
-        with torch.no_grad():
-            _, jv = logits_and_jvp(forward, params, names, split_vector(rows[r], params))
-        out.append(jv.to(torch.float64)[keep])
-    return torch.stack(out)
+    def gram(self, scale: float = 1.0) -> torch.Tensor:
+        if scale not in self._grams:
+            self._grams[scale] = gram(self.rows, scale)
+        return self._grams[scale]
 
+    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
+        return combine_rows(coeff, self.rows, scale, final)
 
-def _eig_coefficients(evals: torch.Tensor, evecs: torch.Tensor, rhs: torch.Tensor, damping: float) -> torch.Tensor:
-    """``(G + lambda I)^{-1} rhs`` from ``G = Q diag(e) Q^T`` (minimum-norm where singular, as ``solve_gram``)."""
-    m = evals.shape[0]
-    scale = float(evals.max()) if m else 0.0
-    tiny = m * torch.finfo(torch.float64).eps * max(scale, 1e-300)
-    shifted = evals.clamp_min(0) + damping
-    keep = shifted > 1e3 * tiny
-    inv = torch.where(keep, 1.0 / torch.where(keep, shifted, torch.ones_like(shifted)), torch.zeros_like(shifted))
-    return evecs @ (inv * (evecs.T @ rhs))
+    def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        if isinstance(self.rows, FactoredRows):
+            return self.rows.times(v, scale)
+        out = torch.zeros(self.shape[0], dtype=torch.float64, device=self.device)
+        for lo, block in column_chunks(self.rows):
+            out += (block.to(torch.float64) / scale) @ v[lo : lo + block.shape[1]].to(torch.float64)
+        return out
+
+    def max_abs(self) -> float:
+        if self._max_abs is None:
+            self._max_abs = max_abs(self.rows)
+        return self._max_abs
+
+    def is_finite(self) -> bool:
+        if self._finite is None:
+            self._finite = self.rows.is_finite() if isinstance(self.rows, FactoredRows) else all_finite(self.rows)
+        return self._finite
 
 
 def damping_sweep(
@@ -86,12 +103,28 @@ def damping_sweep(
     generator: torch.Generator | None = None,
     logit_space: bool | LogitJacobian | None = None,
 ) -> list[dict[str, Any]]:
-    """``gamma`` and ``gamma / gamma_SGD`` of EF / iEF / SF for every damping, on one batch.
+    """``gamma`` and ``gamma / gamma_SGD`` of EF / iEF / SF for every damping, on one batch (``sec:exp-damping``).
 
-    Returns tidy records ``{"method", "damping", "gamma", "ratio"}`` (plus one ``sgd`` record, ``damping=None``).
-    SF needs dampings > 0. Equal to calling :func:`ief.gamma` on each direction (see the module docstring).
-    ``logit_space`` (as in :func:`ief.evaluation.directions`; a :class:`~ief.logit_space.LogitJacobian` of this
-    batch is reused): ``J``, the sampled ``A`` and ``Z`` come from the batch's logit Jacobian, no pass per row.
+    Every value equals :func:`ief.evaluate` of the same batch at that damping (same route, same sampled labels for
+    the same ``generator``): see the module docstring for how the work is shared and why no faster algebra is used.
+
+    Args:
+        model, inputs, targets, params, loss: the batch, as :func:`ief.evaluate`.
+        dampings: ``lambda`` values in the package's sum-loss convention; ``0`` allowed unless SF is swept
+            (``eqn:SF-smw`` divides by it).
+        methods: a subset of ``("ef", "ief", "sf")``.
+        generator: SF's label draws (its state at the call, as :func:`ief.evaluation.directions`).
+        logit_space: as in :func:`ief.evaluation.directions`; a :class:`~ief.logit_space.LogitJacobian` of this
+            batch (e.g. from :func:`ief.evaluation.evaluate_batch`) is reused.
+
+    Returns:
+        Tidy records ``{"method", "damping", "gamma", "ratio"}``: first ``sgd`` (``damping=None``, ratio 1), then one
+        per damping and method, in the given orders. Every ``gamma`` is finite and positive.
+
+    Raises:
+        ValueError: an unknown method, no dampings, or a damping that is not a finite number >= 0 (> 0 with SF).
+        DegenerateIndicator: a saturated batch (zero gradient or zero direction) or a ``gamma`` that is 0, ``inf``
+            or NaN, naming the method and damping (:func:`ief.curvature.check_gamma`).
     """
     methods = list(dict.fromkeys([methods] if isinstance(methods, str) else methods))
     bad = [m for m in methods if m not in SWEEP_METHODS]
@@ -102,67 +135,30 @@ def damping_sweep(
         raise ValueError("dampings is empty: give at least one damping")
     loss_fn = get_loss(loss)
     params = resolve_params(model, params)
-    names = param_names(model, params)
-    lj = logit_route(model, inputs, targets, params, loss_fn, logit_space)
-    if lj is not None:
-        jac, s_ief = lj.per_sample_gradients(targets).to(lj.dtype), lj.logit_sqnorm(targets)
-        rows = [jac]
-        if "sf" in methods:
-            rows.append(lj.per_sample_gradients(lj.sample_targets(generator)).to(lj.dtype))
-        z = lj.logits
-        keep = _kept_positions(z, targets, loss_fn)
-        Z = lj.jvp(torch.cat(rows))[:, keep]  # [R, kept, C]
-    else:
-        ps = per_sample(model, inputs, targets, params, loss=loss)
-        jac, s_ief = ps.jacobian, ps.logit_sqnorm
-        rows = [jac]
-        if "sf" in methods:
-            rows.append(sampled_jacobian(model, inputs, targets, generator, params, loss=loss))
-        forward = ReplayableForward(model, inputs)
-        with torch.no_grad():
-            logits, _ = logits_and_jvp(forward, params, names, [torch.zeros_like(p) for p in params])
-        z = logits.detach().to(torch.float64)
-        keep = _kept_positions(z, targets, loss_fn)
-        Z = _logit_jvps(forward, params, names, torch.cat(rows), keep)  # [R, kept, C]
-    m = jac.shape[0]
-    # C = Z^T H Z, v = Z^T r (H and r at the kept positions)
-    hz = torch.stack([loss_fn.hessian_vp(z, targets, _scatter(Z[i], keep, z))[keep] for i in range(Z.shape[0])])
-    flat_z, flat_hz = Z.reshape(Z.shape[0], -1), hz.reshape(Z.shape[0], -1)
-    curv = 0.5 * (flat_z @ flat_hz.T + flat_hz @ flat_z.T)  # [R, R]
-    r = loss_fn.logit_grad(z, targets)[keep].reshape(-1)
-    slope = flat_z @ r  # [R]
+    fresh = fresh_generator(generator)
+    jacobian, s_ief, gradient, lj = batch_rows(model, inputs, targets, params, loss_fn, logit_space)
+    jac = _SharedGram(jacobian)
+    sampled = _SharedGram(sampled_rows(model, inputs, targets, params, loss_fn, lj, fresh())) \
+        if "sf" in methods else None
 
-    def gamma_of(w: torch.Tensor) -> float:
-        return gamma_from(float(w @ curv @ w), float(w @ slope))
-
-    ones = torch.ones(m, dtype=torch.float64)
-    zeros = torch.zeros(m, dtype=torch.float64) if "sf" in methods else torch.zeros(0, dtype=torch.float64)
-    gamma_sgd = gamma_of(torch.cat([ones, zeros]))
-    records: list[dict[str, Any]] = [{"method": "sgd", "damping": None, "gamma": gamma_sgd, "ratio": 1.0}]
-    gram_j = gram(jac)
-    e_j, q_j = torch.linalg.eigh(gram_j)
-    rhs = {"ef": ones, "ief": s_ief.to(torch.float64)}
-    if "sf" in methods:
-        a = rows[1].to(torch.float64)
-        ag = a @ jac.to(torch.float64).T @ ones  # A g with g = J^T 1
-        e_a, q_a = torch.linalg.eigh(gram(rows[1]))
+    # every direction first, then one rating of them all (on the logit-space route one product with J_z for all)
+    dirs = {"sgd": gradient}
     for lam in lams:
         for method in methods:
-            if method == "sf":
-                c_a = _eig_coefficients(e_a, q_a, ag, lam)
-                w = torch.cat([ones / lam, -c_a / lam])
+            label = f"{method} at lambda = {lam!r}"
+            if method == "ef":
+                dirs[label] = ef_direction(jac, lam)
+            elif method == "ief":
+                dirs[label] = ief_direction(jac, s_ief, lam)
             else:
-                c = _eig_coefficients(e_j, q_j, rhs[method], lam)
-                w = torch.cat([c, zeros])
-            g_m = gamma_of(w) if bool(w.ne(0).any()) else math.nan
-            records.append({"method": method, "damping": lam, "gamma": g_m, "ratio": g_m / gamma_sgd})
+                dirs[label] = sf_direction(sampled, gradient, lam)
+    gammas = rate(dirs, model, inputs, targets, params, loss_fn, lj, "damping sweep")
+    records: list[dict[str, Any]] = [{"method": "sgd", "damping": None, "gamma": gammas["sgd"], "ratio": 1.0}]
+    for lam in lams:
+        for method in methods:
+            g = gammas[f"{method} at lambda = {lam!r}"]
+            records.append({"method": method, "damping": lam, "gamma": g, "ratio": g / gammas["sgd"]})
     return records
-
-
-def _scatter(values: torch.Tensor, keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(like)
-    out[keep] = values
-    return out
 
 
 __all__ = ["damping_sweep", "SWEEP_METHODS"]

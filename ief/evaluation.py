@@ -24,16 +24,22 @@ Damping is in the package's convention (sum loss ``L = sum_n l_n``): one float f
 method. SF needs ``damping > 0``. Randomness (SF's and KFAC's sampled labels) comes from a generator seeded with
 ``(seed, batch index)``, so a record is reproducible on its own. The model is used in the mode it is in; with
 dropout active every call draws its own masks, so evaluate in ``eval()`` mode unless that is what you study.
+
+Undefined indicators are never recorded: a zero direction (a saturated batch, ``J = 0`` or ``grad L = 0``: ``gamma =
+0/0``) or a ``gamma`` that is 0, ``inf`` or NaN (``d^T F d`` or ``d^T grad L`` rounded or underflowed to zero, e.g.
+``gamma_SGD`` of a classifier with weights x 1e4) raises :class:`ief.curvature.DegenerateIndicator` naming the batch
+and the method (:func:`rate`, :func:`ief.curvature.check_gamma`), here and in :func:`ief.damping_sweep` alike; so every
+recorded ``gamma`` is finite and positive and ``ratio = gamma / gamma_SGD`` never divides by an unchecked value.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from .curvature import gamma, gamma_from
+from .curvature import DegenerateIndicator, check_gamma, gamma, gamma_from
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import conjugate_gradient, hessian_free
 from .jacobian import per_sample, sampled_jacobian
@@ -110,8 +116,9 @@ def directions(
     return dirs, imb
 
 
-def _directions(model, inputs, targets, methods, damping, *, params, loss, cg_iterations, generator, logit_space):
-    methods = _check_methods(methods)
+def fresh_generator(generator: torch.Generator | None) -> Callable[[], torch.Generator]:
+    """A factory of generators that all start from ``generator``'s state now (seed 0 when ``None``): SF and KFAC
+    (and :func:`ief.damping_sweep`) each draw from it, so they see the same labels."""
     start = (generator if generator is not None else torch.Generator().manual_seed(0)).get_state()
 
     def fresh() -> torch.Generator:
@@ -119,18 +126,52 @@ def _directions(model, inputs, targets, methods, damping, *, params, loss, cg_it
         g.set_state(start)
         return g
 
+    return fresh
+
+
+def batch_rows(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    params: Sequence[torch.nn.Parameter],
+    loss: str | Loss,
+    logit_space: bool | LogitJacobian | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogitJacobian | None]:
+    """``(J [M, P], s_iEF [M], grad L [P], J_z or None)`` of one batch, by the route :func:`directions` takes: from
+    the batch's logit Jacobian (``logit_space``, :func:`ief.logit_space.logit_route`) or one per-sample backward.
+    ``J`` and ``grad L`` in the parameters' dtype. Shared with :func:`ief.damping_sweep`."""
+    lj = logit_route(model, inputs, targets, params, loss, logit_space)
+    if lj is not None:
+        jac64 = lj.per_sample_gradients(targets)
+        return jac64.to(lj.dtype), lj.logit_sqnorm(targets), jac64.sum(0).to(lj.dtype), lj
+    ps = per_sample(model, inputs, targets, params, loss=loss)
+    return ps.jacobian, ps.logit_sqnorm, ps.gradient, None
+
+
+def sampled_rows(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    params: Sequence[torch.nn.Parameter],
+    loss: str | Loss,
+    lj: LogitJacobian | None,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """SF's sampled Jacobian ``A [M, P]`` (labels drawn with ``generator``), from ``J_z`` when given."""
+    if lj is not None:
+        return lj.per_sample_gradients(lj.sample_targets(generator)).to(lj.dtype)
+    return sampled_jacobian(model, inputs, targets, generator, params, loss=loss)
+
+
+def _directions(model, inputs, targets, methods, damping, *, params, loss, cg_iterations, generator, logit_space):
+    methods = _check_methods(methods)
+    fresh = fresh_generator(generator)
     lam = _dampings(methods, damping)
     params = resolve_params(model, params)
     for m in methods:
         if m in ("kfac", "ekfac", "iekfac"):
             check_linear_only(model, params, m)  # before any expensive pass
-    lj = logit_route(model, inputs, targets, params, loss, logit_space)
-    if lj is not None:
-        jac64 = lj.per_sample_gradients(targets)
-        jacobian, s_ief, gradient = jac64.to(lj.dtype), lj.logit_sqnorm(targets), jac64.sum(0).to(lj.dtype)
-    else:
-        ps = per_sample(model, inputs, targets, params, loss=loss)
-        jacobian, s_ief, gradient = ps.jacobian, ps.logit_sqnorm, ps.gradient
+    jacobian, s_ief, gradient, lj = batch_rows(model, inputs, targets, params, loss, logit_space)
     out: dict[str, torch.Tensor] = {}
     block = {m: lam[m] for m in methods if m in ("kfac", "ekfac", "iekfac")}
     block_dirs = kfac_directions(model, inputs, targets, block, params, fresh(), loss=loss) if block else {}
@@ -142,11 +183,7 @@ def _directions(model, inputs, targets, methods, damping, *, params, loss, cg_it
         elif m == "ief":
             out[m] = ief_direction(jacobian, s_ief, lam[m])
         elif m == "sf":
-            if lj is not None:
-                sampled = lj.per_sample_gradients(lj.sample_targets(fresh())).to(lj.dtype)
-            else:
-                sampled = sampled_jacobian(model, inputs, targets, fresh(), params, loss=loss)
-            out[m] = sf_direction(sampled, gradient, lam[m])
+            out[m] = sf_direction(sampled_rows(model, inputs, targets, params, loss, lj, fresh()), gradient, lam[m])
         elif m in ("kfac", "ekfac", "iekfac"):
             out[m] = block_dirs[m]  # one forward for the three (ief.kfac_directions)
         elif lj is not None:  # hf from J_z: the same CG on the same (exact) Fisher products
@@ -154,6 +191,48 @@ def _directions(model, inputs, targets, methods, damping, *, params, loss, cg_it
         else:
             out[m] = hessian_free(model, inputs, targets, cg_iterations, params, loss=loss)
     return out, imbalance(jacobian), lj
+
+
+def rate(
+    dirs: Mapping[str, torch.Tensor],
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    params: Sequence[torch.nn.Parameter],
+    loss: str | Loss,
+    lj: LogitJacobian | None,
+    where: str = "",
+) -> dict[str, float]:
+    """``{method: gamma}`` of every direction, each checked (:func:`ief.curvature.check_gamma`): the one place the
+    evaluation and :func:`ief.damping_sweep` turn directions into indicators.
+
+    With ``lj`` every ``gamma`` is a product with ``J_z``; otherwise one forward-mode pass per direction
+    (:func:`ief.gamma`). ``where`` names the batch in the error message.
+
+    Raises:
+        DegenerateIndicator: a zero direction (a saturated batch: ``J = 0`` or ``grad L = 0``) or a ``gamma`` that is
+            0, ``inf`` or NaN (``d^T F d`` or ``d^T grad L`` rounded to zero), naming ``where`` and the method.
+    """
+    nonzero = [m for m, d in dirs.items() if bool(d.ne(0).any())]
+    values: dict[str, float] = {}
+    if nonzero and lj is not None:
+        curv, slope = lj.curvature_and_slope(torch.stack([dirs[m] for m in nonzero]))
+        values = {m: gamma_from(float(c), float(s)) for m, c, s in zip(nonzero, curv, slope)}
+    elif nonzero:
+        values = {m: gamma(model, inputs, targets, dirs[m], params, loss=loss) for m in nonzero}
+    for m in dirs:  # the first bad one, in the callers' order (sgd first)
+        if m not in values:
+            raise DegenerateIndicator(
+                f"{where or 'batch'}: the {m} direction is zero, so gamma = 0/0 is undefined; the batch is saturated "
+                "(every per-sample gradient is zero, or the batch gradient is): evaluate other batches")
+        check_gamma(values[m], m, where or "batch")
+    return values
+
+
+def _where(extra: Mapping[str, Any] | None) -> str:
+    """The batch's name in error messages, from the identifying keys of a record's ``extra``."""
+    keys = [k for k in ("setup", "scale", "stage", "batch") if extra and k in extra]
+    return ", ".join(f"{k} {extra[k]}" for k in keys) if keys else "batch"
 
 
 def evaluate_batch(
@@ -182,13 +261,7 @@ def evaluate_batch(
     params = resolve_params(model, params)
     dirs, imb, lj = _directions(model, inputs, targets, methods, lam, params=params, loss=loss,
                                 cg_iterations=cg_iterations, generator=generator, logit_space=logit_space)
-    nonzero = [m for m, d in dirs.items() if bool(d.ne(0).any())]
-    gammas = {m: math.nan for m in dirs}
-    if lj is not None and nonzero:
-        curv, slope = lj.curvature_and_slope(torch.stack([dirs[m] for m in nonzero]))
-        gammas.update({m: gamma_from(float(c), float(s)) for m, c, s in zip(nonzero, curv, slope)})
-    else:
-        gammas.update({m: gamma(model, inputs, targets, dirs[m], params, loss=loss) for m in nonzero})
+    gammas = rate(dirs, model, inputs, targets, params, loss, lj, _where(extra))
     records = [{**(extra or {}), "method": m, "damping": None if m in ("sgd", "hf") else lam[m],
                 "gamma": gammas[m], "ratio": gammas[m] / gammas["sgd"], "imbalance": imb} for m in methods]
     return records, lj
@@ -213,6 +286,10 @@ def evaluate(
     (``gamma / gamma_SGD`` of the same batch), ``imbalance`` (the batch's), plus the keys of ``extra`` (e.g. the
     checkpoint's training stage). ``sgd`` is always evaluated (the ratios need it) and recorded. ``logit_space``:
     as in :func:`directions` (the default picks the cheaper exact route per batch).
+
+    Raises:
+        DegenerateIndicator: a batch whose direction is zero or whose ``gamma`` is 0, ``inf`` or NaN, naming the
+            batch index and the method (see the module docstring).
     """
     methods = _check_methods(methods)
     if "sgd" not in methods:

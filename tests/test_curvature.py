@@ -488,3 +488,21 @@ def test_fisher_vp_auto_takes_forward_mode_and_falls_back_without_changing_the_p
     torch.testing.assert_close(_seeded(lambda: ief.fisher_vp(model, x, y, d)), expected, rtol=1e-13, atol=1e-13)
     with pytest.raises(ValueError, match="'auto', 'forward', 'double_backward'"):
         ief.fisher_vp(model, x, y, d, method="nope")
+
+
+@pytest.mark.parametrize("value, reason", [(0.0, "underflowed to zero"), (-0.0, "underflowed to zero"),
+                                           (math.inf, "d\\^T grad L rounded to zero"), (math.nan, "NaN"),
+                                           (-1.0, "negative")])
+def test_check_gamma_refuses_what_an_evaluation_must_never_record(value, reason):
+    from ief.curvature import DegenerateIndicator, check_gamma
+
+    with pytest.raises(DegenerateIndicator, match=rf"stage 50, batch 3: gamma of the sf direction is .*{reason}"):
+        check_gamma(value, "sf", "stage 50, batch 3")
+    assert issubclass(DegenerateIndicator, FloatingPointError)
+
+
+def test_check_gamma_passes_finite_positive_values_through():
+    from ief.curvature import check_gamma
+
+    assert check_gamma(0.25, "ief") == 0.25
+    assert check_gamma(5e-324, "ief") == 5e-324  # tiny but a measurement

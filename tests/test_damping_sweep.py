@@ -60,3 +60,180 @@ def test_bad_input(kwargs, match):
     case = mlp_case()
     with pytest.raises(ValueError, match=match):
         ief.damping_sweep(case.model, case.inputs, case.targets, **kwargs)
+
+
+# --- issue 18: exact on singular and near-singular Grams, against ief.evaluate and a dense float64 oracle ---------
+
+import copy  # noqa: E402
+
+import oracle  # noqa: E402
+from ief.curvature import DegenerateIndicator  # noqa: E402
+from tiny_models import IGNORE, Case  # noqa: E402
+
+SINGULAR_DAMPINGS = [0.0, 1e-10, 1e-8, 1e-6, 1e-4, 1.0]
+
+
+def linear_case(dtype=torch.float64) -> Case:
+    """``Linear(4, 3)`` on ``M = 32`` samples: ``P = 15 < M``, so ``J J^T`` has a 17-dimensional null space."""
+    torch.manual_seed(3)
+    model = torch.nn.Linear(4, 3).to(dtype)
+    return Case("linear", model, torch.randn(32, 4, dtype=dtype), torch.randint(0, 3, (32,)))
+
+
+class PromptedMLP(torch.nn.Module):
+    """A frozen MLP read at ``T = 3`` positions, each input concatenated with its trainable prompt vector (``3 x 2``:
+    6 parameters), per-position logits ``[M, T, 3]``: prompt tuning in miniature."""
+
+    def __init__(self):
+        super().__init__()
+        self.prompt = torch.nn.Parameter(0.5 * torch.randn(3, 2))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        self.mlp.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([x, self.prompt.expand(x.shape[0], -1, -1)], dim=-1))
+
+
+def prompt_case(dtype=torch.float64) -> Case:
+    """``PromptedMLP``, ``M = 16``, ``T = 3``: ``P = 6 < M``, ignored positions, and samples 2 and 9 ignored at every
+    position (zero rows of ``J``)."""
+    torch.manual_seed(5)
+    model = PromptedMLP().to(dtype)
+    y = torch.randint(0, 3, (16, 3))
+    y[2] = IGNORE
+    y[9] = IGNORE
+    y[4, 1] = IGNORE
+    y[11, 0] = IGNORE
+    return Case("prompt", model, torch.randn(16, 3, 2, dtype=dtype), y)
+
+
+def repeated_case(dtype=torch.float64, jitter: float = 0.0) -> Case:
+    """The MLP of ``mlp_case`` on 4 distinct samples, each repeated 3 times (``rank J J^T = 4 < M = 12``); with
+    ``jitter`` the copies' inputs differ by that much: a near-singular Gram."""
+    base = mlp_case(m=4, dtype=dtype, seed=2)
+    gen = torch.Generator().manual_seed(9)
+    x = base.inputs.repeat(3, 1) + jitter * torch.randn(12, 5, generator=gen).to(dtype)
+    return Case("repeated" if not jitter else "near-singular", base.model, x, base.targets.repeat(3))
+
+
+CASES = {"linear": linear_case, "prompt": prompt_case, "repeated": repeated_case,
+         "near-singular": lambda dtype=torch.float64: repeated_case(dtype, jitter=1e-3)}
+
+
+def _oracle_gammas(case: Case, dampings, seed: int) -> dict[tuple[str, float], float]:
+    """Dense float64 ``gamma`` of SGD and of EF / iEF / SF at every damping (``eqn:EF_lsq``, ``eqn:iEF_lsq``,
+    ``eqn:SF-smw``): explicit per-sample loops, the Fisher summed over classes, the Woodbury forms by an SVD of ``J``
+    (``J^T (J J^T + lambda I)^{-1} w = V S/(S^2 + lambda) U^T w``, the pseudo-inverse at ``lambda = 0``: no null
+    eigenvector is ever multiplied by ``1/lambda``) and SF by an SVD of ``A``. SF's labels: drawn as the package draws
+    them (``torch.multinomial`` on the float64 softmax with a generator seeded ``seed``)."""
+    model = copy.deepcopy(case.model).double()
+    x = case.inputs.double()
+    _, jac, s = oracle.per_sample(model, x, case.targets)
+    fisher = oracle.fisher(model, x, case.targets)
+    g = jac.sum(0)
+    with torch.no_grad():
+        logits = oracle.logits_of(model, x).double()
+    probs = torch.softmax(logits, dim=-1).reshape(-1, logits.shape[-1])
+    drawn = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).reshape(case.targets.shape)
+    _, a, _ = oracle.per_sample(model, x, torch.where(case.targets == IGNORE, case.targets, drawn))
+
+    def gam(d):
+        return float(torch.sqrt(d @ fisher @ d) / (d @ g).abs())
+
+    u, sv, vh = torch.linalg.svd(jac, full_matrices=False)
+    _, sa, vah = torch.linalg.svd(a, full_matrices=True)
+    sa = torch.cat([sa, sa.new_zeros(vah.shape[0] - sa.shape[0])])
+    out = {("sgd", None): gam(g)}
+    for lam in dampings:
+        if lam == 0:
+            keep = sv > sv.max() * 1e-6
+            scale = torch.where(keep, 1 / torch.where(keep, sv, torch.ones_like(sv)), torch.zeros_like(sv))
+        else:
+            scale = sv / (sv**2 + lam)
+        for m, w in (("ef", torch.ones_like(s)), ("ief", s)):
+            out[(m, lam)] = gam(vh.T @ (scale * (u.T @ w)))
+        if lam > 0:
+            out[("sf", lam)] = gam(vah.T @ ((vah @ g) / (sa**2 + lam)))
+    return out
+
+
+def _by_key(records):
+    return {(r["method"], r["damping"]): r for r in records}
+
+
+@pytest.mark.parametrize("logit_space", [False, None], ids=["per-pass", "logit-space"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_sweep_equals_evaluate_and_dense_oracle_on_singular_grams(name, dtype, logit_space):
+    """Issue 18: the old 2M-JVP algebra returned gamma = 0 (Linear(4, 3), M = 32, f64, 1e-8; the prompt case, f64,
+    1e-10) or 2.22 against 0.630 (prompt, f32, 1e-8) where J J^T is singular: every (method, lambda) must equal one
+    ief.evaluate at that damping and the dense oracle."""
+    case = CASES[name](dtype)
+    case.model.eval()
+    sweep = _by_key(ief.damping_sweep(case.model, case.inputs, case.targets, SINGULAR_DAMPINGS, methods=["ef", "ief"],
+                                      logit_space=logit_space))
+    sweep.update(_by_key(ief.damping_sweep(case.model, case.inputs, case.targets, SINGULAR_DAMPINGS[1:],
+                                           generator=torch.Generator().manual_seed(4), logit_space=logit_space)))
+    expected = _oracle_gammas(case, SINGULAR_DAMPINGS, seed=4)
+    rel_eval, rel_oracle = (1e-6, 1e-6) if dtype == torch.float64 else (1e-2, 1e-2)
+    # SF's Woodbury form (eqn:SF-smw, ief.sf_direction, which evaluate uses too) forms its bracket g - A^T c ~ lambda d
+    # from O(|g|) terms: in float64 it keeps ~eps / lambda relative (measured here: 4.5e-6 at lambda = 1e-10)
+    for lam in SINGULAR_DAMPINGS:
+        rel_sf = max(rel_oracle, 1e-15 / lam) if dtype == torch.float64 and lam > 0 else rel_oracle
+        methods = ["ef", "ief"] if lam == 0 else ["ef", "ief", "sf"]
+        ev = _by_key(ief.evaluate(case.model, [(case.inputs, case.targets)], methods, lam, seed=0,
+                                  logit_space=logit_space))
+        for m in methods:
+            got = sweep[(m, lam)]
+            tol = rel_sf if m == "sf" else rel_oracle
+            assert got["gamma"] == pytest.approx(expected[(m, lam)], rel=tol), (m, lam, "oracle")
+            if m != "sf":  # (evaluate draws SF's labels from batch_generator(0, 0), the sweep from seed 4)
+                assert got["gamma"] == pytest.approx(ev[(m, lam)]["gamma"], rel=rel_eval), (m, lam, "evaluate")
+                assert got["ratio"] == pytest.approx(ev[(m, lam)]["ratio"], rel=rel_eval), (m, lam, "evaluate")
+    assert sweep[("sgd", None)]["gamma"] == pytest.approx(expected[("sgd", None)], rel=rel_oracle)
+
+
+@pytest.mark.parametrize("logit_space", [False, None], ids=["per-pass", "logit-space"])
+def test_sweep_sf_equals_evaluate_with_the_same_generator(logit_space):
+    case = prompt_case()
+    case.model.eval()
+    from ief.evaluation import batch_generator
+    for lam in (1e-10, 1e-4):
+        ev = _by_key(ief.evaluate(case.model, [(case.inputs, case.targets)], ["sf"], lam, seed=3,
+                                  logit_space=logit_space))
+        sw = _by_key(ief.damping_sweep(case.model, case.inputs, case.targets, [lam], methods=["sf"],
+                                       generator=batch_generator(3, 0), logit_space=logit_space))
+        assert sw[("sf", lam)]["gamma"] == pytest.approx(ev[("sf", lam)]["gamma"], rel=1e-12)
+
+
+def _margin_case(margin: float):
+    """A linear classifier whose every sample predicts its label (class 0) by ``margin`` (bias ``[margin, 0, 0]``,
+    small weights): ``p - y ~ exp(-margin)`` per sample."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 3).double()
+    with torch.no_grad():
+        model.weight.mul_(0.1)
+        model.bias.copy_(torch.tensor([margin, 0.0, 0.0]))
+    return model, torch.randn(6, 3, dtype=torch.float64), torch.zeros(6, dtype=torch.long)
+
+
+@pytest.mark.parametrize("logit_space", [False, None], ids=["per-pass", "logit-space"])
+def test_gamma_sgd_underflow_raises_naming_the_method_in_sweep_and_evaluate(logit_space):
+    model, x, y = _margin_case(300.0)  # grad ~ 1e-130, g^T F g ~ 1e-390: underflows float64, gamma_SGD = 0
+    ps = ief.per_sample(model, x, y)
+    assert bool(ps.gradient.ne(0).any())  # not a zero gradient: the indicator itself underflows
+    with pytest.raises(DegenerateIndicator, match="sgd"):
+        ief.damping_sweep(model, x, y, [1e-4], logit_space=logit_space)
+    with pytest.raises(DegenerateIndicator, match=r"batch 0.*sgd"):
+        ief.evaluate(model, [(x, y)], ["ef", "ief"], 1e-4, logit_space=logit_space)
+
+
+@pytest.mark.parametrize("logit_space", [False, None], ids=["per-pass", "logit-space"])
+def test_saturated_batch_raises_the_same_in_sweep_and_evaluate(logit_space):
+    """``J = 0`` (every sample's softmax exactly one-hot at its label): the old sweep said inf, evaluate NaN."""
+    model, x, y = _margin_case(2000.0)  # exp(-2000) = 0 in float64
+    assert not bool(ief.per_sample(model, x, y).jacobian.any())
+    with pytest.raises(DegenerateIndicator, match="sgd direction is zero"):
+        ief.damping_sweep(model, x, y, [1e-4, 1.0], logit_space=logit_space)
+    with pytest.raises(DegenerateIndicator, match="batch 0: the sgd direction is zero"):
+        ief.evaluate(model, [(x, y)], ["ef", "ief", "sf"], 1e-4, logit_space=logit_space)

@@ -206,3 +206,32 @@ def test_notebook_parameters_parse():
     names = [p.name for p in PythonTranslator.inspect(cell)]
     assigned = [line.split("=")[0].strip() for line in cell.source.splitlines() if "=" in line.split("#")[0]]
     assert names == assigned and {"scale", "out_dir", "batches"} <= set(names)
+
+
+def _sweep_records(sf_ratios, ief_ratios=(0.5, 0.5, 0.6)):
+    recs = [{"setup": "s", "stage": 50, "kind": "e1", "batch": 0, "method": m, "damping": None, "gamma": 1.0,
+             "ratio": r, "imbalance": 2.0} for m, r in (("sgd", 1.0), ("ef", 1.2), ("ief", 0.5), ("sf", 0.8))]
+    for method, ratios in (("sf", sf_ratios), ("ief", ief_ratios), ("ef", (2.0, 1.5, 1.0))):
+        for lam, r in zip((1e-10, 1e-8, 1.0), ratios):
+            recs.append({"setup": "s", "stage": 50, "kind": "sweep", "batch": 0, "method": method, "damping": lam,
+                         "gamma": r, "ratio": r, "imbalance": None})
+    return recs
+
+
+def test_findings_never_divide_by_an_unchecked_value():
+    """Issue 18: a recorded gamma = 0 (the old sweep's rounding) made findings divide by zero; records that are
+    0, inf or NaN are not usable and never enter a finding."""
+    assert er.findings(_sweep_records((0.0, 0.0, 0.7)))["s"]["ief_over_best_sf"] == [pytest.approx(0.5 / 0.7)]
+    assert er.findings(_sweep_records((0.0, math.nan, math.inf)))["s"]["ief_over_best_sf"] == [None]
+    f = er.findings(_sweep_records((0.9, 0.8, 0.7), ief_ratios=(0.0, 0.5, 0.6)))["s"]
+    assert f["ief_near_zero_spread"] == 1.0 and f["ief_over_best_sf"] == [pytest.approx(0.5 / 0.7)]
+    assert not er.usable(0.0) and not er.usable(math.inf) and not er.usable(None) and er.usable(1e-300)
+    recs = _sweep_records((0.9, 0.8, 0.7))
+    recs.append({"kind": "e1", "setup": "s", "stage": 50, "method": "ief", "ratio": 0.0, "batch": 1,
+                 "imbalance": 2.0})
+    assert er.summarise(recs)[("s", 50, "ief")]["n"] == 1
+
+
+def test_the_fingerprint_names_the_algebra():
+    """A change of how records are computed (issue 18) must invalidate every cached stage, not only a parameter's."""
+    assert er.ALGEBRA == "exact-sweep"

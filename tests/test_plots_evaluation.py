@@ -151,3 +151,24 @@ def test_figure_setups_refuse_an_unknown_scale():
     with pytest.raises(ValueError, match="scale must be one of"):
         figure_setups("gpu")
     assert figure_setups("full")[1][:3] == ["cola-t5-lora", "sst2-t5-pt", "cifar100-vit-lora"]
+
+
+def test_glue_and_series_skip_unusable_gammas():
+    """Issue 18: a gamma of 0 in the records (the old sweep's rounding) must neither crash a series nor print."""
+    from ief.paper import cite
+    from ief.plots.evaluation import chapter_glue, stage_series, sweep_series
+
+    recs, _ = _records()
+    for r in recs:
+        if r["setup"] == "digits-mlp" and r["stage"] == 50 and r["batch"] == 0 and r["method"] in ("sgd", "sf"):
+            r["gamma"] = r["ratio"] = 0.0
+    stages, mean, _ = stage_series(recs, "digits-mlp", "ef")
+    assert list(stages) == [0, 50, 100] and all(math.isfinite(v) and v > 0 for v in mean)
+    lams, mean, _ = sweep_series(recs, "digits-mlp", 50, "sf")
+    assert len(lams) == 4 and all(v > 0 for v in mean)
+    from ief.experiments.evaluate_runs import findings
+
+    found = findings(recs)
+    found["digits-mlp"]["ief_over_best_sf"][0] = None  # a stage with no usable SF point
+    glued = chapter_glue(recs, found, "cpu", cite)
+    assert glued["ief_vs_sf"].startswith("digits-mlp: n/a/")

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..curvature import DegenerateIndicator
 from ..damping_sweep import damping_sweep
 from ..evaluation import batch_generator, evaluate_batch
 from ..kfac import check_linear_only
@@ -47,6 +48,10 @@ from . import store
 from .runner import run_dir, seed_everything
 from .setups import resolve
 
+# The evaluation's algebra, part of every cached stage's fingerprint: a change of how the records are computed (not
+# only of their parameters) must invalidate the caches. "exact-sweep": issue 18, every swept damping one exact
+# evaluation, undefined gammas raise (the earlier 2M-JVP sweep recorded 0 at near-zero damping).
+ALGEBRA = "exact-sweep"
 STAGES = (0, 25, 50, 75, 100)  # the runner's stage checkpoints (percent of training)
 BASELINE = {"lora": "adamw", "pt": "adafactor", "scratch": "adam"}
 E1_METHODS = ("sgd", "ef", "ief", "sf", "hf")
@@ -213,7 +218,8 @@ def evaluate_run(
     out = Path(out)
     parts = out.with_name(out.name + ".parts")
     params = {"setup": setup, "scale": scale, "seed": seed, "batches": n_batches, "batch_size": m, "damping": lam,
-              "sweep_dampings": list(sweep_dampings) if sweep else None, "cg": cg, "version": __version__}
+              "sweep_dampings": list(sweep_dampings) if sweep else None, "cg": cg, "version": __version__,
+              "algebra": ALGEBRA}
     sweep_at = sweep_stages(list(stages)) if sweep else []
     prints = {s: _fingerprint(p, {**params, "stage": s, "source": src, "sweep": s in sweep_at})
               for s, (src, p) in stages.items()}
@@ -250,8 +256,12 @@ def evaluate_run(
                                     generator=batch_generator(seed * 7919 + b, 0), extra={**extra, "batch": b})
             records += [{**r, "target_tokens": _target_tokens(targets)} for r in e1]
             if stage in sweep_at:
-                for r in damping_sweep(model, inputs, targets, sweep_dampings, logit_space=lj,
-                                       generator=batch_generator(seed * 7919 + b, 0)):
+                try:
+                    swept = damping_sweep(model, inputs, targets, sweep_dampings, logit_space=lj,
+                                          generator=batch_generator(seed * 7919 + b, 0))
+                except DegenerateIndicator as err:
+                    raise DegenerateIndicator(f"setup {setup}, stage {stage}, batch {b}: {err}") from err
+                for r in swept:
                     sweeps.append({**common, "stage": stage, "source": source, "kind": "sweep", "batch": b,
                                    "imbalance": None, "target_tokens": _target_tokens(targets), **r})
         records += sweeps
@@ -298,7 +308,7 @@ def summarise(records: list[dict[str, Any]], kind: str = "e1") -> dict[tuple, di
     """``{(setup, stage, method): {"mean", "sd", "n"}}`` of ``ratio`` over batches (finite ``kind`` records)."""
     groups: dict[tuple, list[float]] = {}
     for r in records:
-        if r["kind"] == kind and r["ratio"] is not None and math.isfinite(r["ratio"]):
+        if r["kind"] == kind and usable(r["ratio"]):
             groups.setdefault((r["setup"], r["stage"], r["method"]), []).append(r["ratio"])
     return {k: {"mean": float(np.mean(v)), "sd": float(np.std(v)), "n": len(v)} for k, v in groups.items()}
 
@@ -313,7 +323,7 @@ def summary_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["kind"] != "e1":
             continue
         key = (r["setup"], r["stage"], r["method"])
-        if r["ratio"] is not None and math.isfinite(r["ratio"]):
+        if usable(r["ratio"]):
             ratios.setdefault(key, []).append(r["ratio"])
         if r["imbalance"] is not None and math.isfinite(r["imbalance"]):
             imbalances.setdefault(key, []).append(r["imbalance"])
@@ -331,11 +341,24 @@ def _stage_means(records: list[dict[str, Any]], setup: str) -> dict[int, dict[st
     """``{stage: {method: mean gamma/gamma_SGD, "imbalance": mean}}`` of a setup's E1 records."""
     out: dict[int, dict[str, list[float]]] = {}
     for r in records:
-        if r["setup"] == setup and r["kind"] == "e1" and r["ratio"] is not None and math.isfinite(r["ratio"]):
+        if r["setup"] == setup and r["kind"] == "e1" and usable(r["ratio"]):
             out.setdefault(r["stage"], {}).setdefault(r["method"], []).append(r["ratio"])
             if r["method"] == "sgd" and r["imbalance"] is not None and math.isfinite(r["imbalance"]):
                 out[r["stage"]].setdefault("imbalance", []).append(r["imbalance"])
     return {s: {m: float(np.mean(v)) for m, v in d.items()} for s, d in sorted(out.items())}
+
+
+def _quotient(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator`` when both are finite and the denominator is > 0 (ratios of gammas are positive),
+    else ``None``: :func:`findings` never divides by a value it did not check."""
+    if numerator is None or denominator is None or not (math.isfinite(numerator) and math.isfinite(denominator)):
+        return None
+    return numerator / denominator if denominator > 0 else None
+
+
+def usable(value: Any) -> bool:
+    """A record's ratio that a finding may use: a finite number > 0 (the library records no other; older CSVs may)."""
+    return value is not None and math.isfinite(value) and value > 0
 
 
 def findings(records: list[dict[str, Any]], near_zero: float = 1e-6) -> dict[str, dict[str, Any]]:
@@ -371,20 +394,19 @@ def findings(records: list[dict[str, Any]], near_zero: float = 1e-6) -> dict[str
         f["ief_sf_ef_order"] = frac(lambda d: need("ief", "sf", "ef")(d) and d["ief"] < d["sf"] < d["ef"])
         f["ief_best_of_three"] = frac(lambda d: need("ief", "sf", "ef")(d) and d["ief"] < min(d["sf"], d["ef"]))
         imb = [means[s].get("imbalance") for s in stages]
-        f["imbalance_growth"] = imb[-1] / imb[0] if imb and imb[0] and imb[-1] else None
+        f["imbalance_growth"] = _quotient(imb[-1], imb[0]) if imb else None
         for m in ("ef", "sf"):
             pairs = [(math.log(means[s]["imbalance"]), math.log(means[s][m])) for s in stages
-                     if means[s].get("imbalance") and means[s].get(m)]
+                     if usable(means[s].get("imbalance")) and usable(means[s].get(m))]
             f[f"imbalance_{m}_correlation"] = (float(np.corrcoef(np.array(pairs).T)[0, 1])
                                                if len(pairs) >= 3 else None)
         f["iekfac_beats_kfac_and_ekfac"] = frac(
             lambda d: need("iekfac", "kfac", "ekfac")(d) and d["iekfac"] < min(d["kfac"], d["ekfac"]))
-        ratios = [means[s]["iekfac"] / means[s]["ief"] for s in stages if "iekfac" in means[s] and "ief" in means[s]]
+        ratios = [q for s in stages if (q := _quotient(means[s].get("iekfac"), means[s].get("ief"))) is not None]
         f["iekfac_over_ief"] = float(np.median(ratios)) if ratios else None
         sweep: dict[tuple[int, str, float], list[float]] = {}
         for r in records:
-            if r["setup"] == setup and r["kind"] == "sweep" and r["damping"] is not None and r["ratio"] is not None \
-                    and math.isfinite(r["ratio"]):
+            if r["setup"] == setup and r["kind"] == "sweep" and r["damping"] is not None and usable(r["ratio"]):
                 sweep.setdefault((r["stage"], r["method"], r["damping"]), []).append(r["ratio"])
         curve = {k: float(np.mean(v)) for k, v in sweep.items()}
         sweep_stages_ = sorted({k[0] for k in curve})
@@ -394,7 +416,7 @@ def findings(records: list[dict[str, Any]], near_zero: float = 1e-6) -> dict[str
             ief = {lam: v for (st, m, lam), v in curve.items() if st == s and m == "ief"}
             small = [v for lam, v in ief.items() if lam <= near_zero]
             if small:
-                spreads.append(max(small) / min(small))
+                spreads.append(_quotient(max(small), min(small)))
             for m in ("ef", "sf"):
                 pts = {lam: v for (st, mm, lam), v in curve.items() if st == s and mm == m}
                 if pts:
@@ -403,8 +425,9 @@ def findings(records: list[dict[str, Any]], near_zero: float = 1e-6) -> dict[str
                 lowest = ief[min(ief)]
                 sf_pts = [v for (st, m, _), v in curve.items() if st == s and m == "sf"]
                 ef_pts = [v for (st, m, _), v in curve.items() if st == s and m == "ef"]
-                vs_sf.append(lowest / min(sf_pts) if sf_pts else None)
-                vs_ef.append(lowest / min(ef_pts) if ef_pts else None)
+                vs_sf.append(_quotient(lowest, min(sf_pts)) if sf_pts else None)
+                vs_ef.append(_quotient(lowest, min(ef_pts)) if ef_pts else None)
+        spreads = [x for x in spreads if x is not None]
         f["ief_near_zero_spread"] = max(spreads) if spreads else None
         f["ef_best_damping"] = best["ef"]
         f["sf_best_damping"] = best["sf"]

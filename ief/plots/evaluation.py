@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..experiments.evaluate_runs import DEFAULTS, summary_rows
+from ..experiments.evaluate_runs import DEFAULTS, usable, summary_rows
 from ..experiments.setups import CPU_SETUPS, resolve
 from ..style import method_color
 from .common import plain_log_ticks
@@ -49,7 +49,8 @@ def stage_series(records, setup: str, numerator: str, denominator: str = "sgd", 
     for (stage, _), methods in _per_batch(records, setup).items():
         if field == "imbalance":
             value = next(iter(methods.values()))["imbalance"]
-        elif numerator in methods and denominator in methods:
+        elif numerator in methods and denominator in methods and usable(methods[numerator]["gamma"]) \
+                and usable(methods[denominator]["gamma"]):
             value = methods[numerator]["gamma"] / methods[denominator]["gamma"]
         else:
             continue
@@ -121,7 +122,7 @@ def sweep_series(records, setup: str, stage: int, method: str, axis: str = "ief"
     by_lam: dict[float, list[float]] = {}
     for r in records:
         if (r["setup"] == setup and r["kind"] == "sweep" and r["stage"] == stage and r["method"] == method
-                and r["ratio"] is not None and np.isfinite(r["ratio"])):
+                and usable(r["ratio"])):
             by_lam.setdefault(damping_axis(r, axis), []).append(r["ratio"])
     lams = sorted(by_lam)
     return (np.array(lams), np.array([np.mean(by_lam[x]) for x in lams]),
@@ -292,7 +293,8 @@ def chapter_glue(records: list[dict[str, Any]], findings: dict[str, dict[str, An
     for key, field in (("ef_best", "ef_best_damping"), ("sf_best", "sf_best_damping")):
         out[key] = ", ".join(f"{s}: " + "/".join(f"{x:.0e}" for x in F[s][field]) for s in F)
     for key, field in (("ief_vs_sf", "ief_over_best_sf"), ("ief_vs_ef", "ief_over_best_ef")):
-        out[key] = ", ".join(f"{s}: " + "/".join(f"{v:.2f}" for v in F[s][field]) for s in F)
+        out[key] = ", ".join(f"{s}: " + "/".join("n/a" if v is None else f"{v:.2f}" for v in F[s][field])
+                             for s in F)
     robust = [v for v in spread.values() if v is not None]
     out["v_ief_robust"] = "holds" if robust and max(robust) < 1.5 else "does not hold" if robust else "is not measured"
     out["v_tuning"] = _some([len(set(F[s]["ef_best_damping"])) > 1 or len(set(F[s]["sf_best_damping"])) > 1

@@ -38,10 +38,13 @@ $(VENV)/.installed: pyproject.toml requirements/ci.txt requirements/no-deps.txt
 	touch $@
 
 # The test command: build the book at smoke scale through the workflow (into _build/smoke, leaving a reader's
-# _build/html alone), then run the whole suite, including the browser test of that book.
+# _build/html alone), then run the whole suite, including the browser test of that book, then the smoke evaluation
+# again under ATen's default (scalar) CPU kernels, its records compared with the build's (tools/kernels.py states the
+# tolerances and why).
 test: $(ENV_READY) $(CHROMIUM)
 	$(PYTHON) -m tools.book build --scale smoke --output _build/smoke
 	$(PYTHON) -m pytest tests
+	$(PYTHON) -m tools.kernels --results results/smoke --runs runs --out _build/smoke/kernels-default
 
 # A real SLURM cluster on localhost (needs root; writes /etc/slurm): the smoke grid through workflow/profiles/slurm,
 # compared with the same grid run locally.

@@ -1,6 +1,8 @@
 """A run's files, every one written atomically (a temporary ``.NAME.tmp-PID`` in the same folder, fsync, read back
 and compared, then ``os.replace``), so an interrupted write leaves the previous version intact and a short write is
 never installed. Reading a file that is truncated or not what it should be raises :class:`CorruptFile` naming it.
+Torch files hold tensors, numbers, strings and containers only and are read with ``weights_only=True``, so a run
+folder written elsewhere (a shared scratch, a downloaded ``runs/``) cannot run code (:class:`UnsafeCheckpoint`).
 
 Layout of ``DIR/<scale>/<setup>/<optimizer>/seed-<K>/``::
 
@@ -175,7 +177,8 @@ class UnsafeCheckpoint(CorruptFile):
 
 # What an old resume.pt (written before checkpoints held tensors only) needs besides tensors: numpy's MT19937 state,
 # a uint32 array. Allowed during a load only; ``_reconstruct`` builds nothing but an ndarray of an allowed dtype.
-_LEGACY_NUMPY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+_LEGACY_NUMPY_GLOBALS = [(getattr(np, "_core", None) or np.core).multiarray._reconstruct, np.ndarray, np.dtype,
+                         np.dtypes.UInt32DType]
 
 
 def storable(obj: Any) -> Any:

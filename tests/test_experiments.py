@@ -1,10 +1,14 @@
 """The setup registry (ief.experiments): names, scales, smoke training with every optimiser, the paper's parameter
-counts from full-size random-weight builds, prompt tuning's prompts, metrics, and fail-fast full-scale loaders."""
+counts from full-size random-weight builds, prompt tuning's prompts, metrics, fail-fast full-scale loaders, and run
+files that a weights-only load reads (a crafted checkpoint runs no code)."""
 from __future__ import annotations
 
 import json
+import pathlib
+import random
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +16,7 @@ from ief.__main__ import main
 from ief.experiments import (CPU_SETUPS, PAPER_SETUPS, SETUPS, MissingResource, describe, resolve, scales_of,
                              train)
 from ief.experiments import data as data_mod
+from ief.experiments import store
 from ief.experiments.metrics import f1_binary, matthews, split_metrics, write_glue_predictions
 from ief.experiments.models import build_model, from_hub
 from ief.experiments.setups import GLUE_TASKS, OPTIMIZERS, optimizer_config
@@ -280,3 +285,75 @@ def test_schedule_override_gives_ef_without_a_schedule(tmp_path, capsys):
     assert main(args) == 0
     config = json.loads((tmp_path / "smoke" / "digits-mlp" / "ef" / "seed-0" / "config.json").read_text())
     assert config["optimizer"]["schedule"] == "constant" and config["optimizer"]["lr"] == 0.001
+
+
+# ---------------------------------------------------------------------------------------------- run files (store)
+class _WritesAFile:
+    """A pickle payload: unpickling it calls ``Path.write_text`` (any code could stand there)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (pathlib.Path.write_text, (self.target, "code ran"))
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy-pickle"])
+def test_a_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path, zipped):
+    """A run folder someone else wrote (issue 18, item 10): a resume.pt whose pickle would execute code."""
+    target = tmp_path / "pwned"
+    path = tmp_path / "resume.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "rng": _WritesAFile(target)}, path,
+               _use_new_zipfile_serialization=zipped)
+    with pytest.raises(store.CorruptFile, match="resume.pt") as err:
+        store.read_torch(path)
+    assert not target.exists(), "unpickling the checkpoint ran its code"
+    # the message names what was refused (zip: every global, from a scan of the opcodes; a legacy pickle: the first
+    # one the load met) and what to do
+    assert isinstance(err.value, store.UnsafeCheckpoint)
+    assert ("pathlib" if zipped else "getattr") in str(err.value)
+    assert "could run code" in str(err.value) and "re-run" in str(err.value)
+    with pytest.raises(store.CorruptFile, match="resume.pt"):
+        store.read_trainable(path)
+    assert not target.exists()
+
+
+def test_rng_states_round_trip_through_a_weights_only_load(tmp_path):
+    """resume.pt's RNG states (torch, python, numpy) are stored as tensors and plain types; restored, every generator
+    continues exactly where it was. numpy scalars (metrics) come back as Python numbers."""
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+             "metric": np.float64(0.25), "steps": np.int64(3)}
+    expected = (random.random(), np.random.rand(4), torch.rand(3))
+    store.write_torch(tmp_path / "resume.pt", state)
+    back = store.read_torch(tmp_path / "resume.pt")
+    assert isinstance(back["numpy"][1], torch.Tensor) and back["numpy"][1].dtype == torch.uint32
+    assert back["metric"] == 0.25 and type(back["metric"]) is float and type(back["steps"]) is int
+    torch.set_rng_state(back["torch"])
+    random.setstate(back["python"])
+    np.random.set_state(back["numpy"])
+    assert random.random() == expected[0]
+    np.testing.assert_array_equal(np.random.rand(4), expected[1])
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_a_resume_checkpoint_of_the_previous_format_still_loads(tmp_path):
+    """Before checkpoints held tensors only, resume.pt held numpy's RNG state as an ndarray: allowed in the load
+    (numpy arrays only), so an unfinished run of an older version resumes."""
+    np.random.seed(7)
+    old = {"numpy": np.random.get_state(), "python": random.getstate(), "torch": torch.get_rng_state()}
+    expected = np.random.rand(3)
+    torch.save(old, tmp_path / "resume.pt")
+    back = store.read_torch(tmp_path / "resume.pt")
+    np.random.set_state(back["numpy"])
+    np.testing.assert_array_equal(np.random.rand(3), expected)
+
+
+def test_writing_what_a_weights_only_load_refuses_fails_before_writing(tmp_path):
+    target = tmp_path / "pwned"
+    with pytest.raises(TypeError, match="not written.*pathlib"):
+        store.write_torch(tmp_path / "x.pt", {"w": torch.ones(1), "bad": _WritesAFile(target)})
+    assert not (tmp_path / "x.pt").exists() and not target.exists()
+    assert not list(tmp_path.iterdir())  # no temporary left either

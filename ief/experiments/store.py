@@ -1,6 +1,8 @@
 """A run's files, every one written atomically (a temporary ``.NAME.tmp-PID`` in the same folder, fsync, read back
 and compared, then ``os.replace``), so an interrupted write leaves the previous version intact and a short write is
 never installed. Reading a file that is truncated or not what it should be raises :class:`CorruptFile` naming it.
+Torch files hold tensors, numbers, strings and containers only and are read with ``weights_only=True``, so a run
+folder written elsewhere (a shared scratch, a downloaded ``runs/``) cannot run code (:class:`UnsafeCheckpoint`).
 
 Layout of ``DIR/<scale>/<setup>/<optimizer>/seed-<K>/``::
 
@@ -28,6 +30,7 @@ import io
 import json
 import math
 import os
+import pickle
 import re
 import socket
 import sys
@@ -37,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 LOCK_NAME = "run.lock"
@@ -166,21 +170,94 @@ def write_text(path: Path, text: str) -> None:
     _atomic_bytes(path, text.encode())
 
 
+class UnsafeCheckpoint(CorruptFile):
+    """A torch file holding Python objects a weights-only load refuses: it is not unpickled, since that could run
+    code (a run folder someone else wrote, a downloaded ``runs/``); the message names the objects."""
+
+
+# What an old resume.pt (written before checkpoints held tensors only) needs besides tensors: numpy's MT19937 state,
+# a uint32 array. Allowed during a load only; ``_reconstruct`` builds nothing but an ndarray of an allowed dtype.
+_LEGACY_NUMPY_GLOBALS = [(getattr(np, "_core", None) or np.core).multiarray._reconstruct, np.ndarray, np.dtype,
+                         np.dtypes.UInt32DType]
+
+
+def storable(obj: Any) -> Any:
+    """``obj`` with every numpy array made a tensor and every numpy scalar a Python number (dicts, lists and tuples
+    recursed), so that a weights-only load (:func:`read_torch`) can read it back. ``np.random.set_state`` accepts the
+    state so converted (its key array becomes a ``torch.uint32`` tensor)."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.array(obj, copy=True))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return type(obj)((k, storable(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(storable(v) for v in obj)
+    return obj
+
+
+def _load(source: Any) -> Any:
+    with torch.serialization.safe_globals(_LEGACY_NUMPY_GLOBALS):
+        return torch.load(source, map_location="cpu", weights_only=True)
+
+
+def _unsafe_globals(source: Any) -> str | None:
+    """The Python objects (module.name) a weights-only load refuses in a torch zip file, from a scan of its pickle
+    opcodes (nothing is unpickled); ``None`` when there are none or the file cannot be scanned."""
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in _LEGACY_NUMPY_GLOBALS} | {"numpy.dtype"}
+    try:
+        if hasattr(source, "seek"):
+            source.seek(0)
+        names = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(source) if g not in allowed]
+    except Exception:  # noqa: BLE001 - not a zip file, truncated...: the caller reports the load's own error
+        return None
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "") if names else None
+
+
 def write_torch(path: Path, obj: Any) -> None:
+    """Write ``obj`` (tensors, numbers, strings, None, dicts/lists/tuples of them; numpy arrays and scalars are
+    converted by :func:`storable`) atomically to ``path``.
+
+    Raises:
+        TypeError: ``obj`` holds something :func:`read_torch` would refuse (it is checked before writing)."""
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    torch.save(storable(obj), buffer)
+    try:
+        buffer.seek(0)
+        torch.load(buffer, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        what = _unsafe_globals(buffer) or str(err).splitlines()[-1][:160]
+        raise TypeError(f"{path}: not written, it would hold {what}, which a weights-only load refuses; "
+                        f"store tensors, numbers, strings, None and dicts/lists/tuples of them") from None
     _atomic_bytes(path, buffer.getvalue())
 
 
 def read_torch(path: Path) -> Any:
-    """A file written by :func:`write_torch`; :class:`CorruptFile` (naming it) when truncated or not a torch file.
-    ``FileNotFoundError`` when it does not exist."""
+    """A file written by :func:`write_torch`, read with ``torch.load(weights_only=True)``: tensors, numbers, strings
+    and containers only, so that a checkpoint from elsewhere cannot run code (an older ``resume.pt`` with numpy's RNG
+    state still loads: numpy arrays are allowed during the load, nothing else).
+
+    Raises:
+        UnsafeCheckpoint: the file holds other Python objects (named); nothing of it is executed.
+        CorruptFile: the file is truncated or not a torch file (named).
+        FileNotFoundError: it does not exist."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
-    try:  # our own files: RNG states are numpy objects
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, zipfile errors...
+    try:
+        return _load(path)
+    except pickle.UnpicklingError as err:
+        unsafe = _unsafe_globals(path) or ", ".join(re.findall(r"Unsupported global: GLOBAL ([\w.]+)", str(err)))
+        if not unsafe:
+            detail = str(err).partition("WeightsUnpickler error:")[2].strip().split("\n\n")[0][:160]
+            raise CorruptFile(f"{path} is truncated or not a torch checkpoint (UnpicklingError in a weights-only "
+                              f"load: {detail or str(err).splitlines()[0][:160]})") from None
+        raise UnsafeCheckpoint(
+            f"{path} holds {unsafe}: refused (weights-only load), since unpickling it could run code. A checkpoint "
+            f"written by this package holds only tensors, numbers, strings and containers; remove the file and re-run "
+            f"the job that writes it (train, or evaluate's stage checkpoints), or use a run folder you wrote "
+            f"yourself") from None
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, EOFError, zipfile errors...
         reason = str(err).split(". ")[0].splitlines()[0][:160] if str(err) else ""
         raise CorruptFile(f"{path} is truncated or not a torch checkpoint ({type(err).__name__}: {reason})") from None
 

@@ -1,6 +1,7 @@
 """Configuration, the grid and the inputs of every step (no rules here)."""
 import importlib.util
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -64,6 +65,21 @@ def _grid():
 
 
 SETUPS, SEEDS, GRID = _grid()
+OPTIMIZERS = sorted({opt for opts in config["optimizers"].values() for opt in opts})
+
+
+def _one_of(names) -> str:
+    return "|".join(re.escape(str(n)) for n in sorted(names, key=len, reverse=True))
+
+
+# Every wildcard matches only what it names, so no rule's output pattern matches another rule's files: without
+# these, `{setup}` of eval/{setup}.csv matched eval/digits-mlp.csv.parts/stage-000.csv, and every dry run or rerun
+# after a results folder was deleted printed one InputFunctionException per stage checkpoint (issue 18, item 9).
+wildcard_constraints:
+    setup=_one_of(REGISTRY.SETUPS),
+    optimizer=_one_of(OPTIMIZERS),
+    seed=r"\d+",
+    stage=r"\d{3}",
 
 
 def summary(setup, optimizer, seed):

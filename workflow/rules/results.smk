@@ -29,8 +29,6 @@ rule evaluate_stage:
         f"{RESULTS}/eval/{{setup}}.csv.parts/stage-{{stage}}.csv",
     log:
         f"{RESULTS}/logs/evaluate-{{setup}}-stage-{{stage}}.log",
-    wildcard_constraints:
-        stage=r"\d{3}",
     params:
         seed=config["evaluation_seed"],
         knobs=lambda wc: evaluation_flags(wc.setup),

@@ -10,8 +10,7 @@ rule train:
     output:
         f"{RUNS}/{{scale}}/{{setup}}/{{optimizer}}/seed-{{seed}}/summary.json",
     wildcard_constraints:
-        scale=SCALE,
-        seed=r"\d+",
+        scale=SCALE,  # setup, optimizer, seed: workflow/rules/common.smk
     log:
         f"{RUNS}/{{scale}}/{{setup}}/{{optimizer}}/seed-{{seed}}/train.log",
     resources:

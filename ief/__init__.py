@@ -26,7 +26,7 @@ Conventions, followed by every function of the package:
   same random state, so dropout masks are identical across the passes a computation needs.
 """
 from . import optim
-from .curvature import FisherOperator, ForwardModeUnsupported, fisher_vp, gamma, gammas
+from .curvature import DegenerateIndicator, FisherOperator, ForwardModeUnsupported, fisher_vp, gamma, gammas
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import CGResult, hessian_free
 from .damping_sweep import damping_sweep
@@ -53,6 +53,7 @@ __all__ = [
     "ForwardModeUnsupported",
     "gamma",
     "gammas",
+    "DegenerateIndicator",
     "hessian_free",
     "CGResult",
     "optim",

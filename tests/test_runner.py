@@ -120,9 +120,9 @@ def test_resume_after_sigterm_and_sigint_gives_the_same_summary(reference, tmp_p
     root = run_dir(tmp_path, "smoke", SETUP, OPT, 3)
     assert _interrupt(tmp_path, signal.SIGTERM, 3) == 128 + signal.SIGTERM
     assert (root / "resume.pt").exists() and not (root / "summary.json").exists()
-    assert torch.load(root / "resume.pt", weights_only=False)["state"]["done"] == 3
+    assert store.read_torch(root / "resume.pt")["state"]["done"] == 3
     assert _interrupt(tmp_path, signal.SIGINT, 4) == 128 + signal.SIGINT  # resumed at 3, stopped at 7
-    assert torch.load(root / "resume.pt", weights_only=False)["state"]["done"] == 7
+    assert store.read_torch(root / "resume.pt")["state"]["done"] == 7
     resumed = train(SETUP, OPT, 3, "smoke", tmp_path, overrides=LONGER, progress=False, verbose=False)
     assert _numbers(resumed) == _numbers(summary)
     assert _files(root) == _files(ref_root)
@@ -360,10 +360,10 @@ def test_unreadable_resume_without_a_fallback_is_an_error_naming_the_file(tmp_pa
 ])
 def test_unreadable_best_checkpoint(best_step, damage, outcome, fast_reference, tmp_path, monkeypatch, capsys):
     root = _crashed_run(tmp_path, monkeypatch, in_test_evaluation=True)  # training done, crash before the test set
-    ck = torch.load(root / "resume.pt", weights_only=False)
+    ck = store.read_torch(root / "resume.pt")
     assert ck["state"]["training_done"] and ck["state"]["best"]["step"] == 8
     ck["state"]["best"]["step"] = best_step
-    torch.save(ck, root / "resume.pt")
+    store.write_torch(root / "resume.pt", ck)
     best = root / "checkpoints" / "best.pt"
     source = {8: best, 4: root / "checkpoints" / "epoch-001.pt", 6: root / "checkpoints" / "stage-075.pt"}
     expected = torch.load(source.get(best_step, best))
@@ -451,7 +451,7 @@ def test_sighup_is_handled_like_sigterm_and_the_resumed_run_says_where_it_resume
     root = run_dir(tmp_path, "smoke", SETUP, OPT, 3)
     output: list[str] = []
     assert _interrupt(tmp_path, signal.SIGHUP, 3, output) == 128 + signal.SIGHUP
-    assert torch.load(root / "resume.pt", weights_only=False)["state"]["done"] == 3
+    assert store.read_torch(root / "resume.pt")["state"]["done"] == 3
     assert any(line.startswith(f"{SETUP}/{OPT}/seed-3 [smoke]: step 2/12 (epoch 0.50)") for line in output)  # a
     # progress line without a progress bar (the CLI's --no-progress), before the signal
     resumed = train(SETUP, OPT, 3, "smoke", tmp_path, overrides=LONGER, progress=False, verbose=True)

@@ -262,8 +262,8 @@ def readme_block() -> str:
     """The README's coverage statement at the default cpu scale: the sentence and the table, between the markers."""
     note = ("The README states what the repository's own builds execute (CI: smoke; `make book`: cpu); a full "
             "build's provenance is not committed, so full is stated as wired, not executed.")
-    return (f"{README_START}\n{coverage_sentence('cpu', README_EXECUTED, 'the default, built by `make book`')} {note}\n\n"
-            f"{coverage_markdown(README_EXECUTED)}{README_END}")
+    sentence = coverage_sentence("cpu", README_EXECUTED, "the default, built by `make book`")
+    return f"{README_START}\n{sentence} {note}\n\n{coverage_markdown(README_EXECUTED)}{README_END}"
 
 
 def update_readme(path) -> None:

@@ -16,8 +16,9 @@ import pytest
 from tools import paper_labels
 
 from ief.paper import cite, cite_keys, labels
-from ief.paper.coverage import (CHAPTER_OF, CHAPTERS, README_EXECUTED, SCALES, book_state, counts, coverage_markdown,
-                                coverage_sentence, paper_figures_and_tables, produced, readme_block, status)
+from ief.paper.coverage import (CHAPTER_OF, CHAPTERS, README_EXECUTED, SCALES, book_state, chapter_caveats, counts,
+                                coverage_markdown, coverage_sentence, paper_figures_and_tables, produced, readme_block,
+                                status)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEX = paper_labels.TEX  # the paper beside the repository (tools.paper_labels.find_paper)
@@ -207,6 +208,15 @@ def test_build_state_reads_the_published_scale_and_the_provenance_records(tmp_pa
     _published(tmp_path, "setups", "smoke")
     with pytest.raises(ValueError, match="different scales"):
         book_state(tmp_path)
+
+
+def test_chapter_caveats_name_what_a_heading_cites_without_its_own_figure():
+    assert chapter_caveats("evaluation", "cpu") == (
+        "At the cpu scale Fig. 9 is the same figure as Fig. 8 and Fig. 11 as Fig. 3; Fig. 10 has no cpu analogue.")
+    assert chapter_caveats("evaluation", "full") == ""
+    assert chapter_caveats("optimisation", "smoke") == ""
+    with pytest.raises(ValueError, match="accepted: toy_problems"):
+        chapter_caveats("nope", "cpu")
 
 
 def test_bad_scale_and_label_are_named():

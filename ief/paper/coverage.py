@@ -11,7 +11,8 @@ written by ``tools/book.py execute``): :func:`status` is a pure function of the 
 The book's coverage page and the introduction's sentence are rendered from it at build time (``book/_ext``), for the
 scale the book was built at (:func:`book_state`); the README's statement (``python -m ief.paper.coverage README.md``)
 is the same function at the default ``cpu`` scale, claiming execution only at the scales the repository's own builds
-run (:data:`README_EXECUTED`), and ``tests/test_paper.py`` keeps it equal.
+run (:data:`README_EXECUTED`), and ``tests/test_paper.py`` keeps it equal. :func:`chapter_caveats` gives a chapter the
+sentence saying which labels its headings name are, at its scale, another label's figure or have no analogue.
 """
 from __future__ import annotations
 
@@ -203,6 +204,32 @@ def counts(scale: str, executed) -> dict[str, list[str]]:
     for label in paper_figures_and_tables():
         out[status(label, scale, executed).kind].append(label)
     return out
+
+
+def chapter_caveats(chapter: str, scale: str) -> str:
+    """One sentence for a chapter's page: which labels its headings name that are, at ``scale``, the same figure as
+    another or have no analogue ("" when none), e.g. for the evaluation chapter at cpu: "At the cpu scale Fig. 9 is
+    the same figure as Fig. 8 and Fig. 11 as Fig. 3; Fig. 10 has no cpu analogue."
+
+    Raises:
+        ValueError: unknown ``chapter`` or ``scale``.
+    """
+    if chapter not in CHAPTERS:
+        raise ValueError(f"unknown chapter {chapter!r}; accepted: {', '.join(CHAPTERS)}")
+    _check_scale(scale)
+    mine = [label for label in paper_figures_and_tables() if CHAPTER_OF[label] == chapter]
+    outs = [(label, produced(label, scale)) for label in mine]
+    pairs = [(label, status(label, scale, frozenset()).same_as) for label, out in outs if out is not None]
+    pairs = [(a, b) for a, b in pairs if b is not None]
+    absent = [label for label, out in outs if out is None]
+    parts = []
+    if pairs:
+        first, *rest = pairs
+        parts.append(f"{cite(first[0])} is the same figure as {cite(first[1])}"
+                     + "".join(f" and {cite(a)} as {cite(b)}" for a, b in rest))
+    if absent:
+        parts.append(f"{_cites(absent)} {'has' if len(absent) == 1 else 'have'} no {scale} analogue")
+    return f"At the {scale} scale {'; '.join(parts)}." if parts else ""
 
 
 def _cites(keys: list[str]) -> str:

@@ -6,7 +6,8 @@
 - ``{coverage}`summary``` and ``{fullcost}`SETUP OPTIMIZER``` put the coverage sentence and a full-scale run's cost
   (steps, the paper's reported hours) into prose, from code, never typed.
 - ``{coverage-table}`` (a directive) writes the coverage table from the registry :mod:`ief.paper.coverage` at build
-  time, with each chapter linked: the page and the README cannot drift from the code.
+  time, for the scale of the published chapters and the provenance records of this build, with each chapter linked:
+  the page and the README cannot drift from the code.
 - ``{benchmark-tables}`` (a directive) writes the benchmark tables from the committed JSON in ``benchmarks/results/``
   (:mod:`benchmarks.report`, the same text as the README's benchmark block) at build time.
 - papermill's injected-parameters cell is dropped from the page: the parameters cell is shown once (its defaults;
@@ -42,10 +43,15 @@ def paper_role(name, rawtext, text, lineno, inliner, options=None, content=None)
 
 
 def coverage_role(name, rawtext, text, lineno, inliner, options=None, content=None):
-    """``{coverage}`summary``` -> the registry's one-sentence coverage statement."""
-    from ief.paper.coverage import coverage_sentence
+    """``{coverage}`summary``` -> the registry's coverage count at the scale this book was built at."""
+    from ief.paper.coverage import book_state, coverage_sentence
 
-    return [nodes.Text(coverage_sentence())], []
+    try:
+        scale, executed = book_state(ROOT)
+    except ValueError as err:
+        msg = inliner.reporter.error(f"{{coverage}}: {err}", line=lineno)
+        return [inliner.problematic(rawtext, rawtext, msg)], [msg]
+    return [nodes.Text(coverage_sentence(scale, executed))], []
 
 
 def fullcost_role(name, rawtext, text, lineno, inliner, options=None, content=None):
@@ -61,14 +67,16 @@ def fullcost_role(name, rawtext, text, lineno, inliner, options=None, content=No
 
 
 class CoverageTable(Directive):
-    """The paper's figures and tables, each with the chapter regenerating it at each scale (or "not yet")."""
+    """The paper's figures and tables, each with its status at each scale (regenerated, same figure as another,
+    no analogue, wired but not executed), from the registry and this build's provenance records."""
 
     has_content = False
 
     def run(self):
-        from ief.paper.coverage import coverage_markdown, coverage_sentence
+        from ief.paper.coverage import book_state, coverage_markdown, coverage_sentence
 
-        lines = [coverage_sentence(), ""] + coverage_markdown(links=True).splitlines()
+        scale, executed = book_state(ROOT)  # a ValueError (chapters of mixed scales) fails the build, naming them
+        lines = [coverage_sentence(scale, executed), ""] + coverage_markdown(executed, links=True).splitlines()
         container = nodes.container(classes=["coverage"])
         self.state.nested_parse(StringList(lines, source="ief.paper.coverage"), self.content_offset, container)
         return container.children

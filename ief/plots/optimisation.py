@@ -281,11 +281,16 @@ def method_tables(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[str
                   method: dict[str, str], column: str, paper_label: str, *, scale: str, times: float = 1.0,
                   digits: int = 2, metric: str | None = None) -> dict[str, pd.DataFrame]:
     """Per fine-tuning method, our ``column`` (mean ± sd over seeds, times ``times``) beside the paper's
-    ``paper_label`` table (tab:train, tab:validation, tab:test), under headers naming each source."""
+    ``paper_label`` table (tab:train, tab:validation, tab:test), under headers naming each source (and, for a table
+    whose transcription corrects the paper's caption, the correction: ``paper_results.CORRECTED``)."""
+    from ..experiments.paper_results import CORRECTED
+
     out = {}
     for m in dict.fromkeys(method[s] for s in setups):
         ss = [s for s in setups if method[s] == m]
         ours = ours_table(table, column, opts[ss[0]], ss, scale=times, digits=digits)
         theirs = paper_table(paper, paper_label, m, opts[ss[0]], metric=metric, digits=digits)
-        out[m] = beside(ours, theirs, f"ours ({scale})", "paper" + (" (its setups)" if scale != "full" else ""))
+        notes = (["its setups"] if scale != "full" else []) + ([CORRECTED[paper_label]] if paper_label in CORRECTED
+                                                               else [])
+        out[m] = beside(ours, theirs, f"ours ({scale})", "paper" + (f" ({'; '.join(notes)})" if notes else ""))
     return out

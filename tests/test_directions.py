@@ -449,3 +449,66 @@ def test_float32_factored_directions_are_accurate_to_float32(damping):
     ):
         assert got.dtype == torch.float32
         assert_rel(got, expected, rtol=1e-6, what=f"float32 factored, lambda={damping}")
+
+
+# ------------------------------------------------------------------- damping, scale and degenerate J, end to end
+@pytest.mark.parametrize("scale", [1e-120, 1e120], ids=["1e-120", "1e120"])
+@pytest.mark.parametrize("damping", [1e-3, 1.0])
+def test_damped_directions_at_extreme_magnitudes(scale, damping, as_j):
+    """Beyond ``1e+-100`` the Gram system is solved for ``J' = J / c`` with the damping rescaled to ``lambda / c^2``.
+    Exactly, ``d(cJ; lambda c^2) = d(J; lambda) / c`` (EF, iEF: ``eqn:EF_lsq``, ``eqn:iEF_lsq``) and
+    ``d_SF(cA, g; lambda c^2) = d_SF(A, g; lambda) / c^2`` (``eqn:SF-smw``); the unscaled right-hand sides are
+    the dense ``P x P`` solves. ``lambda c^2`` (1e-243 .. 1e240) and the results are representable in float64."""
+    j, s = random_jacobian(), random_s()
+    g = torch.randn(j.shape[1], generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    ones = torch.ones_like(s)
+    lam = damping * scale**2
+    assert lam > 0 and math.isfinite(lam)
+    assert_rel(ief.ef_direction(as_j(j * scale), lam) * scale, dense_solve(j, j.T @ ones, damping), what="EF")
+    assert_rel(ief.ief_direction(as_j(j * scale), s, lam) * scale, dense_solve(j, j.T @ s, damping), what="iEF")
+    assert_rel(ief.sf_direction(as_j(j * scale), g, lam) * scale**2, dense_solve(j, g, damping), what="SF")
+
+
+def test_damping_that_swamps_a_tiny_jacobian(as_j):
+    """``|J| ~ 1e-150`` and ``lambda = 10``: ``lambda / max|J|^2`` overflows float64, and ``J J^T / lambda ~ 1e-301``
+    is below float64 resolution of 1, so ``(J^T J + lambda I)^{-1} J^T w = J^T w / lambda`` to float64 precision
+    (EF, iEF); SF is then ``g / lambda``, its ``A^T (...) A g`` term ``~1e-300`` relative."""
+    j, s = random_jacobian() * 1e-150, random_s()
+    g = torch.randn(j.shape[1], generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    ones = torch.ones_like(s)
+    assert_rel(ief.ef_direction(as_j(j), 10.0), j.T @ ones / 10.0, rtol=1e-14, what="EF")
+    assert_rel(ief.ief_direction(as_j(j), s, 10.0), j.T @ s / 10.0, rtol=1e-14, what="iEF")
+    assert_rel(ief.sf_direction(as_j(j), g, 10.0), g / 10.0, rtol=1e-14, what="SF")
+
+
+@pytest.mark.parametrize("gram_scale", [1e-8, 1e8], ids=["1e-8", "1e8"])
+@pytest.mark.parametrize("name", sorted(SINGULAR))
+def test_singular_gram_lambda0_is_min_norm_at_any_scale(name, gram_scale, as_j):
+    """The ``lambda = 0`` minimum-norm solution with the Gram eigenvalues at ``1e-8`` or ``1e8`` (inside the range
+    where ``J`` is not rescaled): the cut-off of negligible eigenvalues is relative to the largest one, so genuine
+    small eigenvalues are kept and rounding-level ones dropped at every scale; ``J^T pinv(J J^T) w`` (pinv's cut-off is
+    relative too) is the oracle."""
+    j, s = SINGULAR[name]
+    j = j * gram_scale**0.5
+    ones = torch.ones_like(s)
+    assert_rel(ief.ief_direction(as_j(j), s, 0.0), min_norm(j, s), what=f"{name} iEF")
+    assert_rel(ief.ef_direction(as_j(j), 0.0), min_norm(j, ones), what=f"{name} EF")
+
+
+@pytest.mark.parametrize("damping", [0.0, 1e-7, 1.0])
+def test_all_zero_jacobian_gives_a_zero_vector_of_length_p(damping, as_j):
+    """``J = 0`` ``[3, 7]``: the EF / iEF directions are the zero vector of the parameters' length ``P = 7`` (not
+    ``M = 3``), in J's dtype."""
+    for dtype in (torch.float64, torch.float32):
+        j = torch.zeros(3, 7, dtype=dtype)
+        s = torch.zeros(3, dtype=dtype)
+        for d in (ief.ief_direction(as_j(j), s, damping), ief.ef_direction(as_j(j), damping)):
+            assert d.shape == (7,) and d.dtype == dtype and torch.count_nonzero(d) == 0
+
+
+@pytest.mark.parametrize("damping", [1e-3, 2.0])
+def test_sf_on_an_all_zero_sampled_jacobian_is_the_scaled_gradient(damping, as_j):
+    """``A = 0`` (every sampled label predicted with certainty): ``(A^T A + lambda I)^{-1} g = g / lambda``."""
+    a = torch.zeros(4, 12, dtype=torch.float64)
+    g = torch.randn(12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    assert_rel(ief.sf_direction(as_j(a), g, damping), g / damping, rtol=1e-15, what="SF, A = 0")

@@ -481,10 +481,10 @@ def test_damping_that_swamps_a_tiny_jacobian(as_j):
     assert_rel(ief.sf_direction(as_j(j), g, 10.0), g / 10.0, rtol=1e-14, what="SF")
 
 
-@pytest.mark.parametrize("gram_scale", [1e-8, 1e8], ids=["1e-8", "1e8"])
+@pytest.mark.parametrize("gram_scale", [1e-16, 1e-8, 1e8, 1e16], ids=["1e-16", "1e-8", "1e8", "1e16"])
 @pytest.mark.parametrize("name", sorted(SINGULAR))
 def test_singular_gram_lambda0_is_min_norm_at_any_scale(name, gram_scale, as_j):
-    """The ``lambda = 0`` minimum-norm solution with the Gram eigenvalues at ``1e-8`` or ``1e8`` (inside the range
+    """The ``lambda = 0`` minimum-norm solution with the Gram eigenvalues near ``1e-16`` .. ``1e16`` (inside the range
     where ``J`` is not rescaled): the cut-off of negligible eigenvalues is relative to the largest one, so genuine
     small eigenvalues are kept and rounding-level ones dropped at every scale; ``J^T pinv(J J^T) w`` (pinv's cut-off is
     relative too) is the oracle."""
@@ -512,3 +512,70 @@ def test_sf_on_an_all_zero_sampled_jacobian_is_the_scaled_gradient(damping, as_j
     a = torch.zeros(4, 12, dtype=torch.float64)
     g = torch.randn(12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     assert_rel(ief.sf_direction(as_j(a), g, damping), g / damping, rtol=1e-15, what="SF, A = 0")
+
+
+def test_error_messages_name_the_argument_its_expected_shape_and_what_was_given(as_j):
+    """Bad input: the message names the argument, the accepted shape (and what it indexes) and the given one."""
+    j, s = random_jacobian(), random_s()
+    g = torch.ones(12, dtype=torch.float64)
+    cases = [
+        (lambda: ief.ief_direction(as_j(j), s[:4], 0.0),
+         r"^logit_sqnorm must be a vector of length 5 \(one entry per sample\), got \(4,\)$"),
+        (lambda: ief.ief_direction(as_j(j), [1.0] * 5, 0.0),
+         r"^logit_sqnorm must be a vector of length 5 \(one entry per sample\), got list$"),
+        (lambda: ief.ief_direction(as_j(j), torch.full_like(s, float("nan")), 0.0),
+         r"^logit_sqnorm contains non-finite values$"),
+        (lambda: ief.sf_direction(as_j(j), g[:11], 1.0),
+         r"^grad must be a vector of length 12 \(one entry per parameter\), got \(11,\)$"),
+        (lambda: ief.sf_direction(j[0], g, 1.0), r"^sampled_jacobian must be a \[M, P\] tensor, got \(12,\)$"),
+        (lambda: ief.sf_direction(j.int(), g, 1.0), r"^sampled_jacobian must be floating point, got torch\.int32$"),
+        (lambda: ief.ef_direction(j.tolist(), 0.0), r"^jacobian must be a \[M, P\] tensor, got list$"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_directions_beyond_float32_raise_naming_the_method(as_j):
+    """Never silently wrong: float32 input whose exact direction exceeds float32's range raises
+    ``FloatingPointError`` naming the method and the dtype. ``|J| ~ 1e-40`` (float32 subnormals) at ``lambda = 0``
+    gives EF / iEF directions ``~1e40``; SF with ``lambda = 1e-40`` gives ``~g / lambda = 1e40``."""
+    j = (random_jacobian() * 1e-40).float()
+    s = random_s().float()
+    g = torch.ones(12)
+    assert torch.count_nonzero(j) == j.numel()  # subnormal, not flushed to zero
+    for call, what in ((lambda: ief.ief_direction(as_j(j), s, 0.0), "iEF"),
+                       (lambda: ief.ef_direction(as_j(j), 0.0), "EF"),
+                       (lambda: ief.sf_direction(as_j(j), g, 1e-40), "SF")):
+        with pytest.raises(FloatingPointError, match=rf"^the {what} direction is not representable in torch\.float32 "):
+            call()
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-120], ids=["1", "1e-120"])
+def test_directions_of_a_jacobian_wider_than_one_column_block(scale):
+    """``P = 2 * 65536 + 5``: the Gram matrix, ``J^T c``, ``A g`` and ``max|J|`` are accumulated over column blocks
+    (``ief.model_call.COLUMN_CHUNK``). The first block is all zero (its parameters do not affect the loss), so the
+    magnitude and the Gram matrix come from the later blocks only. Checked by the defining equations, formed
+    directly in float64: ``(J^T J + lambda I) d = J^T w`` (EF, iEF: ``eqn:EF_update``, push-through of
+    ``eqn:iEF_lsq``) and ``(A^T A + lambda I) d = g`` (SF, ``eqn:SF-smw``), with ``lambda`` scaled by ``scale^2``."""
+    from ief.model_call import COLUMN_CHUNK
+
+    p = 2 * COLUMN_CHUNK + 5
+    gen = torch.Generator().manual_seed(9)
+    j = torch.zeros(3, p, dtype=torch.float64)
+    j[:, COLUMN_CHUNK:] = torch.randn(3, p - COLUMN_CHUNK, generator=gen, dtype=torch.float64) * 1e-2
+    j = j * scale
+    s = torch.tensor([0.3, 1.0, 2.0], dtype=torch.float64)
+    g = torch.randn(p, generator=gen, dtype=torch.float64) * 1e-2
+    lam = 1e-3 * scale**2
+
+    def residual(d, rhs):  # ||(J^T J + lambda I) d - rhs|| / ||rhs||, J rescaled to O(1e-2) to stay in range
+        js, ds = j / scale, d * scale
+        return float((js.T @ (js @ ds) + 1e-3 * ds - rhs).norm() / rhs.norm())
+
+    for w in (s, torch.ones(3, dtype=torch.float64)):
+        d = ief.ief_direction(j, w, lam) if w is s else ief.ef_direction(j, lam)
+        assert d.shape == (p,) and torch.count_nonzero(d[:COLUMN_CHUNK]) == 0
+        assert residual(d, (j / scale).T @ w) < 1e-10
+    d = ief.sf_direction(j, g, lam)
+    assert float(((j / scale).T @ ((j / scale) @ (d * scale**2)) + 1e-3 * d * scale**2 - g).norm() / g.norm()) < 1e-10

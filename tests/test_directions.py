@@ -579,3 +579,20 @@ def test_directions_of_a_jacobian_wider_than_one_column_block(scale):
         assert residual(d, (j / scale).T @ w) < 1e-10
     d = ief.sf_direction(j, g, lam)
     assert float(((j / scale).T @ ((j / scale) @ (d * scale**2)) + 1e-3 * d * scale**2 - g).norm() / g.norm()) < 1e-10
+
+
+def test_float64_directions_beyond_float64_raise_naming_the_method():
+    """Even in float64: ``|J| ~ 1e-310`` (subnormal) at ``lambda = 0`` makes the exact EF / iEF directions ``~1e310``,
+    past float64's range; SF with ``lambda = 1e-320`` makes ``g / lambda ~ 1e320``. Each raises
+    ``FloatingPointError`` naming the method instead of returning inf. (Dense J: a FactoredJacobian's Gram is NaN at
+    a subnormal scale, ``FactoredJacobian._scaled`` forms ``1 / scale``.)"""
+    as_j = lambda j: j  # noqa: E731
+    j = random_jacobian() * 1e-310
+    s = random_s()
+    g = torch.ones(12, dtype=torch.float64)
+    assert torch.count_nonzero(j) == j.numel()
+    for call, what in ((lambda: ief.ief_direction(as_j(j), s, 0.0), "iEF"),
+                       (lambda: ief.ef_direction(as_j(j), 0.0), "EF"),
+                       (lambda: ief.sf_direction(as_j(j), g, 1e-320), "SF")):
+        with pytest.raises(FloatingPointError, match=rf"^the {what} direction is not representable in torch\.float64 "):
+            call()

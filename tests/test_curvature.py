@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import ief
+import oracle
 from curvature_reference import directions, model_dtype, num_params, reference, rtol
 from tiny_models import SquareNoJvp, mlp_case, mse_case, t5_lora_case
 
@@ -488,3 +489,121 @@ def test_fisher_vp_auto_takes_forward_mode_and_falls_back_without_changing_the_p
     torch.testing.assert_close(_seeded(lambda: ief.fisher_vp(model, x, y, d)), expected, rtol=1e-13, atol=1e-13)
     with pytest.raises(ValueError, match="'auto', 'forward', 'double_backward'"):
         ief.fisher_vp(model, x, y, d, method="nope")
+
+
+# ------------------------------------------------------------------- one direction, params=, unused parameters
+@pytest.mark.parametrize("method", METHODS)
+def test_gammas_of_a_single_direction(method):
+    """``K = 1`` is a valid batch: ``gammas`` of one direction is ``[gamma(d)]``, equal to the dense oracle."""
+    case = mlp_case()
+    ref = reference("mlp")
+    d = _randn(case, 1, seed=3)
+    got = ief.gammas(case.model, case.inputs, case.targets, d, method=method)
+    assert isinstance(got, list) and len(got) == 1
+    assert got[0] == pytest.approx(ref.gamma(d[0]), rel=1e-10)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gammas_on_a_parameter_subset(method):
+    """``params=`` the first layer only: ``directions [K, P_1]`` rate as the full directions padded with zeros (the
+    Fisher's principal block, the gradient's sub-vector), against the dense oracle."""
+    case = mlp_case()
+    ref = reference("mlp")
+    first = list(case.model[0].parameters())
+    p1 = sum(p.numel() for p in first)
+    sub = torch.randn(2, p1, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    got = ief.gammas(case.model, case.inputs, case.targets, sub, params=first, method=method)
+    padded = torch.zeros(2, num_params(case), dtype=torch.float64)
+    padded[:, :p1] = sub
+    assert got == pytest.approx([ref.gamma(d) for d in padded], rel=1e-10)
+
+
+def test_gammas_error_messages_name_the_shape_and_the_accepted_values():
+    case = mlp_case()
+    p = num_params(case)
+    with pytest.raises(ValueError, match=rf"^directions must have shape \[K, {p}\] \(K >= 1 rows, one entry per "
+                                         r"trainable parameter\), got \(" + str(p) + r",\)$"):
+        ief.gammas(case.model, case.inputs, case.targets, torch.ones(p, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"got list$"):
+        ief.gammas(case.model, case.inputs, case.targets, [torch.ones(p, dtype=torch.float64)])
+    nan = torch.ones(2, p, dtype=torch.float64)
+    nan[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^directions contain non-finite values$"):
+        ief.gammas(case.model, case.inputs, case.targets, nan)
+    with pytest.raises(ValueError, match=r"^unknown method 'nope'; accepted: 'forward', 'double_backward'$"):
+        ief.gammas(case.model, case.inputs, case.targets, torch.ones(1, p, dtype=torch.float64), method="nope")
+
+
+class _WithUnused(torch.nn.Module):
+    """An MLP with a trainable layer that never reaches the logits (its Fisher rows and gradient are zero)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.unused, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(2, 2), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inp(x)))
+
+
+@pytest.mark.parametrize("method", ("auto", *METHODS))
+def test_fisher_vp_with_a_parameter_that_does_not_reach_the_logits(method):
+    """``F v`` and ``grad L`` with an unused trainable parameter (zero rows and columns of ``F``) against the dense
+    oracle, which sums explicitly over samples and classes."""
+    torch.manual_seed(0)
+    model = _WithUnused().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    fisher = oracle.fisher(model, x, y)
+    gradient = oracle.gradient(model, x, y)
+    v = torch.randn(fisher.shape[0], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    assert _rel(ief.fisher_vp(model, x, y, v, method=method), fisher @ v) < 1e-12
+    if method != "auto":
+        op = ief.FisherOperator(model, x, y, method=method)
+        assert _rel(op.gradient, gradient) < 1e-12
+        assert _rel(op @ v, fisher @ v) < 1e-12
+
+
+def test_double_backward_operator_gets_the_gradient_without_another_forward():
+    """``FisherOperator(method="double_backward")``: the graph-building backward yields ``grad L`` (its probe is
+    ``dL/dz``), so reading ``.gradient`` runs no further forward; it equals the oracle's gradient."""
+    case = mlp_case()
+    calls = []
+    handle = case.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        op = ief.FisherOperator(case.model, case.inputs, case.targets, method="double_backward")
+        assert len(calls) == 1
+        assert _rel(op.gradient, reference("mlp").gradient) < 1e-12
+        assert len(calls) == 1
+    finally:
+        handle.remove()
+
+
+def test_gammas_fallback_warning_gives_the_reason():
+    """The fallback's warning quotes the first line of the error that stopped the batched pass."""
+    import warnings
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.head(SquareNoJvp.apply(self.inp(x)))
+
+    torch.manual_seed(0)
+    model = Model().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    p = sum(q.numel() for q in model.parameters())
+    stacked = torch.randn(2, p, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    try:
+        ief.curvature.batched_jvps(ief.model_call.ReplayableForward(model, x), list(model.parameters()),
+                                   ief.model_call.param_names(model, list(model.parameters())), stacked)
+    except (RuntimeError, NotImplementedError) as err:
+        reason = str(err).splitlines()[0]
+    else:
+        pytest.fail("the batched pass was expected to fail on a Function without a forward-mode rule")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ief.gammas(model, x, y, stacked)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert messages == [f"ief.gammas: the batched forward-mode pass is not available for this Model ({reason}); using "
+                        "double backward (same values, one backward-type pass per direction)"]

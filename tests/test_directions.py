@@ -547,7 +547,9 @@ def test_directions_beyond_float32_raise_naming_the_method(as_j):
     for call, what in ((lambda: ief.ief_direction(as_j(j), s, 0.0), "iEF"),
                        (lambda: ief.ef_direction(as_j(j), 0.0), "EF"),
                        (lambda: ief.sf_direction(as_j(j), g, 1e-40), "SF")):
-        with pytest.raises(FloatingPointError, match=rf"^the {what} direction is not representable in torch\.float32 "):
+        with pytest.raises(FloatingPointError, match=rf"^the {what} direction is not representable in torch\.float32 "
+                                                     r"\(its entries exceed the dtype's range\): the per-sample gradients "
+                                                     r"are too close to zero for this damping; use a larger damping$"):
             call()
 
 
@@ -596,3 +598,49 @@ def test_float64_directions_beyond_float64_raise_naming_the_method():
                        (lambda: ief.sf_direction(as_j(j), g, 1e-320), "SF")):
         with pytest.raises(FloatingPointError, match=rf"^the {what} direction is not representable in torch\.float64 "):
             call()
+
+
+def test_solve_gram_with_several_right_hand_sides():
+    """``solve_gram(G, rhs [M, K], lambda)``: every column solved, as ``K`` separate solves and the dense solve, on the
+    Cholesky path (``lambda > 0``, well conditioned) and the eigen path (``lambda = 0``, duplicate rows)."""
+    from ief.directions import solve_gram
+
+    j = random_jacobian()
+    rhs = torch.randn(5, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    g = j @ j.T
+    got = solve_gram(g, rhs, 1e-2)
+    assert got.shape == (5, 3)
+    assert_rel(got, torch.linalg.solve(g + 1e-2 * torch.eye(5, dtype=torch.float64), rhs), what="Cholesky path")
+    dup = torch.cat([j, j[:1]])
+    g_dup = dup @ dup.T
+    rhs_dup = torch.cat([rhs, rhs[:1]])  # consistent: the duplicate row has the same right-hand side
+    got = solve_gram(g_dup, rhs_dup, 0.0)
+    assert got.shape == (6, 3)
+    for k in range(3):
+        assert_rel(got[:, k], solve_gram(g_dup, rhs_dup[:, k], 0.0), rtol=1e-12, what=f"column {k}")
+        assert_rel(got[:, k], torch.linalg.pinv(g_dup, hermitian=True, rtol=PINV_RTOL) @ rhs_dup[:, k], what="pinv")
+
+
+def test_damped_solve_on_the_eigen_path_with_a_small_genuine_eigenvalue(as_j):
+    """Duplicate rows (an exactly singular ``J J^T``) and ``lambda = 5e-13``, too small for the Cholesky factor to be
+    trusted: the eigen path runs with the damping. A third row nearly in the span of the first two gives ``J J^T``
+    a genuine eigenvalue ``~1e-11``, which dominates the direction, so ``lambda`` must be added to it exactly. With
+    consistent targets (the duplicate's ``s`` equals its original's) the exact damped direction is that of the
+    de-duplicated rows weighted by their multiplicity ``W``: ``J_u^T (W J_u J_u^T + lambda I)^{-1} W s_u`` (a 3 x 3
+    solve, ``cond ~ 1e11``, accurate to ~1e-5)."""
+    gen = torch.Generator().manual_seed(12)
+    r1, r2, noise = (torch.randn(12, generator=gen, dtype=torch.float64) for _ in range(3))
+    r3 = 0.6 * r1 - 0.8 * r2 + 3e-6 * noise
+    j_u = torch.stack([r1, r2, r3])
+    w = torch.diag(torch.tensor([2.0, 1.0, 1.0], dtype=torch.float64))
+    j = torch.cat([j_u, r1[None]])
+    s_u = torch.tensor([0.5, 1.5, 1.0], dtype=torch.float64)
+    s = torch.cat([s_u, s_u[:1]])
+    lam = 5e-13
+    eig = torch.linalg.eigvalsh(j @ j.T)
+    assert float(eig[0]) < 1e-14 and 1e-12 < float(eig[1]) < 1e-10  # the exact zero and the genuine small one
+    expected = j_u.T @ torch.linalg.solve(w @ j_u @ j_u.T + lam * torch.eye(3, dtype=torch.float64), w @ s_u)
+    assert_rel(ief.ief_direction(as_j(j), s, lam), expected, rtol=1e-4, what="iEF")
+    ones_u = torch.ones(3, dtype=torch.float64)
+    expected = j_u.T @ torch.linalg.solve(w @ j_u @ j_u.T + lam * torch.eye(3, dtype=torch.float64), w @ ones_u)
+    assert_rel(ief.ef_direction(as_j(j), lam), expected, rtol=1e-4, what="EF")

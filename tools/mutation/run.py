@@ -85,10 +85,10 @@ def read_equivalent(path: Path = EQUIVALENT) -> dict[str, tuple[str, str]]:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        parts = [p.strip() for p in line.split(" | ")]
-        if len(parts) != 3 or not all(parts):
+        parts = [p.strip() for p in line.split(" | ")]  # the changed line may itself hold " | "; the reason may not
+        if len(parts) < 3 or not parts[0] or not parts[-1]:
             raise ValueError(f"{path}:{number}: expected '<mutant name> | <changed line> | <why>', got {raw!r}")
-        out[parts[0]] = (parts[1], parts[2])
+        out[parts[0]] = (" | ".join(parts[1:-1]), parts[-1])
     return out
 
 

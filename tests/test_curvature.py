@@ -607,3 +607,96 @@ def test_gammas_fallback_warning_gives_the_reason():
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert messages == [f"ief.gammas: the batched forward-mode pass is not available for this Model ({reason}); using "
                         "double backward (same values, one backward-type pass per direction)"]
+
+
+def test_gamma_on_a_parameter_subset_and_its_error_messages():
+    """``gamma(..., params=first layer)`` rates the zero-padded full direction (dense oracle); bad input names what
+    is wrong and, for the method, the accepted values."""
+    case = mlp_case()
+    ref = reference("mlp")
+    first = list(case.model[0].parameters())
+    p1 = sum(p.numel() for p in first)
+    d = torch.randn(p1, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    padded = torch.zeros(num_params(case), dtype=torch.float64)
+    padded[:p1] = d
+    for method in METHODS:
+        got = ief.gamma(case.model, case.inputs, case.targets, d, params=first, method=method)
+        assert got == pytest.approx(ref.gamma(padded), rel=1e-10), method
+    with pytest.raises(ValueError, match=r"^gamma of a zero direction is undefined \(0/0\)$"):
+        ief.gamma(case.model, case.inputs, case.targets, torch.zeros_like(padded))
+    with pytest.raises(ValueError, match=r"^unknown method 'nope'; accepted: 'forward', 'double_backward'$"):
+        ief.gamma(case.model, case.inputs, case.targets, padded, method="nope")
+
+
+class _NoJvpModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(SquareNoJvp.apply(self.inp(x)))
+
+
+def _no_jvp_case():
+    torch.manual_seed(0)
+    model = _NoJvpModel().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    return model, x, y
+
+
+def test_gamma_forward_falls_back_where_a_layer_has_no_forward_rule():
+    """``gamma``'s default ``method="forward"`` on a model with a custom Function without ``jvp``: the same value as
+    double backward and as the dense oracle, not an error."""
+    model, x, y = _no_jvp_case()
+    fisher, gradient = oracle.fisher(model, x, y), oracle.gradient(model, x, y)
+    d = torch.randn(fisher.shape[0], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    expected = math.sqrt(float(d @ fisher @ d)) / abs(float(d @ gradient))
+    assert ief.gamma(model, x, y, d) == pytest.approx(expected, rel=1e-10)
+    assert ief.gamma(model, x, y, d, method="double_backward") == pytest.approx(expected, rel=1e-10)
+
+
+def test_fisher_vp_auto_remembers_a_model_without_forward_rules():
+    """``method="auto"`` tries forward mode once per model: after the first fallback, a product on the same model
+    runs one forward (the double-backward one), not a failed dual forward first."""
+    model, x, y = _no_jvp_case()
+    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    first = ief.fisher_vp(model, x, y, v)
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        again = ief.fisher_vp(model, x, y, v)
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    torch.testing.assert_close(again, first, rtol=1e-12, atol=0)
+
+
+def test_gammas_fallback_warning_points_at_the_caller_and_names_a_silent_error():
+    """The fallback warning is attributed to the caller's line (``stacklevel=2``), and an error without a message is
+    named by its type."""
+    import warnings
+
+    class Unbatchable(torch.nn.Module):
+        """Raises a bare ``NotImplementedError`` under functorch transforms (an op without a batching rule)."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            if torch._C._functorch.is_functorch_wrapped_tensor(x) or any(
+                    torch._C._functorch.is_functorch_wrapped_tensor(p) for p in self.lin.parameters()):
+                raise NotImplementedError
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    model = Unbatchable().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    stacked = torch.randn(2, 15, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ief.gammas(model, x, y, stacked)
+    runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(runtime) == 1 and runtime[0].filename == __file__
+    assert "not available for this Unbatchable (NotImplementedError); using double backward" in str(runtime[0].message)
+    assert got == pytest.approx([ief.gamma(model, x, y, d, method="double_backward") for d in stacked], rel=1e-12)

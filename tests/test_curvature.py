@@ -700,3 +700,97 @@ def test_gammas_fallback_warning_points_at_the_caller_and_names_a_silent_error()
     assert len(runtime) == 1 and runtime[0].filename == __file__
     assert "not available for this Unbatchable (NotImplementedError); using double backward" in str(runtime[0].message)
     assert got == pytest.approx([ief.gamma(model, x, y, d, method="double_backward") for d in stacked], rel=1e-12)
+
+
+# ---------------------------------------------------------------------- logits checks, operator defaults
+class _Masked(torch.nn.Module):
+    """An MLP whose class 2 is masked with ``-inf`` (a constrained vocabulary), or, ``drop=True``, left out."""
+
+    def __init__(self, drop=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4)).double()
+        self.drop = drop
+
+    def forward(self, x):
+        z = self.body(x)
+        if self.drop:
+            return z[:, [0, 1, 3]]
+        return z.masked_fill(torch.tensor([False, False, True, False]), float("-inf"))
+
+
+def test_gamma_accepts_masked_classes_and_equals_the_model_without_them():
+    """``-inf`` on some classes gives them probability 0 (``check_finite`` accepts it): ``gamma`` equals the dense
+    oracle of the same model with the masked class removed."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = torch.tensor([0, 1, 3, 3, 0, 1])
+    masked, dropped = _Masked(), _Masked(drop=True)
+    d = torch.randn(sum(p.numel() for p in masked.parameters()), generator=torch.Generator().manual_seed(2),
+                    dtype=torch.float64)
+    y_dropped = torch.tensor([0, 1, 2, 2, 0, 1])  # class 3 is index 2 once class 2 is left out
+    fisher, gradient = oracle.fisher(dropped, x, y_dropped), oracle.gradient(dropped, x, y_dropped)
+    expected = math.sqrt(float(d @ fisher @ d)) / abs(float(d @ gradient))
+    for method in METHODS:
+        assert ief.gamma(masked, x, y, d, method=method) == pytest.approx(expected, rel=1e-10), method
+        assert ief.gammas(masked, x, y, d[None], method=method)[0] == pytest.approx(expected, rel=1e-10), method
+
+
+class _PlainCrossEntropy:
+    """A user-defined loss (the :class:`ief.losses.Loss` protocol) without the optional ``check_finite``."""
+
+    def __init__(self):
+        self._inner = ief.losses.get_loss("cross_entropy")
+
+    def __getattr__(self, name):
+        if name == "check_finite":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_a_user_loss_without_check_finite_gets_the_plain_finiteness_check():
+    """Without ``check_finite`` every non-finite logit is refused (``require_finite``); finite logits give the
+    built-in loss's values."""
+    case = mlp_case()
+    d = _randn(case, 1, seed=3)[0]
+    loss = _PlainCrossEntropy()
+    assert ief.gamma(case.model, case.inputs, case.targets, d, loss=loss) == pytest.approx(
+        reference("mlp").gamma(d), rel=1e-10)
+    x = case.inputs.clone()
+    x[2, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="^non-finite logits: nan at index"):
+        ief.gamma(case.model, x, case.targets, d, loss=loss)
+    with pytest.raises(FloatingPointError, match="^non-finite logits: nan at index"):
+        ief.FisherOperator(case.model, x, case.targets, loss=loss)
+
+
+def test_fisher_operator_defaults_messages_and_checks():
+    """``FisherOperator(model, x, y)``: cross-entropy and double backward by default (oracle ``F v``); an unknown
+    method names the accepted ones; NaN logits are refused at the first forward (construction for double backward,
+    the first product for forward mode)."""
+    case = mlp_case()
+    ref = reference("mlp")
+    v = _randn(case, 1, seed=4)[0]
+    op = ief.FisherOperator(case.model, case.inputs, case.targets)
+    assert op.method == "double_backward"
+    assert _rel(op @ v, ref.fisher @ v) < 1e-12
+    with pytest.raises(ValueError, match=r"^unknown method 'nope'; accepted: 'forward', 'double_backward'$"):
+        ief.FisherOperator(case.model, case.inputs, case.targets, method="nope")
+    x = case.inputs.clone()
+    x[1, 1] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN"):
+        ief.FisherOperator(case.model, x, case.targets)
+    op = ief.FisherOperator(case.model, x, case.targets, method="forward")
+    with pytest.raises(FloatingPointError, match="NaN"):
+        op @ v
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fisher_operator_on_parameters_that_do_not_reach_the_logits(method):
+    """``params=`` a layer that does not reach the logits: its Fisher block is zero, so ``F v = 0``."""
+    torch.manual_seed(0)
+    model = _WithUnused().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    params = list(model.unused.parameters())
+    v = torch.randn(6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out = ief.FisherOperator(model, x, y, params, method=method) @ v
+    assert out.shape == (6,) and torch.count_nonzero(out) == 0

@@ -619,6 +619,21 @@ def test_solve_gram_with_several_right_hand_sides():
     for k in range(3):
         assert_rel(got[:, k], solve_gram(g_dup, rhs_dup[:, k], 0.0), rtol=1e-12, what=f"column {k}")
         assert_rel(got[:, k], torch.linalg.pinv(g_dup, hermitian=True, rtol=PINV_RTOL) @ rhs_dup[:, k], what="pinv")
+    one = solve_gram(g, rhs[:, :1], 1e-2)  # K = 1 stays a column
+    assert one.shape == (5, 1)
+    assert_rel(one[:, 0], torch.linalg.solve(g + 1e-2 * torch.eye(5, dtype=torch.float64), rhs[:, 0]), what="K = 1")
+
+
+def test_an_empty_batch(as_j):
+    """``M = 0`` samples: no per-sample gradient, so the EF / iEF directions are the zero vector of length ``P`` and
+    SF is ``g / lambda`` (``A^T A = 0``)."""
+    j = torch.zeros(0, 12, dtype=torch.float64)
+    g = torch.randn(12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    for damping in (0.0, 1e-3):
+        for d in (ief.ef_direction(as_j(j), damping), ief.ief_direction(as_j(j), torch.zeros(0, dtype=torch.float64),
+                                                                         damping)):
+            assert d.shape == (12,) and torch.count_nonzero(d) == 0
+    assert_rel(ief.sf_direction(as_j(j), g, 0.5), g / 0.5, rtol=1e-15, what="SF, M = 0")
 
 
 def test_damped_solve_on_the_eigen_path_with_a_small_genuine_eigenvalue(as_j):
@@ -644,3 +659,30 @@ def test_damped_solve_on_the_eigen_path_with_a_small_genuine_eigenvalue(as_j):
     ones_u = torch.ones(3, dtype=torch.float64)
     expected = j_u.T @ torch.linalg.solve(w @ j_u @ j_u.T + lam * torch.eye(3, dtype=torch.float64), w @ ones_u)
     assert_rel(ief.ef_direction(as_j(j), lam), expected, rtol=1e-4, what="EF")
+
+
+def test_public_gram_helpers_against_dense_products():
+    """``gram(J) = J J^T``, ``combine_rows(c, J) = J^T c`` (default scale 1), ``max_abs`` the largest magnitude
+    whatever its sign, and ``gram_scale`` 1 inside ``[1e-100, 1e100]``, ``max|J|`` outside."""
+    from ief.directions import combine_rows, gram, gram_scale, max_abs
+
+    j = random_jacobian()
+    c = random_s()
+    assert_rel(gram(j), j @ j.T, rtol=1e-14, what="gram")
+    assert_rel(combine_rows(c, j), j.T @ c, rtol=1e-14, what="combine_rows")
+    negative = -j.abs() - 0.5
+    negative[2, 3] = -7.0
+    assert max_abs(negative) == 7.0 and max_abs(j) == float(j.abs().max())
+    for scale, expected in ((1.0, 1.0), (1e-50, 1.0), (1e80, 1.0), (1e-120, 7e-120), (1e150, 7e150)):
+        assert gram_scale(negative * scale) == pytest.approx(expected, rel=1e-15), scale
+
+
+def test_directions_of_a_non_positive_jacobian(as_j):
+    """Every entry ``<= 0`` (one exactly zero, the largest magnitude negative), also at ``|J| ~ 1e-120``: the
+    magnitude that scales the Gram matrix is ``max|J|``, not ``max J = 0``; EF against the dense solve."""
+    j = -random_jacobian().abs()
+    j[:, 0] = 0.0
+    ones = torch.ones(j.shape[0], dtype=torch.float64)
+    for scale in (1.0, 1e-120):
+        got = ief.ef_direction(as_j(j * scale), 1e-3 * scale**2) * scale
+        assert_rel(got, dense_solve(j, j.T @ ones, 1e-3), what=f"EF, scale {scale}")

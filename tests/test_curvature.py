@@ -766,6 +766,22 @@ def test_a_user_loss_without_check_finite_gets_the_plain_finiteness_check():
         ief.FisherOperator(case.model, x, case.targets, loss=loss)
 
 
+def test_a_user_loss_check_finite_receives_the_targets():
+    """A user loss's own ``check_finite(logits, targets)`` is called with the batch's targets (it may use them, e.g.
+    to skip ignored positions)."""
+    case = mlp_case()
+    seen = []
+
+    class Recording(_PlainCrossEntropy):
+        def __getattr__(self, name):
+            if name == "check_finite":
+                return lambda logits, targets: seen.append(targets)
+            return getattr(self._inner, name)
+
+    ief.gamma(case.model, case.inputs, case.targets, _randn(case, 1, seed=3)[0], loss=Recording())
+    assert len(seen) == 1 and seen[0] is case.targets
+
+
 def test_fisher_operator_defaults_messages_and_checks():
     """``FisherOperator(model, x, y)``: cross-entropy and double backward by default (oracle ``F v``); an unknown
     method names the accepted ones; NaN logits are refused at the first forward (construction for double backward,

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import ief
+import oracle
 from curvature_reference import directions, model_dtype, num_params, reference, rtol
 from tiny_models import SquareNoJvp, mlp_case, mse_case, t5_lora_case
 
@@ -506,3 +507,327 @@ def test_check_gamma_passes_finite_positive_values_through():
 
     assert check_gamma(0.25, "ief") == 0.25
     assert check_gamma(5e-324, "ief") == 5e-324  # tiny but a measurement
+
+
+# ------------------------------------------------------------------- one direction, params=, unused parameters
+@pytest.mark.parametrize("method", METHODS)
+def test_gammas_of_a_single_direction(method):
+    """``K = 1`` is a valid batch: ``gammas`` of one direction is ``[gamma(d)]``, equal to the dense oracle."""
+    case = mlp_case()
+    ref = reference("mlp")
+    d = _randn(case, 1, seed=3)
+    got = ief.gammas(case.model, case.inputs, case.targets, d, method=method)
+    assert isinstance(got, list) and len(got) == 1
+    assert got[0] == pytest.approx(ref.gamma(d[0]), rel=1e-10)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gammas_on_a_parameter_subset(method):
+    """``params=`` the first layer only: ``directions [K, P_1]`` rate as the full directions padded with zeros (the
+    Fisher's principal block, the gradient's sub-vector), against the dense oracle."""
+    case = mlp_case()
+    ref = reference("mlp")
+    first = list(case.model[0].parameters())
+    p1 = sum(p.numel() for p in first)
+    sub = torch.randn(2, p1, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    got = ief.gammas(case.model, case.inputs, case.targets, sub, params=first, method=method)
+    padded = torch.zeros(2, num_params(case), dtype=torch.float64)
+    padded[:, :p1] = sub
+    assert got == pytest.approx([ref.gamma(d) for d in padded], rel=1e-10)
+
+
+def test_gammas_error_messages_name_the_shape_and_the_accepted_values():
+    case = mlp_case()
+    p = num_params(case)
+    with pytest.raises(ValueError, match=rf"^directions must have shape \[K, {p}\] \(K >= 1 rows, one entry per "
+                                         r"trainable parameter\), got \(" + str(p) + r",\)$"):
+        ief.gammas(case.model, case.inputs, case.targets, torch.ones(p, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"got list$"):
+        ief.gammas(case.model, case.inputs, case.targets, [torch.ones(p, dtype=torch.float64)])
+    nan = torch.ones(2, p, dtype=torch.float64)
+    nan[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^directions contain non-finite values$"):
+        ief.gammas(case.model, case.inputs, case.targets, nan)
+    with pytest.raises(ValueError, match=r"^unknown method 'nope'; accepted: 'forward', 'double_backward'$"):
+        ief.gammas(case.model, case.inputs, case.targets, torch.ones(1, p, dtype=torch.float64), method="nope")
+
+
+class _WithUnused(torch.nn.Module):
+    """An MLP with a trainable layer that never reaches the logits (its Fisher rows and gradient are zero)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.unused, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(2, 2), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inp(x)))
+
+
+@pytest.mark.parametrize("method", ("auto", *METHODS))
+def test_fisher_vp_with_a_parameter_that_does_not_reach_the_logits(method):
+    """``F v`` and ``grad L`` with an unused trainable parameter (zero rows and columns of ``F``) against the dense
+    oracle, which sums explicitly over samples and classes."""
+    torch.manual_seed(0)
+    model = _WithUnused().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    fisher = oracle.fisher(model, x, y)
+    gradient = oracle.gradient(model, x, y)
+    v = torch.randn(fisher.shape[0], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    assert _rel(ief.fisher_vp(model, x, y, v, method=method), fisher @ v) < 1e-12
+    if method != "auto":
+        op = ief.FisherOperator(model, x, y, method=method)
+        assert _rel(op.gradient, gradient) < 1e-12
+        assert _rel(op @ v, fisher @ v) < 1e-12
+
+
+def test_double_backward_operator_gets_the_gradient_without_another_forward():
+    """``FisherOperator(method="double_backward")``: the graph-building backward yields ``grad L`` (its probe is
+    ``dL/dz``), so reading ``.gradient`` runs no further forward; it equals the oracle's gradient."""
+    case = mlp_case()
+    calls = []
+    handle = case.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        op = ief.FisherOperator(case.model, case.inputs, case.targets, method="double_backward")
+        assert len(calls) == 1
+        assert _rel(op.gradient, reference("mlp").gradient) < 1e-12
+        assert len(calls) == 1
+    finally:
+        handle.remove()
+
+
+def test_gammas_fallback_warning_gives_the_reason():
+    """The fallback's warning quotes the first line of the error that stopped the batched pass."""
+    import warnings
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.head(SquareNoJvp.apply(self.inp(x)))
+
+    torch.manual_seed(0)
+    model = Model().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    p = sum(q.numel() for q in model.parameters())
+    stacked = torch.randn(2, p, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    try:
+        ief.curvature.batched_jvps(ief.model_call.ReplayableForward(model, x), list(model.parameters()),
+                                   ief.model_call.param_names(model, list(model.parameters())), stacked)
+    except (RuntimeError, NotImplementedError) as err:
+        reason = str(err).splitlines()[0]
+    else:
+        pytest.fail("the batched pass was expected to fail on a Function without a forward-mode rule")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ief.gammas(model, x, y, stacked)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert messages == [f"ief.gammas: the batched forward-mode pass is not available for this Model ({reason}); using "
+                        "double backward (same values, one backward-type pass per direction)"]
+
+
+def test_gamma_on_a_parameter_subset_and_its_error_messages():
+    """``gamma(..., params=first layer)`` rates the zero-padded full direction (dense oracle); bad input names what
+    is wrong and, for the method, the accepted values."""
+    case = mlp_case()
+    ref = reference("mlp")
+    first = list(case.model[0].parameters())
+    p1 = sum(p.numel() for p in first)
+    d = torch.randn(p1, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    padded = torch.zeros(num_params(case), dtype=torch.float64)
+    padded[:p1] = d
+    for method in METHODS:
+        got = ief.gamma(case.model, case.inputs, case.targets, d, params=first, method=method)
+        assert got == pytest.approx(ref.gamma(padded), rel=1e-10), method
+    with pytest.raises(ValueError, match=r"^gamma of a zero direction is undefined \(0/0\)$"):
+        ief.gamma(case.model, case.inputs, case.targets, torch.zeros_like(padded))
+    with pytest.raises(ValueError, match=r"^unknown method 'nope'; accepted: 'forward', 'double_backward'$"):
+        ief.gamma(case.model, case.inputs, case.targets, padded, method="nope")
+
+
+class _NoJvpModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(SquareNoJvp.apply(self.inp(x)))
+
+
+def _no_jvp_case():
+    torch.manual_seed(0)
+    model = _NoJvpModel().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    return model, x, y
+
+
+def test_gamma_forward_falls_back_where_a_layer_has_no_forward_rule():
+    """``gamma``'s default ``method="forward"`` on a model with a custom Function without ``jvp``: the same value as
+    double backward and as the dense oracle, not an error."""
+    model, x, y = _no_jvp_case()
+    fisher, gradient = oracle.fisher(model, x, y), oracle.gradient(model, x, y)
+    d = torch.randn(fisher.shape[0], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    expected = math.sqrt(float(d @ fisher @ d)) / abs(float(d @ gradient))
+    assert ief.gamma(model, x, y, d) == pytest.approx(expected, rel=1e-10)
+    assert ief.gamma(model, x, y, d, method="double_backward") == pytest.approx(expected, rel=1e-10)
+
+
+def test_fisher_vp_auto_remembers_a_model_without_forward_rules():
+    """``method="auto"`` tries forward mode once per model: after the first fallback, a product on the same model
+    runs one forward (the double-backward one), not a failed dual forward first."""
+    model, x, y = _no_jvp_case()
+    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    first = ief.fisher_vp(model, x, y, v)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))  # also counts a forward that fails midway
+    try:
+        again = ief.fisher_vp(model, x, y, v)
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    torch.testing.assert_close(again, first, rtol=1e-12, atol=0)
+
+
+def test_gammas_fallback_warning_points_at_the_caller_and_names_a_silent_error():
+    """The fallback warning is attributed to the caller's line (``stacklevel=2``), not to a line of ``ief``, and an
+    error without a message is named by its type."""
+    import os
+    import warnings
+
+    class Unbatchable(torch.nn.Module):
+        """Raises a bare ``NotImplementedError`` under functorch transforms (an op without a batching rule)."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            if torch._C._functorch.is_functorch_wrapped_tensor(x) or any(
+                    torch._C._functorch.is_functorch_wrapped_tensor(p) for p in self.lin.parameters()):
+                raise NotImplementedError
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    model = Unbatchable().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    stacked = torch.randn(2, 15, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ief.gammas(model, x, y, stacked)
+    runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(runtime) == 1
+    package = os.path.dirname(os.path.abspath(ief.__file__)) + os.sep
+    assert not os.path.abspath(runtime[0].filename).startswith(package)  # the caller's line, not ief's own
+    assert "not available for this Unbatchable (NotImplementedError); using double backward" in str(runtime[0].message)
+    assert got == pytest.approx([ief.gamma(model, x, y, d, method="double_backward") for d in stacked], rel=1e-12)
+
+
+# ---------------------------------------------------------------------- logits checks, operator defaults
+class _Masked(torch.nn.Module):
+    """An MLP whose class 2 is masked with ``-inf`` (a constrained vocabulary), or, ``drop=True``, left out."""
+
+    def __init__(self, drop=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4)).double()
+        self.drop = drop
+
+    def forward(self, x):
+        z = self.body(x)
+        if self.drop:
+            return z[:, [0, 1, 3]]
+        return z.masked_fill(torch.tensor([False, False, True, False]), float("-inf"))
+
+
+def test_gamma_accepts_masked_classes_and_equals_the_model_without_them():
+    """``-inf`` on some classes gives them probability 0 (``check_finite`` accepts it): ``gamma`` equals the dense
+    oracle of the same model with the masked class removed."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = torch.tensor([0, 1, 3, 3, 0, 1])
+    masked, dropped = _Masked(), _Masked(drop=True)
+    d = torch.randn(sum(p.numel() for p in masked.parameters()), generator=torch.Generator().manual_seed(2),
+                    dtype=torch.float64)
+    y_dropped = torch.tensor([0, 1, 2, 2, 0, 1])  # class 3 is index 2 once class 2 is left out
+    fisher, gradient = oracle.fisher(dropped, x, y_dropped), oracle.gradient(dropped, x, y_dropped)
+    expected = math.sqrt(float(d @ fisher @ d)) / abs(float(d @ gradient))
+    for method in METHODS:
+        assert ief.gamma(masked, x, y, d, method=method) == pytest.approx(expected, rel=1e-10), method
+        assert ief.gammas(masked, x, y, d[None], method=method)[0] == pytest.approx(expected, rel=1e-10), method
+
+
+class _PlainCrossEntropy:
+    """A user-defined loss (the :class:`ief.losses.Loss` protocol) without the optional ``check_finite``."""
+
+    def __init__(self):
+        self._inner = ief.losses.get_loss("cross_entropy")
+
+    def __getattr__(self, name):
+        if name == "check_finite":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_a_user_loss_without_check_finite_gets_the_plain_finiteness_check():
+    """Without ``check_finite`` every non-finite logit is refused (``require_finite``); finite logits give the
+    built-in loss's values."""
+    case = mlp_case()
+    d = _randn(case, 1, seed=3)[0]
+    loss = _PlainCrossEntropy()
+    assert ief.gamma(case.model, case.inputs, case.targets, d, loss=loss) == pytest.approx(
+        reference("mlp").gamma(d), rel=1e-10)
+    x = case.inputs.clone()
+    x[2, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="^non-finite logits: nan at index"):
+        ief.gamma(case.model, x, case.targets, d, loss=loss)
+    with pytest.raises(FloatingPointError, match="^non-finite logits: nan at index"):
+        ief.FisherOperator(case.model, x, case.targets, loss=loss)
+
+
+def test_a_user_loss_check_finite_receives_the_targets():
+    """A user loss's own ``check_finite(logits, targets)`` is called with the batch's targets (it may use them, e.g.
+    to skip ignored positions)."""
+    case = mlp_case()
+    seen = []
+
+    class Recording(_PlainCrossEntropy):
+        def __getattr__(self, name):
+            if name == "check_finite":
+                return lambda logits, targets: seen.append(targets)
+            return getattr(self._inner, name)
+
+    ief.gamma(case.model, case.inputs, case.targets, _randn(case, 1, seed=3)[0], loss=Recording())
+    assert len(seen) == 1 and seen[0] is case.targets
+
+
+def test_fisher_operator_defaults_messages_and_checks():
+    """``FisherOperator(model, x, y)``: cross-entropy and double backward by default (oracle ``F v``); an unknown
+    method names the accepted ones; NaN logits are refused at the first forward (construction for double backward,
+    the first product for forward mode)."""
+    case = mlp_case()
+    ref = reference("mlp")
+    v = _randn(case, 1, seed=4)[0]
+    op = ief.FisherOperator(case.model, case.inputs, case.targets)
+    assert op.method == "double_backward"
+    assert _rel(op @ v, ref.fisher @ v) < 1e-12
+    with pytest.raises(ValueError, match=r"^unknown method 'nope'; accepted: 'forward', 'double_backward'$"):
+        ief.FisherOperator(case.model, case.inputs, case.targets, method="nope")
+    x = case.inputs.clone()
+    x[1, 1] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN"):
+        ief.FisherOperator(case.model, x, case.targets)
+    op = ief.FisherOperator(case.model, x, case.targets, method="forward")
+    with pytest.raises(FloatingPointError, match="NaN"):
+        op @ v
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fisher_operator_on_parameters_that_do_not_reach_the_logits(method):
+    """``params=`` a layer that does not reach the logits: its Fisher block is zero, so ``F v = 0``."""
+    torch.manual_seed(0)
+    model = _WithUnused().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    params = list(model.unused.parameters())
+    v = torch.randn(6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out = ief.FisherOperator(model, x, y, params, method=method) @ v
+    assert out.shape == (6,) and torch.count_nonzero(out) == 0

@@ -449,3 +449,240 @@ def test_float32_factored_directions_are_accurate_to_float32(damping):
     ):
         assert got.dtype == torch.float32
         assert_rel(got, expected, rtol=1e-6, what=f"float32 factored, lambda={damping}")
+
+
+# ------------------------------------------------------------------- damping, scale and degenerate J, end to end
+@pytest.mark.parametrize("scale", [1e-120, 1e120], ids=["1e-120", "1e120"])
+@pytest.mark.parametrize("damping", [1e-3, 1.0])
+def test_damped_directions_at_extreme_magnitudes(scale, damping, as_j):
+    """Beyond ``1e+-100`` the Gram system is solved for ``J' = J / c`` with the damping rescaled to ``lambda / c^2``.
+    Exactly, ``d(cJ; lambda c^2) = d(J; lambda) / c`` (EF, iEF: ``eqn:EF_lsq``, ``eqn:iEF_lsq``) and
+    ``d_SF(cA, g; lambda c^2) = d_SF(A, g; lambda) / c^2`` (``eqn:SF-smw``); the unscaled right-hand sides are
+    the dense ``P x P`` solves. ``lambda c^2`` (1e-243 .. 1e240) and the results are representable in float64."""
+    j, s = random_jacobian(), random_s()
+    g = torch.randn(j.shape[1], generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    ones = torch.ones_like(s)
+    lam = damping * scale**2
+    assert lam > 0 and math.isfinite(lam)
+    assert_rel(ief.ef_direction(as_j(j * scale), lam) * scale, dense_solve(j, j.T @ ones, damping), what="EF")
+    assert_rel(ief.ief_direction(as_j(j * scale), s, lam) * scale, dense_solve(j, j.T @ s, damping), what="iEF")
+    assert_rel(ief.sf_direction(as_j(j * scale), g, lam) * scale**2, dense_solve(j, g, damping), what="SF")
+
+
+def test_damping_that_swamps_a_tiny_jacobian(as_j):
+    """``|J| ~ 1e-150`` and ``lambda = 10``: ``lambda / max|J|^2`` overflows float64, and ``J J^T / lambda ~ 1e-301``
+    is below float64 resolution of 1, so ``(J^T J + lambda I)^{-1} J^T w = J^T w / lambda`` to float64 precision
+    (EF, iEF); SF is then ``g / lambda``, its ``A^T (...) A g`` term ``~1e-300`` relative."""
+    j, s = random_jacobian() * 1e-150, random_s()
+    g = torch.randn(j.shape[1], generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    ones = torch.ones_like(s)
+    assert_rel(ief.ef_direction(as_j(j), 10.0), j.T @ ones / 10.0, rtol=1e-14, what="EF")
+    assert_rel(ief.ief_direction(as_j(j), s, 10.0), j.T @ s / 10.0, rtol=1e-14, what="iEF")
+    assert_rel(ief.sf_direction(as_j(j), g, 10.0), g / 10.0, rtol=1e-14, what="SF")
+
+
+@pytest.mark.parametrize("gram_scale", [1e-16, 1e-8, 1e8, 1e16], ids=["1e-16", "1e-8", "1e8", "1e16"])
+@pytest.mark.parametrize("name", sorted(SINGULAR))
+def test_singular_gram_lambda0_is_min_norm_at_any_scale(name, gram_scale, as_j):
+    """The ``lambda = 0`` minimum-norm solution with the Gram eigenvalues near ``1e-16`` .. ``1e16`` (inside the range
+    where ``J`` is not rescaled): the cut-off of negligible eigenvalues is relative to the largest one, so genuine
+    small eigenvalues are kept and rounding-level ones dropped at every scale; ``J^T pinv(J J^T) w`` (pinv's cut-off is
+    relative too) is the oracle."""
+    j, s = SINGULAR[name]
+    j = j * gram_scale**0.5
+    ones = torch.ones_like(s)
+    assert_rel(ief.ief_direction(as_j(j), s, 0.0), min_norm(j, s), what=f"{name} iEF")
+    assert_rel(ief.ef_direction(as_j(j), 0.0), min_norm(j, ones), what=f"{name} EF")
+
+
+@pytest.mark.parametrize("damping", [0.0, 1e-7, 1.0])
+def test_all_zero_jacobian_gives_a_zero_vector_of_length_p(damping, as_j):
+    """``J = 0`` ``[3, 7]``: the EF / iEF directions are the zero vector of the parameters' length ``P = 7`` (not
+    ``M = 3``), in J's dtype."""
+    for dtype in (torch.float64, torch.float32):
+        j = torch.zeros(3, 7, dtype=dtype)
+        s = torch.zeros(3, dtype=dtype)
+        for d in (ief.ief_direction(as_j(j), s, damping), ief.ef_direction(as_j(j), damping)):
+            assert d.shape == (7,) and d.dtype == dtype and torch.count_nonzero(d) == 0
+
+
+@pytest.mark.parametrize("damping", [1e-3, 2.0])
+def test_sf_on_an_all_zero_sampled_jacobian_is_the_scaled_gradient(damping, as_j):
+    """``A = 0`` (every sampled label predicted with certainty): ``(A^T A + lambda I)^{-1} g = g / lambda``."""
+    a = torch.zeros(4, 12, dtype=torch.float64)
+    g = torch.randn(12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    assert_rel(ief.sf_direction(as_j(a), g, damping), g / damping, rtol=1e-15, what="SF, A = 0")
+
+
+def test_error_messages_name_the_argument_its_expected_shape_and_what_was_given(as_j):
+    """Bad input: the message names the argument, the accepted shape (and what it indexes) and the given one."""
+    j, s = random_jacobian(), random_s()
+    g = torch.ones(12, dtype=torch.float64)
+    cases = [
+        (lambda: ief.ief_direction(as_j(j), s[:4], 0.0),
+         r"^logit_sqnorm must be a vector of length 5 \(one entry per sample\), got \(4,\)$"),
+        (lambda: ief.ief_direction(as_j(j), [1.0] * 5, 0.0),
+         r"^logit_sqnorm must be a vector of length 5 \(one entry per sample\), got list$"),
+        (lambda: ief.ief_direction(as_j(j), torch.full_like(s, float("nan")), 0.0),
+         r"^logit_sqnorm contains non-finite values$"),
+        (lambda: ief.sf_direction(as_j(j), g[:11], 1.0),
+         r"^grad must be a vector of length 12 \(one entry per parameter\), got \(11,\)$"),
+        (lambda: ief.sf_direction(j[0], g, 1.0), r"^sampled_jacobian must be a \[M, P\] tensor, got \(12,\)$"),
+        (lambda: ief.sf_direction(j.int(), g, 1.0), r"^sampled_jacobian must be floating point, got torch\.int32$"),
+        (lambda: ief.ef_direction(j.tolist(), 0.0), r"^jacobian must be a \[M, P\] tensor, got list$"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_directions_beyond_float32_raise_naming_the_method(as_j):
+    """Never silently wrong: float32 input whose exact direction exceeds float32's range raises
+    ``FloatingPointError`` naming the method and the dtype. ``|J| ~ 1e-40`` (float32 subnormals) at ``lambda = 0``
+    gives EF / iEF directions ``~1e40``; SF with ``lambda = 1e-40`` gives ``~g / lambda = 1e40``."""
+    j = (random_jacobian() * 1e-40).float()
+    s = random_s().float()
+    g = torch.ones(12)
+    assert torch.count_nonzero(j) == j.numel()  # subnormal, not flushed to zero
+    for call, what in ((lambda: ief.ief_direction(as_j(j), s, 0.0), "iEF"),
+                       (lambda: ief.ef_direction(as_j(j), 0.0), "EF"),
+                       (lambda: ief.sf_direction(as_j(j), g, 1e-40), "SF")):
+        with pytest.raises(FloatingPointError, match=rf"^the {what} direction is not representable in torch\.float32 "
+                                                     r"\(its entries exceed the dtype's range\): the per-sample gradients "
+                                                     r"are too close to zero for this damping; use a larger damping$"):
+            call()
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-120], ids=["1", "1e-120"])
+def test_directions_of_a_jacobian_wider_than_one_column_block(scale):
+    """``P = 2 * 65536 + 5``: the Gram matrix, ``J^T c``, ``A g`` and ``max|J|`` are accumulated over column blocks
+    (``ief.model_call.COLUMN_CHUNK``). The first block is all zero (its parameters do not affect the loss), so the
+    magnitude and the Gram matrix come from the later blocks only. Checked by the defining equations, formed
+    directly in float64: ``(J^T J + lambda I) d = J^T w`` (EF, iEF: ``eqn:EF_update``, push-through of
+    ``eqn:iEF_lsq``) and ``(A^T A + lambda I) d = g`` (SF, ``eqn:SF-smw``), with ``lambda`` scaled by ``scale^2``."""
+    from ief.model_call import COLUMN_CHUNK
+
+    p = 2 * COLUMN_CHUNK + 5
+    gen = torch.Generator().manual_seed(9)
+    j = torch.zeros(3, p, dtype=torch.float64)
+    j[:, COLUMN_CHUNK:] = torch.randn(3, p - COLUMN_CHUNK, generator=gen, dtype=torch.float64) * 1e-2
+    j = j * scale
+    s = torch.tensor([0.3, 1.0, 2.0], dtype=torch.float64)
+    g = torch.randn(p, generator=gen, dtype=torch.float64) * 1e-2
+    lam = 1e-3 * scale**2
+
+    def residual(d, rhs):  # ||(J^T J + lambda I) d - rhs|| / ||rhs||, J rescaled to O(1e-2) to stay in range
+        js, ds = j / scale, d * scale
+        return float((js.T @ (js @ ds) + 1e-3 * ds - rhs).norm() / rhs.norm())
+
+    for w in (s, torch.ones(3, dtype=torch.float64)):
+        d = ief.ief_direction(j, w, lam) if w is s else ief.ef_direction(j, lam)
+        assert d.shape == (p,) and torch.count_nonzero(d[:COLUMN_CHUNK]) == 0
+        assert residual(d, (j / scale).T @ w) < 1e-10
+    d = ief.sf_direction(j, g, lam)
+    assert float(((j / scale).T @ ((j / scale) @ (d * scale**2)) + 1e-3 * d * scale**2 - g).norm() / g.norm()) < 1e-10
+
+
+def test_float64_directions_beyond_float64_raise_naming_the_method():
+    """Even in float64: ``|J| ~ 1e-310`` (subnormal) at ``lambda = 0`` makes the exact EF / iEF directions ``~1e310``,
+    past float64's range; SF with ``lambda = 1e-320`` makes ``g / lambda ~ 1e320``. Each raises
+    ``FloatingPointError`` naming the method instead of returning inf. (Dense J: a FactoredJacobian's Gram is NaN at
+    a subnormal scale, ``FactoredJacobian._scaled`` forms ``1 / scale``.)"""
+    as_j = lambda j: j  # noqa: E731
+    j = random_jacobian() * 1e-310
+    s = random_s()
+    g = torch.ones(12, dtype=torch.float64)
+    assert torch.count_nonzero(j) == j.numel()
+    for call, what in ((lambda: ief.ief_direction(as_j(j), s, 0.0), "iEF"),
+                       (lambda: ief.ef_direction(as_j(j), 0.0), "EF"),
+                       (lambda: ief.sf_direction(as_j(j), g, 1e-320), "SF")):
+        with pytest.raises(FloatingPointError, match=rf"^the {what} direction is not representable in torch\.float64 "):
+            call()
+
+
+def test_solve_gram_with_several_right_hand_sides():
+    """``solve_gram(G, rhs [M, K], lambda)``: every column solved, as ``K`` separate solves and the dense solve, on the
+    Cholesky path (``lambda > 0``, well conditioned) and the eigen path (``lambda = 0``, duplicate rows)."""
+    from ief.directions import solve_gram
+
+    j = random_jacobian()
+    rhs = torch.randn(5, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    g = j @ j.T
+    got = solve_gram(g, rhs, 1e-2)
+    assert got.shape == (5, 3)
+    assert_rel(got, torch.linalg.solve(g + 1e-2 * torch.eye(5, dtype=torch.float64), rhs), what="Cholesky path")
+    dup = torch.cat([j, j[:1]])
+    g_dup = dup @ dup.T
+    rhs_dup = torch.cat([rhs, rhs[:1]])  # consistent: the duplicate row has the same right-hand side
+    got = solve_gram(g_dup, rhs_dup, 0.0)
+    assert got.shape == (6, 3)
+    for k in range(3):
+        assert_rel(got[:, k], solve_gram(g_dup, rhs_dup[:, k], 0.0), rtol=1e-12, what=f"column {k}")
+        assert_rel(got[:, k], torch.linalg.pinv(g_dup, hermitian=True, rtol=PINV_RTOL) @ rhs_dup[:, k], what="pinv")
+    one = solve_gram(g, rhs[:, :1], 1e-2)  # K = 1 stays a column
+    assert one.shape == (5, 1)
+    assert_rel(one[:, 0], torch.linalg.solve(g + 1e-2 * torch.eye(5, dtype=torch.float64), rhs[:, 0]), what="K = 1")
+
+
+def test_an_empty_batch(as_j):
+    """``M = 0`` samples: no per-sample gradient, so the EF / iEF directions are the zero vector of length ``P`` and
+    SF is ``g / lambda`` (``A^T A = 0``)."""
+    j = torch.zeros(0, 12, dtype=torch.float64)
+    g = torch.randn(12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    for damping in (0.0, 1e-3):
+        for d in (ief.ef_direction(as_j(j), damping), ief.ief_direction(as_j(j), torch.zeros(0, dtype=torch.float64),
+                                                                         damping)):
+            assert d.shape == (12,) and torch.count_nonzero(d) == 0
+    assert_rel(ief.sf_direction(as_j(j), g, 0.5), g / 0.5, rtol=1e-15, what="SF, M = 0")
+
+
+def test_damped_solve_on_the_eigen_path_with_a_small_genuine_eigenvalue(as_j):
+    """Duplicate rows (an exactly singular ``J J^T``) and ``lambda = 5e-13``, too small for the Cholesky factor to be
+    trusted: the eigen path runs with the damping. A third row nearly in the span of the first two gives ``J J^T``
+    a genuine eigenvalue ``~1e-11``, which dominates the direction, so ``lambda`` must be added to it exactly. With
+    consistent targets (the duplicate's ``s`` equals its original's) the exact damped direction is that of the
+    de-duplicated rows weighted by their multiplicity ``W``: ``J_u^T (W J_u J_u^T + lambda I)^{-1} W s_u`` (a 3 x 3
+    solve, ``cond ~ 1e11``, accurate to ~1e-5)."""
+    gen = torch.Generator().manual_seed(12)
+    r1, r2, noise = (torch.randn(12, generator=gen, dtype=torch.float64) for _ in range(3))
+    r3 = 0.6 * r1 - 0.8 * r2 + 3e-6 * noise
+    j_u = torch.stack([r1, r2, r3])
+    w = torch.diag(torch.tensor([2.0, 1.0, 1.0], dtype=torch.float64))
+    j = torch.cat([j_u, r1[None]])
+    s_u = torch.tensor([0.5, 1.5, 1.0], dtype=torch.float64)
+    s = torch.cat([s_u, s_u[:1]])
+    lam = 5e-13
+    eig = torch.linalg.eigvalsh(j @ j.T)
+    assert float(eig[0]) < 1e-14 and 1e-12 < float(eig[1]) < 1e-10  # the exact zero and the genuine small one
+    expected = j_u.T @ torch.linalg.solve(w @ j_u @ j_u.T + lam * torch.eye(3, dtype=torch.float64), w @ s_u)
+    assert_rel(ief.ief_direction(as_j(j), s, lam), expected, rtol=1e-4, what="iEF")
+    ones_u = torch.ones(3, dtype=torch.float64)
+    expected = j_u.T @ torch.linalg.solve(w @ j_u @ j_u.T + lam * torch.eye(3, dtype=torch.float64), w @ ones_u)
+    assert_rel(ief.ef_direction(as_j(j), lam), expected, rtol=1e-4, what="EF")
+
+
+def test_public_gram_helpers_against_dense_products():
+    """``gram(J) = J J^T``, ``combine_rows(c, J) = J^T c`` (default scale 1), ``max_abs`` the largest magnitude
+    whatever its sign, and ``gram_scale`` 1 inside ``[1e-100, 1e100]``, ``max|J|`` outside."""
+    from ief.directions import combine_rows, gram, gram_scale, max_abs
+
+    j = random_jacobian()
+    c = random_s()
+    assert_rel(gram(j), j @ j.T, rtol=1e-14, what="gram")
+    assert_rel(combine_rows(c, j), j.T @ c, rtol=1e-14, what="combine_rows")
+    negative = -j.abs() - 0.5
+    negative[2, 3] = -7.0
+    assert max_abs(negative) == 7.0 and max_abs(j) == float(j.abs().max())
+    for scale, expected in ((1.0, 1.0), (1e-50, 1.0), (1e80, 1.0), (1e-120, 7e-120), (1e150, 7e150)):
+        assert gram_scale(negative * scale) == pytest.approx(expected, rel=1e-15), scale
+
+
+def test_directions_of_a_non_positive_jacobian(as_j):
+    """Every entry ``<= 0`` (one exactly zero, the largest magnitude negative), also at ``|J| ~ 1e-120``: the
+    magnitude that scales the Gram matrix is ``max|J|``, not ``max J = 0``; EF against the dense solve."""
+    j = -random_jacobian().abs()
+    j[:, 0] = 0.0
+    ones = torch.ones(j.shape[0], dtype=torch.float64)
+    for scale in (1.0, 1e-120):
+        got = ief.ef_direction(as_j(j * scale), 1e-3 * scale**2) * scale
+        assert_rel(got, dense_solve(j, j.T @ ones, 1e-3), what=f"EF, scale {scale}")

@@ -319,3 +319,274 @@ def test_one_pass_for_several_kinds_equals_one_call_per_kind():
         torch.testing.assert_close(together[kind], alone, rtol=1e-12, atol=0)
     with pytest.raises(ValueError, match="unknown kind"):
         kfac_directions(case.model, case.inputs, case.targets, {"kfac": 1e-3, "bogus": 1e-3})
+
+
+# ------------------------------------------------------------------- layers called twice, unused, uncalled
+class SharedTwice(torch.nn.Module):
+    """``shared`` applied twice per forward (weight sharing across depth), then a head. ``discard_first``: the first
+    call's output never reaches the loss (its output gradient is absent). ``spare``: a trainable Linear registered
+    first and never called; ``idle``: one called on every forward whose output is discarded (both: no gradient)."""
+
+    def __init__(self, discard_first=False):
+        super().__init__()
+        self.spare = torch.nn.Linear(3, 2)
+        self.shared = torch.nn.Linear(3, 3)
+        self.idle = torch.nn.Linear(3, 2)
+        self.head = torch.nn.Linear(3, 4)
+        self.discard_first = discard_first
+
+    def forward(self, x):
+        self.idle(x)
+        h1 = self.shared(x)
+        u = torch.tanh(h1) if not self.discard_first else torch.sin(x)
+        h2 = self.shared(u)
+        return self.head(torch.tanh(h2))
+
+    def by_hand(self, x):
+        """The same forward written out: ``(logits, [(call input, call output), ...] of shared, head input)``."""
+        W, b = self.shared.weight, self.shared.bias
+        h1 = x @ W.T + b
+        u = torch.tanh(h1) if not self.discard_first else torch.sin(x)
+        h2 = u @ W.T + b
+        v = torch.tanh(h2)
+        return v @ self.head.weight.T + self.head.bias, [(x, h1), (u, h2)], v
+
+
+def _oracle_shared_twice(model, x, y, damping):
+    """eKFAC factors and direction of :class:`SharedTwice` by an explicit loop over samples: for ``shared``,
+    ``A = (1/M) sum_n sum_calls [a, 1][a, 1]^T`` and ``G = sum_n sum_calls g g^T`` over the calls whose output reaches
+    the loss (``g = dl_n / d(call output)``); for ``head`` the usual single-call factors; ``idle``: ``A`` of its
+    input, ``G = 0``; ``spare`` (no block): zero direction, as ``idle``'s (zero gradient)."""
+    m = x.shape[0]
+    one = torch.ones(1)
+    A_s, G_s, A_h, G_h = torch.zeros(4, 4), torch.zeros(3, 3), torch.zeros(4, 4), torch.zeros(4, 4)
+    A_i = torch.zeros(4, 4)
+    params = [model.shared.weight, model.shared.bias, model.head.weight, model.head.bias]
+    grads = [torch.zeros_like(p) for p in params]
+    for n in range(m):
+        z, calls, v = model.by_hand(x[n : n + 1])
+        l_n = torch.nn.functional.cross_entropy(z, y[n : n + 1], reduction="sum")
+        outs = [o for _, o in calls]
+        *g_calls, g_head = torch.autograd.grad(l_n, [*outs, z], retain_graph=True, allow_unused=True)
+        for k, g in enumerate(torch.autograd.grad(l_n, params)):
+            grads[k] += g
+        for (a, _), g in zip(calls, g_calls):
+            at = torch.cat([a[0].detach(), one])
+            A_s += torch.outer(at, at) / m
+            if g is not None:
+                G_s += torch.outer(g[0], g[0])
+        vt, xt = torch.cat([v[0].detach(), one]), torch.cat([x[n], one])
+        A_h += torch.outer(vt, vt) / m
+        A_i += torch.outer(xt, xt) / m
+        G_h += torch.outer(g_head[0], g_head[0])
+    blocks = [(G_s, A_s, grads[0], grads[1]), (torch.zeros(2, 2), A_i, None, None), (G_h, A_h, grads[2], grads[3])]
+    shared, head = _oracle_direction([blocks[0]], damping), _oracle_direction([blocks[2]], damping)
+    return blocks, torch.cat([torch.zeros(8), shared, torch.zeros(8), head])
+
+
+@pytest.mark.parametrize("discard_first", [False, True], ids=["both-calls-used", "first-call-discarded"])
+@pytest.mark.parametrize("damping", [1e-3, 0.5])
+def test_linear_called_twice_per_forward_against_a_per_sample_loop(discard_first, damping):
+    """A Linear called twice per forward contributes both calls to ``A`` and both calls' output gradients to ``G``
+    (a call whose output is discarded adds to ``A`` only); a trainable Linear that is never called gets a zero
+    direction and the layers after it are unaffected. Factors and direction against :func:`_oracle_shared_twice`."""
+    torch.manual_seed(5)
+    model = SharedTwice(discard_first)
+    x, y = torch.randn(6, 3), torch.randint(0, 4, (6,))
+    blocks_expected, d_expected = _oracle_shared_twice(model, x, y, damping)
+    blocks, _, _ = kronecker_factors(model, x, y, "ekfac")
+    assert [b.name for b in blocks] == ["shared", "idle", "head"]
+    for block, (G, A, _, _) in zip(blocks, blocks_expected):
+        torch.testing.assert_close(block.G, G, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(block.A, A, rtol=1e-12, atol=1e-14)
+    d = ief.kfac_direction(model, x, y, "ekfac", damping)
+    torch.testing.assert_close(d, d_expected, rtol=1e-9, atol=1e-12)
+    assert torch.count_nonzero(d[:8]) == 0 and torch.count_nonzero(d[20:28]) == 0  # spare and idle
+
+
+def test_float64_model_under_a_float32_default_dtype():
+    """The factors and the solve are float64 whatever ``torch.get_default_dtype()`` is: a float64 model (with a
+    layer whose output is discarded, so its ``G`` is made, not accumulated) under a float32 default matches the
+    dense oracle to float64 accuracy."""
+    torch.manual_seed(5)
+    model = SharedTwice(discard_first=True)
+    x, y = torch.randn(6, 3), torch.randint(0, 4, (6,))
+    _, expected = _oracle_shared_twice(model, x, y, 1e-3)
+    torch.set_default_dtype(torch.float32)  # the autouse fixture restores the previous default
+    d = ief.kfac_direction(model, x, y, "ekfac", 1e-3)
+    assert d.dtype == torch.float64
+    torch.testing.assert_close(d, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_linear_called_twice_matches_curvlinops():
+    """The same accumulation over calls is curvlinops' (the conventions the module docstring names)."""
+    torch.manual_seed(5)
+    model = SharedTwice()
+    x, y = torch.randn(6, 3), torch.randint(0, 4, (6,))
+    params = [*model.shared.parameters(), *model.head.parameters()]
+    blocks, _, _ = kronecker_factors(model, x, y, "ekfac", params)
+    ref = _curvlinops_dense(model, params, x, y, "empirical", "expand")
+    torch.testing.assert_close(_dense_ours(blocks, params), ref, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- undamped at extreme scales
+@pytest.mark.parametrize("scale", [1e-16, 1e-8, 1e8, 1e16], ids=["1e-16", "1e-8", "1e8", "1e16"])
+def test_undamped_kronecker_solve_is_the_pseudo_inverse_at_any_scale(scale):
+    """``lambda = 0`` with rank-deficient ``G`` (rank 2 of 4) and ``A`` (rank 3 of 5) whose eigenvalue products lie
+    near ``scale``: the cut-off of negligible products is relative to the largest, so the result is
+    ``pinv(G (x) A) vec(grad)`` at every scale (the oracle: a dense ``20 x 20`` pseudo-inverse, relative cut-off)."""
+    from ief.kfac import _damped_kronecker_solve
+
+    gen = torch.Generator().manual_seed(7)
+    bg = torch.randn(4, 2, generator=gen)
+    ba = torch.randn(5, 3, generator=gen)
+    G, A = bg @ bg.T * scale**0.5, ba @ ba.T * scale**0.5
+    grad = torch.randn(4, 5, generator=gen)
+    got = _damped_kronecker_solve(G, A, grad, 0.0).reshape(-1)
+    expected = torch.linalg.pinv(torch.kron(G, A), hermitian=True, rtol=1e-10) @ grad.reshape(-1)
+    assert float((got - expected).norm() / expected.norm()) < 1e-8
+
+
+@pytest.mark.parametrize("x_scale", [1e-6, 1e6], ids=["1e-6", "1e6"])
+def test_undamped_direction_at_extreme_input_scales(x_scale):
+    """End to end: a bias-free Linear, 3 samples of 5 features (``A`` of rank 3) scaled so ``A``'s eigenvalues sit
+    near ``1e-12`` or ``1e12``; ``lambda = 0`` gives ``pinv(G (x) A) vec(grad)`` from factors written out by hand
+    (``g_n = p_n - e_{y_n}``, ``A = (1/M) sum x x^T``)."""
+    torch.manual_seed(6)
+    model = torch.nn.Linear(5, 4, bias=False)
+    x, y = torch.randn(3, 5) * x_scale, torch.tensor([0, 2, 3])
+    with torch.no_grad():
+        e = torch.softmax(model(x), 1) - torch.nn.functional.one_hot(y, 4).double()
+    G, A, grad = e.T @ e, x.T @ x / 3, e.T @ x
+    expected = torch.linalg.pinv(torch.kron(G, A), hermitian=True, rtol=1e-10) @ grad.reshape(-1)
+    d = ief.kfac_direction(model, x, y, "ekfac", 0.0)
+    assert float((d - expected).norm() / expected.norm()) < 1e-8
+
+
+# ----------------------------------------------------------------------------- loss, dtype, labels, overflow
+def test_mse_loss_reaches_the_factors():
+    """``loss="mse"`` on a single Linear: ``g_n = z_n - y_n``, so ``G = sum_n e_n e_n^T``; direction against the dense
+    damped solve of those hand-written factors."""
+    torch.manual_seed(8)
+    model = torch.nn.Linear(3, 2)
+    x, y = torch.randn(7, 3), torch.randn(7, 2)
+    with torch.no_grad():
+        e = model(x) - y
+    xt = torch.cat([x, torch.ones(7, 1)], 1)
+    G, A, grad = e.T @ e, xt.T @ xt / 7, e.T @ xt
+    expected = torch.linalg.solve(torch.kron(G, A) + 0.1 * torch.eye(8), grad.reshape(-1)).reshape(2, 4)
+    d = ief.kfac_direction(model, x, y, "ekfac", 0.1, loss="mse")
+    torch.testing.assert_close(d, torch.cat([expected[:, :3].reshape(-1), expected[:, 3]]), rtol=1e-10, atol=1e-12)
+
+
+def test_kfac_labels_come_from_the_generator():
+    """``kind="kfac"``: ``G`` is built from labels drawn with ``generator``; the same seed gives the factors of those
+    labels (passed explicitly), another seed other labels."""
+    case = mlp_case(m=9)
+    with torch.no_grad():
+        logits = case.model(case.inputs)
+    loss = ief.losses.get_loss("cross_entropy")
+    drawn = loss.sample_targets(logits, case.targets, torch.Generator().manual_seed(11))
+    blocks, _, _ = kronecker_factors(case.model, case.inputs, case.targets, "kfac",
+                                     generator=torch.Generator().manual_seed(11))
+    expected, _, _ = kronecker_factors(case.model, case.inputs, case.targets, "kfac", sampled_targets=drawn)
+    for b, e in zip(blocks, expected):
+        torch.testing.assert_close(b.G, e.G, rtol=1e-13, atol=0)
+    oracle = _oracle_mlp_factors(case.model, case.inputs, case.targets, "kfac", drawn)
+    for b, (G, A, _, _) in zip(blocks, oracle):
+        torch.testing.assert_close(b.G, G, rtol=1e-10, atol=1e-13)
+
+
+def test_direction_beyond_float32_raises_naming_the_kind():
+    """Never silently wrong: a float32 model whose exact direction (``~1e39``) exceeds float32's range raises
+    ``FloatingPointError`` naming the kind and the dtype. One sample, ``Linear(1, 1)`` without bias, MSE:
+    ``x = 1e-33``, residual ``e = 1e-6``: ``G = e^2``, ``A = x^2``, ``grad = e x``, so ``d = 1 / (e x) = 1e39``."""
+    model = torch.nn.Linear(1, 1, bias=False).float()
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    x = torch.tensor([[1e-33]], dtype=torch.float32)
+    y = model(x).detach() - 1e-6
+    d64 = ief.kfac_direction(model.double(), x.double(), y.double(), "ekfac", 0.0, loss="mse")
+    assert 1e38 < float(d64) < 1e40  # the exact direction, representable in float64 only
+    with pytest.raises(FloatingPointError, match=r"the ekfac direction is not representable in torch\.float32"):
+        ief.kfac_direction(model.float(), x, y, "ekfac", 0.0, loss="mse")
+
+
+# ------------------------------------------------------------------------------------------ error messages
+def test_unknown_kind_and_approx_list_the_accepted_ones():
+    case = mlp_case()
+    with pytest.raises(ValueError, match=r"unknown kind 'KFAC'; accepted: 'kfac', 'ekfac', 'iekfac'$"):
+        ief.kfac_direction(case.model, case.inputs, case.targets, "KFAC", 1e-3)
+    with pytest.raises(ValueError, match=r"unknown approx 'sum'; accepted: 'expand', 'reduce'$"):
+        ief.kfac_direction(case.model, case.inputs, case.targets, "ekfac", 1e-3, approx="sum")
+
+
+def _norms_then_linear(norms: int) -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.LayerNorm(3) for _ in range(norms)], torch.nn.Linear(3, 2))
+
+
+@pytest.mark.parametrize("norms, listed", [
+    (1, "['0.weight', '0.bias']"),
+    (3, "['0.weight', '0.bias', '1.weight', '1.bias', '2.weight'] ..."),
+])
+def test_check_linear_only_names_the_other_parameters(norms, listed):
+    """:func:`ief.kfac.check_linear_only` raises up front what :func:`kfac_direction` would, naming at most five
+    parameters (then `` ...``) and the kind(s); it passes for linear-only parameters."""
+    from ief.kfac import check_linear_only, kfac_directions
+
+    model = _norms_then_linear(norms)
+    message = (f"K-FAC (kfac) is defined for nn.Linear weights and biases only; trainable parameters outside any "
+               f"nn.Linear: {listed}. Pass params= with the linear layers' parameters only (and the same params= to "
+               "ief.gamma)")
+    with pytest.raises(ValueError) as info:
+        check_linear_only(model)
+    assert str(info.value) == message
+    with pytest.raises(ValueError) as info:
+        check_linear_only(model, kind="iekfac")
+    assert str(info.value) == message.replace("(kfac)", "(iekfac)")
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(ValueError) as info:
+        kfac_directions(model, x, y, {"ekfac": 1e-3, "iekfac": 1e-3})
+    assert str(info.value) == message.replace("(kfac)", "(ekfac/iekfac)")
+    assert check_linear_only(model, params=list(model[-1].parameters())) is None
+    assert check_linear_only(_norms_then_linear(0)) is None
+    # five parameters exactly: all listed, no ellipsis
+    five = torch.nn.Sequential(torch.nn.LayerNorm(3), torch.nn.LayerNorm(3), torch.nn.LayerNorm(3, bias=False),
+                               torch.nn.Linear(3, 2))
+    with pytest.raises(ValueError, match=r"'2\.weight'\]\. Pass"):
+        check_linear_only(five)
+
+
+class FlattenedPositions(torch.nn.Module):
+    """A Linear fed ``[M * T, d]`` (positions folded into the batch): its rows are not per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        m, t, d = x.shape
+        return self.proj(x.reshape(m * t, d)).reshape(m, t, 2).mean(1)
+
+
+def test_linear_whose_rows_are_not_samples_raises():
+    model = FlattenedPositions()
+    x, y = torch.randn(4, 5, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(ValueError, match=r"^linear layer 'proj' was called with input shapes \[\(20, 3\)\], whose first "
+                                         r"dimension is not the 4 samples: its K-FAC factors cannot be formed per "
+                                         r"sample$"):
+        ief.kfac_direction(model, x, y, "ekfac", 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none")
+def test_cuda_direction_equals_the_cpu_one():
+    """On CUDA every buffer (the bias column of ``A``, a zero ``G``, the direction) is made on the layer's device: a
+    float64 CUDA model (shared, idle and spare layers) gives the CPU direction to float64 rounding."""
+    torch.manual_seed(5)
+    model = SharedTwice(discard_first=True)
+    x, y = torch.randn(6, 3), torch.randint(0, 4, (6,))
+    expected = ief.kfac_direction(model, x, y, "ekfac", 1e-3)
+    d = ief.kfac_direction(model.cuda(), x.cuda(), y.cuda(), "ekfac", 1e-3)
+    assert d.device.type == "cuda"
+    torch.testing.assert_close(d.cpu(), expected, rtol=1e-9, atol=1e-12)

@@ -136,10 +136,42 @@ def _as_dtype(direction: torch.Tensor, dtype: torch.dtype, what: str) -> torch.T
     return out
 
 
-def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float) -> torch.Tensor:
+def rounding_floor(dtype: torch.dtype, gram_matrix: torch.Tensor) -> float:
+    """The eigenvalue of ``G = J J^T`` below which ``J``'s own rounding in ``dtype`` decides it: ``(10 eps)^2 tr G``.
+
+    A per-sample gradient computed in float32 carries a relative error of a few ``eps`` per entry, i.e.
+    ``||dJ||_2 <= ||dJ||_F ~ 10 eps ||J||_F``, so a singular value of ``J`` below that (an eigenvalue of ``G`` below
+    ``(10 eps)^2 ||J||_F^2 = (10 eps)^2 tr G``) is rounding, not gradient: e.g. ``Linear(4, 3)`` with 32 samples has
+    rank 10 in exact arithmetic (the softmax residuals sum to zero over classes) and 15 in float32, with 5 singular
+    values ~``eps ||J||``. A damped solve weights them by ``1 / lambda``: at ``lambda = 1e-8`` the float32 iEF direction
+    came out 10x too long, at ``1e-6`` 10 % off (against the same model in float64). :func:`solve_gram` drops them, as
+    ``torch.linalg.pinv`` drops singular values below its tolerance. 0 for float64: ``J``'s rounding is then far below
+    the float64 Gram's own, which :func:`solve_gram` already handles.
+
+    Args:
+        dtype: the dtype ``J`` was computed in.
+        gram_matrix: ``[M, M]`` ``J J^T`` (any common scaling of ``J``).
+
+    Returns:
+        The floor, in the Gram matrix's units.
+    """
+    if dtype == torch.float64 or not gram_matrix.numel():
+        return 0.0
+    return (10 * torch.finfo(dtype).eps) ** 2 * float(gram_matrix.diagonal().sum())
+
+
+def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float, noise_floor: float = 0.0) -> torch.Tensor:
     """``(G + lambda I)^{-1} rhs`` (minimum-norm least-squares solution where singular), float64.
 
-    ``gram_matrix`` is symmetric positive semi-definite ``[M, M]``; ``rhs`` is ``[M]`` or ``[M, K]``.
+    Args:
+        gram_matrix: symmetric positive semi-definite ``[M, M]``.
+        rhs: ``[M]`` or ``[M, K]``.
+        damping: ``lambda >= 0``.
+        noise_floor: eigen-directions of ``G`` with eigenvalue ``<= noise_floor`` are dropped (treated as ``G``'s null
+            space), see :func:`rounding_floor`; with a positive floor the solve always goes through ``eigh``.
+
+    Returns:
+        ``[M]`` or ``[M, K]`` float64.
     """
     damping = check_damping(damping)
     g = gram_matrix.to(torch.float64)
@@ -150,13 +182,13 @@ def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float) -> 
     # Cholesky is trusted only when the smallest pivot is well above rounding error of the largest entry.
     tiny = m * torch.finfo(torch.float64).eps * max(scale, 1e-300)
     chol, info = torch.linalg.cholesky_ex(g + damping * eye)
-    if int(info) == 0 and float(chol.diagonal().min()) ** 2 > 1e3 * tiny:
+    if noise_floor <= 0.0 and int(info) == 0 and float(chol.diagonal().min()) ** 2 > 1e3 * tiny:
         column = b.unsqueeze(-1) if b.dim() == 1 else b
         x = torch.cholesky_solve(column, chol)
         return x.squeeze(-1) if b.dim() == 1 else x
     evals, evecs = torch.linalg.eigh(g)
     shifted = evals.clamp_min(0) + damping
-    keep = shifted > max(tiny, 0.0) * 1e3
+    keep = (shifted > max(tiny, 0.0) * 1e3) & (evals > noise_floor)
     inv = torch.where(keep, 1.0 / torch.where(keep, shifted, torch.ones_like(shifted)), torch.zeros_like(shifted))
     coeff = evecs.T @ b
     coeff = coeff * (inv if b.dim() == 1 else inv.unsqueeze(-1))
@@ -176,7 +208,8 @@ def _woodbury(jacobian: torch.Tensor | FactoredRows, weights: torch.Tensor, damp
     scaled_damping = damping / c / c
     if math.isinf(scaled_damping):  # lambda swamps J J^T: (J J^T + lambda I)^{-1} = I / lambda to float64 precision
         return _as_dtype(combine_rows(weights, jacobian, final=True).div_(damping), jacobian.dtype, what)
-    coeff = solve_gram(gram(jacobian, c), weights, scaled_damping)
+    g = gram(jacobian, c)
+    coeff = solve_gram(g, weights, scaled_damping, rounding_floor(jacobian.dtype, g))
     direction = combine_rows(coeff, jacobian, c, final=True)
     return _as_dtype(direction if c == 1.0 else direction.div_(c), jacobian.dtype, what)
 
@@ -206,23 +239,58 @@ def ef_direction(jacobian: torch.Tensor | FactoredRows, damping: float) -> torch
 def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tensor, damping: float) -> torch.Tensor:
     """SF direction ``(A^T A + lambda I)^{-1} g = (1/lambda) [g - A^T (A A^T + lambda I)^{-1} A g]``, ``[P]``.
 
-    ``eqn:SF-smw``; ``damping`` must be > 0 (the formula divides by it). The bracket is formed in float64.
+    ``eqn:SF-smw``; ``damping`` must be > 0. Formed in float64 from the eigen-decomposition ``A A^T = Q diag(e) Q^T``
+    without the bracket's cancellation: with ``g_perp = g - A^T Q diag(1/e) Q^T A g`` (``g`` less its part in ``A``'s
+    row space),
+
+        ``(A^T A + lambda I)^{-1} g = g_perp / lambda + A^T Q diag(1 / (e (e + lambda))) Q^T A g``,
+
+    which is the bracket divided by ``lambda`` term by term (``1/e - 1/(e + lambda) = lambda / (e (e + lambda))``), so
+    nothing of size ``|g|`` is subtracted and then divided by a small ``lambda`` (that lost ``eps / lambda``: 5e-6 at
+    ``lambda = 1e-10`` in float64). Eigenvalues at or below the Gram's rounding (:func:`rounding_floor` for a float32
+    ``A``) count as ``A``'s null space, and a ``g_perp`` no larger than ``10 eps |g|`` (``eps`` of ``A``'s and ``g``'s
+    dtypes) is rounding of ``g`` and taken as 0: divided by ``lambda = 1e-8`` it made float32 SF directions 40x too
+    long on a rank-deficient ``A`` (a linear classifier with more samples than parameters).
+
+    Args:
+        sampled_jacobian: ``[M, P]`` per-sample gradients at labels sampled from the model (a tensor or a
+            :class:`FactoredRows`).
+        grad: ``[P]`` the batch gradient ``g``.
+        damping: ``lambda > 0``.
+
+    Returns:
+        ``[P]`` in ``sampled_jacobian``'s dtype.
+
+    Raises:
+        ValueError: bad shapes, non-finite input or a damping that is not > 0.
+        FloatingPointError: the direction is not representable in the Jacobian's dtype.
     """
     _check_jacobian(sampled_jacobian, "sampled_jacobian")
     _check_vector(grad, sampled_jacobian.shape[1], "grad", "one entry per parameter")
     damping = check_damping(damping, allow_zero=False)
-    # With A' = A / c: (A^T A + lambda I)^{-1} g = (1/lambda) [g - A'^T (A' A'^T + lambda/c^2 I)^{-1} A' g].
+    # With A' = A / c and lambda' = lambda / c^2: (A^T A + lambda I)^{-1} g = (A'^T A' + lambda' I)^{-1} g / c^2.
     a, g = sampled_jacobian, grad.to(torch.float64)
     c = gram_scale(a)
     scaled_damping = damping / c / c if c > 0 else math.inf
-    direction = g.clone()
-    if not math.isinf(scaled_damping):
-        if isinstance(a, FactoredRows):
-            ag = a.times(g, c)
-        else:
-            ag = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
-            for lo, block in _column_chunks(a, c):
-                ag += block @ g[lo : lo + block.shape[1]]
-        direction -= combine_rows(solve_gram(gram(a, c), ag, scaled_damping), a, c)
-    direction /= damping
+    if math.isinf(scaled_damping):  # lambda swamps A^T A (or A = 0): the direction is g / lambda
+        return _as_dtype(g / damping, sampled_jacobian.dtype, "SF")
+    if isinstance(a, FactoredRows):
+        ag = a.times(g, c)
+    else:
+        ag = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
+        for lo, block in _column_chunks(a, c):
+            ag += block @ g[lo : lo + block.shape[1]]
+    g_a = gram(a, c)
+    evals, evecs = torch.linalg.eigh(g_a)
+    m = evals.shape[0]
+    tiny = m * torch.finfo(torch.float64).eps * max(float(g_a.diagonal().max()), 1e-300)
+    keep = evals > max(1e3 * tiny, rounding_floor(a.dtype, g_a))
+    e = torch.where(keep, evals, torch.ones_like(evals))
+    qag = torch.where(keep, evecs.T @ ag, torch.zeros_like(evals))
+    in_range = combine_rows(evecs @ (qag / (e * (e + scaled_damping))), a, c)  # A'^T Q diag(1/(e(e+l'))) Q^T A' g
+    g_perp = g - combine_rows(evecs @ (qag / e), a, c)
+    eps = max(torch.finfo(a.dtype).eps, torch.finfo(grad.dtype).eps if grad.dtype.is_floating_point else 0.0)
+    if float(g_perp.norm()) <= 10 * eps * float(g.norm()):
+        g_perp.zero_()
+    direction = g_perp.div_(damping).add_(in_range.div_(c * c))
     return _as_dtype(direction, sampled_jacobian.dtype, "SF")

@@ -15,6 +15,7 @@ catching any wrong formula (which errs at O(1)). Where the dense ``P x P`` syste
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -427,12 +428,15 @@ def test_directions_from_a_factored_per_sample_equal_the_dense_ones(any_case, fo
 @pytest.mark.parametrize("damping", [1e-7, 1e-3])
 def test_float32_factored_directions_are_accurate_to_float32(damping):
     """A float32 model, factored J: each Linear weight's ``J^T c`` is formed in float32 through an orthonormal basis
-    of its inputs (float64 QR), so solve coefficients that cancel (``lambda = 1e-7``) cost no accuracy: the EF / iEF /
-    SF directions agree with the float64 computation on the same J to a few float32 ulps (``1e-6`` relative; SF's
-    ``A^T (...) A g`` stays float64-exact: it is subtracted from ``g``)."""
+    of its inputs (float64 QR), so solve coefficients that cancel (``lambda = 1e-7``) cost no accuracy: the EF / iEF
+    directions agree with the float64 computation on the same J to a few float32 ulps (``1e-6`` relative). SF (with
+    ``A = J``, so ``g = J^T 1`` lies in ``A``'s row space) is held to the float64 *model*'s direction: the float32
+    ``g``'s rounding outside that row space is dropped, not divided by ``lambda`` (which made it 5e-4 off at
+    ``lambda = 1e-3``), so the same J in float64, whose ``g`` carries that rounding, is not the reference."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
     x, y = torch.randn(16, 40), torch.randint(0, 5, (16,))
+    r64 = ief.per_sample(copy.deepcopy(model).double(), x.double(), y)
     r = ief.per_sample(model, x, y, form="auto")
     fac = r.jacobian
     assert len(fac.ghosts) == 2  # both weights factored: the float32 (QR) path is the one under test
@@ -445,7 +449,7 @@ def test_float32_factored_directions_are_accurate_to_float32(damping):
         (ief.ief_direction(r.jacobian, r.logit_sqnorm, damping), ief.ief_direction(j, s, damping)),
         (ief.ef_direction(r.jacobian, damping), ief.ef_direction(j, damping)),
         (ief.sf_direction(r.jacobian, r.gradient, max(damping, 1e-3)),
-         ief.sf_direction(j, r.gradient.double(), max(damping, 1e-3))),
+         ief.sf_direction(r64.jacobian, r64.gradient, max(damping, 1e-3))),
     ):
         assert got.dtype == torch.float32
         assert_rel(got, expected, rtol=1e-6, what=f"float32 factored, lambda={damping}")
@@ -686,3 +690,60 @@ def test_directions_of_a_non_positive_jacobian(as_j):
     for scale in (1.0, 1e-120):
         got = ief.ef_direction(as_j(j * scale), 1e-3 * scale**2) * scale
         assert_rel(got, dense_solve(j, j.T @ ones, 1e-3), what=f"EF, scale {scale}")
+
+
+# --------------------------------------------------------------------- float32 Jacobians: J's own rounding floor
+def _linear_p_below_m():
+    """``Linear(4, 3)`` on 32 samples in float64 and the same weights in float32: ``J`` has rank 10 in exact
+    arithmetic (softmax residuals sum to zero over the 3 classes, 15 parameters), 15 in float32 (5 singular values at
+    ``~eps ||J||``)."""
+    torch.manual_seed(0)
+    m64 = torch.nn.Linear(4, 3).double()
+    m32 = torch.nn.Linear(4, 3)
+    m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
+    x = torch.randn(32, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (32,))
+    return ief.per_sample(m64, x, y), ief.per_sample(m32, x.float(), y)
+
+
+@pytest.mark.parametrize("damping", [0.0, 1e-10, 1e-8, 1e-6, 1e-4, 1.0])
+def test_float32_jacobian_gives_the_float64_direction_at_every_damping(damping, as_j):
+    """The float32 per-sample gradients' rounding directions are dropped (``rounding_floor``), not weighted by
+    ``1/lambda``: before, the float32 iEF direction was 10x too long at ``lambda = 1e-8`` and 10 % off at ``1e-6``."""
+    ps64, ps32 = _linear_p_below_m()
+    for what, d32, d64 in [
+        ("iEF", ief.ief_direction(as_j(ps32.jacobian), ps32.logit_sqnorm, damping),
+         ief.ief_direction(ps64.jacobian, ps64.logit_sqnorm, damping)),
+        ("EF", ief.ef_direction(as_j(ps32.jacobian), damping), ief.ef_direction(ps64.jacobian, damping)),
+    ] + ([] if damping == 0 else [  # SF with A = J: the float32 g's rounding outside J's row space is not / lambda
+        ("SF", ief.sf_direction(as_j(ps32.jacobian), ps32.gradient, damping),
+         ief.sf_direction(ps64.jacobian, ps64.gradient, damping)),
+    ]):
+        assert d32.dtype == torch.float32
+        assert rel_err(d32, d64) < 1e-5, f"{what} at lambda={damping}: float32 vs float64 {rel_err(d32, d64):.2e}"
+
+
+def test_rounding_floor_is_zero_for_float64_and_scales_with_the_trace():
+    from ief.directions import rounding_floor
+
+    g = torch.diag(torch.tensor([4.0, 1.0], dtype=torch.float64))
+    assert rounding_floor(torch.float64, g) == 0.0
+    eps = torch.finfo(torch.float32).eps
+    assert rounding_floor(torch.float32, g) == pytest.approx((10 * eps) ** 2 * 5.0, rel=1e-12)
+    assert rounding_floor(torch.bfloat16, g) > rounding_floor(torch.float32, g)
+    assert rounding_floor(torch.float32, torch.zeros(0, 0, dtype=torch.float64)) == 0.0
+
+
+def test_solve_gram_drops_eigendirections_below_the_noise_floor():
+    """A floor between two eigenvalues: the small one's direction gets coefficient 0 (not ``1/(e + lambda)``)."""
+    from ief.directions import solve_gram
+
+    q, _ = torch.linalg.qr(torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    e = torch.tensor([1e-9, 0.5, 2.0], dtype=torch.float64)
+    g = q @ torch.diag(e) @ q.T
+    rhs = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    lam = 1e-6
+    full = q @ ((q.T @ rhs) / (e + lam))
+    kept = q[:, 1:] @ ((q[:, 1:].T @ rhs) / (e[1:] + lam))
+    assert_rel(solve_gram(g, rhs, lam), full, rtol=1e-8, what="no floor")
+    assert_rel(solve_gram(g, rhs, lam, noise_floor=1e-6), kept, rtol=1e-10, what="floor 1e-6")

@@ -29,8 +29,9 @@ def test_identical_runs_agree():
     ("e1", 1e-7, 0.3 * (1 + 4e-3), 0.3 * (1 + 6e-3)),           # E1: 5e-3 relative
     ("sweep", 1e-2, 0.3 * (1 + 9e-5), 0.3 * (1 + 2e-4)),         # well damped: 1e-4
     ("sweep", None, 0.3 * (1 + 9e-5), 0.3 * (1 + 2e-4)),         # SGD's sweep records (no damping): 1e-4
-    ("sweep", 1e-6, 0.3 * 1.2, 0.3 * 1.4),                      # 1e-7 <= damping < 1e-4: 0.25
-    ("sweep", 1e-8, 0.3 * 3, 0.0),                              # rounding decides: zero in both or in neither
+    ("sweep", 1e-6, 0.3 * (1 + 9e-4), 0.3 * (1 + 2e-3)),         # 1e-7 <= damping < 1e-4: 1e-3
+    ("sweep", 1e-8, 0.3 * (1 + 4e-3), 0.3 * (1 + 6e-3)),         # below 1e-7: 5e-3
+    ("sweep", 1e-10, 0.3 * (1 + 4e-3), 0.0),                     # a gamma of 0 in one run only is a difference
 ])
 def test_tolerance_bands(kind, damping, agree, differ):
     first = [_record(kind, "ief", damping, gamma=0.3)]

@@ -125,7 +125,7 @@ def test_every_number_the_chapter_glues_is_computed():
 
     recs, found = _records()
     keys = set(chapter_glue(recs, found, "cpu", cite)) | {"n_batches", "batch_sizes", "stages", "damping_e1",
-                                                          "cg_iterations", "eval_seconds"}
+                                                          "cg_iterations", "eval_seconds", "scale_caveat"}
     assert _notebook_glue_keys() <= keys, _notebook_glue_keys() - keys
 
 

@@ -262,11 +262,13 @@ def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tens
         ``[P]`` in ``sampled_jacobian``'s dtype.
 
     Raises:
-        ValueError: bad shapes, non-finite input or a damping that is not > 0.
+        ValueError: bad shapes, non-finite or integer input, or a damping that is not > 0.
         FloatingPointError: the direction is not representable in the Jacobian's dtype.
     """
     _check_jacobian(sampled_jacobian, "sampled_jacobian")
     _check_vector(grad, sampled_jacobian.shape[1], "grad", "one entry per parameter")
+    if not grad.dtype.is_floating_point:
+        raise ValueError(f"grad must be floating point, got {grad.dtype}")
     damping = check_damping(damping, allow_zero=False)
     # With A' = A / c and lambda' = lambda / c^2: (A^T A + lambda I)^{-1} g = (A'^T A' + lambda' I)^{-1} g / c^2.
     a, g = sampled_jacobian, grad.to(torch.float64)
@@ -289,7 +291,7 @@ def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tens
     qag = torch.where(keep, evecs.T @ ag, torch.zeros_like(evals))
     in_range = combine_rows(evecs @ (qag / (e * (e + scaled_damping))), a, c)  # A'^T Q diag(1/(e(e+l'))) Q^T A' g
     g_perp = g - combine_rows(evecs @ (qag / e), a, c)
-    eps = max(torch.finfo(a.dtype).eps, torch.finfo(grad.dtype).eps if grad.dtype.is_floating_point else 0.0)
+    eps = max(torch.finfo(a.dtype).eps, torch.finfo(grad.dtype).eps)
     if float(g_perp.norm()) <= 10 * eps * float(g.norm()):
         g_perp.zero_()
     direction = g_perp.div_(damping).add_(in_range.div_(c * c))

@@ -747,3 +747,36 @@ def test_solve_gram_drops_eigendirections_below_the_noise_floor():
     kept = q[:, 1:] @ ((q[:, 1:].T @ rhs) / (e[1:] + lam))
     assert_rel(solve_gram(g, rhs, lam), full, rtol=1e-8, what="no floor")
     assert_rel(solve_gram(g, rhs, lam, noise_floor=1e-6), kept, rtol=1e-10, what="floor 1e-6")
+
+
+def test_sf_with_a_zero_sampled_jacobian_keeps_its_dtype_and_names_an_overflow():
+    """``A = 0``: the direction is ``g / lambda`` in ``A``'s dtype; beyond float32's range the error names SF."""
+    a = torch.zeros(3, 4)
+    g = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    d = ief.sf_direction(a, g, 0.5)
+    assert d.dtype == torch.float32 and torch.equal(d, g / 0.5)
+    with pytest.raises(FloatingPointError, match=r"^the SF direction is not representable in torch\.float32"):
+        ief.sf_direction(a, torch.full((4,), 1e30), 1e-10)
+    with pytest.raises(ValueError, match=r"^grad must be floating point, got torch\.int64$"):
+        ief.sf_direction(a, torch.ones(4, dtype=torch.int64), 1.0)
+
+
+def test_sf_at_a_small_gram_scale_equals_the_dense_solve():
+    """Entries ~1e-7 (Gram ~1e-14, inside the range where no rescaling happens): the eigenvalue cut-off is relative
+    to the Gram's scale, so nothing of ``A``'s row space is dropped and ``(A^T A + lambda I)^{-1} g`` is exact."""
+    gen = torch.Generator().manual_seed(5)
+    a = 1e-7 * torch.randn(4, 9, dtype=torch.float64, generator=gen)
+    g = torch.randn(9, dtype=torch.float64, generator=gen)
+    lam = 1e-15
+    dense = torch.linalg.solve(a.T @ a + lam * torch.eye(9, dtype=torch.float64), g)
+    assert_rel(ief.sf_direction(a, g, lam), dense, rtol=1e-6, what="SF at Gram scale 1e-14")
+
+
+def test_sf_drops_the_float32_gradients_rounding_outside_a_float64_row_space():
+    """A float64 ``A = J`` (rank 10 of 15: the softmax residuals sum to zero) and the batch gradient rounded to
+    float32: its rounding outside ``J``'s row space (``~eps_32 |g|``) is not divided by ``lambda``; the threshold takes
+    the coarser of the two dtypes' eps."""
+    ps64, _ = _linear_p_below_m()
+    g64 = ps64.jacobian.sum(0)
+    got = ief.sf_direction(ps64.jacobian, g64.float(), 1e-8)
+    assert rel_err(got, ief.sf_direction(ps64.jacobian, g64, 1e-8)) < 1e-5

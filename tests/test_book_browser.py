@@ -278,3 +278,55 @@ def test_no_table_is_cut(book, server, browser):
     page.close()
     assert seen, "no table found on any page"
     assert not problems, "\n".join(problems)
+
+
+LAYOUT_JS = r"""() => {
+  const main = document.querySelector('main').getBoundingClientRect();
+  const out = {parameters: [], math: [], broken: []};
+  document.querySelectorAll('.tag_parameters .cell_input').forEach(c => {
+    const pre = c.querySelector('pre');
+    const ws = pre ? window.getComputedStyle(pre).whiteSpace : 'none';
+    if (c.checkVisibility() && !ws.startsWith('pre-wrap')) out.parameters.push(ws);
+  });
+  document.querySelectorAll('mjx-container[display="true"]').forEach(m => {
+    const r = m.getBoundingClientRect(), ox = window.getComputedStyle(m).overflowX;
+    if (r.right > main.right + 2 && ox !== 'auto' && ox !== 'scroll') out.math.push(m.textContent.slice(0, 40));
+    if (m.scrollWidth > m.clientWidth + 2 && ox !== 'auto' && ox !== 'scroll') out.math.push(m.textContent.slice(0, 40));
+  });
+  const token = /[-+]?\d[\d.,]*(?:e[-+]?\d+)?%?|[A-Za-z]{2,}/gi;
+  document.querySelectorAll('main table td, main table th').forEach(cell => {
+    if (!cell.checkVisibility()) return;
+    const walk = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+    for (let node = walk.nextNode(); node; node = walk.nextNode()) {
+      for (const m of node.textContent.matchAll(token)) {
+        const range = document.createRange();
+        range.setStart(node, m.index);
+        range.setEnd(node, m.index + m[0].length);
+        const tops = new Set(Array.from(range.getClientRects()).filter(r => r.width > 0).map(r => Math.round(r.top)));
+        if (tops.size > 1) out.broken.push(m[0]);
+      }
+    }
+  });
+  return out;
+}"""
+
+
+def test_parameters_fold_math_fits_or_scrolls_and_no_word_breaks_in_a_table(book, server, browser):
+    """Issue 19's small layout defects, at a reader's 1400 px: the parameters cell is folded (or wraps when shown),
+    a wide display equation scrolls in its own line instead of being cut at the page's edge, and no number or word
+    in a table cell is split across lines (a column sized by its longest word, never letter by letter)."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    problems = []
+    for rel in _chapter_pages():
+        page.goto(urljoin(server, rel), wait_until="networkidle")
+        if page.evaluate("document.querySelectorAll('.math').length") > 0:
+            page.wait_for_selector("mjx-container", state="attached", timeout=15000)
+        found = page.evaluate(LAYOUT_JS)
+        if found["parameters"]:
+            problems.append(f"{rel}: the parameters cell is shown unfolded without wrapping ({found['parameters']})")
+        if found["math"]:
+            problems.append(f"{rel}: display math cut at the page's edge: {found['math'][:3]}")
+        if found["broken"]:
+            problems.append(f"{rel}: words or numbers split inside a table cell: {found['broken'][:5]}")
+    page.close()
+    assert not problems, "\n".join(problems)

@@ -290,8 +290,8 @@ LAYOUT_JS = r"""() => {
   });
   document.querySelectorAll('mjx-container[display="true"]').forEach(m => {
     const r = m.getBoundingClientRect(), ox = window.getComputedStyle(m).overflowX;
-    if (r.right > main.right + 2 && ox !== 'auto' && ox !== 'scroll') out.math.push(m.textContent.slice(0, 40));
-    if (m.scrollWidth > m.clientWidth + 2 && ox !== 'auto' && ox !== 'scroll') out.math.push(m.textContent.slice(0, 40));
+    const cut = r.right > main.right + 2 || m.scrollWidth > m.clientWidth + 2;
+    if (cut && ox !== 'auto' && ox !== 'scroll') out.math.push(m.textContent.slice(0, 40));
   });
   const token = /[-+]?\d[\d.,]*(?:e[-+]?\d+)?%?|[A-Za-z]{2,}/gi;
   document.querySelectorAll('main table td, main table th').forEach(cell => {
@@ -302,7 +302,8 @@ LAYOUT_JS = r"""() => {
         const range = document.createRange();
         range.setStart(node, m.index);
         range.setEnd(node, m.index + m[0].length);
-        const tops = new Set(Array.from(range.getClientRects()).filter(r => r.width > 0).map(r => Math.round(r.top)));
+        const rects = Array.from(range.getClientRects()).filter(r => r.width > 0);
+        const tops = new Set(rects.map(r => Math.round(r.top)));
         if (tops.size > 1) out.broken.push(m[0]);
       }
     }

@@ -14,8 +14,7 @@
   the values this build used are in the chapter's provenance section).
 - Every figure can be enlarged with a click, offline (``book/_static/enlarge.js``, no CDN); tables show every row,
   wrap text, and a table or display equation wider than the page is set in a smaller font until it fits
-  (``book/_static/book.css``,
-  ``book/_static/fit-tables.js``).
+  (``book/_static/book.css``, ``book/_static/fit-tables.js``).
 """
 from __future__ import annotations
 

@@ -147,6 +147,31 @@ def test_search_merges_other_optimisers_and_seeds_into_the_record(tmp_path, monk
     assert [t["seed"] for t in record["optimizers"]["sgd"]["trials"]] == [0, 0, 0]
 
 
+def test_a_record_carries_when_at_which_commit_and_by_which_command_it_was_made(tmp_path, monkeypatch):
+    """Each write of a record stamps its UTC creation time, the repository's HEAD (None outside git) and the command
+    that repeats the call; a later write of the same record stamps its own."""
+    import datetime
+    import subprocess
+    from pathlib import Path
+
+    monkeypatch.setattr(S, "train", _fake_train([]))
+    before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    record = S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd", "ief"], seed=1, verbose=False)
+    created = datetime.datetime.strptime(record["created"], "%Y-%m-%dT%H:%M:%SZ").replace(
+        tzinfo=datetime.timezone.utc)
+    assert before <= created <= datetime.datetime.now(datetime.timezone.utc)
+    root = Path(S.__file__).resolve().parents[2]
+    if (root / ".git").exists():  # a checkout: the record names its HEAD
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        assert record["commit"] == head and len(head) == 40
+    assert record["command"] == ("python -m ief search --setup digits-mlp --scale smoke --optimizer sgd "
+                                 "--optimizer ief --seed 1")
+    assert json.loads((tmp_path / "lr-search" / "smoke-digits-mlp.json").read_text())["created"] == record["created"]
+    assert S.search_command("digits-mlp", "cpu", None, 0) == ("python -m ief search --setup digits-mlp --scale cpu "
+                                                            "--seed 0")
+    assert S.git_commit(tmp_path) is None  # not a checkout: no commit is invented
+
+
 def test_choice_averages_the_seeds_of_a_rate():
     t = lambda lr, seed, score, loss=0.1, div=None: {**_trial(lr, score, loss, div), "seed": seed}  # noqa: E731
     assert S.choose([t(1, 0, 0.9), t(1, 1, 0.5), t(10, 0, 0.8), t(10, 1, 0.8)]) == 10  # mean 0.7 < 0.8

@@ -13,8 +13,8 @@
 - papermill's injected-parameters cell is dropped from the page: the parameters cell is shown once (its defaults;
   the values this build used are in the chapter's provenance section).
 - Every figure can be enlarged with a click, offline (``book/_static/enlarge.js``, no CDN); tables show every row,
-  wrap text, and a table wider than the page is set in a smaller font until it fits (``book/_static/book.css``,
-  ``book/_static/fit-tables.js``).
+  wrap text, and a table or display equation wider than the page is set in a smaller font until it fits
+  (``book/_static/book.css``, ``book/_static/fit-tables.js``).
 """
 from __future__ import annotations
 

@@ -20,9 +20,11 @@ seeds or of other optimisers merge into the record (a rate's seeds are averaged 
 """
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import platform
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,7 +155,8 @@ def _merge_trials(old: list[dict[str, Any]], new: list[dict[str, Any]], seed_of_
 def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimizers: list[str] | None = None,
            seed: int = 0, progress: bool = True, verbose: bool = True, wait_lock: bool = False) -> dict[str, Any]:
     """Run every learning rate of every optimiser's grid (finished runs are skipped, interrupted ones resume) and
-    return the record: the grids, every trial's numbers and the chosen rates. Also written to
+    return the record: the grids, every trial's numbers, the chosen rates, and when (``created``, UTC), at which
+    ``commit`` (``None`` outside git) and by which ``command`` it was written. Also written to
     ``OUT/lr-search/<scale>-<setup>.json``, merged with what is there: a search of other optimisers or another seed
     adds its trials (each trial names its ``seed``; ``seeds`` lists them) and the choices are made again over all
     of an optimiser's trials. ``wait_lock``: wait for a trial that another process is running (see
@@ -189,6 +192,11 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
                             "machine": platform.machine(), "cpu_count": os.cpu_count(),
                             "device": "cuda" if torch.cuda.is_available() else "cpu"},
             "optimizers": {},
+            # when, at which commit and by which call this version of the record was written (records made before
+            # they carried these have none: their readers say so rather than guess)
+            "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": git_commit(),
+            "command": search_command(setup, scale, optimizers, seed),
         }
         for name, o in (old["optimizers"] if old is not None else {}).items():  # every trial names its seed
             record["optimizers"][name] = {**o, "trials": _merge_trials(o["trials"], [], old_seed, tuple(o["grid"]))}
@@ -210,6 +218,25 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
         record["seed"] = seeds[0] if len(seeds) == 1 else None  # the one seed of a single-seed search
         store.write_json(path, record)
     return record
+
+
+def git_commit(root: str | Path | None = None) -> str | None:
+    """``git rev-parse HEAD`` of the repository holding this package (or ``root``): the commit a record was made at;
+    ``None`` outside a git checkout (an installed package) or where git is missing."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def search_command(setup: str, scale: str, optimizers: list[str] | None, seed: int) -> str:
+    """The command line that makes (or extends) a search record as :func:`search` was called."""
+    chosen = "".join(f" --optimizer {name}" for name in optimizers or [])
+    return f"python -m ief search --setup {setup} --scale {scale}{chosen} --seed {seed}"
 
 
 def record_path(setup: str, scale: str = "cpu") -> Path:

@@ -550,6 +550,30 @@ def test_factored_form_of_a_linear_weight_used_outside_its_module_takes_the_loop
     assert_rel(got.materialize(), jac, F64_RTOL, "jacobian")
 
 
+@pytest.mark.parametrize("factored", ["ghost", "rows", "auto"])
+def test_factored_jacobian_at_a_subnormal_scale_gives_the_dense_and_oracle_direction(factored):
+    """``max|J| ~ 1e-310`` (float64 subnormals): the Gram is formed from ``J / max|J|`` (``gram_scale``), so each
+    factored layer's ``G`` is scaled by ``max|A| / max|J|``, a ratio that overflows unless it is formed without
+    intermediates past float64's range. ``eqn:iEF_lsq`` at ``lambda = 0`` is invariant under ``(J, s) -> (cJ, cs)``
+    (``d = J^T (J J^T)^{-1} s`` with ``M <= P`` and full row rank), so the iEF direction of the factors scaled by
+    ``c = 1e-310`` with ``c s`` equals the float64 oracle's ``d`` of the unscaled per-sample loop, and the dense
+    route's on ``c J``. Tolerance: subnormal entries keep ~13 significant digits."""
+    c = mlp_case()
+    _, j0, s0 = oracle.per_sample(c.model, c.inputs, c.targets)
+    expected = j0.T @ torch.linalg.solve(j0 @ j0.T, s0)
+    fac = ief.per_sample(c.model, c.inputs, c.targets, form=factored).jacobian
+    tiny = 1e-310
+    fac.ghosts = [(i, a, g * tiny) for i, a, g in fac.ghosts]
+    fac.dense = fac.dense * tiny
+    assert (fac.ghosts or factored == "rows") and 0.0 < fac.max_abs() < torch.finfo(torch.float64).tiny
+    dense_j = fac.materialize()
+    assert_rel(dense_j / tiny, j0, 1e-10, "the scaled factors are tiny * J")
+    got = ief.ief_direction(fac, tiny * s0, 0.0)
+    assert torch.isfinite(got).all()
+    assert_rel(got, expected, 1e-8, "factored direction vs oracle")
+    assert_rel(got, ief.ief_direction(dense_j, tiny * s0, 0.0), 1e-8, "factored vs dense route")
+
+
 @pytest.mark.parametrize("bad", ["Dense", "factored", None, 1])
 def test_unknown_form_is_refused(bad):
     c = mlp_case()

@@ -651,3 +651,160 @@ def test_a_non_finite_row_with_a_finite_loss_is_named(monkeypatch):
     monkeypatch.setattr(ief.jacobian, "_backward_jacobian", overflowing)
     with pytest.raises(FloatingPointError, match=r"non-finite per-sample gradient for samples \[2\]"):
         ief.per_sample(c.model, c.inputs, c.targets)
+
+
+# ------------------------------------------------------------------- the forms, SF's pair, the warning, the RNG
+def test_forced_forms_keep_every_linear_weight_as_factors_or_as_rows():
+    """``form="ghost"`` keeps every ``nn.Linear`` weight as ``(A, G)`` factors, ``"rows"`` none; both give the oracle's
+    ``J``."""
+    c = mlp_case()
+    _, expected, _ = oracle.per_sample(c.model, c.inputs, c.targets)
+    weights = {i for i, p in enumerate(c.model.parameters()) if p.dim() == 2}
+    ghost = ief.per_sample(c.model, c.inputs, c.targets, form="ghost").jacobian
+    rows = ief.per_sample(c.model, c.inputs, c.targets, form="rows").jacobian
+    assert {i for i, _, _ in ghost.ghosts} == weights and not rows.ghosts
+    assert rows.dense.shape == expected.shape
+    for fac in (ghost, rows):
+        assert_rel(fac.materialize(), expected, F64_RTOL, "J")
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_ghost_kernel_over_t_positions_is_the_dense_gram(t):
+    """``(J J^T)_{nm} = sum_{t,s} <a_nt, a_ms> <g_nt, g_ms>`` for every ``T`` (``T = 1`` takes ``(A A^T) * (G G^T)``)."""
+    from ief import directions
+
+    torch.manual_seed(t)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+    x, y = torch.randn(5, t, 4, dtype=torch.float64), torch.randint(0, 3, (5, t))
+    _, expected, _ = oracle.per_sample(model, x, y)
+    fac = ief.per_sample(model, x, y, form="ghost").jacobian
+    assert len(fac.ghosts) == 2 and all(a.shape[1] == t for _, a, _ in fac.ghosts)
+    assert_rel(fac.gram(), directions.gram(expected), 1e-12, "gram")
+    assert_rel(fac.materialize(), expected, F64_RTOL, "J")
+
+
+class _TwiceLinear(torch.nn.Module):
+    """One ``nn.Linear`` called twice: its rows sum both calls (positions concatenated in the factored form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.lin(torch.tanh(self.lin(x))))
+
+
+@pytest.mark.parametrize("form", ["dense", "ghost", "rows"])
+def test_a_linear_called_twice_sums_both_calls(form):
+    from ief import directions
+
+    torch.manual_seed(0)
+    model = _TwiceLinear().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    _, expected, _ = oracle.per_sample(model, x, y)
+    got = ief.per_sample(model, x, y, form=form).jacobian
+    assert_rel(dense(got), expected, F64_RTOL, "J")
+    g = got.gram() if form != "dense" else directions.gram(got)
+    assert_rel(g, directions.gram(expected), 1e-12, "gram")
+
+
+def test_float32_factored_combination_is_float64_unless_final():
+    """``FactoredRows.combine_rows``: ``(J/scale)^T c`` in float64; only ``final=True`` writes the model's dtype."""
+    from ief import directions
+
+    c = mlp_case(dtype=torch.float32)
+    fac = ief.per_sample(c.model, c.inputs, c.targets, form="ghost").jacobian
+    coeff = torch.randn(fac.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    expected = fac.materialize().double().T @ coeff
+    for got in (fac.combine_rows(coeff), fac.combine_rows(coeff, 1.0, False)):
+        assert got.dtype == torch.float64
+        assert_rel(got, expected, F32_RTOL, "J^T c")  # (expected from J rounded to float32)
+    final = fac.combine_rows(coeff, 1.0, True)
+    assert final.dtype == torch.float32
+    assert_rel(final, expected, F32_RTOL, "J^T c, final")
+    assert directions.combine_rows(coeff, fac).dtype == torch.float64
+
+
+@pytest.mark.parametrize("form", ["dense", "ghost"])
+def test_gradient_and_sampled_jacobian_against_the_oracle(form):
+    """``alg:SF``'s pair: ``(losses, grad L, A)`` with ``A``'s rows the per-sample gradients at labels drawn from the
+    model's predictive distribution, the same draws as ``ief.sampled_jacobian`` with the same generator."""
+    c = mlp_case()
+    losses, grad = oracle.per_sample(c.model, c.inputs, c.targets)[0], oracle.gradient(c.model, c.inputs, c.targets)
+    got_losses, got_grad, sampled = ief.jacobian.gradient_and_sampled_jacobian(
+        c.model, c.inputs, c.targets, generator=torch.Generator().manual_seed(3), form=form)
+    assert_rel(got_losses, losses, F64_RTOL, "losses")
+    assert_rel(got_grad, grad, F64_RTOL, "gradient")
+    reference = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(3))
+    assert_rel(dense(sampled), reference, F64_RTOL, "sampled J")
+    drawn = _redraw_labels(c.model, c.inputs, c.targets, 3, c.loss)
+    assert_rel(dense(sampled), oracle.per_sample(c.model, c.inputs, drawn)[1], F64_RTOL, "sampled J vs oracle")
+
+
+class _TwoBare(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.p = torch.nn.Parameter(torch.randn(3))
+        self.q = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return self.lin(x) * self.p + self.q
+
+
+def test_slow_path_warning_once_per_model_and_set_of_loop_parameters():
+    """One :class:`ief.SlowPathWarning` per model and set of parameters taking the loop: a second set warns again,
+    a repeated set does not."""
+    torch.manual_seed(0)
+    model = _TwoBare().double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+
+    def warned(params):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ief.per_sample(model, x, y, params)
+        return [str(w.message) for w in caught if issubclass(w.category, ief.SlowPathWarning)]
+
+    first = warned([model.p])
+    assert len(first) == 1 and "1 of 1 parameter tensors" in first[0] and ": p (" in first[0]
+    second = warned([model.q])
+    assert len(second) == 1 and ": q (" in second[0]
+    assert warned([model.p]) == [] and warned([model.q]) == []
+
+
+def test_an_embedding_is_hooked_not_looped():
+    """A plain ``nn.Embedding`` (no ``max_norm``, no ``scale_grad_by_freq``) has a per-sample rule: no slow-path
+    warning, the oracle's rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 3)).double()
+    x, y = torch.randint(0, 7, (5, 3)), torch.randint(0, 3, (5, 3))
+    _, expected, _ = oracle.per_sample(model, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ief.SlowPathWarning)
+        got = ief.per_sample(model, x, y).jacobian
+    assert_rel(got, expected, F64_RTOL, "J")
+
+
+@pytest.mark.parametrize("check", [True, "exact"])
+def test_the_check_leaves_the_global_random_state_untouched(check):
+    """The check's random tangents come from its own seeded generator, not torch's global RNG."""
+    c = sequence_case()
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ief.SlowPathWarning)
+        ief.per_sample(c.model, c.inputs, c.targets, check=check)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_non_finite_error_says_what_to_do():
+    c = mlp_case()
+    x = c.inputs.clone()
+    x[2, 1] = float("nan")
+    with pytest.raises(FloatingPointError) as err:
+        ief.per_sample(c.model, x, c.targets)
+    assert str(err.value) == (
+        "non-finite loss for samples [2] (of 6): a NaN or inf in those samples' inputs, logits or targets, or in the "
+        "parameters; per-sample gradients are refused rather than returned as non-finite rows (drop or fix those "
+        "samples)")

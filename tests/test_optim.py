@@ -999,3 +999,64 @@ def test_convention_round_trip_defaults_and_errors():
         with pytest.raises(ValueError) as err:
             call()
         assert str(err.value) == text
+
+
+def test_constructor_messages_name_the_argument_and_the_value():
+    c = mlp_case()
+    for kwargs, text in [
+        (dict(lr=-1.0), "lr must be a finite number > 0, got -1.0"),
+        (dict(lr="fast"), "lr must be a real number, got 'fast'"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            ief.optim.IEF(c.model, **kwargs)
+        assert str(err.value) == text
+    with pytest.raises(ValueError) as err:
+        ief.optim.IEF([1, 2])
+    assert str(err.value) == "model must be a torch.nn.Module (the optimiser runs its forward), got list"
+
+
+def test_a_fresh_optimiser_has_no_last_step_and_total_steps_1_is_one_full_step():
+    c = mlp_case()
+    opt = ief.optim.IEF(c.model, lr=0.5, damping=1e-3, total_steps=1)
+    assert opt.last_losses is None and opt.last_tokens is None and opt.last_update_norm is None
+    r = ief.per_sample(c.model, c.inputs, c.targets)
+    d = ief.ief_direction(r.jacobian, r.logit_sqnorm, 1e-3)
+    theta0 = flat(c.model)
+    opt.step(c.inputs, c.targets)
+    assert_rel(flat(c.model) - theta0, -0.5 * d, what="the first (full) step of a 1-step decay")
+    theta1 = flat(c.model)
+    opt.step(c.inputs, c.targets)  # 1 - t/T = 0 from then on
+    assert torch.equal(flat(c.model), theta1)
+
+
+@pytest.mark.parametrize("which, text", [
+    ("loss", r"^step 0: non-finite loss \[inf, 1\.0\]; parameters left unchanged$"),
+    ("direction", r"^step 0: non-finite gradients or update; parameters left unchanged$"),
+])
+def test_a_non_finite_loss_or_update_is_refused_naming_the_step(which, text, monkeypatch):
+    """The step's own checks of what ``_direction`` returns (overflow past the per-sample checks)."""
+    c = mlp_case()
+    opt = ief.optim.IEF(c.model, lr=0.1)
+    p = sum(q.numel() for q in c.model.parameters())
+    losses = torch.tensor([math.inf, 1.0]) if which == "loss" else torch.ones(2)
+    direction = torch.full((p,), math.inf) if which == "direction" else torch.ones(p)
+    monkeypatch.setattr(opt, "_direction", lambda *args: (losses, direction))
+    before = flat(c.model)
+    with pytest.raises(FloatingPointError, match=text):
+        opt.step(c.inputs, c.targets)
+    assert torch.equal(flat(c.model), before) and opt.steps_taken == 0
+
+
+def test_sf_refuses_a_non_finite_gradient_naming_the_step(monkeypatch):
+    """SF's batch gradient comes from its own backward: an overflow there is named (finite losses and rows)."""
+    exact = importlib.import_module("ief.optim.exact")
+    real = exact.gradient_and_sampled_jacobian
+
+    def overflowed(*args, **kwargs):
+        losses, grad, sampled = real(*args, **kwargs)
+        return losses, torch.full_like(grad, math.inf), sampled
+
+    monkeypatch.setattr(exact, "gradient_and_sampled_jacobian", overflowed)
+    c = mlp_case()
+    with pytest.raises(FloatingPointError, match=r"^step 0: non-finite gradient; parameters left unchanged$"):
+        ief.optim.SF(c.model, damping=1e-3).step(c.inputs, c.targets)

@@ -808,3 +808,62 @@ def test_the_non_finite_error_says_what_to_do():
         "non-finite loss for samples [2] (of 6): a NaN or inf in those samples' inputs, logits or targets, or in the "
         "parameters; per-sample gradients are refused rather than returned as non-finite rows (drop or fix those "
         "samples)")
+
+
+def test_auto_form_weighs_t_squared_in_both_the_flops_and_the_memory():
+    """``_prefer_ghost``'s docstring: ghost kernels cost ``M^2 T^2 (I + O)`` flops and ``M^2 T^2`` memory, rows
+    ``M T I O + M^2 I O`` and ``M I O``. Cases where dropping a ``T^2`` factor would flip the choice."""
+    prefer = ief.jacobian._prefer_ghost
+    # M=2, T=4, I=O=8: ghost flops 1024 > rows 768 (memory 64 <= 128): rows
+    assert not prefer("auto", 2, 4, 8, 8)
+    # M=100, T=2, I=O=16: flops 102400 <= 2611200 but memory 40000 > 25600: rows
+    assert not prefer("auto", 100, 2, 16, 16)
+    assert prefer("auto", 100, 1, 16, 16)  # T=1: both within
+    assert prefer("ghost", 100, 2, 16, 16) and not prefer("rows", 2, 1, 8, 8)
+
+
+@pytest.mark.parametrize("form", ["ghost", "auto"])
+def test_a_factored_layer_with_all_zero_inputs_or_output_gradients(form):
+    """A layer whose inputs ``A`` (or output gradients ``G``) are all zero has zero rows: its factors are not
+    rescaled by ``max|A| = 0`` (which would make them NaN), and the Gram, ``J^T c`` and the direction are the
+    oracle's."""
+    from ief import directions
+
+    c = mlp_case()
+    x = torch.zeros_like(c.inputs)  # the first Linear's inputs: A = 0
+    _, expected, s = oracle.per_sample(c.model, x, c.targets)
+    got = ief.per_sample(c.model, x, c.targets, form=form).jacobian
+    assert any(float(a.abs().max()) == 0.0 for _, a, _ in got.ghosts)
+    for scale in (1.0, 1e-60):
+        assert_rel(got.gram(scale), directions.gram(expected, scale), 1e-12, f"gram at scale {scale}")
+    coeff = torch.linspace(-1, 1, expected.shape[0], dtype=torch.float64)
+    assert_rel(got.combine_rows(coeff), expected.T @ coeff, 1e-12, "J^T c")
+    assert_rel(ief.ief_direction(got, s, 1e-3), ief.ief_direction(expected, s, 1e-3), 1e-10, "iEF direction")
+
+
+class _TwiceConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 2, 3, padding=1)
+        self.head = torch.nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(torch.tanh(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("form", ["dense", "ghost", "rows"])
+def test_a_conv2d_called_twice_sums_both_calls(form):
+    torch.manual_seed(0)
+    model = _TwiceConv().double()
+    x, y = torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.randint(0, 3, (3,))
+    _, expected, _ = oracle.per_sample(model, x, y)
+    assert_rel(dense(ief.per_sample(model, x, y, form=form).jacobian), expected, F64_RTOL, "J")
+
+
+def test_a_tied_weight_is_named_with_the_reason_it_takes_the_loop():
+    torch.manual_seed(0)
+    model = _TiedLinear().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 4, (5,))
+    with pytest.warns(ief.SlowPathWarning, match=r"lin\.weight, lin\.bias \(lin\.weight also used outside its Linear "
+                                                 r"\(e\.g\. tied weights\)\)"):
+        ief.per_sample(model, x, y)

@@ -178,10 +178,15 @@ class FactoredJacobian(FactoredRows):
 
     @staticmethod
     def _scaled(a: torch.Tensor, g: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``A`` and ``G`` in float64 with ``(G/scale)^T A`` unchanged, each of magnitude <= 1 where scaled."""
-        ca = float(a.abs().max()) if a.numel() else 1.0
-        ca = ca if 0.0 < ca < math.inf else 1.0
-        return a.to(torch.float64) / ca, g.to(torch.float64) * (ca / scale)
+        """``A`` and ``G`` in float64 with ``(G/scale)^T A`` unchanged: ``A / ca`` and ``(G / cg) (ca cg / scale)``
+        (``ca, cg = max|A|, max|G|``). The factor ``ca cg / scale`` is formed from mantissas and exponents
+        (``math.frexp``), so no intermediate overflows or underflows: with a subnormal ``max|J|`` (~1e-310, then
+        ``scale = max|J|``) ``ca / scale`` alone would be inf, and the Gram NaN."""
+        ca, cg = (float(t.abs().max()) if t.numel() else 1.0 for t in (a, g))
+        ca, cg = (c if 0.0 < c < math.inf else 1.0 for c in (ca, cg))
+        (ma, ea), (mg, eg), (ms, es) = math.frexp(ca), math.frexp(cg), math.frexp(scale)
+        factor = math.ldexp(ma * mg / ms, ea + eg - es)
+        return a.to(torch.float64) / ca, g.to(torch.float64) / cg * factor
 
     def _ghost_kernel(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """``sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>``, ``[M, M]``."""

@@ -65,6 +65,7 @@ def test_bad_input(kwargs, match):
 # --- issue 18: exact on singular and near-singular Grams, against ief.evaluate and a dense float64 oracle ---------
 
 import copy  # noqa: E402
+import importlib  # noqa: E402
 
 import oracle  # noqa: E402
 from ief.curvature import DegenerateIndicator  # noqa: E402
@@ -237,3 +238,169 @@ def test_saturated_batch_raises_the_same_in_sweep_and_evaluate(logit_space):
         ief.damping_sweep(model, x, y, [1e-4, 1.0], logit_space=logit_space)
     with pytest.raises(DegenerateIndicator, match="batch 0: the sgd direction is zero"):
         ief.evaluate(model, [(x, y)], ["ef", "ief", "sf"], 1e-4, logit_space=logit_space)
+
+
+# --- the sweep's contract beyond the values: parameters, arguments, records, errors, what it computes ---------------
+@pytest.mark.parametrize("logit_space", [False, None], ids=["per-pass", "logit-space"])
+def test_sweep_over_a_parameter_subset_equals_separate_gamma_calls_on_that_subset(logit_space):
+    """``params=[last layer]``: J, s_iEF, grad L, SF's A and every gamma are those of the subset (``eqn:gamma`` with
+    ``d`` and ``grad L`` in the subset's coordinates), as separate ``ief.per_sample`` / ``ief.gamma`` calls give."""
+    case = mlp_case()
+    case.model.eval()
+    params = list(case.model[2].parameters())
+    lam = 1e-3
+    records = _by_key(ief.damping_sweep(case.model, case.inputs, case.targets, [lam], params=params,
+                                        generator=torch.Generator().manual_seed(5), logit_space=logit_space))
+    ps = ief.per_sample(case.model, case.inputs, case.targets, params)
+    sampled = ief.sampled_jacobian(case.model, case.inputs, case.targets, torch.Generator().manual_seed(5), params)
+    dirs = {"sgd": ps.gradient, "ef": ief.ef_direction(ps.jacobian, lam),
+            "ief": ief.ief_direction(ps.jacobian, ps.logit_sqnorm, lam),
+            "sf": ief.sf_direction(sampled, ps.gradient, lam)}
+    for m, d in dirs.items():
+        expected = ief.gamma(case.model, case.inputs, case.targets, d, params)
+        assert records[(m, None if m == "sgd" else lam)]["gamma"] == pytest.approx(expected, rel=1e-9), m
+    whole = _by_key(ief.damping_sweep(case.model, case.inputs, case.targets, [lam], logit_space=logit_space))
+    assert whole[("ief", lam)]["gamma"] != pytest.approx(records[("ief", lam)]["gamma"], rel=1e-3)
+
+
+def test_records_are_sgd_first_then_every_damping_and_method_in_the_given_orders():
+    """Returns: ``sgd`` first (``damping=None``, ratio 1), then one record per damping and method, in the given
+    orders, each with exactly the keys method, damping, gamma, ratio (ratio = gamma / gamma_SGD); a single method
+    may be given as a string."""
+    case = mlp_case()
+    records = ief.damping_sweep(case.model, case.inputs, case.targets, [1.0, 1e-2], methods=["ief", "ef"])
+    assert [(r["method"], r["damping"]) for r in records] == [
+        ("sgd", None), ("ief", 1.0), ("ef", 1.0), ("ief", 1e-2), ("ef", 1e-2)]
+    assert all(set(r) == {"method", "damping", "gamma", "ratio"} for r in records)
+    assert records[0]["ratio"] == 1.0
+    for r in records[1:]:
+        assert r["ratio"] == pytest.approx(r["gamma"] / records[0]["gamma"], rel=1e-15)
+    single = ief.damping_sweep(case.model, case.inputs, case.targets, [1.0, 1e-2], methods="ief")
+    assert single == [r for r in records if r["method"] in ("sgd", "ief")]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dampings=[1.0], methods=["kfac", "ief"]), r"^unknown sweep method\(s\) \['kfac'\]; accepted: ef, ief, sf$"),
+    (dict(dampings=[1.0], methods=[]), r"^unknown sweep method\(s\) \[\]; accepted: ef, ief, sf$"),
+    (dict(dampings=[]), r"^dampings is empty: give at least one damping$"),
+    (dict(dampings=[1.0, 0.0]), r"^damping must be a finite number > 0, got 0\.0$"),
+    (dict(dampings=[1.0, 0.0], methods=("ef", "sf")), r"^damping must be a finite number > 0, got 0\.0$"),
+])
+def test_bad_input_is_refused_by_name_before_the_model_runs(kwargs, match):
+    """Each bad argument is named with the accepted values, before any forward (SF's ``eqn:SF-smw`` divides by the
+    damping, so 0 is refused up front, not after the per-sample backward)."""
+    case = mlp_case()
+    calls = []
+    handle = case.model.register_forward_hook(lambda *_: calls.append(1))
+    with pytest.raises(ValueError, match=match):
+        ief.damping_sweep(case.model, case.inputs, case.targets, **kwargs)
+    handle.remove()
+    assert not calls
+
+
+def test_a_sweep_without_sf_draws_no_sampled_jacobian(monkeypatch):
+    """SF's sampled ``A`` costs a backward (or a product with ``J_z``): an EF / iEF sweep never forms it."""
+    sweep = importlib.import_module("ief.damping_sweep")  # (ief.damping_sweep is also the function's name)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("sampled_rows called for a sweep without sf")
+
+    case = mlp_case()
+    monkeypatch.setattr(sweep, "sampled_rows", refuse)
+    records = ief.damping_sweep(case.model, case.inputs, case.targets, [1e-3], methods=["ef", "ief"])
+    assert [r["method"] for r in records] == ["sgd", "ef", "ief"]
+
+
+def test_the_logit_space_route_rates_every_direction_by_one_product_with_j_z(monkeypatch):
+    """Module docstring: on the logit-space route all directions are rated together by one product with ``J_z``,
+    no forward-mode pass per direction (``ief.gamma``)."""
+    evaluation = importlib.import_module("ief.evaluation")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a forward-mode gamma pass on the logit-space route")
+
+    case = mlp_case()
+    expected = ief.damping_sweep(case.model, case.inputs, case.targets, [1e-3], logit_space=False,
+                                 generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(evaluation, "gamma", refuse)
+    got = ief.damping_sweep(case.model, case.inputs, case.targets, [1e-3], logit_space=True,
+                            generator=torch.Generator().manual_seed(1))
+    for r, e in zip(got, expected, strict=True):
+        assert (r["method"], r["damping"]) == (e["method"], e["damping"])
+        assert r["gamma"] == pytest.approx(e["gamma"], rel=1e-9)
+
+
+@pytest.mark.parametrize("logit_space", [False, None], ids=["per-pass", "logit-space"])
+def test_a_saturated_batch_is_named_as_the_damping_sweep(logit_space):
+    """The error names where it happened (``ief.evaluate`` names the batch, the sweep says "damping sweep")."""
+    model, x, y = _margin_case(2000.0)
+    with pytest.raises(DegenerateIndicator, match="^damping sweep: the sgd direction is zero"):
+        ief.damping_sweep(model, x, y, [1e-4], logit_space=logit_space)
+
+
+# --- _SharedGram: J's FactoredRows interface with the Gram, max|J| and finiteness computed once ------------------
+def _shared_gram_cases():
+    c64, c32 = mlp_case(), mlp_case(dtype=torch.float32)
+    torch.manual_seed(0)
+    wide = torch.randn(2, (1 << 16) + 3, dtype=torch.float64)  # more columns than one chunk of column_chunks
+    return {
+        "dense f64": ief.per_sample(c64.model, c64.inputs, c64.targets).jacobian,
+        "dense f32": ief.per_sample(c32.model, c32.inputs, c32.targets).jacobian,
+        "dense 1e-200": ief.per_sample(c64.model, c64.inputs, c64.targets).jacobian * 1e-200,
+        "wide": wide,
+        "factored f64": ief.per_sample(c64.model, c64.inputs, c64.targets, form="ghost").jacobian,
+        "factored f32": ief.per_sample(c32.model, c32.inputs, c32.targets, form="ghost").jacobian,
+    }
+
+
+@pytest.mark.parametrize("name", ["dense f64", "dense f32", "dense 1e-200", "wide", "factored f64", "factored f32"])
+def test_shared_gram_is_j_in_every_factored_rows_method(name):
+    """``_SharedGram(J)`` answers every :class:`ief.directions.FactoredRows` method as ``J`` itself: ``(J/s)(J/s)^T``,
+    ``(J/s)^T c`` (in ``J``'s dtype with ``final`` for a factored float32 ``J``), ``(J/s) v`` for any float ``v``,
+    ``max|J|`` and finiteness; the defaults are ``scale = 1``, ``final = False``."""
+    from ief import directions
+    from ief.damping_sweep import _SharedGram
+
+    j = _shared_gram_cases()[name]
+    dense = j.materialize() if isinstance(j, ief.jacobian.FactoredJacobian) else j
+    shared = _SharedGram(j)
+    gen = torch.Generator().manual_seed(0)
+    coeff = torch.randn(j.shape[0], generator=gen, dtype=torch.float64)
+    v = torch.randn(j.shape[1], generator=gen, dtype=torch.float64)
+    rtol = 1e-12 if j.dtype == torch.float64 else 1e-6
+    for scale in (1.0, 3.0, directions.gram_scale(j)):
+        expected_gram = directions.gram(dense, scale)
+        assert_close(shared.gram(scale), expected_gram, rtol, "gram")
+        assert_close(shared.gram(scale), expected_gram, rtol, "gram (cached)")
+        for final in (False, True):
+            got = shared.combine_rows(coeff, scale, final)
+            expected = directions.combine_rows(coeff, j, scale, final)
+            assert got.dtype == expected.dtype and torch.equal(got, expected), ("combine_rows", scale, final)
+        assert_close(shared.combine_rows(coeff, scale), directions.combine_rows(coeff, dense, scale), rtol, "J^T c")
+        for vec in (v, v.float()):
+            assert_close(shared.times(vec, scale), (dense.double() / scale) @ vec.double(), rtol, "J v")
+    assert_close(shared.gram(), directions.gram(dense), rtol, "gram, default scale")
+    assert shared.combine_rows(coeff).dtype == torch.float64
+    assert_close(shared.combine_rows(coeff), directions.combine_rows(coeff, dense), rtol, "J^T c, default scale")
+    assert_close(shared.times(v), dense.double() @ v, rtol, "J v, default scale")
+    assert shared.max_abs() == directions.max_abs(j) and shared.is_finite()
+
+
+def test_shared_gram_reports_a_non_finite_j():
+    from ief.damping_sweep import _SharedGram
+
+    for form in ("dense", "ghost"):
+        case = mlp_case()
+        j = ief.per_sample(case.model, case.inputs, case.targets, form=form).jacobian
+        if form == "dense":
+            j[1, 3] = float("nan")
+        else:  # a fresh FactoredJacobian (per_sample has checked, and cached, the finiteness of its own)
+            ghosts = [(i, a, g.clone()) for i, a, g in j.ghosts]
+            ghosts[0][2][1, 0, 0] = float("inf")
+            j = ief.jacobian.FactoredJacobian(j.shape[0], j.sizes, j.dense, ghosts, j.dense, j.dense_index)
+        assert not _SharedGram(j).is_finite(), form
+
+
+def assert_close(actual, expected, rtol, what):
+    err = float((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-300))
+    assert actual.shape == expected.shape and err <= rtol, f"{what}: relative error {err:.2e} > {rtol:.0e}"

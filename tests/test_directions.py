@@ -590,8 +590,8 @@ def test_directions_of_a_jacobian_wider_than_one_column_block(scale):
 def test_float64_directions_beyond_float64_raise_naming_the_method():
     """Even in float64: ``|J| ~ 1e-310`` (subnormal) at ``lambda = 0`` makes the exact EF / iEF directions ``~1e310``,
     past float64's range; SF with ``lambda = 1e-320`` makes ``g / lambda ~ 1e320``. Each raises
-    ``FloatingPointError`` naming the method instead of returning inf. (Dense J: a FactoredJacobian's Gram is NaN at
-    a subnormal scale, ``FactoredJacobian._scaled`` forms ``1 / scale``.)"""
+    ``FloatingPointError`` naming the method instead of returning inf. (A FactoredJacobian at a subnormal scale:
+    tests/test_jacobian.py::test_factored_jacobian_at_a_subnormal_scale_gives_the_dense_and_oracle_direction.)"""
     as_j = lambda j: j  # noqa: E731
     j = random_jacobian() * 1e-310
     s = random_s()

@@ -115,16 +115,21 @@ def test_a_weight_used_outside_its_module_takes_the_exact_loop(form, tie, dtype,
     _assert_real_parameters(model)
 
 
-def test_the_guard_is_a_safety_net_behind_the_search_and_suggests_no_check_false(monkeypatch):
+@pytest.mark.parametrize("form", FORMS)
+def test_the_guard_is_a_safety_net_behind_the_search_and_suggests_no_check_false(monkeypatch, form):
     """With the graph search switched off, the tied weight's hooked rows miss its outside use: the guard names it
-    (and no message offers check=False, which would return those wrong rows)."""
+    and says why and what to do (and no message offers check=False, which would return those wrong rows)."""
     torch.manual_seed(0)
     model = _Tied(1.0, "embed").double()
     inputs, y = _tied_batch(6, torch.float64)
     monkeypatch.setattr(jac_mod._Capture, "demote_outside_uses", lambda self, reached, names: None)
     with pytest.raises(ief.PerSampleGradientMismatch, match=r"embed\.weight \(relative error") as err:
-        ief.per_sample(model, inputs, y)
+        ief.per_sample(model, inputs, y, form=form)
     assert "check=False" not in str(err.value)
+    assert str(err.value).endswith(
+        ". A parameter is used outside the module that owns it where the per-sample hooks cannot see it (tied weights "
+        "are found before the backward and take the exact per-sample loop: this use escaped that search); pass "
+        "params= to leave it out.")
     _assert_real_parameters(model)
 
 

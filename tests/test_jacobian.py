@@ -550,6 +550,30 @@ def test_factored_form_of_a_linear_weight_used_outside_its_module_takes_the_loop
     assert_rel(got.materialize(), jac, F64_RTOL, "jacobian")
 
 
+@pytest.mark.parametrize("factored", ["ghost", "rows", "auto"])
+def test_factored_jacobian_at_a_subnormal_scale_gives_the_dense_and_oracle_direction(factored):
+    """``max|J| ~ 1e-310`` (float64 subnormals): the Gram is formed from ``J / max|J|`` (``gram_scale``), so each
+    factored layer's ``G`` is scaled by ``max|A| / max|J|``, a ratio that overflows unless it is formed without
+    intermediates past float64's range. ``eqn:iEF_lsq`` at ``lambda = 0`` is invariant under ``(J, s) -> (cJ, cs)``
+    (``d = J^T (J J^T)^{-1} s`` with ``M <= P`` and full row rank), so the iEF direction of the factors scaled by
+    ``c = 1e-310`` with ``c s`` equals the float64 oracle's ``d`` of the unscaled per-sample loop, and the dense
+    route's on ``c J``. Tolerance: subnormal entries keep ~13 significant digits."""
+    c = mlp_case()
+    _, j0, s0 = oracle.per_sample(c.model, c.inputs, c.targets)
+    expected = j0.T @ torch.linalg.solve(j0 @ j0.T, s0)
+    fac = ief.per_sample(c.model, c.inputs, c.targets, form=factored).jacobian
+    tiny = 1e-310
+    fac.ghosts = [(i, a, g * tiny) for i, a, g in fac.ghosts]
+    fac.dense = fac.dense * tiny
+    assert (fac.ghosts or factored == "rows") and 0.0 < fac.max_abs() < torch.finfo(torch.float64).tiny
+    dense_j = fac.materialize()
+    assert_rel(dense_j / tiny, j0, 1e-10, "the scaled factors are tiny * J")
+    got = ief.ief_direction(fac, tiny * s0, 0.0)
+    assert torch.isfinite(got).all()
+    assert_rel(got, expected, 1e-8, "factored direction vs oracle")
+    assert_rel(got, ief.ief_direction(dense_j, tiny * s0, 0.0), 1e-8, "factored vs dense route")
+
+
 @pytest.mark.parametrize("bad", ["Dense", "factored", None, 1])
 def test_unknown_form_is_refused(bad):
     c = mlp_case()
@@ -627,3 +651,219 @@ def test_a_non_finite_row_with_a_finite_loss_is_named(monkeypatch):
     monkeypatch.setattr(ief.jacobian, "_backward_jacobian", overflowing)
     with pytest.raises(FloatingPointError, match=r"non-finite per-sample gradient for samples \[2\]"):
         ief.per_sample(c.model, c.inputs, c.targets)
+
+
+# ------------------------------------------------------------------- the forms, SF's pair, the warning, the RNG
+def test_forced_forms_keep_every_linear_weight_as_factors_or_as_rows():
+    """``form="ghost"`` keeps every ``nn.Linear`` weight as ``(A, G)`` factors, ``"rows"`` none; both give the oracle's
+    ``J``."""
+    c = mlp_case()
+    _, expected, _ = oracle.per_sample(c.model, c.inputs, c.targets)
+    weights = {i for i, p in enumerate(c.model.parameters()) if p.dim() == 2}
+    ghost = ief.per_sample(c.model, c.inputs, c.targets, form="ghost").jacobian
+    rows = ief.per_sample(c.model, c.inputs, c.targets, form="rows").jacobian
+    assert {i for i, _, _ in ghost.ghosts} == weights and not rows.ghosts
+    assert rows.dense.shape == expected.shape
+    for fac in (ghost, rows):
+        assert_rel(fac.materialize(), expected, F64_RTOL, "J")
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_ghost_kernel_over_t_positions_is_the_dense_gram(t):
+    """``(J J^T)_{nm} = sum_{t,s} <a_nt, a_ms> <g_nt, g_ms>`` for every ``T`` (``T = 1`` takes ``(A A^T) * (G G^T)``)."""
+    from ief import directions
+
+    torch.manual_seed(t)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+    x, y = torch.randn(5, t, 4, dtype=torch.float64), torch.randint(0, 3, (5, t))
+    _, expected, _ = oracle.per_sample(model, x, y)
+    fac = ief.per_sample(model, x, y, form="ghost").jacobian
+    assert len(fac.ghosts) == 2 and all(a.shape[1] == t for _, a, _ in fac.ghosts)
+    assert_rel(fac.gram(), directions.gram(expected), 1e-12, "gram")
+    assert_rel(fac.materialize(), expected, F64_RTOL, "J")
+
+
+class _TwiceLinear(torch.nn.Module):
+    """One ``nn.Linear`` called twice: its rows sum both calls (positions concatenated in the factored form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.lin(torch.tanh(self.lin(x))))
+
+
+@pytest.mark.parametrize("form", ["dense", "ghost", "rows"])
+def test_a_linear_called_twice_sums_both_calls(form):
+    from ief import directions
+
+    torch.manual_seed(0)
+    model = _TwiceLinear().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    _, expected, _ = oracle.per_sample(model, x, y)
+    got = ief.per_sample(model, x, y, form=form).jacobian
+    assert_rel(dense(got), expected, F64_RTOL, "J")
+    g = got.gram() if form != "dense" else directions.gram(got)
+    assert_rel(g, directions.gram(expected), 1e-12, "gram")
+
+
+def test_float32_factored_combination_is_float64_unless_final():
+    """``FactoredRows.combine_rows``: ``(J/scale)^T c`` in float64; only ``final=True`` writes the model's dtype."""
+    from ief import directions
+
+    c = mlp_case(dtype=torch.float32)
+    fac = ief.per_sample(c.model, c.inputs, c.targets, form="ghost").jacobian
+    coeff = torch.randn(fac.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    expected = fac.materialize().double().T @ coeff
+    for got in (fac.combine_rows(coeff), fac.combine_rows(coeff, 1.0, False)):
+        assert got.dtype == torch.float64
+        assert_rel(got, expected, F32_RTOL, "J^T c")  # (expected from J rounded to float32)
+    final = fac.combine_rows(coeff, 1.0, True)
+    assert final.dtype == torch.float32
+    assert_rel(final, expected, F32_RTOL, "J^T c, final")
+    assert directions.combine_rows(coeff, fac).dtype == torch.float64
+
+
+@pytest.mark.parametrize("form", ["dense", "ghost"])
+def test_gradient_and_sampled_jacobian_against_the_oracle(form):
+    """``alg:SF``'s pair: ``(losses, grad L, A)`` with ``A``'s rows the per-sample gradients at labels drawn from the
+    model's predictive distribution, the same draws as ``ief.sampled_jacobian`` with the same generator."""
+    c = mlp_case()
+    losses, grad = oracle.per_sample(c.model, c.inputs, c.targets)[0], oracle.gradient(c.model, c.inputs, c.targets)
+    got_losses, got_grad, sampled = ief.jacobian.gradient_and_sampled_jacobian(
+        c.model, c.inputs, c.targets, generator=torch.Generator().manual_seed(3), form=form)
+    assert_rel(got_losses, losses, F64_RTOL, "losses")
+    assert_rel(got_grad, grad, F64_RTOL, "gradient")
+    reference = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(3))
+    assert_rel(dense(sampled), reference, F64_RTOL, "sampled J")
+    drawn = _redraw_labels(c.model, c.inputs, c.targets, 3, c.loss)
+    assert_rel(dense(sampled), oracle.per_sample(c.model, c.inputs, drawn)[1], F64_RTOL, "sampled J vs oracle")
+
+
+class _TwoBare(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.p = torch.nn.Parameter(torch.randn(3))
+        self.q = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return self.lin(x) * self.p + self.q
+
+
+def test_slow_path_warning_once_per_model_and_set_of_loop_parameters():
+    """One :class:`ief.SlowPathWarning` per model and set of parameters taking the loop: a second set warns again,
+    a repeated set does not."""
+    torch.manual_seed(0)
+    model = _TwoBare().double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+
+    def warned(params):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ief.per_sample(model, x, y, params)
+        return [str(w.message) for w in caught if issubclass(w.category, ief.SlowPathWarning)]
+
+    first = warned([model.p])
+    assert len(first) == 1 and "1 of 1 parameter tensors" in first[0] and ": p (" in first[0]
+    second = warned([model.q])
+    assert len(second) == 1 and ": q (" in second[0]
+    assert warned([model.p]) == [] and warned([model.q]) == []
+
+
+def test_an_embedding_is_hooked_not_looped():
+    """A plain ``nn.Embedding`` (no ``max_norm``, no ``scale_grad_by_freq``) has a per-sample rule: no slow-path
+    warning, the oracle's rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 3)).double()
+    x, y = torch.randint(0, 7, (5, 3)), torch.randint(0, 3, (5, 3))
+    _, expected, _ = oracle.per_sample(model, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ief.SlowPathWarning)
+        got = ief.per_sample(model, x, y).jacobian
+    assert_rel(got, expected, F64_RTOL, "J")
+
+
+@pytest.mark.parametrize("check", [True, "exact"])
+def test_the_check_leaves_the_global_random_state_untouched(check):
+    """The check's random tangents come from its own seeded generator, not torch's global RNG."""
+    c = sequence_case()
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ief.SlowPathWarning)
+        ief.per_sample(c.model, c.inputs, c.targets, check=check)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_non_finite_error_says_what_to_do():
+    c = mlp_case()
+    x = c.inputs.clone()
+    x[2, 1] = float("nan")
+    with pytest.raises(FloatingPointError) as err:
+        ief.per_sample(c.model, x, c.targets)
+    assert str(err.value) == (
+        "non-finite loss for samples [2] (of 6): a NaN or inf in those samples' inputs, logits or targets, or in the "
+        "parameters; per-sample gradients are refused rather than returned as non-finite rows (drop or fix those "
+        "samples)")
+
+
+def test_auto_form_weighs_t_squared_in_both_the_flops_and_the_memory():
+    """``_prefer_ghost``'s docstring: ghost kernels cost ``M^2 T^2 (I + O)`` flops and ``M^2 T^2`` memory, rows
+    ``M T I O + M^2 I O`` and ``M I O``. Cases where dropping a ``T^2`` factor would flip the choice."""
+    prefer = ief.jacobian._prefer_ghost
+    # M=2, T=4, I=O=8: ghost flops 1024 > rows 768 (memory 64 <= 128): rows
+    assert not prefer("auto", 2, 4, 8, 8)
+    # M=100, T=2, I=O=16: flops 102400 <= 2611200 but memory 40000 > 25600: rows
+    assert not prefer("auto", 100, 2, 16, 16)
+    assert prefer("auto", 100, 1, 16, 16)  # T=1: both within
+    assert prefer("ghost", 100, 2, 16, 16) and not prefer("rows", 2, 1, 8, 8)
+
+
+@pytest.mark.parametrize("form", ["ghost", "auto"])
+def test_a_factored_layer_with_all_zero_inputs_or_output_gradients(form):
+    """A layer whose inputs ``A`` (or output gradients ``G``) are all zero has zero rows: its factors are not
+    rescaled by ``max|A| = 0`` (which would make them NaN), and the Gram, ``J^T c`` and the direction are the
+    oracle's."""
+    from ief import directions
+
+    c = mlp_case()
+    x = torch.zeros_like(c.inputs)  # the first Linear's inputs: A = 0
+    _, expected, s = oracle.per_sample(c.model, x, c.targets)
+    got = ief.per_sample(c.model, x, c.targets, form=form).jacobian
+    assert any(float(a.abs().max()) == 0.0 for _, a, _ in got.ghosts)
+    for scale in (1.0, 1e-60):
+        assert_rel(got.gram(scale), directions.gram(expected, scale), 1e-12, f"gram at scale {scale}")
+    coeff = torch.linspace(-1, 1, expected.shape[0], dtype=torch.float64)
+    assert_rel(got.combine_rows(coeff), expected.T @ coeff, 1e-12, "J^T c")
+    assert_rel(ief.ief_direction(got, s, 1e-3), ief.ief_direction(expected, s, 1e-3), 1e-10, "iEF direction")
+
+
+class _TwiceConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 2, 3, padding=1)
+        self.head = torch.nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(torch.tanh(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("form", ["dense", "ghost", "rows"])
+def test_a_conv2d_called_twice_sums_both_calls(form):
+    torch.manual_seed(0)
+    model = _TwiceConv().double()
+    x, y = torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.randint(0, 3, (3,))
+    _, expected, _ = oracle.per_sample(model, x, y)
+    assert_rel(dense(ief.per_sample(model, x, y, form=form).jacobian), expected, F64_RTOL, "J")
+
+
+def test_a_tied_weight_is_named_with_the_reason_it_takes_the_loop():
+    torch.manual_seed(0)
+    model = _TiedLinear().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 4, (5,))
+    with pytest.warns(ief.SlowPathWarning, match=r"lin\.weight, lin\.bias \(lin\.weight also used outside its Linear "
+                                                 r"\(e\.g\. tied weights\)\)"):
+        ief.per_sample(model, x, y)

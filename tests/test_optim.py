@@ -13,8 +13,10 @@ The tiny models are a few hundred parameters: BLAS threading only adds synchroni
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -785,3 +787,276 @@ def test_causal_lm_targets_give_hugging_faces_own_shifted_loss(kind):
     assert math.isclose(float(opt.step(inputs, targets)), hf, rel_tol=1e-6)
     with pytest.warns(UserWarning, match=r"unshifted labels.*ief\.causal_lm_targets\(labels\)"):
         ief.optim.IEF(_causal_lm(kind)).step(inputs, labels)
+
+
+# ------------------------------------------------ the contract's details: defaults, checks, buffers, warnings, text
+def test_ef_and_sf_defaults_are_the_normalised_update_of_rate_0_01():
+    model = mlp_case().model
+    for cls in (ief.optim.EF, ief.optim.SF):
+        group = cls(model).param_groups[0]
+        assert (group["lr"], group["normalize"], group["total_steps"]) == (0.01, True, None), cls.__name__
+
+
+@pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
+def test_a_parameter_subset_is_preconditioned_alone_with_the_given_loss(cls):
+    """``params=[...]`` and ``loss="mse"``: the step is the method's direction of that subset's per-sample gradients
+    of that loss; the other parameters do not move."""
+    c = mse_case()
+    params = list(c.model[2].parameters())
+    others = [p.detach().clone() for p in c.model[0].parameters()]
+    before = torch.cat([p.detach().reshape(-1) for p in params])
+    lam, gen = 1e-3, torch.Generator().manual_seed(2)
+    if cls is ief.optim.SF:
+        opt = cls(c.model, lr=0.1, damping=lam, params=params, loss="mse", normalize=False, generator=gen)
+        _, grad, sampled = ief.jacobian.gradient_and_sampled_jacobian(
+            c.model, c.inputs, c.targets, params, loss="mse", generator=torch.Generator().manual_seed(2))
+        d = ief.sf_direction(sampled, grad, lam)
+    else:
+        opt = cls(c.model, lr=0.1, damping=lam, params=params, loss="mse", normalize=False)
+        r = ief.per_sample(c.model, c.inputs, c.targets, params, loss="mse")
+        d = ief.ief_direction(r.jacobian, r.logit_sqnorm, lam) if cls is ief.optim.IEF else \
+            ief.ef_direction(r.jacobian, lam)
+    opt.step(c.inputs, c.targets)
+    after = torch.cat([p.detach().reshape(-1) for p in params])
+    assert_rel(after - before, -0.1 * d, what="update")
+    assert all(torch.equal(p, q) for p, q in zip(c.model[0].parameters(), others))
+
+
+@pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
+@pytest.mark.parametrize("check", [True, False, "exact"])
+def test_the_exact_check_runs_on_the_first_step_and_the_chosen_one_after(cls, check, monkeypatch):
+    """``check=True``: the thorough ("exact") per-sample check on the first step, the cheap one afterwards;
+    ``check=False`` never checks; ``"exact"`` always does the thorough one."""
+    exact = importlib.import_module("ief.optim.exact")
+    seen = []
+    name = "gradient_and_sampled_jacobian" if cls is ief.optim.SF else "per_sample"
+    real = getattr(exact, name)
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["check"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(exact, name, spy)
+    c = mlp_case()
+    opt = cls(c.model, lr=0.01, damping=1e-3, check=check)
+    for _ in range(3):
+        opt.step(c.inputs, c.targets)
+    first = "exact" if check else False
+    assert seen == [first, check, check]
+
+
+def test_the_dense_form_reuses_one_buffer_for_j_across_steps():
+    c = mlp_case()
+    opt = ief.optim.IEF(c.model, lr=0.01, form="dense")
+    opt.step(c.inputs, c.targets)
+    buffer = opt._buffer
+    opt.step(c.inputs, c.targets)
+    assert opt._buffer is buffer
+
+
+@pytest.mark.parametrize("cls", [ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
+def test_a_normalised_step_on_a_saturated_batch_is_a_zero_update(cls):
+    """``J = 0`` (every softmax exactly one-hot at its label): a zero direction, whose normalised step is 0, not
+    0/0."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 3).double()
+    with torch.no_grad():
+        model.weight.mul_(0.1)
+        model.bias.copy_(torch.tensor([2000.0, 0.0, 0.0]))
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
+    before = flat(model)
+    opt = cls(model, lr=0.1, damping=1e-3, normalize=True)
+    opt.step(x, y)
+    assert torch.equal(flat(model), before) and opt.last_update_norm == 0.0 and opt.steps_taken == 1
+
+
+def test_zero_damping_written_into_sf_param_groups_is_refused_before_the_step():
+    c = mlp_case()
+    opt = ief.optim.SF(c.model, damping=1e-3)
+    opt.param_groups[0]["damping"] = 0.0
+    before = flat(c.model)
+    with pytest.raises(ValueError, match=r"^step 0: param_groups\[0\]: damping must be a finite number > 0, got 0\.0; "
+                                         r"parameters left unchanged$"):
+        opt.step(c.inputs, c.targets)
+    assert torch.equal(flat(c.model), before)
+
+
+def test_a_non_finite_step_says_what_was_not_finite():
+    """The optimiser's own check of the per-sample quantities (finite losses, an inf row)."""
+    c = mlp_case()
+    exact = importlib.import_module("ief.optim.exact")
+    r = ief.per_sample(c.model, c.inputs, c.targets, form="dense")
+    r.jacobian[0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"^non-finite loss or per-sample gradients$"):
+        exact._ExactPreconditioned._raise_if_nonfinite(r.losses, r.jacobian)
+
+
+def test_reduction_mean_accepts_one_counted_token_and_names_an_empty_batch():
+    c = sequence_case()
+    one = torch.full_like(c.targets, -100)
+    one[0, 1] = c.targets[0, 1] if int(c.targets[0, 1]) != -100 else 1
+    opt = ief.optim.IEF(c.model, lr=0.01, reduction="mean", check=False)
+    opt.step(c.inputs, one)
+    assert opt.last_tokens == 1
+    with pytest.raises(ValueError, match=r"^reduction='mean': the batch has no counted target \(every target is "
+                                         r"-100\), so the mean loss is undefined; parameters left unchanged$"):
+        opt.step(c.inputs, torch.full_like(c.targets, -100))
+
+
+def test_sf_without_a_generator_round_trips_its_state_and_names_a_missing_generator():
+    c = mlp_case()
+    opt = ief.optim.SF(c.model, damping=1e-3)
+    opt.step(c.inputs, c.targets)
+    other = ief.optim.SF(copy.deepcopy(c.model), damping=1e-3)
+    other.load_state_dict(opt.state_dict())
+    assert other.steps_taken == 1
+    with_gen = ief.optim.SF(c.model, damping=1e-3, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as err:
+        other.load_state_dict(with_gen.state_dict())
+    assert str(err.value) == (
+        "this state_dict holds the state of SF's generator, but this SF has none (it would draw labels from the "
+        "global RNG): construct it with generator=torch.Generator() to resume")
+
+
+class _TokenLM(torch.nn.Module):
+    """``model(input_ids=...)`` -> per-position logits ``[M, T, 6]`` (an LM-shaped toy for the unshifted-label
+    warning)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(6, 4)
+        self.head = torch.nn.Linear(4, 6)
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids))
+
+
+UNSHIFTED = ("the targets equal inputs['input_ids'] at every counted position: for a causal LM (GPT-2, Llama, ...) "
+             "these are Hugging Face's unshifted labels, and this step trains every position to predict its own input "
+             "token; pass ief.causal_lm_targets(labels) (the next token at each position)")
+
+
+def _step_warnings(inputs, targets, steps=1):
+    torch.manual_seed(0)
+    opt = ief.optim.IEF(_TokenLM().double(), lr=0.01, check=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            opt.step(inputs, targets)
+    return [w for w in caught if not issubclass(w.category, ief.SlowPathWarning)]
+
+
+def test_unshifted_causal_lm_labels_warn_once():
+    ids = torch.randint(0, 6, (3, 2), generator=torch.Generator().manual_seed(0))
+    caught = _step_warnings({"input_ids": ids}, ids.clone(), steps=2)
+    assert len(caught) == 1
+    assert caught[0].category is UserWarning and str(caught[0].message) == UNSHIFTED
+    # (stacklevel 3 names this file's line; not asserted: mutation testing wraps every function in another frame)
+
+
+def test_shifted_or_non_sequence_targets_do_not_warn():
+    ids = torch.randint(0, 6, (3, 5), generator=torch.Generator().manual_seed(0))
+    shifted = ief.causal_lm_targets(ids)
+    assert _step_warnings({"input_ids": ids}, shifted) == []
+    assert _step_warnings(ids, ids.clone()) == []  # not a dict: no input_ids to compare with
+    exact = importlib.import_module("ief.optim.exact")
+    flat_ids = ids[:, 0].contiguous()
+    assert not exact._looks_unshifted({"input_ids": flat_ids}, flat_ids.clone())  # [M] targets: no positions
+    one = ids[:, :1].contiguous()
+    assert not exact._looks_unshifted({"input_ids": one}, one.clone())  # one position cannot be shifted
+    assert exact._looks_unshifted({"input_ids": ids[:, :2]}, ids[:, :2].clone())
+    deep = ids[:, :3].reshape(3, 1, 3)
+    assert exact._looks_unshifted({"input_ids": deep}, deep.clone())  # positions along the last axis
+    ignored = torch.full_like(ids, -100)
+    assert not exact._looks_unshifted({"input_ids": ids}, ignored)
+
+
+# --- ief.optim.convention ----------------------------------------------------------------------------------------
+def test_convention_round_trip_defaults_and_errors():
+    from ief.optim import convention as conv
+
+    assert conv.to_sum_convention("ief", 2.0, 3.0, 4) == (0.5, 48.0)
+    assert conv.to_sum_convention("ef", 2.0, 3.0, 4) == (8.0, 48.0)
+    assert conv.to_sum_convention("sf", 2.0, 3.0, 4, normalized=True) == (2.0, 48.0)
+    assert conv.to_token_mean_convention("ief", 0.5, 48.0, 4) == (2.0, 3.0)
+    assert conv.to_token_mean_convention("ef", 8.0, 48.0, 4) == (2.0, 3.0)
+    assert conv.to_token_mean_convention("ef", 2.0, 48.0, 4, normalized=True) == (2.0, 3.0)
+    assert conv.target_tokens(torch.tensor([[1, -100], [-100, -100]])) == 1
+    for call, text in [
+        (lambda: conv.to_sum_convention("kfac", 1.0, 1.0, 2),
+         "unknown method 'kfac'; the conversion exists for: ief, ef, sf"),
+        (lambda: conv.to_sum_convention("ief", 1.0, 1.0, 0),
+         "tokens (K, target tokens in the batch) must be a positive integer, got 0"),
+        (lambda: conv.to_sum_convention("ief", 1.0, 1.0, 2.0),
+         "tokens (K, target tokens in the batch) must be a positive integer, got 2.0"),
+        (lambda: conv.to_sum_convention("ief", 1.0, 1.0, True),
+         "tokens (K, target tokens in the batch) must be a positive integer, got True"),
+        (lambda: conv.target_tokens(torch.zeros(2, 3)),
+         "target_tokens needs class-index targets, got dtype torch.float32"),
+        (lambda: conv.target_tokens(torch.full((2, 3), -100)),
+         "the batch has no target token (every target is -100): the token-mean loss is undefined"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == text
+
+
+def test_constructor_messages_name_the_argument_and_the_value():
+    c = mlp_case()
+    for kwargs, text in [
+        (dict(lr=-1.0), "lr must be a finite number > 0, got -1.0"),
+        (dict(lr="fast"), "lr must be a real number, got 'fast'"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            ief.optim.IEF(c.model, **kwargs)
+        assert str(err.value) == text
+    with pytest.raises(ValueError) as err:
+        ief.optim.IEF([1, 2])
+    assert str(err.value) == "model must be a torch.nn.Module (the optimiser runs its forward), got list"
+
+
+def test_a_fresh_optimiser_has_no_last_step_and_total_steps_1_is_one_full_step():
+    c = mlp_case()
+    opt = ief.optim.IEF(c.model, lr=0.5, damping=1e-3, total_steps=1)
+    assert opt.last_losses is None and opt.last_tokens is None and opt.last_update_norm is None
+    r = ief.per_sample(c.model, c.inputs, c.targets)
+    d = ief.ief_direction(r.jacobian, r.logit_sqnorm, 1e-3)
+    theta0 = flat(c.model)
+    opt.step(c.inputs, c.targets)
+    assert_rel(flat(c.model) - theta0, -0.5 * d, what="the first (full) step of a 1-step decay")
+    theta1 = flat(c.model)
+    opt.step(c.inputs, c.targets)  # 1 - t/T = 0 from then on
+    assert torch.equal(flat(c.model), theta1)
+
+
+@pytest.mark.parametrize("which, text", [
+    ("loss", r"^step 0: non-finite loss \[inf, 1\.0\]; parameters left unchanged$"),
+    ("direction", r"^step 0: non-finite gradients or update; parameters left unchanged$"),
+])
+def test_a_non_finite_loss_or_update_is_refused_naming_the_step(which, text, monkeypatch):
+    """The step's own checks of what ``_direction`` returns (overflow past the per-sample checks)."""
+    c = mlp_case()
+    opt = ief.optim.IEF(c.model, lr=0.1)
+    p = sum(q.numel() for q in c.model.parameters())
+    losses = torch.tensor([math.inf, 1.0]) if which == "loss" else torch.ones(2)
+    direction = torch.full((p,), math.inf) if which == "direction" else torch.ones(p)
+    monkeypatch.setattr(opt, "_direction", lambda *args: (losses, direction))
+    before = flat(c.model)
+    with pytest.raises(FloatingPointError, match=text):
+        opt.step(c.inputs, c.targets)
+    assert torch.equal(flat(c.model), before) and opt.steps_taken == 0
+
+
+def test_sf_refuses_a_non_finite_gradient_naming_the_step(monkeypatch):
+    """SF's batch gradient comes from its own backward: an overflow there is named (finite losses and rows)."""
+    exact = importlib.import_module("ief.optim.exact")
+    real = exact.gradient_and_sampled_jacobian
+
+    def overflowed(*args, **kwargs):
+        losses, grad, sampled = real(*args, **kwargs)
+        return losses, torch.full_like(grad, math.inf), sampled
+
+    monkeypatch.setattr(exact, "gradient_and_sampled_jacobian", overflowed)
+    c = mlp_case()
+    with pytest.raises(FloatingPointError, match=r"^step 0: non-finite gradient; parameters left unchanged$"):
+        ief.optim.SF(c.model, damping=1e-3).step(c.inputs, c.targets)

@@ -261,7 +261,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
                 "the targets equal inputs['input_ids'] at every counted position: for a causal LM (GPT-2, Llama, "
                 "...) these are Hugging Face's unshifted labels, and this step trains every position to predict its "
                 "own input token; pass ief.causal_lm_targets(labels) (the next token at each position)",
-                UserWarning, stacklevel=2)
+                UserWarning, stacklevel=3)  # (torch.optim wraps step: 3 is the caller's line)
         group = self.param_groups[0]
         tokens = None
         if self.reduction == "mean":  # the given (token-mean) rates as this package's (sum) ones for this batch

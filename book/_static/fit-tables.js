@@ -1,14 +1,17 @@
-// Wide tables (and wide display equations) fit the page: a table wider than its column is set in a smaller font, step by step down to 60 % of
-// its size, so that every column is on the page rather than behind a horizontal scroll (tests/test_book_browser.py,
-// test_no_table_is_cut). Offline, no dependencies.
+// Wide tables and wide display equations fit the page: one wider than its column is set in a smaller font, step by
+// step (tables down to 60 % of their size, equations to 70 %), so that every column is on the page rather than behind
+// a horizontal scroll (tests/test_book_browser.py, test_no_table_is_cut). Offline, no dependencies.
 (function () {
-  function fit(table) {
-    var size = parseFloat(window.getComputedStyle(table).fontSize);
-    var smallest = 0.6 * size;
-    while (table.scrollWidth > table.clientWidth + 1 && size > smallest) {
-      size = Math.max(smallest, size * 0.92);
-      table.style.fontSize = size + "px";
+  function shrink(element, floor, step) {
+    var size = parseFloat(window.getComputedStyle(element).fontSize);
+    var smallest = floor * size;
+    while (element.scrollWidth > element.clientWidth + 1 && size > smallest) {
+      size = Math.max(smallest, size * step);
+      element.style.fontSize = size + "px";
     }
+  }
+  function fit(table) {
+    shrink(table, 0.6, 0.92);
   }
   function fitAll() {
     document.querySelectorAll("main table").forEach(fit);
@@ -17,12 +20,7 @@
   // once MathJax has typeset it; one still too wide scrolls in its own line (book.css), never cut at the page edge.
   function fitMath() {
     document.querySelectorAll('main mjx-container[display="true"]').forEach(function (m) {
-      var size = parseFloat(window.getComputedStyle(m).fontSize);
-      var smallest = 0.7 * size;
-      while (m.scrollWidth > m.clientWidth + 1 && size > smallest) {
-        size = Math.max(smallest, size * 0.95);
-        m.style.fontSize = size + "px";
-      }
+      shrink(m, 0.7, 0.95);
     });
   }
   function whenTypeset() {

@@ -431,17 +431,7 @@ def test_gammas_fall_back_to_double_backward_and_say_so():
     """A layer without a forward-mode rule: ``gammas`` warns once per model and returns the double-backward values
     (never a silently wrong tangent); ``fisher_vp(method="forward")`` still raises ForwardModeUnsupported."""
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
-
-        def forward(self, x):
-            return self.head(SquareNoJvp.apply(self.inp(x)))
-
-    torch.manual_seed(0)
-    model = Model().double()
-    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    model, x, y = _no_jvp_case()
     p = sum(q.numel() for q in model.parameters())
     stacked = torch.randn(3, p, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match="double backward"):
@@ -599,17 +589,7 @@ def test_gammas_fallback_warning_gives_the_reason():
     """The fallback's warning quotes the first line of the error that stopped the batched pass."""
     import warnings
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
-
-        def forward(self, x):
-            return self.head(SquareNoJvp.apply(self.inp(x)))
-
-    torch.manual_seed(0)
-    model = Model().double()
-    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    model, x, y = _no_jvp_case()
     p = sum(q.numel() for q in model.parameters())
     stacked = torch.randn(2, p, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     try:
@@ -623,7 +603,7 @@ def test_gammas_fallback_warning_gives_the_reason():
         warnings.simplefilter("always")
         ief.gammas(model, x, y, stacked)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert messages == [f"ief.gammas: the batched forward-mode pass is not available for this Model ({reason}); using "
+    assert messages == [f"ief.gammas: the batched forward-mode pass is not available for this _NoJvpModel ({reason}); using "
                         "double backward (same values, one backward-type pass per direction)"]
 
 

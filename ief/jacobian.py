@@ -437,7 +437,10 @@ class _Capture:
     raises (and by ``__exit__``). Autograd then reaches ``p`` itself only through its uses outside its hooked calls
     (normally none: the guard's structural check), and a backward that asks for ``params`` never computes the hooked
     layers' batch weight gradients (their stand-ins are not asked for); the records also keep every call's output
-    gradient edge (``rec[3]``), which such a backward asks for instead so that it reaches every hooked call.
+    gradient edge (``edges[k]``, beside the records, never in them: a record is reachable from the graph through its
+    gradient hook, so an edge inside it would close a cycle through C++ that Python's collector cannot see, and every
+    call would leak its graph and activations), which such a backward asks for instead so that it reaches every
+    hooked call.
     ``stand_ins[i]``: the stand-ins made for parameter ``i`` (one per call), for a backward that needs the whole
     gradient (:meth:`leaves`). Calls with gradients off run with the real parameters."""
 
@@ -462,6 +465,7 @@ class _Capture:
                 covered.update(owned.values())
         self.hooked = covered
         self.records: dict[int, list] = {}  # k -> [[input, output grad, sample axis], ...] in call order
+        self.edges: dict[int, list] = {}  # k -> the gradient edges of its recorded calls' outputs (stand-ins only)
         self.demoted: dict[int, str] = {}  # parameter index -> why its hooked module fell back to the loop
         self.handles: list = []
 
@@ -469,6 +473,7 @@ class _Capture:
         self.stand_ins.clear()
         for k, (module, _, _, owned) in enumerate(self.modules):
             self.records[k] = []
+            self.edges[k] = []
             # first of the module's forward hooks: the output as the layer returned it (another hook may replace it)
             self.handles.append(module.register_forward_hook(self._forward_hook(k), prepend=True))
             if self.swap:  # last of the pre-hooks, first of the hooks: other hooks see the real parameters
@@ -513,20 +518,20 @@ class _Capture:
     def _forward_hook(self, k: int):
         if not self.swap:
             return recording_hook(self.records[k], slots=3)  # [input, output grad, sample axis]
-        calls = self.records[k]
-        record = recording_hook(calls, slots=4)  # [input, output grad, sample axis, output gradient edge]
+        calls, edges = self.records[k], self.edges[k]
+        record = recording_hook(calls, slots=3)  # [input, output grad, sample axis]
 
         def hook(module, args, output):
             n = len(calls)
             record(module, args, output)
             if len(calls) > n:
-                calls[-1][3] = torch.autograd.graph.get_gradient_edge(output)
+                edges.append(torch.autograd.graph.get_gradient_edge(output))
 
         return hook
 
     def output_edges(self) -> list:
         """The gradient edges of the hooked calls' outputs (modules with an established sample axis)."""
-        return [rec[3] for calls in self.records.values() for rec in calls] if self.swap else []
+        return [e for k in self.records for e in self.edges[k]] if self.swap else []
 
     def leaves(self, params: Sequence[torch.Tensor], which: Iterable[int]) -> tuple[list[int], list[torch.Tensor]]:
         """``(owners, leaves)``: the parameters ``which`` (in that order), then the stand-ins made for them; a
@@ -626,6 +631,7 @@ class _Capture:
             self.hooked -= set(entry[3].values())
         self.modules = [e for _, e in kept]
         self.records = {new: self.records[old] for new, (old, _) in enumerate(kept)}
+        self.edges = {new: self.edges[old] for new, (old, _) in enumerate(kept)}
 
     def demote_outside_uses(self, reached: set[int], names: Sequence[str]) -> None:
         """Demote the modules of hooked parameters that the graph reaches outside their hooked calls (``reached``:

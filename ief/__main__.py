@@ -76,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="runs", help="trial runs go to OUT/lr-search/lr=<lr>/...; the record to "
                    "OUT/lr-search/<scale>-<setup>.json")
     r.add_argument("--record", default=None, metavar="PATH", help="also write the record here")
+    r.add_argument("--missing", action="store_true",
+                   help="run only the rates that OUT's record has no trial of (a grid extended after a search)")
     r.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return p
 
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             from .experiments.search import search
 
             record = search(args.setup, args.scale, args.out, optimizers=args.optimizer or None, seed=args.seed,
-                            progress=not args.no_progress, wait_lock=args.wait_lock)
+                            progress=not args.no_progress, wait_lock=args.wait_lock, missing_only=args.missing)
             if args.record:
                 store.write_json(args.record, record)
             return 0

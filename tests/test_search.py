@@ -17,24 +17,67 @@ from ief.experiments.summaries import final_train_loss
 
 def test_grids_are_the_papers():
     """sec:app-optimiser (PEFT) and sec:app-mlp-cifar10 (MLP), value for value; 'ours' only where the paper ran no
-    search for that optimiser and method."""
+    search for that optimiser and method; rates beyond the paper's only where the cpu search chose an edge of its
+    grid, each saying so."""
     pt, lora, mlp = S.GRIDS["pt"], S.GRIDS["lora"], S.GRIDS["mlp"]
     for g in (pt, lora):
-        assert g["sgd"].values == (0.1, 1, 10, 20, 50, 100) and g["ief"].values == (1, 10, 50, 100)
-    assert pt["ef"].values == pt["sf"].values == (1e-3, 5e-3, 1e-2, 1e-1, 1, 10)
-    assert lora["ef"].values == lora["sf"].values == (1e-3, 5e-3, 1e-2, 1e-1, 1)
-    assert sorted(lora["adamw"].values) == [1e-4, 5e-4, 1e-3]
-    assert (mlp["adam"].values, mlp["sgd"].values, mlp["ief"].values, mlp["sf"].values) == (
+        assert g["sgd"].paper == (0.1, 1, 10, 20, 50, 100) and g["ief"].paper == (1, 10, 50, 100)
+    assert pt["ef"].paper == pt["sf"].paper == (1e-3, 5e-3, 1e-2, 1e-1, 1, 10)
+    assert lora["ef"].paper == lora["sf"].paper == (1e-3, 5e-3, 1e-2, 1e-1, 1)
+    assert sorted(lora["adamw"].paper) == [1e-4, 5e-4, 1e-3]
+    assert (mlp["adam"].paper, mlp["sgd"].paper, mlp["ief"].paper, mlp["sf"].paper) == (
         (5e-5, 1e-4, 5e-4), (0.01, 0.1, 0.5), (10, 50, 100), (0.01, 0.1, 0.5))
-    assert mlp["ef"].values == (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+    assert mlp["ef"].paper == (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
     ours = {(k, o) for k, grids in S.GRIDS.items() for o, g in grids.items() if g.source.startswith("ours")}
     assert ours == {("pt", "adafactor"), ("pt", "adamw"), ("lora", "adafactor"), ("mlp", "adamw"),
                     ("mlp", "adafactor")}
+    for grids in S.GRIDS.values():
+        for g in grids.values():
+            assert g.values == tuple(sorted(set(g.paper) | set(g.extended)))
+            assert bool(g.extended) == bool(g.extension_source)
+            assert not g.extended or g.extension_source.startswith("ours, added because the cpu search chose")
     for name in CPU_SETUPS:  # every registered optimiser of a cpu setup has a grid
         cfg = resolve(name, "cpu")
         assert all(S.grid(cfg, o).values for o in cfg.optimizers)
     with pytest.raises(ValueError, match="valid optimizers: adamw, adafactor, sgd, ef, sf, ief$"):
         S.grid(resolve("tweets-minilm-lora", "cpu"), "adam")
+
+
+@pytest.mark.parametrize("name", CPU_SETUPS)
+def test_every_cpu_search_brackets_its_choice(name):
+    """Issue 19: a rate at the edge of its grid says nothing about whether a better one lies beyond it, so every
+    committed cpu search chose a rate with a tried rate on each side."""
+    record = S.load_record(name, "cpu")
+    edges = {opt: S.edge(o) for opt, o in record["optimizers"].items()}
+    assert {opt: e for opt, e in edges.items() if e} == {}
+
+
+def test_edge_names_the_edge():
+    assert S.edge({"grid": [1, 10, 100], "chosen_lr": 10}) is None
+    assert S.edge({"grid": [1, 10, 100], "chosen_lr": 1}) == (
+        "chose the smallest rate of its grid (1): the optimum is not bracketed")
+    assert "largest rate of its grid (100)" in S.edge({"grid": [100, 1, 10], "chosen_lr": 100})
+    assert S.edge({"grid": [1, 10], "chosen_lr": None}) == "every rate diverged"
+
+
+def test_missing_runs_only_the_rates_the_record_lacks(tmp_path, monkeypatch):
+    """``--missing`` completes a grid extended after a search: the rates already in OUT's record (at this seed) are
+    not run again, the new ones are, and the record holds both."""
+    calls: list = []
+    monkeypatch.setattr(S, "train", _fake_train(calls))
+    S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], verbose=False)
+    path = tmp_path / "lr-search" / "smoke-digits-mlp.json"
+    record = json.loads(path.read_text())
+    record["optimizers"]["sgd"]["trials"] = record["optimizers"]["sgd"]["trials"][:2]  # as before an extension
+    path.write_text(json.dumps(record))
+    calls.clear()
+    record = S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], verbose=False, missing_only=True)
+    assert [lr for _, lr, _ in calls] == list(S.GRIDS["mlp"]["sgd"].values[2:])
+    assert [t["lr"] for t in record["optimizers"]["sgd"]["trials"]] == list(S.GRIDS["mlp"]["sgd"].values)
+    assert record["command"].endswith("--seed 0 --missing")
+    calls.clear()
+    S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], seed=1, verbose=False, missing_only=True)
+    assert len(calls) == len(S.GRIDS["mlp"]["sgd"].values)  # another seed: nothing of it is in the record
 
 
 def _trial(lr, score, loss, diverged=None):
@@ -132,7 +175,8 @@ def test_search_merges_other_optimisers_and_seeds_into_the_record(tmp_path, monk
     assert [(t["lr"], t["seed"]) for t in sgd["trials"]] == [(lr, k) for lr in S.GRIDS["mlp"]["sgd"].values
                                                              for k in (0, 1)]
     assert sgd["chosen_lr"] == S.GRIDS["mlp"]["sgd"].values[1] == S.choose(sgd["trials"])
-    assert [t["seed"] for t in record["optimizers"]["ief"]["trials"]] == [0, 0, 0]
+    n_ief = len(S.GRIDS["mlp"]["ief"].values)
+    assert [t["seed"] for t in record["optimizers"]["ief"]["trials"]] == [0] * n_ief
     S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], seed=1, verbose=False)  # again: nothing doubled
     assert json.loads(path.read_text())["optimizers"] == record["optimizers"]
 
@@ -143,8 +187,8 @@ def test_search_merges_other_optimisers_and_seeds_into_the_record(tmp_path, monk
     path.write_text(json.dumps(old))
     S.search("digits-mlp", "smoke", tmp_path, optimizers=["ief"], seed=2, verbose=False)
     record = json.loads(path.read_text())
-    assert [t["seed"] for t in record["optimizers"]["ief"]["trials"]] == [0, 2] * 3
-    assert [t["seed"] for t in record["optimizers"]["sgd"]["trials"]] == [0, 0, 0]
+    assert [t["seed"] for t in record["optimizers"]["ief"]["trials"]] == [0, 2] * n_ief
+    assert [t["seed"] for t in record["optimizers"]["sgd"]["trials"]] == [0] * len(S.GRIDS["mlp"]["sgd"].values)
 
 
 def test_a_record_carries_when_at_which_commit_and_by_which_command_it_was_made(tmp_path, monkeypatch):

@@ -45,39 +45,65 @@ PAPER_MLP = "paper: sec:app-mlp-cifar10"
 
 @dataclass(frozen=True)
 class Grid:
-    values: tuple[float, ...]
+    """A learning-rate grid: ``paper`` (the paper's values, or ours where it ran no search) and ``extended`` (rates we
+    added because the cpu search chose an edge of ``paper``: a search must bracket its optimum, issue 19), with where
+    each comes from. ``values``: all of them, ascending."""
+    paper: tuple[float, ...]
     source: str
+    extended: tuple[float, ...] = ()
+    extension_source: str = ""
+
+    @property
+    def values(self) -> tuple[float, ...]:
+        return tuple(sorted(set(self.paper) | set(self.extended)))
+
+    def extend(self, values: tuple[float, ...], why: str) -> "Grid":
+        return Grid(self.paper, self.source, tuple(sorted(set(self.extended) | set(values))), why)
+
+
+def _edge(why: str) -> str:
+    return f"ours, added because the cpu search chose {why} of the paper's grid: a search must bracket its optimum"
 
 
 _PEFT_COMMON = {
     "sgd": Grid((0.1, 1.0, 10.0, 20.0, 50.0, 100.0), PAPER_PEFT),
     "ief": Grid((1.0, 10.0, 50.0, 100.0), PAPER_PEFT),
 }
+_IEF_BELOW = (0.03, 0.1, 0.3)  # iEF in ief's sum convention steps further per unit lr than the paper's token mean
 GRIDS: dict[str, dict[str, Grid]] = {
     "pt": {
         **_PEFT_COMMON,
+        "ief": _PEFT_COMMON["ief"].extend(_IEF_BELOW, _edge("iEF's smallest rate (1) on both tweets setups")),
         "ef": Grid((1e-3, 5e-3, 1e-2, 1e-1, 1.0, 10.0), PAPER_PEFT),
         "sf": Grid((1e-3, 5e-3, 1e-2, 1e-1, 1.0, 10.0), PAPER_PEFT + " (EF's grid: 'the same set of hyperparameters')"),
         "adafactor": Grid((0.03, 0.1, 0.3), "ours: the paper uses 0.3 unsearched (from the prompt-tuning paper); "
-                                            "0.3 and two smaller values"),
+                                            "0.3 and two smaller values").extend(
+            (3e-3, 1e-2), _edge("the smallest rate (0.03) on tweets-minilm-pt")),
         "adamw": Grid((1e-4, 1e-3, 1e-2, 3e-2), "ours: AdamW is not run for prompt tuning in the paper; the LoRA "
                                                 "grid's 1e-4 and 1e-3 plus the larger rates prompts usually need"),
     },
     "lora": {
         **_PEFT_COMMON,
-        "adamw": Grid((1e-4, 5e-4, 1e-3), PAPER_PEFT),
+        "ief": _PEFT_COMMON["ief"].extend(_IEF_BELOW, _edge("iEF's smallest rate (1) on both tweets setups")),
+        "adamw": Grid((1e-4, 5e-4, 1e-3), PAPER_PEFT).extend((3e-3, 1e-2), _edge("the largest rate (1e-3)")),
         "ef": Grid((1e-3, 5e-3, 1e-2, 1e-1, 1.0), PAPER_PEFT),
-        "sf": Grid((1e-3, 5e-3, 1e-2, 1e-1, 1.0), PAPER_PEFT + " (EF's grid: 'the same strategy and hyperparameters')"),
-        "adafactor": Grid((1e-4, 1e-3, 1e-2), "ours: Adafactor is not run for LoRA in the paper; AdamW's scale"),
+        "sf": Grid((1e-3, 5e-3, 1e-2, 1e-1, 1.0), PAPER_PEFT + " (EF's grid: 'the same strategy and hyperparameters')"
+                   ).extend((3.0, 10.0), _edge("the largest rate (1)")),
+        "adafactor": Grid((1e-4, 1e-3, 1e-2), "ours: Adafactor is not run for LoRA in the paper; AdamW's scale"
+                          ).extend((3e-2, 1e-1), _edge("the largest rate (1e-2)")),
     },
     "mlp": {
-        "adam": Grid((5e-5, 1e-4, 5e-4), PAPER_MLP),
-        "sgd": Grid((0.01, 0.1, 0.5), PAPER_MLP),
-        "ief": Grid((10.0, 50.0, 100.0), PAPER_MLP),
+        "adam": Grid((5e-5, 1e-4, 5e-4), PAPER_MLP).extend((1e-3, 5e-3, 1e-2, 2e-2, 5e-2),
+                                                            _edge("the largest rate (5e-4)")),
+        "sgd": Grid((0.01, 0.1, 0.5), PAPER_MLP).extend((1.0, 2.0, 5.0), _edge("the largest rate (0.5)")),
+        "ief": Grid((10.0, 50.0, 100.0), PAPER_MLP).extend((0.3, 1.0, 3.0), _edge("the smallest rate (10)")),
         "sf": Grid((0.01, 0.1, 0.5), PAPER_MLP),
-        "ef": Grid((1e-5, 1e-4, 1e-3, 1e-2, 1e-1), PAPER_MLP),
-        "adamw": Grid((5e-5, 1e-4, 5e-4), "ours: AdamW is not run for the MLP in the paper; Adam's grid"),
-        "adafactor": Grid((1e-4, 1e-3, 1e-2), "ours: Adafactor is not run for the MLP in the paper; Adam's scale"),
+        "ef": Grid((1e-5, 1e-4, 1e-3, 1e-2, 1e-1), PAPER_MLP).extend((0.3, 1.0, 3.0, 10.0, 30.0),
+                                                                    _edge("the largest rate (0.1)")),
+        "adamw": Grid((5e-5, 1e-4, 5e-4), "ours: AdamW is not run for the MLP in the paper; Adam's grid").extend(
+            (1e-3, 5e-3, 1e-2, 2e-2, 5e-2), _edge("the largest rate (5e-4), as Adam's")),
+        "adafactor": Grid((1e-4, 1e-3, 1e-2), "ours: Adafactor is not run for the MLP in the paper; Adam's scale"
+                          ).extend((3e-2, 1e-1), _edge("the largest rate (1e-2)")),
     },
 }
 
@@ -130,7 +156,9 @@ def _trial(summary: dict[str, Any], lr: float, losses: list[float]) -> dict[str,
             "final_train_loss_updates": final_window(len(losses)) if losses else 0, "train_losses": losses,
             "validation_score": best["score"], "validation": best["metrics"], "best_step": best["step"],
             "steps": summary["steps"], "diverged": summary["diverged"]["step"] if summary["diverged"] else None,
-            "test": summary["test"], "wall_time_s": summary["wall_time_s"]}
+            "test": summary["test"], "wall_time_s": summary["wall_time_s"],
+            "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": git_commit()}
 
 
 def final_loss_definition(trial: dict[str, Any]) -> str:
@@ -153,14 +181,16 @@ def _merge_trials(old: list[dict[str, Any]], new: list[dict[str, Any]], seed_of_
 
 
 def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimizers: list[str] | None = None,
-           seed: int = 0, progress: bool = True, verbose: bool = True, wait_lock: bool = False) -> dict[str, Any]:
+           seed: int = 0, progress: bool = True, verbose: bool = True, wait_lock: bool = False,
+           missing_only: bool = False) -> dict[str, Any]:
     """Run every learning rate of every optimiser's grid (finished runs are skipped, interrupted ones resume) and
     return the record: the grids, every trial's numbers, the chosen rates, and when (``created``, UTC), at which
     ``commit`` (``None`` outside git) and by which ``command`` it was written. Also written to
     ``OUT/lr-search/<scale>-<setup>.json``, merged with what is there: a search of other optimisers or another seed
     adds its trials (each trial names its ``seed``; ``seeds`` lists them) and the choices are made again over all
     of an optimiser's trials. ``wait_lock``: wait for a trial that another process is running (see
-    :func:`~ief.experiments.runner.train`)."""
+    :func:`~ief.experiments.runner.train`). ``missing_only``: run only the rates of each grid that ``OUT``'s record
+    holds no trial of (at this seed) -- how a grid extended after a search is completed without re-running the rest."""
     cfg = resolve(setup, scale)
     names = list(optimizers) if optimizers else [o for o in OPTIMIZERS if o in cfg.optimizers]
     grids = {name: grid(cfg, name) for name in names}  # unknown names fail before anything runs
@@ -169,9 +199,15 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
     folder = Path(out) / "lr-search"
     path = folder / f"{scale}-{setup}.json"
     results: dict[str, list[dict[str, Any]]] = {}
+    have: set[tuple[str, float]] = set()
+    if missing_only and path.exists():
+        for name, o in store.read_json(path).get("optimizers", {}).items():
+            have |= {(name, t["lr"]) for t in o["trials"] if t.get("seed", seed) == seed}
     for name, g in grids.items():
         results[name] = []
         for lr in g.values:
+            if (name, lr) in have:
+                continue
             summary = train(setup, name, seed, scale, trial_dir(out, lr), lr=lr, progress=progress, verbose=verbose,
                             wait_lock=wait_lock)
             losses = store.read_run(run_dir(trial_dir(out, lr), scale, setup, name, seed))["losses"]
@@ -196,7 +232,7 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
             # they carried these have none: their readers say so rather than guess)
             "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "commit": git_commit(),
-            "command": search_command(setup, scale, optimizers, seed),
+            "command": search_command(setup, scale, optimizers, seed, missing_only),
         }
         for name, o in (old["optimizers"] if old is not None else {}).items():  # every trial names its seed
             record["optimizers"][name] = {**o, "trials": _merge_trials(o["trials"], [], old_seed, tuple(o["grid"]))}
@@ -206,7 +242,8 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
             chosen = choose(trials)
             base = cfg.optimizers[name]
             record["optimizers"][name] = {
-                "grid": list(g.values), "grid_source": g.source, "chosen_lr": chosen, "trials": trials,
+                "grid": list(g.values), "grid_source": g.source, "grid_extended": list(g.extended),
+                "extension_source": g.extension_source or None, "chosen_lr": chosen, "trials": trials,
                 "fixed": {"damping": base.damping, "weight_decay": base.weight_decay, "schedule": base.schedule,
                           "milestones": list(base.milestones)},
             }
@@ -233,10 +270,24 @@ def git_commit(root: str | Path | None = None) -> str | None:
     return out.stdout.strip() or None
 
 
-def search_command(setup: str, scale: str, optimizers: list[str] | None, seed: int) -> str:
+def search_command(setup: str, scale: str, optimizers: list[str] | None, seed: int, missing_only: bool = False) -> str:
     """The command line that makes (or extends) a search record as :func:`search` was called."""
     chosen = "".join(f" --optimizer {name}" for name in optimizers or [])
-    return f"python -m ief search --setup {setup} --scale {scale}{chosen} --seed {seed}"
+    return f"python -m ief search --setup {setup} --scale {scale}{chosen} --seed {seed}" + (
+        " --missing" if missing_only else "")
+
+
+def edge(optimizer_record: dict[str, Any]) -> str | None:
+    """``None`` when an optimiser's chosen rate is interior to its grid (a rate on each side of it was tried);
+    otherwise a sentence naming the edge it chose."""
+    grid_values = sorted(optimizer_record["grid"])
+    chosen = optimizer_record["chosen_lr"]
+    if chosen is None:
+        return "every rate diverged"
+    if grid_values[0] < chosen < grid_values[-1]:
+        return None
+    side = "smallest" if chosen == grid_values[0] else "largest"
+    return f"chose the {side} rate of its grid ({chosen:g}): the optimum is not bracketed"
 
 
 def record_path(setup: str, scale: str = "cpu") -> Path:

@@ -200,7 +200,7 @@ def _mlp_optimizers(source: str, milestone: int, token_mean: bool = True) -> dic
 # validation score. The records, with every trial, are ief/experiments/lr_search/cpu-<setup>.json; a test keeps this
 # table equal to them.
 CPU_LEARNING_RATES: dict[str, dict[str, float]] = {
-    "digits-mlp": {"adam": 5e-4, "adamw": 5e-4, "adafactor": 1e-3, "sgd": 0.5, "ief": 10.0, "ef": 0.1, "sf": 0.1},
+    "digits-mlp": {"adam": 1e-2, "adamw": 1e-2, "adafactor": 1e-2, "sgd": 0.5, "ief": 3.0, "ef": 10.0, "sf": 0.1},
     "tweets-minilm-lora": {"adamw": 1e-3, "adafactor": 1e-2, "sgd": 1.0, "ief": 1.0, "ef": 0.1, "sf": 1.0},
     "tweets-minilm-pt": {"adafactor": 0.03, "adamw": 1e-2, "sgd": 1.0, "ief": 1.0, "ef": 0.1, "sf": 1.0},
 }

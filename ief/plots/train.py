@@ -199,8 +199,10 @@ def _short(definition: str) -> str:
 
 
 def loss_definitions(records: dict) -> dict[str, str]:
-    """Per setup, what its recorded trials' ``final_train_loss`` averages, in words (several: joined by "; ")."""
-    return {name: "; ".join(sorted({final_loss_definition(t) for o in r["optimizers"].values() for t in o["trials"]}))
+    """Per setup, what its recorded trials' ``final_train_loss`` averages, in words (several: joined by "; "). A
+    diverged trial, whose updates stop at the divergence, is left out (its loss is over the updates it made)."""
+    return {name: "; ".join(sorted({final_loss_definition(t) for o in r["optimizers"].values() for t in o["trials"]
+                                    if not t.get("diverged")}))
             for name, r in records.items()}
 
 
@@ -297,7 +299,8 @@ def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame,
         rows.append({"setup": name, "paper setup": full.name, "paper iEF lr": paper_lr, "batch M": full.batch_size,
                      "paper lr / M (our convention)": round(paper_lr / full.batch_size, 2),
                      "our grid": ", ".join(f"{v:g}" for v in rec["grid"]), "chosen here": rec["chosen_lr"],
-                     "chosen = smallest of the grid": rec["chosen_lr"] == min(rec["grid"])})
+                     "chosen below the paper's grid": rec["chosen_lr"] < min(set(rec["grid"]) -
+                                                                             set(rec.get("grid_extended", [])))})
         glue[f"ief_lr_{name.replace('-', '_')}"] = f"{rec['chosen_lr']:g}"
         if full.method == "scratch":
             continue
@@ -331,7 +334,17 @@ def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame,
         glue["one_class_accuracies"] = f"not computed here: {err}"
     glue["update_counts"] = ", ".join(f"{next(iter(r['optimizers'].values()))['trials'][0]['steps']} updates for "
                                       f"{name}" for name, r in records.items())
-    glue["ief_lr_at_grid_edge"] = f"{int(conventions['chosen = smallest of the grid'].sum())} of {len(conventions)}"
+    below = conventions["chosen below the paper's grid"]
+    glue["ief_lr_below_paper_grid"] = f"{int(below.sum())} of {len(conventions)}"
+    glue["ief_paper_grid_smallest"] = ", ".join(sorted({f"{min(set(records[n]['optimizers']['ief']['grid']) - set(records[n]['optimizers']['ief'].get('grid_extended', []))):g}" for n in paper_ief}))
+    extended = [(n, LABELS[o], rec) for n, r in records.items() for o, rec in r["optimizers"].items()
+                if rec.get("grid_extended")]
+    glue["extended_grids"] = "; ".join(
+        f"{label} on {n} (added {', '.join(f'{v:g}' for v in rec['grid_extended'])}; chosen {rec['chosen_lr']:g})"
+        for n, label, rec in extended) or "none"
+    glue["extended_grid_count"] = f"{len(extended)} of {sum(len(r['optimizers']) for r in records.values())}"
+    glue["extended_trials"] = str(sum(1 for _, _, rec in extended for t in rec["trials"]
+                                      if t["lr"] in rec["grid_extended"]))
     not_lowest = []
     for name, r in records.items():
         for o, rec in r["optimizers"].items():

@@ -206,3 +206,24 @@ def test_blockdiag_check_on_a_smoke_run(tmp_path):
     assert summary["package64_rel_err"] < 1e-6
     assert summary["package_rel_err"] < 1e-2
     assert summary["ngd"] <= min(v for k, v in summary.items() if k in DENSE_METHODS) + 1e-12
+
+
+def test_check_glue_states_the_verdicts_the_numbers_give():
+    from ief.experiments.blockdiag_check import CHECK_KEYS, check_glue
+
+    base = {"ief": 0.5, "iekfac": 0.4, "ekfac": 0.8, "kfac": 0.6, "blockdiag_ief": 0.51, "ngd": 0.3,
+            "span_best": 0.39, "iekfac_over_ief": 0.8, "ief_undamped": 0.5, "iekfac_undamped": 0.41,
+            "blockdiag_ief_over_ief": 1.02, "iekfac_outside_span": 0.999, "package_rel_err": 1e-4,
+            "package64_rel_err": 1e-9, "s_spread": 100.0}
+    args = dict(setup="digits-mlp", stage=50, batches=2, records_ratio=0.82, spreads={"digits-mlp": 2471.4},
+                ekfac_over_iekfac={"digits-mlp": 2.1, "other": None})
+    glued = check_glue(base, **args)
+    assert tuple(glued) == CHECK_KEYS
+    assert glued["kc_real_verdict"] == "is below" and "persists" in glued["kc_damping_verdict"]
+    assert "not what helps" in glued["kc_blockdiag_verdict"] and "agree" in glued["kc_bug_verdict"]
+    assert glued["kc_s_spreads"] == "digits-mlp: ×2.47e+03" and glued["kc_ek_over_iek"] == "digits-mlp: 2.100, other: n/a"
+    worse = check_glue({**base, "iekfac_undamped": 0.6, "blockdiag_ief_over_ief": 0.7, "package64_rel_err": 1e-3},
+                       **args)
+    assert "damping decides" in worse["kc_damping_verdict"] and "DISAGREE" in worse["kc_bug_verdict"]
+    assert "restriction itself matters" in worse["kc_blockdiag_verdict"]
+    assert check_glue({**base, "iekfac": 0.6}, **args)["kc_real_verdict"] == "is not below"

@@ -328,3 +328,104 @@ def check_summary(table: pd.DataFrame) -> dict[str, float]:
         pk = damped.dropna(subset=[col])
         out[f"{col}_rel_err"] = float(((pk[col] - pk["gamma"]).abs() / pk["gamma"]).max())
     return out
+
+
+def s_spread(runs_dir: str | Path, setup: str, scale: str = "cpu", *, seed: int = 0, stage: int = 50) -> float:
+    """Mean over the evaluation job's batches of ``max_n s_n / min_n s_n`` (``s_n = ||grad_z l_n||^2``,
+    ``eqn:s_ief``) at a stage checkpoint of the baseline run: one forward per batch, any setup.
+
+    At 1 every sample of a batch has the same ``s_n`` and ieKFAC is eKFAC rescaled (the same ``gamma``); the larger
+    it is, the more the two can differ. ``inf`` when a sample has ``s_n = 0``.
+
+    Raises:
+        FileNotFoundError: no such checkpoint.
+    """
+    from ..losses import logit_sqnorm
+    from .evaluate_runs import DEFAULTS
+
+    cfg = resolve(setup, scale)
+    optimizer = BASELINE[cfg.method]
+    path = run_dir(runs_dir, scale, setup, optimizer, seed) / "checkpoints" / f"stage-{stage:03d}.pt"
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint {path}; train the baseline first: python -m ief train --setup {setup} "
+                                f"--scale {scale} --optimizer {optimizer} --seed {seed} --out {runs_dir}")
+    knobs = DEFAULTS[scale]
+    model, _, fixed, _ = _evaluation_inputs(cfg, setup, seed, knobs["batch_size"] or cfg.batch_size, knobs["batches"],
+                                            False)
+    store.load_trainable(model, store.read_torch(path))
+    spreads = []
+    with torch.no_grad():
+        for inputs, targets in fixed:
+            out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+            s = logit_sqnorm(get_loss("cross_entropy"), getattr(out, "logits", out), targets).to(torch.float64)
+            spreads.append(math.inf if float(s.min()) == 0 else float(s.max() / s.min()))
+    return float(sum(spreads) / len(spreads))
+
+
+def _pct(x: float) -> str:
+    return f"{x:.1e}" if x < 1e-3 else f"{x:.2g}"
+
+
+def check_glue(summary: dict[str, float], *, setup: str, stage: int, batches: int, records_ratio: float | None,
+               spreads: dict[str, float], ekfac_over_iekfac: dict[str, float | None]) -> dict[str, str]:
+    """The chapter's glued strings for the dense check (``kc_*`` keys), verdict words included: each is computed from
+    the numbers, so a check that comes out otherwise says so.
+
+    Args:
+        summary: :func:`check_summary` of the check's table.
+        setup, stage, batches: where the check ran.
+        records_ratio: the evaluation records' median over stages of ieKFAC/iEF for ``setup`` (``None``: none).
+        spreads: ``{setup: s_spread}`` (:func:`s_spread`) of the block-diagonal setups at ``stage``.
+        ekfac_over_iekfac: ``{setup: eKFAC/ieKFAC}`` of the records' mean ratios at ``stage``.
+    """
+    f = lambda x: "n/a" if x is None or not math.isfinite(x) else f"{x:.3f}"  # noqa: E731
+    agree = summary["package64_rel_err"] < 1e-6
+    below = summary["iekfac"] < summary["ief"]
+    undamped_below = summary.get("iekfac_undamped", summary["iekfac"]) < summary.get("ief_undamped", summary["ief"])
+    block_close = abs(summary["blockdiag_ief_over_ief"] - 1.0) < 0.1
+    return {
+        "kc_setup": setup, "kc_stage": f"{stage}%", "kc_batches": str(batches),
+        "kc_records_ratio": f(records_ratio),
+        "kc_pkg64_err": _pct(summary["package64_rel_err"]), "kc_pkg_err": _pct(summary["package_rel_err"]),
+        "kc_bug_verdict": ("they agree, so the records are not a bug of ief.kfac or ief.evaluation" if agree else
+                           "they DISAGREE: a bug, to be found before the records are read"),
+        **{f"kc_{k}": f(summary[k]) for k in ("ief", "iekfac", "ekfac", "kfac", "blockdiag_ief", "ngd", "span_best",
+                                               "iekfac_over_ief")},
+        "kc_ief_undamped": f(summary.get("ief_undamped")), "kc_iekfac_undamped": f(summary.get("iekfac_undamped")),
+        "kc_real_verdict": "is below" if below else "is not below",
+        "kc_damping_verdict": ("persists without damping" if undamped_below == below else
+                               "changes sides without damping: the damping decides it"),
+        "kc_blockdiag_verdict": ("within 10 % of full iEF: the block-diagonal restriction is not what helps"
+                                 if block_close else "more than 10 % from full iEF: the restriction itself matters"),
+        "kc_outside": f"{100 * summary['iekfac_outside_span']:.1f} %",
+        "kc_s_spreads": ", ".join(f"{s}: ×{v:.3g}" for s, v in spreads.items()),
+        "kc_ek_over_iek": ", ".join(f"{s}: {f(v)}" for s, v in ekfac_over_iekfac.items()),
+    }
+
+
+CHECK_KEYS = ("kc_setup", "kc_stage", "kc_batches", "kc_records_ratio", "kc_pkg64_err", "kc_pkg_err", "kc_bug_verdict",
+              "kc_ief", "kc_iekfac", "kc_ekfac", "kc_kfac", "kc_blockdiag_ief", "kc_ngd", "kc_span_best",
+              "kc_iekfac_over_ief", "kc_ief_undamped", "kc_iekfac_undamped", "kc_real_verdict", "kc_damping_verdict",
+              "kc_blockdiag_verdict", "kc_outside", "kc_s_spreads", "kc_ek_over_iek")
+
+
+def chapter_check(records: list[dict[str, Any]], runs_dir: str | Path, setups: Sequence[str], scale: str, *,
+                  seed: int = 0, stage: int = 50, batches: int = 2) -> tuple[dict[str, str], pd.DataFrame | None]:
+    """``(glue, table)`` of the evaluation chapter's dense check: :func:`blockdiag_check` on the first MLP setup of
+    ``setups`` (the block-diagonal figure's), :func:`s_spread` and the records' eKFAC/ieKFAC of every one of them at
+    ``stage``. Without an MLP among ``setups`` (the paper's T5 setups at full scale: too large for a dense check)
+    every key reads "not computed at this scale" and the table is ``None``."""
+    from .evaluate_runs import findings, summary_rows
+
+    mlp = [s for s in setups if resolve(s, scale).family == "mlp"]
+    if not mlp:
+        return {k: "not computed at this scale (no MLP setup)" for k in CHECK_KEYS}, None
+    table = blockdiag_check(runs_dir, mlp[0], scale, seed=seed, stage=stage, batches=batches)
+    means = {(r["setup"], r["stage"], r["method"]): r["mean"] for r in summary_rows(records)}
+    ratio = lambda s: (means[(s, stage, "ekfac")] / means[(s, stage, "iekfac")]  # noqa: E731
+                       if (s, stage, "ekfac") in means and (s, stage, "iekfac") in means else None)
+    glue = check_glue(check_summary(table), setup=mlp[0], stage=stage, batches=batches,
+                      records_ratio=findings(records).get(mlp[0], {}).get("iekfac_over_ief"),
+                      spreads={s: s_spread(runs_dir, s, scale, seed=seed, stage=stage) for s in setups},
+                      ekfac_over_iekfac={s: ratio(s) for s in setups})
+    return glue, table

@@ -48,10 +48,15 @@ def test_spike_glue_says_whether_the_spike_persists():
     assert glued["sp_e2_verdict"].startswith("there is no spike at this rate")
     assert glued["sp_threshold"] == "2.56" and glued["sp_asked"] == "lr 1: 0.39, lr 10: 3.9"
     assert glued["sp_search"] == "no learning-rate search is recorded at this scale"
-    assert glued["sp_gram_over_damping"] == "5e+06"
+    assert glued["sp_gram_over_damping"] == "5e+06" and glued["sp_damping_verdict"] == "Damping plays no part"
+    assert glued["sp_rescale_verdict"] == "iEF's rescaling singles out no sample"
+    near_singular = first.assign(gram_min=1e-6, s_spread=3.0)
+    other = spike_glue("digits-mlp", 1.0, 10, runs, None, near_singular)
+    assert other["sp_damping_verdict"] == "Damping can matter here" and "differently" in other["sp_rescale_verdict"]
     spiky = runs.assign(peak_ratio=[14.1], peak_step=[2], last_above=[83])
     assert spike_glue("digits-mlp", 10.0, 10, spiky, None, first)["sp_e2_verdict"] == \
-        "the spike persists at this rate in 1 of 1 seeds"
+        "at this rate 1 of 1 seeds still spike (peak above 1.5× the first loss), the last back below its first " \
+        "loss after update 83"
     with pytest.raises(ValueError, match="at least one E2 run"):
         spike_glue("digits-mlp", 1.0, 10, runs.iloc[:0], None, first)
 

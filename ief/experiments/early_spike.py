@@ -101,7 +101,7 @@ def first_step(setup: str, scale: str, lrs: Sequence[float], seeds: Sequence[int
         raise ValueError(f"learning rates must be finite numbers > 0, got {bad}")
     cfg = resolve(setup, scale)
     rows = []
-    for seed in seeds:
+    for seed in (int(k) for k in seeds):  # numpy integers (a table's seed column) included
         seed_everything(seed)
         data = load_data(cfg)
         model, pre = build_model(cfg, data)
@@ -140,7 +140,8 @@ def first_step(setup: str, scale: str, lrs: Sequence[float], seeds: Sequence[int
 
 SPIKE_KEYS = ("sp_setup", "sp_lr", "sp_seeds", "sp_e2_peaks", "sp_e2_last_above", "sp_e2_verdict", "sp_search",
               "sp_search_source", "sp_loss0", "sp_s0", "sp_s_spread", "sp_threshold", "sp_asked", "sp_batch_after",
-              "sp_train_after", "sp_logit_move", "sp_one_class", "sp_gram_min", "sp_gram_over_damping")
+              "sp_train_after", "sp_logit_move", "sp_one_class", "sp_gram_min", "sp_gram_over_damping",
+              "sp_damping_verdict", "sp_rescale_verdict")
 
 
 def _by_lr(first: pd.DataFrame, column: str, fmt: str = "{:.3g}") -> str:
@@ -178,7 +179,9 @@ def spike_glue(setup: str, lr: float, classes: int, runs: pd.DataFrame, search: 
         "sp_setup": setup, "sp_lr": f"{lr:g}", "sp_seeds": str(len(runs)),
         "sp_e2_peaks": peaks,
         "sp_e2_last_above": ", ".join(str(v) for v in runs["last_above"]) + f" (of {int(runs['steps'].max())})",
-        "sp_e2_verdict": (f"the spike persists at this rate in {spiked} of {len(runs)} seeds" if spiked else
+        "sp_e2_verdict": (f"at this rate {spiked} of {len(runs)} seeds still spike (peak above {spike:g}× the first "
+                          f"loss), the last back below its first loss after update {int(runs['last_above'].max())}"
+                          if spiked else
                           f"there is no spike at this rate (no seed's peak exceeds {spike:g}× its first loss)"),
         "sp_search": searched, "sp_search_source": search_source or "none",
         "sp_s_spread": f"{first['s_spread'].max():.3g}",
@@ -190,4 +193,8 @@ def spike_glue(setup: str, lr: float, classes: int, runs: pd.DataFrame, search: 
         "sp_one_class": _by_lr(first, "one_class", "{:.0%}"),
         "sp_gram_min": f"{first['gram_min'].min():.2g}–{first['gram_min'].max():.2g}",
         "sp_gram_over_damping": "n/a (no damping)" if ratio.isna().all() else f"{ratio.min():.2g}",
+        "sp_damping_verdict": ("Damping plays no part" if ratio.isna().all() or ratio.min() > 1e3 else
+                               "Damping can matter here"),
+        "sp_rescale_verdict": ("iEF's rescaling singles out no sample" if first["s_spread"].max() < 1.5 else
+                               "iEF's rescaling weighs the samples of a first batch differently"),
     }

@@ -36,9 +36,9 @@ import pandas as pd
 import torch
 
 from ..evaluation import batch_generator, evaluate_batch, fresh_generator
-from ..losses import get_loss
-from .evaluate_runs import BASELINE, _evaluation_inputs
+from ..losses import get_loss, logit_sqnorm
 from . import store
+from .evaluate_runs import BASELINE, DEFAULTS, _evaluation_inputs, findings, summary_rows
 from .runner import run_dir
 from .setups import resolve
 
@@ -75,12 +75,8 @@ def _per_sample_quantities(model, params, layers, x, y, sampled):
     a = [[] for _ in layers]
     g_true, g_sampled = [[] for _ in layers], [[] for _ in layers]
     for n in range(m):
-        seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def hook(module, inputs, output, k=None):
-            seen[k] = (inputs[0], output)
-
-        handles = [layer.register_forward_hook(lambda mod, i, o, k=k: hook(mod, i, o, k))
+        seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer k -> (its input, its output)
+        handles = [layer.register_forward_hook(lambda mod, i, o, k=k: seen.__setitem__(k, (i[0], o)))
                    for k, (layer, _) in enumerate(layers)]
         try:
             z = model(x[n : n + 1])
@@ -275,8 +271,6 @@ def blockdiag_check(runs_dir: str | Path, setup: str = "digits-mlp", scale: str 
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint {path}; train the baseline first: python -m ief train --setup {setup} "
                                 f"--scale {scale} --optimizer {optimizer} --seed {seed} --out {runs_dir}")
-    from .evaluate_runs import DEFAULTS
-
     knobs = DEFAULTS[scale]
     m = knobs["batch_size"] or cfg.batch_size
     model, _, fixed, _ = _evaluation_inputs(cfg, setup, seed, m, max(batches, knobs["batches"]), False)
@@ -340,9 +334,6 @@ def s_spread(runs_dir: str | Path, setup: str, scale: str = "cpu", *, seed: int 
     Raises:
         FileNotFoundError: no such checkpoint.
     """
-    from ..losses import logit_sqnorm
-    from .evaluate_runs import DEFAULTS
-
     cfg = resolve(setup, scale)
     optimizer = BASELINE[cfg.method]
     path = run_dir(runs_dir, scale, setup, optimizer, seed) / "checkpoints" / f"stage-{stage:03d}.pt"
@@ -415,8 +406,6 @@ def chapter_check(records: list[dict[str, Any]], runs_dir: str | Path, setups: S
     ``setups`` (the block-diagonal figure's), :func:`s_spread` and the records' eKFAC/ieKFAC of every one of them at
     ``stage``. Without an MLP among ``setups`` (the paper's T5 setups at full scale: too large for a dense check)
     every key reads "not computed at this scale" and the table is ``None``."""
-    from .evaluate_runs import findings, summary_rows
-
     mlp = [s for s in setups if resolve(s, scale).family == "mlp"]
     if not mlp:
         return {k: "not computed at this scale (no MLP setup)" for k in CHECK_KEYS}, None

@@ -84,7 +84,8 @@ def first_step(setup: str, scale: str, lrs: Sequence[float], seeds: Sequence[int
 
     Columns: ``loss`` (the batch's mean loss before), ``s`` (mean ``s_n``), ``s_spread`` (max/min ``s_n``),
     ``asked`` (the first-order decrease of the batch's loss that the update asks for, ``-mean_n grad l_n . delta``,
-    over ``loss``: above 1 the linearised model is asked for more than the whole loss), ``gram_min`` (smallest eigenvalue of ``J J^T``) and ``damping``,
+    over ``loss``: above 1 the linearised model is asked for more than the whole loss), ``gram_min`` (smallest
+    eigenvalue of ``J J^T``) and ``damping``,
     ``batch_after`` / ``train_after`` (mean loss of the same batch / of the whole training set after the update),
     ``logit_move`` (mean ``||z_n' - z_n||`` over the batch) and ``one_class`` (the largest share of the training set
     predicted as one class after the update).

@@ -388,7 +388,7 @@ def check_glue(summary: dict[str, float], *, setup: str, stage: int, batches: in
                                "changes sides without damping: the damping decides it"),
         "kc_blockdiag_verdict": ("within 10 % of full iEF: the block-diagonal restriction is not what helps"
                                  if block_close else "more than 10 % from full iEF: the restriction itself matters"),
-        "kc_outside": f"{100 * summary['iekfac_outside_span']:.1f} %",
+        "kc_outside": f"{100 * summary['iekfac_outside_span']:.2f} %",
         "kc_s_spreads": ", ".join(f"{s}: ×{v:.3g}" for s, v in spreads.items()),
         "kc_ek_over_iek": ", ".join(f"{s}: {f(v)}" for s, v in ekfac_over_iekfac.items()),
     }

@@ -184,7 +184,7 @@ def spike_glue(setup: str, lr: float, classes: int, runs: pd.DataFrame, search: 
                           f"loss), the last back below its first loss after update {int(runs['last_above'].max())}"
                           if spiked else
                           f"there is no spike at this rate (no seed's peak exceeds {spike:g}× its first loss)"),
-        "sp_search": searched, "sp_search_source": search_source or "none",
+        "sp_search": searched, "sp_search_source": search_source or "no record at this scale",
         "sp_s_spread": f"{first['s_spread'].max():.3g}",
         "sp_loss0": f"{first['loss'].min():.3g}–{first['loss'].max():.3g}",
         "sp_s0": f"{first['s'].min():.3g}–{first['s'].max():.3g}",

@@ -126,6 +126,9 @@ def test_every_number_the_chapter_glues_is_computed():
     recs, found = _records()
     keys = set(chapter_glue(recs, found, "cpu", cite)) | {"n_batches", "batch_sizes", "stages", "damping_e1",
                                                           "cg_iterations", "eval_seconds", "scale_caveat"}
+    from ief.experiments.blockdiag_check import CHECK_KEYS  # the dense check's cell (chapter_check)
+
+    keys |= set(CHECK_KEYS)
     assert _notebook_glue_keys() <= keys, _notebook_glue_keys() - keys
 
 

@@ -111,12 +111,14 @@ def test_seed_table_has_every_pair_with_its_seeds():
     from ief.plots.optimisation import seed_table
 
     table, curves, opts = _grid()
-    pairs = seed_table(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"})
-    row = pairs.loc[("tweets-minilm-lora", "loss ranking", "iEF < AdamW")]
+    pairs = seed_table(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"}).reset_index()
+    assert list(pairs.columns) == ["setup", "claim", "pair", "per-seed differences", "seeds", "sign agreement",
+                                   "verdict"]
+    row = pairs[pairs.pair == "iEF < AdamW"].iloc[0]
     assert row["per-seed differences"] == "-0.1, -0.1, -0.1" and row["seeds"] == "0, 1, 2"
     assert row["sign agreement"] == "3 of 3 seeds in favour, 0 against" and row["verdict"] == "holds"
-    assert len(pairs.loc[("tweets-minilm-lora", "loss ranking")]) == 10
-    on_par = pairs.loc[("tweets-minilm-lora", "ief vs baseline", "iEF on par with AdamW (test)")]
+    assert (pairs.claim == "loss ranking").sum() == 10
+    on_par = pairs[pairs.pair == "iEF on par with AdamW (test)"].iloc[0]
     assert on_par["per-seed differences"] == "+0, -0.2, -0.4"
 
 

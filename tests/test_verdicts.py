@@ -330,7 +330,10 @@ def test_ef_unstable_is_the_largest_loss_rise():
     calm = curves_of({"ef": [_run("down")] * 3, "sgd": [_run("rise")] * 3, "ief": [_run("down")] * 3})
     got = verdict("e2_ef_unstable", None, calm, opts)["lora"]
     assert got.verdict == V.FAILS
-    assert got.failures[0] == "EF's loss rise 1× is not the largest: SGD 1.71×"
+    assert got.failures == ("EF's loss rise 1× is not the largest: SGD 1.71×",)
+    both = curves_of({"ef": [_run("down")] * 3, "sgd": [_run("rise")] * 3, "ief": [_run("rise", level=2.0)] * 3})
+    got = verdict("e2_ef_unstable", None, both, opts)["lora"]
+    assert got.failures == ("EF's loss rise 1× is not the largest: SGD 1.71×, iEF 1.71×",)
     mixed = curves_of({"ef": [_run("rise"), _run("down"), _run("rise")], "sgd": [_run("down"), _run("rise"),
                                                                                    _run("down")]})
     assert verdict("e2_ef_unstable", None, mixed, {"lora": ["sgd", "ef"]})["lora"].verdict == V.INCONCLUSIVE

@@ -269,12 +269,13 @@ def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
                method: dict[str, str] | None = None) -> pd.DataFrame:
     """The E2 rankings decided over seeds (:mod:`ief.experiments.verdicts`): one row per setup, claim and pair with
     the per-seed differences (signed so that negative is in favour of the claim; losses as they are, loss rises as
-    factors, test scores in percentage points), the sign agreement and the pair's verdict."""
+    factors, test scores in percentage points), the sign agreement and the pair's verdict. The pairs of
+    ``e2_ief_lowest`` are the loss ranking's pairs with iEF, shown once, under the ranking."""
     from ..experiments.verdicts import E2_RULES, RULES
 
     opts = {s: list(opts[s]) for s in setups}
     rows = []
-    for name in E2_RULES:
+    for name in (n for n in E2_RULES if n != "e2_ief_lowest"):
         args = (table, curves, opts) + ((method,) if name == "e2_ief_vs_baseline" else ())
         for v in RULES[name].evaluate(*args):
             for p in v.pairs:

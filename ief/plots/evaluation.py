@@ -245,7 +245,8 @@ def verdict_glue(records: list[dict[str, Any]], names: Sequence[str]) -> dict[st
     for name in names:
         rule = RULES[name]
         found = rule.evaluate(records)
-        out[f"rule_{name}"] = rule.statement + " " + rule.why
+        why = rule.why.replace(WHY_T, "").strip()  # the paired-batch reason is glued once, as rule_decided
+        out[f"rule_{name}"] = rule.statement + (" " + why if why else "")
         out[f"v_{name}"] = summary(found)
         out[f"d_{name}"] = "; ".join(f"{v.subject}: {v.detail}" for v in found) or "not measured at this scale"
     return out

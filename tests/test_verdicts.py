@@ -392,3 +392,9 @@ def test_every_rule_states_its_claim_label_and_thresholds():
     for rule in V.RULES.values():
         assert rule.statement and rule.why and rule.claim
         assert "Fig." in cite(rule.label) or "Sec" in cite(rule.label) or "Table" in cite(rule.label), rule.label
+
+
+def test_a_constant_curve_has_no_correlation_and_decides_nothing():
+    stages = {0: {"ef": 1.0, "sf": 0.8}, 50: {"ef": 1.0, "sf": 1.0}, 100: {"ef": 1.0, "sf": 1.5}}
+    got = verdict("e1_imbalance", e1(stages, imbalance={0: 2.0, 50: 4.0, 100: 8.0}))["s"]
+    assert got.verdict == V.INCONCLUSIVE and "log EF/SGD undefined" in got.detail

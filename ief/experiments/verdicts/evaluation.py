@@ -112,9 +112,11 @@ def _imbalance_tracks(records):
         for m, name in (("ef", "EF"), ("sf", "SF")):
             pts = [(np.mean([row["imbalance"] for row in batches[s].values() if "imbalance" in row]),
                     np.mean(_paired(batches[s], m))) for s in stages if _paired(batches[s], m)]
-            corr[name] = float(np.corrcoef(np.array(pts).T)[0, 1]) if len(pts) >= 3 else float("nan")
+            xy = np.array(pts, dtype=float).reshape(-1, 2)
+            varies = len(xy) >= 3 and xy[:, 0].std() > 0 and xy[:, 1].std() > 0  # else no correlation is defined
+            corr[name] = float(np.corrcoef(xy.T)[0, 1]) if varies else float("nan")
         text = (f"imbalance ×{math.exp(np.mean(growth)):.3g} from stage {stages[0]} % to {stages[-1]} %; correlation "
-                "over stages of log imbalance with " + ", ".join(f"log {k}/SGD {v:+.2f}" for k, v in corr.items()))
+                "over stages of log imbalance with " + ", ".join(f"log {k}/SGD " + ("undefined" if math.isnan(v) else f"{v:+.2f}") for k, v in corr.items()))
         if grows < 0:
             failures.append(f"the imbalance shrinks (×{math.exp(np.mean(growth)):.3g})")
         failures += [f"{k} does not track it (correlation {v:+.2f})" for k, v in corr.items() if v < 0]

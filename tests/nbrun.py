@@ -33,3 +33,27 @@ def run_notebook(name: str, out_dir: Path, /, timeout: int = 600, **parameters):
             stdout_file=sys.stdout,
             config=kernel_config(),
         )
+
+
+def unresolved_glue(nb) -> set[str]:
+    """The ``{glue:text}`` keys of an executed notebook's markdown that no cell glued (myst-nb's glue records each
+    value as an output with ``metadata.scrapbook.name``): each would be an error in the book's build."""
+    import re
+
+    text = "".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    keys = set(re.findall(r"\{glue:text\}`([^`:]+)", text))
+    glued = {o.get("metadata", {}).get("scrapbook", {}).get("name") for c in nb.cells for o in c.get("outputs", [])}
+    return keys - glued
+
+
+def glued_text(nb, key: str) -> str:
+    """The plain-text value glued under ``key`` in an executed notebook."""
+    import ast
+
+    for c in nb.cells:
+        for o in c.get("outputs", []):
+            if o.get("metadata", {}).get("scrapbook", {}).get("name") == key:
+                data = o.get("data", {})
+                raw = data.get("text/plain") or data.get("application/papermill.record/text/plain")
+                return ast.literal_eval(raw)
+    raise KeyError(key)

@@ -163,10 +163,11 @@ def test_summary_is_mean_and_sd_over_batches():
 @pytest.mark.slow
 def test_notebook_at_smoke_scale(tmp_path):
     """notebooks/evaluation.ipynb end to end at smoke scale: trains the three baseline runs, evaluates, plots."""
-    from nbrun import run_notebook
+    from nbrun import run_notebook, unresolved_glue
 
     out = tmp_path / "fig"
-    run_notebook("evaluation.ipynb", tmp_path, scale="smoke", out_dir=str(out))
+    nb = run_notebook("evaluation.ipynb", tmp_path, scale="smoke", out_dir=str(out))
+    assert not unresolved_glue(nb)  # every rule and verdict the prose names is glued
     for name in ("sample_gamma", "lora_gamma", "pt_gamma", "sample_blockdiag_gamma", "damping_gamma_digits-mlp",
                  "damping_gamma_tweets-minilm-lora", "damping_gamma_tweets-minilm-pt"):
         assert (out / f"{name}.png").stat().st_size > 10_000, name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-from nbrun import run_notebook
+from nbrun import glued_text, run_notebook, unresolved_glue
 
 from ief.experiments.aggregate import aggregate, collect, mean_sd
 from ief.experiments.setups import CPU_SETUPS, e2_optimizers
@@ -49,6 +49,18 @@ def test_optimisation_notebook_smoke(tmp_path):
     for name in ("tab_sum_test.csv", "tab_train_lora.csv", "tab_test_mlp.csv", "tab_validation_pt.csv"):
         assert (again / name).read_text() == (figures / name).read_text()
     assert _provenance_after_each_output(nb2, "computed by this build's workflow (scale `smoke`;")
+    # every rule and verdict the prose names is glued; two seeds decide no ranking (at least three are needed)
+    assert not unresolved_glue(nb) and not unresolved_glue(nb2)
+    assert glued_text(nb2, "v_e2_loss_ranking").startswith("inconclusive for ")
+    pairs = pd.read_csv(again / "e2_seed_pairs.csv")
+    assert set(pairs.verdict) == {"inconclusive"} and set(pairs.seeds) == {"0, 1"}
+
+    # the training chapter compares its seed-0 search with these runs' verdicts over seeds, and says so
+    train_nb = run_notebook("train.ipynb", tmp_path / "train", scale="smoke", setup="digits-mlp", optimizer="sgd",
+                            out=str(tmp_path / "train-runs"), out_dir=str(tmp_path / "train-fig"),
+                            results_dir=str(tmp_path / "results"))
+    assert not unresolved_glue(train_nb)
+    assert glued_text(train_nb, "e2_disagreement").startswith("Chapter E2's verdicts over seeds ")
 
 
 def _provenance_after_each_output(nb, computed: str) -> bool:

@@ -102,34 +102,60 @@ def _notebook_glue_keys() -> set[str]:
     return set(re.findall(r"\{glue:text\}`([^`:]+)", text))
 
 
-def test_chapter_glue_states_the_findings_the_records_show():
+def test_chapter_glue_states_each_rule_before_its_verdict():
+    """The glue carries each rule of ief.experiments.verdicts (thresholds in words) and its verdict per setup."""
+    from ief.experiments.verdicts import RULES
     from ief.paper import cite
     from ief.plots.evaluation import chapter_glue
 
-    recs, found = _records()
-    glued = chapter_glue(recs, found, "cpu", cite)
-    assert glued["ef_worse_than_sgd"] == "100%" and glued["v_ef_worse"] == "holds"
-    assert glued["ief_better_than_sgd"] == "100%" and glued["v_ief_better"] == "holds"
-    assert glued["ief_sf_ef_order"] == "100%" and glued["v_order"] == "holds"
-    assert glued["imbalance_growth"] == "digits-mlp: ×4.00, tweets-minilm-lora: ×4.00"
-    assert glued["v_imbalance"] == "holds for the growth; holds for the tracking"
-    assert glued["v_ief_robust"] == "holds" and glued["v_tuning"] == "holds"
-    assert glued["ef_best"].startswith("digits-mlp: 1e-02/1e+00/1e+00")
-    assert glued["v_iekfac_better"] == "holds" and glued["v_iekfac_close"] == "holds"
+    recs, _ = _records()
+    glued = chapter_glue(recs, "cpu", cite)
+    both = "digits-mlp, tweets-minilm-lora"
+    assert glued["v_e1_ef_worse"] == f"holds for {both}" and glued["v_e1_ief_better"] == f"holds for {both}"
+    assert glued["v_e1_order"] == f"holds for {both}" and glued["v_e1_imbalance"] == f"holds for {both}"
+    assert glued["rule_e1_ef_worse"].startswith(RULES["e1_ef_worse"].statement)
+    assert glued["v_e3_ief_robust"] == f"holds for {both}"
+    assert glued["v_e3_best_moves"].startswith("holds for digits-mlp, EF, digits-mlp, SF")
+    assert glued["v_e3_ef_signature"].startswith("does not hold for digits-mlp (stage 0 %: un-damped EF is 1.3× SGD")
+    assert glued["v_bd_iekfac_better"] == f"holds for {both}" and glued["v_bd_iekfac_close"] == f"holds for {both}"
+    assert glued["bd_surprise"] == "No stage has ieKFAC decided below exact iEF."
     assert "Fig." in glued["damping_map"] and "fig:" not in glued["damping_map"]
+    assert not any(v.startswith("holds for some") for v in glued.values())
+
+
+def test_ief_below_iekfac_is_flagged_as_a_surprise():
+    from ief.paper import cite
+    from ief.plots.evaluation import chapter_glue
+
+    recs, _ = _records()
+    for r in recs:
+        if r["method"] == "iekfac":
+            r["ratio"] = r["gamma"] = 0.4 * (1 + 0.01 * r["batch"])  # iEF is 0.5: ieKFAC 0.8x exact iEF
+    glued = chapter_glue(recs, "cpu", cite)
+    assert glued["v_bd_iekfac_close"].startswith("does not hold for digits-mlp (ieKFAC is below exact iEF at stage(s)")
+    assert glued["bd_surprise"].startswith("Surprise: digits-mlp: ieKFAC, a block-diagonal approximation of iEF")
 
 
 def test_every_number_the_chapter_glues_is_computed():
     from ief.paper import cite
     from ief.plots.evaluation import chapter_glue
 
-    recs, found = _records()
-    keys = set(chapter_glue(recs, found, "cpu", cite)) | {"n_batches", "batch_sizes", "stages", "damping_e1",
-                                                          "cg_iterations", "eval_seconds", "scale_caveat"}
+    recs, _ = _records()
+    keys = set(chapter_glue(recs, "cpu", cite)) | {"n_batches", "batch_sizes", "stages", "damping_e1",
+                                                   "cg_iterations", "eval_seconds", "scale_caveat"}
     from ief.experiments.blockdiag_check import CHECK_KEYS  # the dense check's cell (chapter_check)
 
     keys |= set(CHECK_KEYS)
     assert _notebook_glue_keys() <= keys, _notebook_glue_keys() - keys
+
+
+def test_each_verdict_is_glued_after_its_rule():
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "evaluation.ipynb").read_text())
+    text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    verdicts = re.findall(r"\{glue:text\}`v_([a-z0-9_]+)`", text)
+    assert len(verdicts) >= 11
+    for name in verdicts:
+        assert text.index(f"`rule_{name}`") < text.index(f"`v_{name}`"), name
 
 
 def test_records_glue_reads_the_evaluation_jobs_times(tmp_path):
@@ -169,9 +195,5 @@ def test_glue_and_series_skip_unusable_gammas():
     assert list(stages) == [0, 50, 100] and all(math.isfinite(v) and v > 0 for v in mean)
     lams, mean, _ = sweep_series(recs, "digits-mlp", 50, "sf")
     assert len(lams) == 4 and all(v > 0 for v in mean)
-    from ief.experiments.evaluate_runs import findings
-
-    found = findings(recs)
-    found["digits-mlp"]["ief_over_best_sf"][0] = None  # a stage with no usable SF point
-    glued = chapter_glue(recs, found, "cpu", cite)
-    assert glued["ief_vs_sf"].startswith("digits-mlp: n/a/")
+    glued = chapter_glue(recs, "cpu", cite)
+    assert "nan" not in " ".join(glued.values()) and "inf" not in glued["d_e1_order"]

@@ -69,3 +69,71 @@ def test_identical_curves_stay_distinguishable_and_the_baseline_is_on_top():
 def test_no_setup_is_an_error():
     with pytest.raises(ValueError, match="no setup"):
         plot_curves(_curves(("ief",)), [], {})
+
+
+def _grid(ef_rises: bool = True):
+    """tweets-minilm-lora, five optimisers, three seeds: the paper's loss ranking on every seed; EF's loss rises at the
+    end (or SGD's does)."""
+    opts = ("adamw", "sgd", "ef", "sf", "ief")
+    level = {"ief": 0.1, "adamw": 0.2, "sgd": 0.3, "sf": 0.4, "ef": 0.5}
+    rows, curves = [], []
+    for o in opts:
+        for seed in range(3):
+            rows.append({"setup": "tweets-minilm-lora", "optimizer": o, "seed": seed,
+                         "final_train_loss": level[o] + 0.01 * seed, "test_score": 0.8 + (0.002 * seed if o == "ief"
+                                                                                         else 0.0),
+                         "diverged_step": None})
+            rising = o == ("ef" if ef_rises else "sgd")
+            for step in range(1, 65):
+                t = step / 64
+                v = 1.1 - 0.5 * t + (2.0 * max(0.0, t - 0.5) ** 2 if rising else 0.0)
+                curves.append(("tweets-minilm-lora", o, seed, "train_loss", step, v))
+    return (pd.DataFrame(rows), pd.DataFrame(curves, columns=["setup", "optimizer", "seed", "quantity", "step",
+                                                              "value"]), {"tweets-minilm-lora": list(opts)})
+
+
+def test_e2_glue_states_the_rules_and_names_the_failing_pairs():
+    from ief.plots.optimisation import e2_findings
+
+    table, curves, opts = _grid()
+    glued = e2_findings(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"})
+    assert glued["v_e2_loss_ranking"] == "holds for tweets-minilm-lora"
+    assert glued["v_e2_ef_unstable"] == "holds for tweets-minilm-lora"
+    assert glued["v_e2_ief_vs_baseline"] == "holds for tweets-minilm-lora"  # within 1 point on every seed: on par
+    assert glued["rule_e2_loss_ranking"].startswith("Every ordered pair of the ranking")
+    table, curves, opts = _grid(ef_rises=False)
+    glued = e2_findings(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"})
+    assert glued["v_e2_ef_unstable"].startswith("does not hold for tweets-minilm-lora (EF's loss rise 1× is not the "
+                                                "largest: SGD 1.")
+
+
+def test_seed_table_has_every_pair_with_its_seeds():
+    from ief.plots.optimisation import seed_table
+
+    table, curves, opts = _grid()
+    pairs = seed_table(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"}).reset_index()
+    assert list(pairs.columns) == ["setup", "claim", "pair", "per-seed differences", "seeds", "sign agreement",
+                                   "verdict"]
+    row = pairs[pairs.pair == "iEF < AdamW"].iloc[0]
+    assert row["per-seed differences"] == "-0.1, -0.1, -0.1" and row["seeds"] == "0, 1, 2"
+    assert row["sign agreement"] == "3 of 3 seeds in favour, 0 against" and row["verdict"] == "holds"
+    assert (pairs.claim == "loss ranking").sum() == 10
+    on_par = pairs[pairs.pair == "iEF on par with AdamW (test)"].iloc[0]
+    assert on_par["per-seed differences"] == "+0, -0.2, -0.4"
+
+
+def test_every_glue_key_of_the_e2_chapter_is_computed():
+    import json
+    import re
+    from pathlib import Path
+
+    from ief.plots.optimisation import e2_findings
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "optimisation.ipynb").read_text())
+    text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    keys = set(re.findall(r"\{glue:text\}`([^`:]+)", text))
+    table, curves, opts = _grid()
+    computed = set(e2_findings(table, curves, ["tweets-minilm-lora"], opts)) | {"e2_runs", "e2_scale"}
+    assert keys <= computed, keys - computed
+    for name in re.findall(r"\{glue:text\}`v_([a-z0-9_]+)`", text):
+        assert text.index(f"`rule_{name}`") < text.index(f"`v_{name}`"), name

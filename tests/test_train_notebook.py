@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import json
 
-from nbrun import run_notebook
+from nbrun import glued_text, run_notebook, unresolved_glue
 
 from ief.experiments import CPU_SETUPS, run_dir
 from ief.experiments.store import read_run
@@ -14,8 +14,10 @@ from ief.experiments.summaries import final_train_loss, final_window
 
 def test_train_notebook_runs_the_cli_run_and_reads_the_search(tmp_path):
     figures, runs = tmp_path / "fig", tmp_path / "runs"
-    run_notebook("train.ipynb", tmp_path, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
-                 out=str(runs), out_dir=str(figures))
+    nb = run_notebook("train.ipynb", tmp_path, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
+                      out=str(runs), out_dir=str(figures))
+    assert not unresolved_glue(nb)
+    assert "not available" in glued_text(nb, "e2_disagreement")  # no results_dir: no E2 runs to compare with
     summary = json.loads((run_dir(runs, "smoke", "digits-mlp", "sgd", 1) / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["seed"] == 1
     (row,) = list(csv.DictReader((figures / "run.csv").open()))

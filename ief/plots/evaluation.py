@@ -14,6 +14,7 @@ import numpy as np
 
 from ..experiments.evaluate_runs import DEFAULTS, usable, summary_rows
 from ..experiments.setups import CPU_SETUPS, resolve
+from ..experiments.verdicts import BLOCK_RULES, DECIDED, E1_AGGREGATION, E1_RULES, E3_RULES, RULES, WHY_T, summary
 from ..style import method_color
 from .common import plain_log_ticks
 
@@ -236,46 +237,29 @@ def figure_setups(scale: str) -> tuple[dict[str, Any], list[str]]:
     return fig, setups
 
 
-def _share(findings: dict, key: str) -> float:
-    """The fraction of (setup, stage) points where a finding holds, over the setups where it is defined."""
-    num = sum(findings[s][key] * len(findings[s]["stages"]) for s in findings if findings[s][key] is not None)
-    den = sum(len(findings[s]["stages"]) for s in findings if findings[s][key] is not None)
-    return num / den if den else float("nan")
+def verdict_glue(records: list[dict[str, Any]], names: Sequence[str]) -> dict[str, str]:
+    """For each rule of :mod:`ief.experiments.verdicts` in ``names``: ``rule_<name>`` (the rule and its thresholds,
+    glued before the result), ``v_<name>`` (the verdict per setup, naming what fails) and ``d_<name>`` (the numbers
+    behind it, per setup)."""
+    out = {}
+    for name in names:
+        rule = RULES[name]
+        found = rule.evaluate(records)
+        why = rule.why.replace(WHY_T, "").strip()  # the paired-batch reason is glued once, as rule_decided
+        out[f"rule_{name}"] = rule.statement + (" " + why if why else "")
+        out[f"v_{name}"] = summary(found)
+        out[f"d_{name}"] = "; ".join(f"{v.subject}: {v.detail}" for v in found) or "not measured at this scale"
+    return out
 
 
-def _verdict(fraction: float, most: float = 0.5) -> str:
-    if fraction != fraction:
-        return "not measured at this scale"
-    return "holds" if fraction > most else "does not hold"
-
-
-def _some(flags: list[bool], none: str = "does not hold") -> str:
-    return "holds" if flags and all(flags) else "holds for some setups" if any(flags) else none
-
-
-def chapter_glue(records: list[dict[str, Any]], findings: dict[str, dict[str, Any]], scale: str,
-                 cite: Callable[[str], str]) -> dict[str, str]:
-    """Every number and verdict the evaluation chapter's prose glues, from the E1/E3 records and their
-    :func:`ief.experiments.evaluate_runs.findings` (``cite``: a paper label -> "Fig. 3")."""
+def chapter_glue(records: list[dict[str, Any]], scale: str, cite: Callable[[str], str]) -> dict[str, str]:
+    """Every rule, verdict and number the evaluation chapter's prose glues, from the E1/E3 records (``cite``: a
+    paper label -> "Fig. 3"); the verdicts are :mod:`ief.experiments.verdicts`'s."""
     fig, _ = figure_setups(scale)
-    F = findings  # noqa: N806
-    out: dict[str, str] = {}
+    out: dict[str, str] = {"rule_decided": DECIDED + " " + WHY_T, "rule_aggregation": E1_AGGREGATION}
     out["scale_note"] = ("the paper's three representative setups" if scale == "full" else
                          f"a {scale}-scale analogue on this scale's setups, not the paper's T5 / ViT tasks")
-    for key in ("ef_worse_than_sgd", "ief_better_than_sgd", "ief_sf_ef_order", "ief_best_of_three",
-                "iekfac_beats_kfac_and_ekfac"):
-        out[key] = f"{_share(F, key):.0%}"
-    out["v_ef_worse"] = _verdict(_share(F, "ef_worse_than_sgd"))
-    out["v_ief_better"] = _verdict(_share(F, "ief_better_than_sgd"), most=0.9)
-    out["v_order"] = _verdict(_share(F, "ief_sf_ef_order"))
-    growth = {s: F[s]["imbalance_growth"] for s in F}
-    out["imbalance_growth"] = ", ".join(f"{s}: ×{v:.2f}" for s, v in growth.items() if v is not None)
-    corr = {s: (F[s]["imbalance_ef_correlation"], F[s]["imbalance_sf_correlation"]) for s in F
-            if F[s]["imbalance_ef_correlation"] is not None}
-    out["imbalance_corr"] = ", ".join(f"{s}: {a:+.2f} / {b:+.2f}" for s, (a, b) in corr.items()) or "too few stages"
-    tracks = [a > 0 and b > 0 for a, b in corr.values()]
-    out["v_imbalance"] = (_some([v > 1 for v in growth.values() if v is not None]) + " for the growth; "
-                          + _some(tracks, "does not hold" if tracks else "is not measured") + " for the tracking")
+    out.update(verdict_glue(records, E1_RULES + E3_RULES + BLOCK_RULES))
     e1 = {m: [r["mean"] for r in summary_rows(records) if r["method"] == m] for m in ("ef", "ief")}
     for m in ("ef", "ief"):
         out[f"{m}_ratio_range"] = f"{min(e1[m]):.2f}–{max(e1[m]):.2f}" if e1[m] else "not measured"
@@ -288,26 +272,10 @@ def chapter_glue(records: list[dict[str, Any]], findings: dict[str, dict[str, An
     analogue = "" if scale == "full" else f"the {scale} analogue of "
     out["damping_map"] = "; ".join(f"{s}: {analogue}" + ", ".join(cite(label) for label in labels)
                                    for s, labels in fig["damping"].items())
-    spread = {s: F[s]["ief_near_zero_spread"] for s in F}
-    out["ief_spread"] = ", ".join(f"{s}: ×{v:.3g}" for s, v in spread.items() if v is not None) or "not measured"
-    for key, field in (("ef_best", "ef_best_damping"), ("sf_best", "sf_best_damping")):
-        out[key] = ", ".join(f"{s}: " + "/".join(f"{x:.0e}" for x in F[s][field]) for s in F)
-    for key, field in (("ief_vs_sf", "ief_over_best_sf"), ("ief_vs_ef", "ief_over_best_ef")):
-        out[key] = ", ".join(f"{s}: " + "/".join("n/a" if v is None else f"{v:.2f}" for v in F[s][field])
-                             for s in F)
-    robust = [v for v in spread.values() if v is not None]
-    out["v_ief_robust"] = "holds" if robust and max(robust) < 1.5 else "does not hold" if robust else "is not measured"
-    out["v_tuning"] = _some([len(set(F[s]["ef_best_damping"])) > 1 or len(set(F[s]["sf_best_damping"])) > 1
-                             for s in F])
-    vs_sf = [v for s in F for v in F[s]["ief_over_best_sf"] if v is not None]
-    out["v_sf_comparable"] = "holds" if vs_sf and max(vs_sf) < 2 else "does not hold" if vs_sf else "is not measured"
-    close = [F[s]["iekfac_over_ief"] for s in F if F[s]["iekfac_over_ief"] is not None]
-    out["iekfac_over_ief"] = ", ".join(f"{s}: {F[s]['iekfac_over_ief']:.2f}" for s in F
-                                       if F[s]["iekfac_over_ief"] is not None) or "not measured"
-    out["v_iekfac_close"] = "holds" if close and max(close) < 2 else "does not hold" if close else "is not measured"
-    out["v_iekfac_better"] = _verdict(_share(F, "iekfac_beats_kfac_and_ekfac"))
+    surprises = [f"{v.subject}: {v.surprise}" for v in RULES["bd_iekfac_close"].evaluate(records) if v.surprise]
+    out["bd_surprise"] = ("Surprise: " + "; ".join(surprises) + "." if surprises else
+                          "No stage has ieKFAC decided below exact iEF.")
     return out
-
 
 
 def records_glue(records: list[dict[str, Any]], csv_paths: dict[str, Any], scale: str) -> dict[str, Any]:

@@ -223,58 +223,71 @@ def test_mlp_table(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[st
 
 
 def e2_findings(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
-                opts: dict[str, Sequence[str]]) -> dict[str, str]:
-    """The paper's three E2 observations checked on our runs, as the sentences the chapter glues:
+                opts: dict[str, Sequence[str]], method: dict[str, str] | None = None) -> dict[str, str]:
+    """The sentences the chapter glues for the paper's three E2 observations: per rule of
+    :mod:`ief.experiments.verdicts` (``E2_RULES``) ``rule_<name>`` (the rule, glued before the result), ``v_<name>``
+    (the verdict per setup, naming the failing pairs), and the numbers: the mean final losses in order, each
+    optimiser's mean loss rise, EF's diverged runs and iEF's test score against the baseline."""
+    from ..experiments.verdicts import E2_RULES, RULES, loss_rises, summary
 
-    1. the final-loss ranking iEF < baseline < SGD < SF < EF (how many of its ordered pairs hold per setup);
-    2. EF's instability: how far its (20-window) training loss rises from its lowest point by the end, against the
-       largest rise of any other optimiser, and how many EF runs diverged;
-    3. iEF's test score against the setup's baseline (the first optimiser of ``opts``: Adafactor/AdamW/Adam)."""
-    summary = table.groupby(["setup", "optimizer"]).agg(loss=("final_train_loss", "mean"),
-                                                         test=("test_score", "mean")).reset_index()
-
-    def mean_of(s, o, column):
-        row = summary[(summary.setup == s) & (summary.optimizer == o)]
-        return float(row[column].iloc[0]) if len(row) else None
-
+    opts = {s: list(opts[s]) for s in setups}
     out: dict[str, str] = {}
-    rank_text, pairs_held, pairs_total, ief_lowest = [], 0, 0, 0
-    for s in setups:
-        loss = {o: v for o in opts[s] if (v := mean_of(s, o, "loss")) is not None}
-        order = ranking(loss)
-        paper_order = [o for o in ["ief", opts[s][0], "sgd", "sf", "ef"] if o in loss]
-        held = sum(loss[a] < loss[b] for i, a in enumerate(paper_order) for b in paper_order[i + 1:])
-        total = len(paper_order) * (len(paper_order) - 1) // 2
-        pairs_held, pairs_total = pairs_held + held, pairs_total + total
-        ief_lowest += bool(order) and order[0] == "ief"
-        rank_text.append(f"{s}: " + " < ".join(f"{label(o)} ({loss[o]:.3g})" for o in order)
-                         + f" ({held} of {total} of the paper's pairs hold)")
-    out["e2_obs1_rankings"] = "; ".join(rank_text)
-    out["e2_obs1_pairs"] = f"{pairs_held} of {pairs_total}"
-    out["e2_obs1_ief_lowest"] = f"{ief_lowest} of {len(setups)}"
-
-    bands = curve_bands(curves, "train_loss", points=20)
-    rise = {(s, o): float(b["mean"].iloc[-1] / b["mean"].min()) for (s, o), b in bands.groupby(["setup", "optimizer"])}
-    with_ef = [s for s in setups if (s, "ef") in rise]
-    other_max = [max(rise[(s, o)] for o in opts[s] if o != "ef" and (s, o) in rise) for s in with_ef]
-    out["e2_obs2_ef_rise"] = ", ".join(f"{s} {rise[(s, 'ef')]:.2f}×" for s in with_ef)
-    out["e2_obs2_other_max"] = ", ".join(f"{m:.2f}×" for m in other_max)
-    out["e2_obs2_ef_worst"] = f"{sum(rise[(s, 'ef')] > m for s, m in zip(with_ef, other_max))} of {len(with_ef)}"
+    for name in E2_RULES:
+        rule = RULES[name]
+        args = (table, curves, opts) + ((method,) if name == "e2_ief_vs_baseline" else ())
+        out[f"rule_{name}"] = rule.statement + " " + rule.why
+        out[f"v_{name}"] = summary(rule.evaluate(*args))
+    mean_loss = table.groupby(["setup", "optimizer"])["final_train_loss"].mean()
+    out["e2_obs1_rankings"] = "; ".join(
+        f"{s}: " + " < ".join(f"{label(o)} ({mean_loss[(s, o)]:.3g})" for o in
+                              ranking({o: mean_loss.get((s, o), np.nan) for o in opts[s] if (s, o) in mean_loss}))
+        for s in setups)
+    rise = loss_rises(curves)
+    mean_rise = {}
+    for (s, o, _), v in rise.items():
+        mean_rise.setdefault((s, o), []).append(v)
+    out["e2_obs2_rises"] = "; ".join(
+        f"{s}: " + ", ".join(f"{label(o)} {_rise_text(mean_rise[(s, o)])}" for o in opts[s] if (s, o) in mean_rise)
+        for s in setups)
     ef = table[table.optimizer == "ef"]
     out["e2_obs2_ef_diverged"] = f"{int(ef.diverged_step.notna().sum())} of {len(ef)}"
-
-    vs, wins = [], 0
-    for s in setups:
-        base = opts[s][0]
-        t = {o: v for o in (base, "ief") if (v := mean_of(s, o, "test")) is not None}
-        if len(t) < 2 or any(np.isnan(v) for v in t.values()):
-            continue
-        wins += t["ief"] > t[base]
-        vs.append(f"{s}: iEF {100 * t['ief']:.1f} vs {label(base)} {100 * t[base]:.1f} "
-                  f"({100 * (t['ief'] - t[base]):+.1f})")
+    test = table.groupby(["setup", "optimizer"])["test_score"].mean()
+    vs = [f"{s}: iEF {100 * test[(s, 'ief')]:.1f} vs {label(opts[s][0])} {100 * test[(s, opts[s][0])]:.1f}"
+          for s in setups if (s, "ief") in test and (s, opts[s][0]) in test
+          and not np.isnan(test[(s, "ief")]) and not np.isnan(test[(s, opts[s][0])])]
     out["e2_obs3_vs"] = "; ".join(vs) if vs else "no setup with test labels"
-    out["e2_obs3_wins"] = f"{wins} of {len(vs)}"
     return out
+
+
+def _rise_text(values: Sequence[float]) -> str:
+    finite = [v for v in values if np.isfinite(v)]
+    text = f"{np.mean(finite):.3g}×" if finite else "diverged"
+    return text + (f" ({len(values) - len(finite)} diverged)" if finite and len(finite) < len(values) else "")
+
+
+def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
+               method: dict[str, str] | None = None) -> pd.DataFrame:
+    """The E2 rankings decided over seeds (:mod:`ief.experiments.verdicts`): one row per setup, claim and pair with
+    the per-seed differences (signed so that negative is in favour of the claim; losses as they are, loss rises as
+    factors, test scores in percentage points), the sign agreement and the pair's verdict. The pairs of
+    ``e2_ief_lowest`` are the loss ranking's pairs with iEF, shown once, under the ranking."""
+    from ..experiments.verdicts import E2_RULES, RULES
+
+    opts = {s: list(opts[s]) for s in setups}
+    rows = []
+    for name in (n for n in E2_RULES if n != "e2_ief_lowest"):
+        args = (table, curves, opts) + ((method,) if name == "e2_ief_vs_baseline" else ())
+        for v in RULES[name].evaluate(*args):
+            for p in v.pairs:
+                scale = 100 if p.metric == "test_score" else 1
+                rows.append({"setup": p.setup, "claim": name.removeprefix("e2_").replace("_", " "), "pair": p.pair,
+                             "per-seed differences": ", ".join(
+                                 "n/a" if np.isnan(d) else f"{scale * d:+.3g}" for d in p.diffs.values()),
+                             "seeds": ", ".join(map(str, p.diffs)), "sign agreement": p.agreement,
+                             "verdict": p.verdict})
+    if not rows:
+        raise ValueError("no E2 runs to decide a ranking on")
+    return pd.DataFrame(rows).set_index(["setup", "claim", "pair"])
 
 
 def method_tables(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],

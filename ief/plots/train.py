@@ -238,8 +238,13 @@ def results_table(records: dict) -> pd.DataFrame:
 
 
 def e2_observations(results: pd.DataFrame) -> pd.DataFrame:
-    """The paper's E2 observations (Sec. 7 (E2), Tables 1, 5-8) checked per setup on the cpu results:
-    does iEF have the lowest train loss, the best test score; is EF the worst?"""
+    """Per setup, iEF's rank by final train loss and by test score among the optimisers of the seed-0 results (1 =
+    lowest loss / best test), the best of each, and the verdicts of the seed-0 rules of
+    :mod:`ief.experiments.verdicts` (``seed0_lowest_loss``, ``seed0_best_test``)."""
+    from ..experiments.verdicts import RULES
+
+    verdicts = {name: {v.subject: v.verdict for v in RULES[name].evaluate(results)}
+                for name in ("seed0_lowest_loss", "seed0_best_test")}
     rows = []
     for setup, r in results.groupby(level="setup"):
         r = r.droplevel("setup")
@@ -247,43 +252,47 @@ def e2_observations(results: pd.DataFrame) -> pd.DataFrame:
         rank_loss = int(loss.rank(method="min").get("iEF", np.nan)) if "iEF" in loss else None
         rank_test = int(test.rank(ascending=False, method="min").get("iEF", np.nan)) if "iEF" in test else None
         rows.append({
-            "setup": setup, "optimisers": len(r),
-            "iEF lowest train loss": rank_loss == 1, "iEF rank by train loss": rank_loss,
-            "lowest train loss": f"{loss.idxmin()} ({loss.min():.3g})",
-            "iEF best test": rank_test == 1, "iEF rank by test": rank_test,
-            "best test": f"{test.idxmax()} ({test.max():.1f}%)",
-            "EF highest train loss": bool(len(loss) and loss.idxmax() == "EF"),
+            "setup": setup, "optimisers": len(r), "iEF rank by train loss": rank_loss,
+            "lowest train loss": f"{loss.idxmin()} ({loss.min():.3g})", "iEF rank by test": rank_test,
+            "best test": f"{test.idxmax()} ({test.max():.1f}%)" if len(test) else "n/a",
+            "iEF lowest loss (seed 0)": verdicts["seed0_lowest_loss"].get(setup),
+            "iEF best test (seed 0)": verdicts["seed0_best_test"].get(setup),
         })
     return pd.DataFrame(rows).set_index("setup")
 
 
-def e2_statements(obs: pd.DataFrame) -> dict[str, str]:
-    """Plain sentences (for glue) saying which of the paper's E2 observations hold at this scale."""
-    def where(column):
-        hits = list(obs.index[obs[column].astype(bool)])
-        return f"{len(hits)} of {len(obs)} setups" + (f" ({', '.join(hits)})" if hits else "")
+def e2_statements(results: pd.DataFrame, obs: pd.DataFrame, e2_table: pd.DataFrame | None = None) -> dict[str, str]:
+    """What the chapter glues of the seed-0 check: each seed-0 rule (``rule_<name>``) and its verdict per setup
+    (``v_<name>``), iEF's ranks, and ``e2_disagreement``: where chapter E2's verdicts over seeds (the same claims
+    decided on ``e2_table``, the workflow's ``e2_runs.csv``) differ from seed 0's among the same optimisers (the E2
+    grid's; the search has more), or that they are not available."""
+    from ..experiments.setups import e2_optimizers
+    from ..experiments.verdicts import RULES, disagreements, summary
 
-    ranks_loss = "; ".join(f"{s}: {int(r)} of {n}" for s, r, n in zip(obs.index, obs["iEF rank by train loss"],
-                                                                      obs["optimisers"]))
-    ranks_test = "; ".join(f"{s}: {int(r)} of {n}" for s, r, n in zip(obs.index, obs["iEF rank by test"],
-                                                                      obs["optimisers"]))
-    n, loss_hits = len(obs), int(obs["iEF lowest train loss"].astype(bool).sum())
-    test_hits = int(obs["iEF best test"].astype(bool).sum())
-    majority = [loss_hits > n / 2, test_hits > n / 2]
-    verdict = ("holds for the majority of the setups" if all(majority) else
-               "mostly does not hold" if not any(majority) else "holds only in part")
-    parts = [f"iEF has the lowest final training loss on {loss_hits} of {n} setups",
-             f"the best test score on {test_hits} of {n}"]
-    summary = ("both hold for the majority of the setups here" if all(majority) else
-               "neither holds for the majority of the setups here" if not any(majority) else
-               ("only the training loss" if majority[0] else "only the test score")
-               + " holds for the majority of the setups here")
-    return {"e2_verdict": verdict, "e2_verdict_detail": f"{'; '.join(parts)}: {summary}",
-            "e2_ief_lowest_loss": where("iEF lowest train loss"), "e2_ief_best_test": where("iEF best test"),
-            "e2_ef_worst": where("EF highest train loss"), "e2_ief_loss_ranks": ranks_loss,
-            "e2_ief_test_ranks": ranks_test,
-            "e2_best_tests": "; ".join(f"{s}: {b}" for s, b in obs["best test"].items()),
-            "e2_lowest_losses": "; ".join(f"{s}: {b}" for s, b in obs["lowest train loss"].items())}
+    out = {}
+    for name in ("seed0_lowest_loss", "seed0_best_test"):
+        out[f"rule_{name}"] = RULES[name].statement + " " + RULES[name].why
+        out[f"v_{name}"] = summary(RULES[name].evaluate(results))
+    for key, column in (("e2_ief_loss_ranks", "iEF rank by train loss"), ("e2_ief_test_ranks", "iEF rank by test")):
+        out[key] = "; ".join(f"{s}: {'n/a' if pd.isna(r) else int(r)} of {n}"
+                             for s, r, n in zip(obs.index, obs[column], obs["optimisers"]))
+    out["e2_best_tests"] = "; ".join(f"{s}: {b}" for s, b in obs["best test"].items())
+    out["e2_lowest_losses"] = "; ".join(f"{s}: {b}" for s, b in obs["lowest train loss"].items())
+    if e2_table is None or e2_table.empty:
+        out["e2_disagreement"] = ("Chapter E2's runs were not available to this build of the chapter, so the two are "
+                                  "not compared here.")
+        return out
+    opts = {s: list(e2_optimizers(s)) for s in dict.fromkeys(e2_table.setup)}
+    # the same claim over the same optimisers: seed 0 among the E2 grid's optimisers only (the search has more)
+    same = results[[LABELS.get(o, o) in {LABELS[k] for k in opts.get(s, [])} for s, o in results.index]]
+    differ = []
+    for seed0_rule, e2_rule, what in (("seed0_lowest_loss", "e2_ief_lowest", "iEF lowest training loss"),
+                                      ("seed0_best_test", "e2_ief_best_test", "iEF best test score")):
+        found = disagreements(RULES[seed0_rule].evaluate(same), RULES[e2_rule].evaluate(e2_table, None, opts))
+        differ += [f"{what}, {d}" for d in found]
+    out["e2_disagreement"] = ("Chapter E2's verdicts over seeds differ from seed 0's here: " + "; ".join(differ) + "."
+                              if differ else "Chapter E2's verdicts over seeds agree with seed 0's on every setup.")
+    return out
 
 
 def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:

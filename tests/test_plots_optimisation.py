@@ -133,7 +133,9 @@ def test_every_glue_key_of_the_e2_chapter_is_computed():
     text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
     keys = set(re.findall(r"\{glue:text\}`([^`:]+)", text))
     table, curves, opts = _grid()
-    computed = set(e2_findings(table, curves, ["tweets-minilm-lora"], opts)) | {"e2_runs", "e2_scale"}
+    from ief.experiments.early_spike import SPIKE_KEYS  # the early-spike cell (spike_glue)
+
+    computed = set(e2_findings(table, curves, ["tweets-minilm-lora"], opts)) | {"e2_runs", "e2_scale"} | set(SPIKE_KEYS)
     assert keys <= computed, keys - computed
     for name in re.findall(r"\{glue:text\}`v_([a-z0-9_]+)`", text):
         assert text.index(f"`rule_{name}`") < text.index(f"`v_{name}`"), name

@@ -152,8 +152,11 @@ def _fake_train(calls):
         root.mkdir(parents=True, exist_ok=True)
         (root / "config.json").write_text("{}")
         (root / "train_loss.csv").write_text(store.loss_csv([3.0 - 0.1 * i - seed for i in range(20)], 10))
-        return {"seed": seed, "final_train_loss": 1.0 / (1 + seed), "steps": 20, "diverged": None, "test": None,
-                "wall_time_s": 0.1, "best_validation": {"score": score, "metrics": {"accuracy": score}, "step": 8}}
+        summary = {"seed": seed, "final_train_loss": 1.0 / (1 + seed), "steps": 20, "diverged": None, "test": None,
+                   "wall_time_s": 0.1, "best_validation": {"score": score, "metrics": {"accuracy": score}, "step": 8}}
+        if not (root / "summary.json").exists():  # a finished run is skipped, as the runner does
+            (root / "summary.json").write_text(json.dumps(summary))
+        return summary
     return train
 
 
@@ -214,6 +217,13 @@ def test_a_record_carries_when_at_which_commit_and_by_which_command_it_was_made(
     assert S.search_command("digits-mlp", "cpu", None, 0) == ("python -m ief search --setup digits-mlp --scale cpu "
                                                             "--seed 0")
     assert S.git_commit(tmp_path) is None  # not a checkout: no commit is invented
+    trials = record["optimizers"]["sgd"]["trials"]  # each trial: when its run finished, the code that ran it
+    for t in trials:
+        made = datetime.datetime.strptime(t["created"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+        assert before - datetime.timedelta(seconds=1) <= made <= datetime.datetime.now(datetime.timezone.utc)
+        assert t["commit"] == record["commit"]
+    again = S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], seed=1, verbose=False)  # runs found
+    assert again["optimizers"]["sgd"]["trials"] == trials  # on disk keep their date and the commit known for them
 
 
 def test_choice_averages_the_seeds_of_a_rate():

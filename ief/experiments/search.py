@@ -25,6 +25,7 @@ import math
 import os
 import platform
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,11 +146,13 @@ def trial_dir(out: str | Path, lr: float) -> Path:
     return Path(out) / "lr-search" / f"lr={lr:g}"
 
 
-def _trial(summary: dict[str, Any], lr: float, losses: list[float]) -> dict[str, Any]:
+def _trial(summary: dict[str, Any], lr: float, losses: list[float], made: float, ran_here: bool) -> dict[str, Any]:
     """One trial of a record. ``final_train_loss`` is the book's one definition (:mod:`.summaries`: the mean of the
     last 10 % of the updates, ``final_train_loss_updates`` of them), computed from ``train_losses``, the trial's
     per-update losses, which the record keeps so that the final loss can be recomputed from the record alone (the
-    runner's ``summary.json`` averages a fixed 100 updates)."""
+    runner's ``summary.json`` averages a fixed 100 updates). ``created``: when the run finished (its summary's
+    time, ``made``); ``commit``: the checkout's HEAD when the run finished in this call (``ran_here``), else ``None``
+    (a finished run found on disk: which code made it is not known; the merge keeps an earlier record's value)."""
     best = summary["best_validation"]
     final = final_loss(losses)
     return {"lr": lr, "seed": summary["seed"], "final_train_loss": final if math.isfinite(final) else None,
@@ -157,8 +160,8 @@ def _trial(summary: dict[str, Any], lr: float, losses: list[float]) -> dict[str,
             "validation_score": best["score"], "validation": best["metrics"], "best_step": best["step"],
             "steps": summary["steps"], "diverged": summary["diverged"]["step"] if summary["diverged"] else None,
             "test": summary["test"], "wall_time_s": summary["wall_time_s"],
-            "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "commit": git_commit()}
+            "created": datetime.datetime.fromtimestamp(made, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": git_commit() if ran_here else None}
 
 
 def final_loss_definition(trial: dict[str, Any]) -> str:
@@ -175,7 +178,9 @@ def _merge_trials(old: list[dict[str, Any]], new: list[dict[str, Any]], seed_of_
     """``old`` trials with ``new`` ones added (a new trial replaces the old one of the same rate and seed), ordered
     by the grid's rate order, then seed. Trials of records from before per-trial seeds take the record's seed."""
     merged = {(t["lr"], t.get("seed", seed_of_old)): {**t, "seed": t.get("seed", seed_of_old)} for t in old}
-    merged.update({(t["lr"], t["seed"]): t for t in new})
+    for t in new:  # a re-recorded trial keeps the commit an earlier record knew for it
+        before = merged.get((t["lr"], t["seed"]), {})
+        merged[(t["lr"], t["seed"])] = {**t, "commit": t.get("commit") or before.get("commit")}
     order = {v: i for i, v in enumerate(values)}
     return sorted(merged.values(), key=lambda t: (order.get(t["lr"], len(order)), t["lr"], t["seed"]))
 
@@ -199,6 +204,7 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
     folder = Path(out) / "lr-search"
     path = folder / f"{scale}-{setup}.json"
     results: dict[str, list[dict[str, Any]]] = {}
+    started = time.time()
     have: set[tuple[str, float]] = set()
     if missing_only and path.exists():
         for name, o in store.read_json(path).get("optimizers", {}).items():
@@ -210,8 +216,10 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
                 continue
             summary = train(setup, name, seed, scale, trial_dir(out, lr), lr=lr, progress=progress, verbose=verbose,
                             wait_lock=wait_lock)
-            losses = store.read_run(run_dir(trial_dir(out, lr), scale, setup, name, seed))["losses"]
-            results[name].append(_trial(summary, lr, losses))
+            root = run_dir(trial_dir(out, lr), scale, setup, name, seed)
+            losses = store.read_run(root)["losses"]
+            made = (root / "summary.json").stat().st_mtime
+            results[name].append(_trial(summary, lr, losses, made, made >= started))
     with store.lock(folder, wait=True, name=f"{scale}-{setup}.lock", what="search record"):
         store.remove_stale_temporaries(folder, owned=False, recursive=False)  # trials: their own
         old = store.read_json(path) if path.exists() else None

@@ -148,7 +148,7 @@ def test_update_field_matches_pointwise_directions():
 def test_notebook_runs_and_saves_every_figure(tmp_path):
     fig_dir = tmp_path / "fig"
     run_notebook("toy_problems.ipynb", tmp_path, scale="smoke", out_dir=str(fig_dir), resolution=7, steps=30)
-    for name in ("lls_visual_tour", "logistic_regression"):
+    for name in ("lls_visual_tour", "lls_distance_to_minimum", "logistic_regression"):
         for ext in ("png", "svg"):
             path = fig_dir / f"{name}.{ext}"
             assert path.is_file() and path.stat().st_size > 1000, path
@@ -289,6 +289,10 @@ def test_reach_summary_states_what_happened():
     assert plots.reach_summary(mixed, "EF", stop) == ("1 of 3 EF trajectories reached L < 0.001, after 30 normalised "
                                                       "steps; the other 2 end at distance 0.9 (after 60 steps), 0.3 "
                                                       "(after 20 steps) from θ*")
+    assert plots.reach_verdict(every, "EF", stop) == "holds in this run: every EF trajectory reached L < 0.001"
+    assert plots.reach_verdict(mixed, "EF", stop) == ("is not confirmed in this run: 2 of 3 EF trajectories did not "
+                                                      "reach L < 0.001 (at most 60 steps)")
+    assert plots.steps_to_stop(mixed, "EF", stop) == [30, None, None]
     table = plots.normalised_steps_table(mixed, stop)
     assert table["EF"].tolist() == ["30", "not in 60 (|θ − θ*| = 0.9)", "not in 20 (|θ − θ*| = 0.3)"]
     with pytest.raises(ValueError, match="unknown method 'Adam'"):

@@ -103,7 +103,7 @@ def test_logistic_closed_forms_and_ngd_differs_from_ief(labels):
         _close(ief_d, 2 * torch.linalg.solve(xl, e))
         _close(toy.direction(p, "EF", t), torch.linalg.solve(xl, 1 / e))
         assert float((ngd - ief_d).norm()) > 0.5 * float(ngd.norm())  # NGD != iEF for logistic regression
-    point = (0.0, -2.0) if labels == (0, 1) else (0.0, 2.0)  # the same point of the picture: labels swap theta -> -theta
+    point = (0.0, -2.0) if labels == (0, 1) else (0.0, 2.0)  # one point of the picture: labels swap theta -> -theta
     a, b = toy.direction(p, "NGD", point), toy.direction(p, "iEF", point)
     assert math.degrees(math.acos(float(a @ b / (a.norm() * b.norm())))) > 20  # not even parallel
 
@@ -281,7 +281,8 @@ def test_reach_summary_states_what_happened():
     every = _synthetic_study([(0.0, 0.0), (0.01, 0.0)], [40, 7])
     assert plots.reach_summary(every, "EF", stop) == \
         "all 2 EF trajectories reached L < 0.001, after 7 to 40 normalised steps"
-    assert plots.reach_summary(every, "NGD", stop) == "all 2 NGD trajectories reached L < 0.001, after 1 normalised steps"
+    assert plots.reach_summary(every, "NGD", stop) == \
+        "all 2 NGD trajectories reached L < 0.001, after 1 normalised steps"
     none = _synthetic_study([(0.5, 0.5), (0.0, 0.9)], [60, 60])
     assert plots.reach_summary(none, "EF", stop) == \
         "none of the 2 EF trajectories reached L < 0.001: they end after 60 steps, at distance 0.71, 0.9 from θ*"

@@ -82,8 +82,8 @@ def study(problem: toy.ToyProblem, lim: tuple[float, float], resolution: int,
 
 
 def _background(ax, problem, xlim, ylim, star=False, levels=None):
-    """Loss contours, the dashed lines, the star at the minimum; labelled axes, theta_0 horizontal (``fig:visual_tour``'s
-    caption)."""
+    """Loss contours, the dashed lines, the star at the minimum; labelled axes, theta_0 horizontal
+    (``fig:visual_tour``'s caption)."""
     g0, g1, thetas = toy.grid(xlim, ylim, 200)
     loss = problem.loss_at(thetas).reshape(g0.shape)
     ax.contour(g0, g1, loss, levels=levels if levels is not None else 12, colors=CONTOUR_COLOR, linewidths=0.7,

@@ -27,6 +27,10 @@ from .losses import get_loss
 METHODS: tuple[str, ...] = ("SGD", "NGD", "iEF", "EF")
 EF_DAMPING_FACTOR = 1e-4  # lambda_EF = 1e-4 * max(diag(F~)) where a per-sample gradient is zero (sec:app-toy-lls-2pt)
 DTYPE = torch.float64
+# The 5 starting points of the trajectories (the paper does not give its own: "5 initial parameters", black octagons).
+LLS_STARTS: tuple[tuple[float, float], ...] = ((1.2, 1.0), (-1.0, 0.6), (0.6, -1.3), (-1.3, -0.8), (1.4, -0.4))
+# Logistic regression: away from the bottom-right corner where the loss falls (see logistic_problem).
+LOGISTIC_STARTS: tuple[tuple[float, float], ...] = ((-2.5, 1.0), (-1.0, 2.5), (-2.5, -1.5), (1.5, 2.5), (-0.5, -0.5))
 
 
 class TwoParameterModel(torch.nn.Module):
@@ -48,7 +52,8 @@ class TwoParameterModel(torch.nn.Module):
 class ToyProblem:
     """One toy problem: model, data, loss and the dashed lines drawn on its figure.
 
-    ``lines``: ``(a, b, c, label)`` for each dashed line ``a theta_0 + b theta_1 = c``.
+    ``lines``: ``(a, b, c, label)`` for each dashed line ``a theta_0 + b theta_1 = c``; ``minimum``: ``theta*``
+    (``None`` where the loss has no minimiser, as in the logistic regression).
     """
 
     name: str
@@ -58,6 +63,7 @@ class ToyProblem:
     targets: torch.Tensor
     loss: str
     lines: tuple[tuple[float, float, float, str], ...]
+    minimum: tuple[float, float] | None = None  # theta*, where the problem has one
 
     @property
     def theta(self) -> torch.Tensor:
@@ -98,22 +104,40 @@ def lls_problem() -> ToyProblem:
         (1.0, 0.0, 0.0, r"sample 1 optimal: $\theta_0=0$"),
         (1.0, 1.0, 0.0, r"sample 2 optimal: $\theta_0+\theta_1=0$"),
     )
-    return ToyProblem("lls", TwoParameterModel(), x, _features(x), torch.zeros(2, 1, dtype=DTYPE), "mse", lines)
+    return ToyProblem("lls", TwoParameterModel(), x, _features(x), torch.zeros(2, 1, dtype=DTYPE), "mse", lines,
+                      minimum=(0.0, 0.0))
 
 
-def logistic_problem(labels: tuple[int, int] = (0, 1)) -> ToyProblem:
-    """The 2-datum logistic regression of ``fig:logistic-regression``: ``x_0 = 0``, ``x_1 = 2``, labels ``y_0 = 0``,
-    ``y_1 = 1`` by default (the paper does not state them), ``p(y=1|x) = sigma(theta_0 + theta_1 x)``, CE loss.
+def logistic_problem(labels: tuple[int, int] = (1, 0)) -> ToyProblem:
+    """The 2-datum logistic regression of ``fig:logistic-regression``: ``x_0 = 0``, ``x_1 = 2``,
+    ``p(y=1|x) = sigma(theta_0 + theta_1 x)``, CE loss.
+
+    The paper does not state the labels; its caption does: "the model achieves lower loss when moving further down the
+    bottom-right corner" with ``theta_0`` horizontal (the caption of ``fig:visual_tour``), i.e. ``theta_0 -> +inf``,
+    ``theta_1 -> -inf``. That is ``sigma(theta_0) -> 1`` at ``x_0 = 0`` and ``sigma(theta_0 + 2 theta_1) -> 0`` at
+    ``x_1 = 2``, so the default labels are ``y_0 = 1``, ``y_1 = 0``. ``labels=(0, 1)`` gives the same problem under
+    ``theta -> -theta`` (``sigma(-u) = 1 - sigma(u)``): the picture turned by 180 degrees, lowest loss top-left.
 
     Implemented as the package's softmax cross-entropy (``sec:sl-softmax-setup``) on the two-class logits
     ``[0, theta_0 + theta_1 x]``: ``softmax([0, u]) = [1 - sigma(u), sigma(u)]``, so the per-sample losses and the
     Fisher equal those of the sigmoid/binary-CE model. ``s_iEF = ||grad_z l_n||^2 = 2 (sigma - y_n)^2`` is twice the
     scalar-output value, which rescales the iEF direction by 2 and leaves its direction unchanged. The dashed line
     ``theta_0 + theta_1 = 0`` holds the parameters whose decision boundary ``-theta_0 / theta_1`` is ``x = 1``.
+
+    Args:
+        labels: ``(y_0, y_1)``, each 0 or 1.
+
+    Returns:
+        The :class:`ToyProblem` (``loss="cross_entropy"``, integer targets).
+
+    Raises:
+        ValueError: ``labels`` is not two values in ``{0, 1}``, naming it.
     """
+    if len(labels) != 2 or any(y not in (0, 1) or isinstance(y, bool) for y in labels):
+        raise ValueError(f"labels must be two classes in {{0, 1}}, e.g. (1, 0); got {labels!r}")
     x = torch.tensor([0.0, 2.0], dtype=DTYPE)
     lines = ((1.0, 1.0, 0.0, r"decision boundary at $x=1$: $\theta_0+\theta_1=0$"),)
-    targets = torch.tensor(list(labels), dtype=torch.long)
+    targets = torch.tensor([int(y) for y in labels], dtype=torch.long)
     return ToyProblem("logistic", TwoParameterModel(binary=True), x, _features(x), targets, "cross_entropy", lines)
 
 

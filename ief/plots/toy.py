@@ -2,11 +2,17 @@
 
 The studies (update fields and trajectories of the four methods) are computed by :mod:`ief.toy`; this module lays them
 out for the page: one 2 x 2 grid per problem at the page width, so ticks and legends stay readable.
+
+Colours: a trajectory is coloured by its start (``SEQUENCE_COLORS``, the paper's "coloured curves"), a curve of the
+convergence figure by its method (``METHOD_COLORS``), and the vector fields are drawn in the neutral greys of
+:data:`FIELD_COLORS`, so that no trajectory shares a hue with the field it follows (``sec:app-toy-lls-2pt``).
 """
 from __future__ import annotations
 
+import colorsys
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -15,7 +21,33 @@ import torch
 from .. import toy
 from ..paper import cite
 from ..style import METHOD_COLORS, SEQUENCE_COLORS
-from .common import PAGE_WIDTH_IN
+from .common import PAGE_WIDTH_IN, plain_log_ticks
+
+
+def _grey(white: float) -> str:
+    """Black mixed with ``white`` parts of white (0: black, 1: white), as ``"#rrggbb"``."""
+    return "#" + f"{round(255 * white):02x}" * 3
+
+
+# ief.style exports no FIELD_COLORS in this branch, so the fields' colours are defined here: greys (no hue at all), so
+# they cannot share a hue with the chromatic per-start trajectory colours (SEQUENCE_COLORS). NGD's field is drawn wide
+# and pale under iEF's thin dark one where the two coincide (least squares).
+FIELD_COLORS: dict[str, str] = {"SGD": _grey(0.5), "NGD": _grey(0.65), "iEF": _grey(0.3), "EF": _grey(0.5)}
+CONTOUR_COLOR = _grey(0.82)
+HUE_SEPARATION_DEG = 30.0  # two saturated colours closer in hue than this count as "the same hue"
+MIN_SATURATION = 0.15  # HSV saturation below which a colour counts as grey (no hue)
+
+
+def same_hue(color1, color2) -> bool:
+    """Whether two colours (anything matplotlib reads) share a hue: both saturated (HSV saturation >=
+    :data:`MIN_SATURATION`) and less than :data:`HUE_SEPARATION_DEG` apart on the hue circle. Greys share no hue."""
+    from matplotlib.colors import to_rgb
+
+    (h1, s1, _), (h2, s2, _) = (colorsys.rgb_to_hsv(*to_rgb(c)) for c in (color1, color2))
+    if min(s1, s2) < MIN_SATURATION:
+        return False
+    gap = abs(h1 - h2) * 360.0
+    return min(gap, 360.0 - gap) < HUE_SEPARATION_DEG
 
 
 @dataclass
@@ -28,34 +60,42 @@ class Study:
     fields: dict[str, torch.Tensor]  # method -> [G, 2] directions d
     trajectories: dict[str, list[torch.Tensor]]  # method -> one [T_k, 2] path per start
     starts: list[tuple[float, float]]
+    steps: int = 0  # the cap on the number of steps of a trajectory
+    seconds: dict[str, float] = field(default_factory=dict)  # method -> wall time of its trajectories
 
 
 def study(problem: toy.ToyProblem, lim: tuple[float, float], resolution: int,
           starts: Sequence[tuple[float, float]], step_size: float, steps: int, stop_loss: float | None = None,
           box: tuple[float, float] | None = None) -> Study:
-    """Fields on a ``resolution``^2 grid over ``lim``^2 and normalised trajectories from ``starts`` (stopping
-    outside ``box``^2, default ``lim``)."""
+    """Fields on a ``resolution``^2 grid over ``lim``^2 and normalised trajectories from ``starts`` (at most ``steps``
+    steps, stopping once ``L < stop_loss`` or outside ``box``^2, default ``lim``)."""
     _, _, thetas = toy.grid(lim, lim, resolution)
     fields = {m: toy.update_field(problem, m, thetas) for m in toy.METHODS}
     box = box or lim
-    trajectories = {m: [toy.trajectory(problem, m, s, step_size, steps, stop_loss=stop_loss, bounds=(box, box))
-                        for s in starts] for m in toy.METHODS}
-    return Study(problem, lim, thetas, fields, trajectories, list(starts))
+    trajectories, seconds = {}, {}
+    for m in toy.METHODS:
+        t0 = time.perf_counter()
+        trajectories[m] = [toy.trajectory(problem, m, s, step_size, steps, stop_loss=stop_loss, bounds=(box, box))
+                           for s in starts]
+        seconds[m] = time.perf_counter() - t0
+    return Study(problem, lim, thetas, fields, trajectories, list(starts), steps, seconds)
 
 
 def _background(ax, problem, xlim, ylim, star=False, levels=None):
-    """Loss contours, the dashed lines, the star at the minimum; labelled axes."""
+    """Loss contours, the dashed lines, the star at the minimum; labelled axes, theta_0 horizontal
+    (``fig:visual_tour``'s caption)."""
     g0, g1, thetas = toy.grid(xlim, ylim, 200)
     loss = problem.loss_at(thetas).reshape(g0.shape)
-    ax.contour(g0, g1, loss, levels=levels if levels is not None else 12, colors="0.75", linewidths=0.7, zorder=0)
+    ax.contour(g0, g1, loss, levels=levels if levels is not None else 12, colors=CONTOUR_COLOR, linewidths=0.7,
+               zorder=0)
     t = np.linspace(*xlim, 2)
     for a, b, c, _ in problem.lines:
         if b == 0:
             ax.axvline(c / a, color="0.2", ls="--", lw=1.2, zorder=1)
         else:
             ax.plot(t, (c - a * t) / b, color="0.2", ls="--", lw=1.2, zorder=1)
-    if star:
-        ax.plot(0, 0, marker="*", ms=16, color="gold", mec="k", zorder=6)
+    if star and problem.minimum is not None:
+        ax.plot(*problem.minimum, marker="*", ms=16, color="gold", mec="k", zorder=6)
     ax.set(xlim=xlim, ylim=ylim, xlabel=r"$\theta_0$", ylabel=r"$\theta_1$", aspect="equal")
     ax.grid(False)
 
@@ -127,19 +167,21 @@ def least_squares_figure(s: Study, zoom: Zoom, resolution: int):
     def fixed_scale(*ds):  # one arrow scale for un-normalised fields: the longest arrow spans 1.4 grid spacings
         return dict(scale_units="xy", scale=max(float(d.norm(dim=1).max()) for d in ds) / (1.4 * spacing))
 
-    _arrows(axes[0], thetas, fields["SGD"], METHOD_COLORS["SGD"], False, width=0.0045, **fixed_scale(fields["SGD"]))
+    _arrows(axes[0], thetas, fields["SGD"], FIELD_COLORS["SGD"], False, width=0.0045, **fixed_scale(fields["SGD"]))
     _paths(axes[0], s.trajectories["SGD"], s.starts)
     axes[0].set_title("SGD")
-    ngd_scale = fixed_scale(fields["NGD"], fields["iEF"])  # iEF (thin, blue) over NGD (wide, black): they coincide
-    _arrows(axes[1], thetas, fields["NGD"], METHOD_COLORS["NGD"], False, width=0.008, headwidth=3, **ngd_scale)
-    _arrows(axes[1], thetas, fields["iEF"], METHOD_COLORS["iEF"], False, width=0.0032, headwidth=3, **ngd_scale)
+    ngd_scale = fixed_scale(fields["NGD"], fields["iEF"])  # iEF (thin, dark) over NGD (wide, pale): they coincide
+    _arrows(axes[1], thetas, fields["NGD"], FIELD_COLORS["NGD"], False, width=0.008, headwidth=3, **ngd_scale)
+    _arrows(axes[1], thetas, fields["iEF"], FIELD_COLORS["iEF"], False, width=0.0032, headwidth=3, **ngd_scale)
     _paths(axes[1], s.trajectories["NGD"], lw=3.2)
     _paths(axes[1], s.trajectories["iEF"], s.starts, ls=(0, (2, 2)), lw=1.4)
     axes[1].set_title("NGD / iEF")
-    axes[1].legend(handles=[Line2D([], [], color=METHOD_COLORS["NGD"], lw=4, label="NGD field / path"),
-                            Line2D([], [], color=METHOD_COLORS["iEF"], lw=1.4, ls=(0, (2, 2)),
-                                   label="iEF field / path")], loc="lower left", framealpha=0.9)
-    _arrows(axes[2], thetas, fields["EF"], METHOD_COLORS["EF"], True, width=0.005)
+    axes[1].legend(handles=[Line2D([], [], color=FIELD_COLORS["NGD"], lw=4, label="NGD field (wide)"),
+                            Line2D([], [], color=FIELD_COLORS["iEF"], lw=1.4, label="iEF field (thin)"),
+                            Line2D([], [], color="0.3", lw=3.2, alpha=0.5, label="NGD path (wide)"),
+                            Line2D([], [], color="0.3", lw=1.4, ls=(0, (2, 2)), label="iEF path (dashed)")],
+                   loc="lower left", framealpha=0.9, fontsize=8)
+    _arrows(axes[2], thetas, fields["EF"], FIELD_COLORS["EF"], True, width=0.005)
     _paths(axes[2], s.trajectories["EF"], s.starts)
     axes[2].add_patch(Rectangle((zoom.lim0[0], zoom.lim1[0]), 2 * zoom.half, 2 * zoom.half, fill=False, lw=1.5,
                                 zorder=7))
@@ -148,7 +190,7 @@ def least_squares_figure(s: Study, zoom: Zoom, resolution: int):
     ax = axes[3]
     _background(ax, lls, zoom.lim0, zoom.lim1, levels=levels)
     norms = zoom.field.norm(dim=1)
-    _arrows(ax, zoom.thetas, zoom.field, METHOD_COLORS["EF"], False, width=0.006, scale_units="xy",
+    _arrows(ax, zoom.thetas, zoom.field, FIELD_COLORS["EF"], False, width=0.006, scale_units="xy",
             scale=float(norms.max()) / (0.6 * zoom.half))
     for k, tr in enumerate(s.trajectories["EF"]):  # every EF iterate inside the box: the oscillation across the line
         inside = tr[(tr[:, 0] - zoom.centre[0]).abs().le(zoom.half) & (tr[:, 1] - zoom.centre[1]).abs().le(zoom.half)]
@@ -179,34 +221,123 @@ def logistic_figure(s: Study):
     levels = np.quantile(s.problem.loss_at(toy.grid(s.lim, s.lim, 60)[2]).numpy(), np.linspace(0.02, 0.98, 12))
     for ax, m in zip(axes.ravel(), toy.METHODS):
         _background(ax, s.problem, s.lim, s.lim, levels=levels)
-        _arrows(ax, s.thetas, s.fields[m], METHOD_COLORS[m], True, width=0.005)
+        _arrows(ax, s.thetas, s.fields[m], FIELD_COLORS[m], True, width=0.005)
         _paths(ax, s.trajectories[m], s.starts)
         ax.set_title(m)
     handles = [Line2D([], [], color="0.2", ls="--", label=r"decision boundary at $x=1$ ($\theta_0+\theta_1=0$)"),
                Line2D([], [], ls="", marker="8", ms=8, color="k", label="starting points")]
     _legend(fig, handles + _start_handles(s.starts))
-    fig.suptitle(rf"Logistic regression, $x_0=0$ ($y_0=0$), $x_1=2$ ($y_1=1$); arrows normalised "
+    (x0, x1), (y0, y1) = (f"{float(v):g}" for v in s.problem.x), (int(v) for v in s.problem.targets)
+    fig.suptitle(rf"Logistic regression, $x_0={x0}$ ($y_0={y0}$), $x_1={x1}$ ($y_1={y1}$); arrows normalised "
                  f"(the paper's {cite('fig:logistic-regression')})")
     fig.tight_layout(rect=(0, 0.09, 1, 1), h_pad=2.0)
     return fig
 
 
 def first_hit(losses: torch.Tensor, threshold: float) -> int | None:
+    """The first index ``k`` with ``losses[k] < threshold``, or ``None``."""
     hit = torch.nonzero(losses < threshold).flatten()
     return int(hit[0]) if len(hit) else None
 
 
+def distances(s: Study) -> dict[str, list[torch.Tensor]]:
+    """``||theta_k - theta*||`` along every trajectory (method -> one ``[T_k]`` tensor per start).
+
+    Raises:
+        ValueError: the study's problem has no minimum (the logistic regression).
+    """
+    if s.problem.minimum is None:
+        raise ValueError(f"problem {s.problem.name!r} has no minimum theta*; distances need one (the least squares)")
+    star = torch.tensor(s.problem.minimum, dtype=toy.DTYPE)
+    return {m: [(tr - star).norm(dim=1) for tr in paths] for m, paths in s.trajectories.items()}
+
+
 def normalised_steps_table(s: Study, stop: float) -> pd.DataFrame:
-    """Normalised steps of each trajectory until the loss is below ``stop`` (the figure's protocol)."""
+    """Normalised steps of each trajectory until the loss is below ``stop`` (the figure's protocol); a trajectory that
+    does not get there shows its number of steps and the distance of its last iterate to ``theta*``."""
+    dist = distances(s)
     rows = []
     for k, start in enumerate(s.starts):
         row = {"start": str(start)}
         for m in toy.METHODS:
             loss = s.problem.loss_at(s.trajectories[m][k])
             n = first_hit(loss, stop)
-            row[m] = str(n) if n is not None else f"> {len(loss) - 1} (L = {float(loss[-1]):.2g})"
+            row[m] = (f"{n:,}" if n is not None else
+                      f"not in {len(loss) - 1:,} (|θ − θ*| = {float(dist[m][k][-1]):.2g})")
         rows.append(row)
     return pd.DataFrame(rows).set_index("start")
+
+
+def steps_to_stop(s: Study, method: str, stop: float) -> list[int | None]:
+    """Per start, the first step of ``method``'s trajectory with ``L < stop`` (``None`` where it never gets there)."""
+    return [first_hit(s.problem.loss_at(tr), stop) for tr in s.trajectories[method]]
+
+
+def reach_summary(s: Study, method: str, stop: float) -> str:
+    """One sentence, for the page, on whether ``method``'s trajectories reach ``L < stop``: how many, after how many
+    normalised steps, and for those that do not, after how many steps and at what distance from ``theta*`` they end.
+
+    Raises:
+        ValueError: an unknown ``method`` (naming the study's) or a problem without a minimum.
+    """
+    if method not in s.trajectories:
+        raise ValueError(f"unknown method {method!r}; expected one of {tuple(s.trajectories)}")
+    dist = distances(s)[method]
+    hits = steps_to_stop(s, method, stop)
+    reached = [n for n in hits if n is not None]
+    missed = [(len(d) - 1, float(d[-1])) for n, d in zip(hits, dist) if n is None]
+    span = f"{min(reached):,}" if len(set(reached)) == 1 else f"{min(reached):,} to {max(reached):,}" if reached else ""
+    total = len(hits)
+    if not missed:
+        return f"all {total} {method} trajectories reached L < {stop:g}, after {span} normalised steps"
+    if len({n for n, _ in missed}) == 1:  # all stopped at the same step (the cap): say it once
+        ends = f"after {missed[0][0]:,} steps, at distance " + ", ".join(f"{d:.2g}" for _, d in missed)
+    else:
+        ends = "at distance " + ", ".join(f"{d:.2g} (after {n:,} steps)" for n, d in missed)
+    if not reached:
+        return f"none of the {total} {method} trajectories reached L < {stop:g}: they end {ends} from θ*"
+    return (f"{len(reached)} of {total} {method} trajectories reached L < {stop:g}, after {span} normalised steps; the "
+            f"other {len(missed)} end {ends} from θ*")
+
+
+def reach_verdict(s: Study, method: str, stop: float) -> str:
+    """The verdict on the paper's "all methods successfully reached the global minimum" (``sec:app-toy-lls-2pt``) for
+    ``method``, by the rule stated on the page: every trajectory gets to ``L < stop`` within the study's cap."""
+    hits = steps_to_stop(s, method, stop)
+    missed = sum(n is None for n in hits)
+    if not missed:
+        return f"holds in this run: every {method} trajectory reached L < {stop:g}"
+    return (f"is not confirmed in this run: {missed} of {len(hits)} {method} trajectories did not reach L < {stop:g} "
+            f"(at most {s.steps:,} steps)")
+
+
+def convergence_figure(s: Study, stop: float):
+    """Distance to ``theta*`` against the normalised step, every trajectory of every method (log-log): where each
+    method's trajectories reach ``L < stop`` (they stop there) and how far they are when they stop short."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH_IN, 4.2))
+    dist = distances(s)
+    styles = {"SGD": "-", "NGD": "-", "iEF": (0, (3, 2)), "EF": "-"}
+    for m in toy.METHODS:
+        for d in dist[m]:
+            ax.plot(torch.arange(1, len(d) + 1), d, color=METHOD_COLORS[m], ls=styles[m], lw=1.4, alpha=0.85)
+            ax.plot([len(d)], [float(d[-1])], ls="", marker="o", ms=4, color=METHOD_COLORS[m])
+    ax.set(xscale="log", yscale="log", xlabel="normalised step + 1 (step length = 0.01)",
+           ylabel=r"$\|\theta - \theta^\star\|$")
+    ax.xaxis.set_major_locator(LogLocator(base=10, numticks=12))  # decades: 1-2-5 labels collide up to 10^5
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    plain_log_ticks(ax, "y")
+    handles = [Line2D([], [], color=METHOD_COLORS[m], ls=styles[m], lw=1.8, label=m) for m in toy.METHODS]
+    handles.append(Line2D([], [], ls="", marker="o", ms=4, color="0.3", label=f"last iterate (L < {stop:g} or cap)"))
+    ax.legend(handles=handles, loc="lower left", ncol=5, fontsize=9, framealpha=0.9)
+    ax.set_title(f"Distance to the minimum along the {len(s.starts)} trajectories of each method "
+                 f"(at most {s.steps:,} steps)")
+    fig.tight_layout()
+    return fig
 
 
 def plain_steps_table(problem: toy.ToyProblem, starts, max_steps: int, threshold: float = 1e-6) -> pd.DataFrame:
@@ -262,6 +393,23 @@ def angles_to_ngd(s: Study) -> pd.DataFrame:
 
     ang = {m: angle(s.fields[m], s.fields["NGD"]) for m in ("SGD", "iEF", "EF")}
     return pd.DataFrame({m: [float(a.median()), float(a.max())] for m, a in ang.items()}, index=["median", "max"])
+
+
+def lowest_point(problem: toy.ToyProblem, lim: tuple[float, float], resolution: int = 61) -> str:
+    """Where the loss is lowest on a ``resolution``^2 grid over the square ``lim``^2, with where that lies on the figure
+    (theta_0 horizontal, theta_1 vertical), e.g. ``"(3, -3), the bottom-right corner"``: the orientation of
+    ``fig:logistic-regression`` ("lower loss when moving further down the bottom-right corner")."""
+    _, _, thetas = toy.grid(lim, lim, resolution)
+    tol = 1e-9 * (lim[1] - lim[0])
+    t0, t1 = (0.0 if abs(float(v)) < tol else float(v) for v in thetas[problem.loss_at(thetas).argmin()])
+
+    def side(v, low, high):
+        return low if v <= lim[0] + tol else high if v >= lim[1] - tol else ""
+
+    vertical, horizontal = side(t1, "bottom", "top"), side(t0, "left", "right")
+    where = ("the " + "-".join(w for w in (vertical, horizontal) if w)
+             + (" corner" if vertical and horizontal else " edge")) if vertical or horizontal else "inside the box"
+    return f"({t0:g}, {t1:g}), {where}"
 
 
 def logistic_endpoints(s: Study) -> pd.DataFrame:

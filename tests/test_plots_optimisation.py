@@ -79,7 +79,7 @@ def _grid(ef_rises: bool = True):
     rows, curves = [], []
     for o in opts:
         for seed in range(3):
-            rows.append({"setup": "tweets-minilm-lora", "optimizer": o, "seed": seed,
+            rows.append({"setup": "tweets-minilm-lora", "optimizer": o, "seed": seed, "steps": 64,
                          "final_train_loss": level[o] + 0.01 * seed, "test_score": 0.8 + (0.002 * seed if o == "ief"
                                                                                          else 0.0),
                          "diverged_step": None})
@@ -135,7 +135,14 @@ def test_every_glue_key_of_the_e2_chapter_is_computed():
     table, curves, opts = _grid()
     from ief.experiments.early_spike import SPIKE_KEYS  # the early-spike cell (spike_glue)
 
-    computed = set(e2_findings(table, curves, ["tweets-minilm-lora"], opts)) | {"e2_runs", "e2_scale"} | set(SPIKE_KEYS)
+    from ief.plots.optimisation import budget_glue, seed_table
+
+    pairs = seed_table(table, curves, ["tweets-minilm-lora"], opts)
+    computed = (set(e2_findings(table, curves, ["tweets-minilm-lora"], opts)) | {"e2_runs", "e2_scale"}
+                | set(SPIKE_KEYS) | set(budget_glue(table, pairs)))
+    budget = budget_glue(table, pairs)
+    assert budget["e2_pairs_decided"].endswith(f"{(pairs.verdict == 'inconclusive').sum()} inconclusive")
+    assert budget["e2_pairs_decided"].startswith(f"{(pairs.verdict != 'inconclusive').sum()} of {len(pairs)} pairs")
     assert keys <= computed, keys - computed
     for name in re.findall(r"\{glue:text\}`v_([a-z0-9_]+)`", text):
         assert text.index(f"`rule_{name}`") < text.index(f"`v_{name}`"), name

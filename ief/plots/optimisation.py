@@ -290,6 +290,19 @@ def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
     return pd.DataFrame(rows).set_index(["setup", "claim", "pair"])
 
 
+def budget_glue(table: pd.DataFrame, pairs: pd.DataFrame) -> dict[str, str]:
+    """What the chapter says about the runs' length: ``e2_budget`` (updates per run and seeds, per setup, from the
+    runs table) and ``e2_pairs_decided`` (how many of :func:`seed_table`'s pairs the seeds decide, and how many they
+    leave inconclusive)."""
+    per = table.groupby("setup").agg(steps=("steps", "max"), seeds=("seed", "nunique"))
+    verdicts = pairs["verdict"].value_counts()
+    decided = int(verdicts.get("holds", 0) + verdicts.get("does not hold", 0))
+    return {"e2_budget": "; ".join(f"{s}: {int(r.steps)} updates, {int(r.seeds)} seeds" for s, r in per.iterrows()),
+            "e2_pairs_decided": f"{decided} of {len(pairs)} pairs ({int(verdicts.get('holds', 0))} hold, "
+                                f"{int(verdicts.get('does not hold', 0))} do not); "
+                                f"{int(verdicts.get('inconclusive', 0))} inconclusive"}
+
+
 def method_tables(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
                   method: dict[str, str], column: str, paper_label: str, *, scale: str, times: float = 1.0,
                   digits: int = 2, metric: str | None = None) -> dict[str, pd.DataFrame]:

@@ -201,7 +201,7 @@ def _mlp_optimizers(source: str, milestone: int, token_mean: bool = True) -> dic
 # table equal to them.
 CPU_LEARNING_RATES: dict[str, dict[str, float]] = {
     "digits-mlp": {"adam": 1e-2, "adamw": 1e-2, "adafactor": 1e-2, "sgd": 0.5, "ief": 3.0, "ef": 10.0, "sf": 0.1},
-    "tweets-minilm-lora": {"adamw": 1e-3, "adafactor": 1e-2, "sgd": 1.0, "ief": 1.0, "ef": 0.1, "sf": 1.0},
+    "tweets-minilm-lora": {"adamw": 3e-3, "adafactor": 1e-2, "sgd": 1.0, "ief": 0.3, "ef": 0.1, "sf": 1.0},
     "tweets-minilm-pt": {"adafactor": 0.03, "adamw": 1e-2, "sgd": 1.0, "ief": 1.0, "ef": 0.1, "sf": 1.0},
 }
 

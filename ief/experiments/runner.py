@@ -278,13 +278,17 @@ def _check_lr(lr: Any) -> float | None:
 
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
     """What must agree between config.json and an invocation: everything but the optimiser's provenance text (an
-    ``--lr`` equal to the registered rate is no override); a config.json from before ``stage_fractions`` existed
+    ``--lr`` equal to the registered rate is no override) and the setup's table of registered optimisers (the run's
+    own optimiser, as it ran, is ``optimizer``; a new search's rate for AdamW does not change an SGD run, nor a
+    re-registered rate a finished run at an overridden one); a config.json from before ``stage_fractions`` existed
     takes the default."""
     out = json.loads(json.dumps(record))
     if isinstance(out.get("optimizer"), dict):
         out["optimizer"].pop("source", None)
     if isinstance(out.get("setup"), dict):
         out["setup"].setdefault("stage_fractions", list(SetupConfig.__dataclass_fields__["stage_fractions"].default))
+        out["setup"].pop("optimizers", None)
+        out["setup"].pop("provisional", None)
     return out
 
 

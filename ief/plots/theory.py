@@ -41,7 +41,7 @@ def lemma_figure(lemma, lemma_over):
     """Finite-difference error of dl_n/dt = -||grad_z l_n||^2 against the step h (forward, central; N > P)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(PAGE_WIDTH_IN * 0.8, 5.6))
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH_IN, 5.6))
     h = lemma.dts.numpy()
     ax.loglog(h, lemma.forward_error.numpy(), "o-", color=METHOD_COLORS["iEF"],
               label=f"forward difference (N = {lemma.n_samples} ≤ P = {lemma.n_params})")
@@ -67,7 +67,7 @@ def sublinear_figure(flow_ce, sub):
     import matplotlib.pyplot as plt
 
     t = flow_ce.times.numpy()
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN * 0.8, 8.4))
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN, 8.4))
     for n in range(flow_ce.n_samples):
         c = sample_color(n)
         ax.plot(t, flow_ce.target_prob[:, n].numpy(), color=c, lw=1.6, label=f"sample {n}")
@@ -91,7 +91,7 @@ def linear_figure(flow_mse, lin):
     import matplotlib.pyplot as plt
 
     t = flow_mse.times.numpy()
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN * 0.8, 7.2), sharex=True,
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN, 7.2), sharex=True,
                                   gridspec_kw={"height_ratios": [2.2, 1]})
     for n in range(flow_mse.n_samples):
         c = sample_color(n)
@@ -116,7 +116,7 @@ def gram_figure(flow_ce, flow_mse):
     """Smallest eigenvalue of the Gram matrix along both flows: raw (top) and of unit per-sample gradients."""
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN * 0.8, 7.0))
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN, 7.0))
     for flow, name, ls in ((flow_ce, "softmax + CE flow", "-"), (flow_mse, "squared-error flow", "--")):
         x = flow.times.numpy()
         ax.semilogy(x, flow.gram_min_eig.numpy(), color=METHOD_COLORS["iEF"], ls=ls, label=f"iEF, {name}")

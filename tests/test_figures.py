@@ -143,6 +143,16 @@ def test_the_png_records_the_smallest_text_the_figure_draws():
     assert shown_text_px(wide) == pytest.approx(12 * 90 / 72 * BOOK_CONTENT_PX / png_text_record(render_png(wide))[1])
 
 
+def test_sub_and_superscripts_count_at_their_own_size():
+    """Mathtext draws gamma_EF's "EF" and 10^-8's "-8" at 0.7 of the font size: that is what a reader must read."""
+    fig, ax = plt.subplots(figsize=(5, 3), dpi=90)
+    ax.tick_params(labelsize=14)
+    ax.set_title(r"$\gamma_{EF}$", fontsize=12)
+    assert min_text_px(fig) == (pytest.approx(12 * 0.7 * 90 / 72), r"$\gamma_{EF}$")
+    ax.set_title(r"$\gamma$ plain", fontsize=12)  # math without scripts: its own size
+    assert min_text_px(fig)[0] == pytest.approx(12 * 90 / 72)
+
+
 def test_a_figure_without_text_is_an_error():
     fig = plt.figure()
     ax = fig.add_subplot()

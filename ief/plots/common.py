@@ -16,6 +16,7 @@ FIGURE_DPI = 90
 # (the smoke book of 2026-11-24 measured 784 and 736 px there).
 BOOK_CONTENT_PX = 690
 MIN_TEXT_PX = 9.0  # the smallest text a figure may show a reader (CSS px, after the page scales the image)
+SCRIPT_SHRINK = 0.7  # matplotlib mathtext's sub/superscript scale (SHRINK_FACTOR)
 TEXT_PX_KEY = "ief:min-text-px"  # the PNG text chunk recording a figure's smallest text, in px of the image
 BOOK_RC = {"figure.dpi": FIGURE_DPI, "savefig.dpi": 150, "font.size": 10.5, "axes.titlesize": 10.5,
            "axes.labelsize": 10.5, "xtick.labelsize": 10, "ytick.labelsize": 10, "legend.fontsize": 10,
@@ -56,14 +57,16 @@ def use_book_style() -> None:
 def drawn_text_sizes(fig) -> list[tuple[float, str]]:
     """``(size in points, text)`` of every non-empty text the figure draws (tick labels, legends, titles,
     annotations), recorded from the renderer as the figure is drawn (so ticks outside the view, hidden axes and empty
-    labels do not count)."""
+    labels do not count). A mathtext string with a sub- or superscript counts at the size of its scripts
+    (:data:`SCRIPT_SHRINK` times its font size)."""
     renderer = fig.canvas.get_renderer()
     seen: list[tuple[float, str]] = []
     original = renderer.draw_text
 
     def record(gc, x, y, s, prop, angle, ismath=False, mtext=None):
         if str(s).strip():
-            seen.append((float(prop.get_size_in_points()), str(s)))
+            scripts = ismath and any(c in str(s) for c in "_^")  # mathtext sets sub/superscripts 0.7 times smaller
+            seen.append((float(prop.get_size_in_points()) * (SCRIPT_SHRINK if scripts else 1.0), str(s)))
         return original(gc, x, y, s, prop, angle, ismath=ismath, mtext=mtext)
 
     renderer.draw_text = record
@@ -148,8 +151,8 @@ def plain_log_ticks(ax, axis: str = "y") -> None:
     one_two_five = [m * 10.0**d for d in decades for m in (1, 2, 5) if lo <= m * 10.0**d <= hi]
     if lo > 0 and len(one_two_five) < 3:
         target.set_major_locator(MaxNLocator(nbins=5, steps=[1, 2, 5, 10]))
-    elif len(one_two_five) > 14:  # many decades: 1-2-5 labels would crowd the axis, powers of ten only
-        target.set_major_locator(LogLocator(base=10, numticks=30))
+    elif len(one_two_five) > 14:  # many decades: 1-2-5 labels would crowd the axis, powers of ten only (on an x
+        target.set_major_locator(LogLocator(base=10, numticks=6 if axis == "x" else 12))  # axis, a few of them)
     else:
         target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=30))
     target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))

@@ -77,6 +77,7 @@ def setups_of(records) -> list[str]:
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")  # one per setup (colour is not the only cue)
+MATH_PT = 13  # labels with sub/superscripts (gamma_EF): their scripts, 0.7 of this, stay >= 9 px at 90 dpi
 
 
 def log_errorbar(ax, groups: dict[float, list[float]], error_bars: bool = True, **style):
@@ -133,7 +134,7 @@ def plot_sample_gamma(records, setups: Sequence[str] | None = None, error_bars: 
         for ax, (num, den, title) in zip(axes, panels):
             field = "imbalance" if num is None else "gamma"
             log_errorbar(ax, stage_values(records, setup, num, den or "sgd", field), error_bars, **style)
-            ax.set_title(title)
+            ax.set_title(title, fontsize=MATH_PT if "$" in title else None)
     for i, ax in enumerate(axes):
         ax.set_yscale("log")
         ax.set_xlabel("training stage (%)" if i >= 2 else None)
@@ -160,7 +161,7 @@ def plot_blockdiag_gamma(records, setups: Sequence[str] | None = None):
         plain_log_ticks(ax)
         ax.set_title(setup)
         ax.set_xlabel("training stage (%)")
-        ax.set_ylabel(r"$\gamma / \gamma_{SGD}$")
+        ax.set_ylabel(r"$\gamma / \gamma_{SGD}$", fontsize=MATH_PT)
     _figure_legend(fig, axes, 4)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
@@ -202,7 +203,8 @@ def plot_damping_gamma(records, setup: str, axis: str = "ief"):
         ax.set_title(f"{setup}, stage {stage}%")
         ax.set_xlabel(r"damping $\lambda$ (" + ("package, sum loss" if axis == "ief" else "paper, token mean")
                       + ")")
-        ax.set_ylabel(r"$\gamma / \gamma_{SGD}$" if i % 2 == 0 else None)
+        ax.set_ylabel(r"$\gamma / \gamma_{SGD}$" if i % 2 == 0 else None, fontsize=MATH_PT)
+        plain_log_ticks(ax, "x")  # "1e-08", not 10 with a superscript at 0.7 of the tick size
     if axes and stages:
         plain_log_ticks(axes[0])  # the y axis is shared
     spare = len(axes) % 2 == 1 and len(axes) > 1

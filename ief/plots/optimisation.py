@@ -126,7 +126,7 @@ def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[st
         raise ValueError("no setup to plot")
     val = curve_bands(curves, validation)
     with _style():
-        fig, axes = plt.subplots(len(setups), 2, figsize=(PAGE_WIDTH_IN, 3.2 * len(setups) + 1.3), squeeze=False)
+        fig, axes = plt.subplots(len(setups), 2, figsize=(PAGE_WIDTH_IN, 3.2 * len(setups) + 1.1), squeeze=False)
         for row, setup in enumerate(setups):
             c = curves[(curves.setup == setup) & (curves.quantity == "train_loss")]
             steps = int(c.groupby(["optimizer", "seed"]).size().max()) if len(c) else 1
@@ -167,7 +167,7 @@ def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[st
         if title:
             fig.suptitle(title, wrap=True)
         legend_rows = -(-len(labels) // ncol) if labels else 1
-        fig.tight_layout(rect=(0, (0.35 + 0.3 * legend_rows) / (3.2 * len(setups) + 1.3), 1, 1))
+        fig.tight_layout(rect=(0, (0.1 + 0.25 * legend_rows) / (3.2 * len(setups) + 1.1), 1, 1))
     return fig
 
 

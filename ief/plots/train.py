@@ -119,6 +119,7 @@ def search_figure(records: dict):
                 ax.annotate("x", (trial["lr"], 0), xycoords=("data", "axes fraction"), color=hue[trial["optimizer"]],
                             ha="center", va="bottom", fontsize=10, fontweight="bold")
             ax.set_xscale("log")
+            plain_log_ticks(ax, "x")  # "0.001", not 10 with a superscript at 0.7 of the tick size
             if y == "train loss":
                 _loss_axis(ax, t["train loss"].dropna(), chosen["train loss"].dropna())
             ax.set(xlabel="learning rate" if row == len(names) - 1 else None, ylabel=None)

@@ -7,7 +7,8 @@ MathJax components load as they would for a reader). For every page: no console 
 and the navigation lists every chapter of ``_toc.yml``. As a reader meets each page of ``_toc.yml``: no raw TeX in
 visible text (math MathJax never typeset) and no MathJax error, no raw ``\\label`` key of the paper outside code
 listings, at most 2 visible code inputs, every image shown at >= 50 % of its natural width or enlarged on click
-(checked by clicking), and every figure's smallest text >= 9 px as shown, with a note under a reduced one. Full-page screenshots of every page are kept under ``_build/screenshots/`` to look at.
+(checked by clicking), and every figure's smallest text >= 9 px as shown, with a note under a reduced one.
+Full-page screenshots of every page are kept under ``_build/screenshots/`` to look at.
 """
 from __future__ import annotations
 

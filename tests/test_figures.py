@@ -114,6 +114,25 @@ def test_the_train_and_convergence_figures_are_readable_too():
     assert shown_text_px(fig) >= MIN_TEXT_PX, min_text_px(fig)
 
 
+def test_the_convergence_figures_are_readable_too():
+    from ief import theory
+    from ief.plots import theory as plots
+
+    cfg = plots.chapter_settings("smoke")
+    cls, reg = theory.classification_problem(n_samples=7, seed=0), theory.regression_problem(n_samples=7, seed=0)
+    over = theory.classification_problem(n_samples=cls.n_params + 9, seed=0)
+    lemma = theory.lemma_check(cls.model, cls.inputs, cls.targets, cfg["lemma_dts"])
+    lemma_over = theory.lemma_check(over.model, over.inputs, over.targets, cfg["lemma_dts"])
+    flow_ce = theory.ief_flow(cls.model, cls.inputs, cls.targets, cfg["t_end"], cfg["dt"], loss="cross_entropy",
+                              rtol=cfg["rtol"])
+    flow_mse = theory.ief_flow(reg.model, reg.inputs, reg.targets, cfg["t_end_linear"], cfg["dt_linear"], loss="mse",
+                               rtol=cfg["rtol_linear"])
+    for fig in (plots.lemma_figure(lemma, lemma_over), plots.sublinear_figure(flow_ce, theory.sublinear_bound(flow_ce)),
+                plots.linear_figure(flow_mse, theory.linear_bound(flow_mse, m=1.0)),
+                plots.gram_figure(flow_ce, flow_mse)):
+        assert shown_text_px(fig) >= MIN_TEXT_PX, min_text_px(fig)
+
+
 def test_the_old_layout_fails_the_measure():
     """Today's measure fails what the book showed before issue 19: a 13 in wide four-panel row at 100 dpi with an
     8 pt legend, shown in a 690 px column (about 7 px), and a figure whose text is small in the image itself."""

@@ -19,8 +19,8 @@ MIN_TEXT_PX = 9.0  # the smallest text a figure may show a reader (CSS px, after
 SCRIPT_SHRINK = 0.7  # matplotlib mathtext's sub/superscript scale (SHRINK_FACTOR)
 TEXT_PX_KEY = "ief:min-text-px"  # the PNG text chunk recording a figure's smallest text, in px of the image
 BOOK_RC = {"figure.dpi": FIGURE_DPI, "savefig.dpi": 150, "font.size": 10.5, "axes.titlesize": 10.5,
-           "axes.labelsize": 10.5, "xtick.labelsize": 10, "ytick.labelsize": 10, "legend.fontsize": 10,
-           "legend.title_fontsize": 10, "figure.titlesize": 11.5, "figure.constrained_layout.use": False}
+           "axes.labelsize": 10.5, "xtick.labelsize": 10, "ytick.labelsize": 10, "legend.fontsize": 10.5,
+           "legend.title_fontsize": 10.5, "figure.titlesize": 11.5, "figure.constrained_layout.use": False}
 
 
 def use_book_style() -> None:
@@ -139,8 +139,9 @@ def log_band(values: Sequence[float]) -> tuple[float, float, float]:
 
 def plain_log_ticks(ax, axis: str = "y") -> None:
     """Label a logarithmic axis with plain numbers (``0.5``, ``2``, ``1e-05``), never ``1.35x10^0``: 1-2-5 ticks where
-    three to fourteen of them fall in the shown range, powers of ten where more would, otherwise about five evenly spaced ones (a narrow log range, where
-    matplotlib would label only minor ticks, in scientific notation). Call it after the data are drawn."""
+    three to fourteen of them fall in the shown range, powers of ten where more would, otherwise about five evenly
+    spaced ones (a narrow log range, where matplotlib would label only minor ticks, in scientific notation). Call it
+    after the data are drawn."""
     import math
 
     from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
@@ -157,6 +158,20 @@ def plain_log_ticks(ax, axis: str = "y") -> None:
         target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=30))
     target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     target.set_minor_formatter(NullFormatter())
+
+
+def plain_log_axes(fig) -> None:
+    """:func:`plain_log_ticks` on every logarithmic axis of ``fig``, and plain numbers on every symlog one: no tick
+    label a reader must read as a superscript (mathtext sets it at 0.7 of the tick size). Call it last."""
+    from matplotlib.ticker import FuncFormatter
+
+    for ax in fig.axes:
+        for axis in ("x", "y"):
+            scale = ax.get_xscale() if axis == "x" else ax.get_yscale()
+            if scale == "log":
+                plain_log_ticks(ax, axis)
+            elif scale == "symlog":
+                (ax.xaxis if axis == "x" else ax.yaxis).set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
 
 
 def save(fig, out_dir: str | Path, name: str) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ..style import METHOD_COLORS, SEQUENCE_COLORS
-from .common import PAGE_WIDTH_IN
+from .common import PAGE_WIDTH_IN, plain_log_axes
 
 GUIDE = "#bbbbbb"  # reference slopes: not a method
 
@@ -59,6 +59,7 @@ def lemma_figure(lemma, lemma_over):
     ax.set_ylabel(r"$\max_n |D_h l_n + \|\nabla_{z_n} l_n\|^2| \,/\, \|\nabla_{z_n} l_n\|^2$")
     ax.set_title(r"iEF flow: $dl_n/dt = -\|\nabla_{z_n} l_n\|^2$ by finite differences")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1, frameon=False)
+    plain_log_axes(fig)  # no superscript tick labels: they would be under 9 px on the page
     return fig
 
 
@@ -82,6 +83,7 @@ def sublinear_figure(flow_ce, sub):
     ax2.set(xlabel="flow time t", ylabel=r"$1 - \hat p_n(t)$ (solid), $2/(t + C_0 + 1)$ (dashed)",
             title=r"Same, log-log: $1 - \hat p_n(t) < 2/(t + C_0 + 1)$")
     fig.suptitle(f"iEF flow, softmax + cross-entropy, tanh MLP (N={flow_ce.n_samples}, P={flow_ce.n_params})")
+    plain_log_axes(fig)  # no superscript tick labels: they would be under 9 px on the page
     fig.tight_layout()
     return fig
 
@@ -108,6 +110,7 @@ def linear_figure(flow_mse, lin):
     ax2.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     ax2.legend(loc="lower left")
     fig.suptitle(f"iEF flow, squared error, tanh MLP (N={flow_mse.n_samples}, P={flow_mse.n_params}, 2 outputs)")
+    plain_log_axes(fig)  # no superscript tick labels: they would be under 9 px on the page
     fig.tight_layout()
     return fig
 
@@ -128,6 +131,7 @@ def gram_figure(flow_ce, flow_mse):
         a.set(xlabel="flow time t (linear below 1, log above)", ylabel=what, title=title)
         a.legend()
     fig.suptitle("Full-rank Gram matrix along both flows")
+    plain_log_axes(fig)  # no superscript tick labels: they would be under 9 px on the page
     fig.tight_layout()
     return fig
 

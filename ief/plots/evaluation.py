@@ -2,8 +2,11 @@
 ``fig:sample_blockdiag_gamma`` (block-diagonal study), from the tidy records of
 :mod:`ief.experiments.evaluate_runs` (a list of dicts, as :func:`~ief.experiments.evaluate_runs.read_records` gives).
 
-Every point is the mean over the evaluated batches of a per-batch ratio, with a +-1 sd bar (the paper: "averaged
-across 100 evaluations, error bars the standard deviation"), on log axes.
+Every point of a figure is a per-batch ratio averaged over the evaluated batches with a +-1 sd bar (the paper:
+"averaged across 100 evaluations, error bars the standard deviation"), on log axes: so the average is the geometric
+mean and the bar +-1 sd of the log ratios (:func:`log_errorbar`), symmetric on the axis and never down to its floor.
+The tables and glued numbers keep the arithmetic mean +- sd (:func:`stage_series`, ``summary_rows``). Figures are laid
+out at the page width (at most two panels a row) so their text stays >= 9 px as shown (``tests/test_figures.py``).
 """
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ import numpy as np
 from ..experiments.evaluate_runs import DEFAULTS, usable, summary_rows
 from ..experiments.setups import CPU_SETUPS, resolve
 from ..experiments.verdicts import BLOCK_RULES, DECIDED, E1_AGGREGATION, E1_RULES, E3_RULES, RULES, WHY_T, summary
-from ..style import method_color
-from .common import plain_log_ticks
+from ..style import SEQUENCE_COLORS, method_color
+from .common import PAGE_WIDTH_IN, log_band, plain_log_ticks
 
 LABELS = {"sgd": "SGD", "ef": "EF", "ief": "iEF", "sf": "SF", "hf": "HF", "kfac": "KFAC", "ekfac": "eKFAC",
           "iekfac": "ieKFAC"}
@@ -44,8 +47,10 @@ def _per_batch(records, setup, kind="e1"):
     return out
 
 
-def stage_series(records, setup: str, numerator: str, denominator: str = "sgd", field: str = "gamma"):
-    """``(stages, mean, sd)`` over batches of ``gamma_num / gamma_den`` (or of ``imbalance`` with field=...)."""
+def stage_values(records, setup: str, numerator: str, denominator: str = "sgd",
+                 field: str = "gamma") -> dict[int, list[float]]:
+    """``{stage: [value per batch]}`` of ``gamma_num / gamma_den`` (or of the batch's ``imbalance`` with
+    ``field="imbalance"``), skipping unusable gammas and non-finite values."""
     by_stage: dict[int, list[float]] = {}
     for (stage, _), methods in _per_batch(records, setup).items():
         if field == "imbalance":
@@ -57,6 +62,12 @@ def stage_series(records, setup: str, numerator: str, denominator: str = "sgd", 
             continue
         if value is not None and np.isfinite(value):
             by_stage.setdefault(stage, []).append(value)
+    return dict(sorted(by_stage.items()))
+
+
+def stage_series(records, setup: str, numerator: str, denominator: str = "sgd", field: str = "gamma"):
+    """``(stages, mean, sd)`` over batches of ``gamma_num / gamma_den`` (or of ``imbalance`` with field=...)."""
+    by_stage = stage_values(records, setup, numerator, denominator, field)
     stages = sorted(by_stage)
     return (np.array(stages), np.array([np.mean(by_stage[s]) for s in stages]),
             np.array([np.std(by_stage[s]) for s in stages]))
@@ -66,92 +77,144 @@ def setups_of(records) -> list[str]:
     return list(dict.fromkeys(r["setup"] for r in records))
 
 
-def plot_sample_gamma(records, setups: Sequence[str] | None = None, error_bars: bool = True):
-    """``fig:sample_gamma``: gamma_EF/gamma_SGD, gamma_iEF/gamma_SGD, gamma_SF/gamma_EF and the imbalance vs stage.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")  # one per setup (colour is not the only cue)
+MATH_PT = 13  # labels with sub/superscripts (gamma_EF): their scripts, 0.7 of this, stay >= 9 px at 90 dpi
 
-    ``error_bars=False``: as the paper's appendix figures for every task (``fig:lora_gamma``, ``fig:pt_gamma``)."""
+
+def log_errorbar(ax, groups: dict[float, list[float]], error_bars: bool = True, **style):
+    """Draw ``{x: values}`` on a logarithmic y axis: the geometric mean of each group with its +-1 sd band of the log
+    values (:func:`ief.plots.common.log_band`), so the bar is symmetric on the axis and never runs to its floor.
+    Groups with a non-positive value are left out (they have no place on a log axis). Returns the errorbar container,
+    or ``None`` where no group can be drawn."""
+    xs, centre, low, high = [], [], [], []
+    for x, values in groups.items():
+        if len(values) and all(np.isfinite(v) and v > 0 for v in values):
+            c, lo, hi = log_band(values)
+            xs.append(x), centre.append(c), low.append(c - lo), high.append(hi - c)
+    if not xs:
+        return None
+    return ax.errorbar(xs, centre, yerr=[low, high] if error_bars else None, **style)
+
+
+def _grid(n: int, height: float, columns: int = 2, sharey: bool = False):
+    """``(fig, axes)``: ``n`` panels in rows of at most ``columns`` at the page width (spare panels switched off)."""
     import matplotlib.pyplot as plt
 
+    ncols = max(1, min(columns, n))
+    nrows = max(1, -(-n // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(PAGE_WIDTH_IN, height * nrows + 0.7), squeeze=False,
+                             sharey=sharey)
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.set_axis_off()
+    return fig, flat[:max(n, 1)]
+
+
+def _figure_legend(fig, axes, ncol: int) -> None:
+    """One legend for the figure, below its panels (the handles of the first panel that has any)."""
+    for ax in axes:
+        handles, labels = ax.get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="lower center", ncol=max(1, min(ncol, len(labels))), frameon=False)
+            return
+
+
+def plot_sample_gamma(records, setups: Sequence[str] | None = None, error_bars: bool = True):
+    """``fig:sample_gamma``: gamma_EF/gamma_SGD, gamma_iEF/gamma_SGD, gamma_SF/gamma_EF and the imbalance vs stage,
+    as a 2 x 2 grid at the page width, one colour and marker per setup (:data:`ief.style.SEQUENCE_COLORS`: setups
+    are not methods); geometric mean over batches with its +-1 sd band of the logs (:func:`log_errorbar`).
+
+    ``error_bars=False``: as the paper's appendix figures for every task (``fig:lora_gamma``, ``fig:pt_gamma``)."""
     setups = list(setups or setups_of(records))
     panels = [("ef", "sgd", r"$\gamma_{EF}/\gamma_{SGD}$"), ("ief", "sgd", r"$\gamma_{iEF}/\gamma_{SGD}$"),
               ("sf", "ef", r"$\gamma_{SF}/\gamma_{EF}$"), (None, None, "imbalance (max/min grad norm)")]
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2))
+    fig, axes = _grid(len(panels), 3.0)
     for k, setup in enumerate(setups):
-        color = f"C{k}"
+        style = dict(marker=MARKERS[k % len(MARKERS)], ms=5, capsize=3, color=SEQUENCE_COLORS[k % len(SEQUENCE_COLORS)],
+                     label=setup)
         for ax, (num, den, title) in zip(axes, panels):
             field = "imbalance" if num is None else "gamma"
-            x, mean, sd = stage_series(records, setup, num, den or "sgd", field)
-            ax.errorbar(x, mean, yerr=sd if error_bars else None, marker="o", ms=4, capsize=3, color=color,
-                        label=setup)
-            ax.set_title(title)
-    for ax in axes:
+            log_errorbar(ax, stage_values(records, setup, num, den or "sgd", field), error_bars, **style)
+            ax.set_title(title, fontsize=MATH_PT if "$" in title else None)
+    for i, ax in enumerate(axes):
         ax.set_yscale("log")
-        ax.set_xlabel("training stage (%)")
-        if ax is not axes[-1]:
+        ax.set_xlabel("training stage (%)" if i >= 2 else None)
+        if i < 3:
             ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
         plain_log_ticks(ax)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    _figure_legend(fig, axes, 3)
+    fig.tight_layout(rect=(0, 0.045 * (1 + (len(setups) - 1) // 3), 1, 1))
     return fig
 
 
 def plot_blockdiag_gamma(records, setups: Sequence[str] | None = None):
-    """``fig:sample_blockdiag_gamma``: iEF, ieKFAC, KFAC and eKFAC relative to SGD vs stage, one panel per setup."""
-    import matplotlib.pyplot as plt
-
+    """``fig:sample_blockdiag_gamma``: iEF, ieKFAC, KFAC and eKFAC relative to SGD vs stage, one panel per setup (two
+    per row at the page width), geometric mean over batches with its +-1 sd band of the logs."""
     setups = [s for s in (setups or setups_of(records))
               if any(r["setup"] == s and r["method"] == "iekfac" for r in records)]
-    fig, axes = plt.subplots(1, max(1, len(setups)), figsize=(4.3 * max(1, len(setups)), 3.2), squeeze=False)
-    for ax, setup in zip(axes[0], setups):
-        for method in ("ief", "iekfac", "kfac", "ekfac"):
-            x, mean, sd = stage_series(records, setup, method)
-            ax.errorbar(x, mean, yerr=sd, marker="o", ms=4, capsize=3, color=method_color(LABELS[method]),
-                        label=LABELS[method])
+    fig, axes = _grid(len(setups), 3.2)
+    for ax, setup in zip(axes, setups):
+        for k, method in enumerate(("ief", "iekfac", "kfac", "ekfac")):
+            log_errorbar(ax, stage_values(records, setup, method), marker=MARKERS[k], ms=5, capsize=3,
+                         color=method_color(LABELS[method]), label=LABELS[method])
         ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
         ax.set_yscale("log")
         plain_log_ticks(ax)
         ax.set_title(setup)
         ax.set_xlabel("training stage (%)")
-        ax.set_ylabel(r"$\gamma / \gamma_{SGD}$")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+        ax.set_ylabel(r"$\gamma / \gamma_{SGD}$", fontsize=MATH_PT)
+    _figure_legend(fig, axes, 4)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
-def sweep_series(records, setup: str, stage: int, method: str, axis: str = "ief"):
-    """``(dampings, mean, sd)`` of ``gamma / gamma_SGD`` over batches at one stage (dampings on ``axis``)."""
+def sweep_values(records, setup: str, stage: int, method: str, axis: str = "ief") -> dict[float, list[float]]:
+    """``{damping: [gamma / gamma_SGD per batch]}`` at one stage (dampings on ``axis``, :func:`damping_axis`)."""
     by_lam: dict[float, list[float]] = {}
     for r in records:
         if (r["setup"] == setup and r["kind"] == "sweep" and r["stage"] == stage and r["method"] == method
                 and usable(r["ratio"])):
             by_lam.setdefault(damping_axis(r, axis), []).append(r["ratio"])
+    return dict(sorted(by_lam.items()))
+
+
+def sweep_series(records, setup: str, stage: int, method: str, axis: str = "ief"):
+    """``(dampings, mean, sd)`` of ``gamma / gamma_SGD`` over batches at one stage (dampings on ``axis``)."""
+    by_lam = sweep_values(records, setup, stage, method, axis)
     lams = sorted(by_lam)
     return (np.array(lams), np.array([np.mean(by_lam[x]) for x in lams]),
             np.array([np.std(by_lam[x]) for x in lams]))
 
 
 def plot_damping_gamma(records, setup: str, axis: str = "ief"):
-    """``fig:damping_gamma_*``: gamma/gamma_SGD of EF, SF and iEF vs damping at the first, middle and last stage."""
-    import matplotlib.pyplot as plt
-
+    """``fig:damping_gamma_*``: gamma/gamma_SGD of EF, SF and iEF vs damping at the first, middle and last stage, two
+    panels per row at the page width (the legend in the spare fourth), geometric mean over batches with its +-1 sd
+    band of the logs."""
+    if axis not in DAMPING_AXES:
+        raise ValueError(f"unknown damping axis {axis!r}; accepted: {', '.join(DAMPING_AXES)}")
     stages = sorted({r["stage"] for r in records if r["setup"] == setup and r["kind"] == "sweep"})
-    fig, axes = plt.subplots(1, max(1, len(stages)), figsize=(4.3 * max(1, len(stages)), 3.2), squeeze=False,
-                             sharey=True)
-    for ax, stage in zip(axes[0], stages):
-        for method in ("ef", "sf", "ief"):
-            x, mean, sd = sweep_series(records, setup, stage, method, axis)
-            ax.errorbar(x, mean, yerr=sd, marker="o", ms=3, capsize=2, color=method_color(LABELS[method]),
-                        label=LABELS[method])
+    fig, axes = _grid(len(stages), 3.0, sharey=True)
+    for i, (ax, stage) in enumerate(zip(axes, stages)):
+        for k, method in enumerate(("ef", "sf", "ief")):
+            log_errorbar(ax, sweep_values(records, setup, stage, method, axis), marker=MARKERS[k], ms=4, capsize=2,
+                         color=method_color(LABELS[method]), label=LABELS[method])
         ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(f"{setup}, stage {stage}%")
         ax.set_xlabel(r"damping $\lambda$ (" + ("package, sum loss" if axis == "ief" else "paper, token mean")
                       + ")")
-    plain_log_ticks(axes[0][0])  # the y axis is shared
-    axes[0][0].set_ylabel(r"$\gamma / \gamma_{SGD}$")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+        ax.set_ylabel(r"$\gamma / \gamma_{SGD}$" if i % 2 == 0 else None, fontsize=MATH_PT)
+        plain_log_ticks(ax, "x")  # "1e-08", not 10 with a superscript at 0.7 of the tick size
+    if axes and stages:
+        plain_log_ticks(axes[0])  # the y axis is shared
+    spare = len(axes) % 2 == 1 and len(axes) > 1
+    if spare:  # the legend in the empty fourth panel's place
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.axes[len(axes)].legend(handles, labels, loc="center", frameon=False)
+    else:
+        _figure_legend(fig, axes, 3)
+    fig.tight_layout(rect=(0, 0 if spare else 0.06, 1, 1))
     return fig
 
 

@@ -16,7 +16,7 @@ import pandas as pd
 
 from ..experiments.aggregate import curve_bands, mean_sd
 from ..style import method_color
-from .common import plain_log_ticks
+from .common import log_band, plain_log_ticks
 
 LABELS = {"adamw": "AdamW", "adafactor": "Adafactor", "adam": "Adam", "sgd": "SGD", "ef": "EF", "sf": "SF",
           "ief": "iEF"}
@@ -61,17 +61,26 @@ def curve_points(steps: int, points: int = 100) -> int:
     return max(1, min(points, steps // MIN_UPDATES_PER_POINT))
 
 
-def loss_axis(ax, means: pd.Series) -> str:
+def loss_scale(means: pd.Series) -> str:
+    """``"log"`` where the positive mean curves span more than :data:`LOG_SPAN`, else ``"linear"``."""
+    values = means[np.isfinite(means) & (means > 0)]
+    return "log" if len(values) and float(values.max()) / float(values.min()) > LOG_SPAN else "linear"
+
+
+def loss_axis(ax, means: pd.Series, scale: str | None = None) -> str:
     """Fit a training-loss axis to the mean curves drawn on it, so that the range the chapter discusses is readable.
 
     Linear when the means span at most :data:`LOG_SPAN` (the tweet setups, about 0.7-1.1), with limits from the
     means (± sd bands may leave the panel); logarithmic with labelled 1-2-5 ticks where they span orders of
-    magnitude (digits: 2.3 down to 1e-3). Returns ``"linear"`` or ``"log"``."""
+    magnitude (digits: 2.3 down to 1e-3). ``scale``: impose ``"linear"`` or ``"log"`` (default: :func:`loss_scale`).
+    Returns ``"linear"`` or ``"log"``."""
+    if scale not in (None, "linear", "log"):
+        raise ValueError(f"scale must be None, 'linear' or 'log', got {scale!r}")
     values = means[np.isfinite(means) & (means > 0)]
     if values.empty:
         return "linear"
     lo, hi = float(values.min()), float(values.max())
-    if hi / lo <= LOG_SPAN:
+    if (scale or loss_scale(values)) == "linear":
         pad = 0.08 * (hi - lo) or 0.05 * hi
         ax.set_ylim(lo - pad, hi + pad)
         return "linear"
@@ -81,13 +90,31 @@ def loss_axis(ax, means: pd.Series) -> str:
     return "log"
 
 
+def log_curve_bands(curves: pd.DataFrame, quantity: str, points: int | None = None) -> pd.DataFrame:
+    """Per ``(setup, optimizer, step)``, the geometric mean over seeds of a curve and its band of +-1 sd of the log
+    values (:func:`ief.plots.common.log_band`), for a logarithmic axis: each seed's curve is first windowed as
+    :func:`~ief.experiments.aggregate.curve_bands` does. Columns ``setup, optimizer, step, mean, low, high, n``; a
+    step where a seed's value is not positive is left out (it has no place on a log axis)."""
+    per_seed = [curve_bands(c, quantity, points).assign(seed=seed)
+                for seed, c in curves[curves["quantity"] == quantity].groupby("seed")]
+    rows = []
+    for (setup, opt, step), g in pd.concat(per_seed).groupby(["setup", "optimizer", "step"], sort=False):
+        v = g["mean"].to_numpy()
+        if np.all(np.isfinite(v) & (v > 0)):
+            centre, low, high = log_band(v)
+            rows.append((setup, opt, step, centre, low, high, len(v)))
+    out = pd.DataFrame(rows, columns=["setup", "optimizer", "step", "mean", "low", "high", "n"])
+    return out.sort_values(["setup", "optimizer", "step"], kind="stable").reset_index(drop=True)
+
+
 def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[str, Sequence[str]], *,
                 validation: str = "val_score", points: int = 100, title: str | None = None):
-    """Training loss (top) and validation metric (bottom) vs update step, one column per setup: mean over seeds
-    with a ± sd band. The training loss is first averaged over windows per run (the paper's ``points``, at most one
-    per :data:`MIN_UPDATES_PER_POINT` updates, :func:`curve_points`); its axis is fitted by :func:`loss_axis`
-    (linear over the range of the means, or logarithmic with 1-2-5 ticks). Each optimiser has its own line style and
-    marker; the setup's baseline (AdamW/Adafactor/Adam) is drawn on top.
+    """Training loss (left) and validation metric (right) vs update step, one row per setup at the page width: mean
+    over seeds with a ± sd band. The training loss is first averaged over windows per run (the paper's ``points``,
+    at most one per :data:`MIN_UPDATES_PER_POINT` updates, :func:`curve_points`); its axis is fitted by
+    :func:`loss_axis` (linear over the range of the means, or logarithmic with 1-2-5 ticks, where the curve is the
+    geometric mean over seeds and the band ± sd of the log losses, :func:`log_curve_bands`). Each optimiser has its
+    own line style and marker; the setup's baseline (AdamW/Adafactor/Adam) is drawn on top.
 
     ``optimizers``: the optimisers to draw per setup (the paper's table's, in its order). Returns the figure.
     """
@@ -99,15 +126,21 @@ def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[st
         raise ValueError("no setup to plot")
     val = curve_bands(curves, validation)
     with _style():
-        width = max(4.5 * len(setups), PAGE_WIDTH_IN)
-        fig, axes = plt.subplots(2, len(setups), figsize=(width, 7.4), squeeze=False, sharex="col")
-        for col, setup in enumerate(setups):
+        fig, axes = plt.subplots(len(setups), 2, figsize=(PAGE_WIDTH_IN, 3.2 * len(setups) + 1.1), squeeze=False)
+        for row, setup in enumerate(setups):
             c = curves[(curves.setup == setup) & (curves.quantity == "train_loss")]
             steps = int(c.groupby(["optimizer", "seed"]).size().max()) if len(c) else 1
-            loss = curve_bands(curves[curves.setup == setup], "train_loss", points=curve_points(steps, points))
+            windows = curve_points(steps, points)
+            loss = curve_bands(curves[curves.setup == setup], "train_loss", points=windows)
+            kind = loss_scale(loss[loss.optimizer.isin(optimizers[setup])]["mean"])
+            if kind == "log":
+                loss = log_curve_bands(curves[curves.setup == setup], "train_loss", points=windows)
+            else:
+                loss = loss.assign(low=loss["mean"] - loss["sd"], high=loss["mean"] + loss["sd"])
+            val_bands = val.assign(low=val["mean"] - val["sd"], high=val["mean"] + val["sd"])
             order = sorted(optimizers[setup], key=lambda o: o in BASELINES)  # the baseline last: on top
             for z, opt in enumerate(order):
-                for row, bands in ((0, loss), (1, val)):
+                for col, bands in ((0, loss), (1, val_bands)):
                     b = bands[(bands.setup == setup) & (bands.optimizer == opt)]
                     if b.empty:
                         continue
@@ -117,23 +150,24 @@ def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[st
                     ax.plot(b.step, b["mean"], color=color, lw=2.2 if opt in BASELINES else 1.7,
                             ls=DASHES.get(name, "-"), marker=MARKERS.get(name), ms=5,
                             markevery=max(1, len(b) // 8), zorder=3 + z, label=f"{name} (n={int(b.n.max())})")
-                    ax.fill_between(b.step, b["mean"] - b["sd"], b["mean"] + b["sd"], color=color, alpha=0.12,
-                                    lw=0, zorder=1)
+                    ax.fill_between(b.step, b["low"], b["high"], color=color, alpha=0.12, lw=0, zorder=1)
             shown = loss[(loss.setup == setup) & loss.optimizer.isin(optimizers[setup])]["mean"]
-            kind = loss_axis(axes[0, col], shown)
-            per = max(1, steps // curve_points(steps, points))
-            axes[0, col].set(title=setup, ylabel=f"training loss ({kind} axis; mean of {per} updates per point)"
-                             if per > 1 else f"training loss ({kind} axis)")
-            axes[1, col].set(xlabel="update step", ylabel=f"validation {validation.removeprefix('val_')}")
+            loss_axis(axes[row, 0], shown, scale=kind)
+            per = max(1, steps // windows)
+            axes[row, 0].set(title=f"{setup}: training loss", ylabel=f"training loss ({kind} axis)",
+                             xlabel=f"update step (each point: {per} updates)" if per > 1 else "update step")
+            axes[row, 1].set(title=f"{setup}: validation", xlabel="update step",
+                             ylabel=f"validation {validation.removeprefix('val_')}")
         handles, labels = axes[0, 0].get_legend_handles_labels()
         rank = {f"{label(o)} ": i for i, o in enumerate(optimizers[setups[0]])}  # the paper's order in the legend
         pairs = sorted(zip(handles, labels), key=lambda hl: rank.get(hl[1].split("(")[0], len(rank)))
         handles, labels = [h for h, _ in pairs], [lab for _, lab in pairs]
-        fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False, fontsize=10,
-                   handlelength=3.2)
+        ncol = min(len(labels), 4)
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False, handlelength=3.2)
         if title:
-            fig.suptitle(title, fontsize=11, wrap=True)
-        fig.tight_layout(rect=(0, 0.05, 1, 1))
+            fig.suptitle(title, wrap=True)
+        legend_rows = -(-len(labels) // ncol) if labels else 1
+        fig.tight_layout(rect=(0, (0.1 + 0.25 * legend_rows) / (3.2 * len(setups) + 1.1), 1, 1))
     return fig
 
 

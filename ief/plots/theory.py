@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ..style import METHOD_COLORS, SEQUENCE_COLORS
-from .common import PAGE_WIDTH_IN
+from .common import PAGE_WIDTH_IN, plain_log_axes
 
 GUIDE = "#bbbbbb"  # reference slopes: not a method
 
@@ -41,7 +41,7 @@ def lemma_figure(lemma, lemma_over):
     """Finite-difference error of dl_n/dt = -||grad_z l_n||^2 against the step h (forward, central; N > P)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(PAGE_WIDTH_IN * 0.8, 5.6))
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH_IN, 5.6))
     h = lemma.dts.numpy()
     ax.loglog(h, lemma.forward_error.numpy(), "o-", color=METHOD_COLORS["iEF"],
               label=f"forward difference (N = {lemma.n_samples} ≤ P = {lemma.n_params})")
@@ -59,6 +59,7 @@ def lemma_figure(lemma, lemma_over):
     ax.set_ylabel(r"$\max_n |D_h l_n + \|\nabla_{z_n} l_n\|^2| \,/\, \|\nabla_{z_n} l_n\|^2$")
     ax.set_title(r"iEF flow: $dl_n/dt = -\|\nabla_{z_n} l_n\|^2$ by finite differences")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1, frameon=False)
+    plain_log_axes(fig)  # no superscript tick labels: they would be under 9 px on the page
     return fig
 
 
@@ -67,7 +68,7 @@ def sublinear_figure(flow_ce, sub):
     import matplotlib.pyplot as plt
 
     t = flow_ce.times.numpy()
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN * 0.8, 8.4))
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN, 8.4))
     for n in range(flow_ce.n_samples):
         c = sample_color(n)
         ax.plot(t, flow_ce.target_prob[:, n].numpy(), color=c, lw=1.6, label=f"sample {n}")
@@ -82,6 +83,7 @@ def sublinear_figure(flow_ce, sub):
     ax2.set(xlabel="flow time t", ylabel=r"$1 - \hat p_n(t)$ (solid), $2/(t + C_0 + 1)$ (dashed)",
             title=r"Same, log-log: $1 - \hat p_n(t) < 2/(t + C_0 + 1)$")
     fig.suptitle(f"iEF flow, softmax + cross-entropy, tanh MLP (N={flow_ce.n_samples}, P={flow_ce.n_params})")
+    plain_log_axes(fig)  # no superscript tick labels: they would be under 9 px on the page
     fig.tight_layout()
     return fig
 
@@ -91,7 +93,7 @@ def linear_figure(flow_mse, lin):
     import matplotlib.pyplot as plt
 
     t = flow_mse.times.numpy()
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN * 0.8, 7.2), sharex=True,
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN, 7.2), sharex=True,
                                   gridspec_kw={"height_ratios": [2.2, 1]})
     for n in range(flow_mse.n_samples):
         c = sample_color(n)
@@ -108,6 +110,7 @@ def linear_figure(flow_mse, lin):
     ax2.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     ax2.legend(loc="lower left")
     fig.suptitle(f"iEF flow, squared error, tanh MLP (N={flow_mse.n_samples}, P={flow_mse.n_params}, 2 outputs)")
+    plain_log_axes(fig)  # no superscript tick labels: they would be under 9 px on the page
     fig.tight_layout()
     return fig
 
@@ -116,7 +119,7 @@ def gram_figure(flow_ce, flow_mse):
     """Smallest eigenvalue of the Gram matrix along both flows: raw (top) and of unit per-sample gradients."""
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN * 0.8, 7.0))
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PAGE_WIDTH_IN, 7.0))
     for flow, name, ls in ((flow_ce, "softmax + CE flow", "-"), (flow_mse, "squared-error flow", "--")):
         x = flow.times.numpy()
         ax.semilogy(x, flow.gram_min_eig.numpy(), color=METHOD_COLORS["iEF"], ls=ls, label=f"iEF, {name}")
@@ -128,6 +131,7 @@ def gram_figure(flow_ce, flow_mse):
         a.set(xlabel="flow time t (linear below 1, log above)", ylabel=what, title=title)
         a.legend()
     fig.suptitle("Full-rank Gram matrix along both flows")
+    plain_log_axes(fig)  # no superscript tick labels: they would be under 9 px on the page
     fig.tight_layout()
     return fig
 

@@ -115,7 +115,7 @@ def _paths(ax, trajectories, starts=None, ls="-", lw=1.6):
 
 
 def _legend(fig, handles, ncol=2):
-    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=9, frameon=False, bbox_to_anchor=(0.5, -0.01))
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, bbox_to_anchor=(0.5, -0.01))
 
 
 def _start_handles(starts):

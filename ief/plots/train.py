@@ -119,6 +119,7 @@ def search_figure(records: dict):
                 ax.annotate("x", (trial["lr"], 0), xycoords=("data", "axes fraction"), color=hue[trial["optimizer"]],
                             ha="center", va="bottom", fontsize=10, fontweight="bold")
             ax.set_xscale("log")
+            plain_log_ticks(ax, "x")  # "0.001", not 10 with a superscript at 0.7 of the tick size
             if y == "train loss":
                 _loss_axis(ax, t["train loss"].dropna(), chosen["train loss"].dropna())
             ax.set(xlabel="learning rate" if row == len(names) - 1 else None, ylabel=None)
@@ -129,11 +130,11 @@ def search_figure(records: dict):
     if ringed in hue:
         handles.append(Line2D([], [], ls=(0, (3, 3)), marker="o", ms=9, mfc="none", mew=1.8, color=hue[ringed]))
         labels.append(ringed)
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, -0.01),
-               markerscale=1.5, fontsize=10, handlelength=3)
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), frameon=False,
+               bbox_to_anchor=(0.5, -0.01), markerscale=1.5, fontsize=10, handlelength=3)
     fig.suptitle("cpu learning-rate search (seed 0): star = chosen, x on the axis = diverged\n"
                  "(Adam, digits only: hollow rings drawn over AdamW)", fontsize=11)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
@@ -158,7 +159,7 @@ def _loss_axis(ax, values: pd.Series, chosen: pd.Series) -> None:
         ax.set_ylim(values.min() - 0.05 * (top - values.min()), top)
         if (values > top).any():
             ax.annotate(f"{int((values > top).sum())} trials above, off scale ↑", (0.02, 0.97), xycoords="axes fraction",
-                        va="top", fontsize=8, color="0.35")
+                        va="top", fontsize=9.5, color="0.35")
     elif len(values):
         ax.set_yscale("log")
         plain_log_ticks(ax)

@@ -70,3 +70,26 @@ def test_seed0_is_compared_with_e2_over_the_same_optimisers():
     glued = e2_statements(results, e2_observations(results), _e2_table([0.1, 0.1, 0.1]))
     assert glued["v_seed0_lowest_loss"].startswith("does not hold for tweets-minilm-lora (Adafactor 0.05")
     assert "iEF lowest training loss" not in glued["e2_disagreement"]
+
+
+def test_reproduction_compares_the_chosen_trial_with_the_e2_seed0_run():
+    """The check that the search's numbers still come out: equal numbers are 'reproduced', a changed validation or
+    final loss is not, and is named; without E2 runs nothing is claimed."""
+    import pandas as pd
+
+    from ief.plots.train import reproduction
+
+    def rec(score, loss):
+        trial = {"lr": 0.5, "seed": 0, "validation_score": score, "final_train_loss": loss}
+        return {"optimizers": {"sgd": {"chosen_lr": 0.5, "trials": [trial, {**trial, "lr": 1.0}]}}}
+
+    e2 = pd.DataFrame([{"setup": "a", "optimizer": "sgd", "seed": 0, "val_score": 0.75, "final_train_loss": 0.25},
+                       {"setup": "b", "optimizer": "sgd", "seed": 0, "val_score": 0.75, "final_train_loss": 0.25},
+                       {"setup": "c", "optimizer": "sgd", "seed": 1, "val_score": 0.5, "final_train_loss": 0.5}])
+    table, glue = reproduction({"a": rec(0.75, 0.25 + 1e-8), "b": rec(0.7, 0.25), "c": rec(0.5, 0.5)}, e2)
+    assert list(table["reproduced"]) == ["yes", "no"]  # c has no seed-0 E2 run: not compared
+    assert glue["search_reproduced"] == "1 of 2"
+    assert glue["search_not_reproduced"] == "SGD on b (validation 70.0 % in the search, 75.0 % now)"
+    _, glue = reproduction({"a": rec(0.75, 0.25 + 1e-3)}, e2)
+    assert glue["search_reproduced"] == "0 of 1"
+    assert reproduction({"a": rec(0.75, 0.25)}, None)[0] is None

@@ -374,3 +374,41 @@ def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame,
     env = next(iter(records.values()))["environment"]
     glue["search_env"] = f"torch {env['torch']}, {env['torch_threads']} thread(s) per run on {env['cpu_count']} cores"
     return conventions, glue
+
+
+def reproduction(records: dict, e2_table: pd.DataFrame | None) -> tuple[pd.DataFrame | None, dict[str, str]]:
+    """Does today's code give the search's numbers? The E2 seed-0 run at an optimiser's chosen rate has the
+    configuration of the search's trial at that rate, so the two must agree exactly (the runs are deterministic on
+    one thread): one row per (setup, optimiser) of the E2 grid with both numbers and ``reproduced`` (validation
+    score equal, final training loss within 1e-6), and the glue: ``search_reproduced`` (how many of how many) and
+    ``search_not_reproduced`` (which, with the numbers, or "none"). ``(None, ...)`` without E2 runs."""
+    if e2_table is None:
+        text = "not checked in this build (no E2 runs)"
+        return None, {"search_reproduced": text, "search_not_reproduced": text}
+    rows = []
+    seed0 = e2_table[e2_table["seed"] == 0].set_index(["setup", "optimizer"])
+    for name, r in records.items():
+        for o, rec in r["optimizers"].items():
+            if (name, o) not in seed0.index or rec["chosen_lr"] is None:
+                continue
+            t = next((t for t in rec["trials"] if t["lr"] == rec["chosen_lr"] and t.get("seed", 0) == 0), None)
+            if t is None:
+                continue
+            run = seed0.loc[(name, o)]
+            same = (t["validation_score"] == run["val_score"]
+                    and abs(t["final_train_loss"] - run["final_train_loss"]) <= 1e-6)
+            rows.append({"setup": name, "optimizer": LABELS[o], "lr": f"{rec['chosen_lr']:g}",
+                         "trial made": t.get("created") or "undated (before trials were dated)",
+                         "search validation (%)": round(100 * t["validation_score"], 2),
+                         "E2 seed 0 validation (%)": round(100 * run["val_score"], 2),
+                         "search final loss": round(t["final_train_loss"], 4),
+                         "E2 seed 0 final loss": round(run["final_train_loss"], 4),
+                         "reproduced": "yes" if same else "no"})
+    table = pd.DataFrame(rows).set_index(["setup", "optimizer"])
+    bad = table[table["reproduced"] == "no"]
+    return table, {
+        "search_reproduced": f"{len(table) - len(bad)} of {len(table)}",
+        "search_not_reproduced": "; ".join(
+            f"{o} on {s} (validation {r['search validation (%)']} % in the search, {r['E2 seed 0 validation (%)']} % "
+            f"now)" for (s, o), r in bad.iterrows()) or "none"}
+

@@ -258,8 +258,9 @@ class _ExactPreconditioned(torch.optim.Optimizer):
     def _apply(self, steps: list[torch.Tensor], size: float) -> None:
         """``p <- (1 - eta_t wd) p - size * step`` for every parameter, group by group."""
         chunks = iter(steps)
-        for group in self.param_groups:
-            shrink = self._shrink(group) if group["weight_decay"] else 1.0
+        # every factor before any step counter moves (the decay's 1 - t/T reads the counter)
+        shrinks = [self._shrink(group) if group["weight_decay"] else 1.0 for group in self.param_groups]
+        for group, shrink in zip(self.param_groups, shrinks):
             for p in group["params"]:
                 step = next(chunks)
                 if shrink != 1.0:

@@ -130,8 +130,8 @@ def resolve_groups(model: torch.nn.Module, params: Iterable | None) -> list[dict
         return [{"params": resolve_params(model, params)}]
     items = list(params)
     dicts = [isinstance(item, dict) for item in items]
-    if not any(dicts):
-        return [{"params": resolve_params(model, items)}]
+    if not any(dicts):  # (a list or tuple as given, so that an empty one is named as what it was)
+        return [{"params": resolve_params(model, params if isinstance(params, (list, tuple)) else items)}]
     if not all(dicts):
         raise ValueError("params must be tensors or dicts (parameter groups), not a mix of both")
     groups = []
@@ -143,7 +143,10 @@ def resolve_groups(model: torch.nn.Module, params: Iterable | None) -> list[dict
                 f"(the other settings, {', '.join(SHARED_KEYS)}, are the optimiser's: the direction is joint)")
         group = {"params": resolve_params(model, item["params"])}
         if "weight_decay" in item:
-            group["weight_decay"] = check_weight_decay(item["weight_decay"])
+            try:
+                group["weight_decay"] = check_weight_decay(item["weight_decay"])
+            except ValueError as err:
+                raise ValueError(f"params[{index}]: {err}") from None
         groups.append(group)
     return groups
 

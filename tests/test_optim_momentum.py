@@ -357,7 +357,8 @@ def test_groups_must_agree_on_everything_but_weight_decay():
         ief.optim.IEF(c.model, params=[{"params": params[:2]}, {"params": params[2:], "lr": 0.1}])
     with pytest.raises(ValueError, match="not a mix of both"):
         ief.optim.IEF(c.model, params=[{"params": params[:2]}, params[2]])
-    with pytest.raises(ValueError, match=r"^params\[0\]: weight_decay must be a finite number >= 0 \(0: none\), got -1$"):
+    with pytest.raises(ValueError, match=r"^params\[0\]: weight_decay must be a finite number >= 0 \(0: none\), "
+                                         r"got -1$"):
         ief.optim.IEF(c.model, params=[{"params": params, "weight_decay": -1}])
     with pytest.raises(ValueError, match="more than one parameter group"):  # torch's own check
         ief.optim.IEF(c.model, params=[{"params": params}, {"params": params[:1]}])

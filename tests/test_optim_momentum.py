@@ -136,6 +136,7 @@ def test_update_sequence_equals_the_hand_written_loop(spec, dtype, rtol):
         assert err <= rtol, f"step {t}: relative error {err:.2e} > {rtol:.0e}"
         eta = opt.param_groups[0]["lr"] * (max(0.0, 1 - t / total) if total else 1.0)
         buffers = [opt.state[p]["momentum_buffer"] for p in trainable(case.model)]
+        assert [b.shape for b in buffers] == [p.shape for p in trainable(case.model)]
         assert math.isclose(opt.last_update_norm, eta * math.sqrt(sum(float(b.norm()) ** 2 for b in buffers)),
                             rel_tol=1e-6, abs_tol=0.0)
         sched.step()
@@ -362,3 +363,18 @@ def test_groups_must_agree_on_everything_but_weight_decay():
         ief.optim.IEF(c.model, params=[{"params": params, "weight_decay": -1}])
     with pytest.raises(ValueError, match="more than one parameter group"):  # torch's own check
         ief.optim.IEF(c.model, params=[{"params": params}, {"params": params[:1]}])
+
+
+def test_a_non_finite_momentum_buffer_is_refused_with_nothing_changed():
+    """A buffer that is not finite (here loaded by hand; overflow in float32 would do the same) stops the step
+    with ``FloatingPointError`` naming it: parameters, buffers and the step counter as they were."""
+    c = mlp_case()
+    opt = ief.optim.IEF(c.model, lr=0.3, damping=1e-3, momentum=0.9)
+    opt.step(c.inputs, c.targets)
+    first = trainable(c.model)[0]
+    opt.state[first]["momentum_buffer"][0, 0] = float("inf")
+    before, buffers = flat(c.model), [opt.state[p]["momentum_buffer"].clone() for p in trainable(c.model)]
+    with pytest.raises(FloatingPointError, match=r"^step 1: non-finite momentum buffer; parameters left unchanged$"):
+        opt.step(c.inputs, c.targets)
+    assert torch.equal(flat(c.model), before) and opt.steps_taken == 1
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], b) for p, b in zip(trainable(c.model), buffers))

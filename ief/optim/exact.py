@@ -284,8 +284,8 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             factor = to_sum_convention(self.method, 1.0, 1.0, tokens, normalized=given["normalize"])[0]
         if given["normalize"]:
             factor = factor / norm if norm > 0 else 0.0
-        buffers = momentum_buffers(self.state, params, [c.mul(factor) for c in chunks], given["momentum"],
-                                   given["dampening"])
+        steps = [c.view(p.shape).mul(factor) for p, c in zip(params, chunks)]  # buffers shaped as their parameter
+        buffers = momentum_buffers(self.state, params, steps, given["momentum"], given["dampening"])
         if not all(all_finite(b) for b in buffers):
             raise FloatingPointError(f"step {self.steps_taken}: non-finite momentum buffer; parameters left "
                                      f"unchanged")

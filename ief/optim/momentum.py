@@ -18,7 +18,9 @@ factor ``1 - t/T`` only with ``total_steps=T``)::
     theta <- (1 - eta_t wd) theta - eta_t b_t             # wd: the group's weight_decay
 
 with ``mu`` = ``momentum`` in ``[0, 1)``, ``tau`` = ``dampening`` in ``[0, 1]``. With ``mu = 0`` there is no buffer
-and the step is ``theta <- (1 - eta_t wd) theta - eta_t c_t d_t``, today's update when ``wd = 0``.
+and the step is ``theta <- (1 - eta_t wd) theta - eta_t c_t d_t``, today's update when ``wd = 0``. The buffers are
+``state[p]["momentum_buffer"]`` (``state_dict`` round-trips them); ``last_update_norm`` is ``eta_t ||b_t||`` (the
+decay's shrink not included); a buffer that is not finite raises ``FloatingPointError`` before anything changes.
 
 **Why this form.**
 

@@ -198,8 +198,9 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         if getattr(self, "_constructed", False):
             name = type(self).__name__
             raise ValueError(
-                f"{name} takes one parameter group: its update preconditions all parameters jointly (one per-sample "
-                f"Jacobian, one Gram system), so a group added by add_param_group would never be updated, and "
+                f"{name}'s parameter groups are fixed at construction: its update preconditions all parameters "
+                f"jointly (one per-sample Jacobian, one Gram system), so a group added by add_param_group would never "
+                f"be updated, and "
                 f"per-group learning rates would no longer give the {name} direction; construct "
                 f"{name}(model, params=[...every parameter to train...]) instead (groups that differ only in "
                 f"weight_decay: params=[{{'params': [...], 'weight_decay': ...}}, ...])")

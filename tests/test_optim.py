@@ -532,10 +532,11 @@ def test_bad_form_is_refused_by_the_constructor(bad):
 # ----------------------------------------------------------------------- driving the optimisers: API edges (issue 18)
 @pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
 def test_add_param_group_is_refused_with_the_reason_and_the_remedy(cls):
-    """One joint direction over one group: a group added later would never be updated, so it is refused."""
+    """One joint direction over the groups fixed at construction: a group added later would never be updated, so it
+    is refused."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).double()
     opt = cls(model, damping=1e-3, params=list(model[0].parameters()))
-    with pytest.raises(ValueError, match=rf"{cls.__name__} takes one parameter group.*never be updated.*params="):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}'s parameter groups are fixed at construction.*never be updated.*params="):
         opt.add_param_group({"params": list(model[1].parameters())})
     assert len(opt.param_groups) == 1
 

@@ -15,13 +15,19 @@ closure: ``step()`` and ``step(closure)`` raise ``TypeError`` saying so. For the
 ``transformers.Trainer(optimizers=(opt, None))`` is not supported: its loop runs its own forward and backward and
 then calls ``optimizer.step()`` (overriding ``Trainer.training_step`` alone does not help, that call still follows),
 so the batch never reaches the optimiser; write the loop above. ``lr`` and ``damping`` live in ``param_groups`` so
-torch LR schedulers work, and ``state_dict()`` / ``load_state_dict()`` round-trip the step counter (and SF's
-``generator`` state).
+torch LR schedulers work, and ``state_dict()`` / ``load_state_dict()`` round-trip the step counter, the momentum
+buffers (and SF's ``generator`` state).
 
-One parameter group: the update preconditions all the parameters jointly (one ``J``, one Gram system), so
+Momentum and weight decay (``momentum``, ``dampening``, ``weight_decay``; all 0 by default, which is the paper's
+exact update bit for bit): heavy-ball momentum on the batch's preconditioned step and AdamW's decoupled weight
+decay, derived in :mod:`ief.optim.momentum` (the paper's ``sec:app-limitations`` leaves both to future work).
+
+One joint direction: the update preconditions all the parameters jointly (one ``J``, one Gram system), so
 ``add_param_group`` after construction raises ``ValueError`` (a group added to a torch optimiser is expected to be
 updated, and it would not be; per-group rates would scale blocks of the direction, which is then no longer iEF's).
-Choose the parameters once, ``params=[...]`` (default: every trainable one).
+Choose the parameters once, ``params=[...]`` (default: every trainable one); groups that differ only in
+``weight_decay`` are given as ``params=[{"params": [...], "weight_decay": 0.0}, ...]``, and every other value in
+``param_groups`` must agree across groups (checked at every step).
 
 **Loss convention** (``reduction``, torch's word). ``"sum"`` (default): the optimiser minimises ``L = sum_n l_n``,
 this package's convention, with ``l_n`` the sum over sample ``n``'s counted positions. ``"mean"``: ``lr`` and
@@ -33,7 +39,8 @@ the paper's hyperparameters mean what the paper means; every step converts them 
 ``L / K``. ``param_groups`` keep the given values (a scheduler acts on them).
 
 Bad values are refused before anything changes: the constructor checks ``lr`` (finite, > 0), ``damping`` (finite,
->= 0; > 0 for SF), ``total_steps`` and ``check``; every ``step`` checks the values it is about to use again, because
+>= 0; > 0 for SF), ``total_steps``, ``momentum`` (in [0, 1)), ``dampening`` (in [0, 1]), ``weight_decay`` (finite,
+>= 0, ``lr * weight_decay < 1``) and ``check``; every ``step`` checks the values it is about to use again, because
 a scheduler, ``load_state_dict`` or the user can write any value into ``param_groups``. There ``lr == 0`` is
 accepted (a zero update: warm-up schedulers start at 0, as torch's optimisers allow), a negative or non-finite
 ``lr`` or a bad ``damping`` raises ``ValueError`` naming the group, the key and the value, with the parameters and
@@ -73,8 +80,10 @@ import torch
 from ..directions import ef_direction, ief_direction, sf_direction
 from ..jacobian import CHECKS, FactoredJacobian, _check_form, gradient_and_sampled_jacobian, per_sample
 from ..losses import IGNORE_INDEX, Loss, check_damping
-from ..model_call import Inputs, all_finite, resolve_params
+from ..model_call import Inputs, all_finite
 from .convention import to_sum_convention
+from .momentum import (check_dampening, check_group_extras, check_momentum, check_shared, check_weight_decay,
+                       momentum_buffers, resolve_groups)
 
 REDUCTIONS = ("sum", "mean")
 DEFAULT_DAMPING = {"sum": 1e-4, "mean": 1e-7}  # see "Defaults" above
@@ -148,6 +157,9 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         reduction: str = "sum",
         normalize: bool = False,
         total_steps: int | None = None,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
         check: bool = True,
         form: str = "auto",
     ):
@@ -160,13 +172,16 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             damping = DEFAULT_DAMPING[_check_reduction(reduction)]
         damping = check_damping(damping, allow_zero=not self._needs_positive_damping)
         total_steps = _check_total_steps(total_steps)
+        momentum, dampening = check_momentum(momentum), check_dampening(dampening)
+        weight_decay = check_weight_decay(weight_decay)
         check = _check_check(check)
         self.reduction = _check_reduction(reduction)
         self.form = _check_form(form)
-        chosen = resolve_params(model, params)
-        super().__init__(chosen, dict(lr=lr, damping=damping, normalize=bool(normalize), total_steps=total_steps))
-        if len(self.param_groups) != 1:
-            raise ValueError("exact NGD optimisers precondition all parameters jointly: use a single parameter group")
+        groups = resolve_groups(model, params)
+        super().__init__(groups, dict(lr=lr, damping=damping, normalize=bool(normalize), total_steps=total_steps,
+                                      momentum=momentum, dampening=dampening, weight_decay=weight_decay))
+        for group in self.param_groups:
+            check_group_extras(group)
         self.model = model
         self.loss = loss
         self.check = check
@@ -178,16 +193,28 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         self._constructed = True
 
     def add_param_group(self, param_group: dict) -> None:
-        """Refused after construction (``ValueError``): the update preconditions all parameters jointly, so a second
-        group would never be updated (see the module docstring)."""
+        """Refused after construction (``ValueError``): the update preconditions all parameters jointly, so the
+        groups are fixed when the per-sample machinery is built (see the module docstring)."""
         if getattr(self, "_constructed", False):
             name = type(self).__name__
             raise ValueError(
-                f"{name} takes one parameter group: its update preconditions all parameters jointly (one per-sample "
-                f"Jacobian, one Gram system), so a group added by add_param_group would never be updated, and "
+                f"{name}'s parameter groups are fixed at construction: its update preconditions all parameters "
+                f"jointly (one per-sample Jacobian, one Gram system), so a group added by add_param_group would never "
+                f"be updated, and "
                 f"per-group learning rates would no longer give the {name} direction; construct "
-                f"{name}(model, params=[...every parameter to train...]) instead")
+                f"{name}(model, params=[...every parameter to train...]) instead (groups that differ only in "
+                f"weight_decay: params=[{{'params': [...], 'weight_decay': ...}}, ...])")
         super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict) -> None:
+        """A ``state_dict`` saved before momentum and weight decay existed loads as ``0.0`` for both."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key in ("momentum", "dampening", "weight_decay"):
+                group.setdefault(key, 0.0)
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
 
     @property
     def steps_taken(self) -> int:
@@ -212,6 +239,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         try:
             check_damping(group.get("damping"), allow_zero=not self._needs_positive_damping)
             _check_total_steps(group.get("total_steps"))
+            check_group_extras(group)
         except ValueError as err:
             raise ValueError(f"{where}: {err}; parameters left unchanged") from None
 
@@ -223,12 +251,50 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             size = size / direction_norm if direction_norm > 0 else 0.0
         return size
 
+    def _shrink(self, group: dict) -> float:
+        """Decoupled weight decay's factor ``1 - eta_t wd`` with the given (scheduled) rate ``eta_t``."""
+        return 1.0 - self._step_size(dict(group, normalize=False), 1.0) * group["weight_decay"]
+
     @torch.no_grad()
-    def _apply(self, group: dict, direction: torch.Tensor, size: float) -> None:
-        # ``step`` has checked the direction (length and finiteness): a plain split, no second P-sized check
-        for p, d in zip(group["params"], torch.split(direction, [p.numel() for p in group["params"]])):
-            p.add_(d.view(p.shape), alpha=-size)
-            self.state[p]["step"] = self.state[p].get("step", 0) + 1
+    def _apply(self, steps: list[torch.Tensor], size: float) -> None:
+        """``p <- (1 - eta_t wd) p - size * step`` for every parameter, group by group."""
+        chunks = iter(steps)
+        # every factor before any step counter moves (the decay's 1 - t/T reads the counter)
+        shrinks = [self._shrink(group) if group["weight_decay"] else 1.0 for group in self.param_groups]
+        for group, shrink in zip(self.param_groups, shrinks):
+            for p in group["params"]:
+                step = next(chunks)
+                if shrink != 1.0:
+                    p.mul_(shrink)
+                p.add_(step.view(p.shape), alpha=-size)
+                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+
+    def _update(self, given: dict, group: dict, direction: torch.Tensor, tokens: int | None) -> None:
+        """Apply ``direction`` (checked finite) with the schedule, momentum and weight decay (:mod:`.momentum`).
+        ``given``: ``param_groups[0]``; ``group``: its values for this batch (converted with ``reduction="mean"``)."""
+        params = self._all_params()
+        chunks = list(torch.split(direction, [p.numel() for p in params]))
+        norm = float(direction.norm())
+        if given["momentum"] == 0:  # no buffer: today's update (plus the decay)
+            size = self._step_size(group, norm)
+            self._apply(chunks, size)
+            self.last_update_norm = abs(size) * norm
+            return
+        factor = 1.0  # c_t: the batch's own factor, inside the buffer
+        if tokens is not None:
+            factor = to_sum_convention(self.method, 1.0, 1.0, tokens, normalized=given["normalize"])[0]
+        if given["normalize"]:
+            factor = factor / norm if norm > 0 else 0.0
+        steps = [c.view(p.shape).mul(factor) for p, c in zip(params, chunks)]  # buffers shaped as their parameter
+        buffers = momentum_buffers(self.state, params, steps, given["momentum"], given["dampening"])
+        if not all(all_finite(b) for b in buffers):
+            raise FloatingPointError(f"step {self.steps_taken}: non-finite momentum buffer; parameters left "
+                                     f"unchanged")
+        for p, b in zip(params, buffers):
+            self.state[p]["momentum_buffer"] = b
+        size = self._step_size(dict(given, normalize=False), 1.0)  # eta_t = lr_t (1 - t/T)
+        self._apply(buffers, size)
+        self.last_update_norm = abs(size) * math.sqrt(sum(float(b.norm()) ** 2 for b in buffers))
 
     def _tokens(self, targets: torch.Tensor) -> int:
         """``K``: the counted target positions (class indices other than ``-100``; every entry of a float target)."""
@@ -255,6 +321,10 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             raise TypeError(_how_to_step(type(self).__name__))
         for index, g in enumerate(self.param_groups):
             self._check_group(index, g)
+        try:
+            check_shared(self.param_groups)
+        except ValueError as err:
+            raise ValueError(f"step {self.steps_taken}: {err}; parameters left unchanged") from None
         if not self._warned_unshifted and _looks_unshifted(inputs, targets):
             self._warned_unshifted = True
             warnings.warn(
@@ -262,7 +332,8 @@ class _ExactPreconditioned(torch.optim.Optimizer):
                 "...) these are Hugging Face's unshifted labels, and this step trains every position to predict its "
                 "own input token; pass ief.causal_lm_targets(labels) (the next token at each position)",
                 UserWarning, stacklevel=3)  # (torch.optim wraps step: 3 is the caller's line)
-        group = self.param_groups[0]
+        given = self.param_groups[0]
+        group = dict(given, params=self._all_params())  # one joint direction over every group's parameters
         tokens = None
         if self.reduction == "mean":  # the given (token-mean) rates as this package's (sum) ones for this batch
             tokens = self.last_tokens = self._tokens(targets)
@@ -279,10 +350,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             raise FloatingPointError(f"step {number}: non-finite loss {losses.tolist()}; parameters left unchanged")
         if not all_finite(direction):
             raise FloatingPointError(f"step {number}: non-finite gradients or update; parameters left unchanged")
-        norm = float(direction.norm())
-        size = self._step_size(group, norm)
-        self._apply(group, direction, size)
-        self.last_update_norm = abs(size) * norm
+        self._update(given, group, direction, tokens)
         self.last_losses = losses
         return losses.sum() if tokens is None else losses.sum() / tokens
 
@@ -312,16 +380,31 @@ class _ExactPreconditioned(torch.optim.Optimizer):
 class IEF(_ExactPreconditioned):
     """Exact iEF: ``theta <- theta - lr * J^T (J J^T + lambda I)^{-1} s_iEF`` (``alg:iEF``, ``eqn:iEF_lsq``).
 
+    With momentum and weight decay (beyond the paper, whose ``sec:app-limitations`` says the exact iEF optimiser
+    cannot use them; derivation in :mod:`ief.optim.momentum`): ``d_t`` is the exact iEF direction of batch ``t``
+    and ``c_t`` its batch factor (``1/K_t`` with ``reduction="mean"``, else 1), then::
+
+        b_t = c_t d_t  (first step),   b_t = momentum * b_{t-1} + (1 - dampening) * c_t d_t  (after)
+        theta <- (1 - lr_t * weight_decay) * theta - lr_t * b_t
+
+    Momentum averages exact iEF steps (the direction is a per-batch least-squares solution, not linear in the
+    gradient, so the buffer holds preconditioned steps, as torch SGD's ``momentum_buffer`` holds gradients); the
+    decay is AdamW's decoupled one (an L2 term has no row in ``J`` nor entry in ``s``, so it cannot enter
+    ``eqn:iEF_lsq``). ``momentum=0`` keeps no buffer and is the exact update; with ``dampening=0`` the steady step is
+    ``lr / (1 - momentum)`` times the momentum-free one, ``dampening=momentum`` keeps the momentum-free scale.
+
     Args:
         model: the ``nn.Module`` whose forward the optimiser runs.
         lr: the rate; default ``1.0`` with ``reduction="sum"`` (stable: see the module docstring), the paper's
             LoRA ``100.0`` with ``reduction="mean"`` (``sec:app-optimiser``).
         damping: ``lambda`` (>= 0) in the ``reduction``'s convention; default ``1e-4`` (``"sum"``) or the paper's
             ``1e-7`` (``"mean"``).
-        **kwargs: ``params``, ``loss``, ``reduction``, ``normalize``, ``total_steps``, ``check``, ``form``.
+        **kwargs: ``params`` (tensors, or groups ``{"params": [...], "weight_decay": w}``), ``loss``,
+            ``reduction``, ``normalize``, ``total_steps``, ``momentum`` (``[0, 1)``, default 0), ``dampening``
+            (``[0, 1]``, default 0), ``weight_decay`` (``>= 0``, default 0), ``check``, ``form``.
 
     Raises:
-        ValueError: a bad argument, named with its value.
+        ValueError: a bad argument, named with its value and the accepted values.
     """
 
     method = "ief"
@@ -340,7 +423,10 @@ class IEF(_ExactPreconditioned):
 class EF(_ExactPreconditioned):
     """Exact EF: ``theta <- theta - lr * J^T (J J^T + lambda I)^{-1} 1`` (``alg:EF``, ``eqn:EF_lsq``).
 
-    Defaults to the paper's normalised update; pass ``total_steps`` for its linear decay to 0.
+    Defaults to the paper's normalised update; pass ``total_steps`` for its linear decay to 0. ``momentum``,
+    ``dampening`` and ``weight_decay`` as :class:`IEF` (``sec:app-limitations``; :mod:`ief.optim.momentum`): with
+    the normalised update the buffer averages unit steps ``d_t / ||d_t||`` (EF's raw norms vary by orders of
+    magnitude, which is why the paper normalises), and ``lr_t = lr (1 - t/T)`` scales the buffer and the decay.
     """
 
     method = "ef"
@@ -359,6 +445,8 @@ class SF(_ExactPreconditioned):
 
     Labels are drawn from the model's predictive distribution with ``generator`` (default: the global RNG). Costs one
     extra backward per step. Defaults to the paper's normalised update; pass ``total_steps`` for the linear decay.
+    ``momentum``, ``dampening`` and ``weight_decay`` as :class:`EF` (``sec:app-limitations``;
+    :mod:`ief.optim.momentum`).
     """
 
     _needs_positive_damping = True

@@ -16,7 +16,7 @@ import torch
 
 import ief
 from test_kfac import _oracle_mlp_factors
-from tiny_models import mlp_case, sequence_case
+from tiny_models import mlp_case, sequence_case, t5_lora_case
 
 
 @pytest.fixture(autouse=True)
@@ -228,3 +228,29 @@ def test_float32_model(kind):
     other.load_state_dict(state)
     assert all(e["G"].dtype == torch.float64 and e["A"].dtype == torch.float64 for e in other.factors.values())
     assert torch.equal(other.factors["0"]["G"], opt.factors["0"]["G"])
+
+
+def test_peft_lora_t5_step_is_lr_times_kfac_direction():
+    """peft's LoRA adapters are nn.Linear layers: the optimiser runs on a tiny T5-LoRA as on the MLP (sequence
+    positions as rows, ignored targets)."""
+    case = t5_lora_case(m=3)
+    opt = ief.optim.KFAC(case.model, "iekfac", lr=0.2, damping=1e-2, factor_decay=0.0)
+    before = torch.cat([p.detach().reshape(-1) for p in opt._all_params()])
+    d = ief.kfac_direction(case.model, case.inputs, case.targets, "iekfac", 1e-2)
+    opt.step(case.inputs, case.targets)
+    after = torch.cat([p.detach().reshape(-1) for p in opt._all_params()])
+    torch.testing.assert_close(after, before - 0.2 * d, rtol=1e-12, atol=1e-14)
+
+
+def test_non_finite_batch_leaves_parameters_and_factors_untouched():
+    case = mlp_case(m=7)
+    opt = ief.optim.KFAC(case.model, "ekfac", lr=0.1, damping=1.0, factor_decay=0.5)
+    opt.step(case.inputs, case.targets)
+    params, factors = flat(case.model), copy.deepcopy(opt.factors)
+    bad = case.inputs.clone()
+    bad[0, 0] = math.nan
+    with pytest.raises(FloatingPointError, match="step 1: .*parameters left unchanged"):
+        opt.step(bad, case.targets)
+    assert torch.equal(flat(case.model), params) and opt.steps_taken == 1
+    assert all(torch.equal(opt.factors[k]["G"], factors[k]["G"]) and torch.equal(opt.factors[k]["A"], factors[k]["A"])
+               for k in factors)

@@ -132,9 +132,11 @@ def kronecker_factors(
     return blocks[kind], gradient, params
 
 
-def _factors(model, inputs, targets, kinds, params, *, generator, loss, approx, sampled_targets=None):
+def _factors(model, inputs, targets, kinds, params, *, generator, loss, approx, sampled_targets=None,
+             losses_out: list | None = None):
     """``({kind: blocks}, grad, params)`` for several kinds from one forward: ``A`` and the true-label backward are
-    shared by eKFAC and ieKFAC; KFAC adds one backward for the sampled labels."""
+    shared by eKFAC and ieKFAC; KFAC adds one backward for the sampled labels. ``losses_out``, when given, receives
+    the per-sample losses ``[M]`` of the true labels (detached; :class:`ief.optim.KFAC` returns them)."""
     for kind in kinds:
         _check_kind(kind)
     _check_approx(approx)
@@ -160,6 +162,8 @@ def _factors(model, inputs, targets, kinds, params, *, generator, loss, approx, 
         capture.clear_grads()
         with torch.enable_grad():
             per_sample = loss_fn.per_sample(logits, y)
+            if y is targets and losses_out is not None:
+                losses_out.append(per_sample.detach())
             return list(torch.autograd.grad(per_sample.sum(), params, retain_graph=retain, allow_unused=True))
 
     def blocks(weights: torch.Tensor | None) -> list[KroneckerBlock]:
@@ -208,10 +212,23 @@ def _factors(model, inputs, targets, kinds, params, *, generator, loss, approx, 
     return result, gradient.detach(), params
 
 
-def _damped_kronecker_solve(G: torch.Tensor, A: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
-    """``(G (x) A + lambda I)^{-1} vec(grad)`` for ``grad [out, k]`` (row-major vec), pseudo-inverse where singular."""
+def kronecker_eigen(G: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(e_G, U, e_A, V)``: the eigendecompositions of both (symmetrised) factors, from which
+    :func:`_eigen_solve` applies ``(G (x) A + lambda I)^{-1}`` for any ``lambda`` (:class:`ief.optim.KFAC` keeps them
+    between refreshes)."""
     eg, U = torch.linalg.eigh(0.5 * (G + G.T))
     ea, V = torch.linalg.eigh(0.5 * (A + A.T))
+    return eg, U, ea, V
+
+
+def _damped_kronecker_solve(G: torch.Tensor, A: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    """``(G (x) A + lambda I)^{-1} vec(grad)`` for ``grad [out, k]`` (row-major vec), pseudo-inverse where singular."""
+    return _eigen_solve(kronecker_eigen(G, A), grad, damping)
+
+
+def _eigen_solve(eigen: tuple[torch.Tensor, ...], grad: torch.Tensor, damping: float) -> torch.Tensor:
+    """:func:`_damped_kronecker_solve` from the factors' eigendecompositions ``(e_G, U, e_A, V)``."""
+    eg, U, ea, V = eigen
     prod = eg.clamp_min(0).unsqueeze(1) * ea.clamp_min(0).unsqueeze(0)  # [out, k]
     shifted = prod + damping
     scale = float(prod.max()) if prod.numel() else 0.0
@@ -268,8 +285,9 @@ def kfac_directions(
 
 
 def _direction(blocks: list[KroneckerBlock], gradient: torch.Tensor, params: list[torch.Tensor], damping: float,
-               kind: str) -> torch.Tensor:
-    """The damped block-diagonal solve of every layer, back in the parameter order of ``params``."""
+               kind: str, eigens: dict[str, tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor:
+    """The damped block-diagonal solve of every layer, back in the parameter order of ``params``. ``eigens``
+    (``{block name: kronecker_eigen(...)}``) replaces the blocks' own eigendecompositions where given."""
     offsets = [0]
     for p in params:
         offsets.append(offsets[-1] + p.numel())
@@ -283,7 +301,8 @@ def _direction(blocks: list[KroneckerBlock], gradient: torch.Tensor, params: lis
         if "bias" in block.index:
             i = block.index["bias"]
             parts.append(grad64[offsets[i] : offsets[i + 1]].reshape(-1, 1))
-        solved = _damped_kronecker_solve(block.G, block.A, torch.cat(parts, dim=1), damping)
+        eigen = eigens[block.name] if eigens is not None and block.name in eigens else kronecker_eigen(block.G, block.A)
+        solved = _eigen_solve(eigen, torch.cat(parts, dim=1), damping)
         if "weight" in block.index:
             i = block.index["weight"]
             direction[offsets[i] : offsets[i + 1]] = solved[:, : params[i].shape[1]].reshape(-1)

@@ -242,6 +242,18 @@ def dense_check(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Ten
             "s_spread": float(s.max() / s.min()) if float(s.min()) > 0 else math.inf}
 
 
+
+def _baseline_checkpoint(setup: str, scale: str, seed: int, stage: int, runs_dir: str | Path) -> tuple[Any, Path]:
+    """``(resolved setup, path)`` of the baseline run's stage checkpoint; ``FileNotFoundError`` naming the command
+    that trains the baseline when it is not there."""
+    cfg = resolve(setup, scale)
+    optimizer = BASELINE[cfg.method]
+    path = run_dir(runs_dir, scale, setup, optimizer, seed) / "checkpoints" / f"stage-{stage:03d}.pt"
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint {path}; train the baseline first: python -m ief train --setup {setup} "
+                                f"--scale {scale} --optimizer {optimizer} --seed {seed} --out {runs_dir}")
+    return cfg, path
+
 def blockdiag_check(runs_dir: str | Path, setup: str = "digits-mlp", scale: str = "cpu", *, seed: int = 0,
                     stage: int = 50, batches: int = 2, undamped: bool = True) -> pd.DataFrame:
     """The dense check of :func:`dense_check` on the evaluation job's first ``batches`` batches at ``stage``.
@@ -265,12 +277,7 @@ def blockdiag_check(runs_dir: str | Path, setup: str = "digits-mlp", scale: str 
     """
     if batches < 1:
         raise ValueError(f"batches must be >= 1, got {batches}")
-    cfg = resolve(setup, scale)
-    optimizer = BASELINE[cfg.method]
-    path = run_dir(runs_dir, scale, setup, optimizer, seed) / "checkpoints" / f"stage-{stage:03d}.pt"
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint {path}; train the baseline first: python -m ief train --setup {setup} "
-                                f"--scale {scale} --optimizer {optimizer} --seed {seed} --out {runs_dir}")
+    cfg, path = _baseline_checkpoint(setup, scale, seed, stage, runs_dir)
     knobs = DEFAULTS[scale]
     m = knobs["batch_size"] or cfg.batch_size
     model, _, fixed, _ = _evaluation_inputs(cfg, setup, seed, m, max(batches, knobs["batches"]), False)
@@ -334,12 +341,7 @@ def s_spread(runs_dir: str | Path, setup: str, scale: str = "cpu", *, seed: int 
     Raises:
         FileNotFoundError: no such checkpoint.
     """
-    cfg = resolve(setup, scale)
-    optimizer = BASELINE[cfg.method]
-    path = run_dir(runs_dir, scale, setup, optimizer, seed) / "checkpoints" / f"stage-{stage:03d}.pt"
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint {path}; train the baseline first: python -m ief train --setup {setup} "
-                                f"--scale {scale} --optimizer {optimizer} --seed {seed} --out {runs_dir}")
+    cfg, path = _baseline_checkpoint(setup, scale, seed, stage, runs_dir)
     knobs = DEFAULTS[scale]
     model, _, fixed, _ = _evaluation_inputs(cfg, setup, seed, knobs["batch_size"] or cfg.batch_size, knobs["batches"],
                                             False)

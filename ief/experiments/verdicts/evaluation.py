@@ -84,15 +84,21 @@ def _ief_better(records):
     return _stage_rule(records, _versus("ief", None, "iEF/SGD"), every=True, what="iEF decided better than SGD")
 
 
-def _order(records):
-    low, high = _versus("ief", "sf", "iEF/SF"), _versus("sf", "ef", "SF/EF")
+def _both(first, second):
+    """A stage comparison that holds when both ``first`` and ``second`` are decided in favour, fails when either is
+    decided against, and is undecided otherwise (``None`` where either is not measured)."""
 
     def compare(batches):
-        a, b = low(batches), high(batches)
+        a, b = first(batches), second(batches)
         if a is None or b is None:
             return None
         outcome = -1 if -1 in (a[0], b[0]) else 1 if a[0] == b[0] == 1 else 0
         return outcome, f"{a[1]}, {b[1]}"
+    return compare
+
+
+def _order(records):
+    compare = _both(_versus("ief", "sf", "iEF/SF"), _versus("sf", "ef", "SF/EF"))
     return _stage_rule(records, compare, every=False, what="iEF < SF < EF decided")
 
 
@@ -131,14 +137,7 @@ def _imbalance_tracks(records):
 
 
 def _iekfac_better(records):
-    a, b = _versus("iekfac", "kfac", "ieKFAC/KFAC"), _versus("iekfac", "ekfac", "ieKFAC/eKFAC")
-
-    def compare(batches):
-        x, y = a(batches), b(batches)
-        if x is None or y is None:
-            return None
-        outcome = -1 if -1 in (x[0], y[0]) else 1 if x[0] == y[0] == 1 else 0
-        return outcome, f"{x[1]}, {y[1]}"
+    compare = _both(_versus("iekfac", "kfac", "ieKFAC/KFAC"), _versus("iekfac", "ekfac", "ieKFAC/eKFAC"))
     return _stage_rule(records, compare, every=False, what="ieKFAC decided below both KFAC and eKFAC")
 
 

@@ -5,6 +5,12 @@
   rescaled to norm ``lr`` times ``1 - t/T``. With ``options["convention"] == "token-mean"`` (the paper's setups)
   ``lr`` and ``damping`` are the paper's values, for the mean loss over the batch's target tokens as in its released
   code, and :class:`TokenMeanRates` converts them to the sum convention for every batch (:mod:`.convention`).
+- ``ief-momentum`` (beyond the paper, ``sec:app-limitations``): :class:`ief.optim.IEF` with ``momentum``,
+  ``dampening`` (from ``options``) and decoupled ``weight_decay`` (:mod:`ief.optim.momentum`); with the token-mean
+  convention, ``IEF(reduction="mean")`` converts each batch's rate and damping inside the optimiser, so the momentum
+  buffer holds per-batch converted steps and ``param_groups``' ``lr`` stays the given rate.
+- ``kfac``, ``ekfac``, ``iekfac`` (beyond the paper, ``sec:app-iEF-eNGDopt``): :class:`ief.optim.KFAC` of that kind
+  with ``factor_decay`` and ``inverse_every`` from ``options`` (sum convention only).
 - ``adamw``, ``adam``, ``sgd`` (no momentum): torch; ``adafactor``: ``transformers.optimization.Adafactor``. They
   minimise the mean cross-entropy over the batch's target tokens (Hugging Face's loss, for which the paper's
   baseline learning rates were tuned). ``multistep``: ``lr`` times ``gamma`` at the milestone epochs.
@@ -20,11 +26,13 @@ from typing import Any
 import torch
 
 from ..model_call import call_model
-from ..optim import EF, IEF, SF
+from ..optim import EF, IEF, KFAC, SF
+from ..optim.exact import _ExactPreconditioned
 from .convention import CONVENTIONS, target_tokens, to_sum_convention
 from .setups import OptimizerConfig
 
 EXACT = ("ief", "ef", "sf")
+KFAC_KINDS = ("kfac", "ekfac", "iekfac")
 IGNORE = -100
 
 
@@ -83,6 +91,20 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: in
         classes = {"ief": IEF, "ef": EF, "sf": SF} if convention == "sum" else \
             {"ief": TokenMeanIEF, "ef": TokenMeanEF, "sf": TokenMeanSF}
         opt: torch.optim.Optimizer = classes[name](model, **kwargs)
+    elif name == "ief-momentum":
+        convention = cfg.options.get("convention", "sum")
+        if convention not in CONVENTIONS:
+            raise ValueError(f"unknown loss convention {convention!r} for {name}; valid: {', '.join(CONVENTIONS)}")
+        opt = IEF(model, lr=cfg.lr, damping=cfg.damping, momentum=float(cfg.options["momentum"]),
+                  dampening=float(cfg.options.get("dampening", 0.0)), weight_decay=cfg.weight_decay,
+                  reduction="mean" if convention == "token-mean" else "sum")
+    elif name in KFAC_KINDS:
+        if cfg.options.get("convention", "sum") != "sum":
+            raise ValueError(f"{name} runs in the sum convention only (ief.optim.KFAC), got options "
+                             f"convention={cfg.options['convention']!r}")
+        opt = KFAC(model, name, lr=cfg.lr, damping=cfg.damping,
+                   factor_decay=float(cfg.options.get("factor_decay", 0.95)),
+                   inverse_every=int(cfg.options.get("inverse_every", 10)), weight_decay=cfg.weight_decay)
     elif name == "adamw":
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     elif name == "adam":
@@ -106,7 +128,7 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: in
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Any, targets: torch.Tensor) -> float:
     """One update; returns the batch's mean cross-entropy per target token. Raises :class:`Diverged`."""
     tokens = int((targets != IGNORE).sum())
-    if isinstance(opt, (IEF, EF, SF)):
+    if isinstance(opt, _ExactPreconditioned):
         try:
             total = float(opt.step(inputs, targets))
         except FloatingPointError as err:

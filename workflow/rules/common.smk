@@ -60,12 +60,16 @@ def _grid():
         if SCALE not in REGISTRY.scales_of(setup):
             raise WorkflowError(f"setup {setup!r} has no {SCALE!r} scale; its scales: "
                                 f"{', '.join(REGISTRY.scales_of(setup))}")
-    runs = [(setup, opt, seed) for setup in setups for opt in config["optimizers"][method_of(setup)] for seed in seeds]
+    practical = config.get("practical", {}) if spec.get("practical", False) else {}
+    runs = [(setup, opt, seed) for setup in setups
+            for opt in [*config["optimizers"][method_of(setup)], *practical.get(method_of(setup), [])]
+            for seed in seeds]
     return setups, seeds, runs
 
 
 SETUPS, SEEDS, GRID = _grid()
-OPTIMIZERS = sorted({opt for opts in config["optimizers"].values() for opt in opts})
+OPTIMIZERS = sorted({opt for table in (config["optimizers"], config.get("practical", {}))
+                     for opts in table.values() for opt in opts})
 
 
 def _one_of(names) -> str:

@@ -37,6 +37,7 @@ METHOD_COLORS: dict[str, str] = {
     "KFAC": "#AA3377",  # purple (Tol bright)
     "eKFAC": "#009E73",  # bluish green (Okabe-Ito)
     "ieKFAC": "#6B5300",  # dark olive
+    "iEF+M": "#661100",  # dark rust: iEF with momentum and weight decay (the practical chapter)
 }
 
 # Which methods share a figure of the book (their colours must be told apart in it, also by colour-blind readers):
@@ -48,6 +49,11 @@ FIGURE_GROUPS: tuple[frozenset[str], ...] = (
     frozenset({"iEF", "ieKFAC", "KFAC", "eKFAC"}),
     frozenset({"SGD", "NGD", "iEF", "EF"}),
     frozenset({"SGD", "EF", "SF", "iEF", "HF"}),
+    # the practical chapter (beyond the paper): iEF with and without momentum beside each method's baseline (its
+    # K-FAC family is drawn beside iEF, the block-diagonal study's group)
+    frozenset({"AdamW", "iEF", "iEF+M"}),
+    frozenset({"Adam", "iEF", "iEF+M"}),
+    frozenset({"Adafactor", "iEF", "iEF+M"}),
 )
 
 # A qualitative sequence for things that are not methods (trajectories from different starts, setups, samples).

@@ -19,7 +19,7 @@ from ..style import method_color
 from .common import log_band, plain_log_ticks
 
 LABELS = {"adamw": "AdamW", "adafactor": "Adafactor", "adam": "Adam", "sgd": "SGD", "ef": "EF", "sf": "SF",
-          "ief": "iEF"}
+          "ief": "iEF", "ief-momentum": "iEF+M", "kfac": "KFAC", "ekfac": "eKFAC", "iekfac": "ieKFAC"}
 METHOD_NAMES = {"pt": "Prompt Tuning", "lora": "LoRA", "scratch": "MLP from scratch"}
 PAPER_METHOD = {"pt": "prompt-tuning", "lora": "lora", "scratch": "mlp"}
 GLUE_ORDER = ["cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte", "cifar100", "cifar10"]
@@ -47,8 +47,10 @@ def label(optimizer: str) -> str:
 # Line styles and markers per optimiser, so that curves drawn over each other stay distinguishable (the baseline,
 # AdamW/Adafactor/Adam, is also drawn last, on top).
 DASHES = {"iEF": "-", "EF": (0, (5, 2)), "SF": (0, (1, 1.5)), "SGD": (0, (6, 2, 1, 2)), "AdamW": (0, (3, 1.5)),
-          "Adam": (0, (3, 1.5)), "Adafactor": (0, (3, 1.5))}
-MARKERS = {"iEF": "o", "EF": "X", "SF": "^", "SGD": "s", "AdamW": "D", "Adam": "v", "Adafactor": "P"}
+          "Adam": (0, (3, 1.5)), "Adafactor": (0, (3, 1.5)), "iEF+M": (0, (8, 2)), "KFAC": (0, (2, 2)),
+          "eKFAC": (0, (4, 1, 1, 1)), "ieKFAC": (0, (1, 1))}
+MARKERS = {"iEF": "o", "EF": "X", "SF": "^", "SGD": "s", "AdamW": "D", "Adam": "v", "Adafactor": "P", "iEF+M": "*",
+           "KFAC": "<", "eKFAC": ">", "ieKFAC": "h"}
 BASELINES = ("adamw", "adafactor", "adam")
 LOG_SPAN = 10.0  # a loss panel is logarithmic when its mean curves span more than this factor, else linear
 MIN_UPDATES_PER_POINT = 4

@@ -13,7 +13,7 @@ from ..style import method_color
 from .common import PAGE_WIDTH_IN, plain_log_ticks
 
 LABELS = {"ief": "iEF", "ef": "EF", "sf": "SF", "sgd": "SGD", "adamw": "AdamW", "adam": "Adam",
-          "adafactor": "Adafactor"}
+          "adafactor": "Adafactor", "ief-momentum": "iEF+M", "kfac": "KFAC", "ekfac": "eKFAC", "iekfac": "ieKFAC"}
 # Markers and dashes per optimiser, so that optimisers drawn on top of each other (Adam and AdamW) stay visible.
 MARKERS = {"iEF": "o", "EF": "X", "SF": "^", "SGD": "s", "AdamW": "D", "Adam": "v", "Adafactor": "P"}
 DASHES = {"iEF": "", "EF": (4, 2), "SF": (1, 1), "SGD": (6, 2, 1, 2), "AdamW": "", "Adam": (3, 3), "Adafactor": (5, 1)}

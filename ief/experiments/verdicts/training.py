@@ -12,7 +12,7 @@ from .core import FAILS, HOLDS, INCONCLUSIVE, MIN_SEEDS, ON_PAR_POINTS, PairResu
 
 # ------------------------------------------------------------------------------------------------ E2 (runs)
 LABELS = {"adamw": "AdamW", "adafactor": "Adafactor", "adam": "Adam", "sgd": "SGD", "ef": "EF", "sf": "SF",
-          "ief": "iEF"}
+          "ief": "iEF", "ief-momentum": "iEF+M", "kfac": "KFAC", "ekfac": "eKFAC", "iekfac": "ieKFAC"}
 RISE_WINDOWS = 20  # EF's instability: a run's loss averaged over this many equal windows of updates
 
 

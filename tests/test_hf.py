@@ -411,3 +411,25 @@ def test_loop_step_without_a_batch_step_before_it_raises(tmp_path):
 def test_split_batch_needs_labels():
     with pytest.raises(ValueError, match=r"under 'labels'.*\['input_ids'\]"):
         split_batch(bert_lora(), {"input_ids": torch.ones(2, 3, dtype=torch.long)})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kfac_resume_on_a_gpu_equals_the_uninterrupted_run(tmp_path):
+    """On a GPU the Trainer loads optimizer.pt with map_location="cpu": the running factors, eigendecompositions and
+    the CUDA generator's state must come back on the parameters' device, and the resumed run equal the whole one."""
+    rows = classification_rows()
+
+    def trainer(directory, **extra):
+        args = arguments(tmp_path / directory, use_cpu=False, max_steps=4, lr_scheduler_type="linear", **extra)
+        return IEFTrainer(bert_lora(), args, train_dataset=datasets.Dataset.from_dict(rows), optimizer="kfac",
+                          optimizer_kwargs=RESUME["kfac"])
+
+    whole = trainer("whole")
+    whole.train()
+    assert next(whole.model.parameters()).is_cuda
+    first = trainer("split", save_strategy="steps", save_steps=2)
+    first.add_callback(StopAt(2))
+    first.train()
+    resumed = trainer("split", save_strategy="steps", save_steps=2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / "checkpoint-2"))
+    assert rel(flat(resumed.model), flat(whole.model)) < 1e-10  # (CUDA kernels need not be bitwise reproducible)

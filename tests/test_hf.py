@@ -181,6 +181,29 @@ def test_trainer_run_equals_the_same_steps_driven_by_hand(tmp_path, name):
     assert "grad_norm" not in trainer.state.log_history[0]  # no .grad: nothing to report
 
 
+@pytest.mark.parametrize("name, kwargs", [("ief", {"reduction": "mean", "lr_is": 100.0}), ("ef", {}), ("sf", {})],
+                         ids=["ief-mean", "ef", "sf"])
+def test_one_step_of_each_exact_optimiser_equals_its_hand_step(tmp_path, name, kwargs):
+    """EF and SF (normalised updates; SF's labels drawn from a generator seeded with TrainingArguments.seed) and iEF
+    with reduction="mean" (the logged loss is the step's L / K either way): one Trainer step equals the hand step."""
+    kwargs = dict(kwargs)
+    lr = kwargs.pop("lr_is", 0.05)
+    rows = classification_rows(n=4)
+    model = bert_lora()
+    trainer = IEFTrainer(model, arguments(tmp_path, max_steps=1, learning_rate=lr, seed=3),
+                         train_dataset=datasets.Dataset.from_dict(rows), optimizer=name, optimizer_kwargs=kwargs)
+    trainer.train()
+    hand = bert_lora()
+    batch = hand_batches(rows, 4)[0]
+    with torch.no_grad():
+        expected_loss = float(hand(**batch).loss)
+    cls = {"ief": ief.optim.IEF, "ef": ief.optim.EF, "sf": ief.optim.SF}[name]
+    extra = {"generator": torch.Generator().manual_seed(3)} if name == "sf" else {}
+    cls(hand, lr=lr, **kwargs, **extra).step({"input_ids": batch["input_ids"]}, batch["labels"])
+    assert rel(flat(model), flat(hand)) < 1e-10
+    assert logged(trainer) == pytest.approx([expected_loss], rel=1e-6)
+
+
 def test_causal_lm_labels_are_shifted_as_a_hand_shifted_run(tmp_path):
     """Llama-LoRA with Hugging Face's labels (= input_ids, -100 on padding): the Trainer equals a hand loop whose
     targets are shifted here position by position, and not the unshifted run; the logged loss is the model's own."""

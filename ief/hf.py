@@ -40,6 +40,10 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
   ``optimizer_cls_and_kwargs=`` and ``label_names`` other than ``["labels"]``.
 - ``max_grad_norm`` (Trainer default 1.0) is **ignored with a warning**: the update is not a gradient step and no
   ``.grad`` exists to clip (clipping the direction instead would change the method). Pass ``max_grad_norm=0``.
+- **Order within a step.** The update happens inside ``training_step``, so callbacks' ``on_pre_optimizer_step``
+  already sees the updated parameters; the scheduler then steps as usual. The model is in train mode (dropout on,
+  every pass of one ief step replaying the same masks). ``trainer.ief_optimizer`` is the optimiser itself
+  (``trainer.optimizer`` is accelerate's wrapper once training has started).
 - peft prompt tuning: the model is patched with :func:`ief.per_sample_prompts` (identical values, one backward).
 - ``SF`` and ``kind="kfac"`` draw labels from a ``torch.Generator`` seeded with ``TrainingArguments.seed`` (unless
   ``optimizer_kwargs`` gives one), whose state is in the optimiser's ``state_dict``; a checkpoint therefore holds

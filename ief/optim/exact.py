@@ -14,7 +14,8 @@ position ``t`` predict token ``t + 1``; pass ``ief.causal_lm_targets(labels)``, 
 closure: ``step()`` and ``step(closure)`` raise ``TypeError`` saying so. For the same reason
 ``transformers.Trainer(optimizers=(opt, None))`` is not supported: its loop runs its own forward and backward and
 then calls ``optimizer.step()`` (overriding ``Trainer.training_step`` alone does not help, that call still follows),
-so the batch never reaches the optimiser; write the loop above. ``lr`` and ``damping`` live in ``param_groups`` so
+so the batch never reaches the optimiser; write the loop above, or use :class:`ief.hf.IEFTrainer`, whose
+``training_step`` hands the batch to the optimiser. ``lr`` and ``damping`` live in ``param_groups`` so
 torch LR schedulers work, and ``state_dict()`` / ``load_state_dict()`` round-trip the step counter, the momentum
 buffers (and SF's ``generator`` state).
 
@@ -94,7 +95,8 @@ def _how_to_step(name: str) -> str:
     return (f"{name}.step needs the batch: call opt.step(inputs, targets) in your own loop, which runs the forward "
             f"and the per-sample backward itself (no loss.backward() and no closure), so a loop that calls step() or "
             f"step(closure) after its own backward cannot drive it, and transformers.Trainer(optimizers=(opt, None)) "
-            f"is not supported (its training loop calls step() without the batch)")
+            f"is not supported (its training loop calls step() without the batch; ief.hf.IEFTrainer(model, args, "
+            f"optimizer='ief') is)")
 
 
 def _check_positive(name: str, value: float) -> float:

@@ -175,8 +175,9 @@ class KFAC(_ExactPreconditioned):
             raise ValueError("this state_dict holds the state of KFAC's generator, but this KFAC has none (it would "
                              "draw labels from the global RNG): construct it with generator=torch.Generator()")
         super().load_state_dict(state_dict)
-        self.factors = {name: {"G": e["G"].clone(), "A": e["A"].clone(),
-                               "eigen": tuple(t.clone() for t in e["eigen"])}
+        device = self._all_params()[0].device  # a state loaded with map_location="cpu" (transformers.Trainer does)
+        self.factors = {name: {"G": e["G"].to(device, copy=True), "A": e["A"].to(device, copy=True),
+                               "eigen": tuple(t.to(device, copy=True) for t in e["eigen"])}
                         for name, e in saved["factors"].items()}
         if generator_state is not None:
             self.generator.set_state(generator_state)

@@ -1,0 +1,405 @@
+"""The ief optimisers inside ``transformers.Trainer``: :class:`IEFTrainer` (issue 20, beyond the paper).
+
+The exact iEF / EF / SF updates (``alg:iEF``, ``alg:EF``, ``alg:SF``) and the K-FAC family
+(``sec:app-iEF-eNGDopt``) need the batch: their ``step(inputs, targets)`` runs the forward and the per-sample
+backward itself (:mod:`ief.optim.exact`). ``transformers.Trainer`` instead runs ``loss.backward()`` in
+``training_step`` and then calls ``optimizer.step()`` without the batch. :class:`IEFTrainer` changes one thing:
+its ``training_step`` hands the batch to the ief optimiser, which takes the whole update there; the Trainer loop's
+own ``optimizer.step()`` that follows only checks that the update was taken. Everything else is the Trainer's:
+data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resume_from_checkpoint`` and
+``lr_scheduler_type``. Quick start::
+
+    args = TrainingArguments("out", learning_rate=1.0, max_grad_norm=0)
+    IEFTrainer(model, args, train_dataset=ds, optimizer="ief").train()
+
+**How each Trainer feature maps** (transformers 5.x):
+
+- ``learning_rate`` is the optimiser's ``lr`` and the scheduler's base rate; the scheduler
+  (``lr_scheduler_type``, warm-up included) writes ``param_groups[i]["lr"]`` before every step, as for AdamW.
+  ``weight_decay`` is the optimisers' decoupled (AdamW) decay with the Trainer's groups: no decay for biases and
+  normalisation weights (:mod:`ief.optim.momentum`). ``optimizer_kwargs`` takes every other argument of the
+  optimiser (``damping``, ``momentum``, ``reduction``, ``factor_decay``, ...); ``lr`` and ``weight_decay`` there
+  are refused (they are ``TrainingArguments``' and the scheduler's).
+- **Targets.** The batch's ``labels`` become the optimiser's targets through :func:`split_batch`: a causal LM's
+  labels (Hugging Face's, equal to ``input_ids``; the model shifts them in its own loss) are shifted by
+  :func:`ief.causal_lm_targets` (position ``t`` predicts ``labels[t + 1]``), after prepending ``-100`` for the
+  virtual tokens of peft prompt tuning (the logits have them, as peft's own loss does); an encoder-decoder model
+  gets ``decoder_input_ids`` from its ``prepare_decoder_input_ids_from_labels`` (what it does with ``labels``) and
+  the labels unshifted; a classifier's labels are its targets.
+- **Logged loss.** ``loss`` in the logs is ``L / K`` of the update's batch *before* the update: ``L = sum_n l_n``
+  (``eqn:prob_loss``) and ``K`` its counted targets (positions other than ``-100``), i.e. the mean cross-entropy
+  per counted target, which is the model's own ``outputs.loss`` on that batch and the scale of ``eval_loss``
+  (whatever the optimiser's ``reduction``). ``grad_norm`` is not logged: there is no ``.grad``.
+- **Gradient accumulation.** ``gradient_accumulation_steps = G > 1`` gives the exact direction of the union batch:
+  the ``G`` micro-batches of one update are concatenated and the optimiser takes one step on them (so the
+  per-sample machinery holds ``G`` times the batch: accumulation saves no memory here). Micro-batches whose tensors
+  differ beyond the sample dimension (dynamic padding) cannot be joined and raise ``ValueError``.
+- **Refused** with ``ValueError`` at construction: fp16 / bf16 mixed precision (autocast would run the per-sample
+  Gram systems' inputs in half precision, and fp16's GradScaler needs ``.grad`` to unscale), several devices or
+  processes, DeepSpeed, FSDP, ``label_smoothing_factor``, ``compute_loss_func``, ``optimizers=`` /
+  ``optimizer_cls_and_kwargs=`` and ``label_names`` other than ``["labels"]``.
+- ``max_grad_norm`` (Trainer default 1.0) is **ignored with a warning**: the update is not a gradient step and no
+  ``.grad`` exists to clip (clipping the direction instead would change the method). Pass ``max_grad_norm=0``.
+- **Order within a step.** The update happens inside ``training_step``, so callbacks' ``on_pre_optimizer_step``
+  already sees the updated parameters; the scheduler then steps as usual. The model is in train mode (dropout on,
+  every pass of one ief step replaying the same masks). ``trainer.ief_optimizer`` is the optimiser itself
+  (``trainer.optimizer`` is accelerate's wrapper once training has started).
+- peft prompt tuning: the model is patched with :func:`ief.per_sample_prompts` (identical values, one backward).
+- ``SF`` and ``kind="kfac"`` draw labels from a ``torch.Generator`` seeded with ``TrainingArguments.seed`` (unless
+  ``optimizer_kwargs`` gives one), whose state is in the optimiser's ``state_dict``; a checkpoint therefore holds
+  the step counter, momentum buffers, K-FAC running factors and eigendecompositions and the generator, and a
+  resumed run equals the uninterrupted one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from typing import Any
+
+import torch
+import transformers
+
+from .losses import IGNORE_INDEX, causal_lm_targets
+from .optim import EF, IEF, KFAC, SF
+from .optim.exact import _MISSING
+from .peft_support import per_sample_prompts
+
+OPTIMIZERS = ("ief", "ef", "sf", "kfac", "ekfac", "iekfac")
+KFAC_KINDS = ("kfac", "ekfac", "iekfac")
+_CLASSES = {"ief": IEF, "ef": EF, "sf": SF}
+_SAMPLING = ("sf", "kfac")  # the optimisers that draw labels from a generator
+_REFUSED_KWARGS = {
+    "lr": "the rate is TrainingArguments(learning_rate=...), which the scheduler starts from",
+    "weight_decay": "the decay is TrainingArguments(weight_decay=...), applied with the Trainer's decay groups",
+    "kind": "the K-FAC kind is the optimizer name ('kfac', 'ekfac' or 'iekfac')",
+    "model": "the model is the Trainer's",
+}
+
+
+class _StepTakenInTrainingStep:
+    """Mixin for the ief optimiser a :class:`IEFTrainer` holds: ``step(inputs, targets)`` (called by
+    ``training_step``) takes the update; the Trainer loop's ``step()`` without a batch then only checks that it was
+    taken (and raises ``RuntimeError`` if it was not)."""
+
+    _update_taken = False
+
+    def step(self, inputs: Any = _MISSING, targets: Any = _MISSING, *, closure: Any = None):  # type: ignore[override]
+        if targets is _MISSING and closure is None and (inputs is _MISSING or inputs is None):
+            if not self._update_taken:
+                raise RuntimeError(
+                    f"{type(self).__name__}.step() was called without a batch and no batch step preceded it: inside "
+                    f"IEFTrainer the update is taken by training_step, which hands the batch to step(inputs, targets)")
+            self._update_taken = False
+            return None
+        loss = super().step(inputs, targets, closure=closure)
+        self._update_taken = True
+        return loss
+
+
+_DRIVEN: dict[type, type] = {}
+
+
+def _driven(cls: type) -> type:
+    """``cls`` with :class:`_StepTakenInTrainingStep` (same name, so error messages name the ief optimiser)."""
+    if cls not in _DRIVEN:
+        _DRIVEN[cls] = type(cls.__name__, (_StepTakenInTrainingStep, cls),
+                            {"__module__": __name__, "__qualname__": f"IEFTrainer.{cls.__name__}"})
+    return _DRIVEN[cls]
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (``get_base_model``), or ``model``."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def is_causal_lm(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the model under its peft wrapper) is a transformers ``*ForCausalLM``, by the test
+    ``transformers.Trainer.compute_loss`` uses (its class name in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``).
+
+    Args:
+        model: a ``torch.nn.Module``, possibly a peft model.
+
+    Returns:
+        ``True`` for a causal LM (whose labels must be shifted), else ``False``.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return type(_base_model(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def _virtual_tokens(model: torch.nn.Module) -> int:
+    """How many positions a peft prompt-learning causal LM prepends to the logits (0 for every other model)."""
+    config = getattr(model, "active_peft_config", None)
+    if config is None or not getattr(config, "is_prompt_learning", False):
+        return 0
+    kind = str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1]
+    if kind in ("PREFIX_TUNING", "CARTRIDGE"):  # past key values: no extra logits
+        return 0
+    if kind == "CPT":
+        raise ValueError("peft CPT models compute their own weighted loss, which the ief optimisers cannot take "
+                         "over; use prompt tuning, p-tuning, prefix tuning or LoRA")
+    return int(config.num_virtual_tokens)
+
+
+def split_batch(model: torch.nn.Module, batch: dict[str, Any], *,
+                causal_lm: bool | None = None) -> tuple[dict[str, Any], torch.Tensor]:
+    """A Hugging Face training batch (model inputs plus ``labels``) as the ief optimiser's ``(inputs, targets)``.
+
+    The targets are scored position by position against the logits the model returns without labels
+    (``eqn:prob_loss``), so that ``sum_n l_n / K`` equals the model's own ``outputs.loss`` on the batch:
+
+    - causal LM: ``causal_lm_targets(labels)`` (``targets[:, t] = labels[:, t + 1]``), with ``-100`` for the
+      ``V`` virtual tokens of a peft prompt-learning model prepended first (its logits have ``V + T`` positions and
+      the last virtual token predicts ``labels[:, 0]``, as in peft's loss);
+    - encoder-decoder: ``labels`` as they are, and ``decoder_input_ids`` (unless given) from the model's
+      ``prepare_decoder_input_ids_from_labels``, as the model does when it receives ``labels``;
+    - any other model: ``labels`` as they are.
+
+    Args:
+        model: the model the optimiser runs (possibly a peft model).
+        batch: a dict with ``labels`` and the model's inputs.
+        causal_lm: force (``True``) or disable (``False``) the causal-LM shift; ``None``: :func:`is_causal_lm`.
+
+    Returns:
+        ``(inputs, targets)``: ``inputs`` without ``labels`` (to be called as ``model(**inputs)``).
+
+    Raises:
+        ValueError: the batch is not a dict with ``labels``, or an encoder-decoder model gives no way to build its
+            decoder inputs.
+    """
+    if not isinstance(batch, dict) or "labels" not in batch:
+        keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ValueError(f"the ief optimisers need the batch's targets under 'labels' (a dict batch with a 'labels' "
+                         f"tensor), got {keys}")
+    labels = batch["labels"]
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    base = _base_model(model)
+    if getattr(getattr(base, "config", None), "is_encoder_decoder", False):
+        if "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+            prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+            if not callable(prepare):
+                raise ValueError(f"{type(base).__name__} is an encoder-decoder model without "
+                                 f"prepare_decoder_input_ids_from_labels: put decoder_input_ids in the batch")
+            inputs["decoder_input_ids"] = prepare(labels=labels)
+        return inputs, labels
+    if is_causal_lm(model) if causal_lm is None else causal_lm:
+        virtual = _virtual_tokens(model)
+        if virtual:
+            labels = torch.cat([labels.new_full((labels.shape[0], virtual), IGNORE_INDEX), labels], dim=1)
+        return inputs, causal_lm_targets(labels)
+    return inputs, labels
+
+
+def _join(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """The union of one update's micro-batches (``gradient_accumulation_steps > 1``), concatenated on dim 0."""
+    if len(batches) == 1:
+        return batches[0]
+    keys = list(batches[0])
+    if any(list(b) != keys for b in batches[1:]):
+        raise ValueError(f"gradient_accumulation_steps={len(batches)}: the micro-batches of one update have different "
+                         f"keys ({[sorted(b) for b in batches]}), so they cannot be joined into the union batch")
+    out = {}
+    for key in keys:
+        values = [b[key] for b in batches]
+        if not isinstance(values[0], torch.Tensor):
+            if any(v != values[0] for v in values[1:]):
+                raise ValueError(f"gradient_accumulation_steps={len(batches)}: the non-tensor entry {key!r} differs "
+                                 f"between the micro-batches of one update")
+            out[key] = values[0]
+            continue
+        shapes = [tuple(v.shape) for v in values]
+        if any(s[1:] != shapes[0][1:] for s in shapes[1:]):
+            raise ValueError(
+                f"gradient_accumulation_steps={len(batches)}: IEFTrainer takes the exact step of the union of one "
+                f"update's micro-batches, but {key!r} has shapes {shapes}; pad every batch to one length (e.g. the "
+                f"tokenizer's padding='max_length') or use gradient_accumulation_steps=1 with a larger batch")
+        out[key] = torch.cat(values, dim=0)
+    return out
+
+
+def _counted(targets: torch.Tensor) -> int:
+    """``K``: the batch's counted targets (every entry of a float target, else those other than ``-100``)."""
+    return targets.numel() if targets.dtype.is_floating_point else int((targets != IGNORE_INDEX).sum())
+
+
+def _default_learning_rate() -> float:
+    return next(f.default for f in dataclasses.fields(transformers.TrainingArguments) if f.name == "learning_rate")
+
+
+def _check_args(args: transformers.TrainingArguments) -> None:
+    """The ``TrainingArguments`` IEFTrainer refuses (``ValueError``) or ignores (warning)."""
+    if args.fp16 or args.bf16:
+        raise ValueError(
+            f"IEFTrainer does not train with mixed precision (fp16={args.fp16}, bf16={args.bf16}): the ief optimisers "
+            f"run their own forward and per-sample backward in the model's dtype (float32 or float64), and fp16's "
+            f"GradScaler needs .grad tensors, which they do not write; set fp16=False and bf16=False")
+    if args.label_smoothing_factor:
+        raise ValueError(f"IEFTrainer trains with the optimiser's own loss (cross-entropy by default), so "
+                         f"label_smoothing_factor={args.label_smoothing_factor} would change only the evaluation loss; "
+                         f"set it to 0")
+    if args.label_names is not None and list(args.label_names) != ["labels"]:
+        raise ValueError(f"IEFTrainer hands the batch's 'labels' to the optimiser as its targets; label_names="
+                         f"{args.label_names!r} is not supported (accepted: None or ['labels'])")
+    if args.max_grad_norm and args.max_grad_norm > 0:
+        warnings.warn(
+            f"TrainingArguments.max_grad_norm={args.max_grad_norm} is ignored by IEFTrainer: the ief optimisers' "
+            f"update is a preconditioned step computed from per-sample gradients, no .grad exists to clip, and "
+            f"clipping the update instead would change the method; pass max_grad_norm=0 to silence this warning",
+            UserWarning, stacklevel=3)
+    if args.learning_rate == _default_learning_rate():
+        warnings.warn(
+            f"learning_rate is TrainingArguments' default {args.learning_rate:g}, an AdamW rate: it is the ief "
+            f"optimiser's lr here (iEF's rate in the sum convention is about 1; ief.optim.IEF's docstring)",
+            UserWarning, stacklevel=3)
+
+
+class IEFTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` whose update is taken by an ief optimiser on the batch (module docstring).
+
+    Args:
+        *args: ``transformers.Trainer``'s positional arguments (``model``, ``args``, ...).
+        optimizer: one of ``"ief"``, ``"ef"``, ``"sf"`` (:class:`ief.optim.IEF`, ``EF``, ``SF``: ``alg:iEF``,
+            ``alg:EF``, ``alg:SF``) or ``"kfac"``, ``"ekfac"``, ``"iekfac"`` (:class:`ief.optim.KFAC` of that kind,
+            ``sec:app-iEF-eNGDopt``; ``damping`` is required in ``optimizer_kwargs``).
+        optimizer_kwargs: further keyword arguments of the optimiser (not ``lr``, ``weight_decay``, ``kind`` or
+            ``model``: see the module docstring). ``generator`` defaults, for ``"sf"`` and ``"kfac"``, to a
+            ``torch.Generator`` on the training device seeded with ``TrainingArguments.seed``.
+        causal_lm: force (``True``) or disable (``False``) the causal-LM label shift; ``None``: detected as
+            ``transformers.Trainer`` does (:func:`is_causal_lm`).
+        **kwargs: ``transformers.Trainer``'s keyword arguments.
+
+    Raises:
+        ValueError: an unknown ``optimizer`` (naming the accepted ones), a refused ``optimizer_kwargs`` key or
+            Trainer setting (module docstring), or the optimiser's own refusal of a value.
+
+    Attributes:
+        ief_optimizer: the ief optimiser (``trainer.optimizer`` is it, or accelerate's wrapper around it once
+            training has started).
+    """
+
+    def __init__(self, *args: Any, optimizer: str = "ief", optimizer_kwargs: dict[str, Any] | None = None,
+                 causal_lm: bool | None = None, **kwargs: Any):
+        if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZERS))}, got {optimizer!r}")
+        optimizer_kwargs = dict(optimizer_kwargs or {})
+        for key, why in _REFUSED_KWARGS.items():
+            if key in optimizer_kwargs:
+                raise ValueError(f"optimizer_kwargs may not contain {key!r}: {why}")
+        if optimizer in KFAC_KINDS and "damping" not in optimizer_kwargs:
+            raise ValueError(f"optimizer={optimizer!r} needs optimizer_kwargs={{'damping': ...}} (ief.optim.KFAC has "
+                             f"no default damping: none has been measured)")
+        given = inspect.signature(transformers.Trainer.__init__).bind(self, *args, **kwargs).arguments
+        optimizers = given.get("optimizers", (None, None))
+        if optimizers is not None and any(o is not None for o in optimizers):
+            raise ValueError("IEFTrainer builds its optimiser itself: pass optimizer='ief' (etc.) and "
+                             "optimizer_kwargs={...}, not optimizers=(optimizer, scheduler); the scheduler comes from "
+                             "TrainingArguments(lr_scheduler_type=...)")
+        for key in ("optimizer_cls_and_kwargs", "compute_loss_func"):
+            if given.get(key) is not None:
+                raise ValueError(f"IEFTrainer does not take {key}: the ief optimiser chosen by optimizer= computes "
+                                 f"the training loss and the update itself")
+        if given.get("args") is not None:
+            _check_args(given["args"])
+        self.optimizer_name = optimizer
+        self.optimizer_kwargs = optimizer_kwargs
+        self.causal_lm = causal_lm
+        self.ief_optimizer: torch.optim.Optimizer | None = None
+        self._micro_batches: list[dict[str, Any]] = []
+        super().__init__(*args, **kwargs)
+        if given.get("args") is None:
+            _check_args(self.args)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or self.args.world_size > 1 or self.args.n_gpu > 1:
+            raise ValueError(
+                f"IEFTrainer runs on one device in one process (world_size={self.args.world_size}, n_gpu="
+                f"{self.args.n_gpu}, deepspeed={self.is_deepspeed_enabled}, fsdp={self.is_fsdp_enabled}): the ief "
+                f"optimisers solve one Gram system over the whole batch; set CUDA_VISIBLE_DEVICES to one device")
+        if self.model is not None and self.model_init is None:
+            self.create_optimizer()  # bad optimizer_kwargs fail here, not at train()
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """Build the ief optimiser (once; ``self.optimizer`` and ``self.ief_optimizer``) on the Trainer's model.
+
+        Args:
+            model: the model to optimise (default: ``self.model``).
+
+        Returns:
+            The optimiser.
+
+        Raises:
+            ValueError: the optimiser refuses a value, or (K-FAC) a trainable parameter outside any ``nn.Linear``.
+        """
+        if self.optimizer is not None:
+            return self.optimizer
+        model = self.model if model is None else model
+        config = getattr(model, "active_peft_config", None)
+        if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1] == "PROMPT_TUNING":
+            per_sample_prompts(model)  # identical values; the hooks see every sample's prompt gradient
+        kwargs = dict(self.optimizer_kwargs)
+        if self.optimizer_name in _SAMPLING and "generator" not in kwargs:
+            kwargs["generator"] = torch.Generator(device=self.args.device).manual_seed(self.args.seed)
+        if "params" not in kwargs and self.args.weight_decay:
+            decayed = set(self.get_decay_parameter_names(model))
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if n in decayed], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]
+            kwargs["params"] = [g for g in groups if g["params"]]
+        else:
+            kwargs["weight_decay"] = self.args.weight_decay
+        lr = self.args.learning_rate
+        if self.optimizer_name in KFAC_KINDS:
+            optimizer = _driven(KFAC)(model, self.optimizer_name, lr, **kwargs)
+        else:
+            optimizer = _driven(_CLASSES[self.optimizer_name])(model, lr, **kwargs)
+        self.optimizer = self.ief_optimizer = optimizer
+        return optimizer
+
+    def train(self, *args: Any, **kwargs: Any):
+        """``transformers.Trainer.train`` (micro-batches left by an interrupted call are dropped first)."""
+        self._micro_batches = []
+        return super().train(*args, **kwargs)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """Hand the batch to the ief optimiser, which takes the update (no ``loss.backward()``).
+
+        With ``gradient_accumulation_steps > 1`` the micro-batches are kept until the last of the update, then the
+        optimiser steps on their union.
+
+        Args:
+            model: the model (as the Trainer prepared it; the optimiser runs its own reference to the same model).
+            inputs: the batch: the model's inputs and ``labels``.
+            num_items_in_batch: unused (the optimiser counts the targets itself).
+
+        Returns:
+            The value the Trainer accumulates for its ``loss`` log: ``L / K`` of the update's (union) batch before
+            the update on the update's last micro-batch, ``0`` on the others.
+
+        Raises:
+            ValueError: no ``labels``, micro-batches that cannot be joined, or a bad value the optimiser refuses.
+            FloatingPointError: a non-finite loss or update (the optimiser leaves the parameters unchanged).
+        """
+        model.train()
+        self._micro_batches.append(self._prepare_inputs(inputs))
+        if not self.accelerator.sync_gradients:
+            return torch.zeros((), device=self.args.device)
+        batch = _join(self._micro_batches)
+        self._micro_batches = []
+        step_inputs, targets = split_batch(self.ief_optimizer.model, batch, causal_lm=self.causal_lm)
+        loss = self.ief_optimizer.step(step_inputs, targets)
+        if self.ief_optimizer.reduction == "sum":
+            counted = _counted(targets)
+            loss = loss / counted if counted else torch.zeros_like(loss)
+        return loss.detach().to(self.args.device)
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> None:
+        """No clipping (there is no ``.grad``; ``max_grad_norm`` is ignored with a warning at construction)."""
+        return None
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> None:
+        """No gradient norm to log (there is no ``.grad``)."""
+        return None
+
+
+__all__ = ["IEFTrainer", "OPTIMIZERS", "split_batch", "is_causal_lm"]

@@ -24,13 +24,15 @@ from .core import (DECADE, FAILS, HOLDS, INCONCLUSIVE, MIN_SEEDS, NEAR_ZERO, ON_
                    PairResult, Rule, Verdict, decide, interval, over_stages, pair_over_seeds, summary, t_quantile)
 from .evaluation import (BLOCK_RULES, DECIDED, E1_AGGREGATION, E1_RULES, E3_RULES, EVALUATION_RULES, WHY_T,
                          e1_batches, sweep_batches)
+from .practical import PRACTICAL_RULES, PRACTICAL_RULES_LIST
 from .training import E2_RULES, E2_RULES_LIST, RISE_WINDOWS, SEED0_RULES_LIST, disagreements, loss_rises
 
-RULES: dict[str, Rule] = {**EVALUATION_RULES, **{r.name: r for r in E2_RULES_LIST + SEED0_RULES_LIST}}
+RULES: dict[str, Rule] = {**EVALUATION_RULES,
+                          **{r.name: r for r in E2_RULES_LIST + SEED0_RULES_LIST + PRACTICAL_RULES_LIST}}
 
 __all__ = [
     "HOLDS", "FAILS", "INCONCLUSIVE", "OUTCOMES", "MIN_SEEDS", "TENTH_DECADE", "DECADE", "NEAR_ZERO", "ON_PAR_POINTS",
     "Verdict", "PairResult", "Rule", "t_quantile", "interval", "decide", "over_stages", "pair_over_seeds", "summary",
     "RULES", "E1_RULES", "E3_RULES", "BLOCK_RULES", "E2_RULES", "DECIDED", "WHY_T", "E1_AGGREGATION", "e1_batches",
-    "sweep_batches", "loss_rises", "disagreements", "RISE_WINDOWS",
+    "sweep_batches", "loss_rises", "disagreements", "RISE_WINDOWS", "PRACTICAL_RULES",
 ]

@@ -1,6 +1,6 @@
 """The install story holds beyond this machine (issue 24, point 2).
 
-- pip users install their torch first; ``pip install -e ".[hf,cpu-scale]"`` must then keep it. Checked by a real
+- pip users install their torch first; the README's ``pip install -e ".[hf,cpu-scale]"`` must then keep it. Checked by a real
   resolution: ``pip install --dry-run`` into a fresh venv that holds a stand-in ``torch`` (a bare ``dist-info``),
   reading pip's report; and, so that the check can fail, the same resolution with a stand-in below the accepted range
   must replace it.
@@ -54,6 +54,16 @@ def _closure(extras: list[str]) -> set[str]:
     return names
 
 
+def _readme_pip_target() -> str:
+    """The package spec of the README's ``pip install -e ...`` line: the command this file resolves."""
+    match = re.search(r'^pip install -e "?([^"\s]+)"?\s*$', (ROOT / "README.md").read_text(), flags=re.M)
+    assert match, "the README has no `pip install -e ...` line"
+    return match.group(1)
+
+
+TARGET = _readme_pip_target()
+
+
 def _pip_indexes() -> list[str]:
     """pip's arguments choosing indexes: the configured ``file://`` indexes alone when there are any."""
     listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
@@ -94,7 +104,7 @@ def _dry_run(python: Path, target: str, report: Path) -> list[tuple[str, str]]:
 
 @pytest.mark.slow
 def test_pip_keeps_the_torch_you_installed_first(tmp_path):
-    target = ".[hf,cpu-scale]"
+    target = TARGET  # the README's line, `pip install -e ".[hf,cpu-scale]"`
     kept = _dry_run(_venv_with_torch(tmp_path / "kept", "2.13.0"), target, tmp_path / "kept.json")
     names = {n for n, _ in kept}
     assert "torch" not in names and not names & TORCH_REPLACERS, sorted(names & TORCH_REPLACERS)

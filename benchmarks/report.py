@@ -23,8 +23,8 @@ from benchmarks.harness import machine_line, validate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("step", "paper_mlp", "conv2d", "evaluation", "damping_sweep")  # sections in this order, then the rest
-START = ("<!-- benchmarks: generated from benchmarks/results/*.json by python -m benchmarks.report benchmarks/README.md; "
-         "tests/test_benchmarks_report.py keeps it equal -->")
+START = ("<!-- benchmarks: generated from benchmarks/results/*.json by "
+         "python -m benchmarks.report benchmarks/README.md; tests/test_benchmarks_report.py keeps it equal -->")
 END = "<!-- /benchmarks -->"
 HEADINGS = {
     "step": "The op-cost table",

@@ -43,10 +43,11 @@ def hessian_free(
     tolerance: float = 0.0,
     method: str = "double_backward",
 ) -> torch.Tensor | CGResult:
-    """Approximate natural-gradient direction ``F^{-1} grad L`` after ``iterations`` CG steps from ``x_0 = 0`` (``alg:CG``).
+    """Approximate natural-gradient direction ``F^{-1} grad L`` after ``iterations`` CG steps from ``x_0 = 0``.
 
-    Cost: one :class:`ief.FisherOperator` (a forward and a backward with graph), then one Fisher-vector product per
-    iteration (two backward-type passes with the default method). Stops early when the residual norm falls to ``tolerance * ||grad L||``, or to rounding level
+    ``alg:CG``. Cost: one :class:`ief.FisherOperator` (a forward and a backward with graph), then one Fisher-vector
+    product per iteration (two backward-type passes with the default method). Stops early when the residual norm
+    falls to ``tolerance * ||grad L||``, or to rounding level
     (``100 eps ||grad L||`` in the model's dtype: past it CG iterates on noise, which leaks into the null space of
     the only positive semi-definite ``F`` with huge steps), or when the curvature along the search direction is at
     rounding level of the largest curvature seen. Every Fisher product sees the same dropout masks, so the solve

@@ -1,4 +1,5 @@
-"""The benchmark tables of benchmarks/README.md come from the committed JSON (``python -m benchmarks.report benchmarks/README.md``).
+"""The benchmark tables of benchmarks/README.md come from the committed JSON
+(``python -m benchmarks.report benchmarks/README.md``).
 
 No number in them is typed; the book's API page renders the same text at build time."""
 from __future__ import annotations

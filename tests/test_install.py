@@ -1,9 +1,9 @@
 """The install story holds beyond this machine (issue 24, point 2).
 
-- pip users install their torch first; the README's ``pip install -e ".[hf,cpu-scale]"`` must then keep it. Checked by a real
-  resolution: ``pip install --dry-run`` into a fresh venv that holds a stand-in ``torch`` (a bare ``dist-info``),
-  reading pip's report; and, so that the check can fail, the same resolution with a stand-in below the accepted range
-  must replace it.
+- pip users install their torch first; the README's ``pip install -e ".[hf,cpu-scale]"`` must then keep it. Checked
+  by a real resolution: ``pip install --dry-run`` into a fresh venv that holds a stand-in ``torch`` (a bare
+  ``dist-info``), reading pip's report; and, so that the check can fail, the same resolution with a stand-in below
+  the accepted range must replace it.
 - No extra names a package that pins or replaces torch (torchvision, through curvlinops -> BackPACK, replaced the
   CPU torch by a CUDA one once): those are installed with ``--no-deps`` from ``requirements/no-deps.txt``.
 - scikit-learn (the cpu setup digits-mlp) is in an extra; ``make book``'s extras include it.

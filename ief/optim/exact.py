@@ -565,9 +565,9 @@ class SF(_ExactPreconditioned):
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
             ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
-            ``> 0``, a negative or non-finite ``damping`` (SF: ``damping > 0``), ``momentum`` outside ``[0, 1)``, ``dampening``
-            outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``, ``total_steps`` not a
-            positive integer, an unknown ``reduction``, ``check`` or ``form``.
+            ``> 0``, a negative or non-finite ``damping`` (SF: ``damping > 0``), ``momentum`` outside ``[0, 1)``,
+            ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``,
+            ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``.
         ValueError: from ``load_state_dict``, a state holding a generator's state loaded into an ``SF`` without one.
     """
 

@@ -332,6 +332,11 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             FloatingPointError: the loss, the gradients or the update are not finite (``"step k: ...; parameters
                 left unchanged"``), also before any parameter changes.
             PerSampleGradientMismatch: the per-sample guard's refusal (see :func:`ief.per_sample`).
+
+        Warns:
+            UserWarning: once, when the targets equal ``inputs["input_ids"]`` at every counted position (Hugging
+                Face's unshifted causal-LM ``labels``; pass ``ief.causal_lm_targets(labels)``).
+            SlowPathWarning: once per model, naming parameters whose per-sample gradients take the per-sample loop.
         """
         if targets is _MISSING or closure is not None:
             raise TypeError(_how_to_step(type(self).__name__))

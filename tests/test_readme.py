@@ -135,13 +135,23 @@ def test_links_and_the_figure_exist():
 
 
 def test_what_the_readme_says_of_the_trainer_holds():
-    """"It cannot drive these optimisers yet": step() without the batch (what Trainer calls) refuses, saying why."""
+    """The Trainer paragraph is true: either it names ``ief.hf.IEFTrainer`` (then that class is exported and every
+    ``optimizer="..."`` it shows is accepted), or it says the Trainer cannot drive the optimisers (then ``step()``
+    without the batch, what ``Trainer`` calls, refuses, naming the Trainer)."""
     import torch
 
     import ief
 
-    if "cannot drive these optimisers" not in README:
-        pytest.fail("the README's Trainer paragraph changed: check its claim here")
+    start = README.index("**With Hugging Face's `Trainer`")
+    paragraph = README[start:README.index("\n\n", start)]
+    if "ief.hf.IEFTrainer" in paragraph:
+        import ief.hf
+
+        assert "IEFTrainer" in ief.hf.__all__
+        shown = re.findall(r'optimizer="(\w+)"', paragraph)
+        assert shown and set(shown) <= set(ief.hf.OPTIMIZERS), shown
+        return
+    assert "cannot drive these optimisers" in paragraph, paragraph
     opt = ief.optim.IEF(torch.nn.Linear(3, 2))
     with pytest.raises(TypeError, match="transformers.Trainer"):
         opt.step()

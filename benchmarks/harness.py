@@ -16,7 +16,7 @@
   ``/proc/stat``), recorded in every JSON: on a small shared CPU a timing is only as good as this figure.
 - The record (:func:`record`, :func:`write_json`): the machine (CPU model, cores, threads, torch, device), the date, the
   exact command, the arguments, the load, the raw measurements and the summary tables that ``benchmarks.report``
-  turns into the README's and the book's tables. Written atomically.
+  turns into the tables of benchmarks/README.md and the book. Written atomically.
 """
 from __future__ import annotations
 

@@ -1,13 +1,15 @@
-"""The README's and the book's benchmark tables, generated from the committed JSON in ``benchmarks/results/``.
+"""The benchmark tables of ``benchmarks/README.md`` and the book, generated from the committed JSON in
+``benchmarks/results/``.
 
-    python -m benchmarks.report README.md        # rewrite the README's block between the two markers
+    python -m benchmarks.report benchmarks/README.md   # rewrite benchmarks/README.md's block between the markers
     python -m benchmarks.report                   # print the block
 
 Every ``benchmarks/results/*.json`` (written by a benchmark's ``--json``, schema of :mod:`benchmarks.harness`)
 becomes one section: its summary table(s) as they were recorded, then a caption naming the machine, the date, the load
 other processes put on the machine during the run and the exact command. The book's API page shows the same text
 (``{benchmark-tables}``, rendered at build time by ``book/_ext/paper_book.py``); ``tests/test_benchmarks_report.py``
-keeps the README's block equal to what this module produces from the committed JSON. No number is typed.
+keeps ``benchmarks/README.md``'s block equal to what this module produces from the committed JSON. No number is
+typed.
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from benchmarks.harness import machine_line, validate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("step", "paper_mlp", "conv2d", "evaluation", "damping_sweep")  # sections in this order, then the rest
-START = ("<!-- benchmarks: generated from benchmarks/results/*.json by python -m benchmarks.report README.md; "
-         "tests/test_benchmarks_report.py keeps it equal -->")
+START = ("<!-- benchmarks: generated from benchmarks/results/*.json by "
+         "python -m benchmarks.report benchmarks/README.md; tests/test_benchmarks_report.py keeps it equal -->")
 END = "<!-- /benchmarks -->"
 HEADINGS = {
     "step": "The op-cost table",
@@ -98,7 +100,7 @@ def markdown(docs: Sequence[Mapping[str, Any]], level: str = "####") -> str:
 
 
 def block(docs: Sequence[Mapping[str, Any]]) -> str:
-    """The README's block: the generated text between :data:`START` and :data:`END`."""
+    """``benchmarks/README.md``'s block: the generated text between :data:`START` and :data:`END`."""
     return f"{START}\n{markdown(docs)}\n{END}"
 
 

@@ -193,7 +193,7 @@ def model_label(name: str, t5_size: str) -> str:
 
 
 def summary_tables(results: list[dict], memory: bool) -> list[dict]:
-    """The README's two tables: ratios per model, and peak tensor memory per model."""
+    """The two tables of benchmarks/README.md: ratios per model, and peak tensor memory per model."""
     def by_key(result):
         return {r["key"]: r for r in result["rows"]}
 

@@ -76,6 +76,21 @@ class FisherOperator:
       forward-mode rule. Under activation checkpointing (the backward's recomputation cannot replay a dual forward:
       ``CheckpointError``) the tangents come from a dual forward without graph and the graph from a plain forward,
       remembered per model.
+
+    What Hessian-free CG (:func:`ief.hessian_free`, ``alg:CG``) multiplies by.
+
+    Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]`` (the package's conventions, :mod:`ief`).
+        inputs: tensor, tuple, or dict of keyword arguments for ``model``.
+        targets: class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored, or float targets (``loss="mse"``).
+        params: the parameters ``theta`` of ``F`` (default ``None``: the model's trainable ones).
+        loss: ``"cross_entropy"`` (default) or ``"mse"`` (``F`` is then the Gauss-Newton matrix).
+        method: ``"double_backward"`` (default) or ``"forward"``, as above.
+
+    Raises:
+        ValueError: an unknown ``method`` or ``loss``, or a bad batch (as :func:`ief.per_sample`).
+        FloatingPointError: a logit that is NaN or ``+inf``, or a position whose every class is ``-inf``.
+        ForwardModeUnsupported: ``method="forward"`` on a layer without a forward-mode rule.
     """
 
     def __init__(
@@ -134,7 +149,18 @@ class FisherOperator:
         return self._gradient
 
     def matvec(self, vector: torch.Tensor) -> torch.Tensor:
-        """``F v``, ``[P]``."""
+        """``F v``, ``[P]``: two backward-type passes (``method="double_backward"``) or one dual forward and one
+        backward (``method="forward"``).
+
+        Args:
+            vector: ``v`` ``[P]``, in the order of the operator's parameters.
+
+        Returns:
+            ``F v`` ``[P]`` in the parameters' dtype.
+
+        Raises:
+            ValueError: ``vector`` not ``[P]``.
+        """
         tangents = split_vector(vector, self.params)
         with _autograd_on():
             if self.method == "forward":
@@ -217,21 +243,32 @@ def fisher_vp(
       every benchmark model; for many products at one point (a CG solve), build a :class:`FisherOperator` once
       (double backward: two backward-type passes per further product).
 
-    Cost against one gradient ``G = F + B`` (forward with graph + backward), CPU, one thread, batch 32, the models of
-    ``benchmarks/step.py``. Forward mode costs ``F + T + B``: the tangents ``T`` cost about what the backward costs
-    (a layer's ``dW x + W dx`` are the products of its ``dW`` and ``dx``), so its exact floor is ``(F + 2B) / G``;
-    double backward costs ``F + 3`` backward-type passes, floor ``(F + 3B) / G``. Measured parts (ratios to ``G``):
+    Cost model, against one gradient ``G = F + B`` (forward with graph ``F``, backward ``B``). Forward mode costs
+    ``F + T + B``, and the tangents ``T`` cost about what the backward costs (a layer's ``dW x + W dx`` are the
+    products of its ``dW`` and ``dx``), so its floor is ``(F + 2B) / G``; double backward costs ``F`` plus three
+    backward-type passes, floor ``(F + 3B) / G``. A model whose frozen forward dominates (LoRA, ``F >> B``) gets
+    close to one gradient; a small fully trainable MLP (``B ~ 2F``) cannot go below ``~1.67 G``. The measured ratios,
+    per model and machine, are in ``benchmarks/results/step-*.json`` (``python -m benchmarks.step``).
 
-    - tiny T5-LoRA: ``F`` 0.66, ``B`` 0.34 (the frozen forward dominates): floors 1.34x (forward mode) and 1.68x
-      (double backward); measured 1.70x and 1.75x. The dual forward costs 1.27 against ``F + T`` of about 1.0 (per
-      operation forward-mode overhead, chiefly inside attention, whose reference kernel PyTorch differentiates
-      through zero tangents); the backward through its graph about 0.43.
-    - all-MiniLM-L6-v2 LoRA: ``F`` 0.55-0.60, ``B`` 0.40-0.45: floor 1.4-1.45x; measured 1.6-1.65x (forward), 1.9x
-      (double backward).
-    - MLP 784-256-256-10, all trainable: ``F`` 0.33, ``B`` 0.67: floor 1.67x at autograd's cost of a backward, so
-      1.5x lies below it; measured 2.6-2.8x (forward), 3.3x (double backward). With 0.2 ms of products per pass the
-      bound is per-operation overhead (autograd, dual tensors, argument checks), not arithmetic: a hand-written FVP of
-      the same MLP costs 1.31x a hand-written gradient, 0.88x an autograd one.
+    Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]`` (the package's conventions, :mod:`ief`).
+        inputs: tensor, tuple, or dict of keyword arguments for ``model``.
+        targets: class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored, or float targets (``loss="mse"``).
+        vector: ``v`` ``[P]``, in the order of ``params``.
+        params: the parameters of ``F`` (default ``None``: the model's trainable ones).
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
+        method: ``"auto"`` (default), ``"forward"`` or ``"double_backward"``, as above.
+
+    Returns:
+        ``F v`` ``[P]`` in the parameters' dtype.
+
+    Raises:
+        ValueError: ``vector`` not ``[P]``, an unknown ``method`` or ``loss``, or a bad batch (as
+            :func:`ief.per_sample`).
+        FloatingPointError: a logit that is NaN or ``+inf``, or a position whose every class is ``-inf`` (masking
+            some classes with ``-inf`` is fine).
+        ForwardModeUnsupported: ``method="forward"`` on a layer without a forward-mode rule (e.g. a custom
+            ``autograd.Function`` without ``jvp``), naming the module; ``"auto"`` switches by itself.
     """
     if method not in FVP_METHODS:
         raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, FVP_METHODS))}")
@@ -262,12 +299,27 @@ def gamma(
     """The indicator ``gamma(d) = sqrt(d^T F d) / |d^T grad L|`` (Section ``sec:eval_framework``).
 
     Smaller is a better approximation of the natural gradient direction; it is invariant to the scale and sign of
-    ``d``. ``inf`` when ``d`` is orthogonal to the gradient. Raises ``ValueError`` for a zero direction.
+    ``d``. ``inf`` when ``d`` is orthogonal to the gradient.
     The default ``method="forward"`` needs a single dual-number forward and no backward: ``d^T F d`` and
     ``d^T grad L`` both follow from ``J_z d`` (where a layer has no forward-mode rule, e.g. a custom
-    ``autograd.Function`` without ``jvp``, the same ``J_z d`` comes from double backward). Raises
-    ``FloatingPointError`` for logits the loss cannot use (NaN, ``+inf``, or a position whose every class is
-    ``-inf``); ``-inf`` masking of some classes is fine.
+    ``autograd.Function`` without ``jvp``, the same ``J_z d`` comes from double backward).
+
+    Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]`` (the package's conventions, :mod:`ief`).
+        inputs: tensor, tuple, or dict of keyword arguments for ``model``.
+        targets: class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored, or float targets (``loss="mse"``).
+        direction: ``d`` ``[P]`` (e.g. :func:`ief.ief_direction`'s), in the order of ``params``.
+        params: the parameters (default ``None``: the model's trainable ones).
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
+        method: ``"forward"`` (default) or ``"double_backward"``.
+
+    Returns:
+        ``gamma(d)`` as a float, ``>= 0``; ``inf`` when ``d^T grad L = 0``.
+
+    Raises:
+        ValueError: a zero or non-finite ``direction``, one not shaped ``[P]``, or a bad batch.
+        FloatingPointError: logits the loss cannot use (NaN, ``+inf``, or a position whose every class is
+            ``-inf``); ``-inf`` masking of some classes is fine.
     """
     loss_fn = get_loss(loss)
     model = unwrap_model(model)
@@ -309,9 +361,24 @@ def gammas(
     the same values by double backward: one forward, one backward with ``create_graph`` and one backward-type pass
     per direction. ``method="double_backward"`` takes that path directly.
 
-    Raises ``ValueError`` for ``directions`` not shaped ``[K, P]`` (``K >= 1``), non-finite, or with a zero row
-    (``gamma`` of a zero direction is ``0/0``), and ``FloatingPointError`` as :func:`gamma` does. Used by the
-    evaluation (``alg:eval``) to rate every method's direction at a checkpoint from one batched pass.
+    Used by the evaluation (``alg:eval``) to rate every method's direction at a checkpoint from one batched pass.
+
+    Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]`` (the package's conventions, :mod:`ief`).
+        inputs: tensor, tuple, or dict of keyword arguments for ``model``.
+        targets: class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored, or float targets (``loss="mse"``).
+        directions: ``[K, P]``, one direction per row.
+        params: the parameters (default ``None``: the model's trainable ones).
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
+        method: ``"forward"`` (default) or ``"double_backward"``.
+
+    Returns:
+        ``K`` floats, ``gamma`` of each row, in row order.
+
+    Raises:
+        ValueError: ``directions`` not shaped ``[K, P]`` (``K >= 1``), non-finite, or with a zero row (``gamma`` of
+            a zero direction is ``0/0``).
+        FloatingPointError: as :func:`gamma`.
     """
     loss_fn = get_loss(loss)
     model = unwrap_model(model)
@@ -380,7 +447,11 @@ def gamma_from(curvature: float, slope: float) -> float:
 
 
 class DegenerateIndicator(FloatingPointError):
-    """An evaluation's ``gamma`` is 0, ``inf`` or NaN, or its direction is zero: never recorded (see :func:`check_gamma`)."""
+    """An evaluation's ``gamma`` is 0, ``inf`` or NaN, or its direction is zero: never recorded (see :func:`check_gamma`).
+
+    Raised by :func:`ief.evaluate` and :func:`ief.damping_sweep` (through :func:`check_gamma`), naming the batch and
+    the method: the value is rounding (a saturated softmax, a direction orthogonal to the gradient), not a measurement.
+    """
 
 
 def check_gamma(value: float, method: str, where: str = "batch") -> float:

@@ -109,11 +109,16 @@ def damping_sweep(
     the same ``generator``): see the module docstring for how the work is shared and why no faster algebra is used.
 
     Args:
-        model, inputs, targets, params, loss: the batch, as :func:`ief.evaluate`.
+        model: returns logits, as :func:`ief.evaluate`.
+        inputs: one batch's inputs (a tensor, a tuple, or a dict of keyword arguments for ``model``).
+        targets: its targets, class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored.
+        params: the parameters (default ``None``: the model's trainable ones).
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
         dampings: ``lambda`` values in the package's sum-loss convention; ``0`` allowed unless SF is swept
             (``eqn:SF-smw`` divides by it).
-        methods: a subset of ``("ef", "ief", "sf")``.
-        generator: SF's label draws (its state at the call, as :func:`ief.evaluation.directions`).
+        methods: a subset of ``("ef", "ief", "sf")`` (default: all three).
+        generator: SF's label draws (its state at the call, as :func:`ief.evaluation.directions`; default ``None``:
+            the global RNG).
         logit_space: as in :func:`ief.evaluation.directions`; a :class:`~ief.logit_space.LogitJacobian` of this
             batch (e.g. from :func:`ief.evaluation.evaluate_batch`) is reused.
 

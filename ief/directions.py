@@ -217,10 +217,23 @@ def _woodbury(jacobian: torch.Tensor | FactoredRows, weights: torch.Tensor, damp
 def ief_direction(jacobian: torch.Tensor | FactoredRows, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:
     """iEF direction ``J^T (J J^T + lambda I)^{-1} s_iEF``, ``[P]`` (``eqn:iEF_lsq``).
 
+    The least-squares step that asks each sample's loss to fall by its logit-gradient norm ``||grad_{z_n} l_n||^2``
+    (``eqn:iEF_lsq``): ``J d = s_iEF`` to first order when ``lambda = 0``. The ``M x M`` Gram system ``J J^T`` is
+    accumulated and solved in float64 (Cholesky, or the minimum-norm eigen-solution when it is singular); cost
+    ``O(M^2 P)`` for the Gram matrix and ``O(M^3)`` for the solve, no ``P x P`` matrix.
+
     Args:
-        jacobian: ``[M, P]`` per-sample gradients (row ``n`` = ``grad_theta l_n``), a tensor or a :class:`FactoredRows`.
-        logit_sqnorm: ``[M]`` ``||grad_{z_n} l_n||^2`` (``eqn:s_ief``).
-        damping: ``lambda >= 0``.
+        jacobian: ``[M, P]`` per-sample gradients (row ``n`` = ``grad_theta l_n``), a tensor or a :class:`FactoredRows`
+            (``ief.per_sample(..., form="auto").jacobian``).
+        logit_sqnorm: ``[M]`` ``||grad_{z_n} l_n||^2`` (``eqn:s_ief``; :attr:`PerSample.logit_sqnorm`).
+        damping: ``lambda >= 0`` (``0`` gives the minimum-norm solution).
+
+    Returns:
+        The direction ``d`` ``[P]`` in the Jacobian's dtype (the update is ``theta <- theta - eta d``).
+
+    Raises:
+        ValueError: ``jacobian`` not ``[M, P]`` with ``M >= 1``, ``logit_sqnorm`` not ``[M]``, or a negative or
+            non-finite ``damping``, each named with its value.
     """
     _check_jacobian(jacobian)
     _check_vector(logit_sqnorm, jacobian.shape[0], "logit_sqnorm", "one entry per sample")
@@ -229,7 +242,22 @@ def ief_direction(jacobian: torch.Tensor | FactoredRows, logit_sqnorm: torch.Ten
 
 
 def ef_direction(jacobian: torch.Tensor | FactoredRows, damping: float) -> torch.Tensor:
-    """EF direction ``J^T (J J^T + lambda I)^{-1} 1``, ``[P]`` (``eqn:EF_lsq``)."""
+    """EF direction ``J^T (J J^T + lambda I)^{-1} 1``, ``[P]`` (``eqn:EF_lsq``).
+
+    The least-squares step that asks every sample's loss for the same reduction (the inversely-scaled projection of
+    ``sec:inversely-scaled-projection-issue``: its projection on sample ``n``'s gradient is ``1/||grad l_n||``).
+    Same float64 Gram solve and cost as :func:`ief_direction`.
+
+    Args:
+        jacobian: ``[M, P]`` per-sample gradients, a tensor or a :class:`FactoredRows`.
+        damping: ``lambda >= 0``.
+
+    Returns:
+        The direction ``d`` ``[P]`` in the Jacobian's dtype.
+
+    Raises:
+        ValueError: ``jacobian`` not ``[M, P]`` with ``M >= 1``, or a negative or non-finite ``damping``.
+    """
     _check_jacobian(jacobian)
     damping = check_damping(damping)
     ones = torch.ones(jacobian.shape[0], dtype=torch.float64, device=jacobian.device)

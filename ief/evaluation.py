@@ -284,10 +284,36 @@ def evaluate(
 
     Each record: ``batch`` (its index), ``method``, ``damping`` (``None`` for sgd and hf), ``gamma``, ``ratio``
     (``gamma / gamma_SGD`` of the same batch), ``imbalance`` (the batch's), plus the keys of ``extra`` (e.g. the
-    checkpoint's training stage). ``sgd`` is always evaluated (the ratios need it) and recorded. ``logit_space``:
-    as in :func:`directions` (the default picks the cheaper exact route per batch).
+    checkpoint's training stage). ``sgd`` is always evaluated (the ratios need it) and recorded. Cost per batch: one
+    per-sample backward shared by sgd/ef/ief/sf (plus one for SF's sampled labels), one forward shared by the K-FAC
+    kinds, ``cg_iterations`` Fisher products for hf, and one batched forward-mode pass rating every direction.
+
+    Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]`` (the package's conventions, :mod:`ief`); used in the mode it
+            is in (``eval()`` unless dropout is what you study).
+        batches: an iterable (a list, a generator, a ``DataLoader``) of ``(inputs, targets)`` pairs, each what
+            :func:`ief.per_sample` takes: ``inputs`` a tensor, a tuple, or a dict of keyword arguments for
+            ``model``; ``targets`` class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored. Batches may differ
+            in size.
+        methods: a subset of :data:`METHODS` (default: all of them, ``sgd ef ief sf kfac ekfac iekfac hf``).
+        damping: ``lambda`` in the package's sum-loss convention, one float for every method or a mapping
+            ``{method: lambda}`` with a value for every method but sgd and hf (default ``1e-7``; SF needs ``> 0``).
+        params: the parameters (default ``None``: the model's trainable ones; the K-FAC kinds need ``nn.Linear``
+            parameters only).
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
+        cg_iterations: hf's conjugate-gradient steps (default ``50``, the paper's).
+        seed: seeds SF's and K-FAC's label draws per batch (``(seed, batch index)``; default ``0``).
+        extra: keys copied into every record, e.g. ``{"stage": 25}`` (default ``None``).
+        logit_space: ``None`` (default) picks the cheaper exact route per batch (the logit Jacobian for a model in
+            eval mode with few logits, :mod:`ief.logit_space`); ``True`` / ``False`` force one.
+
+    Returns:
+        A list of dicts, one per (batch, method), in batch then method order, with keys ``batch``, ``method``,
+        ``damping``, ``gamma``, ``ratio``, ``imbalance`` and those of ``extra``: ready for ``pandas.DataFrame``.
 
     Raises:
+        ValueError: an unknown method (naming the accepted ones), a bad or missing damping, or K-FAC kinds with
+            parameters outside an ``nn.Linear`` (before the first batch).
         DegenerateIndicator: a batch whose direction is zero or whose ``gamma`` is 0, ``inf`` or NaN, naming the
             batch index and the method (see the module docstring).
     """

@@ -18,7 +18,13 @@ from .model_call import Inputs
 
 @dataclass
 class CGResult:
-    """The final iterate, the gamma of every iterate ``x_1 .. x_m`` and the residual norms ``||r_0|| .. ||r_m||``."""
+    """What :func:`hessian_free` returns with ``return_gammas=True``.
+
+    Attributes:
+        solution: the final iterate ``x_m`` ``[P]``, the approximate ``F^{-1} grad L``.
+        gammas: ``gamma(x_1) .. gamma(x_m)``, non-increasing (``sec:app-CG-gamma``).
+        residual_norms: ``||r_0|| .. ||r_m||``.
+    """
 
     solution: torch.Tensor
     gammas: list[float] = field(default_factory=list)
@@ -39,13 +45,34 @@ def hessian_free(
 ) -> torch.Tensor | CGResult:
     """Approximate natural-gradient direction ``F^{-1} grad L`` after ``iterations`` CG steps from ``x_0 = 0``.
 
-    Returns the direction ``[P]``; with ``return_gammas=True`` a :class:`CGResult` that also holds the gamma of
-    every iterate. Stops early when the residual norm falls to ``tolerance * ||grad L||``, or to rounding level
+    ``alg:CG``. Cost: one :class:`ief.FisherOperator` (a forward and a backward with graph), then one Fisher-vector
+    product per iteration (two backward-type passes with the default method). Stops early when the residual norm
+    falls to ``tolerance * ||grad L||``, or to rounding level
     (``100 eps ||grad L||`` in the model's dtype: past it CG iterates on noise, which leaks into the null space of
     the only positive semi-definite ``F`` with huge steps), or when the curvature along the search direction is at
     rounding level of the largest curvature seen. Every Fisher product sees the same dropout masks, so the solve
     sees one fixed matrix; with the default ``method="double_backward"`` the forward graph is built once and reused
     by every product (see :class:`ief.curvature.FisherOperator`).
+
+    Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]`` (the package's conventions, :mod:`ief`).
+        inputs: tensor, tuple, or dict of keyword arguments for ``model``.
+        targets: class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored, or float targets (``loss="mse"``).
+        iterations: the number of CG steps ``m >= 0`` (``0`` returns the zero vector).
+        params: the parameters (default ``None``: the model's trainable ones).
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
+        return_gammas: return a :class:`CGResult` with every iterate's ``gamma`` (free: ``sec:app-CG-gamma``)
+            instead of the direction alone (default ``False``).
+        tolerance: stop when ``||r|| <= tolerance * ||grad L||`` (default ``0.0``: only the rounding-level rules).
+        method: the Fisher products' route, ``"double_backward"`` (default) or ``"forward"``
+            (:class:`ief.FisherOperator`).
+
+    Returns:
+        The direction ``x_m`` ``[P]`` in the parameters' dtype, or a :class:`CGResult` with ``return_gammas=True``.
+
+    Raises:
+        ValueError: ``iterations`` not an integer ``>= 0``, a negative ``tolerance``, or a bad batch.
+        FloatingPointError: as :class:`ief.FisherOperator`.
     """
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
         raise ValueError(f"iterations must be an integer >= 0, got {iterations!r}")

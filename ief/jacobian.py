@@ -93,20 +93,36 @@ from .model_call import (
 
 
 class PerSampleGradientMismatch(RuntimeError):
-    """The per-sample gradients do not add up to the batch gradient."""
+    """The per-sample gradients do not add up to the batch gradient.
+
+    Raised by :func:`per_sample`, :func:`sampled_jacobian` and the optimisers' steps when the guard (``check=True``,
+    the default) finds batch norm with batch statistics or a hooked parameter used outside its hooked module, or when
+    ``check="exact"`` (the optimisers' first step) finds a row that differs from the exact per-sample directional
+    derivatives (a layer that mixes samples). The message names the parameter or the samples. Tied weights are not
+    refused: they take the exact per-sample loop.
+    """
 
 
 class SlowPathWarning(UserWarning):
-    """A trainable parameter's per-sample gradients need one backward pass per sample (exact, but slow)."""
+    """A trainable parameter's per-sample gradients need one backward pass per sample (exact, but slow).
+
+    Issued by :func:`per_sample` (and everything built on it), once per model, naming the parameters: layers without
+    a hook (``Conv2d`` with reflect/circular padding, ``Conv1d``, RNNs, ``MultiheadAttention``'s projections, bare
+    ``nn.Parameter`` s), a hooked layer whose input has no sample dimension, or peft prompt tuning before
+    :func:`ief.per_sample_prompts`. Cost: about ``M`` times a gradient for those parameters.
+    """
 
 
 @dataclass
 class PerSample:
-    """Per-sample quantities at one point (``eqn:prob_loss``).
+    """Per-sample quantities at one point (``eqn:prob_loss``), returned by :func:`per_sample`.
 
-    ``losses [M]``: ``l_n``; ``jacobian [M, P]``: row ``n`` is ``grad_theta l_n`` (a tensor, or a
-    :class:`FactoredJacobian` with ``per_sample(..., form="auto")``); ``logit_sqnorm [M]``:
-    ``||grad_{z_n} l_n||^2`` (``s_iEF``); ``gradient [P]``: the batch gradient ``grad_theta L``.
+    Attributes:
+        losses: ``[M]``, ``l_n``.
+        jacobian: ``[M, P]``, row ``n`` is ``grad_theta l_n`` (a tensor, or a :class:`FactoredJacobian` with
+            ``per_sample(..., form="auto")``).
+        logit_sqnorm: ``[M]``, ``||grad_{z_n} l_n||^2`` (``s_iEF``, ``eqn:s_ief``).
+        gradient: ``[P]``, the batch gradient ``grad_theta L``.
 
     From :func:`per_sample`, ``gradient`` is computed on first access: the hooked parameters' rows summed
     (``J^T 1``, the batch backward does not compute their batch gradients) plus any use outside their hooked
@@ -1200,9 +1216,14 @@ def per_sample(
         :class:`PerSample` (``losses``, ``jacobian``, ``logit_sqnorm``, ``gradient``).
 
     Raises:
+        ValueError: a bad value, named with the accepted ones: no trainable parameters, a ``params=`` tensor that is
+            not a parameter of the model, an empty batch (``M = 0``), a model returning ``()``, logits/targets shape
+            mismatch, float targets for cross-entropy, a class index out of range, an unknown ``loss``, ``check`` or
+            ``form``.
         FloatingPointError: naming the samples whose loss or row of ``J`` is not finite (never NaN rows).
         PerSampleGradientMismatch: from the guard / the exact check (naming the parameter or the samples).
-        ief.model_call.ReentrantCheckpointError: a reentrant ``torch.utils.checkpoint`` outside HuggingFace layers.
+        ief.model_call.ReentrantCheckpointError: a reentrant ``torch.utils.checkpoint`` outside HuggingFace layers
+            (pass ``use_reentrant=False``; HuggingFace's reentrant layers are run non-reentrantly by ``ief``).
     """
     form = _check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
@@ -1224,8 +1245,25 @@ def sampled_jacobian(
     """``[M, P]`` per-sample gradients for labels drawn from the model's predictive distribution (SF, ``alg:SF``).
 
     A label is drawn at every non-ignored position of every sample (``targets`` only supply the ignore mask and
-    shapes); ``E[J^T J]`` over the draws is the exact Fisher (``sec:app-sample-fisher``). ``form`` as in
-    :func:`per_sample`.
+    shapes); ``E[J^T J]`` over the draws is the exact Fisher (``sec:app-sample-fisher``). Cost: one forward and one
+    backward, as :func:`per_sample`.
+
+    Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]``, as :func:`per_sample`.
+        inputs: tensor, tuple, or dict of keyword arguments for ``model``.
+        targets: ``[M]`` / ``[M, T]``; only their ``-100`` mask and shape are used.
+        generator: the ``torch.Generator`` the labels are drawn with (default ``None``: the global RNG).
+        params: parameters to differentiate; default: the model's trainable ones.
+        loss: ``"cross_entropy"`` (default) or ``"mse"`` (labels drawn from ``N(z, I)``).
+        check: the per-sample guard, as :func:`per_sample` (default ``True``).
+        form: ``"dense"`` (default), ``"auto"``, ``"ghost"`` or ``"rows"``, as :func:`per_sample`.
+
+    Returns:
+        The sampled per-sample Jacobian ``[M, P]``: a tensor, or a :class:`FactoredJacobian` for a factored ``form``.
+
+    Raises:
+        ValueError: as :func:`per_sample`.
+        FloatingPointError: logits the labels cannot be drawn from (NaN, ``+inf``, or every class ``-inf``).
     """
     form = _check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)

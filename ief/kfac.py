@@ -252,7 +252,15 @@ def kfac_direction(
 ) -> torch.Tensor:
     """Block-diagonal K-FAC direction ``[P]`` (parameter order of ``params``), ``sec:app-iEF-eNGDopt``.
 
+    Per ``nn.Linear``: ``(G (x) A + lambda I)^{-1} grad``, with ``A`` the layer inputs' and ``G`` the output
+    gradients' second moments; solved through the eigendecompositions of ``A`` (``I x I``) and ``G`` (``O x O``),
+    never forming the ``IO x IO`` block. Cost: one forward and one backward (two for ``"kfac"``'s sampled labels)
+    plus ``O(I^3 + O^3)`` per layer.
+
     Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]`` (the package's conventions, :mod:`ief`).
+        inputs: tensor, tuple, or dict of keyword arguments for ``model``.
+        targets: class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored, or float targets (``loss="mse"``).
         kind: ``"kfac"`` (labels sampled from the model with ``generator``: block-diagonal SF), ``"ekfac"`` (true
             labels: block-diagonal EF) or ``"iekfac"`` (true labels, rows of sample ``n`` weighted by ``1/s_n``:
             block-diagonal iEF).
@@ -260,7 +268,16 @@ def kfac_direction(
             module docstring); ``0`` gives the pseudo-inverse.
         params: the parameters to precondition (default: all trainable ones); each must be the weight or bias of an
             ``nn.Linear``, otherwise ``ValueError``.
+        generator: ``"kfac"``'s label draws (default ``None``: the global RNG).
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
         approx: ``"expand"`` (default: every sequence position a row) or ``"reduce"`` (one row per sample).
+
+    Returns:
+        The direction ``[P]`` in the parameters' dtype, in the order of ``params``.
+
+    Raises:
+        ValueError: an unknown ``kind``, ``approx`` or ``loss``, a negative or non-finite ``damping``, or a
+            parameter outside an ``nn.Linear`` (named).
     """
     return kfac_directions(model, inputs, targets, {kind: damping}, params, generator, loss=loss, approx=approx)[kind]
 

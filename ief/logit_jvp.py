@@ -61,7 +61,13 @@ def differentiable_kernels() -> Iterator[None]:
 
 
 class ForwardModeUnsupported(NotImplementedError):
-    """An operation of the model has no forward-mode AD rule (the message names the module and the way out)."""
+    """An operation of the model has no forward-mode AD rule (the message names the module and the way out).
+
+    Raised by :func:`ief.fisher_vp` and :class:`ief.FisherOperator` with an explicit ``method="forward"`` when a layer
+    has no forward-mode rule (e.g. a custom ``autograd.Function`` without ``jvp``); use ``method="double_backward"``.
+    ``fisher_vp``'s default ``"auto"``, :func:`ief.gamma` and ``check="exact"`` switch to double backward by
+    themselves. A ``NotImplementedError``.
+    """
 
 
 def _split(x: object) -> tuple[object, torch.Tensor | None]:

@@ -1,4 +1,5 @@
-"""The README's benchmark tables come from the committed JSON (``python -m benchmarks.report README.md``).
+"""The benchmark tables of benchmarks/README.md come from the committed JSON
+(``python -m benchmarks.report benchmarks/README.md``).
 
 No number in them is typed; the book's API page renders the same text at build time."""
 from __future__ import annotations
@@ -106,9 +107,9 @@ def test_committed_results_are_valid_records():
 
 
 def test_readme_block_equals_the_committed_json():
-    assert report.block(report.load()) in (ROOT / "README.md").read_text(), (
-        "the README's benchmark block differs from benchmarks/results/*.json: "
-        "run python -m benchmarks.report README.md")
+    assert report.block(report.load()) in (ROOT / "benchmarks" / "README.md").read_text(), (
+        "benchmarks/README.md's block differs from benchmarks/results/*.json: "
+        "run python -m benchmarks.report benchmarks/README.md")
 
 
 def test_book_api_page_renders_the_same_tables():

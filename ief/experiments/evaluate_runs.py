@@ -59,7 +59,7 @@ BLOCK_METHODS = ("kfac", "ekfac", "iekfac")
 DAMPING_CONVENTION = "ief"  # dampings are stored in the sum-loss convention; see the module docstring
 # The evaluation's knobs per scale (config/config.yaml's `evaluation` section states the same values; a test keeps
 # them equal). The paper: 100 batches of M = 160 at every checkpoint, CG as the reference. cpu: chosen so that the
-# three cpu setups' evaluation costs about 10 min of one core in all (measured: README, "Evaluation cost"); batch
+# three cpu setups' evaluation costs about 10 min of one core in all (measured: workflow/README.md); batch
 # size None: the setup's training batch size. sweep_dampings: that many dampings log-spaced over 1e-10 .. 1e2.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "full": {"batches": 100, "batch_size": 160, "cg_iterations": 50, "sweep_dampings": 13},

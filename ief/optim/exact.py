@@ -311,13 +311,34 @@ class _ExactPreconditioned(torch.optim.Optimizer):
 
     def step(self, inputs: Inputs = _MISSING, targets: torch.Tensor = _MISSING, *,  # type: ignore[override]
              closure: Any = None) -> torch.Tensor:
-        """One update on the batch ``(inputs, targets)``; returns the batch loss before it: ``L = sum_n l_n``, or
-        ``L / K`` with ``reduction="mean"``.
+        """One update on the batch ``(inputs, targets)``: the forward, the per-sample backward and the update.
+
+        Every value it uses from ``param_groups`` is checked first (a scheduler, ``load_state_dict`` or the user may
+        have written it); ``lr = 0`` is a zero update (warm-up schedules start at 0).
+
+        Args:
+            inputs: what the model takes: a tensor, a tuple, or a dict passed as ``model(**inputs)``.
+            targets: class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored (causal LMs:
+                ``ief.causal_lm_targets(labels)``), or float targets with ``loss="mse"``.
+            closure: refused (``TypeError``): the optimiser runs the forward and backward itself.
+
+        Returns:
+            The batch loss before the update, a 0-dim tensor: ``L = sum_n l_n``, or ``L / K`` with
+            ``reduction="mean"``.
 
         Raises:
             TypeError: no batch (``step()``, ``step(closure)``: how these optimisers are driven, in one sentence).
-            ValueError: a bad value in ``param_groups`` (parameters untouched).
-            FloatingPointError: the loss, the gradients or the update are not finite (parameters untouched).
+            ValueError: a bad value in ``param_groups`` (``"step k: param_groups[0]['lr'] must be ..."``), groups
+                that disagree on anything but ``weight_decay``, or ``reduction="mean"`` with no counted target;
+                parameters and step counter untouched.
+            FloatingPointError: the loss, the gradients or the update are not finite (``"step k: ...; parameters
+                left unchanged"``), also before any parameter changes.
+            PerSampleGradientMismatch: the per-sample guard's refusal (see :func:`ief.per_sample`).
+
+        Warns:
+            UserWarning: once, when the targets equal ``inputs["input_ids"]`` at every counted position (Hugging
+                Face's unshifted causal-LM ``labels``; pass ``ief.causal_lm_targets(labels)``).
+            SlowPathWarning: once per model, naming parameters whose per-sample gradients take the per-sample loop.
         """
         if targets is _MISSING or closure is not None:
             raise TypeError(_how_to_step(type(self).__name__))
@@ -395,18 +416,51 @@ class IEF(_ExactPreconditioned):
     ``eqn:iEF_lsq``). ``momentum=0`` keeps no buffer and is the exact update; with ``dampening=0`` the steady step is
     ``lr / (1 - momentum)`` times the momentum-free one, ``dampening=momentum`` keeps the momentum-free scale.
 
+    Drive it with ``loss = opt.step(inputs, targets)`` in your own loop (no ``backward``, no closure). Cost of a
+    step: one forward and one backward (per-sample rows by module hooks), an ``M x M`` Gram matrix and its float64
+    solve; the guard's exact check adds one batched forward-mode pass on the first step.
+
     Args:
-        model: the ``nn.Module`` whose forward the optimiser runs.
-        lr: the rate; default ``1.0`` with ``reduction="sum"`` (stable: see the module docstring), the paper's
-            LoRA ``100.0`` with ``reduction="mean"`` (``sec:app-optimiser``).
-        damping: ``lambda`` (>= 0) in the ``reduction``'s convention; default ``1e-4`` (``"sum"``) or the paper's
-            ``1e-7`` (``"mean"``).
-        **kwargs: ``params`` (tensors, or groups ``{"params": [...], "weight_decay": w}``), ``loss``,
-            ``reduction``, ``normalize``, ``total_steps``, ``momentum`` (``[0, 1)``, default 0), ``dampening``
-            (``[0, 1]``, default 0), ``weight_decay`` (``>= 0``, default 0), ``check``, ``form``.
+        model: the ``nn.Module`` whose forward the optimiser runs (a peft model, a Hugging Face model: the package's
+            conventions, :mod:`ief`).
+        lr: the rate; default ``None``: ``1.0`` with ``reduction="sum"`` (stable: see the module docstring), the
+            paper's LoRA ``100.0`` with ``reduction="mean"`` (``sec:app-optimiser``; prompt tuning: ``50``).
+        damping: ``lambda >= 0`` in the ``reduction``'s convention; default ``None``: ``1e-4`` (``"sum"``) or the
+            paper's ``1e-7`` (``"mean"``; prompt tuning: ``1e-12``).
+        params: what to train (default ``None``: every trainable parameter of ``model``): an iterable of parameters,
+            or groups ``[{"params": [...], "weight_decay": w}, ...]`` that differ in ``weight_decay`` only (the
+            direction is joint; ``add_param_group`` later is a ``ValueError``).
+        loss: ``"cross_entropy"`` (default; class-index targets, ``-100`` ignored) or ``"mse"`` (float targets shaped
+            like the logits).
+        reduction: ``"sum"`` (default: ``lr`` and ``damping`` for ``L = sum_n l_n``) or ``"mean"`` (values for the
+            mean over the batch's ``K`` counted target tokens, Hugging Face's ``outputs.loss`` and the paper's code,
+            converted every step; ``step`` then returns ``L / K``). See the module docstring.
+        normalize: rescale each update to norm ``lr`` (default ``False``: iEF's steps are used as they are).
+        total_steps: ``T``: multiply the step size by ``1 - t/T`` (the paper's linear decay to 0); default ``None``
+            (constant).
+        momentum: heavy-ball momentum in ``[0, 1)`` on the preconditioned step (default ``0.0``: no buffer, the
+            exact update bit for bit).
+        dampening: in ``[0, 1]``, the buffer's ``1 - dampening`` weight on the new step (default ``0.0``;
+            ``dampening=momentum`` keeps the momentum-free step scale).
+        weight_decay: AdamW's decoupled decay ``theta <- (1 - lr_t wd) theta``, ``>= 0`` with
+            ``lr * weight_decay < 1`` (default ``0.0``).
+        check: the per-sample guard of :func:`ief.per_sample`: ``True`` (default: the thorough ``"exact"`` check on
+            the first step, the ~free structural one after), ``"exact"`` (every step) or ``False`` (off).
+        form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
+            ``"dense"``, ``"ghost"`` or ``"rows"``.
 
     Raises:
-        ValueError: a bad argument, named with its value and the accepted values.
+        ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
+            ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
+            ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``, ``dampening``
+            outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``, ``total_steps`` not a
+            positive integer, an unknown ``reduction``, ``check`` or ``form``.
+
+    Example::
+
+        opt = ief.optim.IEF(model, lr=1.0, damping=1e-4)
+        for inputs, targets in loader:
+            loss = opt.step(inputs, targets)
     """
 
     method = "ief"
@@ -429,6 +483,41 @@ class EF(_ExactPreconditioned):
     ``dampening`` and ``weight_decay`` as :class:`IEF` (``sec:app-limitations``; :mod:`ief.optim.momentum`): with
     the normalised update the buffer averages unit steps ``d_t / ||d_t||`` (EF's raw norms vary by orders of
     magnitude, which is why the paper normalises), and ``lr_t = lr (1 - t/T)`` scales the buffer and the decay.
+    Cost of a step: as :class:`IEF`.
+
+    Args:
+        model: the ``nn.Module`` whose forward the optimiser runs.
+        lr: the rate (default ``0.01``, the paper's normalised LoRA rate; prompt tuning: ``1``).
+        damping: ``lambda >= 0``; default ``None``: ``1e-4`` (``reduction="sum"``) or ``1e-7`` (``"mean"``).
+        params: what to train (default ``None``: every trainable parameter of ``model``): an iterable of parameters,
+            or groups ``[{"params": [...], "weight_decay": w}, ...]`` that differ in ``weight_decay`` only (the
+            direction is joint; ``add_param_group`` later is a ``ValueError``).
+        loss: ``"cross_entropy"`` (default; class-index targets, ``-100`` ignored) or ``"mse"`` (float targets shaped
+            like the logits).
+        reduction: ``"sum"`` (default: ``lr`` and ``damping`` for ``L = sum_n l_n``) or ``"mean"`` (values for the
+            mean over the batch's ``K`` counted target tokens, Hugging Face's ``outputs.loss`` and the paper's code,
+            converted every step; ``step`` then returns ``L / K``). See the module docstring.
+        normalize: rescale each update to norm ``lr`` (default ``True``: the paper's normalised update, because
+            EF's raw norms vary by orders of magnitude).
+        total_steps: ``T``: multiply the step size by ``1 - t/T`` (the paper's linear decay to 0); default ``None``
+            (constant).
+        momentum: heavy-ball momentum in ``[0, 1)`` on the preconditioned step (default ``0.0``: no buffer, the
+            exact update bit for bit).
+        dampening: in ``[0, 1]``, the buffer's ``1 - dampening`` weight on the new step (default ``0.0``;
+            ``dampening=momentum`` keeps the momentum-free step scale).
+        weight_decay: AdamW's decoupled decay ``theta <- (1 - lr_t wd) theta``, ``>= 0`` with
+            ``lr * weight_decay < 1`` (default ``0.0``).
+        check: the per-sample guard of :func:`ief.per_sample`: ``True`` (default: the thorough ``"exact"`` check on
+            the first step, the ~free structural one after), ``"exact"`` (every step) or ``False`` (off).
+        form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
+            ``"dense"``, ``"ghost"`` or ``"rows"``.
+
+    Raises:
+        ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
+            ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
+            ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``, ``dampening``
+            outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``, ``total_steps`` not a
+            positive integer, an unknown ``reduction``, ``check`` or ``form``.
     """
 
     method = "ef"
@@ -448,7 +537,45 @@ class SF(_ExactPreconditioned):
     Labels are drawn from the model's predictive distribution with ``generator`` (default: the global RNG). Costs one
     extra backward per step. Defaults to the paper's normalised update; pass ``total_steps`` for the linear decay.
     ``momentum``, ``dampening`` and ``weight_decay`` as :class:`EF` (``sec:app-limitations``;
-    :mod:`ief.optim.momentum`).
+    :mod:`ief.optim.momentum`). ``state_dict()`` carries ``generator``'s state and ``load_state_dict`` restores it,
+    so a resumed run draws the same labels.
+
+    Args:
+        model: the ``nn.Module`` whose forward the optimiser runs.
+        lr: the rate (default ``0.01``, the paper's normalised LoRA rate; prompt tuning: ``1``).
+        damping: ``lambda > 0`` (``eqn:SF-smw`` divides by it); default ``None``: ``1e-4`` (``reduction="sum"``)
+            or ``1e-7`` (``"mean"``).
+        generator: the ``torch.Generator`` the labels are drawn with (default ``None``: the global RNG).
+        params: what to train (default ``None``: every trainable parameter of ``model``): an iterable of parameters,
+            or groups ``[{"params": [...], "weight_decay": w}, ...]`` that differ in ``weight_decay`` only (the
+            direction is joint; ``add_param_group`` later is a ``ValueError``).
+        loss: ``"cross_entropy"`` (default; class-index targets, ``-100`` ignored) or ``"mse"`` (float targets shaped
+            like the logits).
+        reduction: ``"sum"`` (default: ``lr`` and ``damping`` for ``L = sum_n l_n``) or ``"mean"`` (values for the
+            mean over the batch's ``K`` counted target tokens, Hugging Face's ``outputs.loss`` and the paper's code,
+            converted every step; ``step`` then returns ``L / K``). See the module docstring.
+        normalize: rescale each update to norm ``lr`` (default ``True``: the paper's normalised update, because
+            EF's raw norms vary by orders of magnitude).
+        total_steps: ``T``: multiply the step size by ``1 - t/T`` (the paper's linear decay to 0); default ``None``
+            (constant).
+        momentum: heavy-ball momentum in ``[0, 1)`` on the preconditioned step (default ``0.0``: no buffer, the
+            exact update bit for bit).
+        dampening: in ``[0, 1]``, the buffer's ``1 - dampening`` weight on the new step (default ``0.0``;
+            ``dampening=momentum`` keeps the momentum-free step scale).
+        weight_decay: AdamW's decoupled decay ``theta <- (1 - lr_t wd) theta``, ``>= 0`` with
+            ``lr * weight_decay < 1`` (default ``0.0``).
+        check: the per-sample guard of :func:`ief.per_sample`: ``True`` (default: the thorough ``"exact"`` check on
+            the first step, the ~free structural one after), ``"exact"`` (every step) or ``False`` (off).
+        form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
+            ``"dense"``, ``"ghost"`` or ``"rows"``.
+
+    Raises:
+        ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
+            ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
+            ``> 0``, a negative or non-finite ``damping`` (SF: ``damping > 0``), ``momentum`` outside ``[0, 1)``,
+            ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``,
+            ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``.
+        ValueError: from ``load_state_dict``, a state holding a generator's state loaded into an ``SF`` without one.
     """
 
     _needs_positive_damping = True

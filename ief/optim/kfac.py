@@ -84,12 +84,23 @@ class KFAC(_ExactPreconditioned):
         lr: the rate (finite, > 0). No default: none has been measured for these optimisers (on a tiny MLP with
             16 samples, ``lr=0.1`` diverges with ``damping=1e-2`` and descends with ``damping=1``).
         damping: ``lambda >= 0`` on the whole Kronecker block, :func:`ief.kfac_direction`'s axis (0: pseudo-inverse).
-        factor_decay: ``c`` in ``[0, 1)`` of the factors' running average (0: the batch's own factors).
-        inverse_every: ``T >= 1``: the eigendecompositions are refreshed on steps ``0, T, 2T, ...``.
-        approx: ``"expand"`` or ``"reduce"`` (sequence positions; :mod:`ief.kfac`).
-        generator: the RNG of ``kind="kfac"``'s sampled labels (default: the global RNG).
-        **kwargs: ``params``, ``loss``, ``normalize``, ``total_steps``, ``momentum``, ``dampening``,
-            ``weight_decay`` as :class:`ief.optim.IEF`.
+            No default, as ``lr``.
+        factor_decay: ``c`` in ``[0, 1)`` of the factors' running average (default ``0.95``; 0: the batch's own
+            factors).
+        inverse_every: ``T >= 1``: the eigendecompositions are refreshed on steps ``0, T, 2T, ...`` (default ``10``).
+        approx: ``"expand"`` (default) or ``"reduce"`` (sequence positions; :mod:`ief.kfac`).
+        generator: the RNG of ``kind="kfac"``'s sampled labels (default ``None``: the global RNG).
+        params: the parameters to train (default ``None``: every trainable one), or weight-decay groups, as
+            :class:`ief.optim.IEF`.
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
+        reduction: ``"sum"`` only (the default); ``"mean"`` is refused.
+        normalize: rescale each update to norm ``lr`` (default ``False``).
+        total_steps: linear decay of the step size to 0 over ``T`` steps (default ``None``: constant).
+        momentum: heavy-ball momentum in ``[0, 1)`` (default ``0.0``), as :class:`ief.optim.IEF`.
+        dampening: in ``[0, 1]`` (default ``0.0``), as :class:`ief.optim.IEF`.
+        weight_decay: decoupled weight decay ``>= 0`` (default ``0.0``), as :class:`ief.optim.IEF`.
+        check: not taken (the exact optimisers' per-sample guard, default ``True`` there): a ``ValueError``.
+        form: not taken (the exact optimisers' Jacobian form, default ``"auto"`` there): a ``ValueError``.
 
     Raises:
         ValueError: a bad argument (named with its value and the accepted values), ``reduction`` other than

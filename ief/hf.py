@@ -356,7 +356,15 @@ class IEFTrainer(transformers.Trainer):
         return optimizer
 
     def train(self, *args: Any, **kwargs: Any):
-        """``transformers.Trainer.train`` (micro-batches left by an interrupted call are dropped first)."""
+        """``transformers.Trainer.train`` (micro-batches left by an interrupted call are dropped first).
+
+        Args:
+            *args: as ``transformers.Trainer.train`` (e.g. ``resume_from_checkpoint``).
+            **kwargs: as ``transformers.Trainer.train``.
+
+        Returns:
+            ``transformers.Trainer.train``'s ``TrainOutput`` (global step, mean training loss, metrics).
+        """
         self._micro_batches = []
         return super().train(*args, **kwargs)
 

@@ -240,3 +240,17 @@ def test_bad_sparsity_batches_and_ggn_limits(monkeypatch):
     with pytest.raises(ValueError, match=r"not a parameter of the model"):
         wf.obs_saliency(case.model, _split(case), fisher="ef", damping=1.0,
                         params=[torch.nn.Parameter(torch.zeros(2, 2))])
+
+
+@pytest.mark.parametrize("fisher", ["ef", "ief", "sf"])
+def test_rows_spanning_the_block_at_tiny_damping(fisher):
+    """N = 6 rows over blocks of 4 weights: the rows span each block, so the part of e_q outside their span is 0 and
+    must not come out as rounding divided by lambda (through the N x N Gram's small eigenpairs it came out ~1e-12,
+    70 % of [F^{-1}]_qq at lambda = 1e-8 on the cpu digits-mlp)."""
+    case = mlp_case()
+    batches = _split(case)
+    curvature = wf.obs_curvature(case.model, batches, fisher=fisher, block_size=4,
+                                 generator=torch.Generator().manual_seed(7))
+    for damping in (1e-8, 1e-12):
+        inv = torch.linalg.inv(oracle_curvature(case, fisher, 4, damping, batches))
+        torch.testing.assert_close(curvature.inverse_diagonal(damping), inv.diagonal(), rtol=1e-6, atol=0)

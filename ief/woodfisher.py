@@ -221,6 +221,9 @@ block (rank ``B``) that part is set to exactly 0 (``1 - ||V_q||^2`` is rounding 
         self.null = torch.zeros(u.shape[1], dtype=u.dtype) if self.full else \
             (1.0 - self.v.square().sum(1)).clamp_min(0.0)
 
+    def trace(self) -> float:
+        return float(self.e.sum())
+
     def inverse_diagonal(self, damping: float) -> torch.Tensor:
         return self.null / damping + (self.v.square() / (self.e + damping)).sum(1)
 
@@ -242,6 +245,9 @@ class _DenseBlock:
             eye = torch.eye(self.matrix.shape[0], dtype=torch.float64)
             self._cached = (damping, torch.cholesky_inverse(torch.linalg.cholesky(self.matrix + damping * eye)))
         return self._cached[1]
+
+    def trace(self) -> float:
+        return float(self.matrix.trace())
 
     def inverse_diagonal(self, damping: float) -> torch.Tensor:
         return self._inverse(damping).diagonal().clone()
@@ -281,6 +287,11 @@ class OBSCurvature:
 
     def _weights(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params]).to(torch.float64)
+
+    def trace(self) -> float:
+        """The trace of the undamped curvature's kept blocks, ``sum_b tr F_b``: its scale, against which a damping
+        is small or large (EF's rows carry ``||grad_z l_n||``, iEF's do not)."""
+        return float(sum(b.trace() for b in self.blocks))
 
     def inverse_diagonal(self, damping: float) -> torch.Tensor:
         """``[F^{-1}]_qq`` for every pruned weight, ``[P]`` float64 (``F`` damped by ``damping > 0``)."""

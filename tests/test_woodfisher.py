@@ -154,6 +154,10 @@ def test_curvature_reused_across_dampings_and_small_damping():
         inv = torch.linalg.inv(oracle_curvature(case, "ief", BLOCK, damping, batches))
         torch.testing.assert_close(curvature.inverse_diagonal(damping), inv.diagonal(), rtol=1e-7, atol=0)
     assert curvature.samples == 6 and curvature.spans[:4] == [(0, 10), (10, 20), (20, 30), (30, 35)]
+    undamped = oracle_curvature(case, "ief", BLOCK, 0.0, batches)
+    assert curvature.trace() == pytest.approx(float(undamped.trace()), rel=1e-12)
+    ggn = wf.obs_curvature(case.model, batches, fisher="ggn", block_size=BLOCK)
+    assert ggn.trace() == pytest.approx(float(oracle_curvature(case, "ggn", BLOCK, 0.0, batches).trace()), rel=1e-12)
 
 
 def test_ief_and_ef_with_the_squared_error():

@@ -104,7 +104,8 @@ def run(base: Baseline, *, samples: int, block_size: int | None, sparsities, dam
     Returns:
         ``(results, costs)``: results one row per pruned model and split (``method, draw, damping, sparsity, split,
         accuracy, loss``; magnitude has no damping and is the same for every draw); costs one row per (method,
-        draw): the seconds to build the curvature and the mean seconds of one pruning.
+        draw): the seconds to build the curvature, the mean seconds of one pruning, ``N`` and the undamped
+        curvature's mean diagonal entry ``tr F / P`` (its scale, against which a damping is small or large).
     """
     model = base.model
     original = copy.deepcopy(model.state_dict())
@@ -125,7 +126,8 @@ def run(base: Baseline, *, samples: int, block_size: int | None, sparsities, dam
             spent.append(time.perf_counter() - start)
             for draw in range(draws):
                 record("magnitude", draw, np.nan, sparsity)
-        costs.append(dict(method="magnitude", draw=0, curvature_s=0.0, prune_s=float(np.mean(spent)), samples=0))
+        costs.append(dict(method="magnitude", draw=0, curvature_s=0.0, prune_s=float(np.mean(spent)), samples=0,
+                          mean_diagonal=np.nan))
         for draw in range(draws):
             batches = draw_batches(base, samples, draw, seed)
             n = sum(int(y.shape[0]) for _, y in batches)
@@ -144,7 +146,7 @@ def run(base: Baseline, *, samples: int, block_size: int | None, sparsities, dam
                         spent.append(time.perf_counter() - start)
                         record(fisher, draw, damping, sparsity)
                 costs.append(dict(method=fisher, draw=draw, curvature_s=built, prune_s=float(np.mean(spent)),
-                                  samples=n))
+                                  samples=n, mean_diagonal=curvature.trace() / base.pruned_weights))
     finally:
         model.load_state_dict(original)
     return pd.DataFrame(rows), pd.DataFrame(costs)
@@ -259,7 +261,7 @@ def cost_table(costs: pd.DataFrame, samples: int, block_size: int | None, weight
     out = pd.DataFrame({
         "curvature (s, mean over draws)": [f"{v:.2f}" for v in c.curvature_s],
         "one pruning (s, mean)": [f"{v:.3f}" for v in c.prune_s],
-        "per block": [held.get(m, f"{samples} rows: an N × N Gram eigen-decomposition, N = {samples}")
+        "per block": [held.get(m, f"the thin SVD of its N × {b} rows (N = {samples}): V, {b} × {min(samples, b)}")
                       for m in c.index],
     }, index=[LABELS[m] for m in c.index])
     out.index.name = "method"
@@ -324,4 +326,29 @@ def robustness(results: pd.DataFrame, sparsity: float) -> dict[str, str]:
         "wf_best_ef": pct(m.loc["ef", "mean"].max()),
         "wf_best_ief": pct(m.loc["ief", "mean"].max()),
         "wf_sweep_magnitude": pct(mag),
+        "wf_low_ggn": pct(m.loc[("ggn", low), "mean"]) if ("ggn", low) in m.index else "not run",
+        "wf_low_reading": _low_reading(m, low, mag),
+        "wf_robust_meaning": ("iEF-WoodFisher needs less damping tuning than EF-WoodFisher here" if holds else
+                              "the damping still has to be chosen, for iEF-WoodFisher as for EF-WoodFisher"),
     }
+
+
+def _low_reading(m: pd.DataFrame, low: float, magnitude: float, points: float = 0.10) -> str:
+    """What the smallest damping shows: whether iEF and the exact GGN fall more than ``points`` below magnitude
+    pruning there (both: the failure is nearly undamped OBS itself; iEF only: iEF's approximation)."""
+    ief_fails = m.loc[("ief", low), "mean"] < magnitude - points
+    ggn_fails = ("ggn", low) in m.index and m.loc[("ggn", low), "mean"] < magnitude - points
+    if ief_fails and ggn_fails:
+        return ("the exact GGN fails there too, so what fails is nearly undamped OBS at this sparsity (many weights "
+                "removed at once, each with its own update from an ill-conditioned curvature), not iEF's "
+                "approximation of the Fisher")
+    if ief_fails:
+        return "the exact GGN does not fail there: at that damping iEF's curvature is the worse approximation"
+    return f"iEF-WoodFisher stays within {100 * points:g} points of magnitude pruning there"
+
+
+
+def scales(costs: pd.DataFrame) -> str:
+    """Each curvature's mean diagonal entry ``tr F / P`` (mean over the draws), as text."""
+    c = costs[costs.method != "magnitude"].groupby("method").mean_diagonal.mean()
+    return "; ".join(f"{LABELS[m]} {c[m]:.2g}" for m in _order(c.index))

@@ -219,24 +219,31 @@ def sparsity_figure(results: pd.DataFrame, chosen: dict[str, float], dense: tupl
     return fig
 
 
-def damping_figure(results: pd.DataFrame, sparsity: float):
-    """Mean validation accuracy at ``sparsity`` against the damping, every curvature; magnitude as a line."""
+def damping_figure(results: pd.DataFrame, sparsity: float, costs: pd.DataFrame):
+    """Mean validation accuracy at ``sparsity`` against the damping ``lambda`` (left) and against ``lambda`` relative
+    to each curvature's own scale, its mean diagonal entry ``tr F / P`` (right); magnitude as a line."""
     import matplotlib.pyplot as plt
 
     val = results[(results.split == "validation") & (results.sparsity == sparsity)]
-    fig, ax = plt.subplots(figsize=(PAGE_WIDTH_IN, 3.2))
+    scale = costs[costs.method != "magnitude"].groupby("method").mean_diagonal.mean()
+    fig, axes = plt.subplots(1, 2, figsize=(PAGE_WIDTH_IN, 3.4), sharey=True)
     for method in _order(val.method):
         g = val[val.method == method]
         if method == "magnitude":
-            ax.axhline(100 * g.accuracy.mean(), color=COLORS[method], ls="--", label=LABELS[method])
+            for ax in axes:
+                ax.axhline(100 * g.accuracy.mean(), color=COLORS[method], ls="--", label=LABELS[method])
             continue
         m = g.groupby("damping").accuracy.agg(["mean", "std"]).reset_index()
-        ax.errorbar(m.damping, 100 * m["mean"], yerr=100 * m["std"].fillna(0), color=COLORS[method],
-                    marker=MARKERS[method], capsize=3, label=LABELS[method])
-    ax.set(xscale="log", xlabel="damping λ", ylabel=f"validation accuracy (%) at {100 * sparsity:g} % sparsity")
-    plain_log_ticks(ax, "x")
-    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    fig.tight_layout()
+        for ax, x in ((axes[0], m.damping), (axes[1], m.damping / scale[method])):
+            ax.errorbar(x, 100 * m["mean"], yerr=100 * m["std"].fillna(0), color=COLORS[method],
+                        marker=MARKERS[method], capsize=3, label=LABELS[method])
+    axes[0].set(xscale="log", xlabel="damping λ", ylabel=f"validation accuracy (%)\nat {100 * sparsity:g} % sparsity")
+    axes[1].set(xscale="log", xlabel="λ / (tr F / P)")
+    for ax in axes:
+        plain_log_ticks(ax, "x")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, frameon=False,
+               bbox_to_anchor=(0.5, -0.02))
+    fig.tight_layout(rect=(0, 0.17, 1, 1))
     return fig
 
 

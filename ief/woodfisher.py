@@ -1,0 +1,509 @@
+"""Optimal-brain-surgeon pruning with an EF, iEF, SF or exact (GGN) curvature: WoodFisher, and the iEF-WoodFisher
+that the paper proposes and does not run (``sec:app-iEF-woodfisher``).
+
+OBS (Hassibi & Stork, 1993) prunes weight ``q`` at the cost ``rho_q = w_q^2 / (2 [F^{-1}]_qq)`` (the second-order
+increase of the loss when ``w_q`` is set to zero and the other weights move to compensate), and moves the others by
+``dw = -w_q F^{-1} e_q / [F^{-1}]_qq``. WoodFisher (Singh & Alistarh, NeurIPS 2020) takes for ``F`` the empirical
+Fisher of ``N`` per-sample gradients, damped and inverted by the Woodbury recursion the paper quotes:
+``F_0 = lambda I``, ``F_{n+1} = F_n + (1/N) r_n r_n^T``, i.e. ``F = lambda I + (1/N) sum_n r_n r_n^T``. The row
+``r_n`` is, per ``fisher=``:
+
+- ``"ef"``: ``grad_theta l_n`` (``eqn:covEF``);
+- ``"ief"``: ``grad_theta l_n / ||grad_{z_n} l_n||`` (``eqn:iEF_mat_persample``; the norm from ``s_iEF`` of
+  :func:`ief.per_sample`);
+- ``"sf"``: the per-sample gradient at a label drawn from the model (``sec:app-sample-fisher``,
+  :func:`ief.sampled_jacobian`);
+- ``"ggn"``: the exact Fisher (= GGN for softmax cross-entropy), ``(1/N) sum_n sum_c p_n(c) grad log p_n(c) grad
+  log p_n(c)^T`` (``eqn:FIM``): the reference, as a dense matrix per block, for small blocks only.
+
+Blocks (``block_size``): WoodFisher's block-diagonal approximation: every pruned parameter tensor, flattened, is cut
+into consecutive blocks of ``block_size`` entries and ``F`` keeps only its diagonal blocks; ``None``: one block over
+all pruned parameters (the whole matrix). The inverse of a block is never formed: with ``U = R / sqrt(N)`` the
+block's ``[N, B]`` rows, the Woodbury identity ``(lambda I + U^T U)^{-1} = (1/lambda)(I - U^T (lambda I + U U^T)^{-1}
+U)`` needs only the ``N x N`` Gram ``U U^T``; it is evaluated from ``U``'s thin SVD ``U = A diag(s) V^T`` (the Gram's
+eigenvectors ``A`` and eigenvalues ``s^2``, without squaring ``U``'s condition number), float64:
+
+    ``(lambda I + U^T U)^{-1} c = (c - V V^T c) / lambda + V diag(1 / (s^2 + lambda)) V^T c``,
+
+so a block holds ``V [B, min(N, B)]`` and ``s``, and the diagonal ``[F^{-1}]_qq`` is the same formula for
+``c = e_q``. The ``ggn`` reference forms its ``B x B`` blocks (at most :data:`GGN_MAX_BLOCK` entries a side).
+
+The decomposition does not depend on ``lambda``: :func:`obs_curvature` computes it once and
+:meth:`OBSCurvature.saliency` / :meth:`OBSCurvature.prune` take the damping, so a damping sweep or several
+sparsities cost one pass over the data.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .jacobian import per_sample, sampled_jacobian
+from .directions import rounding_floor
+from .losses import Loss, check_damping, get_loss
+from .model_call import Inputs, call_model, param_names, resolve_params
+
+FISHERS = ("ef", "ief", "sf", "ggn")
+METHODS = ("magnitude", *FISHERS)
+GGN_MAX_BLOCK = 4096  # the exact reference's largest dense block (a side): 128 MiB in float64
+
+
+def _check_choice(kind: str, value, accepted: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in accepted:
+        raise ValueError(f"unknown {kind} {value!r}; accepted: {', '.join(map(repr, accepted))}")
+    return value
+
+
+def _check_block_size(block_size) -> int | None:
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be None (one block over all pruned parameters) or an integer >= 1, got "
+                         f"{block_size!r}")
+    return block_size
+
+
+def _check_sparsity(sparsity) -> float:
+    try:
+        value = float(sparsity)
+    except (TypeError, ValueError):
+        raise ValueError(f"sparsity must be a number in [0, 1] (the fraction of weights set to zero), got "
+                         f"{sparsity!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"sparsity must be a number in [0, 1] (the fraction of weights set to zero), got "
+                         f"{sparsity!r}")
+    return value
+
+
+def _check_damping(damping, fisher: str) -> float:
+    if damping is None:
+        raise ValueError(f"fisher={fisher!r} needs a damping lambda (a finite number > 0): the curvature of N "
+                         "per-sample rows has rank at most N")
+    return check_damping(damping, allow_zero=False)
+
+
+def pruned_parameters(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] | None = None
+                      ) -> tuple[list[str], list[torch.Tensor]]:
+    """``(names, tensors)`` of the parameters to prune: ``params``, or (``None``) every trainable parameter with two
+    or more dimensions (the weight matrices and kernels; biases and normalisation scales are kept, as in WoodFisher).
+
+    Raises:
+        ValueError: a given tensor is not a trainable parameter of ``model``, or there is nothing to prune.
+    """
+    if params is None:
+        chosen = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        if not chosen:
+            raise ValueError("the model has no trainable parameter with two or more dimensions to prune; pass params=")
+    else:
+        chosen = resolve_params(model, params)
+    return param_names(model, chosen), chosen
+
+
+def _batches(batches) -> list[tuple[Inputs, torch.Tensor]]:
+    out = list(batches) if batches is not None else []
+    if not out:
+        raise ValueError("batches must hold at least one (inputs, targets) pair: the samples the curvature is "
+                         "estimated from")
+    for i, b in enumerate(out):
+        if not isinstance(b, (tuple, list)) or len(b) != 2:
+            raise ValueError(f"batches[{i}] must be an (inputs, targets) pair, got {type(b).__name__}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- rows
+def curvature_rows(
+    model: torch.nn.Module,
+    batches: Iterable[tuple[Inputs, torch.Tensor]],
+    fisher: str,
+    params: Sequence[torch.Tensor],
+    *,
+    generator: torch.Generator | None = None,
+    loss: str | Loss = "cross_entropy",
+) -> torch.Tensor:
+    """The rows ``r_n`` of an ``ef`` / ``ief`` / ``sf`` curvature (see the module docstring), ``[N, P]`` float64.
+
+    Args:
+        model: the model, used in the mode it is in.
+        batches: ``(inputs, targets)`` pairs; ``N`` is their total number of samples.
+        fisher: ``"ef"``, ``"ief"`` or ``"sf"``.
+        params: the parameters whose columns are taken (:func:`pruned_parameters`).
+        generator: SF's label draws.
+        loss: ``"cross_entropy"`` or ``"mse"``.
+
+    Returns:
+        ``[N, P]`` float64, unscaled (``F = lambda I + R^T R / N``).
+
+    Raises:
+        ValueError: ``fisher`` is not one of ``ef``, ``ief``, ``sf``.
+    """
+    _check_choice("fisher (rows)", fisher, ("ef", "ief", "sf"))
+    rows = []
+    for inputs, targets in _batches(batches):
+        if fisher == "sf":
+            jac = sampled_jacobian(model, inputs, targets, generator, params, loss=loss)
+            rows.append(jac.detach().to(torch.float64))
+            continue
+        ps = per_sample(model, inputs, targets, params, loss=loss)
+        jac = ps.jacobian.detach().to(torch.float64)
+        if fisher == "ief":  # eqn:iEF_mat_persample: each row over ||grad_z l_n|| (a zero row stays zero)
+            norm = ps.logit_sqnorm.detach().to(torch.float64).sqrt()
+            jac = jac / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(1)
+        rows.append(jac)
+    return torch.cat(rows)
+
+
+def ggn_blocks(
+    model: torch.nn.Module,
+    batches: Iterable[tuple[Inputs, torch.Tensor]],
+    params: Sequence[torch.Tensor],
+    spans: Sequence[tuple[int, int]],
+    *,
+    loss: str | Loss = "cross_entropy",
+) -> tuple[list[torch.Tensor], int]:
+    """The exact Fisher's diagonal blocks ``(1/N) sum_n sum_c p_n(c) g_nc[span] g_nc[span]^T`` (``eqn:FIM``; ``g_nc =
+    grad_theta log p_n(c)``, from :func:`ief.per_sample` with every label set to ``c``), dense float64; and ``N``.
+
+    Raises:
+        ValueError: a loss other than cross-entropy, targets that are not one class per sample (``[M]``), or a
+            block wider than :data:`GGN_MAX_BLOCK`.
+    """
+    if get_loss(loss).name != "cross_entropy":
+        raise ValueError(f"fisher='ggn' sums over the classes of a softmax cross-entropy (eqn:FIM); got loss="
+                         f"{get_loss(loss).name!r}; accepted: 'cross_entropy'")
+    widest = max(hi - lo for lo, hi in spans)
+    if widest > GGN_MAX_BLOCK:
+        raise ValueError(f"fisher='ggn' forms dense blocks; the widest here has {widest} entries, over the limit "
+                         f"GGN_MAX_BLOCK={GGN_MAX_BLOCK}: pass a block_size <= {GGN_MAX_BLOCK}")
+    blocks = [torch.zeros(hi - lo, hi - lo, dtype=torch.float64) for lo, hi in spans]
+    n = 0
+    for inputs, targets in _batches(batches):
+        if targets.dim() != 1:
+            raise ValueError(f"fisher='ggn' needs one class per sample (targets [M]), got targets of shape "
+                             f"{tuple(targets.shape)}")
+        with torch.no_grad():
+            classes = int(call_model(model, inputs).shape[-1])
+        for c in range(classes):
+            ps = per_sample(model, inputs, torch.full_like(targets, c), params, loss=loss)
+            weight = torch.exp(-ps.losses.detach().to(torch.float64)).sqrt()  # sqrt p_n(c): l_n = -log p_n(c)
+            rows = ps.jacobian.detach().to(torch.float64) * weight.unsqueeze(1)
+            for block, (lo, hi) in zip(blocks, spans):
+                block += rows[:, lo:hi].T @ rows[:, lo:hi]
+        n += targets.shape[0]
+    return [b / n for b in blocks], n
+
+
+# -------------------------------------------------------------------------------------------------- blocks
+class _WoodburyBlock:
+    """``(lambda I + U^T U)^{-1}`` of one block from its rows ``U [N, B]``, holding ``V [B, min(N, B)]`` and never the
+    ``B x B`` inverse (module docstring), through ``U``'s thin SVD ``U = A diag(s) V^T`` (``V [B, k]``, ``k = min(N, B)``): the Woodbury form
+    ``(1/lambda)(I - U^T (lambda I + U U^T)^{-1} U)`` is ``(I - V V^T)/lambda + V diag(1/(s^2 + lambda)) V^T``.
+
+    The SVD of ``U`` rather than the eigen-decomposition of the ``N x N`` Gram ``U U^T = A diag(s^2) A^T`` (the same
+    factors): the Gram squares ``U``'s condition number, and where the rows span the whole block (``N >= B``) the
+    part of ``e_q`` outside their span, ``1 - ||V_q||^2``, exactly 0, came out ~1e-12 from the Gram's small
+    eigenpairs; divided by ``lambda = 1e-8`` that made ``[F^{-1}]_qq`` 70 % wrong on the cpu ``digits-mlp`` (N = 512,
+    B = 256). ``V``'s columns are orthonormal to rounding whatever the conditioning, and where the kept rows span the
+    block (rank ``B``) that part is set to exactly 0 (``1 - ||V_q||^2`` is rounding there). Singular values at ``U``'s
+    rounding are dropped (their directions count as the null space): ``s <= max(N, B) eps s_max``, and for rows
+    computed in float32 ``s^2 <=`` :func:`ief.directions.rounding_floor`, as the exact directions do.
+    """
+
+    def __init__(self, u: torch.Tensor, dtype: torch.dtype):
+        _, s, vh = torch.linalg.svd(u, full_matrices=False)
+        top = float(s.max()) if s.numel() else 0.0
+        floor = rounding_floor(dtype, u.square().sum().reshape(1, 1))
+        keep = (s > max(u.shape) * torch.finfo(torch.float64).eps * top) & (s.square() > floor) & (s > 0)
+        self.e = s[keep].square()  # eigenvalues of U U^T (and U^T U) kept
+        self.v = vh[keep].T  # [B, r], orthonormal columns
+        # ||(I - V V^T) e_q||^2; exactly 0 when the kept rows span the block (rank B), not rounding over lambda
+        self.full = self.v.shape[1] == self.v.shape[0]
+        self.null = torch.zeros(u.shape[1], dtype=u.dtype) if self.full else \
+            (1.0 - self.v.square().sum(1)).clamp_min(0.0)
+
+    def trace(self) -> float:
+        return float(self.e.sum())
+
+    def inverse_diagonal(self, damping: float) -> torch.Tensor:
+        return self.null / damping + (self.v.square() / (self.e + damping)).sum(1)
+
+    def inverse_times(self, c: torch.Tensor, damping: float) -> torch.Tensor:
+        vc = self.v.T @ c
+        inside = self.v @ (vc / (self.e + damping))
+        return inside if self.full else (c - self.v @ vc) / damping + inside
+
+
+class _DenseBlock:
+    """``(lambda I + F_b)^{-1}`` of one dense block (the ``ggn`` reference), Cholesky per damping."""
+
+    def __init__(self, matrix: torch.Tensor):
+        self.matrix = matrix
+        self._cached: tuple[float, torch.Tensor] | None = None
+
+    def _inverse(self, damping: float) -> torch.Tensor:
+        if self._cached is None or self._cached[0] != damping:
+            eye = torch.eye(self.matrix.shape[0], dtype=torch.float64)
+            self._cached = (damping, torch.cholesky_inverse(torch.linalg.cholesky(self.matrix + damping * eye)))
+        return self._cached[1]
+
+    def trace(self) -> float:
+        return float(self.matrix.trace())
+
+    def inverse_diagonal(self, damping: float) -> torch.Tensor:
+        return self._inverse(damping).diagonal().clone()
+
+    def inverse_times(self, c: torch.Tensor, damping: float) -> torch.Tensor:
+        return self._inverse(damping) @ c
+
+
+def block_spans(params: Sequence[torch.Tensor], block_size: int | None) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of every diagonal block in the flat vector of ``params`` (each flattened, in order): consecutive
+    ``block_size`` entries of each tensor (the last block of a tensor shorter), or one span over all (``None``)."""
+    block_size = _check_block_size(block_size)
+    sizes = [p.numel() for p in params]
+    if block_size is None:
+        return [(0, sum(sizes))]
+    spans, offset = [], 0
+    for size in sizes:
+        spans += [(offset + lo, offset + min(lo + block_size, size)) for lo in range(0, size, block_size)]
+        offset += size
+    return spans
+
+
+@dataclass
+class OBSCurvature:
+    """A damped block-diagonal curvature of the pruned parameters, ready to score and prune at any damping.
+
+    ``names`` / ``params``: the pruned parameters (their current values are the ``w`` of OBS); ``fisher``: its kind;
+    ``samples``: ``N``; ``spans``: the blocks' ``[lo, hi)`` in the flat vector; ``blocks``: their inverses.
+    """
+
+    fisher: str
+    names: list[str]
+    params: list[torch.Tensor]
+    samples: int
+    spans: list[tuple[int, int]]
+    blocks: list
+
+    def _weights(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params]).to(torch.float64)
+
+    def trace(self) -> float:
+        """The trace of the undamped curvature's kept blocks, ``sum_b tr F_b``: its scale, against which a damping
+        is small or large (EF's rows carry ``||grad_z l_n||``, iEF's do not)."""
+        return float(sum(b.trace() for b in self.blocks))
+
+    def inverse_diagonal(self, damping: float) -> torch.Tensor:
+        """``[F^{-1}]_qq`` for every pruned weight, ``[P]`` float64 (``F`` damped by ``damping > 0``)."""
+        damping = _check_damping(damping, self.fisher)
+        return torch.cat([b.inverse_diagonal(damping) for b in self.blocks])
+
+    def saliency(self, damping: float) -> dict[str, torch.Tensor]:
+        """OBS saliencies ``rho_q = w_q^2 / (2 [F^{-1}]_qq)``, name -> float64 tensor shaped like the parameter."""
+        rho = self._weights().square() / (2 * self.inverse_diagonal(damping))
+        return _unflatten(rho, self.names, self.params)
+
+    def prune(self, sparsity: float, damping: float, update: bool = True) -> dict[str, torch.Tensor]:
+        """Set the fraction ``sparsity`` of the pruned weights with the smallest saliency to zero, in place.
+
+        The weights are ranked globally (over every pruned parameter; WoodFisher's global mode) and the
+        ``round(sparsity * P)`` smallest are removed. ``update=True`` moves the other weights of each block by the
+        OBS update of every weight removed from it, summed: ``dw = -F_b^{-1} sum_{q in Q_b} (w_q / [F_b^{-1}]_qq)
+        e_q`` (for one weight, OBS's ``-w_q F^{-1} e_q / [F^{-1}]_qq``). This is how WoodFisher removes many weights
+        at once in one-shot pruning (Singh & Alistarh, NeurIPS 2020; their reference implementation, IST-DASLab/
+        WoodFisher ``pruners/woodfisherblock.py``): each weight's update computed from the same block inverse,
+        independently of the others, then the removed weights set to zero (the summed update leaves them near,
+        not at, zero).
+
+        Returns:
+            name -> bool mask shaped like the parameter (``True``: kept).
+
+        Raises:
+            ValueError: a sparsity outside ``[0, 1]`` or a damping that is not > 0.
+        """
+        sparsity = _check_sparsity(sparsity)
+        damping = _check_damping(damping, self.fisher)
+        w = self._weights()
+        diag = self.inverse_diagonal(damping)
+        rho = w.square() / (2 * diag)
+        removed = _smallest(rho, sparsity)
+        new = w.clone()
+        if update:
+            for (lo, hi), block in zip(self.spans, self.blocks):
+                gone = removed[lo:hi]
+                if bool(gone.any()):
+                    c = torch.where(gone, w[lo:hi] / diag[lo:hi], torch.zeros_like(w[lo:hi]))
+                    new[lo:hi] -= block.inverse_times(c, damping)
+        new[removed] = 0.0
+        _assign(new, self.params)
+        return _unflatten(~removed, self.names, self.params)
+
+
+def _smallest(score: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Bool ``[P]``: the ``round(sparsity * P)`` entries of smallest score (ties: the first, a stable sort)."""
+    k = int(round(sparsity * score.numel()))
+    removed = torch.zeros(score.numel(), dtype=torch.bool)
+    removed[torch.sort(score, stable=True).indices[:k]] = True
+    return removed
+
+
+def _unflatten(flat: torch.Tensor, names: Sequence[str], params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for name, p in zip(names, params):
+        out[name] = flat[offset : offset + p.numel()].reshape(p.shape)
+        offset += p.numel()
+    return out
+
+
+@torch.no_grad()
+def _assign(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset : offset + p.numel()].reshape(p.shape).to(p.dtype))
+        offset += p.numel()
+
+
+# ------------------------------------------------------------------------------------------------ the API
+def obs_curvature(
+    model: torch.nn.Module,
+    batches: Iterable[tuple[Inputs, torch.Tensor]],
+    *,
+    fisher: str,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    block_size: int | None = None,
+    generator: torch.Generator | None = None,
+    loss: str | Loss = "cross_entropy",
+) -> OBSCurvature:
+    """The curvature of OBS pruning (module docstring), computed once for any damping and sparsity.
+
+    Args:
+        model: the model at the weights to prune, used in the mode it is in (``eval()`` for pruning).
+        batches: ``(inputs, targets)`` pairs, the ``N`` samples of the estimate.
+        fisher: ``"ef"``, ``"ief"`` (``eqn:iEF_mat_persample``), ``"sf"`` or ``"ggn"`` (exact, small blocks).
+        params: the parameters to prune; default: :func:`pruned_parameters`.
+        block_size: the diagonal blocks' size (``None``: one block, the whole matrix).
+        generator: SF's label draws.
+        loss: ``"cross_entropy"`` or ``"mse"`` (``ggn``: cross-entropy only).
+
+    Returns:
+        :class:`OBSCurvature`.
+
+    Raises:
+        ValueError: an unknown ``fisher``, a bad ``block_size``, no batches, a ``ggn`` block over
+            :data:`GGN_MAX_BLOCK`, or parameters that are not the model's.
+    """
+    fisher = _check_choice("fisher", fisher, FISHERS)
+    names, tensors = pruned_parameters(model, params)
+    spans = block_spans(tensors, block_size)
+    batches = _batches(batches)
+    if fisher == "ggn":
+        dense, n = ggn_blocks(model, batches, tensors, spans, loss=loss)
+        return OBSCurvature(fisher, names, tensors, n, spans, [_DenseBlock(b) for b in dense])
+    rows = curvature_rows(model, batches, fisher, tensors, generator=generator, loss=loss)
+    u = rows / rows.shape[0] ** 0.5
+    blocks = [_WoodburyBlock(u[:, lo:hi], tensors[0].dtype) for lo, hi in spans]
+    return OBSCurvature(fisher, names, tensors, rows.shape[0], spans, blocks)
+
+
+def obs_saliency(
+    model: torch.nn.Module,
+    batches: Iterable[tuple[Inputs, torch.Tensor]],
+    *,
+    fisher: str,
+    damping: float | None = None,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    block_size: int | None = None,
+    generator: torch.Generator | None = None,
+    loss: str | Loss = "cross_entropy",
+) -> dict[str, torch.Tensor]:
+    """Per-weight pruning saliencies, name -> float64 tensor shaped like the parameter.
+
+    ``fisher="magnitude"``: ``w_q^2`` (no data, no damping). Otherwise OBS's ``rho_q = w_q^2 / (2 [F^{-1}]_qq)`` with
+    ``F = lambda I + (1/N) sum_n r_n r_n^T`` block by block (``sec:app-iEF-woodfisher``; rows and blocks in the
+    module docstring; arguments as :func:`obs_curvature`, ``damping`` = ``lambda > 0``).
+
+    Raises:
+        ValueError: an unknown ``fisher`` (accepted: :data:`METHODS`), a missing or non-positive damping, and
+            whatever :func:`obs_curvature` refuses.
+    """
+    fisher = _check_choice("fisher", fisher, METHODS)
+    if fisher == "magnitude":
+        names, tensors = pruned_parameters(model, params)
+        return {n: p.detach().to(torch.float64).square() for n, p in zip(names, tensors)}
+    damping = _check_damping(damping, fisher)
+    curvature = obs_curvature(model, batches, fisher=fisher, params=params, block_size=block_size,
+                              generator=generator, loss=loss)
+    return curvature.saliency(damping)
+
+
+def magnitude_prune(model: torch.nn.Module, sparsity: float,
+                    params: Iterable[torch.nn.Parameter] | None = None) -> dict[str, torch.Tensor]:
+    """Global magnitude pruning, in place: the ``round(sparsity * P)`` weights of smallest ``|w|`` set to zero.
+
+    Returns:
+        name -> bool mask (``True``: kept).
+    """
+    sparsity = _check_sparsity(sparsity)
+    names, tensors = pruned_parameters(model, params)
+    w = torch.cat([p.detach().reshape(-1) for p in tensors]).to(torch.float64)
+    removed = _smallest(w.abs(), sparsity)
+    _assign(torch.where(removed, torch.zeros_like(w), w), tensors)
+    return _unflatten(~removed, names, tensors)
+
+
+def prune(
+    model: torch.nn.Module,
+    batches: Iterable[tuple[Inputs, torch.Tensor]] | None,
+    sparsity: float,
+    *,
+    fisher: str,
+    damping: float | None = None,
+    block_size: int | None = None,
+    update: bool = True,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    generator: torch.Generator | None = None,
+    loss: str | Loss = "cross_entropy",
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """One-shot pruning of ``model`` in place: magnitude, or (Wood)Fisher OBS with the chosen curvature.
+
+    Args:
+        model: pruned in place (its pruned parameters' values change).
+        batches: ``(inputs, targets)`` pairs (ignored by ``"magnitude"``).
+        sparsity: the fraction of the pruned parameters' weights set to zero, in ``[0, 1]``.
+        fisher: ``"magnitude"``, ``"ef"``, ``"ief"``, ``"sf"`` or ``"ggn"``.
+        damping: ``lambda > 0`` (not used by ``"magnitude"``).
+        block_size: WoodFisher's blocks (``None``: one block).
+        update: apply OBS's compensating update (see :meth:`OBSCurvature.prune`); ``False``: only zero the weights
+            (OBS's choice of weights without its update).
+        params, generator, loss: as :func:`obs_curvature`.
+
+    Returns:
+        ``(model, masks)``, masks name -> bool tensor (``True``: kept).
+
+    Raises:
+        ValueError: as :func:`obs_saliency`, and a sparsity outside ``[0, 1]``.
+    """
+    fisher = _check_choice("fisher", fisher, METHODS)
+    sparsity = _check_sparsity(sparsity)
+    if fisher == "magnitude":
+        return model, magnitude_prune(model, sparsity, params)
+    damping = _check_damping(damping, fisher)
+    curvature = obs_curvature(model, batches, fisher=fisher, params=params, block_size=block_size,
+                              generator=generator, loss=loss)
+    return model, curvature.prune(sparsity, damping, update=update)
+
+
+__all__ = [
+    "FISHERS",
+    "METHODS",
+    "GGN_MAX_BLOCK",
+    "OBSCurvature",
+    "block_spans",
+    "curvature_rows",
+    "ggn_blocks",
+    "magnitude_prune",
+    "obs_curvature",
+    "obs_saliency",
+    "pruned_parameters",
+    "prune",
+]

@@ -71,6 +71,7 @@ import torch
 
 from .conv_rules import conv2d_factors, conv2d_is_unfoldable
 from .curvature import differentiable_kernels
+from .layer_rules import hf_conv1d_grads, is_hf_conv1d
 from .logit_jvp import jvps_any_mode
 from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
@@ -371,6 +372,8 @@ def _hook_rule(module: torch.nn.Module) -> tuple[Callable, int] | None:
     """The rule of a hooked module type and how many trailing dimensions of its input are features (not samples)."""
     if type(module) is torch.nn.Linear:
         return _linear_grads, 1
+    if is_hf_conv1d(module):
+        return hf_conv1d_grads, 1
     if conv2d_is_unfoldable(module):
         return _conv2d_grads, 3
     if (
@@ -707,7 +710,7 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
     listed = "; ".join(f"{', '.join(ns)} ({why})" for why, ns in reasons.items())
     warnings.warn(
         f"{len(loop)} of {len(names)} parameter tensors take the per-sample loop of {m} backward passes (exact, but "
-        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv2d (zero "
+        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, HF Conv1D, nn.Embedding, nn.LayerNorm, nn.Conv2d (zero "
         "padding), nn.BatchNorm2d (eval mode) whose input has a "
         "sample dimension; pass params= to precondition only those. For peft prompt tuning, call "
         "ief.per_sample_prompts(model) once after get_peft_model.",
@@ -724,20 +727,26 @@ def _positions(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _factored_weight(module: torch.nn.Module) -> bool:
     """Whether the module's weight, viewed ``[O, I]``, has per-sample rows ``G_n^T A_n`` (``nn.Linear``;
-    ``nn.Conv2d`` with one group, ``A`` its unfolded input)."""
-    return type(module) is torch.nn.Linear or (conv2d_is_unfoldable(module) and module.groups == 1)
+    ``nn.Conv2d`` with one group, ``A`` its unfolded input; HF ``Conv1D``, whose ``[in, out]`` weight is
+    ``X_n^T G_n``: ``A`` its output gradients, ``G`` its inputs)."""
+    return type(module) is torch.nn.Linear or is_hf_conv1d(module) or (
+        conv2d_is_unfoldable(module) and module.groups == 1)
 
 
 def _positions_of(module: torch.nn.Module, grad: torch.Tensor) -> int:
     """``T`` of one call (sample axis first): the positions over which a weight is shared."""
-    return grad[0].numel() // (grad.shape[-1] if type(module) is torch.nn.Linear else grad.shape[1])
+    features_last = type(module) is torch.nn.Linear or is_hf_conv1d(module)
+    return grad[0].numel() // (grad.shape[-1] if features_last else grad.shape[1])
 
 
 def _weight_factors(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A [M, T, I], G [M, T, O])`` of one call of a module with :func:`_factored_weight`."""
+    """``(A [M, T, I], G [M, T, O])`` of one call of a module with :func:`_factored_weight` (``[O, I]`` the weight's
+    layout: for HF ``Conv1D``, ``I`` its outputs and ``O`` its inputs)."""
     m = x.shape[0]
     if type(module) is torch.nn.Linear:
         return x.reshape(m, -1, x.shape[-1]), grad.reshape(m, -1, grad.shape[-1])
+    if is_hf_conv1d(module):
+        return grad.reshape(m, -1, grad.shape[-1]), x.reshape(m, -1, x.shape[-1])
     a, g = conv2d_factors(module, x, grad)
     return a[:, 0], g[:, 0]
 
@@ -782,8 +791,8 @@ def _backward_jacobian(
                 g = _positions([d for _, d in calls]).to(ref.dtype)  # [M, T, O]
                 ghosts.append((owned["weight"], a, g))
                 ghost_modules.add(k)
-                if "bias" in owned:
-                    bias_rows[owned["bias"]] = g.sum(dim=1)
+                if "bias" in owned:  # the output gradients: A for HF Conv1D (see _weight_factors)
+                    bias_rows[owned["bias"]] = (a if is_hf_conv1d(module) else g).sum(dim=1)
     ghosted = {i for i, _, _ in ghosts}
     columns, width = {}, 0
     for i, size in enumerate(capture.sizes):

@@ -8,9 +8,13 @@ Because sample ``n``'s output only reaches ``l_n``, the per-sample weight gradie
 Why hooks rather than ``torch.func.vmap``: vmapping a transformers 5.x forward that takes an ``attention_mask``
 fails on a data-dependent check in ``transformers.masking_utils``, whereas hooks only see ordinary module calls,
 work with every attention implementation (SDPA included) and add little to a plain backward for LoRA and prompt
-parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), ``nn.Embedding`` (prompt tuning),
+parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), HF ``Conv1D`` (GPT-2, :mod:`ief.layer_rules`),
+``nn.Embedding`` (prompt tuning),
 ``nn.LayerNorm``, ``nn.Conv2d`` with zero padding (unfolded: a linear layer over the output positions, see
-:mod:`ief.conv_rules`) and ``nn.BatchNorm2d`` in eval mode (running statistics: a per-channel affine map).
+:mod:`ief.conv_rules`) and ``nn.BatchNorm2d`` in eval mode (running statistics: a per-channel affine map). Bare
+parameters and embedding calls that every sample shares (ViT's ``cls_token`` and ``position_embeddings``, position
+embeddings fed ``[1, T]`` ids) have rows too when their only uses add them to, or expand them over, the batch
+(:mod:`ief.broadcast_uses`).
 
 The sample axis of every hooked call is established, never guessed from a size: a probe forward of the batch's first
 sample alone (every input tensor cut to one sample along its leading dimension; hooks that only record shapes; the
@@ -29,7 +33,7 @@ one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs
 and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
 
 Every trainable parameter that is not in a hooked module (a ``Conv2d`` with reflect / circular padding, a ``Conv1d``,
-an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``), whose module had a call without an
+an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter`` used otherwise than broadcast), whose module had a call without an
 established sample axis, or that is also used outside its hooked module (a tied weight, see below) falls back to an
 exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names
 those parameters once per model.
@@ -70,6 +74,7 @@ from dataclasses import dataclass
 import torch
 
 from .conv_rules import conv2d_factors, conv2d_is_unfoldable
+from .broadcast_uses import Use, UseTracker, check_sums, establish, per_sample_rows
 from .curvature import differentiable_kernels
 from .layer_rules import hf_conv1d_grads, is_hf_conv1d
 from .logit_jvp import jvps_any_mode
@@ -391,6 +396,27 @@ def _hook_rule(module: torch.nn.Module) -> tuple[Callable, int] | None:
 WHOLE_CALL = -1  # the sample "axis" of every call when M = 1: the whole call belongs to sample 0
 
 
+class _BroadcastCall:
+    """The "axis" of an embedding call whose ids every sample shares (``[1, T]`` positions): its output's uses
+    broadcast it over the batch, and each sample's gradient of the output comes from them (:mod:`ief.broadcast_uses`).
+    """
+
+    __slots__ = ("uses",)
+
+    def __init__(self, uses: list):
+        self.uses = uses
+
+
+def _use_shapes(uses: dict) -> tuple:
+    """The recorded uses as hashable shapes: ``((key, ((name, shape, result shape), ...)), ...)``."""
+    return tuple((key, tuple((u.name, u.shape, u.result_shape) for u in us)) for key, us in uses.items())
+
+
+def _uses_from(shapes: tuple) -> dict:
+    """The inverse of :func:`_use_shapes` (shapes only, no gradients)."""
+    return {key: [Use(*u) for u in us] for key, us in shapes}
+
+
 def _sample_axis(full: tuple | None, probe: tuple | None, m: int, features: int) -> int | None:
     """The one dimension of a call's input that is ``m`` in the batch forward and 1 in the one-sample probe, every
     other dimension unchanged, and that is not a feature dimension; ``None`` if there is no such single dimension."""
@@ -467,6 +493,17 @@ class _Capture:
                 self.modules.append((module, *rule, owned))
                 covered.update(owned.values())
         self.hooked = covered
+        # Broadcast uses (ief.broadcast_uses), per-sample capture with more than one sample only: the trainable
+        # parameters outside hooked modules (candidates), those whose every use is broadcast over the batch
+        # (``broadcast``, rows from their uses; autograd's gradient of them is their whole batch gradient), the
+        # embedding calls without a sample dimension of their own (``(k, j)``: module k's call j).
+        self.batch_size = 1  # M, set before the forward
+        self.names: Sequence[str] | None = None
+        self.tracker: UseTracker | None = None
+        self.bare = [i for i in range(len(self.params)) if i not in covered] if stand_ins else []
+        self.broadcast: dict[int, list] = {}  # parameter index -> its uses
+        self.embedding_candidates: set[tuple[int, int]] = set()
+        self.probe_uses: tuple | None = None  # the uses the one-sample probe recorded (shapes)
         self.records: dict[int, list] = {}  # k -> [[input, output grad, sample axis], ...] in call order
         self.edges: dict[int, list] = {}  # k -> the gradient edges of its recorded calls' outputs (stand-ins only)
         self.demoted: dict[int, str] = {}  # parameter index -> why its hooked module fell back to the loop
@@ -474,6 +511,15 @@ class _Capture:
 
     def __enter__(self) -> "_Capture":
         self.stand_ins.clear()
+        self.broadcast.clear()
+        self.embedding_candidates.clear()
+        self.tracker = None
+        if self.swap and self.batch_size > 1 and (
+                self.bare or any(type(module) is torch.nn.Embedding for module, *_ in self.modules)):
+            self.tracker = UseTracker()
+            for i in self.bare:
+                self.tracker.watch(self.params[i], ("param", i))
+            self.tracker.__enter__()
         for k, (module, _, _, owned) in enumerate(self.modules):
             self.records[k] = []
             self.edges[k] = []
@@ -485,6 +531,9 @@ class _Capture:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+            self.tracker.release()
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -529,6 +578,11 @@ class _Capture:
             record(module, args, output)
             if len(calls) > n:
                 edges.append(torch.autograd.graph.get_gradient_edge(output))
+                x = calls[-1][0]
+                if self.tracker is not None and type(module) is torch.nn.Embedding and x is not None and (
+                        x.dim() == 0 or x.shape[0] == 1 or self.batch_size not in x.shape):
+                    self.embedding_candidates.add((k, n))  # ids shared by all samples (e.g. [1, T] positions)
+                    self.tracker.watch(output, ("call", k, n))
 
         return hook
 
@@ -554,10 +608,17 @@ class _Capture:
         """The call shapes of the hooked modules during ``run()`` (the one-sample probe), or why it failed."""
         seen: dict[int, list] = {k: [] for k in range(len(self.modules))}
         handles = []
+        tracker = UseTracker(hooks=False) if self.tracker is not None else None  # the same uses, shapes only
+        self.probe_uses = None
+        if tracker is not None:
+            for i in self.bare:
+                tracker.watch(self.params[i], ("param", i))
 
         def shape_hook(k):
             def hook(module, args, output):
                 if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                    if tracker is not None and (k, len(seen[k])) in self.embedding_candidates:
+                        tracker.watch(output, ("call", k, len(seen[k])))
                     seen[k].append(tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None)
 
             return hook
@@ -565,17 +626,22 @@ class _Capture:
         for k, (module, *_) in enumerate(self.modules):
             handles.append(module.register_forward_hook(shape_hook(k)))
         try:
-            run()
+            with tracker if tracker is not None else contextlib.nullcontext():
+                run()
         except Exception as err:  # the model cannot run one sample alone (e.g. batch norm with batch statistics)
             return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         finally:
             for h in handles:
                 h.remove()
+            if tracker is not None:
+                tracker.release()
+        if tracker is not None:
+            self.probe_uses = (_use_shapes(tracker.uses), frozenset(tracker.unsupported))
         return tuple(tuple(seen[k]) for k in range(len(self.modules)))
 
     def establish_axes(self, m: int, model: torch.nn.Module, inputs, probe: Callable[[], tuple | str]) -> None:
         """Give every call its sample axis (probed or cached); modules with a call without one fall back."""
-        if not self.modules:
+        if not self.modules and self.tracker is None:
             return
         if m == 1:
             for calls in self.records.values():
@@ -583,7 +649,8 @@ class _Capture:
                     rec[2] = WHOLE_CALL
             return
         full = self.call_shapes()
-        key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full)
+        uses = None if self.tracker is None else (_use_shapes(self.tracker.uses), frozenset(self.tracker.unsupported))
+        key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full, uses)
         cache = _AXIS_CACHE.setdefault(model, OrderedDict())
         cached = cache.get(key)
         if cached is None:
@@ -597,16 +664,26 @@ class _Capture:
                 )
                 for k, calls in enumerate(full)
             )
-            cached = cache[key] = (axes, shrunk if failed else None)
+            cached = cache[key] = (axes, shrunk if failed else None, None if failed else self.probe_uses)
             while len(cache) > _AXIS_CACHE_SIZE:
                 cache.popitem(last=False)
         else:
             cache.move_to_end(key)
-        axes, probe_error = cached
+        axes, probe_error, probe_uses = cached
+        shared = {}  # the watched tensors whose every use is broadcast over the batch, with an established axis
+        if uses is not None and probe_uses is not None:
+            shared = establish(self.tracker.uses, _uses_from(probe_uses[0]), self.tracker.unsupported | probe_uses[1],
+                               m)
+        for i in self.bare:
+            if ("param", i) in shared:
+                self.broadcast[i] = shared[("param", i)]
+                self.hooked.add(i)
         reasons = {}
         for k, entry in enumerate(self.modules):
-            if all(axis is not None for axis in axes[k]):
-                for rec, axis in zip(self.records[k], axes[k]):
+            call_axes = [_BroadcastCall(shared[("call", k, j)]) if axis is None and ("call", k, j) in shared else axis
+                         for j, axis in enumerate(axes[k])]
+            if all(axis is not None for axis in call_axes):
+                for rec, axis in zip(self.records[k], call_axes):
                     rec[2] = axis
                 continue
             shapes = sorted({str(shape) for shape, axis in zip(full[k], axes[k]) if axis is None})
@@ -652,11 +729,24 @@ class _Capture:
         for calls in self.records.values():
             for rec in calls:
                 rec[1] = None
+        if self.tracker is not None:
+            for uses in self.tracker.uses.values():
+                for use in uses:
+                    use.grad = None
+
+    def name(self, i: int) -> str:
+        return self.names[i] if self.names is not None else f"parameter {i}"
 
     def calls(self, k: int):
         """``(input, output gradient)`` of module ``k``'s calls that reached the loss, sample axis first."""
         for x, grad, axis, *_ in self.records[k]:
             if grad is None:  # this call's output did not reach the loss
+                continue
+            if isinstance(axis, _BroadcastCall):  # ids shared by every sample: each sample's gradient of the output
+                m = self.batch_size
+                rows = per_sample_rows(axis.uses, m, grad.numel(), grad.dtype, grad.device)
+                check_sums(rows, grad, self.name(self.modules[k][3]["weight"]))
+                yield x.reshape(1, -1).expand(m, -1), rows.view(m, -1, grad.shape[-1])
                 continue
             if axis == WHOLE_CALL:
                 x, grad = x.unsqueeze(0), grad.unsqueeze(0)
@@ -711,8 +801,8 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
     warnings.warn(
         f"{len(loop)} of {len(names)} parameter tensors take the per-sample loop of {m} backward passes (exact, but "
         f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, HF Conv1D, nn.Embedding, nn.LayerNorm, nn.Conv2d (zero "
-        "padding), nn.BatchNorm2d (eval mode) whose input has a "
-        "sample dimension; pass params= to precondition only those. For peft prompt tuning, call "
+        "padding), nn.BatchNorm2d (eval mode) whose input has a sample dimension, and parameters or embedding "
+        "outputs only added to or expanded over the batch; pass params= to precondition only those. For peft prompt tuning, call "
         "ief.per_sample_prompts(model) once after get_peft_model.",
         SlowPathWarning,
         stacklevel=4,
@@ -804,6 +894,12 @@ def _backward_jacobian(
     else:
         jac = torch.empty(shape, dtype=ref.dtype, device=ref.device)
     written = capture.fill(jac, columns, skip=ghost_modules)
+    for i, uses in capture.broadcast.items():  # bare parameters broadcast over the batch: rows from their uses
+        if i in columns:
+            rows = per_sample_rows(uses, m, capture.sizes[i], ref.dtype, ref.device)
+            check_sums(rows, autograd[i], capture.name(i))
+            jac[:, columns[i] : columns[i] + capture.sizes[i]] = rows
+            written.add(i)
     for i, rows in bias_rows.items():
         jac[:, columns[i] : columns[i] + capture.sizes[i]] = rows
         written.add(i)
@@ -880,7 +976,8 @@ def check_no_outside_use(capture: _Capture, jacobian: torch.Tensor | FactoredJac
     individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
     the optimisers). A parameter whose outside use is in the forward's graph (tied weights) has already been sent to
     the loop (:meth:`_Capture.demote_outside_uses`): this is the safety net behind that search."""
-    found = [i for i in sorted(capture.hooked) if autograd[i] is not None and bool(autograd[i].any())]
+    found = [i for i in sorted(capture.hooked - set(capture.broadcast))
+             if autograd[i] is not None and bool(autograd[i].any())]
     if not found:
         return
     err = torch.stack([torch.linalg.vector_norm(autograd[i], dtype=torch.float64) for i in found])
@@ -1090,6 +1187,7 @@ class _HookedForward:
         if self.mode is not None:
             _refuse_sample_mixing(model)
         self.capture = _Capture(model, self.params, stand_ins=True)
+        self.capture.batch_size = m
         self.forward = ReplayableForward(model, inputs)
         # which hooked parameters the graph reaches outside their hooked calls (they ran with stand-ins)
         self.forward.watch = {id(self.params[i]): i for i in self.capture.hooked}
@@ -1122,6 +1220,7 @@ class _HookedForward:
 
         self.capture.establish_axes(m, model, inputs, probe)
         names = param_names(model, self.params)
+        self.capture.names = names
         self.capture.demote_outside_uses(self.forward.reached, names)
         _warn_slow_path(model, self.capture, names, m)
         self.targets = targets
@@ -1150,7 +1249,8 @@ class _HookedForward:
         if self.mode == "exact":
             grad_z = logit_grads[0] if logit_grads else self.loss.logit_grad(self.logits.detach(), targets)
             check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z)
-        offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked)  # the records are not kept alive
+        # the records are not kept alive; a broadcast parameter's autograd gradient is its whole batch gradient
+        offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked - set(self.capture.broadcast))
         return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
 
     def gradient(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -749,8 +749,8 @@ class _TwoBare(torch.nn.Module):
         self.p = torch.nn.Parameter(torch.randn(3))
         self.q = torch.nn.Parameter(torch.randn(3))
 
-    def forward(self, x):
-        return self.lin(x) * self.p + self.q
+    def forward(self, x):  # neither p nor q is only added or expanded (ief.broadcast_uses): both take the loop
+        return self.lin(x) * self.p + self.q.sin()
 
 
 def test_slow_path_warning_once_per_model_and_set_of_loop_parameters():

@@ -119,3 +119,226 @@ def test_hf_conv1d_factored_products_equal_the_dense_ones():
 def test_hf_conv1d_passes_the_exact_check():
     model, x, y = _conv1d_case()
     _no_loop(model, x, y, check="exact", form="ghost")
+
+
+# ------------------------------------------------------------------------- tensors broadcast over the batch
+def _bert(dtype=torch.float64, m=4, t=6):
+    from transformers import BertConfig, BertForTokenClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                     max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     num_labels=3)
+    model = BertForTokenClassification(cfg).to(dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (m, t), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    y = torch.randint(0, 3, (m, t), generator=gen)
+    y[mask == 0] = IGNORE
+    y[2] = IGNORE  # a sample whose every position is ignored
+    return model, {"input_ids": ids, "attention_mask": mask}, y
+
+
+def _gpt2(dtype=torch.float64, m=4, t=6):
+    from transformers import GPT2Config, GPT2ForTokenClassification
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, num_labels=3, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    model = GPT2ForTokenClassification(cfg).to(dtype).eval()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 50, (m, t), generator=gen)
+    y = torch.randint(0, 3, (m, t), generator=gen)
+    y[0] = IGNORE
+    y[3, :2] = IGNORE
+    return model, {"input_ids": ids}, y
+
+
+def _vit(dtype=torch.float64, m=4):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                    num_attention_heads=2, intermediate_size=32, num_labels=3, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0)
+    model = ViTForImageClassification(cfg).to(dtype).eval()
+    gen = torch.Generator().manual_seed(2)
+    pixels = torch.randn(m, 3, 8, 8, generator=gen, dtype=torch.float64).to(dtype)  # the same pixels in every dtype
+    return model, {"pixel_values": pixels}, torch.randint(0, 3, (m,), generator=gen)
+
+
+HF = {"bert": _bert, "gpt2": _gpt2, "vit": _vit}
+BROADCAST = {"bert": ["bert.embeddings.position_embeddings.weight"], "gpt2": ["transformer.wpe.weight"],
+             "vit": ["vit.embeddings.cls_token", "vit.embeddings.position_embeddings"]}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("name", sorted(HF))
+def test_full_parameter_hf_models_take_no_loop_and_are_exact(name, form):
+    """BERT (position embeddings fed [1, T] ids), GPT-2 (HF Conv1D, wpe) and ViT (cls_token, position_embeddings
+    added to every sample), every parameter trainable: hooked, no SlowPathWarning, the float64 loop's rows."""
+    model, x, y = HF[name]()
+    got = _no_loop(model, x, y, form=form)
+    losses, expected, _ = oracle.per_sample(model, x, y)
+    jac = _dense(got.jacobian)
+    assert _rel(jac, expected) < F64_RTOL
+    assert _rel(got.gradient, expected.sum(0)) < F64_RTOL
+    assert _rel(got.losses, losses) < F64_RTOL
+    names = [n for n, _ in model.named_parameters()]
+    offsets = [0, *torch.tensor([p.numel() for p in model.parameters()]).cumsum(0).tolist()]
+    for b in BROADCAST[name]:  # the broadcast tensors' own blocks, not only the whole
+        i = names.index(b)
+        assert _rel(jac[:, offsets[i] : offsets[i + 1]], expected[:, offsets[i] : offsets[i + 1]]) < F64_RTOL
+    for n in range(y.shape[0]):  # an all-ignored sample: an exact zero row
+        if bool((y[n] == IGNORE).all()):
+            assert float(jac[n].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(HF))
+def test_full_parameter_hf_models_pass_the_exact_check_in_float32(name):
+    model, x, y = HF[name](torch.float32)
+    got = _dense(_no_loop(model, x, y, form="auto", check="exact").jacobian)
+    model64, x64, _ = HF[name]()
+    _, expected, _ = oracle.per_sample(model64, x64, y)
+    assert got.dtype == torch.float32
+    assert _rel(got, expected) < F32_RTOL
+
+
+def test_vit_rows_equal_torch_func_vmap():
+    model, x, y = _vit()
+    params = list(model.parameters())
+    got = _no_loop(model, x, y).jacobian
+    assert _rel(got, _vmap_rows(model, x["pixel_values"], y, params)) < F64_RTOL
+
+
+class _Prompted(torch.nn.Module):
+    """A bare ``[1, 1, D]`` prompt expanded to every sample and a ``[T, D]`` position table added to every sample,
+    sequence-first or batch-first, with ``T`` possibly equal to ``M``."""
+
+    def __init__(self, t: int, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.prompt = torch.nn.Parameter(torch.randn(1, 1, 4))
+        self.pos = torch.nn.Parameter(torch.randn(t, 4))
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):  # x [M, T, 4]
+        h = torch.cat([self.prompt.expand(x.shape[0], -1, -1), x], dim=1)[:, 1:]
+        if self.batch_first:
+            h = h + self.pos
+        else:  # [T, M, 4] + [T, 1, 4]: the sample axis is 1
+            h = h.transpose(0, 1).add(self.pos.unsqueeze(1)).transpose(0, 1)
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("t", [3, 4], ids=["T!=M", "T==M"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "sequence-first"])
+def test_bare_parameters_broadcast_over_the_batch(t, batch_first):
+    """The sample axis of each use is established by the probe, never guessed from a size (T == M included); a
+    parameter viewed before its broadcast (``pos.unsqueeze(1)``) is not a broadcast use and keeps the loop."""
+    torch.manual_seed(0)
+    model = _Prompted(t, batch_first).double()
+    x, y = torch.randn(4, t, 4, dtype=torch.float64), torch.randint(0, 3, (4, t))
+    y[1] = IGNORE
+    _, expected, _ = oracle.per_sample(model, x, y)
+    if batch_first:
+        got = _no_loop(model, x, y).jacobian
+    else:
+        with pytest.warns(ief.SlowPathWarning, match=r"\bpos \(a bare parameter") as record:
+            got = ief.per_sample(model, x, y).jacobian
+        assert "prompt" not in str(record[0].message).split("Hooked layers")[0]
+    assert _rel(got, expected) < F64_RTOL
+
+
+class _Scaled(torch.nn.Module):
+    """Position embeddings fed [1, T] ids, used broadcast but also multiplied, or modified in place: not only
+    added / expanded, so the embedding keeps the exact loop."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.tok, self.pos = torch.nn.Embedding(9, 4), torch.nn.Embedding(5, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, ids):
+        p = self.pos(torch.arange(ids.shape[1])[None])
+        if self.how == "multiplied":
+            h = self.tok(ids) * p
+        elif self.how == "in-place":
+            p.mul_(2.0)
+            h = self.tok(ids) + p
+        else:  # added twice, once through a view
+            h = self.tok(ids) + p + p[0]
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("how", ["multiplied", "in-place", "viewed"])
+def test_a_broadcast_embedding_with_another_use_keeps_the_loop(how):
+    torch.manual_seed(0)
+    model = _Scaled(how).double()
+    ids, y = torch.randint(0, 9, (4, 5)), torch.randint(0, 3, (4, 5))
+    _, expected, _ = oracle.per_sample(model, ids, y)
+    with pytest.warns(ief.SlowPathWarning, match=r"pos\.weight \(Embedding input shapes \(1, 5\)"):
+        got = ief.per_sample(model, ids, y).jacobian
+    assert _rel(got, expected) < F64_RTOL
+
+
+class _Hidden(torch.autograd.Function):
+    """``x + p`` inside an autograd.Function: a use of ``p`` that no torch function call shows."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        return x + p
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g.sum(0)
+
+
+class _HiddenUse(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.randn(4))
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(_Hidden.apply(x, self.p) + self.p))
+
+
+def test_a_use_the_tracker_cannot_see_raises_rather_than_being_missed():
+    torch.manual_seed(0)
+    model = _HiddenUse().double()
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with pytest.raises(ief.PerSampleGradientMismatch, match=r"\bp \(used broadcast"):
+        ief.per_sample(model, x, y)
+
+
+def test_broadcast_rows_keep_nothing_of_the_call_alive():
+    """As ``test_per_sample_keeps_nothing_of_the_call_alive``: the uses' gradient hooks close no cycle."""
+    import gc
+
+    model, x, y = _vit()
+    live = []
+    for _ in range(4):
+        result = _no_loop(model, x, y, form="auto")
+        del result
+        gc.collect()
+        live.append(sum(1 for o in gc.get_objects() if torch.is_tensor(o)))
+    assert live[1:] == live[:1] * 3, f"tensors alive after each call: {live}"
+
+
+def test_the_one_sample_batch_and_sampled_jacobians_of_a_broadcast_model():
+    """M = 1 (no probe: the whole call is the sample's) and gradient_and_sampled_jacobian (two backward passes through
+    the same uses: the second's rows are not the sum of both)."""
+    model, x, y = _gpt2()
+    one = {k: v[:1] for k, v in x.items()}
+    _, expected, _ = oracle.per_sample(model, one, y[1:2])
+    assert _rel(ief.per_sample(model, one, y[1:2]).jacobian, expected) < F64_RTOL
+    gen = torch.Generator().manual_seed(3)
+    losses, grad, sampled = ief.jacobian.gradient_and_sampled_jacobian(model, x, y, generator=gen)
+    gen = torch.Generator().manual_seed(3)
+    again = ief.sampled_jacobian(model, x, y, generator=gen)
+    assert _rel(sampled, again) < F64_RTOL
+    _, expected, _ = oracle.per_sample(model, x, y)
+    assert _rel(grad, expected.sum(0)) < F64_RTOL

@@ -10,8 +10,9 @@ fails on a data-dependent check in ``transformers.masking_utils``, whereas hooks
 work with every attention implementation (SDPA included) and add little to a plain backward for LoRA and prompt
 parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), HF ``Conv1D`` (GPT-2, :mod:`ief.layer_rules`),
 ``nn.Embedding`` (prompt tuning),
-``nn.LayerNorm``, ``nn.Conv2d`` with zero padding (unfolded: a linear layer over the output positions, see
-:mod:`ief.conv_rules`) and ``nn.BatchNorm2d`` in eval mode (running statistics: a per-channel affine map). Bare
+``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.Conv2d`` / ``nn.Conv1d`` with zero padding (unfolded: a linear layer over
+the output positions, see :mod:`ief.conv_rules`) and ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode (running
+statistics: a per-channel affine map). Bare
 parameters and embedding calls that every sample shares (ViT's ``cls_token`` and ``position_embeddings``, position
 embeddings fed ``[1, T]`` ids) have rows too when their only uses add them to, or expand them over, the batch
 (:mod:`ief.broadcast_uses`).
@@ -32,8 +33,7 @@ one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs
 ``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the batch gradient, the guard
 and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
 
-Every trainable parameter that is not in a hooked module (a ``Conv2d`` with reflect / circular padding, a ``Conv1d``,
-an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter`` used otherwise than broadcast), whose module had a call without an
+Every trainable parameter that is not in a hooked module (a convolution with reflect / circular padding, an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter`` used otherwise than broadcast), whose module had a call without an
 established sample axis, or that is also used outside its hooked module (a tied weight, see below) falls back to an
 exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names
 those parameters once per model.
@@ -73,10 +73,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .conv_rules import conv2d_factors, conv2d_is_unfoldable
+from .conv_rules import conv_factors, conv_is_unfoldable
 from .broadcast_uses import Use, UseTracker, check_sums, establish, per_sample_rows
 from .curvature import differentiable_kernels
-from .layer_rules import hf_conv1d_grads, is_hf_conv1d
+from .layer_rules import groupnorm_grads, hf_conv1d_grads, is_hf_conv1d
 from .logit_jvp import jvps_any_mode
 from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
@@ -344,9 +344,9 @@ def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tenso
         _write(dests["bias"], g.reshape(shape).sum(dim=1), accumulate)
 
 
-def _conv2d_grads(module: torch.nn.Conv2d, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
+def _conv_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
     dtype = next(iter(dests.values())).dtype
-    a, g = conv2d_factors(module, x.to(dtype), g.to(dtype))  # [M, groups, L, I], [M, groups, L, O]
+    a, g = conv_factors(module, x.to(dtype), g.to(dtype))  # [M, groups, L, I], [M, groups, L, O]
     m, groups = a.shape[:2]
     if "weight" in dests:  # per group sum_l g_l a_l^T; in place (no J-sized temporary) without groups
         block = dests["weight"].unflatten(1, (groups, g.shape[-1], a.shape[-1]))  # [M, groups, O, I]
@@ -358,33 +358,40 @@ def _conv2d_grads(module: torch.nn.Conv2d, x: torch.Tensor, g: torch.Tensor, des
         _write(dests["bias"], g.sum(dim=2), accumulate)
 
 
-def _batchnorm_eval_grads(module: torch.nn.BatchNorm2d, x: torch.Tensor, g: torch.Tensor, dests, accumulate) -> None:
+def _batchnorm_eval_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, dests, accumulate) -> None:
     """Batch norm with running statistics (eval mode) is a per-channel affine map of ``x_hat``: sample ``n``'s
-    gradients are ``sum_positions g * x_hat`` (weight) and ``sum_positions g`` (bias); ``x [M, C, H, W]``."""
-    x = x.to(g.dtype)
-    shape = (1, -1, 1, 1)
-    x_hat = (x - module.running_mean.to(g.dtype).view(shape)) * torch.rsqrt(
-        module.running_var.to(g.dtype).view(shape) + module.eps
+    gradients are ``sum_positions g * x_hat`` (weight) and ``sum_positions g`` (bias); ``x [M, C, *positions]``
+    (``BatchNorm1d``: ``[M, C]`` or ``[M, C, L]``; ``BatchNorm2d``: ``[M, C, H, W]``)."""
+    m, c = x.shape[:2]
+    x, g = x.to(g.dtype).reshape(m, c, -1), g.reshape(m, c, -1)
+    x_hat = (x - module.running_mean.to(g.dtype).view(1, -1, 1)) * torch.rsqrt(
+        module.running_var.to(g.dtype).view(1, -1, 1) + module.eps
     )
     if "weight" in dests:
-        _write(dests["weight"], (g * x_hat).sum(dim=(2, 3)), accumulate)
+        _write(dests["weight"], (g * x_hat).sum(dim=2), accumulate)
     if "bias" in dests:
-        _write(dests["bias"], g.sum(dim=(2, 3)), accumulate)
+        _write(dests["bias"], g.sum(dim=2), accumulate)
+
+
+BATCH_FIRST = -1  # "features" of a layer whose input is [N, C, *] and whose sample axis can only be N (normalisations)
 
 
 def _hook_rule(module: torch.nn.Module) -> tuple[Callable, int] | None:
-    """The rule of a hooked module type and how many trailing dimensions of its input are features (not samples)."""
+    """The rule of a hooked module type and how many trailing dimensions of its input are features (not samples), or
+    :data:`BATCH_FIRST`."""
     if type(module) is torch.nn.Linear:
         return _linear_grads, 1
     if is_hf_conv1d(module):
         return hf_conv1d_grads, 1
-    if conv2d_is_unfoldable(module):
-        return _conv2d_grads, 3
+    if conv_is_unfoldable(module):
+        return _conv_grads, 3 if type(module) is torch.nn.Conv2d else 2
     if (
-        type(module) is torch.nn.BatchNorm2d and module.affine and not module.training
+        type(module) in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d) and module.affine and not module.training
         and module.running_mean is not None
     ):
-        return _batchnorm_eval_grads, 3
+        return _batchnorm_eval_grads, BATCH_FIRST
+    if type(module) is torch.nn.GroupNorm and module.affine:
+        return groupnorm_grads, BATCH_FIRST
     if type(module) is torch.nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
         return _embedding_grads, 0
     if type(module) is torch.nn.LayerNorm and getattr(module, "elementwise_affine", True):
@@ -425,7 +432,8 @@ def _sample_axis(full: tuple | None, probe: tuple | None, m: int, features: int)
     if len(changed) != 1:
         return None
     d = changed[0]
-    return d if full[d] == m and probe[d] == 1 and d < len(full) - features else None
+    limit = 1 if features == BATCH_FIRST else len(full) - features
+    return d if full[d] == m and probe[d] == 1 and d < limit else None
 
 
 # The established axes, per model and shape signature (a handful of signatures per model: the last ones used).
@@ -642,10 +650,19 @@ class _Capture:
         """Give every call its sample axis (probed or cached); modules with a call without one fall back."""
         if not self.modules and self.tracker is None:
             return
-        if m == 1:
-            for calls in self.records.values():
-                for rec in calls:
-                    rec[2] = WHOLE_CALL
+        if m == 1:  # the whole call is sample 0's; a [N, C, *] layer's own batch dimension N must be that sample
+            reasons = {}
+            for k, (module, _, features, _) in enumerate(self.modules):
+                batched = features == BATCH_FIRST or conv_is_unfoldable(module)
+                for rec in self.records[k]:
+                    x = rec[0]
+                    if not batched or (x is not None and x.dim() == features):  # flattened rules; unbatched conv
+                        rec[2] = WHOLE_CALL
+                    else:
+                        rec[2] = 0 if x is not None and x.dim() > 1 and x.shape[0] == 1 else None
+                if any(rec[2] is None for rec in self.records[k]):
+                    reasons[k] = f"{type(module).__name__} called on a batch of several instances for one sample"
+            self.demote(reasons)
             return
         full = self.call_shapes()
         uses = None if self.tracker is None else (_use_shapes(self.tracker.uses), frozenset(self.tracker.unsupported))
@@ -799,8 +816,8 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
     listed = "; ".join(f"{', '.join(ns)} ({why})" for why, ns in reasons.items())
     warnings.warn(
         f"{len(loop)} of {len(names)} parameter tensors take the per-sample loop of {m} backward passes (exact, but "
-        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, HF Conv1D, nn.Embedding, nn.LayerNorm, nn.Conv2d (zero "
-        "padding), nn.BatchNorm2d (eval mode) whose input has a sample dimension, and parameters or embedding "
+        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, HF Conv1D, nn.Embedding, nn.LayerNorm, nn.GroupNorm, "
+        "nn.Conv1d / nn.Conv2d (zero padding), nn.BatchNorm1d / 2d (eval mode) whose input has a sample dimension, and parameters or embedding "
         "outputs only added to or expanded over the batch; pass params= to precondition only those. For peft prompt tuning, call "
         "ief.per_sample_prompts(model) once after get_peft_model.",
         SlowPathWarning,
@@ -819,7 +836,7 @@ def _factored_weight(module: torch.nn.Module) -> bool:
     ``nn.Conv2d`` with one group, ``A`` its unfolded input; HF ``Conv1D``, whose ``[in, out]`` weight is
     ``X_n^T G_n``: ``A`` its output gradients, ``G`` its inputs)."""
     return type(module) is torch.nn.Linear or is_hf_conv1d(module) or (
-        conv2d_is_unfoldable(module) and module.groups == 1)
+        conv_is_unfoldable(module) and module.groups == 1)
 
 
 def _positions_of(module: torch.nn.Module, grad: torch.Tensor) -> int:
@@ -836,7 +853,7 @@ def _weight_factors(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor
         return x.reshape(m, -1, x.shape[-1]), grad.reshape(m, -1, grad.shape[-1])
     if is_hf_conv1d(module):
         return grad.reshape(m, -1, grad.shape[-1]), x.reshape(m, -1, x.shape[-1])
-    a, g = conv2d_factors(module, x, grad)
+    a, g = conv_factors(module, x, grad)
     return a[:, 0], g[:, 0]
 
 

@@ -7,6 +7,8 @@ first, and writes sample ``n``'s gradient of every parameter into ``dests`` (nam
 
 - HF ``Conv1D`` (``transformers.pytorch_utils``: GPT-2's linear layer, ``y = x W + b`` with ``W [in, out]``, the
   transpose of ``nn.Linear``'s layout): ``J_n = A_n^T G_n`` summed over the positions, ``G_n^T 1`` for the bias.
+- ``nn.GroupNorm``: each sample is normalised on its own (per group), ``x_hat`` from that sample's statistics; the
+  rows are ``sum_positions g * x_hat`` (weight) and ``sum_positions g`` (bias) per channel.
 """
 from __future__ import annotations
 
@@ -36,3 +38,17 @@ def hf_conv1d_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, d
         block.baddbmm_(a.transpose(1, 2), g, beta=1 if accumulate else 0)
     if "bias" in dests:
         _write(dests["bias"], g.sum(dim=1), accumulate)
+
+
+def groupnorm_grads(module: torch.nn.GroupNorm, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
+    """``nn.GroupNorm`` on ``x [M, C, *positions]``: per channel ``sum_positions g * x_hat`` and ``sum_positions g``,
+    ``x_hat`` normalised over each sample's group (two-pass variance, as the layer computes it)."""
+    m, c = x.shape[:2]
+    grouped = x.to(g.dtype).reshape(m, module.num_groups, -1)
+    centred = grouped - grouped.mean(dim=2, keepdim=True)
+    x_hat = (centred * torch.rsqrt(centred.square().mean(dim=2, keepdim=True) + module.eps)).reshape(m, c, -1)
+    g = g.reshape(m, c, -1)
+    if "weight" in dests:
+        _write(dests["weight"], (g * x_hat).sum(dim=2), accumulate)
+    if "bias" in dests:
+        _write(dests["bias"], g.sum(dim=2), accumulate)

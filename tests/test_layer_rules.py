@@ -342,3 +342,125 @@ def test_the_one_sample_batch_and_sampled_jacobians_of_a_broadcast_model():
     assert _rel(sampled, again) < F64_RTOL
     _, expected, _ = oracle.per_sample(model, x, y)
     assert _rel(grad, expected.sum(0)) < F64_RTOL
+
+
+# ------------------------------------------------------------------------ Conv1d, GroupNorm, eval BatchNorm1d
+class _Conv1dNet(torch.nn.Module):
+    """Conv1d (zero padding, stride, dilation, groups) - GroupNorm - Conv1d ("same") - BatchNorm1d (eval) - head."""
+
+    def __init__(self, groups: int, padding):
+        super().__init__()
+        self.conv1 = torch.nn.Conv1d(4, 6, 3, stride=2, dilation=1, padding=1, groups=groups)
+        self.gn = torch.nn.GroupNorm(3, 6)
+        self.conv2 = torch.nn.Conv1d(6, 4, 2, dilation=2, padding=padding)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 3)
+        with torch.no_grad():  # generic affine parameters and running statistics
+            for p in (self.gn.weight, self.gn.bias, self.bn.weight, self.bn.bias, self.bn.running_mean):
+                p.normal_()
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):  # [M, 4, L] -> per-position logits [M, L', 3]
+        h = torch.tanh(self.gn(self.conv1(x)))
+        h = self.bn(self.conv2(h))
+        return self.head(torch.tanh(h).transpose(1, 2))
+
+
+def _conv1d_net_case(dtype=torch.float64, groups=2, padding="same", m=5):
+    torch.manual_seed(0)
+    model = _Conv1dNet(groups, padding).to(dtype).eval()
+    x = torch.randn(m, 4, 9, dtype=torch.float64).to(dtype)
+    length = model(x).shape[1]
+    y = torch.randint(0, 3, (m, length))
+    y[2] = IGNORE
+    y[0, 1] = IGNORE
+    return model, x, y
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("groups, padding", [(1, "same"), (2, "same"), (1, 0), (2, 1)])
+def test_conv1d_groupnorm_and_eval_batchnorm1d_are_hooked_and_exact(form, groups, padding):
+    model, x, y = _conv1d_net_case(groups=groups, padding=padding)
+    got = _no_loop(model, x, y, form=form)
+    _, expected, _ = oracle.per_sample(model, x, y)
+    jac = _dense(got.jacobian)
+    assert _rel(jac, expected) < F64_RTOL
+    assert float(jac[2].abs().max()) == 0.0
+    assert _rel(jac, _vmap_rows(model, x, y, list(model.parameters()))) < F64_RTOL
+    if form == "ghost":  # one-group convolution weights as factors
+        assert len(got.jacobian.ghosts) == (2 if groups == 1 else 1) + 1
+
+
+@pytest.mark.parametrize("form", ["dense", "auto"])
+def test_conv1d_groupnorm_batchnorm1d_float32_and_the_exact_check(form):
+    model, x, y = _conv1d_net_case(torch.float32)
+    got = _dense(_no_loop(model, x, y, form=form, check="exact").jacobian)
+    model64, x64, _ = _conv1d_net_case()
+    _, expected, _ = oracle.per_sample(model64, x64, y)
+    assert got.dtype == torch.float32 and _rel(got, expected) < F32_RTOL
+
+
+def test_batchnorm1d_on_features_and_groupnorm_on_images():
+    """``[M, C]`` batch norm and a 2-d group norm, M = 4 and M = 1, against the loop."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.GroupNorm(2, 4), torch.nn.Tanh(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 5 * 5, 6), torch.nn.BatchNorm1d(6),
+                                torch.nn.Tanh(), torch.nn.Linear(6, 3)).double().eval()
+    with torch.no_grad():
+        model[5].running_mean.normal_()
+        model[5].running_var.uniform_(0.5, 2.0)
+        model[5].weight.normal_()
+    x, y = torch.randn(4, 2, 5, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    got = _no_loop(model, x, y).jacobian
+    _, expected, _ = oracle.per_sample(model, x, y)
+    assert _rel(got, expected) < F64_RTOL
+    one = _no_loop(model, x[:1], y[:1]).jacobian  # M = 1: the normalisations' batch dimension is the sample
+    assert _rel(one, oracle.per_sample(model, x[:1], y[:1])[1]) < F64_RTOL
+
+
+def test_a_groupnorm_fed_several_instances_per_sample_keeps_the_loop():
+    """Samples folded into GroupNorm's batch dimension ([M * 2, C, L]): no dimension is the sample's, the loop."""
+
+    class Folded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gn = torch.nn.GroupNorm(2, 4)
+            self.head = torch.nn.Linear(4 * 2 * 3, 3)
+
+        def forward(self, x):  # [M, 8, 3]
+            return self.head(torch.tanh(self.gn(x.reshape(-1, 4, 3))).reshape(x.shape[0], -1))
+
+    torch.manual_seed(0)
+    model = Folded().double()
+    x, y = torch.randn(4, 8, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with pytest.warns(ief.SlowPathWarning, match=r"gn\.weight, gn\.bias \(GroupNorm input shapes \(8, 4, 3\)"):
+        got = ief.per_sample(model, x, y).jacobian
+    assert _rel(got, oracle.per_sample(model, x, y)[1]) < F64_RTOL
+    one = ief.per_sample(model, x[:1], y[:1]).jacobian  # M = 1: two instances of one sample, the loop of one
+    assert _rel(one, oracle.per_sample(model, x[:1], y[:1])[1]) < F64_RTOL
+
+
+@pytest.mark.parametrize("padding", [0, 1, 2])  # BackPACK refuses padding="same" (the loop and vmap cover it)
+def test_conv1d_and_eval_batchnorm1d_match_backpack_batchgrad(padding):
+    """BackPACK's BatchGrad covers ``Conv1d`` and eval-mode ``BatchNorm1d`` (not ``GroupNorm``): the same rows."""
+    from backpack import backpack, extend
+    from backpack.extensions import BatchGrad
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 4, 3, padding=padding, dilation=2 if padding == 2 else 1),
+                                torch.nn.BatchNorm1d(4), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    x, y = torch.randn(5, 2, 7, dtype=torch.float64), torch.randint(0, 3, (5,))
+    model = model.double()
+    model(x)  # materialise the lazy head
+    model.eval()
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2.0)
+        model[1].weight.normal_()
+    got = _no_loop(model, x, y).jacobian
+    extended = extend(model)
+    loss = extend(torch.nn.CrossEntropyLoss(reduction="sum"))(extended(x), y)
+    with backpack(BatchGrad()):
+        loss.backward()
+    expected = torch.cat([p.grad_batch.reshape(5, -1) for p in extended.parameters()], dim=1)
+    assert _rel(got, expected) < F64_RTOL

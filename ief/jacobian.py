@@ -76,7 +76,7 @@ import torch
 from .conv_rules import conv_factors, conv_is_unfoldable
 from .broadcast_uses import Use, UseTracker, check_sums, establish, per_sample_rows
 from .curvature import differentiable_kernels
-from .layer_rules import groupnorm_grads, hf_conv1d_grads, is_hf_conv1d
+from .layer_rules import groupnorm_grads, hf_conv1d_grads, is_hf_conv1d, mha_batch_dim, mha_grads, mha_is_replayable
 from .logit_jvp import jvps_any_mode
 from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
@@ -392,6 +392,8 @@ def _hook_rule(module: torch.nn.Module) -> tuple[Callable, int] | None:
         return _batchnorm_eval_grads, BATCH_FIRST
     if type(module) is torch.nn.GroupNorm and module.affine:
         return groupnorm_grads, BATCH_FIRST
+    if mha_is_replayable(module):
+        return mha_grads, 1
     if type(module) is torch.nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
         return _embedding_grads, 0
     if type(module) is torch.nn.LayerNorm and getattr(module, "elementwise_affine", True):
@@ -400,6 +402,12 @@ def _hook_rule(module: torch.nn.Module) -> tuple[Callable, int] | None:
 
 
 WHOLE_CALL = -1  # the sample "axis" of every call when M = 1: the whole call belongs to sample 0
+
+
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The (sub)module holding parameter ``name`` of ``module`` (``"out_proj.weight"``) and its own name for it."""
+    prefix, _, leaf = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), leaf
 
 
 class _BroadcastCall:
@@ -495,7 +503,9 @@ class _Capture:
             rule = _hook_rule(module)
             if rule is None:
                 continue
-            owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=False) if id(p) in index}
+            # a MultiheadAttention also owns its out_proj's parameters (used inside its call, never as a module)
+            recurse = type(module) is torch.nn.MultiheadAttention
+            owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=recurse) if id(p) in index}
             if owned and not (set(owned.values()) & covered):
                 self.modules.append((module, *rule, owned))
                 covered.update(owned.values())
@@ -531,7 +541,10 @@ class _Capture:
             self.records[k] = []
             self.edges[k] = []
             # first of the module's forward hooks: the output as the layer returned it (another hook may replace it)
-            self.handles.append(module.register_forward_hook(self._forward_hook(k), prepend=True))
+            if type(module) is torch.nn.MultiheadAttention and self.swap:
+                self.handles.append(module.register_forward_hook(self._mha_hook(k), prepend=True, with_kwargs=True))
+            else:
+                self.handles.append(module.register_forward_hook(self._forward_hook(k), prepend=True))
             if self.swap:  # last of the pre-hooks, first of the hooks: other hooks see the real parameters
                 self.handles.append(module.register_forward_pre_hook(self._install(owned)))
                 self.handles.append(module.register_forward_hook(self._restore(owned), prepend=True, always_call=True))
@@ -552,12 +565,13 @@ class _Capture:
             if not torch.is_grad_enabled():
                 return
             for name, i in owned.items():
-                p = module._parameters.get(name)
-                if p is not self.params[i] or (id(module), name) in self._originals:
+                owner, leaf = _owner(module, name)
+                p = owner._parameters.get(leaf)
+                if p is not self.params[i] or (id(owner), leaf) in self._originals:
                     continue
                 stand_in = p.detach().requires_grad_()  # shares p's storage and version counter
-                self._originals[(id(module), name)] = (module, p)
-                module._parameters[name] = stand_in
+                self._originals[(id(owner), leaf)] = (owner, p)
+                owner._parameters[leaf] = stand_in
                 self.stand_ins.setdefault(i, []).append(stand_in)
 
         return pre_hook
@@ -565,7 +579,8 @@ class _Capture:
     def _restore(self, owned: dict[str, int]):
         def hook(module, args, output):
             for name in owned:
-                self._put_back(id(module), name)
+                owner, leaf = _owner(module, name)
+                self._put_back(id(owner), leaf)
 
         return hook
 
@@ -590,6 +605,34 @@ class _Capture:
                         x.dim() == 0 or x.shape[0] == 1 or self.batch_size not in x.shape):
                     self.embedding_candidates.add((k, n))  # ids shared by all samples (e.g. [1, T] positions)
                     self.tracker.watch(output, ("call", k, n))
+
+        return hook
+
+    def _mha_hook(self, k: int):
+        """Records a ``MultiheadAttention`` call: ``[query, dL/d attn_output, axis, (args, kwargs), dL/d weights]``,
+        its inputs detached (:func:`ief.layer_rules.mha_grads` replays the call per sample)."""
+        calls, edges = self.records[k], self.edges[k]
+
+        def hook(module, args, kwargs, output):
+            out, weights = output
+            if not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.requires_grad:
+                return
+            detach = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
+            call = (tuple(detach(v) for v in args), {n: detach(v) for n, v in kwargs.items()})
+            query = call[0][0] if call[0] else call[1].get("query")
+            record = [query, None, None, call, None]
+            calls.append(record)
+
+            def keep(slot):
+                def add(grad):
+                    record[slot] = grad if record[slot] is None else record[slot] + grad
+                return add
+
+            out.register_hook(keep(1))
+            edges.append(torch.autograd.graph.get_gradient_edge(out))
+            if isinstance(weights, torch.Tensor) and weights.requires_grad:
+                weights.register_hook(keep(4))
+                edges.append(torch.autograd.graph.get_gradient_edge(weights))
 
         return hook
 
@@ -623,6 +666,8 @@ class _Capture:
 
         def shape_hook(k):
             def hook(module, args, output):
+                if isinstance(output, tuple) and type(module) is torch.nn.MultiheadAttention:
+                    output = output[0]
                 if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                     if tracker is not None and (k, len(seen[k])) in self.embedding_candidates:
                         tracker.watch(output, ("call", k, len(seen[k])))
@@ -656,7 +701,10 @@ class _Capture:
                 batched = features == BATCH_FIRST or conv_is_unfoldable(module)
                 for rec in self.records[k]:
                     x = rec[0]
-                    if not batched or (x is not None and x.dim() == features):  # flattened rules; unbatched conv
+                    if type(module) is torch.nn.MultiheadAttention:  # a batched call: the batch is the sample
+                        one = x is not None and x.dim() == 3 and x.shape[mha_batch_dim(module)] == 1
+                        rec[2] = mha_batch_dim(module) if one else None
+                    elif not batched or (x is not None and x.dim() == features):  # flattened rules; unbatched conv
                         rec[2] = WHOLE_CALL
                     else:
                         rec[2] = 0 if x is not None and x.dim() > 1 and x.shape[0] == 1 else None
@@ -698,6 +746,8 @@ class _Capture:
         for k, entry in enumerate(self.modules):
             call_axes = [_BroadcastCall(shared[("call", k, j)]) if axis is None and ("call", k, j) in shared else axis
                          for j, axis in enumerate(axes[k])]
+            if type(entry[0]) is torch.nn.MultiheadAttention:  # its samples must be its own batch: no other mixes
+                call_axes = [axis if axis == mha_batch_dim(entry[0]) else None for axis in call_axes]
             if all(axis is not None for axis in call_axes):
                 for rec, axis in zip(self.records[k], call_axes):
                     rec[2] = axis
@@ -755,7 +805,11 @@ class _Capture:
 
     def calls(self, k: int):
         """``(input, output gradient)`` of module ``k``'s calls that reached the loss, sample axis first."""
-        for x, grad, axis, *_ in self.records[k]:
+        for x, grad, axis, *rest in self.records[k]:
+            if rest and rest[0] is not None:  # a MultiheadAttention call: replayed from its whole input
+                if grad is not None or rest[1] is not None:
+                    yield (rest[0], axis), (grad, rest[1])
+                continue
             if grad is None:  # this call's output did not reach the loss
                 continue
             if isinstance(axis, _BroadcastCall):  # ids shared by every sample: each sample's gradient of the output
@@ -817,7 +871,8 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
     warnings.warn(
         f"{len(loop)} of {len(names)} parameter tensors take the per-sample loop of {m} backward passes (exact, but "
         f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, HF Conv1D, nn.Embedding, nn.LayerNorm, nn.GroupNorm, "
-        "nn.Conv1d / nn.Conv2d (zero padding), nn.BatchNorm1d / 2d (eval mode) whose input has a sample dimension, and parameters or embedding "
+        "nn.Conv1d / nn.Conv2d (zero padding), nn.BatchNorm1d / 2d (eval mode), torch.nn attention (no dropout) "
+        "whose input has a sample dimension, and parameters or embedding "
         "outputs only added to or expanded over the batch; pass params= to precondition only those. For peft prompt tuning, call "
         "ief.per_sample_prompts(model) once after get_peft_model.",
         SlowPathWarning,

@@ -464,3 +464,105 @@ def test_conv1d_and_eval_batchnorm1d_match_backpack_batchgrad(padding):
         loss.backward()
     expected = torch.cat([p.grad_batch.reshape(5, -1) for p in extended.parameters()], dim=1)
     assert _rel(got, expected) < F64_RTOL
+
+
+# -------------------------------------------------------------------------------------- nn.MultiheadAttention
+class _Attention(torch.nn.Module):
+    """``nn.MultiheadAttention`` in the ways models call it: self-attention with a key padding mask, batch-first or
+    sequence-first; cross-attention with other key / value widths (separate q/k/v projections) and bias_k / bias_v;
+    a per-sample 3-d attention mask; attention weights that reach the loss."""
+
+    def __init__(self, how: str, batch_first: bool = True):
+        super().__init__()
+        self.how, self.batch_first = how, batch_first
+        kv = dict(kdim=3, vdim=5, add_bias_kv=True) if how == "cross" else {}
+        self.attn = torch.nn.MultiheadAttention(4, 2, batch_first=batch_first, **kv)
+        self.memory = torch.nn.Linear(4, 3) if how == "cross" else None
+        self.value = torch.nn.Linear(4, 5) if how == "cross" else None
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):  # [M, T, 4] -> [M, T, 3]
+        pad = x[..., 0] > 0.5  # each sample's own padding (from its data: the probe runs one sample alone)
+        pad[:, 0] = False
+        q = x if self.batch_first else x.transpose(0, 1)
+        if self.how == "cross":
+            k, v = torch.tanh(self.memory(x)), torch.tanh(self.value(x))
+            k, v = (k, v) if self.batch_first else (k.transpose(0, 1), v.transpose(0, 1))
+            out, _ = self.attn(q, k, v, key_padding_mask=pad, need_weights=False)
+        elif self.how == "mask3d":  # sample n's own [heads, T, T] additive mask
+            mask = 0.3 * torch.einsum("mti,msi->mts", x, x).repeat_interleave(2, dim=0)
+            out, _ = self.attn(q, q, q, attn_mask=mask, need_weights=False)
+        elif self.how == "weights":  # the averaged attention weights reach the loss too
+            out, w = self.attn(q, q, q, key_padding_mask=pad)
+            out = out + (w.sum(-1, keepdim=True) if self.batch_first else w.sum(-1, keepdim=True).transpose(0, 1))
+        else:
+            out, _ = self.attn(q, q, q, key_padding_mask=pad, need_weights=False)
+        out = out if self.batch_first else out.transpose(0, 1)
+        return self.head(torch.tanh(out + x))
+
+
+def _attention_case(how, batch_first=True, dtype=torch.float64, m=4, t=5):
+    torch.manual_seed(0)
+    model = _Attention(how, batch_first).to(dtype).eval()
+    x = torch.randn(m, t, 4, dtype=torch.float64).to(dtype)
+    y = torch.randint(0, 3, (m, t))
+    y[2] = IGNORE
+    y[1, -2:] = IGNORE
+    return model, x, y
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("how", ["self", "cross", "mask3d", "weights"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "sequence-first"])
+def test_multihead_attention_is_hooked_and_exact(how, batch_first, form):
+    model, x, y = _attention_case(how, batch_first)
+    got = _no_loop(model, x, y, form=form)
+    _, expected, _ = oracle.per_sample(model, x, y)
+    jac = _dense(got.jacobian)
+    assert _rel(jac, expected) < F64_RTOL
+    assert float(jac[2].abs().max()) == 0.0
+    assert _rel(got.gradient, expected.sum(0)) < F64_RTOL
+
+
+def test_multihead_attention_matches_vmap_and_passes_the_exact_check_in_float32():
+    model, x, y = _attention_case("cross")
+    assert _rel(_no_loop(model, x, y).jacobian, _vmap_rows(model, x, y, list(model.parameters()))) < F64_RTOL
+    model32, x32, _ = _attention_case("cross", dtype=torch.float32)
+    got = _no_loop(model32, x32, y, check="exact", form="auto").jacobian.materialize()
+    assert got.dtype == torch.float32 and _rel(got, oracle.per_sample(model, x, y)[1]) < F32_RTOL
+    one = _no_loop(model, x[:1], y[:1]).jacobian  # M = 1
+    assert _rel(one, oracle.per_sample(model, x[:1], y[:1])[1]) < F64_RTOL
+
+
+def test_multihead_attention_with_dropout_in_training_keeps_the_loop():
+    """A replay would redraw the attention dropout masks: the exact loop instead, with a SlowPathWarning."""
+    model, x, y = _attention_case("self")
+    model.attn.dropout = 0.3
+    model.train()
+    with pytest.warns(ief.SlowPathWarning, match=r"attn\.in_proj_weight, attn\.in_proj_bias \(MultiheadAttention"):
+        ief.per_sample(model, x, y)
+
+
+def test_multihead_attention_whose_batch_is_not_the_samples_keeps_the_loop():
+    """[M, T, E] into a sequence-first layer: the layer attends across the samples; its rows are not per-call
+    products, so the loop (exact whatever the layer does)."""
+
+    class Across(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(4, 2)  # sequence-first: dimension 0 is its sequence
+            self.head = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+    torch.manual_seed(0)
+    model = Across().double()
+    x, y = torch.randn(4, 5, 4, dtype=torch.float64), torch.randint(0, 3, (4, 5))
+    with pytest.warns(ief.SlowPathWarning, match=r"attn\.in_proj_weight"):
+        got = ief.per_sample(model, x, y).jacobian
+    z = model(x)  # the samples are mixed: the rows are gradients of each l_n through this batch's graph
+    params = list(model.parameters())
+    expected = torch.stack([oracle.flat_grad(oracle.sample_loss(z[n : n + 1], y[n : n + 1], "cross_entropy"), params)
+                            for n in range(4)])
+    assert _rel(got, expected) < F64_RTOL

@@ -28,15 +28,16 @@ training loop with fixed shapes pays for it once; any new shape, ``T == M`` incl
 ``M = 1`` every call belongs to the one sample and no probe is needed.
 
 ``J`` comes in two forms (``form=``): the ``[M, P]`` tensor (``"dense"``), or a :class:`FactoredJacobian`
-(``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` weight (and each
-one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs and output gradients and gives
-``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the batch gradient, the guard
-and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
+(``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` / HF ``Conv1D`` weight
+(and each one-group ``nn.Conv2d`` / ``nn.Conv1d`` weight, its input unfolded) as its layer's hooked inputs and output
+gradients and gives ``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the batch
+gradient, the guard and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
 
-Every trainable parameter that is not in a hooked module (a convolution with reflect / circular padding, an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter`` used otherwise than broadcast), whose module had a call without an
-established sample axis, or that is also used outside its hooked module (a tied weight, see below) falls back to an
-exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names
-those parameters once per model.
+Every trainable parameter that is not in a hooked module (a convolution with reflect / circular padding, an RNN, an
+``nn.MultiheadAttention`` with dropout in training, a bare ``nn.Parameter`` used otherwise than broadcast), whose
+module had a call without an established sample axis, or that is also used outside its hooked module (a tied weight,
+see below) falls back to an exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a
+:class:`SlowPathWarning` names those parameters once per model.
 
 The hooks assume what per-sample gradients presuppose: sample ``n``'s slice of a hooked input depends on sample ``n``
 alone (no layer mixes or reorders samples along the sample axis), and that a hooked parameter is used only by its
@@ -870,10 +871,10 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
     listed = "; ".join(f"{', '.join(ns)} ({why})" for why, ns in reasons.items())
     warnings.warn(
         f"{len(loop)} of {len(names)} parameter tensors take the per-sample loop of {m} backward passes (exact, but "
-        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, HF Conv1D, nn.Embedding, nn.LayerNorm, nn.GroupNorm, "
-        "nn.Conv1d / nn.Conv2d (zero padding), nn.BatchNorm1d / 2d (eval mode), torch.nn attention (no dropout) "
-        "whose input has a sample dimension, and parameters or embedding "
-        "outputs only added to or expanded over the batch; pass params= to precondition only those. For peft prompt tuning, call "
+        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, HF Conv1D, nn.Embedding, nn.LayerNorm, "
+        "nn.GroupNorm, nn.Conv1d / nn.Conv2d (zero padding), nn.BatchNorm1d / 2d (eval mode), torch.nn attention (no "
+        "dropout) whose input has a sample dimension, and parameters or embedding outputs only added to or expanded "
+        "over the batch; pass params= to precondition only those. For peft prompt tuning, call "
         "ief.per_sample_prompts(model) once after get_peft_model.",
         SlowPathWarning,
         stacklevel=4,

@@ -1,4 +1,4 @@
-"""``nn.Conv2d`` as a linear layer over positions, for the per-sample hooks of :mod:`ief.jacobian`.
+"""``nn.Conv2d`` and ``nn.Conv1d`` as linear layers over positions, for the per-sample hooks of :mod:`ief.jacobian`.
 
 A 2-d convolution is ``y[:, :, l] = W x_l`` for every output position ``l``, with ``x_l`` the input patch that position
 sees (the columns of ``F.unfold``). Per group ``k`` of ``groups``, with ``A_n [L, C_in kh kw / groups]`` the unfolded
@@ -7,8 +7,9 @@ gradient is ``G_n^T A_n`` (``[C_out / groups, C_in kh kw / groups]``; the group'
 ``[C_out, C_in / groups, kh, kw]``) and the bias gradient is ``G_n^T 1``: the same algebra as ``nn.Linear`` with the
 ``L`` positions as its positions (``sec:app-iEF-impl``; BackPACK's BatchGrad and Opacus do the same).
 
-Only ``padding_mode="zeros"`` is unfolded; reflect / replicate / circular padding (and ``Conv1d``, ``Conv3d``,
-transposed convolutions) keep the exact per-sample loop of :mod:`ief.jacobian`.
+A ``Conv1d`` is the ``Conv2d`` of height 1 (``x [M, C, L]`` viewed ``[M, C, 1, L]``, kernel ``(1, k)``). Only
+``padding_mode="zeros"`` is unfolded; reflect / replicate / circular padding (and ``Conv3d``, transposed convolutions)
+keep the exact per-sample loop of :mod:`ief.jacobian`.
 """
 from __future__ import annotations
 
@@ -16,23 +17,32 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 
-def conv2d_is_unfoldable(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a plain ``nn.Conv2d`` whose per-sample gradients the unfold rule gives exactly."""
-    return type(module) is torch.nn.Conv2d and module.padding_mode == "zeros"
+def conv_is_unfoldable(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a plain ``nn.Conv2d`` or ``nn.Conv1d`` whose per-sample gradients the unfold rule gives
+    exactly (zero padding)."""
+    return type(module) in (torch.nn.Conv2d, torch.nn.Conv1d) and module.padding_mode == "zeros"
 
 
-def _explicit_padding(module: torch.nn.Conv2d) -> tuple[int, int, int, int]:
+def _as_2d(module: torch.nn.Module) -> tuple[tuple, tuple, tuple, str | tuple]:
+    """``(kernel, dilation, stride, padding)`` as 2-d pairs (a ``Conv1d`` is a ``Conv2d`` of height 1)."""
+    if type(module) is torch.nn.Conv2d:
+        return module.kernel_size, module.dilation, module.stride, module.padding
+    padding = module.padding if isinstance(module.padding, str) else (0, module.padding[0])
+    return (1, *module.kernel_size), (1, *module.dilation), (1, *module.stride), padding
+
+
+def _explicit_padding(kernel: tuple, dilation: tuple, padding: str | tuple) -> tuple[int, int, int, int]:
     """``(left, right, top, bottom)`` zero padding of the input, as ``F.conv2d`` applies it (``"same"`` puts the odd
     pixel on the right / bottom, ``"valid"`` is none)."""
-    if module.padding == "valid":
+    if padding == "valid":
         return (0, 0, 0, 0)
-    if module.padding == "same":
+    if padding == "same":
         pads = []
-        for k, d in zip(reversed(module.kernel_size), reversed(module.dilation)):  # width first, as F.pad wants
+        for k, d in zip(reversed(kernel), reversed(dilation)):  # width first, as F.pad wants
             total = d * (k - 1)
             pads += [total // 2, total - total // 2]
         return tuple(pads)
-    ph, pw = module.padding
+    ph, pw = padding
     return (pw, pw, ph, ph)
 
 
@@ -48,15 +58,19 @@ def _unfold(x: torch.Tensor, kernel: tuple, dilation: tuple, stride: tuple) -> t
     return patches.reshape(m, c * kh * kw, ho * wo)
 
 
-def conv2d_factors(module: torch.nn.Conv2d, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def conv_factors(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfolded input and the output gradient of one call, grouped: ``A [M, groups, L, I]`` and
     ``G [M, groups, L, O]`` with ``I = C_in kh kw / groups``, ``O = C_out / groups`` and ``L`` output positions;
-    ``x [M, C_in, H, W]``, ``grad [M, C_out, H_out, W_out]`` (the sample axis first)."""
+    ``x [M, C_in, H, W]``, ``grad [M, C_out, H_out, W_out]`` (``[M, C, L]`` for a ``Conv1d``; the sample axis
+    first)."""
     m, groups = x.shape[0], module.groups
-    pad = _explicit_padding(module)
+    kernel, dilation, stride, padding = _as_2d(module)
+    if x.dim() == 3:  # Conv1d: height 1
+        x = x.unsqueeze(2)
+    pad = _explicit_padding(kernel, dilation, padding)
     if any(pad):
         x = F.pad(x, pad)
-    cols = _unfold(x, module.kernel_size, module.dilation, module.stride)  # [M, C_in kh kw, L]
+    cols = _unfold(x, kernel, dilation, stride)  # [M, C_in kh kw, L]
     a = cols.unflatten(1, (groups, -1)).transpose(2, 3)  # [M, groups, L, I]
     g = grad.reshape(m, groups, grad.shape[1] // groups, -1).transpose(2, 3)  # [M, groups, L, O]
     if a.shape[2] != g.shape[2]:  # cannot happen for nn.Conv2d's own forward; a guard against silent misuse

@@ -8,9 +8,14 @@ Because sample ``n``'s output only reaches ``l_n``, the per-sample weight gradie
 Why hooks rather than ``torch.func.vmap``: vmapping a transformers 5.x forward that takes an ``attention_mask``
 fails on a data-dependent check in ``transformers.masking_utils``, whereas hooks only see ordinary module calls,
 work with every attention implementation (SDPA included) and add little to a plain backward for LoRA and prompt
-parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), ``nn.Embedding`` (prompt tuning),
-``nn.LayerNorm``, ``nn.Conv2d`` with zero padding (unfolded: a linear layer over the output positions, see
-:mod:`ief.conv_rules`) and ``nn.BatchNorm2d`` in eval mode (running statistics: a per-channel affine map).
+parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), HF ``Conv1D`` (GPT-2, :mod:`ief.layer_rules`),
+``nn.Embedding`` (prompt tuning),
+``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.Conv2d`` / ``nn.Conv1d`` with zero padding (unfolded: a linear layer over
+the output positions, see :mod:`ief.conv_rules`) and ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode (running
+statistics: a per-channel affine map). Bare
+parameters and embedding calls that every sample shares (ViT's ``cls_token`` and ``position_embeddings``, position
+embeddings fed ``[1, T]`` ids) have rows too when their only uses add them to, or expand them over, the batch
+(:mod:`ief.broadcast_uses`).
 
 The sample axis of every hooked call is established, never guessed from a size: a probe forward of the batch's first
 sample alone (every input tensor cut to one sample along its leading dimension; hooks that only record shapes; the
@@ -23,16 +28,16 @@ training loop with fixed shapes pays for it once; any new shape, ``T == M`` incl
 ``M = 1`` every call belongs to the one sample and no probe is needed.
 
 ``J`` comes in two forms (``form=``): the ``[M, P]`` tensor (``"dense"``), or a :class:`FactoredJacobian`
-(``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` weight (and each
-one-group ``nn.Conv2d`` weight, its input unfolded) as its layer's hooked inputs and output gradients and gives
-``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the batch gradient, the guard
-and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
+(``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` / HF ``Conv1D`` weight
+(and each one-group ``nn.Conv2d`` / ``nn.Conv1d`` weight, its input unfolded) as its layer's hooked inputs and output
+gradients and gives ``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the batch
+gradient, the guard and the exact check need nothing else), so that exact EF / iEF / SF never form ``[M, P]``.
 
-Every trainable parameter that is not in a hooked module (a ``Conv2d`` with reflect / circular padding, a ``Conv1d``,
-an RNN, ``MultiheadAttention.in_proj_weight``, a bare ``nn.Parameter``), whose module had a call without an
-established sample axis, or that is also used outside its hooked module (a tied weight, see below) falls back to an
-exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a :class:`SlowPathWarning` names
-those parameters once per model.
+Every trainable parameter that is not in a hooked module (a convolution with reflect / circular padding, an RNN, an
+``nn.MultiheadAttention`` with dropout in training, a bare ``nn.Parameter`` used otherwise than broadcast), whose
+module had a call without an established sample axis, or that is also used outside its hooked module (a tied weight,
+see below) falls back to an exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a
+:class:`SlowPathWarning` names those parameters once per model.
 
 The hooks assume what per-sample gradients presuppose: sample ``n``'s slice of a hooked input depends on sample ``n``
 alone (no layer mixes or reorders samples along the sample axis), and that a hooked parameter is used only by its
@@ -69,8 +74,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .conv_rules import conv2d_factors, conv2d_is_unfoldable
+from .conv_rules import conv_factors, conv_is_unfoldable
+from .broadcast_uses import Use, UseTracker, check_sums, establish, per_sample_rows
 from .curvature import differentiable_kernels
+from .layer_rules import groupnorm_grads, hf_conv1d_grads, is_hf_conv1d, mha_batch_dim, mha_grads, mha_is_replayable
 from .logit_jvp import jvps_any_mode
 from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
@@ -345,9 +352,8 @@ def _embedding_grads(module: torch.nn.Embedding, idx: torch.Tensor, g: torch.Ten
 def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
     m, dims = x.shape[0], tuple(range(-len(module.normalized_shape), 0))
     x = x.to(g.dtype)
-    mean = x.mean(dim=dims, keepdim=True)
-    var = x.var(dim=dims, unbiased=False, keepdim=True)
-    x_hat = (x - mean) / torch.sqrt(var + module.eps)
+    centred = x - x.mean(dim=dims, keepdim=True)  # two passes, as Tensor.var, without its slower CPU kernel
+    x_hat = centred * torch.rsqrt(centred.square().mean(dim=dims, keepdim=True) + module.eps)
     shape = (m, -1, *module.normalized_shape)
     if "weight" in dests:
         _write(dests["weight"], (g * x_hat).reshape(shape).sum(dim=1), accumulate)
@@ -355,9 +361,9 @@ def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tenso
         _write(dests["bias"], g.reshape(shape).sum(dim=1), accumulate)
 
 
-def _conv2d_grads(module: torch.nn.Conv2d, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
+def _conv_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
     dtype = next(iter(dests.values())).dtype
-    a, g = conv2d_factors(module, x.to(dtype), g.to(dtype))  # [M, groups, L, I], [M, groups, L, O]
+    a, g = conv_factors(module, x.to(dtype), g.to(dtype))  # [M, groups, L, I], [M, groups, L, O]
     m, groups = a.shape[:2]
     if "weight" in dests:  # per group sum_l g_l a_l^T; in place (no J-sized temporary) without groups
         block = dests["weight"].unflatten(1, (groups, g.shape[-1], a.shape[-1]))  # [M, groups, O, I]
@@ -369,31 +375,42 @@ def _conv2d_grads(module: torch.nn.Conv2d, x: torch.Tensor, g: torch.Tensor, des
         _write(dests["bias"], g.sum(dim=2), accumulate)
 
 
-def _batchnorm_eval_grads(module: torch.nn.BatchNorm2d, x: torch.Tensor, g: torch.Tensor, dests, accumulate) -> None:
+def _batchnorm_eval_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, dests, accumulate) -> None:
     """Batch norm with running statistics (eval mode) is a per-channel affine map of ``x_hat``: sample ``n``'s
-    gradients are ``sum_positions g * x_hat`` (weight) and ``sum_positions g`` (bias); ``x [M, C, H, W]``."""
-    x = x.to(g.dtype)
-    shape = (1, -1, 1, 1)
-    x_hat = (x - module.running_mean.to(g.dtype).view(shape)) * torch.rsqrt(
-        module.running_var.to(g.dtype).view(shape) + module.eps
+    gradients are ``sum_positions g * x_hat`` (weight) and ``sum_positions g`` (bias); ``x [M, C, *positions]``
+    (``BatchNorm1d``: ``[M, C]`` or ``[M, C, L]``; ``BatchNorm2d``: ``[M, C, H, W]``)."""
+    m, c = x.shape[:2]
+    x, g = x.to(g.dtype).reshape(m, c, -1), g.reshape(m, c, -1)
+    x_hat = (x - module.running_mean.to(g.dtype).view(1, -1, 1)) * torch.rsqrt(
+        module.running_var.to(g.dtype).view(1, -1, 1) + module.eps
     )
     if "weight" in dests:
-        _write(dests["weight"], (g * x_hat).sum(dim=(2, 3)), accumulate)
+        _write(dests["weight"], (g * x_hat).sum(dim=2), accumulate)
     if "bias" in dests:
-        _write(dests["bias"], g.sum(dim=(2, 3)), accumulate)
+        _write(dests["bias"], g.sum(dim=2), accumulate)
+
+
+BATCH_FIRST = -1  # "features" of a layer whose input is [N, C, *] and whose sample axis can only be N (normalisations)
 
 
 def _hook_rule(module: torch.nn.Module) -> tuple[Callable, int] | None:
-    """The rule of a hooked module type and how many trailing dimensions of its input are features (not samples)."""
+    """The rule of a hooked module type and how many trailing dimensions of its input are features (not samples), or
+    :data:`BATCH_FIRST`."""
     if type(module) is torch.nn.Linear:
         return _linear_grads, 1
-    if conv2d_is_unfoldable(module):
-        return _conv2d_grads, 3
+    if is_hf_conv1d(module):
+        return hf_conv1d_grads, 1
+    if conv_is_unfoldable(module):
+        return _conv_grads, 3 if type(module) is torch.nn.Conv2d else 2
     if (
-        type(module) is torch.nn.BatchNorm2d and module.affine and not module.training
+        type(module) in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d) and module.affine and not module.training
         and module.running_mean is not None
     ):
-        return _batchnorm_eval_grads, 3
+        return _batchnorm_eval_grads, BATCH_FIRST
+    if type(module) is torch.nn.GroupNorm and module.affine:
+        return groupnorm_grads, BATCH_FIRST
+    if mha_is_replayable(module):
+        return mha_grads, 1
     if type(module) is torch.nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
         return _embedding_grads, 0
     if type(module) is torch.nn.LayerNorm and getattr(module, "elementwise_affine", True):
@@ -402,6 +419,33 @@ def _hook_rule(module: torch.nn.Module) -> tuple[Callable, int] | None:
 
 
 WHOLE_CALL = -1  # the sample "axis" of every call when M = 1: the whole call belongs to sample 0
+
+
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The (sub)module holding parameter ``name`` of ``module`` (``"out_proj.weight"``) and its own name for it."""
+    prefix, _, leaf = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), leaf
+
+
+class _BroadcastCall:
+    """The "axis" of an embedding call whose ids every sample shares (``[1, T]`` positions): its output's uses
+    broadcast it over the batch, and each sample's gradient of the output comes from them (:mod:`ief.broadcast_uses`).
+    """
+
+    __slots__ = ("uses",)
+
+    def __init__(self, uses: list):
+        self.uses = uses
+
+
+def _use_shapes(uses: dict) -> tuple:
+    """The recorded uses as hashable shapes: ``((key, ((name, shape, result shape), ...)), ...)``."""
+    return tuple((key, tuple((u.name, u.shape, u.result_shape) for u in us)) for key, us in uses.items())
+
+
+def _uses_from(shapes: tuple) -> dict:
+    """The inverse of :func:`_use_shapes` (shapes only, no gradients)."""
+    return {key: [Use(*u) for u in us] for key, us in shapes}
 
 
 def _sample_axis(full: tuple | None, probe: tuple | None, m: int, features: int) -> int | None:
@@ -413,7 +457,8 @@ def _sample_axis(full: tuple | None, probe: tuple | None, m: int, features: int)
     if len(changed) != 1:
         return None
     d = changed[0]
-    return d if full[d] == m and probe[d] == 1 and d < len(full) - features else None
+    limit = 1 if features == BATCH_FIRST else len(full) - features
+    return d if full[d] == m and probe[d] == 1 and d < limit else None
 
 
 # The established axes, per model and shape signature (a handful of signatures per model: the last ones used).
@@ -475,11 +520,24 @@ class _Capture:
             rule = _hook_rule(module)
             if rule is None:
                 continue
-            owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=False) if id(p) in index}
+            # a MultiheadAttention also owns its out_proj's parameters (used inside its call, never as a module)
+            recurse = type(module) is torch.nn.MultiheadAttention
+            owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=recurse) if id(p) in index}
             if owned and not (set(owned.values()) & covered):
                 self.modules.append((module, *rule, owned))
                 covered.update(owned.values())
         self.hooked = covered
+        # Broadcast uses (ief.broadcast_uses), per-sample capture with more than one sample only: the trainable
+        # parameters outside hooked modules (candidates), those whose every use is broadcast over the batch
+        # (``broadcast``, rows from their uses; autograd's gradient of them is their whole batch gradient), the
+        # embedding calls without a sample dimension of their own (``(k, j)``: module k's call j).
+        self.batch_size = 1  # M, set before the forward
+        self.names: Sequence[str] | None = None
+        self.tracker: UseTracker | None = None
+        self.bare = [i for i in range(len(self.params)) if i not in covered] if stand_ins else []
+        self.broadcast: dict[int, list] = {}  # parameter index -> its uses
+        self.embedding_candidates: set[tuple[int, int]] = set()
+        self.probe_uses: tuple | None = None  # the uses the one-sample probe recorded (shapes)
         self.records: dict[int, list] = {}  # k -> [[input, output grad, sample axis], ...] in call order
         self.edges: dict[int, list] = {}  # k -> the gradient edges of its recorded calls' outputs (stand-ins only)
         self.demoted: dict[int, str] = {}  # parameter index -> why its hooked module fell back to the loop
@@ -487,17 +545,32 @@ class _Capture:
 
     def __enter__(self) -> "_Capture":
         self.stand_ins.clear()
+        self.broadcast.clear()
+        self.embedding_candidates.clear()
+        self.tracker = None
+        if self.swap and self.batch_size > 1 and (
+                self.bare or any(type(module) is torch.nn.Embedding for module, *_ in self.modules)):
+            self.tracker = UseTracker()
+            for i in self.bare:
+                self.tracker.watch(self.params[i], ("param", i))
+            self.tracker.__enter__()
         for k, (module, _, _, owned) in enumerate(self.modules):
             self.records[k] = []
             self.edges[k] = []
             # first of the module's forward hooks: the output as the layer returned it (another hook may replace it)
-            self.handles.append(module.register_forward_hook(self._forward_hook(k), prepend=True))
+            if type(module) is torch.nn.MultiheadAttention and self.swap:
+                self.handles.append(module.register_forward_hook(self._mha_hook(k), prepend=True, with_kwargs=True))
+            else:
+                self.handles.append(module.register_forward_hook(self._forward_hook(k), prepend=True))
             if self.swap:  # last of the pre-hooks, first of the hooks: other hooks see the real parameters
                 self.handles.append(module.register_forward_pre_hook(self._install(owned)))
                 self.handles.append(module.register_forward_hook(self._restore(owned), prepend=True, always_call=True))
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+            self.tracker.release()
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -509,12 +582,13 @@ class _Capture:
             if not torch.is_grad_enabled():
                 return
             for name, i in owned.items():
-                p = module._parameters.get(name)
-                if p is not self.params[i] or (id(module), name) in self._originals:
+                owner, leaf = _owner(module, name)
+                p = owner._parameters.get(leaf)
+                if p is not self.params[i] or (id(owner), leaf) in self._originals:
                     continue
                 stand_in = p.detach().requires_grad_()  # shares p's storage and version counter
-                self._originals[(id(module), name)] = (module, p)
-                module._parameters[name] = stand_in
+                self._originals[(id(owner), leaf)] = (owner, p)
+                owner._parameters[leaf] = stand_in
                 self.stand_ins.setdefault(i, []).append(stand_in)
 
         return pre_hook
@@ -522,7 +596,8 @@ class _Capture:
     def _restore(self, owned: dict[str, int]):
         def hook(module, args, output):
             for name in owned:
-                self._put_back(id(module), name)
+                owner, leaf = _owner(module, name)
+                self._put_back(id(owner), leaf)
 
         return hook
 
@@ -542,6 +617,39 @@ class _Capture:
             record(module, args, output)
             if len(calls) > n:
                 edges.append(torch.autograd.graph.get_gradient_edge(output))
+                x = calls[-1][0]
+                if self.tracker is not None and type(module) is torch.nn.Embedding and x is not None and (
+                        x.dim() == 0 or x.shape[0] == 1 or self.batch_size not in x.shape):
+                    self.embedding_candidates.add((k, n))  # ids shared by all samples (e.g. [1, T] positions)
+                    self.tracker.watch(output, ("call", k, n))
+
+        return hook
+
+    def _mha_hook(self, k: int):
+        """Records a ``MultiheadAttention`` call: ``[query, dL/d attn_output, axis, (args, kwargs), dL/d weights]``,
+        its inputs detached (:func:`ief.layer_rules.mha_grads` replays the call per sample)."""
+        calls, edges = self.records[k], self.edges[k]
+
+        def hook(module, args, kwargs, output):
+            out, weights = output
+            if not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.requires_grad:
+                return
+            detach = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
+            call = (tuple(detach(v) for v in args), {n: detach(v) for n, v in kwargs.items()})
+            query = call[0][0] if call[0] else call[1].get("query")
+            record = [query, None, None, call, None]
+            calls.append(record)
+
+            def keep(slot):
+                def add(grad):
+                    record[slot] = grad if record[slot] is None else record[slot] + grad
+                return add
+
+            out.register_hook(keep(1))
+            edges.append(torch.autograd.graph.get_gradient_edge(out))
+            if isinstance(weights, torch.Tensor) and weights.requires_grad:
+                weights.register_hook(keep(4))
+                edges.append(torch.autograd.graph.get_gradient_edge(weights))
 
         return hook
 
@@ -567,10 +675,19 @@ class _Capture:
         """The call shapes of the hooked modules during ``run()`` (the one-sample probe), or why it failed."""
         seen: dict[int, list] = {k: [] for k in range(len(self.modules))}
         handles = []
+        tracker = UseTracker(hooks=False) if self.tracker is not None else None  # the same uses, shapes only
+        self.probe_uses = None
+        if tracker is not None:
+            for i in self.bare:
+                tracker.watch(self.params[i], ("param", i))
 
         def shape_hook(k):
             def hook(module, args, output):
+                if isinstance(output, tuple) and type(module) is torch.nn.MultiheadAttention:
+                    output = output[0]
                 if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                    if tracker is not None and (k, len(seen[k])) in self.embedding_candidates:
+                        tracker.watch(output, ("call", k, len(seen[k])))
                     seen[k].append(tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None)
 
             return hook
@@ -578,25 +695,43 @@ class _Capture:
         for k, (module, *_) in enumerate(self.modules):
             handles.append(module.register_forward_hook(shape_hook(k)))
         try:
-            run()
+            with tracker if tracker is not None else contextlib.nullcontext():
+                run()
         except Exception as err:  # the model cannot run one sample alone (e.g. batch norm with batch statistics)
             return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         finally:
             for h in handles:
                 h.remove()
+            if tracker is not None:
+                tracker.release()
+        if tracker is not None:
+            self.probe_uses = (_use_shapes(tracker.uses), frozenset(tracker.unsupported))
         return tuple(tuple(seen[k]) for k in range(len(self.modules)))
 
     def establish_axes(self, m: int, model: torch.nn.Module, inputs, probe: Callable[[], tuple | str]) -> None:
         """Give every call its sample axis (probed or cached); modules with a call without one fall back."""
-        if not self.modules:
+        if not self.modules and self.tracker is None:
             return
-        if m == 1:
-            for calls in self.records.values():
-                for rec in calls:
-                    rec[2] = WHOLE_CALL
+        if m == 1:  # the whole call is sample 0's; a [N, C, *] layer's own batch dimension N must be that sample
+            reasons = {}
+            for k, (module, _, features, _) in enumerate(self.modules):
+                batched = features == BATCH_FIRST or conv_is_unfoldable(module)
+                for rec in self.records[k]:
+                    x = rec[0]
+                    if type(module) is torch.nn.MultiheadAttention:  # a batched call: the batch is the sample
+                        one = x is not None and x.dim() == 3 and x.shape[mha_batch_dim(module)] == 1
+                        rec[2] = mha_batch_dim(module) if one else None
+                    elif not batched or (x is not None and x.dim() == features):  # flattened rules; unbatched conv
+                        rec[2] = WHOLE_CALL
+                    else:
+                        rec[2] = 0 if x is not None and x.dim() > 1 and x.shape[0] == 1 else None
+                if any(rec[2] is None for rec in self.records[k]):
+                    reasons[k] = f"{type(module).__name__} called on a batch of several instances for one sample"
+            self.demote(reasons)
             return
         full = self.call_shapes()
-        key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full)
+        uses = None if self.tracker is None else (_use_shapes(self.tracker.uses), frozenset(self.tracker.unsupported))
+        key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full, uses)
         cache = _AXIS_CACHE.setdefault(model, OrderedDict())
         cached = cache.get(key)
         if cached is None:
@@ -610,16 +745,28 @@ class _Capture:
                 )
                 for k, calls in enumerate(full)
             )
-            cached = cache[key] = (axes, shrunk if failed else None)
+            cached = cache[key] = (axes, shrunk if failed else None, None if failed else self.probe_uses)
             while len(cache) > _AXIS_CACHE_SIZE:
                 cache.popitem(last=False)
         else:
             cache.move_to_end(key)
-        axes, probe_error = cached
+        axes, probe_error, probe_uses = cached
+        shared = {}  # the watched tensors whose every use is broadcast over the batch, with an established axis
+        if uses is not None and probe_uses is not None:
+            shared = establish(self.tracker.uses, _uses_from(probe_uses[0]), self.tracker.unsupported | probe_uses[1],
+                               m)
+        for i in self.bare:
+            if ("param", i) in shared:
+                self.broadcast[i] = shared[("param", i)]
+                self.hooked.add(i)
         reasons = {}
         for k, entry in enumerate(self.modules):
-            if all(axis is not None for axis in axes[k]):
-                for rec, axis in zip(self.records[k], axes[k]):
+            call_axes = [_BroadcastCall(shared[("call", k, j)]) if axis is None and ("call", k, j) in shared else axis
+                         for j, axis in enumerate(axes[k])]
+            if type(entry[0]) is torch.nn.MultiheadAttention:  # its samples must be its own batch: no other mixes
+                call_axes = [axis if axis == mha_batch_dim(entry[0]) else None for axis in call_axes]
+            if all(axis is not None for axis in call_axes):
+                for rec, axis in zip(self.records[k], call_axes):
                     rec[2] = axis
                 continue
             shapes = sorted({str(shape) for shape, axis in zip(full[k], axes[k]) if axis is None})
@@ -665,11 +812,28 @@ class _Capture:
         for calls in self.records.values():
             for rec in calls:
                 rec[1] = None
+        if self.tracker is not None:
+            for uses in self.tracker.uses.values():
+                for use in uses:
+                    use.grad = None
+
+    def name(self, i: int) -> str:
+        return self.names[i] if self.names is not None else f"parameter {i}"
 
     def calls(self, k: int):
         """``(input, output gradient)`` of module ``k``'s calls that reached the loss, sample axis first."""
-        for x, grad, axis, *_ in self.records[k]:
+        for x, grad, axis, *rest in self.records[k]:
+            if rest and rest[0] is not None:  # a MultiheadAttention call: replayed from its whole input
+                if grad is not None or rest[1] is not None:
+                    yield (rest[0], axis), (grad, rest[1])
+                continue
             if grad is None:  # this call's output did not reach the loss
+                continue
+            if isinstance(axis, _BroadcastCall):  # ids shared by every sample: each sample's gradient of the output
+                m = self.batch_size
+                rows = per_sample_rows(axis.uses, m, grad.numel(), grad.dtype, grad.device)
+                check_sums(rows, grad, self.name(self.modules[k][3]["weight"]))
+                yield x.reshape(1, -1).expand(m, -1), rows.view(m, -1, grad.shape[-1])
                 continue
             if axis == WHOLE_CALL:
                 x, grad = x.unsqueeze(0), grad.unsqueeze(0)
@@ -723,9 +887,10 @@ def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[s
     listed = "; ".join(f"{', '.join(ns)} ({why})" for why, ns in reasons.items())
     warnings.warn(
         f"{len(loop)} of {len(names)} parameter tensors take the per-sample loop of {m} backward passes (exact, but "
-        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv2d (zero "
-        "padding), nn.BatchNorm2d (eval mode) whose input has a "
-        "sample dimension; pass params= to precondition only those. For peft prompt tuning, call "
+        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, HF Conv1D, nn.Embedding, nn.LayerNorm, "
+        "nn.GroupNorm, nn.Conv1d / nn.Conv2d (zero padding), nn.BatchNorm1d / 2d (eval mode), torch.nn attention (no "
+        "dropout) whose input has a sample dimension, and parameters or embedding outputs only added to or expanded "
+        "over the batch; pass params= to precondition only those. For peft prompt tuning, call "
         "ief.per_sample_prompts(model) once after get_peft_model.",
         SlowPathWarning,
         stacklevel=4,
@@ -740,21 +905,27 @@ def _positions(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _factored_weight(module: torch.nn.Module) -> bool:
     """Whether the module's weight, viewed ``[O, I]``, has per-sample rows ``G_n^T A_n`` (``nn.Linear``;
-    ``nn.Conv2d`` with one group, ``A`` its unfolded input)."""
-    return type(module) is torch.nn.Linear or (conv2d_is_unfoldable(module) and module.groups == 1)
+    ``nn.Conv2d`` with one group, ``A`` its unfolded input; HF ``Conv1D``, whose ``[in, out]`` weight is
+    ``X_n^T G_n``: ``A`` its output gradients, ``G`` its inputs)."""
+    return type(module) is torch.nn.Linear or is_hf_conv1d(module) or (
+        conv_is_unfoldable(module) and module.groups == 1)
 
 
 def _positions_of(module: torch.nn.Module, grad: torch.Tensor) -> int:
     """``T`` of one call (sample axis first): the positions over which a weight is shared."""
-    return grad[0].numel() // (grad.shape[-1] if type(module) is torch.nn.Linear else grad.shape[1])
+    features_last = type(module) is torch.nn.Linear or is_hf_conv1d(module)
+    return grad[0].numel() // (grad.shape[-1] if features_last else grad.shape[1])
 
 
 def _weight_factors(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A [M, T, I], G [M, T, O])`` of one call of a module with :func:`_factored_weight`."""
+    """``(A [M, T, I], G [M, T, O])`` of one call of a module with :func:`_factored_weight` (``[O, I]`` the weight's
+    layout: for HF ``Conv1D``, ``I`` its outputs and ``O`` its inputs)."""
     m = x.shape[0]
     if type(module) is torch.nn.Linear:
         return x.reshape(m, -1, x.shape[-1]), grad.reshape(m, -1, grad.shape[-1])
-    a, g = conv2d_factors(module, x, grad)
+    if is_hf_conv1d(module):
+        return grad.reshape(m, -1, grad.shape[-1]), x.reshape(m, -1, x.shape[-1])
+    a, g = conv_factors(module, x, grad)
     return a[:, 0], g[:, 0]
 
 
@@ -798,8 +969,8 @@ def _backward_jacobian(
                 g = _positions([d for _, d in calls]).to(ref.dtype)  # [M, T, O]
                 ghosts.append((owned["weight"], a, g))
                 ghost_modules.add(k)
-                if "bias" in owned:
-                    bias_rows[owned["bias"]] = g.sum(dim=1)
+                if "bias" in owned:  # the output gradients: A for HF Conv1D (see _weight_factors)
+                    bias_rows[owned["bias"]] = (a if is_hf_conv1d(module) else g).sum(dim=1)
     ghosted = {i for i, _, _ in ghosts}
     columns, width = {}, 0
     for i, size in enumerate(capture.sizes):
@@ -811,6 +982,12 @@ def _backward_jacobian(
     else:
         jac = torch.empty(shape, dtype=ref.dtype, device=ref.device)
     written = capture.fill(jac, columns, skip=ghost_modules)
+    for i, uses in capture.broadcast.items():  # bare parameters broadcast over the batch: rows from their uses
+        if i in columns:
+            rows = per_sample_rows(uses, m, capture.sizes[i], ref.dtype, ref.device)
+            check_sums(rows, autograd[i], capture.name(i))
+            jac[:, columns[i] : columns[i] + capture.sizes[i]] = rows
+            written.add(i)
     for i, rows in bias_rows.items():
         jac[:, columns[i] : columns[i] + capture.sizes[i]] = rows
         written.add(i)
@@ -887,7 +1064,8 @@ def check_no_outside_use(capture: _Capture, jacobian: torch.Tensor | FactoredJac
     individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
     the optimisers). A parameter whose outside use is in the forward's graph (tied weights) has already been sent to
     the loop (:meth:`_Capture.demote_outside_uses`): this is the safety net behind that search."""
-    found = [i for i in sorted(capture.hooked) if autograd[i] is not None and bool(autograd[i].any())]
+    found = [i for i in sorted(capture.hooked - set(capture.broadcast))
+             if autograd[i] is not None and bool(autograd[i].any())]
     if not found:
         return
     err = torch.stack([torch.linalg.vector_norm(autograd[i], dtype=torch.float64) for i in found])
@@ -1097,6 +1275,7 @@ class _HookedForward:
         if self.mode is not None:
             _refuse_sample_mixing(model)
         self.capture = _Capture(model, self.params, stand_ins=True)
+        self.capture.batch_size = m
         self.forward = ReplayableForward(model, inputs)
         # which hooked parameters the graph reaches outside their hooked calls (they ran with stand-ins)
         self.forward.watch = {id(self.params[i]): i for i in self.capture.hooked}
@@ -1129,6 +1308,7 @@ class _HookedForward:
 
         self.capture.establish_axes(m, model, inputs, probe)
         names = param_names(model, self.params)
+        self.capture.names = names
         self.capture.demote_outside_uses(self.forward.reached, names)
         _warn_slow_path(model, self.capture, names, m)
         self.targets = targets
@@ -1157,7 +1337,8 @@ class _HookedForward:
         if self.mode == "exact":
             grad_z = logit_grads[0] if logit_grads else self.loss.logit_grad(self.logits.detach(), targets)
             check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z)
-        offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked)  # the records are not kept alive
+        # the records are not kept alive; a broadcast parameter's autograd gradient is its whole batch gradient
+        offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked - set(self.capture.broadcast))
         return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
 
     def gradient(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

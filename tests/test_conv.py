@@ -237,9 +237,11 @@ def test_unhandled_conv_takes_the_exact_loop_and_says_so(layer, looped):
     assert _rel(got, oracle.per_sample(model, x, y)[1]) < 1e-10
 
 
-def test_conv1d_takes_the_exact_loop_and_says_so():
+def test_a_reflect_padded_conv1d_takes_the_exact_loop_and_says_so():
+    """nn.Conv1d is hooked (as a Conv2d of height 1, tests/test_layer_rules.py); reflect padding is not."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3), torch.nn.Flatten(), torch.nn.Linear(12, CLASSES)).double()
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3, padding=1, padding_mode="reflect"), torch.nn.Flatten(),
+                                torch.nn.Linear(18, CLASSES)).double()
     x, y = torch.randn(4, 2, 6, dtype=torch.float64), torch.randint(0, CLASSES, (4,))
     with pytest.warns(ief.SlowPathWarning, match=r"0\.weight, 0\.bias \(Conv1d: no per-sample hook"):
         got = ief.per_sample(model, x, y).jacobian

@@ -370,7 +370,7 @@ def test_compiled_and_data_parallel_models_are_run_through_their_module(wrapper)
     [
         ("cnn-reflect", ["conv.weight", "conv.bias"]),
         ("gru", ["gru.weight_ih_l0", "gru.weight_hh_l0", "gru.bias_ih_l0", "gru.bias_hh_l0"]),
-        ("encoder-batch-first", ["layer.self_attn.in_proj_weight", "layer.self_attn.out_proj.weight"]),
+        ("lstm-tagger", ["lstm.weight_ih_l0", "lstm.weight_hh_l0"]),  # attention is hooked (issue 22)
     ],
 )
 def test_slow_path_warns_once_per_model_naming_the_parameters(name, looped):

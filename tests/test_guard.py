@@ -245,7 +245,7 @@ def test_no_false_alarm_on_models_not_designed_here(build, form):
 @pytest.mark.parametrize("factory", [t5_lora_case, t5_prompt_case, sequence_case], ids=["t5-lora", "t5-prompt", "seq"])
 def test_gradient_of_foreign_models_with_loop_and_demoted_parameters(factory):
     """peft LoRA (hooked), peft prompt tuning (an Embedding called without a sample axis: demoted to the loop, whose
-    backward passes ask for its stand-ins too), raw-Parameter attention (the loop)."""
+    backward passes ask for its stand-ins too), nn.MultiheadAttention (replayed per sample)."""
     c = factory()
     got = ief.per_sample(c.model, c.inputs, c.targets, form="auto")
     params = [p for p in c.model.parameters() if p.requires_grad]

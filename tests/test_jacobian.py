@@ -263,8 +263,8 @@ def test_batchnorm_train_mode_check_false_does_not_raise():
 
 
 def test_batchnorm_eval_mode_passes_and_matches_oracle(form):
-    """In eval mode batch norm is a per-sample affine map: no error, and the rows (the BN affine parameters go
-    through the exact loop fallback) match the oracle."""
+    """In eval mode batch norm is a per-sample affine map: no error, and the rows (the BN affine parameters
+    hooked as a per-channel affine map) match the oracle."""
     model, x, y = _bn_model()
     model.train()
     with torch.no_grad():
@@ -749,8 +749,8 @@ class _TwoBare(torch.nn.Module):
         self.p = torch.nn.Parameter(torch.randn(3))
         self.q = torch.nn.Parameter(torch.randn(3))
 
-    def forward(self, x):
-        return self.lin(x) * self.p + self.q
+    def forward(self, x):  # neither p nor q is only added or expanded (ief.broadcast_uses): both take the loop
+        return self.lin(x) * self.p + self.q.sin()
 
 
 def test_slow_path_warning_once_per_model_and_set_of_loop_parameters():

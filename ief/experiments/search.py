@@ -28,6 +28,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -314,6 +315,21 @@ def edge(optimizer_record: dict[str, Any]) -> str | None:
         return None
     side = "smallest" if chosen == grid_values[0] else "largest"
     return f"chose the {side} rate of its grid ({chosen:g}): the optimum is not bracketed"
+
+
+def restricted(record: dict[str, Any], optimizers: Iterable[str]) -> dict[str, Any]:
+    """A copy of a search record holding only ``optimizers``' searches (the training chapter shows the paper's
+    optimisers, the practical chapter its own; one record per setup holds both).
+
+    Args:
+        record: a search record (:func:`load_record`).
+        optimizers: the optimiser names to keep (absent ones are ignored).
+
+    Returns:
+        The record with ``optimizers`` filtered; every other key as it is.
+    """
+    keep = set(optimizers)
+    return {**record, "optimizers": {o: r for o, r in record["optimizers"].items() if o in keep}}
 
 
 def record_path(setup: str, scale: str = "cpu") -> Path:

@@ -47,6 +47,15 @@ def method_of(setup: str) -> str:
     return kind
 
 
+def _flag(value, key: str) -> bool:
+    """A yes/no config value: YAML's true/false, or the strings Snakemake makes of them in nested --config values."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "false"):
+        return str(value).lower() == "true"
+    raise WorkflowError(f"config {key} must be true or false, got {value!r}")
+
+
 def _grid():
     if SCALE not in config["grid"]:
         raise WorkflowError(f"config grid has no scale {SCALE!r}; it has: {', '.join(config['grid'])}")
@@ -60,7 +69,7 @@ def _grid():
         if SCALE not in REGISTRY.scales_of(setup):
             raise WorkflowError(f"setup {setup!r} has no {SCALE!r} scale; its scales: "
                                 f"{', '.join(REGISTRY.scales_of(setup))}")
-    practical = config.get("practical", {}) if spec.get("practical", False) else {}
+    practical = config.get("practical", {}) if _flag(spec.get("practical", False), f"grid.{SCALE}.practical") else {}
     runs = [(setup, opt, seed) for setup in setups
             for opt in [*config["optimizers"][method_of(setup)], *practical.get(method_of(setup), [])]
             for seed in seeds]

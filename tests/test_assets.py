@@ -143,3 +143,19 @@ def test_the_licence_table_lists_what_the_folder_holds(folder):
     assert column["ViT-B/16 (vit-base-patch16-224) (model)"].startswith("not held")
     assert column["GLUE (7 tasks) (data)"].count("nyu-mll/glue") == 2 and column["PyTorch (software)"] == "-"
     assert "in the assets folder" not in licences("cpu", root) and "in the assets folder" not in licences("full")
+
+
+def test_workflow_config_key_assets(tmp_path):
+    """``--config assets=DIR`` (make book CONFIG='assets=DIR'): a folder that is not there is refused by name; an
+    existing one plans the grid (every job then inherits IEF_ASSETS from workflow/rules/common.smk)."""
+    import os
+
+    snakemake = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "workflow" / "Snakefile"),
+                 "--directory", str(ROOT), "-n", "--cores", "1", "--config", "scale=full"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([*snakemake, f"assets={tmp_path / 'absent'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode != 0 and "is not a directory" in done.stdout + done.stderr
+    done = subprocess.run([*snakemake, f"assets={tmp_path}", "--", "grid"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -3,7 +3,8 @@ once where the hub is reachable (a cluster's login node) and read from there whe
 
 Layout (``DIR`` = the folder; ``<repo>`` with ``/`` written ``--``)::
 
-    DIR/manifest.json                        every item: name, revision, licence, files with sha256 and bytes
+    DIR/manifest.json                        every item: name, revision, licence, its files (paths relative to
+                                             DIR) with sha256 and bytes
     DIR/LICENCES.md                          each item's licence and where it is documented (ief.experiments.assets)
     DIR/models/<repo>/                       a hub model snapshot (config, weights, tokenizer / image processor,
                                              model card): what ``from_pretrained(DIR/models/<repo>)`` reads
@@ -169,9 +170,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _files(root: Path) -> list[dict[str, Any]]:
-    """Every file under ``root`` (huggingface_hub's ``.cache`` bookkeeping left out) with its sha256 and size."""
-    return [{"path": str(p.relative_to(root)), "sha256": _sha256(p), "bytes": p.stat().st_size}
+def _files(folder: Path, under: str) -> list[dict[str, Any]]:
+    """Every file under ``folder / under`` (huggingface_hub's ``.cache`` bookkeeping left out) with its sha256 and
+    size, its path relative to ``folder``."""
+    root = folder / under
+    return [{"path": str(p.relative_to(folder)), "sha256": _sha256(p), "bytes": p.stat().st_size}
             for p in sorted(root.rglob("*")) if p.is_file() and ".cache" not in p.relative_to(root).parts]
 
 
@@ -245,10 +248,9 @@ def download(folder: str | os.PathLike, setups: list[str] | None = None, scale: 
             log(f"kept {item.name} (revision {held['revision']})")
             continue
         revision = _fetch(item, root)
-        files = _files(root / item.path)
-        if item.kind == "dataset":
-            card = Path("cards") / item.repo.replace("/", "--")
-            files += [dict(f, path=str(Path("..") / ".." / card / f["path"])) for f in _files(root / card)]
+        files = _files(root, item.path)
+        if item.kind == "dataset":  # the data set's card (its licence section), shared by a repo's configurations
+            files += _files(root, f"cards/{item.repo.replace('/', '--')}")
         manifest["items"][item.name] = {"kind": item.kind, "repo": item.repo, "config": item.config,
                                         "path": item.path, "revision": revision, **_licence(item),
                                         "bytes": sum(f["bytes"] for f in files), "files": files,
@@ -273,15 +275,14 @@ def licences_text(manifest: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------------- check
 def _problems_of(root: Path, held: dict[str, Any]) -> list[str]:
     problems = []
-    base = root / held["path"]
     for f in held["files"]:
-        path = (base / f["path"]).resolve()
+        path = root / f["path"]
         if not path.is_file():
-            problems.append(f"{held['path']}/{f['path']}: missing")
+            problems.append(f"{f['path']}: missing")
         elif path.stat().st_size != f["bytes"]:
-            problems.append(f"{held['path']}/{f['path']}: {path.stat().st_size} bytes, manifest {f['bytes']}")
+            problems.append(f"{f['path']}: {path.stat().st_size} bytes, manifest {f['bytes']}")
         elif _sha256(path) != f["sha256"]:
-            problems.append(f"{held['path']}/{f['path']}: sha256 differs from the manifest")
+            problems.append(f"{f['path']}: sha256 differs from the manifest")
     return problems
 
 

@@ -42,6 +42,12 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("search", help="learning-rate search over the paper's grids, chosen on validation")
     sub.add_parser("list", help="list the setups, their scales and the optimisers")
     _add_evaluate_parser(sub)
+    from .experiments.asset_folder import add_parser as add_assets_parser
+
+    add_assets_parser(sub)
+    p.add_argument("--assets", default=None, metavar="DIR",
+                   help="read every hub model and data set from this assets folder, never the network "
+                   "(as IEF_ASSETS=DIR; python -m ief assets download makes it)")
     a = sub.add_parser("aggregate", help="gather finished runs into DIR/e2_runs.csv and DIR/e2_curves.csv (E2)")
     a.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
     a.add_argument("--runs", required=True, metavar="RUNS", help="the runs folder (RUNS/<scale>/<setup>/...)")
@@ -126,6 +132,18 @@ def _evaluate_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "assets":
+        from .experiments.asset_folder import run_command
+
+        return run_command(args)
+    if args.assets is not None:
+        from .experiments.asset_folder import use_assets
+
+        try:
+            use_assets(args.assets)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if args.command == "evaluate":
         return _evaluate_command(args)
     from .experiments import (MissingResource, RunInterrupted, describe, format_describe, resolve, scales_of, train)

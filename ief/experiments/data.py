@@ -103,8 +103,23 @@ def use_hub() -> bool:
 
 
 def load_hub_dataset(path: str, name: str | None = None) -> Any:
-    """``datasets.load_dataset(path, name)``, failing at once with what to install or download when it cannot."""
+    """``datasets.load_dataset(path, name)``, failing at once with what to install or download when it cannot.
+
+    With an assets folder (``IEF_ASSETS``, :mod:`.asset_folder`) the data set is ``datasets.load_from_disk`` of the
+    folder's copy and the hub is never contacted; a copy the folder lacks is a :class:`MissingResource` naming it
+    and the download command."""
+    from .asset_folder import Item, assets_dir, go_offline, local_item
+
     what = f"{path}" + (f" ({name})" if name else "")
+    if assets_dir() is not None:
+        where = local_item(Item("dataset", path, name))
+        if importlib.util.find_spec("datasets") is None:
+            raise MissingResource(f"reading {what} from the assets folder needs the `datasets` package: "
+                                  f"`pip install datasets`")
+        go_offline()
+        import datasets
+
+        return datasets.load_from_disk(str(where))
     if importlib.util.find_spec("datasets") is None:
         raise MissingResource(
             f"full scale loads {what} with the Hugging Face `datasets` package, which is not installed: "

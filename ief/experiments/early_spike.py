@@ -78,7 +78,7 @@ def search_spikes(record: dict[str, Any], optimizer: str = "ief") -> pd.DataFram
 
 
 def first_step(setup: str, scale: str, lrs: Sequence[float], seeds: Sequence[int] = (0, 1, 2),
-               optimizer: str = "ief") -> pd.DataFrame:
+               optimizer: str = "ief", overrides: dict[str, Any] | None = None) -> pd.DataFrame:
     """The first update of each run, redone as the runner does it (same initial model, first batch and optimiser, the
     rate replaced): one row per (seed, lr).
 
@@ -90,6 +90,9 @@ def first_step(setup: str, scale: str, lrs: Sequence[float], seeds: Sequence[int
     ``logit_move`` (mean ``||z_n' - z_n||`` over the batch) and ``one_class`` (the largest share of the training set
     predicted as one class after the update).
 
+    ``overrides``: the runs' setup overrides (:func:`.runner.recorded_overrides`), so that a run trained with
+    ``--set`` is redone as it ran.
+
     Raises:
         ValueError: a rate that is not a finite number > 0.
     """
@@ -100,7 +103,7 @@ def first_step(setup: str, scale: str, lrs: Sequence[float], seeds: Sequence[int
     bad = [lr for lr in lrs if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0)]
     if bad:
         raise ValueError(f"learning rates must be finite numbers > 0, got {bad}")
-    cfg = resolve(setup, scale)
+    cfg = resolve(setup, scale, overrides)
     rows = []
     for seed in (int(k) for k in seeds):  # numpy integers (a table's seed column) included
         seed_everything(seed)

@@ -45,7 +45,7 @@ from ..damping_sweep import damping_sweep
 from ..evaluation import batch_generator, evaluate_batch
 from ..kfac import check_linear_only
 from . import store
-from .runner import run_dir, seed_everything
+from .runner import recorded_overrides, run_dir, seed_everything
 from .setups import resolve
 
 # The evaluation's algebra, part of every cached stage's fingerprint: a change of how the records are computed (not
@@ -196,6 +196,7 @@ def evaluate_run(
         raise FileNotFoundError(f"no {optimizer} run of {setup} [{scale}] seed {seed} under {runs_dir} ({root}); "
                                 f"train it first: python -m ief train --setup {setup} --scale {scale} "
                                 f"--optimizer {optimizer} --seed {seed} --out {runs_dir}")
+    cfg = resolve(setup, scale, recorded_overrides(root, setup, scale))  # the run as trained (its --set included)
     knobs = DEFAULTS[scale]
     n_batches = batches if batches is not None else knobs["batches"]
     m = batch_size if batch_size is not None else (knobs["batch_size"] or cfg.batch_size)

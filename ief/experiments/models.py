@@ -25,6 +25,7 @@ import torch
 
 from ..peft_support import per_sample_prompts
 
+from .asset_folder import Item, assets_dir, go_offline, local_item
 from .data import Data, MissingResource, hub_locations, use_hub
 from .setups import GLUE_LABEL_WORDS, SetupConfig
 from .tasks import glue_text
@@ -94,7 +95,12 @@ def minilm_path() -> Path:
 
 def from_hub(cls: Any, repo: str, **kwargs: Any) -> Any:
     """``cls.from_pretrained(repo)`` from the hub or its cache; fails at once, saying what to download, when the
-    hub is unreachable (or offline mode is set) and nothing is cached."""
+    hub is unreachable (or offline mode is set) and nothing is cached. With an assets folder (``IEF_ASSETS``,
+    :mod:`.asset_folder`) it reads the folder's copy only, and a copy the folder lacks is a ``MissingResource``
+    naming it and the download command."""
+    if assets_dir() is not None:
+        go_offline()
+        return cls.from_pretrained(local_item(Item("model", repo)), local_files_only=True, **kwargs)
     online = use_hub()
     try:
         return cls.from_pretrained(repo, local_files_only=not online, **kwargs)

@@ -302,6 +302,29 @@ def _read_config(path: Path) -> dict[str, Any]:
     return saved
 
 
+def recorded_overrides(root: str | Path, setup: str, scale: str) -> dict[str, Any] | None:
+    """The setup fields a run was trained with (its ``config.json``) that differ from the registry's: the run's
+    ``--set`` overrides, so that what reads the run (the evaluation framework, iEF's first step redone) builds the
+    model and data it was trained on. ``None`` when they agree or the folder has no ``config.json``.
+
+    Args:
+        root: the run folder (:func:`run_dir`).
+        setup: its setup name.
+        scale: its scale.
+
+    Returns:
+        ``{field: value}`` for :func:`~.setups.resolve`'s ``overrides``, or ``None``.
+    """
+    path = Path(root) / "config.json"
+    if not path.exists():
+        return None
+    saved = _read_config(path).get("setup") or {}
+    registered = json.loads(json.dumps(resolve(setup, scale).to_dict()))
+    ignored = ("optimizers", "provisional", "notes", "source")  # provenance, not what the model or data are
+    out = {k: v for k, v in saved.items() if k in registered and k not in ignored and v != registered[k]}
+    return out or None
+
+
 def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: str | Path = "runs", *,
           lr: float | None = None, schedule: str | None = None, overrides: dict[str, Any] | None = None,
           device: str | None = None, progress: bool = True, checkpoint_every_s: float = 120.0,

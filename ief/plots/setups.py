@@ -3,9 +3,11 @@ registry (:mod:`ief.experiments.setups`) and the asset registry (:mod:`ief.exper
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 
+from ..experiments.asset_folder import assets_dir, held
 from ..experiments.assets import ASSETS, package_licence, usage
 from ..experiments.data import FULL_SIZES
 from ..experiments.setups import (CPU_SETUPS, GLUE_LABEL_WORDS, GLUE_PROMPTS, GLUE_SCHEDULE, GLUE_TASKS, SETUPS,
@@ -54,9 +56,33 @@ def setups_at(scale: str) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("setup")
 
 
-def licences(scale: str) -> pd.DataFrame:
+def _held_text(entries: list[dict] | None, key: str) -> str:
+    """One cell of the assets-folder column: what the folder holds of an asset (revision, bytes) or that it lacks it."""
+    if key not in HUB_ASSETS:
+        return "-"
+    if not entries:
+        return "not held (python -m ief assets download --scale full --to DIR)"
+    return "; ".join(f"{e['name'].split(' ', 1)[1]} @ {e['revision'][:12]} ({e['bytes']:,} bytes)" for e in entries)
+
+
+HUB_ASSETS = ("t5-base", "vit-b16", "glue", "cifar")  # what full scale loads from the hub (an assets folder holds)
+
+
+def licences(scale: str, assets: str | Path | None = None) -> pd.DataFrame:
     """Table 4 at one scale: every asset the setups use, with its licence and the licence of the package it ships in
-    (read from the installed package metadata)."""
+    (read from the installed package metadata).
+
+    Args:
+        scale: ``full``, ``cpu`` or ``smoke``.
+        assets: an assets folder (:mod:`ief.experiments.asset_folder`; default ``IEF_ASSETS``). At ``full`` with a
+            folder, a column ``in the assets folder`` lists what it holds of each asset (revision and bytes from its
+            manifest) or that it lacks it.
+
+    Returns:
+        One row per asset.
+    """
+    folder = Path(assets) if assets is not None else assets_dir()
+    holdings = held(folder) if folder is not None and scale == "full" else None
     rows = []
     for key, names in usage(scale).items():
         a = ASSETS[key]
@@ -66,6 +92,8 @@ def licences(scale: str) -> pd.DataFrame:
         rows.append({"Asset Name": f"{a.name} ({a.kind})", "source": a.source, "License": a.licence,
                      "documented in": a.licence_note + (f"; cite {a.citation}" if a.citation else ""),
                      "package licence (metadata)": package_licence(a.package), "used by": used})
+        if holdings is not None:
+            rows[-1]["in the assets folder"] = _held_text(holdings.get(key), key)
     return pd.DataFrame(rows).set_index("Asset Name")
 
 

@@ -23,6 +23,18 @@ RESULTS = f"{config['results']}/{SCALE}"
 for _var in BOOK.THREAD_VARIABLES:
     os.environ[_var] = str(config["threads_per_job"])
 
+# An assets folder (config assets=DIR; python -m ief assets download): every job and notebook kernel inherits
+# IEF_ASSETS and the hub's offline switches, so the loaders read the folder and never the network. On SLURM each job
+# parses this file again on its node, with the same --config, so the variables are set there too.
+if config.get("assets"):
+    _assets = Path(str(config["assets"])).expanduser().resolve()
+    if not _assets.is_dir():
+        raise WorkflowError(f"config assets={config['assets']!r} is not a directory; make it with "
+                            f"`python -m ief assets download --scale full --to {config['assets']}`")
+    os.environ["IEF_ASSETS"] = str(_assets)
+    for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ[_var] = "1"
+
 
 def _registry():
     """ief/experiments/setups.py loaded on its own (it imports no torch), to validate the grid at parse time."""

@@ -54,18 +54,22 @@ class FactoredRows:
         raise NotImplementedError
 
 
-def _check_jacobian(jacobian: torch.Tensor | FactoredRows, name: str = "jacobian") -> None:
+def _check_jacobian(jacobian: torch.Tensor | FactoredRows, name: str = "jacobian") -> float | None:
+    """``ValueError`` for a ``J`` that is not a finite floating ``[M, P]``; returns ``max|J|`` of a tensor (the one pass
+    that checks it, reused as :func:`gram_scale`'s), ``None`` for a :class:`FactoredRows`."""
     if isinstance(jacobian, FactoredRows):
         if not jacobian.is_finite():
             raise ValueError(f"{name} contains non-finite values")
-        return
+        return None
     if not isinstance(jacobian, torch.Tensor) or jacobian.dim() != 2:
         shape = tuple(jacobian.shape) if isinstance(jacobian, torch.Tensor) else type(jacobian).__name__
         raise ValueError(f"{name} must be a [M, P] tensor, got {shape}")
     if not jacobian.dtype.is_floating_point:
         raise ValueError(f"{name} must be floating point, got {jacobian.dtype}")
-    if not all_finite(jacobian):
+    magnitude = max_abs(jacobian)
+    if not math.isfinite(magnitude):
         raise ValueError(f"{name} contains non-finite values")
+    return magnitude
 
 
 def _check_vector(v: torch.Tensor, size: int, name: str, what: str) -> None:
@@ -86,18 +90,41 @@ def _column_chunks(jacobian: torch.Tensor, scale: float = 1.0):
 
 
 def max_abs(jacobian: torch.Tensor | FactoredRows) -> float:
-    """Largest magnitude in ``J``: the scale that keeps ``J J^T`` clear of float64 overflow and underflow."""
+    """Largest magnitude in ``J``: the scale that keeps ``J J^T`` clear of float64 overflow and underflow (NaN or
+    ``inf`` when ``J`` holds a non-finite entry: one pass both checks and scales)."""
     if isinstance(jacobian, FactoredRows):
         return jacobian.max_abs()
     if not jacobian.numel():
         return 0.0
-    extremes = [torch.stack([block.max(), -block.min()]).max() for _, block in column_chunks(jacobian)]
+    extremes = []
+    for _, block in column_chunks(jacobian):
+        low, high = torch.aminmax(block)  # one pass; NaN propagates
+        extremes.append(torch.stack([high, -low]).max())
     return float(torch.stack(extremes).max())
 
 
-def gram_scale(jacobian: torch.Tensor | FactoredRows) -> float:
-    """1, or ``max|J|`` when ``J J^T`` would overflow or underflow float64 (entries beyond ~1e+-100)."""
-    c = max_abs(jacobian)
+# A float64 copy of a lower-precision ``J`` up to this size is made once per solve and shared by the Gram matrix and
+# the row combination (each used to convert ``J`` block by block: two conversions of ``J`` per direction, about half
+# of an iEF step on a full-parameter transformer); beyond it, both convert block by block as before.
+FLOAT64_COPY_BYTES = 1 << 30
+
+
+def _in_float64(jacobian: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """``(J', s)`` with ``J' / s = J / scale`` and ``J'`` float64 where that copy fits :data:`FLOAT64_COPY_BYTES`, so
+    that :func:`gram` and :func:`combine_rows` take ``J'`` block by block without converting it again; ``(J, scale)``
+    otherwise (and for a float64 ``J`` at scale 1, which needs no copy)."""
+    if jacobian.dtype == torch.float64 and scale == 1.0:
+        return jacobian, 1.0
+    if jacobian.numel() * 8 > FLOAT64_COPY_BYTES:
+        return jacobian, scale
+    copy = jacobian.to(torch.float64, copy=True)
+    return (copy, 1.0) if scale == 1.0 else (copy.div_(scale), 1.0)
+
+
+def gram_scale(jacobian: torch.Tensor | FactoredRows, magnitude: float | None = None) -> float:
+    """1, or ``max|J|`` when ``J J^T`` would overflow or underflow float64 (entries beyond ~1e+-100); ``magnitude``:
+    ``max|J|`` when already known."""
+    c = max_abs(jacobian) if magnitude is None else magnitude
     return 1.0 if 1e-100 <= c <= 1e100 else c
 
 
@@ -195,22 +222,24 @@ def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float, noi
     return evecs @ coeff
 
 
-def _woodbury(jacobian: torch.Tensor | FactoredRows, weights: torch.Tensor, damping: float, what: str) -> torch.Tensor:
+def _woodbury(jacobian: torch.Tensor | FactoredRows, weights: torch.Tensor, damping: float, what: str,
+              magnitude: float | None = None) -> torch.Tensor:
     """``J^T (J J^T + lambda I)^{-1} weights`` in the Jacobian's dtype.
 
     Computed on ``J' = J / c`` with ``c = max|J|`` where the Gram matrix would otherwise overflow or underflow
     (``c = 1`` in the ordinary range): ``J^T (J J^T + lambda I)^{-1} w = (1/c) J'^T (J' J'^T + lambda/c^2 I)^{-1} w``.
     """
-    c = gram_scale(jacobian)
+    c = gram_scale(jacobian, magnitude)
     if c == 0.0:
         return torch.zeros(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
     weights = weights.to(torch.float64)
     scaled_damping = damping / c / c
     if math.isinf(scaled_damping):  # lambda swamps J J^T: (J J^T + lambda I)^{-1} = I / lambda to float64 precision
         return _as_dtype(combine_rows(weights, jacobian, final=True).div_(damping), jacobian.dtype, what)
-    g = gram(jacobian, c)
-    coeff = solve_gram(g, weights, scaled_damping, rounding_floor(jacobian.dtype, g))
-    direction = combine_rows(coeff, jacobian, c, final=True)
+    rows, scale = (jacobian, c) if isinstance(jacobian, FactoredRows) else _in_float64(jacobian, c)
+    g = gram(rows, scale)
+    coeff = solve_gram(g, weights, scaled_damping, rounding_floor(jacobian.dtype, g))  # the floor of J's own dtype
+    direction = combine_rows(coeff, rows, scale, final=True)
     return _as_dtype(direction if c == 1.0 else direction.div_(c), jacobian.dtype, what)
 
 
@@ -235,10 +264,10 @@ def ief_direction(jacobian: torch.Tensor | FactoredRows, logit_sqnorm: torch.Ten
         ValueError: ``jacobian`` not ``[M, P]`` with ``M >= 1``, ``logit_sqnorm`` not ``[M]``, or a negative or
             non-finite ``damping``, each named with its value.
     """
-    _check_jacobian(jacobian)
+    magnitude = _check_jacobian(jacobian)
     _check_vector(logit_sqnorm, jacobian.shape[0], "logit_sqnorm", "one entry per sample")
     damping = check_damping(damping)
-    return _woodbury(jacobian, logit_sqnorm, damping, "iEF")
+    return _woodbury(jacobian, logit_sqnorm, damping, "iEF", magnitude)
 
 
 def ef_direction(jacobian: torch.Tensor | FactoredRows, damping: float) -> torch.Tensor:
@@ -258,10 +287,10 @@ def ef_direction(jacobian: torch.Tensor | FactoredRows, damping: float) -> torch
     Raises:
         ValueError: ``jacobian`` not ``[M, P]`` with ``M >= 1``, or a negative or non-finite ``damping``.
     """
-    _check_jacobian(jacobian)
+    magnitude = _check_jacobian(jacobian)
     damping = check_damping(damping)
     ones = torch.ones(jacobian.shape[0], dtype=torch.float64, device=jacobian.device)
-    return _woodbury(jacobian, ones, damping, "EF")
+    return _woodbury(jacobian, ones, damping, "EF", magnitude)
 
 
 def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tensor, damping: float) -> torch.Tensor:
@@ -293,32 +322,35 @@ def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tens
         ValueError: bad shapes, non-finite or integer input, or a damping that is not > 0.
         FloatingPointError: the direction is not representable in the Jacobian's dtype.
     """
-    _check_jacobian(sampled_jacobian, "sampled_jacobian")
+    magnitude = _check_jacobian(sampled_jacobian, "sampled_jacobian")
     _check_vector(grad, sampled_jacobian.shape[1], "grad", "one entry per parameter")
     if not grad.dtype.is_floating_point:
         raise ValueError(f"grad must be floating point, got {grad.dtype}")
     damping = check_damping(damping, allow_zero=False)
     # With A' = A / c and lambda' = lambda / c^2: (A^T A + lambda I)^{-1} g = (A'^T A' + lambda' I)^{-1} g / c^2.
     a, g = sampled_jacobian, grad.to(torch.float64)
-    c = gram_scale(a)
+    c = gram_scale(a, magnitude)
     scaled_damping = damping / c / c if c > 0 else math.inf
     if math.isinf(scaled_damping):  # lambda swamps A^T A (or A = 0): the direction is g / lambda
         return _as_dtype(g / damping, sampled_jacobian.dtype, "SF")
+    # rows / scale = A' = A / c, taken block by block (a tensor A converted to float64 once where it fits)
     if isinstance(a, FactoredRows):
         ag = a.times(g, c)
+        rows, scale = a, c
     else:
+        rows, scale = _in_float64(a, c)
         ag = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
-        for lo, block in _column_chunks(a, c):
+        for lo, block in _column_chunks(rows, scale):
             ag += block @ g[lo : lo + block.shape[1]]
-    g_a = gram(a, c)
+    g_a = gram(rows, scale)
     evals, evecs = torch.linalg.eigh(g_a)
     m = evals.shape[0]
     tiny = m * torch.finfo(torch.float64).eps * max(float(g_a.diagonal().max()), 1e-300)
     keep = evals > max(1e3 * tiny, rounding_floor(a.dtype, g_a))
     e = torch.where(keep, evals, torch.ones_like(evals))
     qag = torch.where(keep, evecs.T @ ag, torch.zeros_like(evals))
-    in_range = combine_rows(evecs @ (qag / (e * (e + scaled_damping))), a, c)  # A'^T Q diag(1/(e(e+l'))) Q^T A' g
-    g_perp = g - combine_rows(evecs @ (qag / e), a, c)
+    in_range = combine_rows(evecs @ (qag / (e * (e + scaled_damping))), rows, scale)  # A'^T Q diag(1/(e(e+l'))) Q^T A' g
+    g_perp = g - combine_rows(evecs @ (qag / e), rows, scale)
     eps = max(torch.finfo(a.dtype).eps, torch.finfo(grad.dtype).eps)
     if float(g_perp.norm()) <= 10 * eps * float(g.norm()):
         g_perp.zero_()

@@ -780,3 +780,41 @@ def test_sf_drops_the_float32_gradients_rounding_outside_a_float64_row_space():
     g64 = ps64.jacobian.sum(0)
     got = ief.sf_direction(ps64.jacobian, g64.float(), 1e-8)
     assert rel_err(got, ief.sf_direction(ps64.jacobian, g64, 1e-8)) < 1e-5
+
+
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.float32, 1.0), (torch.float64, 1.0), (torch.float64, 1e-120),
+                                              (torch.float64, 1e120)], ids=["float32", "float64", "1e-120", "1e120"])
+@pytest.mark.parametrize("shape", ["wide", "p_below_m", "repeated_rows"])
+@pytest.mark.parametrize("damping", [0.0, 1e-8, 1e-3, 1.0])
+def test_the_shared_float64_copy_gives_the_block_by_block_directions(monkeypatch, dtype, scale, shape, damping):
+    """The fast route converts ``J`` to float64 once (``ief.directions.FLOAT64_COPY_BYTES``) and hands that copy to both
+    the Gram matrix and ``J^T c``; with the limit at 0 both convert ``J`` block by block (the reference route). Same
+    directions (EF, iEF, SF) to float64 rounding on full-rank, ``P < M`` (singular Gram) and repeated-sample Jacobians,
+    every damping from 0 to 1, float32 and float64, and magnitudes that take the Gram's rescaling (``1e+-120``, float64
+    only: float32 cannot hold them). Both are also checked against the dense float64 oracle."""
+    gen = torch.Generator().manual_seed(3)
+    m, p = {"wide": (6, 300), "p_below_m": (8, 5), "repeated_rows": (6, 40)}[shape]
+    j = torch.randn(m, p, generator=gen, dtype=torch.float64)
+    if shape == "repeated_rows":
+        j[3:] = j[:3]  # duplicate samples: a singular Gram
+    j = (j * scale).to(dtype)
+    s = torch.rand(m, generator=gen, dtype=torch.float64).add_(0.1).to(dtype)
+    g = torch.randn(p, generator=gen, dtype=torch.float64).to(dtype)
+    sf_damping = max(damping, 1e-3) * scale**2
+
+    def directions():
+        return (ief.ief_direction(j, s, damping * scale**2), ief.ef_direction(j, damping * scale**2),
+                ief.sf_direction(j, g, sf_damping))
+
+    fast = directions()
+    monkeypatch.setattr(ief.directions, "FLOAT64_COPY_BYTES", 0)
+    blocks = directions()
+    for a, b in zip(fast, blocks):
+        assert a.dtype == b.dtype == dtype
+        assert torch.allclose(a.double(), b.double(), rtol=1e-9 if dtype == torch.float64 else 1e-5, atol=0.0)
+    # the dense float64 oracle, where its P x P system is well conditioned: (J^T J + lambda I)^{-1} J^T w
+    if damping >= 1e-3:
+        j64 = j.double() / scale
+        for w, d in ((s.double(), fast[0]), (torch.ones(m, dtype=torch.float64), fast[1])):
+            ref = torch.linalg.solve(j64.T @ j64 + damping * torch.eye(p, dtype=torch.float64), j64.T @ w)
+            assert float((d.double() * scale - ref).norm() / ref.norm()) < (1e-9 if dtype == torch.float64 else 1e-4)

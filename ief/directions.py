@@ -17,10 +17,7 @@ and the products ``J^T c`` and ``J v`` without an ``[M, P]`` tensor; the Gram so
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -93,58 +90,13 @@ def _column_chunks(jacobian: torch.Tensor, scale: float = 1.0):
 
 
 def max_abs(jacobian: torch.Tensor | FactoredRows) -> float:
-    """Largest magnitude in ``J``: the scale that keeps ``J J^T`` clear of float64 overflow and underflow (NaN or
-    ``inf`` when ``J`` holds a non-finite entry: one pass both checks and scales)."""
+    """Largest magnitude in ``J``: the scale that keeps ``J J^T`` clear of float64 overflow and underflow."""
     if isinstance(jacobian, FactoredRows):
         return jacobian.max_abs()
     if not jacobian.numel():
         return 0.0
-    extremes = []
-    for _, block in column_chunks(jacobian):
-        low, high = torch.aminmax(block)  # one pass; NaN propagates
-        extremes.append(torch.stack([high, -low]).max())
+    extremes = [torch.stack([block.max(), -block.min()]).max() for _, block in column_chunks(jacobian)]
     return float(torch.stack(extremes).max())
-
-
-# Within one solve (:func:`_float64_once`) a lower-precision ``J`` (or a FactoredRows' dense part) is converted to
-# float64 once, up to this size, and the copy is shared by the Gram matrix, ``J^T c`` and ``A g``: each used to convert
-# ``J`` block by block, two or three conversions per direction, about half of an iEF step on a full-parameter BERT.
-# Beyond it (and outside a solve), every call converts block by block as before.
-FLOAT64_COPY_BYTES = 1 << 30
-_SOLVE = threading.local()  # .copies: {(id(J), scale): (J, version, J / scale in float64)} inside a solve, else None
-
-
-@contextlib.contextmanager
-def _float64_once() -> Iterator[None]:
-    """One solve: float64 copies made by :func:`_float64_rows` are kept until it ends (then freed)."""
-    outer = getattr(_SOLVE, "copies", None)
-    if outer is None:
-        _SOLVE.copies = {}
-    try:
-        yield
-    finally:
-        if outer is None:
-            _SOLVE.copies = None
-
-
-def _float64_rows(jacobian: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
-    """``(J', s)`` with ``J' / s = J / scale``: inside a solve, ``J'`` the float64 copy of ``J / scale`` made once (a
-    float64 ``J`` at scale 1 needs none) where it fits :data:`FLOAT64_COPY_BYTES`; otherwise ``(J, scale)``, which
-    :func:`_column_chunks` converts block by block."""
-    copies = getattr(_SOLVE, "copies", None)
-    if copies is None or (jacobian.dtype == torch.float64 and scale == 1.0) \
-            or jacobian.numel() * 8 > FLOAT64_COPY_BYTES:
-        return jacobian, scale
-    version = None if jacobian.is_inference() else jacobian._version  # an in-place change makes a new copy
-    key = (id(jacobian), scale)
-    held = copies.get(key)
-    if held is not None and held[0] is jacobian and held[1] == version:
-        return held[2], 1.0
-    copy = jacobian.to(torch.float64, copy=True)
-    if scale != 1.0:
-        copy.div_(scale)
-    copies[key] = (jacobian, version, copy)
-    return copy, 1.0
 
 
 def gram_scale(jacobian: torch.Tensor | FactoredRows, magnitude: float | None = None) -> float:
@@ -160,7 +112,7 @@ def gram(jacobian: torch.Tensor | FactoredRows, scale: float = 1.0) -> torch.Ten
         return jacobian.gram(scale)
     m = jacobian.shape[0]
     g = torch.zeros(m, m, dtype=torch.float64, device=jacobian.device)
-    for _, block in _column_chunks(*_float64_rows(jacobian, scale)):
+    for _, block in _column_chunks(jacobian, scale):
         g += block @ block.T
     return 0.5 * (g + g.T)
 
@@ -174,7 +126,7 @@ def combine_rows(
         return jacobian.combine_rows(coeff.to(torch.float64), scale, final)
     coeff = coeff.to(torch.float64)
     out = torch.empty(jacobian.shape[1], dtype=torch.float64, device=jacobian.device)
-    for lo, block in _column_chunks(*_float64_rows(jacobian, scale)):
+    for lo, block in _column_chunks(jacobian, scale):
         out[lo : lo + block.shape[1]] = coeff @ block
     return out
 
@@ -262,10 +214,9 @@ def _woodbury(jacobian: torch.Tensor | FactoredRows, weights: torch.Tensor, damp
     scaled_damping = damping / c / c
     if math.isinf(scaled_damping):  # lambda swamps J J^T: (J J^T + lambda I)^{-1} = I / lambda to float64 precision
         return _as_dtype(combine_rows(weights, jacobian, final=True).div_(damping), jacobian.dtype, what)
-    with _float64_once():  # J (a FactoredRows' dense part) converted to float64 once for both
-        g = gram(jacobian, c)
-        coeff = solve_gram(g, weights, scaled_damping, rounding_floor(jacobian.dtype, g))
-        direction = combine_rows(coeff, jacobian, c, final=True)
+    g = gram(jacobian, c)
+    coeff = solve_gram(g, weights, scaled_damping, rounding_floor(jacobian.dtype, g))
+    direction = combine_rows(coeff, jacobian, c, final=True)
     return _as_dtype(direction if c == 1.0 else direction.div_(c), jacobian.dtype, what)
 
 
@@ -359,22 +310,21 @@ def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tens
     scaled_damping = damping / c / c if c > 0 else math.inf
     if math.isinf(scaled_damping):  # lambda swamps A^T A (or A = 0): the direction is g / lambda
         return _as_dtype(g / damping, sampled_jacobian.dtype, "SF")
-    with _float64_once():  # A (a FactoredRows' dense part) converted to float64 once for A g, A A^T and A^T c
-        if isinstance(a, FactoredRows):
-            ag = a.times(g, c)
-        else:
-            ag = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
-            for lo, block in _column_chunks(*_float64_rows(a, c)):
-                ag += block @ g[lo : lo + block.shape[1]]
-        g_a = gram(a, c)
-        evals, evecs = torch.linalg.eigh(g_a)
-        m = evals.shape[0]
-        tiny = m * torch.finfo(torch.float64).eps * max(float(g_a.diagonal().max()), 1e-300)
-        keep = evals > max(1e3 * tiny, rounding_floor(a.dtype, g_a))
-        e = torch.where(keep, evals, torch.ones_like(evals))
-        qag = torch.where(keep, evecs.T @ ag, torch.zeros_like(evals))
-        in_range = combine_rows(evecs @ (qag / (e * (e + scaled_damping))), a, c)  # A'^T Q diag(1/(e(e+l'))) Q^T A' g
-        g_perp = g - combine_rows(evecs @ (qag / e), a, c)
+    if isinstance(a, FactoredRows):
+        ag = a.times(g, c)
+    else:
+        ag = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
+        for lo, block in _column_chunks(a, c):
+            ag += block @ g[lo : lo + block.shape[1]]
+    g_a = gram(a, c)
+    evals, evecs = torch.linalg.eigh(g_a)
+    m = evals.shape[0]
+    tiny = m * torch.finfo(torch.float64).eps * max(float(g_a.diagonal().max()), 1e-300)
+    keep = evals > max(1e3 * tiny, rounding_floor(a.dtype, g_a))
+    e = torch.where(keep, evals, torch.ones_like(evals))
+    qag = torch.where(keep, evecs.T @ ag, torch.zeros_like(evals))
+    in_range = combine_rows(evecs @ (qag / (e * (e + scaled_damping))), a, c)  # A'^T Q diag(1/(e(e+l'))) Q^T A' g
+    g_perp = g - combine_rows(evecs @ (qag / e), a, c)
     eps = max(torch.finfo(a.dtype).eps, torch.finfo(grad.dtype).eps)
     if float(g_perp.norm()) <= 10 * eps * float(g.norm()):
         g_perp.zero_()

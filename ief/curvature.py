@@ -269,13 +269,10 @@ def fisher_vp(
     backward-type passes, floor ``(F + 3B) / G``. A model whose frozen forward dominates (LoRA, ``F >> B``) gets
     close to one gradient; a small fully trainable MLP (``B ~ 2F``) cannot go below ``~1.67 G``. The measured ratios,
     per model and machine, are in ``benchmarks/results/step-*.json`` (``python -m benchmarks.step``), and beside the
-    bound, now and before the per-call cost was cut, in ``benchmarks/results/fvp-*.json`` (``python -m benchmarks
-    fvp``). What stands between them (CPU time of one thread, 784-256-256-10 MLP at ``M = 32``: ``G`` = 0.32 ms
-    forward + 0.43 ms backward): the tangent GEMMs cost what the backward's do (0.15 ms each for the first layer),
-    but the dual forward costs ``F + 0.7 ms`` (``T ~ 1.7 B``): the ``[P]`` tangent copies that ``make_dual`` needs
-    and the ``[P]`` result are fresh memory every call, and each operation pays forward-AD bookkeeping; the checks,
-    the vector split and the context managers around it cost ~0.3 ms. On the T5-LoRA, ``T ~ 1.5 B``: its GEMMs match
-    the backward's, the elementwise tangent rules (attention, RMS norm, dropout) cost the rest.
+    bound in ``benchmarks/results/fvp-*.json`` (``python -m benchmarks fvp``). What stands between them: the tangent
+    GEMMs cost what the backward's do, but the dual forward also writes the ``[P]`` tangent copies ``make_dual`` needs
+    (and the product its ``[P]`` result) into fresh memory every call, pays forward-AD bookkeeping per operation, and
+    runs PyTorch's elementwise tangent rules (attention, normalisation, dropout), so ``T`` exceeds ``B``.
 
     Args:
         model: returns logits ``[M, C]`` / ``[M, T, C]`` (the package's conventions, :mod:`ief`).

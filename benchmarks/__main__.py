@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("step", "paper_mlp", "conv2d", "evaluation", "damping_sweep", "hf_layers")
+BENCHMARKS = ("step", "paper_mlp", "conv2d", "evaluation", "damping_sweep", "hf_layers", "fvp")
 COMMANDS = BENCHMARKS + ("report",)
 
 

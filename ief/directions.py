@@ -54,18 +54,22 @@ class FactoredRows:
         raise NotImplementedError
 
 
-def _check_jacobian(jacobian: torch.Tensor | FactoredRows, name: str = "jacobian") -> None:
+def _check_jacobian(jacobian: torch.Tensor | FactoredRows, name: str = "jacobian") -> float | None:
+    """``ValueError`` for a ``J`` that is not a finite floating ``[M, P]``; returns ``max|J|`` of a tensor (the one pass
+    that checks it, reused as :func:`gram_scale`'s), ``None`` for a :class:`FactoredRows`."""
     if isinstance(jacobian, FactoredRows):
         if not jacobian.is_finite():
             raise ValueError(f"{name} contains non-finite values")
-        return
+        return None
     if not isinstance(jacobian, torch.Tensor) or jacobian.dim() != 2:
         shape = tuple(jacobian.shape) if isinstance(jacobian, torch.Tensor) else type(jacobian).__name__
         raise ValueError(f"{name} must be a [M, P] tensor, got {shape}")
     if not jacobian.dtype.is_floating_point:
         raise ValueError(f"{name} must be floating point, got {jacobian.dtype}")
-    if not all_finite(jacobian):
+    magnitude = max_abs(jacobian)
+    if not math.isfinite(magnitude):
         raise ValueError(f"{name} contains non-finite values")
+    return magnitude
 
 
 def _check_vector(v: torch.Tensor, size: int, name: str, what: str) -> None:
@@ -95,9 +99,10 @@ def max_abs(jacobian: torch.Tensor | FactoredRows) -> float:
     return float(torch.stack(extremes).max())
 
 
-def gram_scale(jacobian: torch.Tensor | FactoredRows) -> float:
-    """1, or ``max|J|`` when ``J J^T`` would overflow or underflow float64 (entries beyond ~1e+-100)."""
-    c = max_abs(jacobian)
+def gram_scale(jacobian: torch.Tensor | FactoredRows, magnitude: float | None = None) -> float:
+    """1, or ``max|J|`` when ``J J^T`` would overflow or underflow float64 (entries beyond ~1e+-100); ``magnitude``:
+    ``max|J|`` when already known."""
+    c = max_abs(jacobian) if magnitude is None else magnitude
     return 1.0 if 1e-100 <= c <= 1e100 else c
 
 
@@ -195,13 +200,14 @@ def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float, noi
     return evecs @ coeff
 
 
-def _woodbury(jacobian: torch.Tensor | FactoredRows, weights: torch.Tensor, damping: float, what: str) -> torch.Tensor:
+def _woodbury(jacobian: torch.Tensor | FactoredRows, weights: torch.Tensor, damping: float, what: str,
+              magnitude: float | None = None) -> torch.Tensor:
     """``J^T (J J^T + lambda I)^{-1} weights`` in the Jacobian's dtype.
 
     Computed on ``J' = J / c`` with ``c = max|J|`` where the Gram matrix would otherwise overflow or underflow
     (``c = 1`` in the ordinary range): ``J^T (J J^T + lambda I)^{-1} w = (1/c) J'^T (J' J'^T + lambda/c^2 I)^{-1} w``.
     """
-    c = gram_scale(jacobian)
+    c = gram_scale(jacobian, magnitude)
     if c == 0.0:
         return torch.zeros(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
     weights = weights.to(torch.float64)
@@ -235,10 +241,10 @@ def ief_direction(jacobian: torch.Tensor | FactoredRows, logit_sqnorm: torch.Ten
         ValueError: ``jacobian`` not ``[M, P]`` with ``M >= 1``, ``logit_sqnorm`` not ``[M]``, or a negative or
             non-finite ``damping``, each named with its value.
     """
-    _check_jacobian(jacobian)
+    magnitude = _check_jacobian(jacobian)
     _check_vector(logit_sqnorm, jacobian.shape[0], "logit_sqnorm", "one entry per sample")
     damping = check_damping(damping)
-    return _woodbury(jacobian, logit_sqnorm, damping, "iEF")
+    return _woodbury(jacobian, logit_sqnorm, damping, "iEF", magnitude)
 
 
 def ef_direction(jacobian: torch.Tensor | FactoredRows, damping: float) -> torch.Tensor:
@@ -258,10 +264,10 @@ def ef_direction(jacobian: torch.Tensor | FactoredRows, damping: float) -> torch
     Raises:
         ValueError: ``jacobian`` not ``[M, P]`` with ``M >= 1``, or a negative or non-finite ``damping``.
     """
-    _check_jacobian(jacobian)
+    magnitude = _check_jacobian(jacobian)
     damping = check_damping(damping)
     ones = torch.ones(jacobian.shape[0], dtype=torch.float64, device=jacobian.device)
-    return _woodbury(jacobian, ones, damping, "EF")
+    return _woodbury(jacobian, ones, damping, "EF", magnitude)
 
 
 def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tensor, damping: float) -> torch.Tensor:
@@ -293,14 +299,14 @@ def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tens
         ValueError: bad shapes, non-finite or integer input, or a damping that is not > 0.
         FloatingPointError: the direction is not representable in the Jacobian's dtype.
     """
-    _check_jacobian(sampled_jacobian, "sampled_jacobian")
+    magnitude = _check_jacobian(sampled_jacobian, "sampled_jacobian")
     _check_vector(grad, sampled_jacobian.shape[1], "grad", "one entry per parameter")
     if not grad.dtype.is_floating_point:
         raise ValueError(f"grad must be floating point, got {grad.dtype}")
     damping = check_damping(damping, allow_zero=False)
     # With A' = A / c and lambda' = lambda / c^2: (A^T A + lambda I)^{-1} g = (A'^T A' + lambda' I)^{-1} g / c^2.
     a, g = sampled_jacobian, grad.to(torch.float64)
-    c = gram_scale(a)
+    c = gram_scale(a, magnitude)
     scaled_damping = damping / c / c if c > 0 else math.inf
     if math.isinf(scaled_damping):  # lambda swamps A^T A (or A = 0): the direction is g / lambda
         return _as_dtype(g / damping, sampled_jacobian.dtype, "SF")

@@ -31,6 +31,7 @@ three compute the same function as the kernels they replace.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -46,16 +47,41 @@ JVP_METHODS = ("forward", "double_backward")
 F = torch.nn.functional
 
 
+def _reference_kernels_set() -> bool:
+    """Whether the settings :func:`differentiable_kernels` makes are in force (an outer block's, unchanged since)."""
+    cuda = torch.backends.cuda
+    return (not torch.backends.mha.get_fastpath_enabled() and not torch.backends.mkldnn.enabled
+            and cuda.math_sdp_enabled() and not cuda.flash_sdp_enabled() and not cuda.mem_efficient_sdp_enabled()
+            and not cuda.cudnn_sdp_enabled())
+
+
+_KERNELS = threading.local()  # .depth: how many differentiable_kernels() blocks this thread is inside
+
+
 @contextlib.contextmanager
 def differentiable_kernels() -> Iterator[None]:
-    """Reference kernels that support every AD mode: MATH attention, no fused transformer fast path, no oneDNN."""
+    """Reference kernels that support every AD mode: MATH attention, no fused transformer fast path, no oneDNN.
+
+    Nested inside another such block of the same thread (a Fisher-vector product enters it at several levels) it
+    changes nothing: the settings are the outer block's, and entering them again cost ~50 us per level (``sdpa_kernel``
+    alone), a fixed cost that showed on small models."""
+    depth = getattr(_KERNELS, "depth", 0)
+    if depth and _reference_kernels_set():
+        _KERNELS.depth = depth + 1
+        try:
+            yield
+        finally:
+            _KERNELS.depth = depth
+        return
     fastpath, mkldnn = torch.backends.mha.get_fastpath_enabled(), torch.backends.mkldnn.enabled
     torch.backends.mha.set_fastpath_enabled(False)
     torch.backends.mkldnn.enabled = False  # not mkldnn.flags(): it also sets (and warns about) TF32
+    _KERNELS.depth = depth + 1
     try:
         with sdpa_kernel(SDPBackend.MATH):
             yield
     finally:
+        _KERNELS.depth = depth
         torch.backends.mha.set_fastpath_enabled(fastpath)
         torch.backends.mkldnn.enabled = mkldnn
 
@@ -195,13 +221,16 @@ def dual_forward(
 
     ``z`` keeps the autograd graph of ``params`` when grad mode is on; ``J_z v`` is computed outside it.
     """
-    with forward_ad.dual_level(), LeanTangents():
+    with forward_ad.dual_level():
         # a tangent that is a view into a longer vector (ief.model_call.split_vector) would be copied into a zero-filled
-        # buffer by make_dual; a plain copy is cheaper
+        # buffer by make_dual; a plain copy is cheaper. Made outside LeanTangents: every tensor method called inside a
+        # TorchFunctionMode goes through its Python handler (34 of the 39 calls it saw on an MLP were this setup).
         duals = {n: forward_ad.make_dual(p, t.clone() if t.storage_offset() or t.untyped_storage().nbytes()
                                          != t.numel() * t.element_size() else t)
                  for n, p, t in zip(names, params, tangents)}
-        return tuple(forward_ad.unpack_dual(forward(substitute=duals)))
+        with LeanTangents():
+            logits = forward(substitute=duals)
+        return tuple(forward_ad.unpack_dual(logits))
 
 
 def unsupported_message(forward: ReplayableForward, params, names, tangents, err: NotImplementedError) -> str:

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ief
 from benchmarks import __main__ as entry
 from benchmarks import harness
 
@@ -182,6 +183,8 @@ def test_entry_point_lists_and_rejects(capsys):
     ("damping_sweep", ["--m", "32,x"], "comma-separated integers"),
     ("evaluation", ["--setups", "cifar10-mlp"], "choose from"),
     ("paper_mlp", ["--cases", "ief-auto"], "no 'adam'"),
+    ("fvp", ["--batch", "0"], "--batch must be >= 1"),
+    ("fvp", ["--models", "resnet"], "invalid choice"),
 ])
 def test_bad_arguments_are_refused_by_name(module, argv, message, capsys):
     import importlib
@@ -212,3 +215,18 @@ def test_evaluation_benchmark_builds_its_workload_and_cases():
     s = evaluation.build("digits-mlp", None, 0)
     assert s["cg"] == DEFAULTS["cpu"]["cg_iterations"] and len(s["sweep"]) == DEFAULTS["cpu"]["sweep_dampings"]
     assert {"sgd", "ief", "all methods", "damping sweep"} <= set(evaluation.cases(s))
+
+
+def test_fvp_benchmark_times_what_it_says():
+    """``python -m benchmarks fvp``'s cases on the MLP: the gradient is ``autograd.grad`` of the summed loss, and both
+    Fisher-vector products (here the package twice, as the 'before' one) give ``ief.fisher_vp``'s value."""
+    from benchmarks import fvp, workloads
+
+    w = fvp.build("mlp", 4, 0)
+    cases = fvp.cases_of(w, ief, 0)
+    assert set(cases) == {"forward", "gradient", "fvp", "fvp_before"}
+    params = [p for p in w.model.parameters() if p.requires_grad]
+    loss = workloads.summed_cross_entropy(w.model(w.inputs), w.targets)
+    for a, b in zip(cases["gradient"](), torch.autograd.grad(loss, params)):
+        assert torch.allclose(a, b)
+    assert torch.equal(cases["fvp"](), cases["fvp_before"]())

@@ -811,3 +811,52 @@ def test_fisher_operator_on_parameters_that_do_not_reach_the_logits(method):
     v = torch.randn(6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     out = ief.FisherOperator(model, x, y, params, method=method) @ v
     assert out.shape == (6,) and torch.count_nonzero(out) == 0
+
+
+def test_a_remembered_targets_check_is_redone_after_an_in_place_change():
+    """``check_logits`` remembers a passed targets check per targets tensor (version counter, logits shape and dtype,
+    loss): the fixed cost it saves on every Fisher-vector product must never let bad targets through. An in-place
+    change to out-of-range classes, a wider or narrower logits shape, and a NaN logit all raise after a passing call,
+    as on a first call."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 1, 0])
+    v = torch.randn(15)
+    ief.fisher_vp(model, x, y, v)  # passes, and is remembered
+    y[2] = 7  # in place: the version counter moves
+    with pytest.raises(ValueError, match="class index 7 out of range"):
+        ief.fisher_vp(model, x, y, v)
+    y[2] = 2
+    ief.fisher_vp(model, x, y, v)
+    narrow = torch.nn.Linear(4, 2)  # the same targets against 2 classes: class 2 is out of range
+    with pytest.raises(ValueError, match="class index 2 out of range"):
+        ief.fisher_vp(narrow, x, y, torch.randn(10))
+    with torch.no_grad():
+        model.bias[0] = float("nan")
+    with pytest.raises(FloatingPointError, match="nan"):
+        ief.fisher_vp(model, x, y, v)
+    with torch.inference_mode():  # an inference tensor has no version counter: checked every time, still checked
+        bad = torch.tensor([0, 1, 5, 1, 0])
+    with pytest.raises(ValueError, match="class index 5 out of range"):
+        ief.fisher_vp(torch.nn.Linear(4, 3), x, bad, v)
+
+
+def test_nested_differentiable_kernels_keep_and_restore_the_settings():
+    """A ``differentiable_kernels`` block inside another (a Fisher-vector product enters several) leaves the reference
+    kernels on and changes nothing on exit; the outer block restores the caller's settings; a nested block entered
+    after the model changed a setting sets it again."""
+    from ief.logit_jvp import _reference_kernels_set, differentiable_kernels
+
+    before = (torch.backends.mkldnn.enabled, torch.backends.mha.get_fastpath_enabled(),
+              torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    with differentiable_kernels():
+        assert _reference_kernels_set()
+        with differentiable_kernels():
+            assert _reference_kernels_set()
+        assert _reference_kernels_set()
+        torch.backends.mkldnn.enabled = True  # something inside switched oneDNN back on
+        with differentiable_kernels():
+            assert not torch.backends.mkldnn.enabled and _reference_kernels_set()
+        assert torch.backends.mkldnn.enabled  # restored to what it was when that block was entered
+    assert (torch.backends.mkldnn.enabled, torch.backends.mha.get_fastpath_enabled(),
+            torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before

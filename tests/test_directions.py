@@ -780,3 +780,18 @@ def test_sf_drops_the_float32_gradients_rounding_outside_a_float64_row_space():
     g64 = ps64.jacobian.sum(0)
     got = ief.sf_direction(ps64.jacobian, g64.float(), 1e-8)
     assert rel_err(got, ief.sf_direction(ps64.jacobian, g64, 1e-8)) < 1e-5
+
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", [0, 65536 + 3], ids=["first_block", "second_block"])
+def test_one_pass_finds_a_non_finite_entry_anywhere(bad, where):
+    """``max|J|`` (one ``aminmax`` pass per column block) is also the finiteness check of every direction: a NaN,
+    ``+inf`` or ``-inf`` in any block of ``J`` raises the same ``ValueError`` as before, for EF, iEF and SF."""
+    j = torch.randn(3, 2 * 65536, generator=torch.Generator().manual_seed(0))
+    j[1, where] = bad
+    for call in (lambda: ief.ief_direction(j, torch.ones(3), 1e-3), lambda: ief.ef_direction(j, 1e-3)):
+        with pytest.raises(ValueError, match="^jacobian contains non-finite values$"):
+            call()
+    with pytest.raises(ValueError, match="^sampled_jacobian contains non-finite values$"):
+        ief.sf_direction(j, torch.ones(2 * 65536), 1e-3)

@@ -470,3 +470,33 @@ def test_sweep_on_random_linear_models(features, classes, m, duplicates, damping
         chk.close(f"{method} gamma, sweep vs evaluate", sweep[method], slow[method], sensitivity=sens[method])
         chk.close(f"{method} gamma, sweep vs oracle", sweep[method], o.gamma(exact[method]), sensitivity=sens[method])
     chk.done()
+
+
+def test_the_fast_module_walks_equal_torchs_own():
+    """``ief.model_call.modules_of`` / ``parameters_of`` / ``param_names`` (walks without generators, a fixed cost of
+    every Fisher-vector product) against ``model.modules()``, ``model.parameters()`` and
+    ``named_parameters(remove_duplicate=False)`` (the last name of a tied parameter), on a model with a submodule
+    shared by two parents, a tied weight, a ``None`` child and a ``None`` parameter, and on a T5-LoRA."""
+    from ief.model_call import modules_of, param_names, parameters_of
+
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(
+        torch.nn.Sequential(shared, torch.nn.Tanh(), torch.nn.Linear(3, 4, bias=False)),
+        torch.nn.ModuleDict({"b": torch.nn.Sequential(torch.nn.Linear(4, 3), shared), "none": None}),
+        torch.nn.Linear(3, 3),
+    )
+    model[2].weight = shared.weight  # tied: one tensor under three names
+    model[0][1].register_parameter("nothing", None)
+    import peft
+    from transformers import T5Config, T5ForConditionalGeneration
+    t5 = peft.get_peft_model(T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32,
+                                                                 num_layers=2, num_heads=2, decoder_start_token_id=0)),
+                             peft.LoraConfig(r=2, target_modules=["q", "v"]))
+    for m in (model, t5):
+        assert [id(x) for x in modules_of(m)] == [id(x) for x in m.modules()]
+        assert [id(p) for p in parameters_of(m)] == [id(p) for p in m.parameters()]
+        by_id = {id(p): n for n, p in m.named_parameters(remove_duplicate=False)}
+        params = list(m.parameters())
+        assert param_names(m, params) == [by_id[id(p)] for p in params]
+    assert len(modules_of(model)) < len(list(model.named_modules(remove_duplicate=False)))  # shared: listed once

@@ -88,6 +88,13 @@ def pruned_parameters(model: torch.nn.Module, params: Iterable[torch.nn.Paramete
     """``(names, tensors)`` of the parameters to prune: ``params``, or (``None``) every trainable parameter with two
     or more dimensions (the weight matrices and kernels; biases and normalisation scales are kept, as in WoodFisher).
 
+    Args:
+        model: the model.
+        params: the tensors to prune, or ``None``.
+
+    Returns:
+        ``(names, tensors)``, in the model's parameter order.
+
     Raises:
         ValueError: a given tensor is not a trainable parameter of ``model``, or there is nothing to prune.
     """
@@ -162,7 +169,17 @@ def ggn_blocks(
     loss: str | Loss = "cross_entropy",
 ) -> tuple[list[torch.Tensor], int]:
     """The exact Fisher's diagonal blocks ``(1/N) sum_n sum_c p_n(c) g_nc[span] g_nc[span]^T`` (``eqn:FIM``; ``g_nc =
-    grad_theta log p_n(c)``, from :func:`ief.per_sample` with every label set to ``c``), dense float64; and ``N``.
+    grad_theta log p_n(c)``, from :func:`ief.per_sample` with every label set to ``c``), dense float64.
+
+    Args:
+        model: the model (its forward on each batch's inputs gives ``[M, C]`` logits).
+        batches: ``(inputs, targets)`` pairs; the targets only fix which samples count (one class each).
+        params: the pruned tensors.
+        spans: the blocks (:func:`block_spans`).
+        loss: cross-entropy only (the Fisher summed over classes needs a softmax).
+
+    Returns:
+        ``(blocks, N)``: one ``[B, B]`` float64 matrix per span, and the number of samples.
 
     Raises:
         ValueError: a loss other than cross-entropy, targets that are not one class per sample (``[M]``), or a
@@ -257,8 +274,16 @@ class _DenseBlock:
 
 
 def block_spans(params: Sequence[torch.Tensor], block_size: int | None) -> list[tuple[int, int]]:
-    """``[lo, hi)`` of every diagonal block in the flat vector of ``params`` (each flattened, in order): consecutive
-    ``block_size`` entries of each tensor (the last block of a tensor shorter), or one span over all (``None``)."""
+    """The diagonal blocks of WoodFisher's block-diagonal curvature, as spans of the flat parameter vector.
+
+    Args:
+        params: the pruned tensors, each flattened, in order.
+        block_size: entries per block (consecutive within each tensor; the last block of a tensor shorter), or
+            ``None`` for one span over all.
+
+    Returns:
+        ``[(lo, hi), ...]``: each block's ``[lo, hi)``.
+    """
     block_size = _check_block_size(block_size)
     sizes = [p.numel() for p in params]
     if block_size is None:
@@ -274,8 +299,13 @@ def block_spans(params: Sequence[torch.Tensor], block_size: int | None) -> list[
 class OBSCurvature:
     """A damped block-diagonal curvature of the pruned parameters, ready to score and prune at any damping.
 
-    ``names`` / ``params``: the pruned parameters (their current values are the ``w`` of OBS); ``fisher``: its kind;
-    ``samples``: ``N``; ``spans``: the blocks' ``[lo, hi)`` in the flat vector; ``blocks``: their inverses.
+    Attributes:
+        fisher: the curvature's kind (``"ef"``, ``"ief"``, ``"sf"`` or ``"ggn"``).
+        names: the pruned parameters' names.
+        params: the pruned parameters (their current values are the ``w`` of OBS).
+        samples: ``N``, the samples the curvature was built from.
+        spans: the blocks' ``[lo, hi)`` in the flat vector.
+        blocks: one factored block per span (its rows' thin SVD, or the dense GGN block), invertible at any damping.
     """
 
     fisher: str
@@ -420,7 +450,20 @@ def obs_saliency(
 
     ``fisher="magnitude"``: ``w_q^2`` (no data, no damping). Otherwise OBS's ``rho_q = w_q^2 / (2 [F^{-1}]_qq)`` with
     ``F = lambda I + (1/N) sum_n r_n r_n^T`` block by block (``sec:app-iEF-woodfisher``; rows and blocks in the
-    module docstring; arguments as :func:`obs_curvature`, ``damping`` = ``lambda > 0``).
+    module docstring).
+
+    Args:
+        model: the model whose weights are scored (not changed).
+        batches: ``(inputs, targets)`` pairs: the ``N`` samples of the curvature (ignored by ``"magnitude"``).
+        fisher: ``"magnitude"``, ``"ef"``, ``"ief"``, ``"sf"`` or ``"ggn"``.
+        damping: ``lambda > 0`` (not used by ``"magnitude"``).
+        params: the tensors to score (default: :func:`pruned_parameters`).
+        block_size: WoodFisher's blocks (``None``: one block).
+        generator: the RNG of ``"sf"``'s sampled labels.
+        loss: as :func:`ief.per_sample`.
+
+    Returns:
+        name -> ``rho`` (float64, shaped like the parameter).
 
     Raises:
         ValueError: an unknown ``fisher`` (accepted: :data:`METHODS`), a missing or non-positive damping, and
@@ -439,6 +482,11 @@ def obs_saliency(
 def magnitude_prune(model: torch.nn.Module, sparsity: float,
                     params: Iterable[torch.nn.Parameter] | None = None) -> dict[str, torch.Tensor]:
     """Global magnitude pruning, in place: the ``round(sparsity * P)`` weights of smallest ``|w|`` set to zero.
+
+    Args:
+        model: pruned in place.
+        sparsity: the fraction of the pruned parameters' weights set to zero, in ``[0, 1]``.
+        params: the tensors to prune (default: :func:`pruned_parameters`).
 
     Returns:
         name -> bool mask (``True``: kept).
@@ -475,7 +523,9 @@ def prune(
         block_size: WoodFisher's blocks (``None``: one block).
         update: apply OBS's compensating update (see :meth:`OBSCurvature.prune`); ``False``: only zero the weights
             (OBS's choice of weights without its update).
-        params, generator, loss: as :func:`obs_curvature`.
+        params: the tensors to prune (default: :func:`pruned_parameters`).
+        generator: the RNG of ``"sf"``'s sampled labels.
+        loss: as :func:`ief.per_sample`.
 
     Returns:
         ``(model, masks)``, masks name -> bool tensor (``True``: kept).

@@ -119,7 +119,7 @@ _PRACTICAL: dict[str, dict[str, Grid]] = {
     "mlp": {"ief-momentum": Grid(GRIDS["mlp"]["ief"].values, _PRACTICAL_SOURCE + "; iEF's grid here").extend(
         (0.03, 0.1), "ours, added because the cpu search chose the smallest rate (0.3) on digits-mlp: a search "
                      "must bracket its optimum")},
-    "lora": {"ief-momentum": Grid((0.1, 0.3, 1.0), _PRACTICAL_SOURCE + "; around iEF's chosen rates")},
+    "lora": {"ief-momentum": Grid((0.1, 0.3, 1.0, 3.0), _PRACTICAL_SOURCE + "; around iEF's chosen rates")},
     "pt": {"ief-momentum": Grid((0.1, 0.3, 1.0, 3.0), _PRACTICAL_SOURCE + "; around iEF's chosen rates")},
 }
 _PRACTICAL["mlp"].update({k: Grid((1e-3, 3e-3, 0.01, 0.03, 0.1), _PRACTICAL_SOURCE) for k in ("kfac", "ekfac", "iekfac")})

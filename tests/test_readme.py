@@ -180,6 +180,20 @@ def test_readme_example_runs_and_trains():
     assert all(0 < float(v) < float("inf") for v in gammas.values())
 
 
+def test_readme_trainer_example_continues_the_quick_start_and_trains(tmp_path):
+    """The README's second example (the Trainer) runs after the first, as the text says, and its logged loss falls."""
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    assert len(blocks) == 2 and "IEFTrainer(" in blocks[1], "the README shows the quick start, then the Trainer"
+    out = subprocess.run(
+        [sys.executable, "-c", blocks[0] + "\n" + blocks[1]], cwd=tmp_path, capture_output=True, text=True,
+        timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
+                          "OMP_NUM_THREADS": "2", "HOME": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    logged = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", out.stdout + out.stderr)]
+    assert len(logged) == 3 and logged[-1] < logged[0], (out.stdout + out.stderr)[-2000:]
+
+
 def test_the_chapter_map_marks_what_the_cpu_scale_draws_differently():
     """One column per chapter; the footnotes carry the scale differences (tests/test_paper.py keeps the block equal
     to ief/paper/coverage.py)."""

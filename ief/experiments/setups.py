@@ -238,7 +238,7 @@ CPU_LEARNING_RATES: dict[str, dict[str, float]] = {
     "digits-mlp": {"adam": 1e-2, "adamw": 1e-2, "adafactor": 1e-2, "sgd": 0.5, "ief": 3.0, "ef": 10.0, "sf": 0.1,
                    "ief-momentum": 0.3, "kfac": 0.01, "ekfac": 0.01, "iekfac": 0.01},
     "tweets-minilm-lora": {"adamw": 3e-3, "adafactor": 1e-2, "sgd": 1.0, "ief": 0.3, "ef": 0.1, "sf": 1.0,
-                           "kfac": 0.03, "ekfac": 0.03, "iekfac": 0.03},
+                           "ief-momentum": 1.0, "kfac": 0.03, "ekfac": 0.03, "iekfac": 0.03},
     "tweets-minilm-pt": {"adafactor": 0.03, "adamw": 1e-2, "sgd": 1.0, "ief": 1.0, "ef": 0.1, "sf": 1.0,
                          "ief-momentum": 0.3},
 }

@@ -11,7 +11,7 @@ from ief.experiments import CPU_SETUPS, resolve
 from ief.experiments import search as S
 from ief.experiments import store
 from ief.experiments.runner import run_dir
-from ief.experiments.setups import OPTIMIZERS
+from ief.experiments.setups import OPTIMIZERS, PRACTICAL_OPTIMIZERS
 from ief.experiments.summaries import final_train_loss
 
 
@@ -29,8 +29,10 @@ def test_grids_are_the_papers():
         (5e-5, 1e-4, 5e-4), (0.01, 0.1, 0.5), (10, 50, 100), (0.01, 0.1, 0.5))
     assert mlp["ef"].paper == (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
     ours = {(k, o) for k, grids in S.GRIDS.items() for o, g in grids.items() if g.source.startswith("ours")}
+    practical = {(k, o) for k in ("pt", "lora", "mlp") for o in PRACTICAL_OPTIMIZERS if k != "pt" or o == "ief-momentum"}
     assert ours == {("pt", "adafactor"), ("pt", "adamw"), ("lora", "adafactor"), ("mlp", "adamw"),
-                    ("mlp", "adafactor")}
+                    ("mlp", "adafactor")} | practical  # beyond the paper: grids of ours, each saying so
+    assert all(S.GRIDS[k][o].source.startswith("ours: beyond the paper") for k, o in practical)
     for grids in S.GRIDS.values():
         for g in grids.values():
             assert g.values == tuple(sorted(set(g.paper) | set(g.extended)))
@@ -39,7 +41,8 @@ def test_grids_are_the_papers():
     for name in CPU_SETUPS:  # every registered optimiser of a cpu setup has a grid
         cfg = resolve(name, "cpu")
         assert all(S.grid(cfg, o).values for o in cfg.optimizers)
-    with pytest.raises(ValueError, match="valid optimizers: adamw, adafactor, sgd, ef, sf, ief$"):
+    with pytest.raises(ValueError, match="valid optimizers: adamw, adafactor, sgd, ef, sf, ief, ief-momentum, kfac, "
+                                         "ekfac, iekfac$"):
         S.grid(resolve("tweets-minilm-lora", "cpu"), "adam")
 
 

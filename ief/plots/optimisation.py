@@ -160,7 +160,12 @@ def plot_curves(curves: pd.DataFrame, setups: Sequence[str], optimizers: dict[st
                              xlabel=f"update step (each point: {per} updates)" if per > 1 else "update step")
             axes[row, 1].set(title=f"{setup}: validation", xlabel="update step",
                              ylabel=f"validation {validation.removeprefix('val_')}")
-        handles, labels = axes[0, 0].get_legend_handles_labels()
+        handles, labels = [], []  # every row's optimisers (rows may differ: each setup's own baseline)
+        for ax in axes[:, 0]:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
         rank = {f"{label(o)} ": i for i, o in enumerate(optimizers[setups[0]])}  # the paper's order in the legend
         pairs = sorted(zip(handles, labels), key=lambda hl: rank.get(hl[1].split("(")[0], len(rank)))
         handles, labels = [h for h, _ in pairs], [lab for _, lab in pairs]

@@ -194,9 +194,9 @@ def curve_figures(curves: pd.DataFrame, setups: Sequence[str], opts: dict[str, l
 
 def practical_glue(table: pd.DataFrame, opts: dict[str, list[str]], costs: pd.DataFrame | None = None
                    ) -> dict[str, str]:
-    """The sentences the chapter glues: per rule of :mod:`ief.experiments.verdicts.practical` ``rule_<name>`` (the
-    rule, glued before its result) and ``v_<name>`` (its verdict per setup), and ``cost_<setup>`` (the cost ratios
-    in words) when ``costs`` are given.
+    """The sentences the chapter glues: ``pr_over_seeds`` (how every rule decides a pair over seeds, and why), per
+    rule of :mod:`ief.experiments.verdicts.practical` ``rule_<name>`` (the rule, glued before its result) and
+    ``v_<name>`` (its verdict per setup), and ``cost_<setup>`` (the cost ratios in words) when ``costs`` are given.
 
     Args:
         table: the runs.
@@ -209,10 +209,10 @@ def practical_glue(table: pd.DataFrame, opts: dict[str, list[str]], costs: pd.Da
     from ..experiments.verdicts import RULES, summary
     from ..experiments.verdicts.practical import PRACTICAL_RULES
 
-    out = {}
+    out = {"pr_over_seeds": RULES[PRACTICAL_RULES[0]].why}  # one way of deciding, for every rule
     for name in PRACTICAL_RULES:
         rule = RULES[name]
-        out[f"rule_{name}"] = rule.statement + " " + rule.why
+        out[f"rule_{name}"] = rule.statement
         out[f"v_{name}"] = summary(rule.evaluate(table, None, opts))
     if costs is not None:
         for setup, c in costs.groupby("setup", sort=False):

@@ -98,6 +98,10 @@ def search_figure(records: dict):
     # Adam and AdamW run the same grid on digits and end close: Adam is drawn last, as large hollow rings around
     # AdamW's diamonds, so that neither hides the other
     ringed = "Adam"
+    unknown = sorted(set(trials["optimizer"]) - set(MARKERS))
+    if unknown:
+        raise ValueError(f"search_figure draws {', '.join(MARKERS)}, not {', '.join(unknown)}: pass "
+                         f"ief.experiments.search.restricted(record, optimizers) for the others")
     names = list(records)
     fig, axes = plt.subplots(len(names), 2, figsize=(PAGE_WIDTH_IN, 3.4 * len(names) + 0.9), squeeze=False)
     hue = palette(trials["optimizer"].unique())

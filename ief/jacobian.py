@@ -77,7 +77,8 @@ import torch
 from .conv_rules import conv_factors, conv_is_unfoldable
 from .broadcast_uses import Use, UseTracker, check_sums, establish, per_sample_rows
 from .curvature import differentiable_kernels
-from .layer_rules import groupnorm_grads, hf_conv1d_grads, is_hf_conv1d, mha_batch_dim, mha_grads, mha_is_replayable
+from .layer_rules import (groupnorm_grads, hf_conv1d_grads, is_hf_conv1d, mha_batch_dim, mha_grads, mha_is_replayable,
+                          write_block)
 from .logit_jvp import jvps_any_mode
 from .directions import FactoredRows, combine_rows, gram, max_abs
 from .losses import Loss, get_loss, logit_sqnorm
@@ -320,11 +321,6 @@ def _prefer_ghost(form: str, m: int, t: int, fan_in: int, fan_out: int) -> bool:
 # --------------------------------------------------------------------------------------------------- hooked layers
 # Each rule writes the per-sample gradients of one module call into ``dests`` (name -> ``[M, numel]`` column block of
 # J, a strided view), copying on the first call of the module and adding on later calls (``accumulate``).
-def _write(dest: torch.Tensor, value: torch.Tensor, accumulate: bool) -> None:
-    value = value.reshape(dest.shape)
-    dest.add_(value) if accumulate else dest.copy_(value)
-
-
 def _linear_grads(module: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
     m, dtype = a.shape[0], next(iter(dests.values())).dtype
     a = a.reshape(m, -1, a.shape[-1]).to(dtype)  # [M, T, in]
@@ -333,7 +329,7 @@ def _linear_grads(module: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor, des
         block = dests["weight"].unflatten(1, (g.shape[-1], a.shape[-1]))  # [M, out, in]
         block.baddbmm_(g.transpose(1, 2), a, beta=1 if accumulate else 0)
     if "bias" in dests:
-        _write(dests["bias"], g.sum(dim=1), accumulate)
+        write_block(dests["bias"], g.sum(dim=1), accumulate)
 
 
 def _embedding_grads(module: torch.nn.Embedding, idx: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
@@ -356,9 +352,9 @@ def _layernorm_grads(module: torch.nn.LayerNorm, x: torch.Tensor, g: torch.Tenso
     x_hat = centred * torch.rsqrt(centred.square().mean(dim=dims, keepdim=True) + module.eps)
     shape = (m, -1, *module.normalized_shape)
     if "weight" in dests:
-        _write(dests["weight"], (g * x_hat).reshape(shape).sum(dim=1), accumulate)
+        write_block(dests["weight"], (g * x_hat).reshape(shape).sum(dim=1), accumulate)
     if "bias" in dests:
-        _write(dests["bias"], g.reshape(shape).sum(dim=1), accumulate)
+        write_block(dests["bias"], g.reshape(shape).sum(dim=1), accumulate)
 
 
 def _conv_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
@@ -370,9 +366,9 @@ def _conv_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, dests
         if groups == 1:
             block[:, 0].baddbmm_(g[:, 0].transpose(1, 2), a[:, 0], beta=1 if accumulate else 0)
         else:
-            _write(block, g.transpose(2, 3) @ a, accumulate)
+            write_block(block, g.transpose(2, 3) @ a, accumulate)
     if "bias" in dests:
-        _write(dests["bias"], g.sum(dim=2), accumulate)
+        write_block(dests["bias"], g.sum(dim=2), accumulate)
 
 
 def _batchnorm_eval_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, dests, accumulate) -> None:
@@ -385,9 +381,9 @@ def _batchnorm_eval_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Ten
         module.running_var.to(g.dtype).view(1, -1, 1) + module.eps
     )
     if "weight" in dests:
-        _write(dests["weight"], (g * x_hat).sum(dim=2), accumulate)
+        write_block(dests["weight"], (g * x_hat).sum(dim=2), accumulate)
     if "bias" in dests:
-        _write(dests["bias"], g.sum(dim=2), accumulate)
+        write_block(dests["bias"], g.sum(dim=2), accumulate)
 
 
 BATCH_FIRST = -1  # "features" of a layer whose input is [N, C, *] and whose sample axis can only be N (normalisations)

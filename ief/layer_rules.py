@@ -31,7 +31,9 @@ def is_hf_conv1d(module: torch.nn.Module) -> bool:
             and getattr(module, "weight", None) is not None and module.weight.dim() == 2)
 
 
-def _write(dest: torch.Tensor, value: torch.Tensor, accumulate: bool) -> None:
+def write_block(dest: torch.Tensor, value: torch.Tensor, accumulate: bool) -> None:
+    """Write one call's per-sample gradients into their column block of J: copied on a module's first call, added on
+    later calls (``accumulate``). ``dest``: a strided ``[M, numel]`` view; ``value``: anything of its size."""
     value = value.reshape(dest.shape)
     dest.add_(value) if accumulate else dest.copy_(value)
 
@@ -45,7 +47,7 @@ def hf_conv1d_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, d
         block = dests["weight"].unflatten(1, (a.shape[-1], g.shape[-1]))  # [M, in, out]
         block.baddbmm_(a.transpose(1, 2), g, beta=1 if accumulate else 0)
     if "bias" in dests:
-        _write(dests["bias"], g.sum(dim=1), accumulate)
+        write_block(dests["bias"], g.sum(dim=1), accumulate)
 
 
 def groupnorm_grads(module: torch.nn.GroupNorm, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
@@ -57,9 +59,9 @@ def groupnorm_grads(module: torch.nn.GroupNorm, x: torch.Tensor, g: torch.Tensor
     x_hat = (centred * torch.rsqrt(centred.square().mean(dim=2, keepdim=True) + module.eps)).reshape(m, c, -1)
     g = g.reshape(m, c, -1)
     if "weight" in dests:
-        _write(dests["weight"], (g * x_hat).sum(dim=2), accumulate)
+        write_block(dests["weight"], (g * x_hat).sum(dim=2), accumulate)
     if "bias" in dests:
-        _write(dests["bias"], g.sum(dim=2), accumulate)
+        write_block(dests["bias"], g.sum(dim=2), accumulate)
 
 
 def mha_is_replayable(module: torch.nn.Module) -> bool:
@@ -111,4 +113,4 @@ def mha_grads(module: torch.nn.MultiheadAttention, call, grads, dests, accumulat
                None if weight_grad is None else 0)
     rows = vmap(grad(contracted), in_dims=in_dims)(params, query, key, value, padding, mask, out_grad, weight_grad)
     for name, dest in dests.items():
-        _write(dest, rows[name].reshape(m, -1).to(dest.dtype), accumulate)
+        write_block(dest, rows[name].reshape(m, -1).to(dest.dtype), accumulate)

@@ -55,14 +55,14 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _build(case: str, batch: int, seed: int):
+def _build(case: str, batch: int, seed: int, device: str = "cpu"):
     """The model and one-step closure of a case (every case gets the same weights and data)."""
     import torch
 
     import ief
     from benchmarks.workloads import build_paper_mlp
 
-    w = build_paper_mlp(batch, "cpu", seed)
+    w = build_paper_mlp(batch, device, seed)
     model, x, y = w.model, w.inputs, w.targets
     with torch.no_grad():
         model(x)
@@ -84,22 +84,32 @@ def _build(case: str, batch: int, seed: int):
     return model, step
 
 
-def _memory_case(case: str, steps: int, warmup: int, batch: int, threads: int) -> dict:
-    """Inside a subprocess: the resident-set high-water mark added by ``warmup + steps`` steps, and their times."""
+def _memory_case(case: str, steps: int, warmup: int, batch: int, threads: int, device: str = "cpu") -> dict:
+    """Inside a subprocess: the memory high-water mark added by ``warmup + steps`` steps, and their times.
+
+    On the CPU the resident set (``ru_maxrss``); on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``)."""
     import resource
 
     import torch
 
     torch.set_num_threads(threads)
-    model, step = _build(case, batch, 0)
-    base = _rss_bytes()
+    model, step = _build(case, batch, 0, device)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = _rss_bytes()
     times = []
     for k in range(warmup + steps):
         t0 = time.perf_counter()
         step()
+        if cuda:
+            torch.cuda.synchronize()
         if k >= warmup:
             times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return dict(case=case, extra_peak_mib=(peak - base) / MIB, times_s=times,
                 params=sum(p.numel() for p in model.parameters()))
 
@@ -107,7 +117,7 @@ def _memory_case(case: str, steps: int, warmup: int, batch: int, threads: int) -
 def main(argv=None) -> None:
     started = time.perf_counter()
     ap = argparse.ArgumentParser(prog="python -m benchmarks.paper_mlp", description=__doc__.split("\n")[0])
-    harness.add_common_arguments(ap, repeats=15, warmup=2, device=False)
+    harness.add_common_arguments(ap, repeats=15, warmup=2)
     ap.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)  # old name of --repeats
     ap.add_argument("--cases", default="adam,ief-auto,ief-auto-nocheck", help=f"comma-separated, from {CASES}")
     ap.add_argument("--memory-steps", type=int, default=3, help="steps after warm-up in each memory subprocess")
@@ -117,9 +127,10 @@ def main(argv=None) -> None:
     if args.rounds is not None:
         args.repeats = args.rounds
     if args._case:
-        print(json.dumps(_memory_case(args._case, args.memory_steps, args.warmup, args.batch, args.threads)))
+        print(json.dumps(_memory_case(args._case, args.memory_steps, args.warmup, args.batch, args.threads,
+                                      args.device)))
         return
-    harness.check_common(ap, args)
+    device = harness.check_common(ap, args)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in cases if c not in CASES]
     if bad or "adam" not in cases:
@@ -130,15 +141,15 @@ def main(argv=None) -> None:
         for case in cases:  # peak memory: one subprocess per case
             cmd = [sys.executable, "-m", "benchmarks.paper_mlp", "--_case", case, "--memory-steps",
                    str(args.memory_steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads), "--device", args.device]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"case {case} failed:\n{out.stderr[-3000:]}")
             memory[case] = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"  memory {case}: extra peak {memory[case]['extra_peak_mib']:.0f} MiB", flush=True)
         timed = [c for c in cases if c != "ief-dense"]  # dense: seconds per step and 2.7 GB: its memory run's times
-        steps = {c: _build(c, args.batch, 0)[1] for c in timed}
-        times = harness.round_robin(steps, args.repeats, args.warmup)
+        steps = {c: _build(c, args.batch, 0, args.device)[1] for c in timed}
+        times = harness.round_robin(steps, args.repeats, args.warmup, device=device)
     params = memory["adam"]["params"]
     rows = harness.rows(times, {c: (None if c == "adam" else "adam") for c in timed}, LABELS)
     for c in cases:
@@ -150,7 +161,7 @@ def main(argv=None) -> None:
     for r in rows:
         r["extra_peak_mib"] = memory[r["key"]]["extra_peak_mib"]
     rows.sort(key=lambda r: cases.index(r["key"]))
-    print(f"\npaper MLP 3072-2048-2048-10, {params:,} parameters, batch {args.batch}, float32, CPU, "
+    print(f"\npaper MLP 3072-2048-2048-10, {params:,} parameters, batch {args.batch}, float32, {device}, "
           f"{args.threads} thread(s), {args.repeats} round-robin rounds")
     print(f"{'case':<17} {'median ms':>10} {'IQR ms':>9} {'vs adam':>8} {'extra peak MiB':>15}")
     for r in rows:
@@ -164,9 +175,9 @@ def main(argv=None) -> None:
           1.0 if r["reference"] is None else (r["ratio"] if r["ratio"] is not None else r["ratio_of_medians"]),
           r["extra_peak_mib"]] for r in rows],
         note="vs Adam step: median of within-round ratios (ratio of medians for a case timed only in its memory "
-             "subprocess, e.g. form=\"dense\"); extra peak memory: resident-set high-water mark added by the steps, "
-             "one subprocess per case.")
-    doc = harness.record("paper_mlp", argv, "cpu", args, load, dict(params=params, batch=args.batch, rows=rows,
+             "subprocess, e.g. form=\"dense\"); extra peak memory: high-water mark added by the steps (CPU: resident set; "
+             "CUDA: the allocator's peak), one subprocess per case.")
+    doc = harness.record("paper_mlp", argv, device, args, load, dict(params=params, batch=args.batch, rows=rows,
                                                                     memory=memory), [table], started)
     harness.finish(doc, args.json)
 

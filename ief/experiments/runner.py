@@ -559,13 +559,25 @@ class TrainingLoop:
             "state": state, "rng": _rng_state()})
 
     def write_stages(self, done: int) -> None:
-        """The stage checkpoints due after update ``done``."""
+        """Write the stage checkpoints due after update ``done``.
+
+        Args:
+            done: the updates applied (0: the initial model).
+        """
         for name, at in self.stages.items():
             if at == done:
                 store.write_torch(self.root / "checkpoints" / name, store.trainable_state(self.model))
 
     def validate(self, done: int) -> None:
-        """Validation after update ``done`` (once), ``validation.jsonl`` and, when it is the best, ``best.pt``."""
+        """Validate after update ``done`` (once per step), rewrite ``validation.jsonl`` and, when the score is the
+        best so far, ``checkpoints/best.pt``.
+
+        Args:
+            done: the updates applied.
+
+        Raises:
+            _Aborted: a stop signal arrived during the evaluation (nothing of it is recorded).
+        """
         state = self.state
         if state["evals"] and state["evals"][-1]["step"] == done:
             return
@@ -580,8 +592,12 @@ class TrainingLoop:
             store.write_torch(self.root / "checkpoints" / "best.pt", store.trainable_state(self.model))
 
     def after_update(self, done: int) -> None:
-        """What follows update ``done``: validation when due, the stage and epoch checkpoints, the epoch
-        scheduler."""
+        """What follows update ``done``: validation when due, the progress line, the stage and epoch checkpoints and
+        the epoch scheduler's step.
+
+        Args:
+            done: the updates applied.
+        """
         due = done % self.eval_every == 0 or done == self.total
         if due:
             self.validate(done)
@@ -602,8 +618,17 @@ class TrainingLoop:
         return [self.data.train[int(i)] for i in self._order[b * bs : (b + 1) * bs]]
 
     def update(self, bar: Any) -> bool:
-        """One update (and its periodic ``resume.pt``); ``False`` when it diverged (the update is not applied).
-        Raises :class:`RunInterrupted` after it when a stop signal arrived."""
+        """One update on the next batch of the epoch's order, then ``resume.pt`` when one is due.
+
+        Args:
+            bar: the tqdm bar (advanced by one).
+
+        Returns:
+            ``False`` when the update diverged (it is not applied; ``state["diverged"]`` says where), else ``True``.
+
+        Raises:
+            RunInterrupted: a stop signal arrived (after the update, with ``resume.pt`` saved).
+        """
         state = self.state
         step = state["done"]
         inputs, targets = self.task.collate(self._batch(step))
@@ -623,9 +648,9 @@ class TrainingLoop:
             raise RunInterrupted(self.signals.pending, f"after step {state['done']}")
         return True
 
-    def train_to_end(self, stack: contextlib.ExitStack) -> None:
-        """Updates until the last one or a divergence (resuming where the state is), then ``resume.pt`` marked
-        trained."""
+    def train_to_end(self) -> None:
+        """Update until the last update or a divergence, from where ``state`` is; then ``resume.pt`` is written
+        with ``training_done``."""
         state = self.state
         self.model.train()
         if state["done"] == 0:
@@ -634,19 +659,24 @@ class TrainingLoop:
             self.after_update(state["done"])
         bar = tqdm(total=self.total, initial=state["done"], desc=f"{self.setup}/{self.optimizer}/seed-{self.seed}",
                    disable=not self.progress, dynamic_ncols=True)
-        stack.callback(bar.close)
-        while state["done"] < self.total and state["diverged"] is None:
-            if not self.update(bar):
-                break
-            self.after_update(state["done"])
-        bar.close()
+        try:
+            while state["done"] < self.total and state["diverged"] is None:
+                if not self.update(bar):
+                    break
+                self.after_update(state["done"])
+        finally:
+            bar.close()
         if state["diverged"] is not None:
             self.validate(state["done"])  # the parameters before the failed update (redone on resume)
         state["training_done"] = True
         self.save_resume()
 
     def test_best(self) -> dict[str, dict[str, Any]]:
-        """The best-validation parameters put back (:func:`_load_best`) and evaluated on the test split."""
+        """Put the best-validation parameters back into the model (:func:`_load_best`) and evaluate the test split.
+
+        Returns:
+            :func:`evaluate`'s predictions on the test split(s).
+        """
         best, root = self.state["best"], self.root
         same_step = [root / "checkpoints" / f"epoch-{best['step'] // self.spe:03d}.pt"] \
             if best["step"] % self.spe == 0 else []
@@ -656,15 +686,18 @@ class TrainingLoop:
                         abort=self._stopping, progress=self.progress)
 
     def run(self) -> dict[str, Any]:
-        """Train (or resume) to the end and test; returns the summary as written (:meth:`write_summary`).
+        """Train (or resume) to the end, then test the best-validation parameters.
+
+        Returns:
+            The run's summary (:meth:`write_summary`).
 
         Raises:
             RunInterrupted: a stop signal arrived (``resume.pt`` saved; the same command resumes).
         """
-        with self.signals, contextlib.ExitStack() as stack:
+        with self.signals:
             try:
                 if not self.state["training_done"]:
-                    self.train_to_end(stack)
+                    self.train_to_end()
                 results = self.test_best()
             except _Aborted:
                 if not self.state["training_done"]:
@@ -673,7 +706,14 @@ class TrainingLoop:
         return self.write_summary(results)
 
     def write_summary(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """``summary.json`` (and the GLUE prediction files), ``resume.pt`` removed; the summary as read back."""
+        """Write ``summary.json`` (and the GLUE prediction files) and remove ``resume.pt``.
+
+        Args:
+            results: :meth:`test_best`'s predictions.
+
+        Returns:
+            The summary as read back from ``summary.json`` (what a re-invocation returns).
+        """
         cfg, root, state = self.cfg, self.root, self.state
         predictions = []
         if cfg.task in GLUE_TASKS:

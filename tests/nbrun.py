@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tools.book import kernel_config, single_threaded
+from tools.book.steps import kernel_config, single_threaded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,7 +15,7 @@ def run_notebook(name: str, out_dir: Path, /, timeout: int = 600, **parameters):
     ``name`` and ``out_dir`` are positional-only, so a notebook parameter may itself be called ``out_dir``.
 
     The kernel is this interpreter's (ipykernel), with the repository on ``PYTHONPATH``, one thread per library and
-    local IPC sockets, as in the book's build (tools/book.py).
+    local IPC sockets, as in the book's build (tools/book/steps.py).
     """
     import papermill
 

@@ -158,3 +158,37 @@ def test_load_e2_reads_the_workflow_tables_or_says_how_to_make_the_runs(runs, tm
     assert from_runs.seeds == sorted(int(k) for k in from_runs.table.seed.unique())
     assert set(from_runs.missing) == set(from_runs.expected) - set(
         zip(from_runs.table.setup, from_runs.table.optimizer, from_runs.table.seed))
+
+
+def test_load_e2_only_reads_and_names_what_trains_a_missing_grid(runs, tmp_path, monkeypatch):
+    """Loading never trains: with nothing on disk it says how to make the runs; with part of the grid it lists the
+    missing runs."""
+    from ief.experiments import runner
+    from ief.experiments.aggregate import load_e2
+
+    runs, _ = runs
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail(f"load_e2 trained a run: {a}"))
+    with pytest.raises(FileNotFoundError, match="ensure_smoke_e2_runs"):
+        load_e2("smoke", tmp_path / "no-results", tmp_path / "no-runs")
+    assert not (tmp_path / "no-runs").exists()
+    partial = load_e2("smoke", tmp_path / "no-results", runs, setups=[SETUP])
+    assert set(GRID) == {(o, k) for _, o, k in partial.expected if (SETUP, o, k) not in partial.missing}
+    assert partial.missing and all(o not in {"sgd", "ief"} for _, o, _ in partial.missing)
+
+
+def test_ensure_smoke_e2_runs_trains_the_grid_only_when_nothing_exists(runs, tmp_path, monkeypatch):
+    from ief.experiments import runner
+    from ief.experiments.aggregate import ensure_smoke_e2_runs
+    from ief.experiments.setups import e2_optimizers
+
+    runs, _ = runs
+    trained = []
+    monkeypatch.setattr(runner, "train", lambda setup, opt, seed, scale, out, **kw: trained.append(
+        (setup, opt, seed, scale, out)))
+    grid = ensure_smoke_e2_runs(tmp_path / "no-results", tmp_path / "no-runs", [SETUP], [0])
+    assert grid == [(SETUP, o, 0) for o in e2_optimizers(SETUP)]
+    assert trained == [(SETUP, o, 0, "smoke", tmp_path / "no-runs") for o in e2_optimizers(SETUP)]
+    trained.clear()
+    assert ensure_smoke_e2_runs(tmp_path / "no-results", runs, [SETUP], [0]) == [] and not trained  # runs exist
+    aggregate(runs, "smoke", tmp_path / "results")
+    assert ensure_smoke_e2_runs(tmp_path / "results", tmp_path / "no-runs", [SETUP], [0]) == [] and not trained

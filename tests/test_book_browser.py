@@ -43,7 +43,7 @@ def toc_files() -> list[str]:
 @pytest.fixture(scope="module")
 def book() -> Path:
     if not (HTML / "index.html").exists():
-        from tools.book import main
+        from tools.book.cli import main
 
         assert main(["--scale", "smoke", "--output", str(BOOK)]) == 0, "building the smoke book failed"
     return HTML

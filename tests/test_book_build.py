@@ -1,12 +1,13 @@
-"""tools/book.py, the steps of the workflow: a notebook executes single-threaded with its provenance, a failing one
-stops the build naming the notebook and the cell, the timings page shows builds measured by the build itself, and a
-missing npm is reported before anything runs. (Up-to-dateness is Snakemake's: tests/test_workflow.py.)"""
+"""tools/book, the book's builder (steps, driver, command line): a notebook executes single-threaded with its
+provenance, a failing one stops the build naming the notebook and the cell, the timings page shows builds measured by
+the build itself, and a missing npm is reported before anything runs. (Up-to-dateness is Snakemake's:
+tests/test_workflow.py.)"""
 import json
 
 import nbformat
 import pytest
 
-from tools import book
+from tools.book import cli, driver, steps
 
 
 def _notebook(path, body: str):
@@ -27,19 +28,19 @@ def test_execute_records_provenance_single_threaded_and_quietly(tmp_path, capfd,
     nb = _notebook(tmp_path / "ok.ipynb", body)
     table = tmp_path / "table.csv"
     table.write_text("a,b\n1,2\n")
-    executed, record = book.execute(nb, "smoke", executed_root=tmp_path / "exec", results=[table])
+    executed, record = steps.execute(nb, "smoke", executed_root=tmp_path / "exec", results=[table])
     assert executed.exists() and record["scale"] == "smoke" and record["parameters"]["scale"] == "smoke"
     assert {"git_commit", "packages", "wall_time_s", "finished"} <= set(record)
-    assert list(record["results"].values()) == [book._sha256(table)]
+    assert list(record["results"].values()) == [steps._sha256(table)]
     assert json.loads((tmp_path / "exec" / "smoke" / "ok.provenance.json").read_text()) == record
     outputs = nbformat.read(executed, as_version=4).cells[-1].outputs
     assert "threads 1" in "".join(o.get("text", "") for o in outputs)
     console = capfd.readouterr()
     assert "without encryption" not in console.out + console.err
     assert "ok.ipynb: cell 4/4 took" in console.out  # the sleeping cell (after papermill's injected parameters)
-    published = book.publish(executed, record, generated=tmp_path / "generated")
+    published = steps.publish(executed, record, generated=tmp_path / "generated")
     text = published.read_text()
-    assert "## Provenance" in text and "table.csv" in text and book._sha256(table) in text
+    assert "## Provenance" in text and "table.csv" in text and steps._sha256(table) in text
 
 
 def test_timings_page_shows_the_builds_measured_by_the_build(tmp_path):
@@ -53,24 +54,24 @@ def test_timings_page_shows_the_builds_measured_by_the_build(tmp_path):
          "finished": "2026-01-01 00:06:00 UTC"},  # failed builds are not shown
     ]
     log.write_text("\n".join(json.dumps(e) for e in entries) + "\n")
-    text = book.timings_table(executed_root=tmp_path / "none", build_log=log)
+    text = steps.timings_table(executed_root=tmp_path / "none", build_log=log)
     assert "| `smoke` | cold build" in text and "2 min 30 s" in text
     assert "| `smoke` | no-op rebuild" in text and "| 9 s |" in text and "00:06:00" not in text
 
 
 def test_missing_npm_is_reported_before_anything_runs(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(book, "MATHJAX_ENTRY", tmp_path / "absent.js")
+    monkeypatch.setattr(steps, "MATHJAX_ENTRY", tmp_path / "absent.js")
     monkeypatch.setenv("PATH", str(tmp_path))  # no npm on PATH
-    assert "apt-get install npm" in book.missing_build_tools()
-    assert book.build("smoke", log=tmp_path / "log.jsonl") == 1
+    assert "apt-get install npm" in steps.missing_build_tools()
+    assert driver.build("smoke", log=tmp_path / "log.jsonl") == 1
     assert "FAILED before running anything" in capsys.readouterr().out
     assert not (tmp_path / "log.jsonl").exists()
 
 
 def test_failing_notebook_names_notebook_and_cell(tmp_path):
     nb = _notebook(tmp_path / "broken.ipynb", "raise RuntimeError('deliberate failure')")
-    with pytest.raises(book.NotebookFailed) as err:
-        book.execute(nb, "smoke", executed_root=tmp_path / "exec")
+    with pytest.raises(steps.NotebookFailed) as err:
+        steps.execute(nb, "smoke", executed_root=tmp_path / "exec")
     message = str(err.value)
     assert "broken.ipynb" in message and "cell index 2" in message and "deliberate failure" in message
     assert not (tmp_path / "exec" / "smoke" / "broken.ipynb").exists()  # no executed copy of a failed run
@@ -78,7 +79,7 @@ def test_failing_notebook_names_notebook_and_cell(tmp_path):
 
 def test_unknown_scale_is_refused(capsys):
     with pytest.raises(SystemExit):
-        book.main(["--scale", "huge"])
+        cli.main(["--scale", "huge"])
     assert "smoke, cpu, full" in capsys.readouterr().err
 
 
@@ -86,9 +87,9 @@ def test_every_notebook_has_a_chapter_and_stays_output_free():
     """One chapter per notebook (the book renders its executed copy), and sources are stored without outputs."""
     import yaml
 
-    toc = yaml.safe_load((book.ROOT / "_toc.yml").read_text())
+    toc = yaml.safe_load((steps.ROOT / "_toc.yml").read_text())
     chapters = {c["file"] for part in toc.get("parts", []) for c in part.get("chapters", [])}
-    for path in sorted(book.NOTEBOOKS.glob("*.ipynb")):
+    for path in sorted(steps.NOTEBOOKS.glob("*.ipynb")):
         assert f"book/generated/{path.stem}" in chapters, f"{path.name} has no chapter in _toc.yml"
         nb = nbformat.read(path, as_version=4)
         dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
@@ -100,7 +101,7 @@ def test_every_notebook_has_a_chapter_and_stays_output_free():
 def test_readme_states_build_times_as_dated_measurements():
     """Build times come from the build (book/generated/timings.md, _build/build-log.jsonl); the README's are stated
     with the machine and the date they were measured on, so a stale one reads as what it is."""
-    readme = (book.ROOT / "README.md").read_text()
+    readme = (steps.ROOT / "README.md").read_text()
     start = readme.index("## Two commands")
     section = readme[start:readme.index("\n## ", start + 1)]
     import re
@@ -111,7 +112,7 @@ def test_readme_states_build_times_as_dated_measurements():
 
 
 def test_console_shows_one_line_per_job_and_errors_in_full(capsys):
-    console = book._Console()
+    console = driver._Console()
     for line in ["Building DAG of jobs...\n", "[Mon Nov 23 02:12:02 2026]\n", "rule train:\n",
                  "    output: runs/smoke/a/sgd/seed-0/summary.json\n", "    jobid: 3\n",
                  "    wildcards: scale=smoke, setup=a, optimizer=sgd, seed=0\n", "    resources: tmpdir=/tmp\n",

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from tools.book import THREAD_VARIABLES
+from tools.book.steps import THREAD_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPABILITY = "default"

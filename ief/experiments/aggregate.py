@@ -212,14 +212,60 @@ class E2Grid:
     source: str
 
 
-def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | Path = "runs",
-            setups: list[str] | None = None, seeds: list[int] | None = None, train_missing: bool = False) -> E2Grid:
-    """The E2 grid of ``scale``: the workflow's aggregated tables in ``results_dir`` (default ``results/<scale>``)
-    if they exist, else the runs under ``runs_dir`` aggregated here. ``setups``/``seeds``: default every E2 setup of
-    the scale and the paper's three seeds (at smoke scale, the seeds the runs have). ``train_missing``: at smoke scale
-    only, train the tiny grid first when no run exists (seconds). Raises ``FileNotFoundError`` naming the commands
-    that make the runs when there are none."""
+def _tables_exist(results_dir: Path) -> bool:
+    return (results_dir / RUNS_FILE).exists() and (results_dir / CURVES_FILE).exists()
+
+
+def ensure_smoke_e2_runs(results_dir: str | Path | None = None, runs_dir: str | Path = "runs",
+                         setups: list[str] | None = None, seeds: list[int] | None = None) -> list[tuple[str, str, int]]:
+    """Train the smoke-scale E2 grid (tiny models, seconds) when :func:`load_e2` would find nothing to read.
+
+    Nothing is trained when the workflow's tables exist in ``results_dir`` or any finished run exists under
+    ``runs_dir/smoke``; otherwise every ``(setup, optimizer, seed)`` of the grid is trained with
+    :func:`.runner.train`. A chapter run on its own at smoke scale calls this before :func:`load_e2`; the workflow
+    makes the runs itself, and at the cpu and full scales runs are hours, so only smoke is trained here.
+
+    Args:
+        results_dir: the aggregated tables (default ``results/smoke``).
+        runs_dir: the runs folder (``runs_dir/smoke/<setup>/<optimizer>/seed-<K>/``).
+        setups: default every smoke E2 setup.
+        seeds: default the paper's three seeds.
+
+    Returns:
+        The ``(setup, optimizer, seed)`` runs trained, in order; empty when there was something to read.
+    """
     from .runner import train
+    from .setups import E2_SEEDS, e2_optimizers, e2_setups
+
+    if _tables_exist(Path(results_dir or "results/smoke")) or find_runs(runs_dir, "smoke")[0]:
+        return []
+    grid = [(s, o, k) for s in (e2_setups("smoke") if setups is None else setups) for o in e2_optimizers(s)
+            for k in (E2_SEEDS if seeds is None else seeds)]
+    for s, o, k in grid:
+        train(s, o, k, "smoke", runs_dir, progress=False, verbose=False)
+    return grid
+
+
+def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | Path = "runs",
+            setups: list[str] | None = None, seeds: list[int] | None = None) -> E2Grid:
+    """The E2 grid of ``scale`` as it exists on disk; reads only (:func:`ensure_smoke_e2_runs` trains a missing
+    smoke grid).
+
+    Args:
+        scale: ``"smoke"``, ``"cpu"`` or ``"full"``.
+        results_dir: the workflow's aggregated tables, read when both exist (default ``results/<scale>``).
+        runs_dir: the runs, aggregated here when ``results_dir`` has no tables.
+        setups: default every E2 setup of the scale.
+        seeds: default the paper's three seeds (at smoke scale, the seeds the runs have).
+
+    Returns:
+        An :class:`E2Grid`: the chosen setups' and seeds' rows and curves, the expected and the missing runs, and
+        the source read.
+
+    Raises:
+        ValueError: an unknown ``scale`` (names the accepted ones).
+        FileNotFoundError: neither tables nor finished runs exist (names the commands that make them).
+    """
     from .setups import E2_SEEDS, SCALES, e2_optimizers, e2_setups
 
     if scale not in SCALES:
@@ -228,21 +274,17 @@ def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | P
     seeds_given = seeds is not None
     seeds = list(E2_SEEDS if seeds is None else seeds)
     setups = list(e2_setups(scale) if setups is None else setups)
-    if (results_dir / RUNS_FILE).exists() and (results_dir / CURVES_FILE).exists():
+    if _tables_exist(results_dir):
         table, curves = read_tables(results_dir)
         source = f"the aggregated tables in {results_dir}"
     else:
-        done, _ = find_runs(runs_dir, scale)
-        if not done and scale == "smoke" and train_missing:
-            for s, o, k in [(s, o, k) for s in setups for o in e2_optimizers(s) for k in seeds]:
-                train(s, o, k, "smoke", runs_dir, progress=False, verbose=False)
-            done, _ = find_runs(runs_dir, scale)
-        if not done:
+        if not find_runs(runs_dir, scale)[0]:
             raise FileNotFoundError(
                 f"no E2 runs under {Path(runs_dir) / scale} and no {RUNS_FILE} in {results_dir}. `make book` runs the "
                 f"workflow that trains them (SCALE={scale}); by hand: `python -m ief train --setup S --optimizer O "
                 f"--seed K --scale {scale} --out {runs_dir}` for every run, then `python -m ief aggregate --scale "
-                f"{scale} --runs {runs_dir} --out {results_dir}`")
+                f"{scale} --runs {runs_dir} --out {results_dir}`"
+                + ("; or `ensure_smoke_e2_runs` trains this grid here (seconds)" if scale == "smoke" else ""))
         table, curves = collect(runs_dir, scale)
         source = f"the runs in {Path(runs_dir) / scale} (aggregated here)"
     if scale == "smoke" and not seeds_given:  # the smoke grid's seeds (the workflow's smoke grid has two)

@@ -372,8 +372,11 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
                     print(f"skipped (finished): {format_summary(summary)}")
                 return summary
         log = _ProgressLog(f"{setup}/{optimizer}/seed-{seed} [{scale}]", verbose, progress, log_every_s)
-        return _train_owned(cfg, ocfg, record, root, setup, optimizer, seed, scale, dev, progress,
-                            checkpoint_every_s, verbose, log)
+        summary = TrainingLoop(cfg, ocfg, record, root, setup, optimizer, seed, scale, dev, progress,
+                               checkpoint_every_s, log).run()
+        if verbose:
+            print(format_summary(summary))
+        return summary
 
 
 def _duration(seconds: float) -> str:
@@ -483,152 +486,261 @@ def _load_best(root: Path, model: torch.nn.Module, state: dict[str, Any], candid
         raise store.CorruptFile(f"{problem}; no other checkpoint holds the parameters of the best validation (step "
                                 f"{step}): remove {root} to train this run again")
     warnings.warn(f"{problem}; the best-validation parameters (step {step}) were taken from {found} and best.pt "
-                  f"rewritten", RuntimeWarning, stacklevel=3)
+                  f"rewritten", RuntimeWarning, stacklevel=4)
     store.write_torch(best, store.trainable_state(model))
 
 
-def _train_owned(cfg: SetupConfig, ocfg: Any, record: dict[str, Any], root: Path, setup: str, optimizer: str,
+class TrainingLoop:
+    """One run, once :func:`train` holds its folder's lock and found it unfinished: the model, data and optimiser
+    built, then updates, validations and checkpoints until the end, the test evaluation of the best-validation
+    parameters and ``summary.json``.
+
+    ``state`` is what ``resume.pt`` saves besides the parameters, optimiser, scheduler and RNG states: ``done``
+    (updates applied), ``post_pending`` (what follows update ``done`` not yet done), ``training_done``, ``losses``,
+    ``evals``, ``best``, ``diverged`` and ``wall`` (seconds trained before this session).
+
+    Args:
+        cfg: the checked setup (:func:`check_setup`).
+        ocfg: the optimiser's configuration.
+        record: what ``config.json`` records of the invocation (:func:`_run_record`).
+        root: the run folder (:func:`run_dir`).
+        setup: the setup's name.
+        optimizer: the optimiser's name.
+        seed: the run's seed (the initial model, the epoch orders).
+        scale: ``"smoke"``, ``"cpu"`` or ``"full"``.
+        dev: the device.
+        progress: a tqdm bar.
+        checkpoint_every_s: seconds of wall time between ``resume.pt`` writes.
+        log: the progress lines.
+    """
+
+    def __init__(self, cfg: SetupConfig, ocfg: Any, record: dict[str, Any], root: Path, setup: str, optimizer: str,
                  seed: int, scale: str, dev: torch.device, progress: bool, checkpoint_every_s: float,
-                 verbose: bool, log: _ProgressLog) -> dict[str, Any]:
-    """The run itself, once ``train`` holds the folder's lock and found it unfinished."""
-    seed_everything(seed)
-    data = load_data(cfg)  # missing data or weights fail here, before anything is written
-    model, preprocessor = build_model(cfg, data)
-    model.to(dev)
-    task = make_task(cfg, model, preprocessor)
-    n, bs = len(data.train), cfg.batch_size
-    spe = math.ceil(n / bs)
-    total = cfg.epochs * spe
-    eval_every = cfg.eval_every or spe
-    opt, scheduler = make_optimizer(model, ocfg, total)
-    total_params, trainable_params = count_parameters(model)
-    store.write_json(root / "config.json", {**record, "device": str(dev), "versions": package_versions()})
-    stages = {store.stage_name(f): round(f * total) for f in cfg.stage_fractions}  # file -> update after which
+                 log: _ProgressLog):
+        self.cfg, self.root, self.dev, self.progress, self.log = cfg, root, dev, progress, log
+        self.setup, self.optimizer, self.seed, self.scale = setup, optimizer, seed, scale
+        self.checkpoint_every_s = checkpoint_every_s
+        seed_everything(seed)
+        self.data = load_data(cfg)  # missing data or weights fail here, before anything is written
+        self.model, preprocessor = build_model(cfg, self.data)
+        self.model.to(dev)
+        self.task = make_task(cfg, self.model, preprocessor)
+        self.n = len(self.data.train)
+        self.spe = math.ceil(self.n / cfg.batch_size)  # steps per epoch
+        self.total = cfg.epochs * self.spe
+        self.eval_every = cfg.eval_every or self.spe
+        self.opt, self.scheduler = make_optimizer(self.model, ocfg, self.total)
+        self.parameter_counts = count_parameters(self.model)
+        store.write_json(root / "config.json", {**record, "device": str(dev), "versions": package_versions()})
+        # stage checkpoint file -> the update after which it is written
+        self.stages = {store.stage_name(f): round(f * self.total) for f in cfg.stage_fractions}
+        self.state: dict[str, Any] = {"done": 0, "post_pending": False, "training_done": False, "losses": [],
+                                      "evals": [], "best": None, "diverged": None, "wall": 0.0}
+        resumed = _resume(root, self.model, self.opt, self.scheduler)
+        self.state = resumed or self.state
+        log.begin(self.state, self.total, resumed is not None)
+        self.t0, self.wall0, self.last_save = time.time(), self.state["wall"], time.time()
+        self.signals = _Signals()
+        self._order, self._order_epoch = None, -1  # the current epoch's example order (:func:`epoch_order`)
 
-    state: dict[str, Any] = {"done": 0, "post_pending": False, "training_done": False, "losses": [], "evals": [],
-                             "best": None, "diverged": None, "wall": 0.0}
-    resume, previous = root / "resume.pt", root / "resume.prev.pt"
-    resumed = _resume(root, model, opt, scheduler)
-    state = resumed or state
-    log.begin(state, total, resumed is not None)
-    t0, wall0, last_save = time.time(), state["wall"], time.time()
+    def _stopping(self) -> bool:
+        return self.signals.pending is not None
 
-    def save_resume() -> None:
-        state["wall"] = wall0 + time.time() - t0
-        store.write_text(root / "train_loss.csv", store.loss_csv(state["losses"], spe))
-        if resume.exists():
-            os.replace(resume, previous)  # the fallback should the new one turn out unreadable
-        store.write_torch(resume, {"model": store.trainable_state(model), "optimizer": opt.state_dict(),
-                                   "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                                   "state": state, "rng": _rng_state()})
+    def save_resume(self) -> None:
+        """``resume.pt`` (the previous one kept as ``resume.prev.pt``) and ``train_loss.csv``."""
+        state, root = self.state, self.root
+        state["wall"] = self.wall0 + time.time() - self.t0
+        store.write_text(root / "train_loss.csv", store.loss_csv(state["losses"], self.spe))
+        if (root / "resume.pt").exists():
+            os.replace(root / "resume.pt", root / "resume.prev.pt")  # the fallback should the new one be unreadable
+        store.write_torch(root / "resume.pt", {
+            "model": store.trainable_state(self.model), "optimizer": self.opt.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "state": state, "rng": _rng_state()})
 
-    def write_stages(done: int) -> None:
-        for name, at in stages.items():
+    def write_stages(self, done: int) -> None:
+        """Write the stage checkpoints due after update ``done``.
+
+        Args:
+            done: the updates applied (0: the initial model).
+        """
+        for name, at in self.stages.items():
             if at == done:
-                store.write_torch(root / "checkpoints" / name, store.trainable_state(model))
+                store.write_torch(self.root / "checkpoints" / name, store.trainable_state(self.model))
 
-    def validate(done: int, sig: _Signals) -> None:
+    def validate(self, done: int) -> None:
+        """Validate after update ``done`` (once per step), rewrite ``validation.jsonl`` and, when the score is the
+        best so far, ``checkpoints/best.pt``.
+
+        Args:
+            done: the updates applied.
+
+        Raises:
+            _Aborted: a stop signal arrived during the evaluation (nothing of it is recorded).
+        """
+        state = self.state
         if state["evals"] and state["evals"][-1]["step"] == done:
             return
-        results = evaluate(model, task, data.validation, dev, cfg.eval_batch_size,
-                           abort=lambda: sig.pending is not None, progress=progress)
-        metrics = metrics_of(cfg.task, results)
-        entry = {"step": done, "epoch": done / spe, "metrics": metrics, "score": score(metrics)}
+        results = evaluate(self.model, self.task, self.data.validation, self.dev, self.cfg.eval_batch_size,
+                           abort=self._stopping, progress=self.progress)
+        metrics = metrics_of(self.cfg.task, results)
+        entry = {"step": done, "epoch": done / self.spe, "metrics": metrics, "score": score(metrics)}
         state["evals"].append(entry)
-        store.write_text(root / "validation.jsonl", store.evals_jsonl(state["evals"]))
+        store.write_text(self.root / "validation.jsonl", store.evals_jsonl(state["evals"]))
         if state["best"] is None or entry["score"] > state["best"]["score"]:
             state["best"] = entry
-            store.write_torch(root / "checkpoints" / "best.pt", store.trainable_state(model))
+            store.write_torch(self.root / "checkpoints" / "best.pt", store.trainable_state(self.model))
 
-    def post(done: int, sig: _Signals) -> None:
-        """What follows update ``done``: validation when due, the epoch checkpoint and the epoch scheduler."""
-        due = done % eval_every == 0 or done == total
+    def after_update(self, done: int) -> None:
+        """What follows update ``done``: validation when due, the progress line, the stage and epoch checkpoints and
+        the epoch scheduler's step.
+
+        Args:
+            done: the updates applied.
+        """
+        due = done % self.eval_every == 0 or done == self.total
         if due:
-            validate(done, sig)
-        log.step(state, total, spe, due)
-        write_stages(done)
-        if done % spe == 0:
-            store.write_torch(root / "checkpoints" / f"epoch-{done // spe:03d}.pt", store.trainable_state(model))
-            if scheduler is not None:
-                scheduler.step()
-        state["post_pending"] = False
+            self.validate(done)
+        self.log.step(self.state, self.total, self.spe, due)
+        self.write_stages(done)
+        if done % self.spe == 0:
+            store.write_torch(self.root / "checkpoints" / f"epoch-{done // self.spe:03d}.pt",
+                              store.trainable_state(self.model))
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.state["post_pending"] = False
 
-    name = f"{setup}/{optimizer}/seed-{seed}"
-    with _Signals() as sig, contextlib.ExitStack() as stack:
+    def _batch(self, step: int) -> list[Any]:
+        epoch, b = divmod(step, self.spe)
+        if epoch != self._order_epoch:
+            self._order, self._order_epoch = epoch_order(self.seed, epoch, self.n), epoch
+        bs = self.cfg.batch_size
+        return [self.data.train[int(i)] for i in self._order[b * bs : (b + 1) * bs]]
+
+    def update(self, bar: Any) -> bool:
+        """One update on the next batch of the epoch's order, then ``resume.pt`` when one is due.
+
+        Args:
+            bar: the tqdm bar (advanced by one).
+
+        Returns:
+            ``False`` when the update diverged (it is not applied; ``state["diverged"]`` says where), else ``True``.
+
+        Raises:
+            RunInterrupted: a stop signal arrived (after the update, with ``resume.pt`` saved).
+        """
+        state = self.state
+        step = state["done"]
+        inputs, targets = self.task.collate(self._batch(step))
         try:
-            if not state["training_done"]:
-                model.train()
-                if state["done"] == 0:
-                    write_stages(0)  # the initial model
-                if state["post_pending"]:
-                    post(state["done"], sig)
-                bar = tqdm(total=total, initial=state["done"], desc=name, disable=not progress, dynamic_ncols=True)
-                stack.callback(bar.close)
-                order, order_epoch = None, -1
-                while state["done"] < total and state["diverged"] is None:
-                    step = state["done"]
-                    epoch, b = divmod(step, spe)
-                    if epoch != order_epoch:
-                        order, order_epoch = epoch_order(seed, epoch, n), epoch
-                    batch = [data.train[int(i)] for i in order[b * bs : (b + 1) * bs]]
-                    inputs, targets = task.collate(batch)
-                    try:
-                        loss = train_step(model, opt, to_device(inputs, dev), targets.to(dev))
-                    except Diverged as err:  # training ends; the update was not applied
-                        state["diverged"] = {"step": step + 1, "reason": str(err)}
-                        break
-                    state["losses"].append(loss)
-                    state["done"], state["post_pending"] = step + 1, True
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                    if sig.pending is not None or time.time() - last_save >= checkpoint_every_s:
-                        save_resume()
-                        last_save = time.time()
-                    if sig.pending is not None:
-                        raise RunInterrupted(sig.pending, f"after step {state['done']}")
-                    post(state["done"], sig)
-                bar.close()
-                if state["diverged"] is not None:
-                    validate(state["done"], sig)  # the parameters before the failed update (redone on resume)
-                state["training_done"] = True
-                save_resume()
-            best = state["best"]
-            same_step = [root / "checkpoints" / f"epoch-{best['step'] // spe:03d}.pt"] if best["step"] % spe == 0 \
-                else []
-            same_step += [root / "checkpoints" / name for name, at in stages.items() if at == best["step"]]
-            _load_best(root, model, state, same_step)
-            results = evaluate(model, task, data.test, dev, cfg.eval_batch_size,
-                               abort=lambda: sig.pending is not None, progress=progress)
-        except _Aborted:
-            if not state["training_done"]:
-                save_resume()  # state as after the last update: the aborted evaluation is redone on resume
-            raise RunInterrupted(sig.pending or signal.SIGTERM, "during an evaluation") from None
-    predictions = []
-    if cfg.task in GLUE_TASKS:
-        for split, r in results.items():
-            path = write_glue_predictions(cfg.task, split, r["idx"], r["pred"], root / "predictions")
-            predictions.append(str(path.relative_to(root)))
-    losses = state["losses"]
-    summary = {
-        "setup": setup, "scale": scale, "optimizer": optimizer, "seed": seed,
-        "steps": state["done"], "epochs": cfg.epochs, "steps_per_epoch": spe,
-        "final_train_loss": final_train_loss(losses) if losses else None,
-        "final_train_loss_updates": final_window(len(losses)) if losses else 0,
-        "best_validation": {"step": best["step"], "epoch": best["epoch"], "metrics": best["metrics"],
-                            "score": best["score"]},
-        "test": metrics_of(cfg.task, results), "test_predictions": predictions,
-        "diverged": state["diverged"], "total_parameters": total_params, "trainable_parameters": trainable_params,
-        "stages": {name[len("stage-"):-len(".pt")]: at for name, at in stages.items() if at <= state["done"]},
-        "wall_time_s": wall0 + time.time() - t0,
-    }
-    store.write_text(root / "train_loss.csv", store.loss_csv(losses, spe))
-    store.write_json(root / "summary.json", summary)
-    resume.unlink(missing_ok=True)
-    previous.unlink(missing_ok=True)
-    summary = store.read_json(root / "summary.json")  # as a re-invocation would return it
-    if verbose:
-        print(format_summary(summary))
-    return summary
+            loss = train_step(self.model, self.opt, to_device(inputs, self.dev), targets.to(self.dev))
+        except Diverged as err:  # training ends; the update was not applied
+            state["diverged"] = {"step": step + 1, "reason": str(err)}
+            return False
+        state["losses"].append(loss)
+        state["done"], state["post_pending"] = step + 1, True
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if self._stopping() or time.time() - self.last_save >= self.checkpoint_every_s:
+            self.save_resume()
+            self.last_save = time.time()
+        if self._stopping():
+            raise RunInterrupted(self.signals.pending, f"after step {state['done']}")
+        return True
+
+    def train_to_end(self) -> None:
+        """Update until the last update or a divergence, from where ``state`` is; then ``resume.pt`` is written
+        with ``training_done``."""
+        state = self.state
+        self.model.train()
+        if state["done"] == 0:
+            self.write_stages(0)  # the initial model
+        if state["post_pending"]:
+            self.after_update(state["done"])
+        bar = tqdm(total=self.total, initial=state["done"], desc=f"{self.setup}/{self.optimizer}/seed-{self.seed}",
+                   disable=not self.progress, dynamic_ncols=True)
+        try:
+            while state["done"] < self.total and state["diverged"] is None:
+                if not self.update(bar):
+                    break
+                self.after_update(state["done"])
+        finally:
+            bar.close()
+        if state["diverged"] is not None:
+            self.validate(state["done"])  # the parameters before the failed update (redone on resume)
+        state["training_done"] = True
+        self.save_resume()
+
+    def test_best(self) -> dict[str, dict[str, Any]]:
+        """Put the best-validation parameters back into the model (:func:`_load_best`) and evaluate the test split.
+
+        Returns:
+            :func:`evaluate`'s predictions on the test split(s).
+        """
+        best, root = self.state["best"], self.root
+        same_step = [root / "checkpoints" / f"epoch-{best['step'] // self.spe:03d}.pt"] \
+            if best["step"] % self.spe == 0 else []
+        same_step += [root / "checkpoints" / name for name, at in self.stages.items() if at == best["step"]]
+        _load_best(root, self.model, self.state, same_step)
+        return evaluate(self.model, self.task, self.data.test, self.dev, self.cfg.eval_batch_size,
+                        abort=self._stopping, progress=self.progress)
+
+    def run(self) -> dict[str, Any]:
+        """Train (or resume) to the end, then test the best-validation parameters.
+
+        Returns:
+            The run's summary (:meth:`write_summary`).
+
+        Raises:
+            RunInterrupted: a stop signal arrived (``resume.pt`` saved; the same command resumes).
+        """
+        with self.signals:
+            try:
+                if not self.state["training_done"]:
+                    self.train_to_end()
+                results = self.test_best()
+            except _Aborted:
+                if not self.state["training_done"]:
+                    self.save_resume()  # state as after the last update: the aborted evaluation is redone on resume
+                raise RunInterrupted(self.signals.pending or signal.SIGTERM, "during an evaluation") from None
+        return self.write_summary(results)
+
+    def write_summary(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Write ``summary.json`` (and the GLUE prediction files) and remove ``resume.pt``.
+
+        Args:
+            results: :meth:`test_best`'s predictions.
+
+        Returns:
+            The summary as read back from ``summary.json`` (what a re-invocation returns).
+        """
+        cfg, root, state = self.cfg, self.root, self.state
+        predictions = []
+        if cfg.task in GLUE_TASKS:
+            for split, r in results.items():
+                path = write_glue_predictions(cfg.task, split, r["idx"], r["pred"], root / "predictions")
+                predictions.append(str(path.relative_to(root)))
+        losses, best = state["losses"], state["best"]
+        total_params, trainable_params = self.parameter_counts
+        summary = {
+            "setup": self.setup, "scale": self.scale, "optimizer": self.optimizer, "seed": self.seed,
+            "steps": state["done"], "epochs": cfg.epochs, "steps_per_epoch": self.spe,
+            "final_train_loss": final_train_loss(losses) if losses else None,
+            "final_train_loss_updates": final_window(len(losses)) if losses else 0,
+            "best_validation": {"step": best["step"], "epoch": best["epoch"], "metrics": best["metrics"],
+                                "score": best["score"]},
+            "test": metrics_of(cfg.task, results), "test_predictions": predictions,
+            "diverged": state["diverged"], "total_parameters": total_params,
+            "trainable_parameters": trainable_params,
+            "stages": {name[len("stage-"):-len(".pt")]: at for name, at in self.stages.items()
+                       if at <= state["done"]},
+            "wall_time_s": self.wall0 + time.time() - self.t0,
+        }
+        store.write_text(root / "train_loss.csv", store.loss_csv(losses, self.spe))
+        store.write_json(root / "summary.json", summary)
+        (root / "resume.pt").unlink(missing_ok=True)
+        (root / "resume.prev.pt").unlink(missing_ok=True)
+        return store.read_json(root / "summary.json")  # as a re-invocation would return it
 
 
 def describe(setup: str, scale: str, *, random_weights: bool = False,

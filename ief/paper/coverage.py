@@ -6,7 +6,7 @@ from the chapter's own registries (:func:`ief.plots.evaluation.figure_setups` fo
 :func:`ief.experiments.setups.e2_setups` for E2), so two labels drawn as one image at a scale (Figs. 3 and 11 at
 ``cpu``) and a label with no analogue at a scale (Fig. 10 below ``full``) are found, not asserted. Whether a chapter
 was *executed* at a scale comes from its provenance record (``_build/executed/<scale>/<stem>.provenance.json``,
-written by ``tools/book.py execute``): :func:`status` is a pure function of the registry, the scale and those records.
+written by ``tools.book execute``): :func:`status` is a pure function of the registry, the scale and those records.
 
 The book's coverage page and the introduction's sentence are rendered from it at build time (``book/_ext``), for the
 scale the book was built at (:func:`book_state`); the README's statement (``python -m ief.paper.coverage README.md``)
@@ -171,7 +171,7 @@ def status(label: str, scale: str, executed: frozenset[tuple[str, str]] | set[tu
 
 def executed_chapters(root: Path) -> frozenset[tuple[str, str]]:
     """``(scale, chapter)`` for every provenance record ``root/_build/executed/<scale>/<chapter>.provenance.json``
-    whose own ``scale`` field agrees (``tools/book.py execute`` writes them)."""
+    whose own ``scale`` field agrees (``python -m tools.book execute`` writes them)."""
     found = set()
     for scale in SCALES:
         for stem in CHAPTERS:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..experiments.aggregate import collect, load_e2, mean_sd
+from ..experiments.aggregate import collect, ensure_smoke_e2_runs, load_e2, mean_sd
 from ..experiments.setups import E2_OPTIMIZERS, PRACTICAL_OPTIMIZERS, resolve
 from .optimisation import label, plot_curves
 
@@ -71,8 +71,10 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
     """
     from ..experiments.runner import train
 
-    grid = load_e2(scale, results_dir, runs_dir, list(setups) if setups else None,
-                   list(seeds) if seeds is not None else None, train_missing)
+    chosen = list(setups) if setups else None, list(seeds) if seeds is not None else None
+    if train_missing and scale == "smoke":
+        ensure_smoke_e2_runs(results_dir, runs_dir, *chosen)
+    grid = load_e2(scale, results_dir, runs_dir, *chosen)
     opts = {s: chapter_optimizers(s, scale) for s in grid.setups}
     expected = [(s, o, k) for s in grid.setups for o in opts[s] for k in grid.seeds]
     have = set(zip(grid.table.setup, grid.table.optimizer, grid.table.seed))

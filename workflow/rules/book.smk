@@ -35,7 +35,7 @@ rule publish:
     input:
         executed=f"{EXECUTED}/{{name}}.ipynb",
         provenance=f"{EXECUTED}/{{name}}.provenance.json",
-        tool="tools/book.py",
+        tool="tools/book/steps.py",
     output:
         "book/generated/{name}.ipynb",
     wildcard_constraints:
@@ -48,7 +48,7 @@ rule timings:
     """book/generated/timings.md: execution times from the notebooks' provenance, build times from the build log."""
     input:
         provenance=[f"{EXECUTED}/{name}.provenance.json" for name in NOTEBOOKS],
-        tool="tools/book.py",
+        tool="tools/book/steps.py",
     output:
         "book/generated/timings.md",
     shell:
@@ -62,7 +62,7 @@ rule book:
         timings="book/generated/timings.md",
         sources=BOOK_SOURCES,
         mathjax=rules.mathjax.output,
-        tool="tools/book.py",
+        tool="tools/book/steps.py",
     output:
         BOOK_INDEX,
     params:

@@ -10,7 +10,7 @@ from snakemake.exceptions import WorkflowError
 ROOT = Path(workflow.basedir).parent
 sys.path.insert(0, str(ROOT))  # tools.book and ief from this checkout
 
-from tools import book as BOOK  # noqa: E402  (the library of build steps)
+from tools.book import steps as BOOK  # noqa: E402  (the library of build steps)
 
 SCALE = str(config["scale"])
 if SCALE not in BOOK.SCALES:

@@ -1,28 +1,24 @@
-"""Build the book: the steps of the workflow (workflow/Snakefile) and the command that runs it.
+"""The book's build steps, a library: what the workflow's rules run (through :mod:`tools.book.cli`) and what
+workflow/rules/common.smk reads (``from tools.book import steps as BOOK``: the scales, the thread variables, the
+MathJax file, the package versions, whether npm is missing).
 
-    python -m tools.book build --scale cpu              # what `make book` runs (SCALE=cpu|smoke|full, PROFILE=...)
-    python -m tools.book build --scale smoke --output _build/smoke      # what `make test` runs first
-
-``build`` runs Snakemake (workflow/Snakefile, profile workflow/profiles/<profile>), which decides what is out of date
-and calls the steps below, each a subcommand:
-
-- ``execute NOTEBOOK --scale S``: run one notebook with papermill (parameters ``scale`` and ``out_dir``) into
+- :func:`execute`: run one notebook with papermill (parameters ``scale`` and ``out_dir``) into
   ``_build/executed/<scale>/``, in a kernel with one thread per library (no oversubscription), talking to it over
   local IPC sockets, printing a line per slow cell. Its output folder ``_build/figures/<scale>/<notebook>/`` is
   emptied first. The provenance (scale, parameters, git commit, package versions, wall time, the result files read
-  with their hashes) is written next to it. A failing notebook stops the build, naming the notebook and the cell.
-- ``publish EXECUTED``: copy an executed notebook into ``book/generated/`` with a provenance section appended.
-- ``timings --scale S``: ``book/generated/timings.md``, the execution times and whole-book build times measured by
-  the builds themselves (``_build/build-log.jsonl``).
-- ``mathjax``: MathJax 3 from the npm registry into ``_build/vendor`` (once), so the book works offline.
-- ``jupyter-book [--output D]``: ``jupyter-book build . -W`` with execution off; prints a summary and the warnings.
+  with their hashes) is written next to it. A failing notebook raises :class:`NotebookFailed`, naming the notebook
+  and the cell.
+- :func:`publish`: copy an executed notebook into ``book/generated/`` with a provenance section appended.
+- :func:`write_timings`: ``book/generated/timings.md``, the execution times and whole-book build times measured by
+  the builds themselves (``_build/build-log.jsonl``, written by :mod:`tools.book.driver`).
+- :func:`mathjax`: MathJax 3 from the npm registry into ``_build/vendor`` (once), so the book works offline.
+- :func:`jupyter_book`: ``jupyter-book build . -W`` with execution off; prints a summary and the warnings.
 
 Up to date or not is Snakemake's decision alone (its rerun triggers: a missing or older output, changed inputs,
 params or rule code); nothing here fingerprints.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -35,7 +31,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCALES = ("smoke", "cpu", "full")
 NOTEBOOKS = ROOT / "notebooks"
 GENERATED = ROOT / "book" / "generated"
@@ -50,7 +46,8 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"
 SLOW_CELL_S = 2.0  # cells slower than this get a progress line
 
 
-def _log(message: str) -> None:
+def log_line(message: str) -> None:
+    """One ``[book]`` line on stdout, flushed at once (a cluster log shows it as it happens)."""
     print(f"[book] {message}", flush=True)
 
 
@@ -137,7 +134,7 @@ def _progress_engine(label: str):
             if cell.cell_type == "code" and took >= SLOW_CELL_S:
                 first = (cell.source.strip().splitlines() or [""])[0][:60]
                 total = len(self.nb.cells)
-                _log(f"{label}: cell {cell_index + 1}/{total} took {took:.1f} s  ({first})")
+                log_line(f"{label}: cell {cell_index + 1}/{total} took {took:.1f} s  ({first})")
             return super().cell_complete(cell, cell_index, **kwargs)
 
     class Engine(NBClientEngine):
@@ -188,7 +185,7 @@ def execute(notebook: Path, scale: str, executed_root: Path | None = None,
         if value is not None and name in declared:
             parameters[name] = str(value)
     label = notebook.name
-    _log(f"{label}: executing at scale={scale} ...")
+    log_line(f"{label}: executing at scale={scale} ...")
     figures = ROOT / parameters["out_dir"]
     if figures.is_dir():  # a build product: start clean, so no stale figure or training run is reused
         shutil.rmtree(figures)
@@ -222,7 +219,7 @@ def execute(notebook: Path, scale: str, executed_root: Path | None = None,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     _write_atomic(record, json.dumps(provenance, indent=2))
-    _log(f"{label}: done in {wall:.1f} s")
+    log_line(f"{label}: done in {wall:.1f} s")
     return executed, provenance
 
 
@@ -282,13 +279,15 @@ def read_build_log(path: Path = BUILD_LOG) -> list[dict]:
     return entries
 
 
-def _minutes(seconds: float) -> str:
+def format_minutes(seconds: float) -> str:
+    """``"42 s"`` below two minutes, else ``"3 min 05 s"``."""
     return f"{seconds:.0f} s" if seconds < 120 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
 
 
 def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG) -> str:
     """Markdown: each notebook's execution time per scale (from its provenance) and the whole-book builds measured
-    by ``build`` (the last cold build, every notebook executed, and the last no-op rebuild, per scale)."""
+    by :func:`tools.book.driver.build` (the last cold build, every notebook executed, and the last no-op rebuild,
+    per scale)."""
     root = executed_root or ROOT / "_build" / "executed"
     rows = []
     for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
@@ -309,14 +308,22 @@ def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG
             if done:
                 e = done[-1]
                 jobs = ", ".join(f"{n} {r}" for r, n in sorted(e.get("jobs", {}).items())) or "0 jobs"
-                builds.append(f"| `{scale}` | {what} | {_minutes(e['wall_time_s'])} | {jobs} | {e['finished']} |")
+                wall = format_minutes(e["wall_time_s"])
+                builds.append(f"| `{scale}` | {what} | {wall} | {jobs} | {e['finished']} |")
     if builds:
-        text += ("\nWhole-book builds (`make book`), timed by the build itself (`tools/book.py build`, logged in "
-                 "`_build/build-log.jsonl`); the build that made this page is logged after the page was written, "
-                 "so these are the builds before it:\n\n"
+        text += ("\nWhole-book builds (`make book`), timed by the build itself (`python -m tools.book build`, "
+                 "logged in `_build/build-log.jsonl`); the build that made this page is logged after the page was "
+                 "written, so these are the builds before it:\n\n"
                  "| scale | build | wall time | jobs run | finished |\n| --- | --- | ---: | --- | --- |\n"
                  + "\n".join(builds) + "\n")
     return text
+
+
+def write_timings(generated: Path = GENERATED) -> Path:
+    """Write :func:`timings_table` to ``generated/timings.md`` (atomically); returns the path."""
+    target = Path(generated) / "timings.md"
+    _write_atomic(target, timings_table())
+    return target
 
 
 # ---------------------------------------------------------------------------------------------- tools, book
@@ -336,7 +343,7 @@ def mathjax() -> None:
     problem = missing_build_tools()
     if problem:
         raise RuntimeError(problem)
-    _log(f"installing MathJax {MATHJAX_VERSION} from the npm registry (once) ...")
+    log_line(f"installing MathJax {MATHJAX_VERSION} from the npm registry (once) ...")
     npm_dir = VENDOR / "npm"
     npm_dir.mkdir(parents=True, exist_ok=True)
     subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(npm_dir),
@@ -361,7 +368,7 @@ def jupyter_book(output: Path | None = None) -> Path:
     command = [str(exe) if exe.exists() else "jupyter-book", "build", str(ROOT), "-W", "--keep-going", "--all"]
     if output is not None:
         command += ["--path-output", str(base)]
-    _log("jupyter-book build (execution off, warnings are errors) ...")
+    log_line("jupyter-book build (execution off, warnings are errors) ...")
     start = time.time()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "NO_COLOR": "1", "TERM": "dumb"})
@@ -371,172 +378,7 @@ def jupyter_book(output: Path | None = None) -> Path:
         shown = notes or lines[-40:]
         raise RuntimeError("jupyter-book build failed:\n" + "\n".join(shown))
     for line in notes:
-        _log(f"jupyter-book: {line}")
+        log_line(f"jupyter-book: {line}")
     pages = sum(1 for _ in html.rglob("*.html")) if html.exists() else 0
-    _log(f"jupyter-book: {pages} HTML pages in {time.time() - start:.0f} s, no warnings -> {_shown(html)}")
+    log_line(f"jupyter-book: {pages} HTML pages in {time.time() - start:.0f} s, no warnings -> {_shown(html)}")
     return html / "index.html"
-
-
-# ---------------------------------------------------------------------------------------------- the build
-_JOB = re.compile(r"^\s*(?:local)?rule (\w+):\s*$")
-_DETAIL = re.compile(r"^\s+(input|output|log|jobid|reason|resources|threads|benchmark|priority|shell|message):")
-_NOISE = re.compile(r"^(\[\w{3} \w{3} +\d+ [\d:]+ \d{4}\]|Select jobs to execute|Execute \d+ jobs|SNAKEMAKE|=+$|"
-                    r"  (Date|Workflow ID|Platform|Host|User|Python version|Command|Snakefile|Base directory|"
-                    r"Run directory|Working directory|Config file\(s\)|Config MD5):|Using shell:|"
-                    r"Rules claiming more threads|Assuming unrestricted shared|Building DAG|Using profiles|"
-                    r"Config file config/config.yaml is extended|\s*$)")
-
-
-class _Console:
-    """Snakemake's output made short: one line per job started (rule and wildcards), progress and everything after
-    the first error in full."""
-
-    def __init__(self, verbose: bool = False):
-        self.verbose = verbose
-        self.pending: str | None = None
-        self.failing = False
-
-    def _flush(self) -> None:
-        if self.pending:
-            print(f"[workflow] {self.pending}", flush=True)
-            self.pending = None
-
-    def line(self, line: str) -> None:
-        self.failing = self.failing or bool(re.search(r"Error|Exception|Traceback|WorkflowError", line))
-        if self.verbose or self.failing:
-            self._flush()
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            return
-        job = _JOB.match(line)
-        if job:
-            self._flush()
-            self.pending = job.group(1)
-        elif line.strip().startswith("wildcards:") and self.pending:
-            self.pending += " (" + line.split(":", 1)[1].strip() + ")"
-            self._flush()
-        elif not _DETAIL.match(line) and not _NOISE.match(line):
-            self._flush()
-            sys.stdout.write(line)
-            sys.stdout.flush()
-
-
-def build(scale: str, output: Path | None = None, profile: str = "default", extra: list[str] | None = None,
-          log: Path = BUILD_LOG, verbose: bool = False, config: list[str] | None = None) -> int:
-    """Run the workflow (Snakemake) for ``scale``; time it and log it (``_build/build-log.jsonl``).
-
-    ``config``: more ``KEY=VALUE`` settings of config/config.yaml (e.g. ``seeds=[0]``, ``runs=/scratch/runs``);
-    ``extra``: arguments passed on to Snakemake (targets, ``-n``, ``--cores 2``)."""
-    problem = missing_build_tools()
-    if problem:
-        _log(f"FAILED before running anything: {problem}")
-        return 1
-    profile_dir = ROOT / "workflow" / "profiles" / profile
-    if not profile_dir.is_dir():
-        available = ", ".join(sorted(p.name for p in (ROOT / "workflow" / "profiles").iterdir()))
-        _log(f"FAILED: unknown profile {profile!r}; available: {available}")
-        return 2
-    dry = any(a in ("-n", "--dry-run", "--dryrun") for a in extra or [])
-    if profile == "slurm":  # the profile reads $SLURM_ACCOUNT and $SLURM_PARTITION (empty: the cluster's default)
-        os.environ.setdefault("SLURM_PARTITION", "")
-        if not os.environ.get("SLURM_ACCOUNT") and not dry:
-            _log("FAILED: the slurm profile needs the account to charge: export SLURM_ACCOUNT=<account> "
-                 "(sacctmgr show assoc user=$USER lists yours); SLURM_PARTITION optionally")
-            return 2
-    settings = [f"scale={scale}"] + ([f"book_output={output}"] if output else []) + list(config or [])
-    command = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "workflow" / "Snakefile"),
-               "--directory", str(ROOT), "--profile", str(profile_dir), "--config", *settings, *(extra or [])]
-    _log(f"scale={scale}, profile={profile}: snakemake " + " ".join(command[3:]))
-    started = time.time()
-    jobs: dict[str, int] = {}
-    noop = False
-    console = _Console(verbose or any(a in ("-n", "--dry-run", "--dryrun") for a in extra or []))
-    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1) as proc:
-        try:
-            for line in proc.stdout:
-                console.line(line)
-                match = _JOB.match(line)
-                if match:
-                    jobs[match.group(1)] = jobs.get(match.group(1), 0) + 1
-                noop = noop or "Nothing to be done" in line
-            returncode = proc.wait()
-        except KeyboardInterrupt:  # Snakemake got the same SIGINT: let it stop its jobs cleanly
-            returncode = proc.wait()
-    wall = time.time() - started
-    if not dry:
-        executed = jobs.get("execute_notebook", 0)
-        notebooks = len(list(NOTEBOOKS.glob("*.ipynb")))
-        kind = ("no-op" if noop else "cold" if executed == notebooks and jobs.get("book") else "partial")
-        jobs.pop("all", None)
-        entry = {"scale": scale, "profile": profile, "kind": kind, "returncode": returncode,
-                 "wall_time_s": round(wall, 1), "jobs": jobs, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
-    status = "done" if returncode == 0 else f"FAILED (snakemake exited with {returncode})"
-    _log(f"{status} in {_minutes(wall)}; jobs {'planned' if dry else 'run'}: {jobs or 'none'}")
-    if returncode == 0 and not dry:
-        index = (Path(output).resolve() if output else ROOT) / "_build" / "html" / "index.html"
-        _log(f"open file://{index}")
-    return returncode
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    steps = ("build", "execute", "publish", "timings", "mathjax", "jupyter-book")
-    if not argv or argv[0] not in steps + ("-h", "--help"):
-        argv = ["build", *argv]  # python -m tools.book --scale smoke
-    parser = argparse.ArgumentParser(prog="python -m tools.book", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="step", required=True)
-    b = sub.add_parser("build", help="run the workflow (make book)")
-    b.add_argument("--scale", default=os.environ.get("SCALE", "cpu"))
-    b.add_argument("--output", type=Path, default=None,
-                   help="build into OUTPUT/_build/html instead of _build/html (the tests build the smoke book "
-                        "into _build/smoke so a reader's book is left alone)")
-    b.add_argument("--profile", default=os.environ.get("PROFILE", "default"),
-                   help="workflow/profiles/<PROFILE>: default (this machine) or slurm")
-    b.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key of config/config.yaml, e.g. seeds=[0] or runs=/scratch/runs (repeatable)")
-    b.add_argument("--verbose", action="store_true", help="show Snakemake's output in full")
-    b.add_argument("snakemake_args", nargs="*", help="passed on to snakemake (after --), e.g. -n or --cores 2")
-    e = sub.add_parser("execute", help="execute one notebook (a workflow step)")
-    e.add_argument("notebook", type=Path)
-    e.add_argument("--scale", required=True)
-    e.add_argument("--results", nargs="*", type=Path, default=[], help="result files the notebook reads")
-    e.add_argument("--runs-dir", default=None, help="the workflow's training runs (passed as runs_dir if declared)")
-    e.add_argument("--results-dir", default=None,
-                   help="the workflow's tidy tables of this scale (passed as results_dir if declared)")
-    p = sub.add_parser("publish", help="copy an executed notebook into book/generated with its provenance")
-    p.add_argument("executed", type=Path)
-    sub.add_parser("timings", help="write book/generated/timings.md")
-    sub.add_parser("mathjax", help="install MathJax from npm into _build/vendor (once)")
-    j = sub.add_parser("jupyter-book", help="jupyter-book build -W (execution off)")
-    j.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args(argv)
-
-    if args.step in ("build", "execute") and args.scale not in SCALES:
-        parser.error(f"unknown scale {args.scale!r}; accepted: {', '.join(SCALES)}")
-    try:
-        if args.step == "build":
-            return build(args.scale, args.output, args.profile, args.snakemake_args, verbose=args.verbose,
-                         config=args.config)
-        if args.step == "execute":
-            execute(args.notebook, args.scale, results=args.results, runs_dir=args.runs_dir,
-                    results_dir=args.results_dir)
-        elif args.step == "publish":
-            publish(args.executed)
-        elif args.step == "timings":
-            _write_atomic(GENERATED / "timings.md", timings_table())
-        elif args.step == "mathjax":
-            mathjax()
-        else:
-            jupyter_book(args.output)
-    except (NotebookFailed, RuntimeError, subprocess.CalledProcessError) as err:
-        _log(f"FAILED: {err}")
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,10 @@
+"""The book builder, one module per role:
+
+- :mod:`tools.book.steps`: the library of build steps (execute a notebook with its provenance, publish it, the
+  timings page, MathJax, jupyter-book) and what the workflow reads (``from tools.book import steps as BOOK`` in
+  workflow/rules/common.smk);
+- :mod:`tools.book.driver`: what ``make book`` runs: Snakemake on the workflow, its output made short, each build
+  timed and logged;
+- :mod:`tools.book.cli`: the command line ``python -m tools.book STEP`` (``build``, and each step as the workflow's
+  rules call it).
+"""

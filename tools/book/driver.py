@@ -1,0 +1,119 @@
+"""The book's driver: what ``make book`` runs (``python -m tools.book build``). It runs the workflow
+(workflow/Snakefile, profile workflow/profiles/<profile>) with Snakemake, which decides what is out of date and calls
+the build steps (:mod:`tools.book.steps`, through :mod:`tools.book.cli`); it shows Snakemake's output short (one line
+per job) and times and logs every build in ``_build/build-log.jsonl`` (the book's timings page reads it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import steps
+
+_JOB = re.compile(r"^\s*(?:local)?rule (\w+):\s*$")
+_DETAIL = re.compile(r"^\s+(input|output|log|jobid|reason|resources|threads|benchmark|priority|shell|message):")
+_NOISE = re.compile(r"^(\[\w{3} \w{3} +\d+ [\d:]+ \d{4}\]|Select jobs to execute|Execute \d+ jobs|SNAKEMAKE|=+$|"
+                    r"  (Date|Workflow ID|Platform|Host|User|Python version|Command|Snakefile|Base directory|"
+                    r"Run directory|Working directory|Config file\(s\)|Config MD5):|Using shell:|"
+                    r"Rules claiming more threads|Assuming unrestricted shared|Building DAG|Using profiles|"
+                    r"Config file config/config.yaml is extended|\s*$)")
+
+
+class _Console:
+    """Snakemake's output made short: one line per job started (rule and wildcards), progress and everything after
+    the first error in full."""
+
+    def __init__(self, verbose: bool = False):
+        self.verbose = verbose
+        self.pending: str | None = None
+        self.failing = False
+
+    def _flush(self) -> None:
+        if self.pending:
+            print(f"[workflow] {self.pending}", flush=True)
+            self.pending = None
+
+    def line(self, line: str) -> None:
+        self.failing = self.failing or bool(re.search(r"Error|Exception|Traceback|WorkflowError", line))
+        if self.verbose or self.failing:
+            self._flush()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            return
+        job = _JOB.match(line)
+        if job:
+            self._flush()
+            self.pending = job.group(1)
+        elif line.strip().startswith("wildcards:") and self.pending:
+            self.pending += " (" + line.split(":", 1)[1].strip() + ")"
+            self._flush()
+        elif not _DETAIL.match(line) and not _NOISE.match(line):
+            self._flush()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def build(scale: str, output: Path | None = None, profile: str = "default", extra: list[str] | None = None,
+          log: Path = steps.BUILD_LOG, verbose: bool = False, config: list[str] | None = None) -> int:
+    """Run the workflow (Snakemake) for ``scale``; time it and log it (``_build/build-log.jsonl``).
+
+    ``config``: more ``KEY=VALUE`` settings of config/config.yaml (e.g. ``seeds=[0]``, ``runs=/scratch/runs``);
+    ``extra``: arguments passed on to Snakemake (targets, ``-n``, ``--cores 2``)."""
+    problem = steps.missing_build_tools()
+    if problem:
+        steps.log_line(f"FAILED before running anything: {problem}")
+        return 1
+    profile_dir = steps.ROOT / "workflow" / "profiles" / profile
+    if not profile_dir.is_dir():
+        available = ", ".join(sorted(p.name for p in (steps.ROOT / "workflow" / "profiles").iterdir()))
+        steps.log_line(f"FAILED: unknown profile {profile!r}; available: {available}")
+        return 2
+    dry = any(a in ("-n", "--dry-run", "--dryrun") for a in extra or [])
+    if profile == "slurm":  # the profile reads $SLURM_ACCOUNT and $SLURM_PARTITION (empty: the cluster's default)
+        os.environ.setdefault("SLURM_PARTITION", "")
+        if not os.environ.get("SLURM_ACCOUNT") and not dry:
+            steps.log_line("FAILED: the slurm profile needs the account to charge: export SLURM_ACCOUNT=<account> "
+                 "(sacctmgr show assoc user=$USER lists yours); SLURM_PARTITION optionally")
+            return 2
+    settings = [f"scale={scale}"] + ([f"book_output={output}"] if output else []) + list(config or [])
+    command = [sys.executable, "-m", "snakemake", "--snakefile", str(steps.ROOT / "workflow" / "Snakefile"),
+               "--directory", str(steps.ROOT), "--profile", str(profile_dir), "--config", *settings, *(extra or [])]
+    steps.log_line(f"scale={scale}, profile={profile}: snakemake " + " ".join(command[3:]))
+    started = time.time()
+    jobs: dict[str, int] = {}
+    noop = False
+    console = _Console(verbose or any(a in ("-n", "--dry-run", "--dryrun") for a in extra or []))
+    with subprocess.Popen(command, cwd=steps.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1) as proc:
+        try:
+            for line in proc.stdout:
+                console.line(line)
+                match = _JOB.match(line)
+                if match:
+                    jobs[match.group(1)] = jobs.get(match.group(1), 0) + 1
+                noop = noop or "Nothing to be done" in line
+            returncode = proc.wait()
+        except KeyboardInterrupt:  # Snakemake got the same SIGINT: let it stop its jobs cleanly
+            returncode = proc.wait()
+    wall = time.time() - started
+    if not dry:
+        executed = jobs.get("execute_notebook", 0)
+        notebooks = len(list(steps.NOTEBOOKS.glob("*.ipynb")))
+        kind = ("no-op" if noop else "cold" if executed == notebooks and jobs.get("book") else "partial")
+        jobs.pop("all", None)
+        entry = {"scale": scale, "profile": profile, "kind": kind, "returncode": returncode,
+                 "wall_time_s": round(wall, 1), "jobs": jobs, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+    status = "done" if returncode == 0 else f"FAILED (snakemake exited with {returncode})"
+    steps.log_line(f"{status} in {steps.format_minutes(wall)}; jobs {'planned' if dry else 'run'}: {jobs or 'none'}")
+    if returncode == 0 and not dry:
+        index = (Path(output).resolve() if output else steps.ROOT) / "_build" / "html" / "index.html"
+        steps.log_line(f"open file://{index}")
+    return returncode

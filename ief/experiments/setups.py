@@ -18,6 +18,12 @@ dampings are for its code's loss, the mean over the batch's target tokens: those
 the choices of a search over the paper's own grids on the validation split (:mod:`.search`, recorded in
 ``ief/experiments/lr_search/cpu-<setup>.json``; :data:`CPU_LEARNING_RATES`); every other value (damping, weight
 decay, schedule) is the paper's for the analogous setup. The smoke versions of the CPU siblings use the same values.
+
+The experiment grid is defined here too, once: per scale the setups, seeds and whether the practical optimisers run
+(:data:`GRIDS`, :func:`grid_runs`), the optimisers per method (:data:`E2_OPTIMIZERS`, :data:`PRACTICAL_OPTIMIZERS`),
+the baselines (:data:`BASELINE`) and the evaluation framework's seed and knobs (:data:`EVALUATION_SEED`,
+:data:`EVALUATION_KNOBS`). The workflow (``workflow/rules/common.smk``) loads this module on its own at parse time, so
+it imports nothing beyond the standard library; ``config/config.yaml`` holds overrides only.
 """
 from __future__ import annotations
 

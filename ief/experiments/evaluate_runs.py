@@ -118,12 +118,14 @@ def sweep_stages(stages: Sequence[int]) -> list[int]:
 
 def job_key(params: dict[str, Any], stage: int, source: str, checkpoint: Path | None, sweep: bool) -> dict[str, Any]:
     """What identifies the job that computes one stage: its parameters, the stage, its source, whether it sweeps, and
-    the checkpoint file it reads (path, size, modification time; ``None``: the rebuilt initial model). A part is
-    reused only by a job with the same key (a resume; see the module docstring). Returned as JSON would read it back."""
+    the checkpoint file it reads (its name in the run folder, size and modification time; ``None``: the rebuilt initial
+    model). A part is reused only by a job with the same key (a resume; see the module docstring). The name, not the
+    absolute path: a cluster's nodes may mount the runs at different paths. Returned as JSON would read it back."""
     ck = None
     if checkpoint is not None:
-        st = Path(checkpoint).stat()
-        ck = {"path": str(Path(checkpoint).resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+        path = Path(checkpoint)
+        st = path.stat()
+        ck = {"file": f"{path.parent.name}/{path.name}", "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
     return json.loads(json.dumps({**params, "stage": stage, "source": source, "sweep": sweep, "checkpoint": ck}))
 
 

@@ -45,7 +45,8 @@ def build(setup: str, checkpoint: str | None, seed: int):
     """The model of ``setup`` at the cpu scale (as ``evaluate_run`` builds it), one batch, damping and CG steps."""
     from ief.experiments import store
     from ief.experiments.data import load_data
-    from ief.experiments.evaluate_runs import BLOCK_METHODS, DEFAULTS, E1_METHODS, sweep_grid
+    from ief.experiments.evaluate_runs import BLOCK_METHODS, E1_METHODS, sweep_grid
+    from ief.experiments.setups import EVALUATION_KNOBS as DEFAULTS
     from ief.experiments.models import build_model
     from ief.experiments.runner import seed_everything
     from ief.experiments.setups import resolve

@@ -93,16 +93,19 @@ def _add_evaluate_parser(sub: Any) -> None:
     e = sub.add_parser("evaluate", help="gamma indicators (alg:eval) of the baseline run's checkpoints, to a CSV")
     e.add_argument("--setup", required=True, metavar="S")
     e.add_argument("--scale", required=True, metavar="X")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=int, default=None,
+                   help="the run's seed (default: the grid's evaluation seed, ief.experiments.setups.EVALUATION_SEED)")
     e.add_argument("--runs", default="runs", metavar="RUNS_DIR", help="where the runs are (python -m ief train --out)")
     e.add_argument("--out", required=True, metavar="OUT.csv")
-    e.add_argument("--batches", type=int, default=None, metavar="N", help="batches per checkpoint (default by scale)")
+    e.add_argument("--batches", type=int, default=None, metavar="N",
+                   help="batches per checkpoint (default by scale: ief.experiments.setups.EVALUATION_KNOBS)")
     e.add_argument("--batch-size", type=int, default=None, metavar="M", help="default: 160 at full, else the setup's")
     e.add_argument("--cg-iterations", type=int, default=None, metavar="K",
                    help="Hessian-free CG steps of the reference (default by scale)")
     e.add_argument("--sweep-dampings", type=int, default=None, metavar="K",
                    help="E3: K dampings log-spaced over 1e-10 .. 1e2 (default by scale)")
-    e.add_argument("--no-sweep", action="store_true", help="skip the E3 damping sweep")
+    e.add_argument("--no-sweep", action="store_true",
+                   help="skip the E3 damping sweep (default: the sweep where the scale's knobs give the setup E3)")
     e.add_argument("--stages", default=None, metavar="P[,P...]",
                    help="only these stages (percent of training): their cached parts OUT.parts/stage-PPP.csv are "
                         "computed and OUT is not written (the workflow's one job per checkpoint)")
@@ -110,6 +113,7 @@ def _add_evaluate_parser(sub: Any) -> None:
 
 def _evaluate_command(args: argparse.Namespace) -> int:
     from .experiments.evaluate_runs import evaluate_run, sweep_grid
+    from .experiments.setups import EVALUATION_SEED
 
     try:
         grid = None if args.sweep_dampings is None else sweep_grid(args.sweep_dampings)
@@ -120,9 +124,10 @@ def _evaluate_command(args: argparse.Namespace) -> int:
             except ValueError:
                 raise ValueError(f"--stages: comma-separated percentages expected (e.g. 0,50,100), "
                                  f"got {args.stages!r}") from None
-        path = evaluate_run(args.setup, args.scale, args.seed, args.runs, args.out, batches=args.batches,
+        seed = EVALUATION_SEED if args.seed is None else args.seed
+        path = evaluate_run(args.setup, args.scale, seed, args.runs, args.out, batches=args.batches,
                             batch_size=args.batch_size, cg_iterations=args.cg_iterations, sweep_dampings=grid,
-                            sweep=not args.no_sweep, stages=stages)
+                            sweep=False if args.no_sweep else None, stages=stages)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1

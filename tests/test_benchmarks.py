@@ -210,7 +210,7 @@ def test_evaluation_benchmark_builds_its_workload_and_cases():
     """The evaluation benchmark reads the evaluation jobs' knobs from the package (an import of a renamed constant
     broke it once, unnoticed, since benchmarks are not run by the tests)."""
     from benchmarks import evaluation
-    from ief.experiments.evaluate_runs import DEFAULTS
+    from ief.experiments.setups import EVALUATION_KNOBS as DEFAULTS
 
     s = evaluation.build("digits-mlp", None, 0)
     assert s["cg"] == DEFAULTS["cpu"]["cg_iterations"] and len(s["sweep"]) == DEFAULTS["cpu"]["sweep_dampings"]

@@ -1,8 +1,10 @@
-"""ief.experiments.evaluate_runs: the evaluation job on a real (smoke) baseline run; checkpoints, caching, CLI."""
+"""ief.experiments.evaluate_runs: the evaluation job on a real (smoke) baseline run; checkpoints, resume, CLI."""
 from __future__ import annotations
 
+import json
 import math
 import shutil
+import threading
 
 import pytest
 
@@ -10,6 +12,7 @@ from ief.__main__ import main
 from ief.experiments import evaluate_runs as er
 from ief.experiments import store
 from ief.experiments.runner import run_dir, train
+from ief.experiments.setups import EVALUATION_KNOBS
 
 SETUP, SCALE = "digits-mlp", "smoke"
 
@@ -46,7 +49,7 @@ def test_epoch_checkpoints_and_rebuilt_initial_model(runs, tmp_path):
     assert all(r["damping"] == 1e-7 for r in e1 if r["method"] not in ("sgd", "hf"))
     sweep = [r for r in records if r["kind"] == "sweep"]
     assert {r["stage"] for r in sweep} == set(er.sweep_stages([0, 50, 100])) == {50, 100}
-    grid = er.sweep_grid(er.DEFAULTS[SCALE]["sweep_dampings"])
+    grid = er.sweep_grid(EVALUATION_KNOBS[SCALE]["sweep_dampings"])
     assert {r["damping"] for r in sweep if r["method"] != "sgd"} == set(grid)
     assert all(r["target_tokens"] == 8 for r in records)  # one target per sample, batch size 8
 
@@ -78,11 +81,8 @@ def test_stage_files_are_preferred_and_stage_zero_is_the_runs_initial_model(runs
         assert from_file[r["method"]] == pytest.approx(r["gamma"], rel=1e-6), r["method"]
 
 
-def test_cached_resumable_and_recomputes_only_what_changed(runs, tmp_path, monkeypatch):
-    root = _copy_without_stage_files(runs, tmp_path / "copy")
-    out = tmp_path / "c.csv"
-    er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
-    first = out.read_text()
+def _counting(monkeypatch) -> list[int]:
+    """The stages evaluate_batch is called for from now on (one entry per batch)."""
     calls = []
     real = er.evaluate_batch
 
@@ -91,19 +91,57 @@ def test_cached_resumable_and_recomputes_only_what_changed(runs, tmp_path, monke
         return real(model, inputs, targets, *args, **kwargs)
 
     monkeypatch.setattr(er, "evaluate_batch", counting)
+    return calls
+
+
+def test_a_part_is_reused_only_by_the_same_job(runs, tmp_path, monkeypatch):
+    """The resume guard: the same job (an interrupted one run again) reuses its parts; a job with other parameters,
+    or over a checkpoint written since, computes them again. No cache beside Snakemake's: no package version or
+    checkpoint hash in a part's record, no manifest that skips a finished OUT."""
+    root = _copy_without_stage_files(runs, tmp_path / "copy")
+    out = tmp_path / "c.csv"
     er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
-    assert calls == [] and out.read_text() == first  # finished: skipped
-    out.unlink()  # as if interrupted before the final write: every stage part is reused
+    first = out.read_text()
+    calls = _counting(monkeypatch)
+    out.unlink()  # as if interrupted before the final write: every stage part is this job's
     er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
     assert calls == [] and out.read_text() == first
+    (out.with_name(out.name + ".parts") / "stage-050.csv").unlink()  # what Snakemake does before it reruns a job
+    er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
+    assert calls == [50] and out.read_text() == first
     ck = _run_root(root) / "checkpoints" / "epoch-002.pt"
     state = store.read_torch(ck)
-    store.write_torch(ck, {k: v * 0.5 for k, v in state.items()})
+    store.write_torch(ck, {k: v * 0.5 for k, v in state.items()})  # the run trained again: another job's part
     er.evaluate_run(SETUP, SCALE, 0, root, out, batches=1, sweep=False, progress=False)
-    assert calls == [100]  # only the changed checkpoint
-    assert out.read_text() != first
+    assert calls == [50, 100] and out.read_text() != first
     er.evaluate_run(SETUP, SCALE, 0, root, out, batches=2, sweep=False, progress=False)
-    assert sorted(set(calls)) == [0, 50, 100]  # new parameters: everything again
+    assert sorted(set(calls[2:])) == [0, 50, 100] and len(calls[2:]) == 3 * 2  # other knobs: every stage again
+    record = json.loads((out.with_name(out.name + ".parts") / "stage-100.json").read_text())
+    assert record["job"] == er.job_key({"setup": SETUP, "scale": SCALE, "seed": 0, "optimizer": "adam", "batches": 2,
+                                        "batch_size": 8, "damping": 1e-7, "sweep_dampings": None, "cg": 5},
+                                       100, "epoch", ck, False)
+    assert not {"version", "algebra", "fingerprint"} & (set(record["job"]) | set(record))
+    assert not out.with_name(out.name + ".json").exists()
+
+
+def test_a_duplicate_waits_for_the_stage_then_resumes_from_it(runs, tmp_path, monkeypatch):
+    """Two copies of one job (a SLURM requeue while the first still runs): the second waits on the stage's lock and,
+    once the first has written the part, reuses it instead of computing the stage again."""
+    out = tmp_path / "d.csv"
+    parts = er.evaluate_run(SETUP, SCALE, 0, runs, out, batches=1, stages=[0], progress=False)
+    part = parts / "stage-000.csv"
+    written = part.read_text()
+    part.unlink()  # the first copy has not written it yet ...
+    calls = _counting(monkeypatch)
+    with store.lock(parts, name="stage-000.lock"):  # ... and holds the stage
+        duplicate = threading.Thread(target=er.evaluate_run, args=(SETUP, SCALE, 0, runs, out),
+                                     kwargs={"batches": 1, "stages": [0], "progress": False})
+        duplicate.start()
+        duplicate.join(timeout=2)
+        assert duplicate.is_alive() and calls == []  # waiting, computing nothing
+        part.write_text(written)  # the first copy finishes the stage
+    duplicate.join(timeout=120)
+    assert not duplicate.is_alive() and calls == [] and part.read_text() == written
 
 
 def test_one_job_per_stage_then_assembly_equals_one_job(runs, tmp_path, monkeypatch):
@@ -184,18 +222,6 @@ def test_summary_rows_per_setup_stage_and_method():
     assert rows[1]["imbalance_mean"] == 3.0 and rows[1]["imbalance_sd"] == 1.0
 
 
-def test_config_states_the_library_defaults():
-    """config/config.yaml's evaluation knobs (passed by the workflow's evaluate jobs) are the library's defaults,
-    so the notebook run on its own and the workflow's jobs compute (and cache) the same records."""
-    import yaml
-    from pathlib import Path
-
-    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "config.yaml").read_text())
-    for scale, knobs in er.DEFAULTS.items():
-        stated = {k: v for k, v in config["evaluation"][scale].items() if k != "sweep_setups"}
-        assert stated == knobs, scale
-
-
 def test_notebook_parameters_parse():
     """papermill reads every parameter of the chapter (a comment it cannot parse drops the parameter's help)."""
     import nbformat
@@ -231,8 +257,3 @@ def test_findings_never_divide_by_an_unchecked_value():
     recs.append({"kind": "e1", "setup": "s", "stage": 50, "method": "ief", "ratio": 0.0, "batch": 1,
                  "imbalance": 2.0})
     assert er.summarise(recs)[("s", 50, "ief")]["n"] == 1
-
-
-def test_the_fingerprint_names_the_algebra():
-    """A change of how records are computed (issue 18) must invalidate every cached stage, not only a parameter's."""
-    assert er.ALGEBRA == "exact-sweep"

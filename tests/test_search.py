@@ -19,7 +19,7 @@ def test_grids_are_the_papers():
     """sec:app-optimiser (PEFT) and sec:app-mlp-cifar10 (MLP), value for value; 'ours' only where the paper ran no
     search for that optimiser and method; rates beyond the paper's only where the cpu search chose an edge of its
     grid, each saying so."""
-    pt, lora, mlp = S.GRIDS["pt"], S.GRIDS["lora"], S.GRIDS["mlp"]
+    pt, lora, mlp = S.GRIDS["pt"], S.GRIDS["lora"], S.GRIDS["scratch"]
     for g in (pt, lora):
         assert g["sgd"].paper == (0.1, 1, 10, 20, 50, 100) and g["ief"].paper == (1, 10, 50, 100)
     assert pt["ef"].paper == pt["sf"].paper == (1e-3, 5e-3, 1e-2, 1e-1, 1, 10)
@@ -29,9 +29,9 @@ def test_grids_are_the_papers():
         (5e-5, 1e-4, 5e-4), (0.01, 0.1, 0.5), (10, 50, 100), (0.01, 0.1, 0.5))
     assert mlp["ef"].paper == (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
     ours = {(k, o) for k, grids in S.GRIDS.items() for o, g in grids.items() if g.source.startswith("ours")}
-    practical = {(k, o) for k in ("pt", "lora", "mlp") for o in PRACTICAL_OPTIMIZERS if k != "pt" or o == "ief-momentum"}
-    assert ours == {("pt", "adafactor"), ("pt", "adamw"), ("lora", "adafactor"), ("mlp", "adamw"),
-                    ("mlp", "adafactor")} | practical  # beyond the paper: grids of ours, each saying so
+    practical = {(k, o) for k in ("pt", "lora", "scratch") for o in PRACTICAL_OPTIMIZERS if k != "pt" or o == "ief-momentum"}
+    assert ours == {("pt", "adafactor"), ("pt", "adamw"), ("lora", "adafactor"), ("scratch", "adamw"),
+                    ("scratch", "adafactor")} | practical  # beyond the paper: grids of ours, each saying so
     assert all(S.GRIDS[k][o].source.startswith("ours: beyond the paper") for k, o in practical)
     for grids in S.GRIDS.values():
         for g in grids.values():
@@ -75,12 +75,12 @@ def test_missing_runs_only_the_rates_the_record_lacks(tmp_path, monkeypatch):
     path.write_text(json.dumps(record))
     calls.clear()
     record = S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], verbose=False, missing_only=True)
-    assert [lr for _, lr, _ in calls] == list(S.GRIDS["mlp"]["sgd"].values[2:])
-    assert [t["lr"] for t in record["optimizers"]["sgd"]["trials"]] == list(S.GRIDS["mlp"]["sgd"].values)
+    assert [lr for _, lr, _ in calls] == list(S.GRIDS["scratch"]["sgd"].values[2:])
+    assert [t["lr"] for t in record["optimizers"]["sgd"]["trials"]] == list(S.GRIDS["scratch"]["sgd"].values)
     assert record["command"].endswith("--seed 0 --missing")
     calls.clear()
     S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], seed=1, verbose=False, missing_only=True)
-    assert len(calls) == len(S.GRIDS["mlp"]["sgd"].values)  # another seed: nothing of it is in the record
+    assert len(calls) == len(S.GRIDS["scratch"]["sgd"].values)  # another seed: nothing of it is in the record
 
 
 def _trial(lr, score, loss, diverged=None):
@@ -102,9 +102,9 @@ def test_search_cli_runs_every_rate_and_records_the_choice(tmp_path, capsys):
     assert main(args) == 0
     record = json.loads(record_file.read_text())
     assert record == json.loads((tmp_path / "runs" / "lr-search" / "smoke-digits-mlp.json").read_text())
-    assert set(record["optimizers"]) == {"sgd", "ief"} and record["grid_kind"] == "mlp"
+    assert set(record["optimizers"]) == {"sgd", "ief"} and record["grid_kind"] == "scratch"
     for name, o in record["optimizers"].items():
-        assert [t["lr"] for t in o["trials"]] == list(S.GRIDS["mlp"][name].values) == o["grid"]
+        assert [t["lr"] for t in o["trials"]] == list(S.GRIDS["scratch"][name].values) == o["grid"]
         assert o["chosen_lr"] == S.choose(o["trials"])
         for t in o["trials"]:  # each trial is an ordinary run folder with the overridden rate
             run = S.trial_dir(tmp_path / "runs", t["lr"]) / "smoke" / "digits-mlp" / name / "seed-0"
@@ -150,7 +150,7 @@ def _fake_train(calls):
     """``train`` as search calls it, without training: the numbers are a function of (optimizer, lr, seed)."""
     def train(setup, name, seed, scale, out, *, lr, **kwargs):
         calls.append((name, lr, seed))
-        score = 0.5 + 0.1 * seed + (0.3 if lr == S.GRIDS["mlp"][name].values[1] else 0.0)
+        score = 0.5 + 0.1 * seed + (0.3 if lr == S.GRIDS["scratch"][name].values[1] else 0.0)
         root = run_dir(out, scale, setup, name, seed)
         root.mkdir(parents=True, exist_ok=True)
         (root / "config.json").write_text("{}")
@@ -178,10 +178,10 @@ def test_search_merges_other_optimisers_and_seeds_into_the_record(tmp_path, monk
     record = json.loads(path.read_text())
     assert set(record["optimizers"]) == {"sgd", "ief"} and record["seeds"] == [0, 1] and record["seed"] is None
     sgd = record["optimizers"]["sgd"]
-    assert [(t["lr"], t["seed"]) for t in sgd["trials"]] == [(lr, k) for lr in S.GRIDS["mlp"]["sgd"].values
+    assert [(t["lr"], t["seed"]) for t in sgd["trials"]] == [(lr, k) for lr in S.GRIDS["scratch"]["sgd"].values
                                                              for k in (0, 1)]
-    assert sgd["chosen_lr"] == S.GRIDS["mlp"]["sgd"].values[1] == S.choose(sgd["trials"])
-    n_ief = len(S.GRIDS["mlp"]["ief"].values)
+    assert sgd["chosen_lr"] == S.GRIDS["scratch"]["sgd"].values[1] == S.choose(sgd["trials"])
+    n_ief = len(S.GRIDS["scratch"]["ief"].values)
     assert [t["seed"] for t in record["optimizers"]["ief"]["trials"]] == [0] * n_ief
     S.search("digits-mlp", "smoke", tmp_path, optimizers=["sgd"], seed=1, verbose=False)  # again: nothing doubled
     assert json.loads(path.read_text())["optimizers"] == record["optimizers"]
@@ -194,7 +194,7 @@ def test_search_merges_other_optimisers_and_seeds_into_the_record(tmp_path, monk
     S.search("digits-mlp", "smoke", tmp_path, optimizers=["ief"], seed=2, verbose=False)
     record = json.loads(path.read_text())
     assert [t["seed"] for t in record["optimizers"]["ief"]["trials"]] == [0, 2] * n_ief
-    assert [t["seed"] for t in record["optimizers"]["sgd"]["trials"]] == [0] * len(S.GRIDS["mlp"]["sgd"].values)
+    assert [t["seed"] for t in record["optimizers"]["sgd"]["trials"]] == [0] * len(S.GRIDS["scratch"]["sgd"].values)
 
 
 def test_a_record_carries_when_at_which_commit_and_by_which_command_it_was_made(tmp_path, monkeypatch):

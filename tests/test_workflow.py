@@ -1,5 +1,7 @@
-"""workflow/Snakefile: the plan of the paper's grid through the SLURM profile (dry run), clear errors for a bad
-configuration, and a real run of a small grid: interrupted, resumed, then a no-op rebuild that runs no job."""
+"""workflow/Snakefile: the plan of the paper's grid through the SLURM profile (dry run), the same grid as
+ief.experiments.setups defines, each rule depending on the code it runs (a plot-only change plans no training or
+evaluation job), clear errors for a bad configuration, and a real run of a small grid: interrupted, resumed, then a
+no-op rebuild that runs no job."""
 from __future__ import annotations
 
 import os
@@ -14,16 +16,24 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ief.experiments import setups as registry
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "workflow" / "Snakefile")]
+# a copy of the checkout for tests that edit code (tracked sources only: no environment, builds or results)
+COPY_IGNORED = shutil.ignore_patterns(".git", ".venv", "_build", "runs", "results", ".snakemake", "__pycache__",
+                                      "generated", ".pytest_cache", "*.egg-info")
 
 
-def _snakemake(*args: str, directory: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([*SNAKEMAKE, "--directory", str(directory), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+def _snakemake(*args: str, directory: Path = ROOT, timeout: int = 300, checkout: Path = ROOT
+               ) -> subprocess.CompletedProcess:
+    """Snakemake on ``checkout``'s workflow (default this one), in ``directory``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)}
+    snakemake = [sys.executable, "-m", "snakemake", "--snakefile", str(checkout / "workflow" / "Snakefile")]
+    return subprocess.run([*snakemake, "--directory", str(directory), *args], cwd=checkout,
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _job_stats(output: str) -> dict[str, int]:
@@ -83,6 +93,28 @@ def test_default_target_plans_what_the_present_notebooks_read():
     assert stats["execute_notebook"] == len(NOTEBOOKS) and stats["book"] == 1
 
 
+def _planned_runs(plan: str, scale: str) -> list[tuple[str, str, int]]:
+    """(setup, optimizer, seed) of every train job of a dry run, in the order planned."""
+    found = re.findall(rf"^\s+output: \S*runs/{scale}/([^/\s]+)/([^/\s]+)/seed-(\d+)/summary\.json$", plan, flags=re.M)
+    return [(setup, opt, int(seed)) for setup, opt, seed in found]
+
+
+def test_the_workflow_plans_the_grid_of_the_setup_registry(full_plan, tmp_path):
+    """The grid is defined once (ief.experiments.setups): every scale's dry run plans exactly its runs, a seeds
+    override replaces the seeds, and config/config.yaml keeps no copy of the grid."""
+    assert sorted(_planned_runs(full_plan.stdout + full_plan.stderr, "full")) == sorted(registry.grid_runs("full"))
+    for scale in ("cpu", "smoke"):
+        done = _snakemake("-n", "--cores", "1", "--config", f"scale={scale}", f"runs={tmp_path}/runs", "--", "runs")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert sorted(_planned_runs(done.stdout, scale)) == sorted(registry.grid_runs(scale)), scale
+    done = _snakemake("-n", "--cores", "1", "--config", "scale=cpu", "seeds=[4]", f"runs={tmp_path}/runs", "--", "runs")
+    assert done.returncode == 0, done.stdout + done.stderr
+    grid = registry.scale_grid("cpu", seeds=[4])
+    assert sorted(_planned_runs(done.stdout, "cpu")) == sorted(registry.grid_runs("cpu", grid))
+    assert not {"grid", "optimizers", "practical_optimizers", "baseline", "evaluation", "evaluation_seed"} & set(CONFIG)
+    assert CONFIG["seeds"] is CONFIG["setups"] is CONFIG["practical"] is None  # overrides only
+
+
 def test_dry_runs_print_no_exception(full_plan):
     """No output pattern matches another rule's files (wildcard constraints, workflow/rules/common.smk): planning
     the paper's grid used to print one InputFunctionException per stage checkpoint (80)."""
@@ -132,6 +164,66 @@ def test_deleting_a_results_folder_replans_it_without_exceptions(tmp_path, profi
         assert stats == expected, output[-3000:]
 
 
+def _chapter_module(checkout: Path) -> Path:
+    """A chapter back-end of the checkout (ief/chapters, or ief/plots before the rename)."""
+    for package in ("chapters", "plots"):
+        modules = sorted((checkout / "ief" / package).glob("*.py"))
+        if modules:
+            return next((m for m in modules if m.name != "__init__.py"), modules[0])
+    raise AssertionError("no chapter package (ief/chapters or ief/plots) in the checkout")
+
+
+def _edit(path: Path, stamp: float) -> None:
+    """A change of ``path``'s content, newer than ``stamp``."""
+    path.write_text(path.read_text() + "\n# an edit\n")
+    os.utime(path, (stamp + 30, stamp + 30))
+
+
+def _planned(done: subprocess.CompletedProcess) -> dict[str, int]:
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "Exception" not in output, output[-3000:]
+    return {k: v for k, v in _job_stats(output).items() if k != "total"}
+
+
+def test_each_rule_depends_on_the_code_it_runs(tmp_path):
+    """Training and evaluation depend on the core and experiments code only, the notebooks on the chapter back-ends
+    too (issue 24): on a copy of the checkout with the smoke book made (every output newer than every source), a
+    plot-only edit (a chapter module, the style module) plans the notebooks and the book and no training or evaluation
+    job; a core edit plans the whole grid again."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT, checkout, ignore=COPY_IGNORED)
+    stamp = time.time() - 600
+    for path in checkout.rglob("*"):
+        os.utime(path, (stamp - 60, stamp - 60), follow_symlinks=False)
+    args = ["-n", "--profile", "workflow/profiles/default", "--config", "scale=smoke", "--", "all"]
+    first = _snakemake(*args, directory=checkout, checkout=checkout)
+    plan = _planned(first)
+    notebooks = len(list((checkout / "notebooks").glob("*.ipynb")))
+    grid = {"train": len(registry.grid_runs("smoke")), "aggregate_e2": 1, "evaluate_stage": 3 * 5, "evaluate": 3}
+    book = {"execute_notebook": notebooks, "publish": notebooks, "timings": 1, "book": 1, "all": 1}
+    assert plan == {**grid, **book, "mathjax": 1}, first.stdout[-3000:]
+    for path in _outputs(first.stdout + first.stderr):
+        path = checkout / path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        os.utime(path, (stamp, stamp))
+    assert "Nothing to be done" in (lambda d: d.stdout + d.stderr)(_snakemake(*args, directory=checkout,
+                                                                               checkout=checkout))
+
+    chapter = _chapter_module(checkout)
+    style = next((checkout / "ief").rglob("style.py"))
+    for edited in (chapter, style):
+        before = edited.read_text()
+        _edit(edited, stamp)
+        after_plot_edit = _snakemake(*args, directory=checkout, checkout=checkout)
+        assert _planned(after_plot_edit) == book, (edited, after_plot_edit.stdout[-3000:])
+        edited.write_text(before)
+        os.utime(edited, (stamp - 60, stamp - 60))
+    _edit(checkout / "ief" / "curvature.py", stamp)
+    after_core_edit = _snakemake(*args, directory=checkout, checkout=checkout)
+    assert _planned(after_core_edit) == {**grid, **book}, after_core_edit.stdout[-3000:]
+
+
 def test_slurm_time_limits_follow_the_registry(full_plan):
     runtimes = _train_runtimes(full_plan.stdout + full_plan.stderr)
     assert len(runtimes) == 240
@@ -147,10 +239,10 @@ def test_slurm_time_limits_follow_the_registry(full_plan):
 
 @pytest.mark.parametrize("config, message", [
     (["scale=huge"], "unknown scale 'huge'"),
-    (["scale=smoke", "grid={smoke: {setups: [no-such-setup], seeds: [0]}}"], "unknown setup 'no-such-setup'"),
-    (["scale=cpu", "grid={cpu: {setups: [rte-t5-lora], seeds: [0]}}"], "has no 'cpu' scale"),
-    (["scale=smoke", "grid={smoke: {setups: [digits-mlp], seeds: [0], practical: maybe}}"],
-     "grid.smoke.practical must be true or false, got 'maybe'"),
+    (["scale=smoke", "setups=[no-such-setup]"], "unknown setup 'no-such-setup'"),
+    (["scale=cpu", "setups=[rte-t5-lora]"], "setup 'rte-t5-lora' has no 'cpu' scale"),
+    (["scale=smoke", "practical=maybe"], "practical must be true or false, got 'maybe'"),
+    (["scale=smoke", "seeds=[-1]"], "seeds must be a non-empty list of non-negative integers, got ['-1']"),
 ])
 def test_bad_configuration_is_refused_by_name(config, message):
     done = _snakemake("-n", "--cores", "1", "--config", *config)
@@ -166,9 +258,9 @@ def _summaries(runs: Path) -> dict[Path, float]:
 def test_interrupted_grid_resumes_and_a_rebuild_runs_nothing(tmp_path):
     """A small real grid (digits-mlp at smoke scale, 5 optimisers): SIGINT after the first run finished, then the
     same command runs only the unfinished runs, then a third invocation runs 0 jobs within 30 s."""
-    grid = "grid={smoke: {setups: [digits-mlp], seeds: [0], practical: false}}"  # the five E2 optimisers
+    grid = ["setups=[digits-mlp]", "seeds=[0]", "practical=false"]  # the five E2 optimisers
     args = ["--profile", str(ROOT / "workflow" / "profiles" / "default"), "--cores", "1", "--config", "scale=smoke",
-            grid, "--", "runs"]
+            *grid, "--", "runs"]
     runs = tmp_path / "runs"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # SIGINT back to its default in the child: a test run started in the background by a non-interactive shell

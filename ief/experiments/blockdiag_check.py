@@ -38,9 +38,9 @@ import torch
 from ..evaluation import batch_generator, evaluate_batch, fresh_generator
 from ..losses import get_loss, logit_sqnorm
 from . import store
-from .evaluate_runs import BASELINE, DEFAULTS, _evaluation_inputs, findings, summary_rows
+from .evaluate_runs import _evaluation_inputs, findings, summary_rows
 from .runner import run_dir
-from .setups import resolve
+from .setups import BASELINE, EVALUATION_KNOBS, resolve
 
 DENSE_METHODS = ("sgd", "ief", "blockdiag_ief", "kfac", "ekfac", "iekfac", "span_best", "ngd")
 PACKAGE_METHODS = ("sgd", "ief", "kfac", "ekfac", "iekfac")  # the methods ief.evaluate computes among them
@@ -260,7 +260,7 @@ def blockdiag_check(runs_dir: str | Path, setup: str = "digits-mlp", scale: str 
 
     Args:
         runs_dir: where the baseline run is (``python -m ief train --out``); its ``checkpoints/stage-PPP.pt``.
-        setup, scale, seed: the run (its baseline optimiser, :data:`.evaluate_runs.BASELINE`).
+        setup, scale, seed: the run (its baseline optimiser, :data:`.setups.BASELINE`).
         stage: the stage checkpoint (percent of training).
         batches: how many of the evaluation job's fixed batches (its first ones, same label draws).
         undamped: add rows at ``damping = 0`` (pseudo-inverses) beside the setup's iEF damping.
@@ -278,7 +278,7 @@ def blockdiag_check(runs_dir: str | Path, setup: str = "digits-mlp", scale: str 
     if batches < 1:
         raise ValueError(f"batches must be >= 1, got {batches}")
     cfg, path = _baseline_checkpoint(setup, scale, seed, stage, runs_dir)
-    knobs = DEFAULTS[scale]
+    knobs = EVALUATION_KNOBS[scale]
     m = knobs["batch_size"] or cfg.batch_size
     model, _, fixed, _ = _evaluation_inputs(cfg, setup, seed, m, max(batches, knobs["batches"]), False)
     store.load_trainable(model, store.read_torch(path))
@@ -342,7 +342,7 @@ def s_spread(runs_dir: str | Path, setup: str, scale: str = "cpu", *, seed: int 
         FileNotFoundError: no such checkpoint.
     """
     cfg, path = _baseline_checkpoint(setup, scale, seed, stage, runs_dir)
-    knobs = DEFAULTS[scale]
+    knobs = EVALUATION_KNOBS[scale]
     model, _, fixed, _ = _evaluation_inputs(cfg, setup, seed, knobs["batch_size"] or cfg.batch_size, knobs["batches"],
                                             False)
     store.load_trainable(model, store.read_torch(path))

@@ -2,11 +2,11 @@
 (``fig:damping_gamma_*``) on the checkpoints of a setup's baseline run, as tidy CSV records.
 
 The paper evaluates the checkpoints of its baseline optimiser's runs (``sec:eval_exp``): AdamW for LoRA, Adafactor
-for prompt tuning, Adam for the MLP (:data:`BASELINE`). For every training stage (0 % = the initial model ... 100 % =
-the last checkpoint) the job draws ``batches`` fixed batches of ``batch_size`` training examples (the same batches at
-every stage) and records, per batch and method, ``gamma``, ``gamma / gamma_SGD`` and the batch's gradient-norm
-imbalance (:func:`ief.evaluate`). At the first checkpoint after initialisation, the middle and the last one it adds a
-damping sweep of EF / iEF / SF (:func:`ief.damping_sweep`).
+for prompt tuning, Adam for the MLP (:data:`ief.experiments.setups.BASELINE`). For every training stage (0 % = the
+initial model ... 100 % = the last checkpoint) the job draws ``batches`` fixed batches of ``batch_size`` training
+examples (the same batches at every stage) and records, per batch and method, ``gamma``, ``gamma / gamma_SGD`` and
+the batch's gradient-norm imbalance (:func:`ief.evaluate`). At the first checkpoint after initialisation, the middle
+and the last one it adds a damping sweep of EF / iEF / SF (:func:`ief.damping_sweep`).
 
 Checkpoints (the contract with the runner): ``checkpoints/stage-PPP.pt`` in the run folder, ``PPP`` the percentage
 of training, each the trainable state (``store.trainable_state``), ``stage-000.pt`` the initial model. Until a run
@@ -14,9 +14,22 @@ has them, its per-epoch checkpoints ``checkpoints/epoch-EEE.pt`` are used (stage
 epoch nearest to each of 25/50/75/100 %, so a 2-epoch run gives only 0/50/100 %) and stage 0 is the initial model
 rebuilt exactly as the runner builds it (``seed_everything(seed)``, data, model); the ``source`` column says which.
 
-Caching: every stage's records go to ``OUT.parts/stage-PPP.csv`` with a fingerprint (checkpoint bytes, job
-parameters, package version) in ``stage-PPP.json``; a stage whose fingerprint matches is not recomputed, so an
-interrupted job resumes at the stage it was in and a finished one is skipped. ``OUT`` is written atomically, last.
+Redoing work is Snakemake's decision alone (the workflow's ``evaluate_stage`` and ``evaluate`` rules depend on the
+baseline run, the core and experiments code and the knobs, and Snakemake removes a job's outputs before it reruns it);
+this module keeps no cache of its own. What it keeps is a *resume*: every stage's records go to
+``OUT.parts/stage-PPP.csv`` as soon as they are computed, beside ``stage-PPP.json`` naming the job that wrote them
+(:func:`job_key`: setup, scale, seed, optimiser, batches, batch size, damping, the sweep's dampings, CG steps, the
+stage, its source, and the checkpoint file read with its size and modification time). A job reuses a part only when
+that key is its own, i.e. when it is the same job resumed after an interruption (or a duplicate of it: a SLURM
+requeue, a second terminal); a part any other job wrote (other knobs, a checkpoint written since) is computed again
+and replaced. Each stage is computed under a lock (``OUT.parts/stage-PPP.lock``), so a duplicate running at the same
+time waits and then reuses the part instead of computing it twice. There is no fingerprint of the package's code or of
+checkpoint bytes and no "up to date" skip: a call without ``stages`` always writes ``OUT`` (atomically, last) from the
+parts, computing those it lacks. By hand, after a change of the code, remove ``OUT.parts`` (or use another ``OUT``).
+
+The evaluation seed and the knobs per scale (batches, batch size, CG steps, the sweep's dampings, the setups that get
+E3) are the grid's (:data:`ief.experiments.setups.EVALUATION_SEED`, :data:`~ief.experiments.setups.EVALUATION_KNOBS`);
+the workflow states them on each job's command line, and they are this module's defaults.
 
 Damping (the axis-conversion point, :data:`DAMPING_CONVENTION`): every damping here is in the package's convention,
 the sum loss ``L = sum_n l_n``. The paper's code uses the mean over the batch's ``K`` target tokens, so
@@ -26,7 +39,6 @@ when plotting (:func:`ief.plots.evaluation.damping_axis`).
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import math
@@ -39,33 +51,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import __version__
 from ..curvature import DegenerateIndicator
 from ..damping_sweep import damping_sweep
 from ..evaluation import batch_generator, evaluate_batch
 from ..kfac import check_linear_only
 from . import store
 from .runner import recorded_overrides, run_dir, seed_everything
-from .setups import resolve
+from .setups import BASELINE, evaluation_knobs, resolve
+from .setups import baseline_optimizer  # noqa: F401  (read from here: notebooks/evaluation.ipynb, tests)
 
-# The evaluation's algebra, part of every cached stage's fingerprint: a change of how the records are computed (not
-# only of their parameters) must invalidate the caches. "exact-sweep": issue 18, every swept damping one exact
-# evaluation, undefined gammas raise (the earlier 2M-JVP sweep recorded 0 at near-zero damping).
-ALGEBRA = "exact-sweep"
 STAGES = (0, 25, 50, 75, 100)  # the runner's stage checkpoints (percent of training)
-BASELINE = {"lora": "adamw", "pt": "adafactor", "scratch": "adam"}
 E1_METHODS = ("sgd", "ef", "ief", "sf", "hf")
 BLOCK_METHODS = ("kfac", "ekfac", "iekfac")
 DAMPING_CONVENTION = "ief"  # dampings are stored in the sum-loss convention; see the module docstring
-# The evaluation's knobs per scale (config/config.yaml's `evaluation` section states the same values; a test keeps
-# them equal). The paper: 100 batches of M = 160 at every checkpoint, CG as the reference. cpu: chosen so that the
-# three cpu setups' evaluation costs about 10 min of one core in all (measured: workflow/README.md); batch
-# size None: the setup's training batch size. sweep_dampings: that many dampings log-spaced over 1e-10 .. 1e2.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "full": {"batches": 100, "batch_size": 160, "cg_iterations": 50, "sweep_dampings": 13},
-    "cpu": {"batches": 12, "batch_size": None, "cg_iterations": 10, "sweep_dampings": 13},
-    "smoke": {"batches": 2, "batch_size": None, "cg_iterations": 5, "sweep_dampings": 7},
-}
 
 
 def sweep_grid(n: int) -> tuple[float, ...]:
@@ -75,16 +73,10 @@ def sweep_grid(n: int) -> tuple[float, ...]:
     return tuple(float(x) for x in np.logspace(-10, 2, n))
 
 
-SWEEP_DAMPINGS = sweep_grid(DEFAULTS["cpu"]["sweep_dampings"])
 COLUMNS = ("setup", "scale", "seed", "optimizer", "stage", "source", "kind", "batch", "method", "damping", "gamma",
            "ratio", "imbalance", "target_tokens")
 _STAGE = re.compile(r"stage-(\d{3})\.pt$")
 _EPOCH = re.compile(r"epoch-(\d{3})\.pt$")
-
-
-def baseline_optimizer(setup: str, scale: str) -> str:
-    """The baseline optimiser whose checkpoints the paper evaluates: AdamW (LoRA), Adafactor (PT), Adam (MLP)."""
-    return BASELINE[resolve(setup, scale).method]
 
 
 def stage_checkpoints(run_root: Path) -> dict[int, Path]:
@@ -124,11 +116,17 @@ def sweep_stages(stages: Sequence[int]) -> list[int]:
     return sorted(set(picks))
 
 
-def _fingerprint(path: Path | None, params: dict[str, Any]) -> str:
-    h = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
-    if path is not None:
-        h.update(Path(path).read_bytes())
-    return h.hexdigest()
+def job_key(params: dict[str, Any], stage: int, source: str, checkpoint: Path | None, sweep: bool) -> dict[str, Any]:
+    """What identifies the job that computes one stage: its parameters, the stage, its source, whether it sweeps, and
+    the checkpoint file it reads (its name in the run folder, size and modification time; ``None``: the rebuilt initial
+    model). A part is reused only by a job with the same key (a resume; see the module docstring). The name, not the
+    absolute path: a cluster's nodes may mount the runs at different paths. Returned as JSON would read it back."""
+    ck = None
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        st = path.stat()
+        ck = {"file": f"{path.parent.name}/{path.name}", "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return json.loads(json.dumps({**params, "stage": stage, "source": source, "sweep": sweep, "checkpoint": ck}))
 
 
 def _csv_text(records: list[dict[str, Any]]) -> str:
@@ -175,19 +173,38 @@ def evaluate_run(
     damping: float | None = None,
     sweep_dampings: Sequence[float] | None = None,
     cg_iterations: int | None = None,
-    sweep: bool = True,
+    sweep: bool | None = None,
     stages: Sequence[int] | None = None,
     progress: bool = True,
 ) -> Path:
     """Evaluate the baseline run of ``setup`` at every stage and write ``out`` (CSV); returns its path.
 
-    ``stages`` (e.g. ``[50]``) computes only those stages' cached parts (``OUT.parts/stage-PPP.csv``) and returns the
-    parts folder without writing ``out``: the workflow runs one such job per checkpoint, then one call without
-    ``stages`` that finds every part cached and assembles ``out``.
+    Args:
+        setup, scale, seed: the run evaluated: the baseline optimiser's (:func:`~.setups.baseline_optimizer`).
+        runs_dir: where the runs are (``python -m ief train --out``).
+        out: the CSV written; the stages' parts go to ``OUT.parts/``.
+        batches, batch_size, cg_iterations: default the scale's knobs (:data:`~.setups.EVALUATION_KNOBS`; batch size
+            ``None`` there: the run's training batch size).
+        damping: used by every method of E1 and the block-diagonal study; default the setup's iEF damping (the
+            paper's near-zero value).
+        sweep_dampings: E3's dampings; default the scale's number of them over ``1e-10 .. 1e2`` (:func:`sweep_grid`).
+        sweep: whether to run E3 (at the first, middle and last stage); default whether the scale's knobs give the
+            setup E3 (``sweep_setups``).
+        stages: e.g. ``[50]``: compute only those stages' parts and return the parts folder without writing ``out``
+            (the workflow's one job per checkpoint; a call without ``stages`` then assembles ``out`` from them).
+        progress: a line per stage computed.
 
-    ``damping`` (default: the setup's iEF damping, the paper's near-zero value) is used by every method of E1 and
-    the block-diagonal study. The block-diagonal methods run when every trainable parameter belongs to an
-    ``nn.Linear`` (LoRA, MLP); for prompt tuning they are left out, with a note on stderr.
+    Returns:
+        ``out``, or the parts folder when ``stages`` is given.
+
+    Raises:
+        FileNotFoundError: the run, or its checkpoints, do not exist (the message names the command that trains it).
+        ValueError: an unknown setup or scale, ``batches`` or ``batch_size`` < 1, or ``stages`` not among the run's
+            checkpoints.
+
+    The block-diagonal methods run when every trainable parameter belongs to an ``nn.Linear`` (LoRA, MLP); for
+    prompt tuning they are left out, with a note on stderr. A part already written by this same job (same
+    :func:`job_key`) is reused: the resume of an interrupted job (module docstring).
     """
     cfg = resolve(setup, scale)
     optimizer = BASELINE[cfg.method]
@@ -197,13 +214,14 @@ def evaluate_run(
                                 f"train it first: python -m ief train --setup {setup} --scale {scale} "
                                 f"--optimizer {optimizer} --seed {seed} --out {runs_dir}")
     cfg = resolve(setup, scale, recorded_overrides(root, setup, scale))  # the run as trained (its --set included)
-    knobs = DEFAULTS[scale]
+    knobs = evaluation_knobs(setup, scale)
     n_batches = batches if batches is not None else knobs["batches"]
     m = batch_size if batch_size is not None else (knobs["batch_size"] or cfg.batch_size)
     if n_batches < 1 or m < 1:
         raise ValueError(f"batches and batch_size must be >= 1, got {n_batches} and {m}")
     lam = float(damping if damping is not None else cfg.optimizers["ief"].damping)
     cg = cg_iterations if cg_iterations is not None else knobs["cg_iterations"]
+    sweep = knobs["sweep"] if sweep is None else sweep
     if sweep_dampings is None:
         sweep_dampings = sweep_grid(knobs["sweep_dampings"])
     only = stages
@@ -218,57 +236,47 @@ def evaluate_run(
                              f"{sorted(stages)} (percent of training)")
     out = Path(out)
     parts = out.with_name(out.name + ".parts")
-    params = {"setup": setup, "scale": scale, "seed": seed, "batches": n_batches, "batch_size": m, "damping": lam,
-              "sweep_dampings": list(sweep_dampings) if sweep else None, "cg": cg, "version": __version__,
-              "algebra": ALGEBRA}
+    params = {"setup": setup, "scale": scale, "seed": seed, "optimizer": optimizer, "batches": n_batches,
+              "batch_size": m, "damping": lam, "sweep_dampings": list(sweep_dampings) if sweep else None, "cg": cg}
     sweep_at = sweep_stages(list(stages)) if sweep else []
-    prints = {s: _fingerprint(p, {**params, "stage": s, "source": src, "sweep": s in sweep_at})
-              for s, (src, p) in stages.items()}
-    manifest = out.with_name(out.name + ".json")
-    if only is None and out.exists() and manifest.exists() and store.read_json(manifest).get("stages") == {
-            str(k): v for k, v in prints.items()}:
-        if progress:
-            print(f"skipped (up to date): {out}")
-        return out
-
-    def cached(stage: int) -> bool:
-        part, part_json = parts / f"stage-{stage:03d}.csv", parts / f"stage-{stage:03d}.json"
-        return part.exists() and part_json.exists() and store.read_json(part_json).get("fingerprint") == prints[stage]
-
-    todo = [s for s in stages if (only is None or s in only) and not cached(s)]
-    if todo:  # the model and the fixed batches are built only when some stage has to be computed
-        model, initial, fixed, methods = _evaluation_inputs(cfg, setup, seed, m, n_batches, progress)
     common = {"setup": setup, "scale": scale, "seed": seed, "optimizer": optimizer}
+    inputs = None  # the model and the fixed batches: built only when some stage has to be computed
     all_records: list[dict[str, Any]] = []
     for stage, (source, path) in stages.items():
         if only is not None and stage not in only:
             continue
         part, part_json = parts / f"stage-{stage:03d}.csv", parts / f"stage-{stage:03d}.json"
-        if stage not in todo:
-            all_records += read_records(part)
-            continue
-        t0, c0 = time.time(), time.process_time()
-        store.load_trainable(model, initial if path is None else store.read_torch(path))
-        extra = {**common, "stage": stage, "source": source, "kind": "e1"}
-        records, sweeps = [], []
-        for b, (inputs, targets) in enumerate(fixed):
-            # one logit Jacobian J_z per batch (ief.logit_space) serves every method's gamma, CG and the sweep
-            e1, lj = evaluate_batch(model, inputs, targets, methods, lam, cg_iterations=cg,
-                                    generator=batch_generator(seed * 7919 + b, 0), extra={**extra, "batch": b})
-            records += [{**r, "target_tokens": _target_tokens(targets)} for r in e1]
-            if stage in sweep_at:
-                try:
-                    swept = damping_sweep(model, inputs, targets, sweep_dampings, logit_space=lj,
-                                          generator=batch_generator(seed * 7919 + b, 0))
-                except DegenerateIndicator as err:
-                    raise DegenerateIndicator(f"setup {setup}, stage {stage}, batch {b}: {err}") from err
-                for r in swept:
-                    sweeps.append({**common, "stage": stage, "source": source, "kind": "sweep", "batch": b,
-                                   "imbalance": None, "target_tokens": _target_tokens(targets), **r})
-        records += sweeps
-        store.write_text(part, _csv_text(records))
-        store.write_json(part_json, {"fingerprint": prints[stage], "seconds": time.time() - t0,
-                                     "cpu_seconds": time.process_time() - c0})
+        key = job_key(params, stage, source, path, stage in sweep_at)
+        # one job per stage at a time: a duplicate (a requeue) waits here, then resumes from the part written
+        with store.lock(parts, wait=True, name=f"stage-{stage:03d}.lock", what="evaluation of this stage"):
+            if part.exists() and part_json.exists() and store.read_json(part_json).get("job") == key:
+                all_records += read_records(part)
+                continue
+            if inputs is None:
+                inputs = _evaluation_inputs(cfg, setup, seed, m, n_batches, progress)
+            model, initial, fixed, methods = inputs
+            t0, c0 = time.time(), time.process_time()
+            store.load_trainable(model, initial if path is None else store.read_torch(path))
+            extra = {**common, "stage": stage, "source": source, "kind": "e1"}
+            records, sweeps = [], []
+            for b, (x, targets) in enumerate(fixed):
+                # one logit Jacobian J_z per batch (ief.logit_space) serves every method's gamma, CG and the sweep
+                e1, lj = evaluate_batch(model, x, targets, methods, lam, cg_iterations=cg,
+                                        generator=batch_generator(seed * 7919 + b, 0), extra={**extra, "batch": b})
+                records += [{**r, "target_tokens": _target_tokens(targets)} for r in e1]
+                if stage in sweep_at:
+                    try:
+                        swept = damping_sweep(model, x, targets, sweep_dampings, logit_space=lj,
+                                              generator=batch_generator(seed * 7919 + b, 0))
+                    except DegenerateIndicator as err:
+                        raise DegenerateIndicator(f"setup {setup}, stage {stage}, batch {b}: {err}") from err
+                    for r in swept:
+                        sweeps.append({**common, "stage": stage, "source": source, "kind": "sweep", "batch": b,
+                                       "imbalance": None, "target_tokens": _target_tokens(targets), **r})
+            records += sweeps
+            store.write_text(part, _csv_text(records))
+            store.write_json(part_json, {"job": key, "seconds": time.time() - t0,
+                                         "cpu_seconds": time.process_time() - c0})
         if progress:
             print(f"{setup} [{scale}] stage {stage:3d}% ({source}): {len(records)} records in "
                   f"{time.time() - t0:.1f}s ({time.process_time() - c0:.1f}s of CPU)", flush=True)
@@ -276,7 +284,6 @@ def evaluate_run(
     if only is not None:
         return parts
     store.write_text(out, _csv_text(all_records))
-    store.write_json(manifest, {"stages": {str(k): v for k, v in prints.items()}, "params": params})
     return out
 
 

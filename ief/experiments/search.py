@@ -94,7 +94,7 @@ GRIDS: dict[str, dict[str, Grid]] = {
         "adafactor": Grid((1e-4, 1e-3, 1e-2), "ours: Adafactor is not run for LoRA in the paper; AdamW's scale"
                           ).extend((3e-2, 1e-1), _edge("the largest rate (1e-2)")),
     },
-    "mlp": {
+    "scratch": {  # the MLP trained from scratch (SetupConfig.method)
         "adam": Grid((5e-5, 1e-4, 5e-4), PAPER_MLP).extend((1e-3, 5e-3, 1e-2, 2e-2, 5e-2),
                                                             _edge("the largest rate (5e-4)")),
         "sgd": Grid((0.01, 0.1, 0.5), PAPER_MLP).extend((1.0, 2.0, 5.0), _edge("the largest rate (0.5)")),
@@ -116,26 +116,21 @@ _PRACTICAL_SOURCE = "ours: beyond the paper (issue 20)"
 # (the MLP: iEF's whole grid, cheap there; the tweets setups: four rates around iEF's chosen 0.3 and 1); the K-FAC
 # family with damping 1 (ief.experiments.setups): rates around the 0.01 a probe found to train
 _PRACTICAL: dict[str, dict[str, Grid]] = {
-    "mlp": {"ief-momentum": Grid(GRIDS["mlp"]["ief"].values, _PRACTICAL_SOURCE + "; iEF's grid here").extend(
+    "scratch": {"ief-momentum": Grid(GRIDS["scratch"]["ief"].values, _PRACTICAL_SOURCE + "; iEF's grid here").extend(
         (0.03, 0.1), "ours, added because the cpu search chose the smallest rate (0.3) on digits-mlp: a search "
                      "must bracket its optimum")},
     "lora": {"ief-momentum": Grid((0.1, 0.3, 1.0, 3.0), _PRACTICAL_SOURCE + "; around iEF's chosen rates")},
     "pt": {"ief-momentum": Grid((0.1, 0.3, 1.0, 3.0), _PRACTICAL_SOURCE + "; around iEF's chosen rates")},
 }
-_PRACTICAL["mlp"].update({k: Grid((1e-3, 3e-3, 0.01, 0.03, 0.1), _PRACTICAL_SOURCE) for k in ("kfac", "ekfac", "iekfac")})
+_PRACTICAL["scratch"].update({k: Grid((1e-3, 3e-3, 0.01, 0.03, 0.1), _PRACTICAL_SOURCE) for k in ("kfac", "ekfac", "iekfac")})
 _PRACTICAL["lora"].update({k: Grid((3e-3, 0.01, 0.03, 0.1), _PRACTICAL_SOURCE) for k in ("kfac", "ekfac", "iekfac")})
 for _kind, _grids in _PRACTICAL.items():
     GRIDS[_kind].update(_grids)
 
 
-def grid_kind(cfg: SetupConfig) -> str:
-    """``pt``, ``lora`` or ``mlp``: which of the paper's search grids a setup takes."""
-    return "mlp" if cfg.method == "scratch" else cfg.method
-
-
 def grid(cfg: SetupConfig, optimizer: str) -> Grid:
     """The learning-rate grid of ``optimizer`` for a resolved setup."""
-    grids = GRIDS[grid_kind(cfg)]
+    grids = GRIDS[cfg.method]  # the paper's grids are per fine-tuning method: pt, lora, scratch
     if optimizer not in grids or optimizer not in cfg.optimizers:
         valid = [o for o in OPTIMIZERS if o in grids and o in cfg.optimizers]
         raise ValueError(f"no learning-rate grid for optimizer {optimizer!r} on setup {cfg.name!r}; valid "
@@ -247,7 +242,7 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
         old_seed = old.get("seed") if old is not None else None
         old_seed = old_seed if isinstance(old_seed, int) else None
         record: dict[str, Any] = {
-            "setup": setup, "scale": scale, "grid_kind": grid_kind(cfg),
+            "setup": setup, "scale": scale, "grid_kind": cfg.method,
             "selection": "highest best-validation score among non-diverged runs (several seeds of a rate: their "
                          "mean; any diverged: diverged); ties: lower final train loss, then smaller lr; test metrics "
                          "recorded, not used",

@@ -18,11 +18,18 @@ dampings are for its code's loss, the mean over the batch's target tokens: those
 the choices of a search over the paper's own grids on the validation split (:mod:`.search`, recorded in
 ``ief/experiments/lr_search/cpu-<setup>.json``; :data:`CPU_LEARNING_RATES`); every other value (damping, weight
 decay, schedule) is the paper's for the analogous setup. The smoke versions of the CPU siblings use the same values.
+
+The experiment grid is defined here too, once: per scale the setups, seeds and whether the practical optimisers run
+(:data:`GRIDS`, :func:`grid_runs`), the optimisers per method (:data:`E2_OPTIMIZERS`, :data:`PRACTICAL_OPTIMIZERS`),
+the baselines (:data:`BASELINE`) and the evaluation framework's seed and knobs (:data:`EVALUATION_SEED`,
+:data:`EVALUATION_KNOBS`). The workflow (``workflow/rules/common.smk``) loads this module on its own at parse time, so
+it imports nothing beyond the standard library; ``config/config.yaml`` holds overrides only.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte")
@@ -469,23 +476,156 @@ def optimizer_config(cfg: SetupConfig, optimizer: str, lr: float | None = None,
     return opt
 
 
-# ------------------------------------------------------------------------------------------------ the E2 grid
+# ------------------------------------------------------------------------------------------------ the grid
+# The experiment grid, defined here only: the workflow (workflow/rules/common.smk, which loads this module on its own,
+# without torch, at parse time), the evaluation jobs and the chapters read it; config/config.yaml holds overrides only
+# (seeds, setups, practical).
+#
 # The optimisers of the paper's E2 tables by fine-tuning method (tab:train, tab:test, tab:test-mlp): each method's
-# well-tuned baseline first, then SGD, EF, SF and iEF.
+# well-tuned baseline first, then SGD, EF, SF and iEF. The methods are SetupConfig.method: prompt tuning ``pt``,
+# ``lora`` and the MLP trained from scratch, ``scratch``.
 E2_OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "pt": ("adafactor", "sgd", "ef", "sf", "ief"),
     "lora": ("adamw", "sgd", "ef", "sf", "ief"),
     "scratch": ("adam", "sgd", "ef", "sf", "ief"),
 }
-E2_SEEDS = (0, 1, 2)
+# The baseline optimiser of each method (the first of its E2 optimisers): the evaluation framework (sec:eval_exp)
+# evaluates the checkpoints of its runs: AdamW for LoRA, Adafactor for prompt tuning, Adam for the MLP.
+BASELINE: dict[str, str] = {method: optimizers[0] for method, optimizers in E2_OPTIMIZERS.items()}
+E2_SEEDS = (0, 1, 2)  # the paper's three seeds (mean +- sd over them)
+
+
+@dataclass(frozen=True)
+class ScaleGrid:
+    """The training runs of one scale: every ``setups`` x optimiser x ``seeds``, the optimisers being the setup's
+    E2 optimisers (:data:`E2_OPTIMIZERS`) and, with ``practical``, the beyond-the-paper optimisers its table defines
+    (:data:`PRACTICAL_OPTIMIZERS`: ``ief-momentum`` for every method, the K-FAC family where every trainable parameter
+    is an ``nn.Linear``; ``notebooks/practical.ipynb``)."""
+
+    setups: tuple[str, ...]
+    seeds: tuple[int, ...]
+    practical: bool
+
+
+GRIDS: dict[str, ScaleGrid] = {
+    "full": ScaleGrid(PAPER_SETUPS, E2_SEEDS, practical=False),  # practical rates are searched at cpu only (issue 20)
+    "cpu": ScaleGrid(CPU_SETUPS, E2_SEEDS, practical=True),
+    "smoke": ScaleGrid(CPU_SETUPS, (0, 1), practical=True),
+}
+
+# The evaluation framework (sec:eval_framework, alg:eval; ief.experiments.evaluate_runs): the seed of the baseline run
+# it reads, and its knobs per scale. batches: fixed batches per checkpoint (the paper: 100 of M = 160); batch_size None:
+# the setup's training batch size; cg_iterations: Hessian-free CG steps (the reference); sweep_dampings: E3's dampings,
+# log-spaced over 1e-10 .. 1e2; sweep_setups: the setups that get E3 (None: every one; full: the paper's six E3 setups,
+# fig:damping_gamma_*). cpu: 12 batches keep the three cpu setups' evaluation at about 10 min of one core
+# (workflow/README.md, "Evaluation cost").
+EVALUATION_SEED = 0
+EVALUATION_KNOBS: dict[str, dict[str, Any]] = {
+    "full": {"batches": 100, "batch_size": 160, "cg_iterations": 50, "sweep_dampings": 13,
+             "sweep_setups": ("cola-t5-lora", "sst2-t5-pt", "mrpc-t5-pt", "cifar100-vit-lora", "rte-t5-lora",
+                              "cifar10-mlp")},
+    "cpu": {"batches": 12, "batch_size": None, "cg_iterations": 10, "sweep_dampings": 13, "sweep_setups": None},
+    "smoke": {"batches": 2, "batch_size": None, "cg_iterations": 5, "sweep_dampings": 7, "sweep_setups": None},
+}
+
+
+def method_of(name: str) -> str:
+    """The fine-tuning method of setup ``name`` (``pt``, ``lora`` or ``scratch``; the same at every scale)."""
+    return resolve(name, scales_of(name)[-1]).method
 
 
 def e2_setups(scale: str) -> tuple[str, ...]:
     """The setups of E2 at ``scale``: the paper's 16 at ``full``, the CPU siblings at ``cpu`` and ``smoke``."""
-    _check("scale", scale, SCALES)
-    return PAPER_SETUPS if scale == "full" else CPU_SETUPS
+    return scale_grid(scale).setups
 
 
 def e2_optimizers(name: str) -> tuple[str, ...]:
     """The optimisers of the paper's E2 tables for setup ``name`` (by its method: prompt tuning, LoRA, scratch)."""
-    return E2_OPTIMIZERS[resolve(name, scales_of(name)[-1]).method]
+    return E2_OPTIMIZERS[method_of(name)]
+
+
+def baseline_optimizer(name: str, scale: str | None = None) -> str:
+    """The baseline optimiser of setup ``name`` (:data:`BASELINE`), whose runs the evaluation framework reads.
+
+    Args:
+        name: a setup of :data:`SETUPS`.
+        scale: optional; when given, the setup must exist at it.
+
+    Returns:
+        ``adamw`` (LoRA), ``adafactor`` (prompt tuning) or ``adam`` (the MLP).
+
+    Raises:
+        ValueError: an unknown setup or scale, or a setup that has no such scale.
+    """
+    return BASELINE[resolve(name, scale).method if scale is not None else method_of(name)]
+
+
+def scale_grid(scale: str, *, setups: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
+               practical: bool | None = None) -> ScaleGrid:
+    """The grid of ``scale`` (:data:`GRIDS`), with optional overrides (the workflow's ``--config setups=[...]
+    seeds=[...] practical=false``).
+
+    Args:
+        scale: ``full``, ``cpu`` or ``smoke``.
+        setups: replaces the scale's setups; each must exist at ``scale``.
+        seeds: replaces the scale's seeds (non-negative integers).
+        practical: replaces whether the practical optimisers run.
+
+    Returns:
+        The :class:`ScaleGrid`.
+
+    Raises:
+        ValueError: an unknown scale or setup, a setup without that scale, a bad seed, or a ``practical`` that is
+            not a bool; the message names the value and the accepted ones.
+    """
+    _check("scale", scale, SCALES)
+    grid = GRIDS[scale]
+    if setups is not None:
+        for name in setups:
+            _check("setup", name, SETUPS)
+            if scale not in scales_of(name):
+                raise ValueError(f"setup {name!r} has no {scale!r} scale; its scales: {', '.join(scales_of(name))} "
+                                 f"(setups at {scale}: {', '.join(s for s in SETUPS if scale in scales_of(s))})")
+        grid = dataclasses.replace(grid, setups=tuple(setups))
+    if seeds is not None:
+        bad = [k for k in seeds if isinstance(k, bool) or not isinstance(k, int) or k < 0]
+        if bad or not seeds:
+            raise ValueError(f"seeds must be a non-empty list of non-negative integers, got {list(seeds)!r}")
+        grid = dataclasses.replace(grid, seeds=tuple(seeds))
+    if practical is not None:
+        if not isinstance(practical, bool):
+            raise ValueError(f"practical must be true or false, got {practical!r}")
+        grid = dataclasses.replace(grid, practical=practical)
+    return grid
+
+
+def grid_optimizers(name: str, scale: str, grid: ScaleGrid | None = None) -> tuple[str, ...]:
+    """The optimisers setup ``name`` is trained with in the grid of ``scale`` (``grid``: an overridden one): its E2
+    optimisers, then, where the grid runs them, the practical optimisers its table defines."""
+    grid = grid or scale_grid(scale)
+    practical = tuple(o for o in PRACTICAL_OPTIMIZERS if o in resolve(name, scale).optimizers) if grid.practical else ()
+    return (*e2_optimizers(name), *practical)
+
+
+def grid_runs(scale: str, grid: ScaleGrid | None = None) -> list[tuple[str, str, int]]:
+    """Every training run ``(setup, optimizer, seed)`` of the grid of ``scale`` (``grid``: an overridden one), in the
+    order setup, optimiser, seed: the workflow's ``train`` jobs."""
+    grid = grid or scale_grid(scale)
+    return [(name, opt, seed) for name in grid.setups for opt in grid_optimizers(name, scale, grid)
+            for seed in grid.seeds]
+
+
+def evaluation_knobs(name: str, scale: str) -> dict[str, Any]:
+    """The evaluation job's knobs for setup ``name`` at ``scale`` (:data:`EVALUATION_KNOBS`).
+
+    Returns:
+        ``{"batches", "batch_size", "cg_iterations", "sweep_dampings", "sweep"}``: ``batch_size`` ``None`` means the
+        run's training batch size; ``sweep``: whether the setup gets E3 (the damping sweep) at this scale.
+
+    Raises:
+        ValueError: an unknown setup or scale, or a setup that has no such scale.
+    """
+    resolve(name, scale)  # the setup exists at this scale
+    knobs = {k: v for k, v in EVALUATION_KNOBS[scale].items() if k != "sweep_setups"}
+    sweep_setups = EVALUATION_KNOBS[scale]["sweep_setups"]
+    return {**knobs, "sweep": sweep_setups is None or name in sweep_setups}

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..experiments.evaluate_runs import DEFAULTS, usable, summary_rows
-from ..experiments.setups import CPU_SETUPS, resolve
+from ..experiments.evaluate_runs import usable, summary_rows
+from ..experiments.setups import CPU_SETUPS, EVALUATION_KNOBS as DEFAULTS, resolve
 from ..experiments.verdicts import BLOCK_RULES, DECIDED, E1_AGGREGATION, E1_RULES, E3_RULES, RULES, WHY_T, summary
 from ..style import SEQUENCE_COLORS, method_color
 from .common import PAGE_WIDTH_IN, log_band, plain_log_ticks

@@ -1,5 +1,6 @@
-"""Notebooks -> the book. A notebook reruns when its source, the ief package code, the results it reads
-(config notebook_results) or the package versions (params) change; the book when any chapter or source changes."""
+"""Notebooks -> the book. A notebook reruns when its source, the ief package code (the chapters' back-ends and the
+core code they call: IEF_CODE), the results it reads (config notebook_results) or the package versions (params)
+change; the book when any chapter or source changes."""
 
 localrules: mathjax, publish, timings, book
 

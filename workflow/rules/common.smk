@@ -37,7 +37,7 @@ if config.get("assets"):
 
 
 def _registry():
-    """ief/experiments/setups.py loaded on its own (it imports no torch), to validate the grid at parse time."""
+    """ief/experiments/setups.py loaded on its own (it imports no torch): the grid is defined there, once."""
     name = "_ief_setups_registry"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, ROOT / "ief" / "experiments" / "setups.py")
@@ -50,47 +50,32 @@ def _registry():
 REGISTRY = _registry()
 
 
-def method_of(setup: str) -> str:
-    """lora | pt | mlp: the key of config's optimizers and baseline tables."""
-    kind = setup.rsplit("-", 1)[1]
-    if kind not in config["optimizers"]:
-        raise WorkflowError(f"setup {setup!r}: no optimisers configured for its method {kind!r} "
-                            f"(config optimizers: {', '.join(config['optimizers'])})")
-    return kind
+def _override(key: str):
+    """config ``key`` (None: not overridden) as YAML would read it: Snakemake passes the items of a --config list
+    (``seeds=[0]``) and nested values as strings, so ``"0"`` is the number 0 and ``"false"`` the boolean."""
 
+    def value_of(v):
+        if isinstance(v, str) and v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        return int(v) if isinstance(v, str) and v.isdigit() else v
 
-def _flag(value, key: str) -> bool:
-    """A yes/no config value: YAML's true/false, or the strings Snakemake makes of them in nested --config values."""
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in ("true", "false"):
-        return str(value).lower() == "true"
-    raise WorkflowError(f"config {key} must be true or false, got {value!r}")
+    value = config.get(key)
+    return [value_of(v) for v in value] if isinstance(value, list) else value_of(value)
 
 
 def _grid():
-    if SCALE not in config["grid"]:
-        raise WorkflowError(f"config grid has no scale {SCALE!r}; it has: {', '.join(config['grid'])}")
-    spec = config["grid"][SCALE]
-    setups = list(spec["setups"])
-    seeds = [int(s) for s in (config["seeds"] if config.get("seeds") is not None else spec["seeds"])]
-    for setup in setups:
-        if setup not in REGISTRY.SETUPS:
-            raise WorkflowError(f"unknown setup {setup!r} in the {SCALE} grid; valid setups: "
-                                f"{', '.join(REGISTRY.SETUPS)}")
-        if SCALE not in REGISTRY.scales_of(setup):
-            raise WorkflowError(f"setup {setup!r} has no {SCALE!r} scale; its scales: "
-                                f"{', '.join(REGISTRY.scales_of(setup))}")
-    practical = config.get("practical", {}) if _flag(spec.get("practical", False), f"grid.{SCALE}.practical") else {}
-    runs = [(setup, opt, seed) for setup in setups
-            for opt in [*config["optimizers"][method_of(setup)], *practical.get(method_of(setup), [])]
-            for seed in seeds]
-    return setups, seeds, runs
+    """The scale's grid (ief.experiments.setups.GRIDS) with config's overrides (setups, seeds, practical)."""
+    try:
+        grid = REGISTRY.scale_grid(SCALE, setups=_override("setups"), seeds=_override("seeds"),
+                                   practical=_override("practical"))
+        return grid, REGISTRY.grid_runs(SCALE, grid)
+    except ValueError as err:
+        raise WorkflowError(f"config (setups, seeds, practical; --config KEY=VALUE): {err}") from None
 
 
-SETUPS, SEEDS, GRID = _grid()
-OPTIMIZERS = sorted({opt for table in (config["optimizers"], config.get("practical", {}))
-                     for opts in table.values() for opt in opts})
+_GRID, GRID = _grid()
+SETUPS, SEEDS = list(_GRID.setups), list(_GRID.seeds)
+EVALUATION_SEED = REGISTRY.EVALUATION_SEED
 
 
 def _one_of(names) -> str:
@@ -102,7 +87,7 @@ def _one_of(names) -> str:
 # after a results folder was deleted printed one InputFunctionException per stage checkpoint (issue 18, item 9).
 wildcard_constraints:
     setup=_one_of(REGISTRY.SETUPS),
-    optimizer=_one_of(OPTIMIZERS),
+    optimizer=_one_of(REGISTRY.OPTIMIZERS),
     seed=r"\d+",
     stage=r"\d{3}",
 
@@ -112,18 +97,18 @@ def summary(setup, optimizer, seed):
 
 
 def baseline(setup: str) -> str:
-    return config["baseline"][method_of(setup)]
+    return REGISTRY.baseline_optimizer(setup, SCALE)
 
 
 def evaluation_flags(setup: str) -> str:
-    """The evaluate job's knobs (config evaluation.<scale>) as command-line flags."""
-    knobs = config["evaluation"][SCALE]
+    """The evaluate job's knobs (ief.experiments.setups.EVALUATION_KNOBS) as command-line flags: the same values the
+    library takes by default, stated so that a job's command line (and Snakemake's params trigger) shows them."""
+    knobs = REGISTRY.evaluation_knobs(setup, SCALE)
     flags = [f"--batches {int(knobs['batches'])}", f"--cg-iterations {int(knobs['cg_iterations'])}",
              f"--sweep-dampings {int(knobs['sweep_dampings'])}"]
-    if knobs.get("batch_size"):
+    if knobs["batch_size"]:
         flags.append(f"--batch-size {int(knobs['batch_size'])}")
-    sweep_setups = knobs.get("sweep_setups", "all")
-    if sweep_setups != "all" and setup not in sweep_setups:
+    if not knobs["sweep"]:
         flags.append("--no-sweep")
     return " ".join(flags)
 
@@ -144,9 +129,29 @@ RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES}
 GRID_RUNS = [summary(*run) for run in GRID]
 GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES
 
-# The package code a result or a notebook depends on (code, and the recorded data shipped inside the package).
-IEF_CODE = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ief").rglob("*")
-                  if p.suffix in (".py", ".json") and "__pycache__" not in p.parts)
+# The code a job runs. Training and evaluation run the core and the experiments code (and read the recorded data
+# shipped inside the package: lr_search/*.json, ...), never the chapters' back-ends (plotting, styles, colours: the
+# ief/plots or ief/chapters package and style.py / colour.py wherever they live), so a plot-only change reruns no
+# training or evaluation job. A notebook runs both: the chapter back-ends, and the core code the chapters that
+# compute on their own call (the toy problems, compression, a smoke run trained when no results exist).
+CHAPTER_PACKAGES = ("plots", "chapters")
+CHAPTER_MODULES = ("style.py", "colour.py")
+
+
+def _package_files() -> list[Path]:
+    return sorted(p for p in (ROOT / "ief").rglob("*")
+                  if p.suffix in (".py", ".json") and p.is_file() and "__pycache__" not in p.parts)
+
+
+def is_chapter_code(path: Path) -> bool:
+    """A file of the chapters' back-ends: under ief/plots or ief/chapters, or a style/colour module."""
+    parts = path.relative_to(ROOT / "ief").parts
+    return parts[0] in CHAPTER_PACKAGES or parts[-1] in CHAPTER_MODULES
+
+
+# absolute: a workflow run in another --directory (a test's tmp folder) still finds them
+IEF_CODE = [str(p) for p in _package_files()]
+CORE_CODE = [str(p) for p in _package_files() if not is_chapter_code(p)]
 
 
 # ------------------------------------------------------------------------------------------------ notebooks

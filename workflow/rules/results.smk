@@ -5,7 +5,7 @@ rule aggregate_e2:
     """Every finished run of the grid -> e2_runs.csv (one row per run) and e2_curves.csv (per step)."""
     input:
         runs=[summary(*run) for run in GRID],
-        code=IEF_CODE,
+        code=CORE_CODE,
     output:
         E2_TABLES,
     log:
@@ -14,23 +14,24 @@ rule aggregate_e2:
         "{PYTHON} -m ief aggregate --scale {SCALE} --runs {RUNS} --out {RESULTS} > {log} 2>&1"
 
 
-# assembling a setup's table only reads the cached parts: on a cluster it runs on the submitting node
+# assembling a setup's table only reads the stages' parts: on a cluster it runs on the submitting node
 localrules:
     evaluate,
 
 
 rule evaluate_stage:
     """The evaluation framework (sec:eval_framework, alg:eval) at one stage checkpoint of the baseline optimiser's
-    run of a setup: one job per checkpoint, its records cached in OUT.parts/stage-PPP.csv (+ fingerprint)."""
+    run of a setup: one job per checkpoint, its records in OUT.parts/stage-PPP.csv. Snakemake removes the part before
+    the job reruns, so the job computes its stage afresh (a part is reused only by the same job resuming)."""
     input:
-        run=lambda wc: summary(wc.setup, baseline(wc.setup), config["evaluation_seed"]),
-        code=IEF_CODE,
+        run=lambda wc: summary(wc.setup, baseline(wc.setup), EVALUATION_SEED),
+        code=CORE_CODE,
     output:
         f"{RESULTS}/eval/{{setup}}.csv.parts/stage-{{stage}}.csv",
     log:
         f"{RESULTS}/logs/evaluate-{{setup}}-stage-{{stage}}.log",
     params:
-        seed=config["evaluation_seed"],
+        seed=EVALUATION_SEED,
         knobs=lambda wc: evaluation_flags(wc.setup),
         out=lambda wc: f"{RESULTS}/eval/{wc.setup}.csv",
         stage=lambda wc: int(wc.stage),
@@ -42,16 +43,17 @@ rule evaluate_stage:
 
 
 rule evaluate:
-    """A setup's evaluation table: every stage's part (all cached by evaluate_stage) assembled into one CSV."""
+    """A setup's evaluation table: every stage's part (made by evaluate_stage, with the same parameters) assembled
+    into one CSV; nothing is computed."""
     input:
         parts=lambda wc: eval_parts(wc.setup),
-        code=IEF_CODE,
+        code=CORE_CODE,
     output:
         f"{RESULTS}/eval/{{setup}}.csv",
     log:
         f"{RESULTS}/logs/evaluate-{{setup}}.log",
     params:
-        seed=config["evaluation_seed"],
+        seed=EVALUATION_SEED,
         knobs=lambda wc: evaluation_flags(wc.setup),
     shell:
         "{PYTHON} -m ief evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "

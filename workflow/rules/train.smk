@@ -2,11 +2,15 @@
 
 The output is the run's summary.json only: the runner writes it last and atomically, so a run folder without it is
 an unfinished run that the same command resumes (resume.pt), and Snakemake never deletes the folder. The runner's
-lock on the run folder makes a duplicated job (a SLURM requeue, two workflows at once) safe.
+lock on the run folder makes a duplicated job (a SLURM requeue, two workflows at once) safe. A run depends on the code
+it runs (CORE_CODE: the core and the experiments code, not the chapters' back-ends): after a change there Snakemake
+removes summary.json and the runner trains the run again from step 0 (a finished run keeps no resume.pt).
 """
 
 
 rule train:
+    input:
+        code=CORE_CODE,
     output:
         f"{RUNS}/{{scale}}/{{setup}}/{{optimizer}}/seed-{{seed}}/summary.json",
     wildcard_constraints:

@@ -1,11 +1,11 @@
-"""ief.plots.train: the seed-0 checks and the sentences the train chapter glues, from the results table (one row per
+"""ief.chapters.train: the seed-0 checks and the sentences the train chapter glues, from the results table (one row per
 setup x optimiser at the chosen rates), and their comparison with chapter E2's verdicts over seeds."""
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from ief.plots.train import e2_observations, e2_statements
+from ief.chapters.train import e2_observations, e2_statements
 
 
 def _results(winners: dict[str, tuple[str, str]]) -> pd.DataFrame:
@@ -77,7 +77,7 @@ def test_reproduction_compares_the_chosen_trial_with_the_e2_seed0_run():
     final loss is not, and is named; without E2 runs nothing is claimed."""
     import pandas as pd
 
-    from ief.plots.train import reproduction
+    from ief.chapters.train import reproduction
 
     def rec(score, loss):
         trial = {"lr": 0.5, "seed": 0, "validation_score": score, "final_train_loss": loss}

@@ -4,7 +4,8 @@
 Shared by the chapters: :mod:`ief.chapters.common` (the page's fonts, saving, provenance notes),
 :mod:`ief.chapters.style` (one colour per method) with its colour science :mod:`ief.chapters.colour`, and
 :mod:`ief.chapters.coverage` (which chapter regenerates which of the paper's figures and tables: the book's coverage
-page). A chapter back-end takes data and results; it trains, evaluates and loads nothing of its own (those are
-:mod:`ief.experiments`'), and nothing below this room imports it (``ARCHITECTURE.md``), so a change here re-runs no
+page). A chapter back-end takes data and results; what must be trained or loaded first it asks
+:mod:`ief.experiments` for (the compression chapter's pruning study, run in place at the chapter's scale, is the one
+measurement made here). Nothing below this room imports it (``ARCHITECTURE.md``), so a change here re-runs no
 training or evaluation job.
 """

@@ -138,15 +138,17 @@ def imports(source: Source, known: set[str]) -> Iterator[tuple[int, str, str]]:
 
 
 def violations(sources: list[Source], layers: dict[str, int]) -> list[str]:
-    """One line per import that reaches a higher layer than its file's, or a module in no layer; empty: none.
+    """One line per import that reaches a higher layer than its file's or, from ``ief/``, reaches ``benchmarks/`` or
+    ``tools/`` at all, and one per module of ``ief/`` in no layer; empty: none.
 
     Args:
         sources: the code to check (:func:`project_sources`, or made-up sources in a test).
         layers: ``{module name: layer}`` (:func:`parse_layers`).
 
     Returns:
-        ``"<path>:<line>: <import> reaches <module> (layer <n>: <entry>) from layer <m> (<entry>)"`` lines, and
-        ``"<path>: <module> is in no layer of ARCHITECTURE.md"`` for an unplaced ``ief`` module.
+        ``"<path>:<line>: <import> reaches <module> (layer <n>: <entry>) from layer <m> (<entry>)"`` lines,
+        ``"<path>:<line>: <import> reaches <module>: the package imports nothing of benchmarks/ or tools/"`` and
+        ``"<path>: <module> is in no layer of ARCHITECTURE.md: place it"``.
     """
     known = {s.module for s in sources}
     found = []
@@ -158,7 +160,10 @@ def violations(sources: list[Source], layers: dict[str, int]) -> list[str]:
             continue
         for line, written, reached in imports(source, known):
             theirs = layer_of(reached, layers)
-            if theirs is None:
+            if source.module.startswith("ief.") and not reached.startswith("ief."):
+                found.append(f"{source.path}:{line}: {written} reaches {reached}: the package imports nothing of "
+                             "benchmarks/ or tools/")
+            elif theirs is None:
                 found.append(f"{source.path}:{line}: {written} reaches {reached}, which is in no layer of "
                              "ARCHITECTURE.md")
             elif theirs[1] > own[1]:
@@ -227,7 +232,8 @@ _FAKE = [Source("ief.__init__", "ief/__init__.py", "from . import losses\n"),
          Source("ief.experiments.runner", "ief/experiments/runner.py", "from ..losses import Loss\n"),
          Source("ief.chapters.__init__", "ief/chapters/__init__.py", ""),
          Source("ief.chapters.style", "ief/chapters/style.py", ""),
-         Source("tools.book", "tools/book.py", "")]
+         Source("tools.book", "tools/book.py", ""),
+         Source("benchmarks.harness", "benchmarks/harness.py", "import ief\nfrom ief.experiments import runner\n")]
 
 
 @pytest.mark.parametrize("module, path, code, expected", [
@@ -238,7 +244,10 @@ _FAKE = [Source("ief.__init__", "ief/__init__.py", "from . import losses\n"),
      "ief/experiments/data.py:1: from ..chapters import style reaches ief.chapters.style (layer 8: ief.chapters) "
      "from layer 7 (ief.experiments)"),
     ("ief.losses", "ief/losses.py", "import tools.book\n",
-     "ief/losses.py:1: import tools.book reaches tools.book (layer 9: tools) from layer 0 (ief.losses)"),
+     "ief/losses.py:1: import tools.book reaches tools.book: the package imports nothing of benchmarks/ or tools/"),
+    ("ief.chapters.style", "ief/chapters/style.py", "from benchmarks import harness\n",
+     "ief/chapters/style.py:1: from benchmarks import harness reaches benchmarks.harness: the package imports nothing "
+     "of benchmarks/ or tools/"),
     ("ief.losses", "ief/losses.py", "from ief import experiments\n",
      "ief/losses.py:1: from ief import experiments reaches ief.experiments.__init__ (layer 7: ief.experiments) "
      "from layer 0 (ief.losses)"),

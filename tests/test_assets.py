@@ -18,7 +18,7 @@ from ief.experiments.asset_folder import OFFLINE_SWITCHES, Item, check, download
 from ief.experiments.data import MissingResource, load_data
 from ief.experiments.models import build_model
 from ief.experiments.setups import resolve
-from ief.plots.setups import licences
+from ief.chapters.setups import licences
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUPS = ["cola-t5-lora", "rte-t5-pt", "cifar10-mlp"]

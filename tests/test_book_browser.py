@@ -260,13 +260,13 @@ FIGURES_JS = """Array.from(document.querySelectorAll('main img')).map((img, i) =
 
 
 def test_figure_text_is_at_least_9_px_as_shown_and_reduced_figures_say_they_enlarge(book, server, browser):
-    """Issue 19: every figure's smallest text (recorded in its PNG by ief.plots.common.render_png, in px of the
+    """Issue 19: every figure's smallest text (recorded in its PNG by ief.chapters.common.render_png, in px of the
     image) times the scale the page shows the image at (shown / natural width) is >= MIN_TEXT_PX in a 1400 px and
     a 1000 px window; an image without that record was not drawn in the book's style and fails. The column is at
     least BOOK_CONTENT_PX wide there (the width tests/test_figures.py holds each figure function to). In every
     window, a 600 px one too (where figures must shrink), a figure shown below its natural size says so and that a
     click enlarges it (enlarge.js)."""
-    from ief.plots.common import BOOK_CONTENT_PX, MIN_TEXT_PX, png_text_record
+    from ief.chapters.common import BOOK_CONTENT_PX, MIN_TEXT_PX, png_text_record
 
     problems, measured, reduced = [], [], 0
     for width in (1400, 1000, 600):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 from nbrun import glued_text, run_notebook, unresolved_glue
 
-from ief.plots import compression as plots
+from ief.chapters import compression as plots
 
 
 def test_compression_notebook_smoke(tmp_path):

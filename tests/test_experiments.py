@@ -229,6 +229,16 @@ class _FakeHubDataset:
         return _FakeHubDataset([{new if k == old else k: v for k, v in r.items()} for r in self.rows])
 
 
+
+def test_validation_labels_are_the_one_validation_split_in_order():
+    cfg = resolve("tweets-minilm-lora", "smoke")
+    expected = [int(e["label"]) for e in data_mod.load_data(cfg).validation["validation"]]
+    labels = data_mod.validation_labels(cfg)
+    assert labels == expected and len(set(labels)) > 1 and all(type(label) is int for label in labels)
+    with pytest.raises(ValueError, match=r"mnli-t5-pt has 2 validation splits \(validation_matched, "
+                                         r"validation_mismatched\)"):
+        data_mod.validation_labels(resolve("mnli-t5-pt", "smoke"))
+
 def test_full_scale_splits_from_hub_datasets(monkeypatch):
     from PIL import Image
 

@@ -1,4 +1,4 @@
-"""Every figure function of the book's chapters (ief.plots.*, the toy chapter's excepted: tests/test_toy.py) shows its
+"""Every figure function of the book's chapters (ief.chapters.*, the toy chapter's excepted: tests/test_toy.py) shows its
 smallest text at >= MIN_TEXT_PX as a reader sees it in the book's column (the image's text size times its scale on
 the page), on synthetic records at the sizes the cpu and full scales give; the inline PNG records that size (what
 tests/test_book_browser.py reads back in the built book); and bands on log axes are computed in log space."""
@@ -14,8 +14,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from ief.plots import common  # noqa: E402
-from ief.plots.common import (BOOK_CONTENT_PX, MIN_TEXT_PX, log_band, min_text_px, png_text_record,  # noqa: E402
+from ief.chapters import common  # noqa: E402
+from ief.chapters.common import (BOOK_CONTENT_PX, MIN_TEXT_PX, log_band, min_text_px, png_text_record,  # noqa: E402
                               render_png, shown_text_px, use_book_style)
 
 
@@ -67,8 +67,8 @@ E2_OPTS = ("adamw", "sgd", "ef", "sf", "ief")
 
 def _figures():
     """``(name, builder)`` of every figure the evaluation, E2, training and convergence chapters draw."""
-    from ief.plots import evaluation as ev
-    from ief.plots import optimisation as op
+    from ief.chapters import evaluation as ev
+    from ief.chapters import optimisation as op
 
     cpu, full = _e1_records(CPU), _e1_records(FULL_LORA[:3] + ["sst2-t5-pt"])
     return [
@@ -100,7 +100,7 @@ def test_every_figure_shows_its_text_at_least_9_px_in_the_book_column(index):
 def test_the_train_and_convergence_figures_are_readable_too():
     from ief.experiments import CPU_SETUPS
     from ief.experiments.search import load_record
-    from ief.plots import train
+    from ief.chapters import train
 
     from ief.experiments.search import restricted
     from ief.experiments.setups import OPTIMIZERS, PRACTICAL_OPTIMIZERS
@@ -121,7 +121,7 @@ def test_the_train_and_convergence_figures_are_readable_too():
 
 def test_the_convergence_figures_are_readable_too():
     from ief import theory
-    from ief.plots import theory as plots
+    from ief.chapters import convergence as plots
 
     cfg = plots.chapter_settings("smoke")
     cls, reg = theory.classification_problem(n_samples=7, seed=0), theory.regression_problem(n_samples=7, seed=0)
@@ -207,7 +207,7 @@ def test_log_band_refuses_values_a_log_axis_cannot_show(bad):
 
 
 def test_e1_and_e3_bars_are_geometric_on_their_log_axes():
-    from ief.plots import evaluation as ev
+    from ief.chapters import evaluation as ev
 
     recs = _e1_records(["digits-mlp"])
     fig = ev.plot_sample_gamma(recs, ["digits-mlp"])
@@ -223,7 +223,7 @@ def test_e1_and_e3_bars_are_geometric_on_their_log_axes():
 
 
 def test_e2_bands_on_a_log_loss_axis_are_geometric_over_seeds():
-    from ief.plots.optimisation import log_curve_bands, plot_curves
+    from ief.chapters.optimisation import log_curve_bands, plot_curves
 
     curves = _curves(["digits-mlp"], ("adam", "ief"), steps=40, log=True)
     bands = log_curve_bands(curves, "train_loss", points=10)

@@ -8,7 +8,7 @@ from nbrun import glued_text, run_notebook, unresolved_glue
 
 from ief.experiments.aggregate import aggregate, collect, mean_sd
 from ief.experiments.setups import CPU_SETUPS, e2_optimizers
-from ief.plots.optimisation import label
+from ief.chapters.optimisation import label
 
 SEEDS = [0, 1]
 

@@ -160,7 +160,7 @@ def test_validation_mrpc_and_qqp_are_accuracy_then_f1_and_test_follows_its_capti
 def test_the_validation_tables_header_names_the_correction():
     import pandas as pd
 
-    from ief.plots.optimisation import method_tables
+    from ief.chapters.optimisation import method_tables
 
     ours = pd.DataFrame({"setup": ["tweets-minilm-pt"] * 2, "optimizer": ["ief", "sgd"], "val_score": [0.9, 0.8]})
     args = (ours, paper_results(), ["tweets-minilm-pt"], {"tweets-minilm-pt": ["ief", "sgd", "ef"]},

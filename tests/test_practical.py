@@ -14,7 +14,7 @@ from ief.experiments.setups import CPU_SETUPS, PRACTICAL_OPTIMIZERS, optimizer_c
 from ief.experiments.step_cost import step_costs
 from ief.experiments.verdicts import FAILS, HOLDS, INCONCLUSIVE, RULES
 from ief.optim import IEF, KFAC
-from ief.plots.practical import chapter_optimizers, results_table
+from ief.chapters.practical import chapter_optimizers, results_table
 
 
 def test_every_cpu_setup_defines_the_practical_optimisers_it_can_run():

@@ -200,8 +200,8 @@ def test_readme_trainer_example_continues_the_quick_start_and_trains(tmp_path):
 
 
 def test_the_chapter_map_marks_what_the_cpu_scale_draws_differently():
-    """One column per chapter; the footnotes carry the scale differences (tests/test_paper.py keeps the block equal
-    to ief/paper/coverage.py)."""
+    """One column per chapter; the footnotes carry the scale differences (tests/test_chapters_coverage.py keeps the block equal
+    to ief/chapters/coverage.py)."""
     block = README[README.index("<!-- coverage:"):README.index("<!-- /coverage -->")]
     assert "| chapter | the paper's figures and tables |" in block and "| smoke |" not in block
     assert "Fig. 9¹" in block and "Fig. 11¹" in block and "Fig. 10²" in block

@@ -263,8 +263,8 @@ def test_a_trial_keeps_its_losses_and_the_books_final_loss(tmp_path, monkeypatch
 @pytest.mark.parametrize("name", CPU_SETUPS)
 def test_recorded_final_losses_are_recomputable_from_the_record(name):
     """Where a committed record keeps per-update losses, its final losses are exactly the book's definition of
-    them; where it does not, the book's tables say so (ief.plots.train.loss_caption)."""
-    from ief.plots.train import loss_caption
+    them; where it does not, the book's tables say so (ief.chapters.train.loss_caption)."""
+    from ief.chapters.train import loss_caption
 
     record = S.load_record(name, "cpu")
     trials = [t for o in record["optimizers"].values() for t in o["trials"]]

@@ -11,7 +11,7 @@ from tools import paper_labels
 
 from ief.experiments.assets import ASSETS, asset_of_source, assets_of, package_licence, usage
 from ief.experiments.setups import SCALES, SETUPS, resolve, scales_of
-from ief.plots import setups as tables
+from ief.chapters import setups as tables
 
 TEX = paper_labels.TEX  # the paper beside the repository (tools.paper_labels.find_paper)
 

@@ -178,7 +178,7 @@ def test_convergence_notebook_smoke(tmp_path):
 
 
 def test_chapter_settings_take_the_scale_and_the_notebook_overrides():
-    from ief.plots.theory import SETTINGS, chapter_settings
+    from ief.chapters.convergence import SETTINGS, chapter_settings
 
     assert chapter_settings("cpu") == SETTINGS["cpu"]
     cfg = chapter_settings("smoke", t_end=3.0, rtol=1e-9)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ief.toy as toy
-from ief.plots import toy as plots
+from ief.chapters import toy_problems as plots
 from nbrun import run_notebook
 
 X = torch.tensor([[1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)

@@ -37,7 +37,7 @@ def test_train_notebook_runs_the_cli_run_and_reads_the_search(tmp_path):
 
 def test_train_notebook_warns_before_a_full_scale_run():
     """At full scale the notebook's first cell prints the steps and the paper's hours before anything starts."""
-    from ief.paper.compute import cost_warning
+    from ief.experiments.cost import cost_warning
 
     warning = cost_warning("sst2-t5-lora", "full", "ief")
     assert "42,100 update steps" in warning and "10 hours" in warning and "Appendix H.3" in warning

@@ -308,3 +308,24 @@ def load_data(cfg: SetupConfig) -> Data:
     if cfg.task in ("cifar10", "cifar100"):
         return _apply_sizes(_cifar_full(cfg.task, cfg.sizes["validation"] or 5_000), cfg.sizes)
     return _apply_sizes(_glue_full(cfg.task), cfg.sizes)
+
+
+def validation_labels(cfg: SetupConfig) -> list[int]:
+    """The class labels of a resolved setup's validation split, in order (what a chapter counts classes of).
+
+    Args:
+        cfg: a resolved setup (:func:`ief.experiments.setups.resolve`) with a single validation split.
+
+    Returns:
+        One ``int`` label per validation example.
+
+    Raises:
+        ValueError: the setup has several validation splits (MNLI's matched and mismatched); names them.
+        MissingResource: the data is neither packaged, cached nor downloadable (the message says what to get).
+    """
+    splits = load_data(cfg).validation
+    if len(splits) != 1:
+        raise ValueError(f"{cfg.name} has {len(splits)} validation splits ({', '.join(splits)}); "
+                         "validation_labels reads a setup with one")
+    (examples,) = splits.values()
+    return [int(e["label"]) for e in examples]

@@ -34,7 +34,7 @@ the workflow states them on each job's command line, and they are this module's 
 Damping (the axis-conversion point, :data:`DAMPING_CONVENTION`): every damping here is in the package's convention,
 the sum loss ``L = sum_n l_n``. The paper's code uses the mean over the batch's ``K`` target tokens, so
 ``lambda_paper = lambda_ief / K^2``; each record carries ``target_tokens`` = ``K`` so the conversion can be applied
-when plotting (:func:`ief.plots.evaluation.damping_axis`).
+when plotting (:func:`ief.chapters.evaluation.damping_axis`).
 """
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """The paper as data: its label -> number map (``labels.json``, made by ``python -m tools.paper_labels`` from the LaTeX
-source) and the registry of which chapter regenerates each of its figures and tables (:mod:`ief.paper.coverage`)."""
+source), and how its reader knows a label (:func:`cite`, :func:`cite_keys`).
+
+A leaf of the package (``ARCHITECTURE.md``): it imports the standard library only, so every layer may cite the paper.
+Which chapter regenerates each of the paper's figures and tables is the book's business: :mod:`ief.chapters.coverage`.
+"""
 from __future__ import annotations
 
 import json

@@ -180,7 +180,7 @@ BOOK_SOURCES = sorted({"_config.yml", "_toc.yml"}
                       # the API page's benchmark tables are rendered from these at build time (book/_ext)
                       | {"benchmarks/report.py", "benchmarks/harness.py"}
                       # the coverage page and the intro's count are rendered from the registry at build time
-                      | {"ief/paper/coverage.py", "ief/paper/labels.json"}
+                      | {"ief/chapters/coverage.py", "ief/paper/labels.json"}
                       | {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks" / "results").glob("*.json")})
 
 

@@ -15,7 +15,7 @@ Two ways of deciding, one per kind of record:
   differences, ``holds`` iff all agree in favour of the claim on at least :data:`MIN_SEEDS` seeds, ``does not hold``
   iff all agree against, else ``inconclusive`` (a tie counts for neither side).
 
-No plotting here: :mod:`ief.plots.evaluation`, :mod:`ief.plots.optimisation` and :mod:`ief.plots.train` format
+No plotting here: :mod:`ief.chapters.evaluation`, :mod:`ief.chapters.optimisation` and :mod:`ief.chapters.train` format
 these verdicts for their chapters.
 """
 from __future__ import annotations

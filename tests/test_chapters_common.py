@@ -1,4 +1,4 @@
-"""ief.plots.common's provenance lines: a record's own date, commit and command when it carries them, an honest
+"""ief.chapters.common's provenance lines: a record's own date, commit and command when it carries them, an honest
 "made before records carried their date" when it does not, and the workflow's tables with the time they were written."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import re
 
 from ief.experiments.search import record_path
-from ief.plots.common import committed_at, record_made, record_note, regenerated_note, workflow_note
+from ief.chapters.common import committed_at, record_made, record_note, regenerated_note, workflow_note
 
 
 def test_a_record_that_carries_its_date_commit_and_command_is_described_by_them(tmp_path):

@@ -4,7 +4,7 @@
 
 Inputs are the tidy tables of :mod:`ief.experiments.aggregate` and :func:`ief.experiments.paper_results.paper_results`.
 Drawing uses matplotlib, in seaborn's ``whitegrid`` style where seaborn is installed; colours are the project's
-(:mod:`ief.style`).
+(:mod:`ief.chapters.style`).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ..experiments.aggregate import curve_bands, mean_sd
-from ..style import method_color
+from .style import method_color
 from .common import log_band, plain_log_ticks
 
 LABELS = {"adamw": "AdamW", "adafactor": "Adafactor", "adam": "Adam", "sgd": "SGD", "ef": "EF", "sf": "SF",
@@ -94,7 +94,7 @@ def loss_axis(ax, means: pd.Series, scale: str | None = None) -> str:
 
 def log_curve_bands(curves: pd.DataFrame, quantity: str, points: int | None = None) -> pd.DataFrame:
     """Per ``(setup, optimizer, step)``, the geometric mean over seeds of a curve and its band of +-1 sd of the log
-    values (:func:`ief.plots.common.log_band`), for a logarithmic axis: each seed's curve is first windowed as
+    values (:func:`ief.chapters.common.log_band`), for a logarithmic axis: each seed's curve is first windowed as
     :func:`~ief.experiments.aggregate.curve_bands` does. Columns ``setup, optimizer, step, mean, low, high, n``; a
     step where a seed's value is not positive is left out (it has no place on a log axis)."""
     per_seed = [curve_bands(c, quantity, points).assign(seed=seed)

@@ -1,4 +1,4 @@
-"""ief.plots.evaluation: the evaluation chapter's summary table (never a value split across lines) and log axes
+"""ief.chapters.evaluation: the evaluation chapter's summary table (never a value split across lines) and log axes
 labelled with plain numbers."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from ief.plots.common import plain_log_ticks  # noqa: E402
-from ief.plots.evaluation import _plain, summary_table  # noqa: E402
+from ief.chapters.common import plain_log_ticks  # noqa: E402
+from ief.chapters.evaluation import _plain, summary_table  # noqa: E402
 
 
 def _rows():
@@ -106,7 +106,7 @@ def test_chapter_glue_states_each_rule_before_its_verdict():
     """The glue carries each rule of ief.experiments.verdicts (thresholds in words) and its verdict per setup."""
     from ief.experiments.verdicts import RULES
     from ief.paper import cite
-    from ief.plots.evaluation import chapter_glue
+    from ief.chapters.evaluation import chapter_glue
 
     recs, _ = _records()
     glued = chapter_glue(recs, "cpu", cite)
@@ -125,7 +125,7 @@ def test_chapter_glue_states_each_rule_before_its_verdict():
 
 def test_ief_below_iekfac_is_flagged_as_a_surprise():
     from ief.paper import cite
-    from ief.plots.evaluation import chapter_glue
+    from ief.chapters.evaluation import chapter_glue
 
     recs, _ = _records()
     for r in recs:
@@ -138,7 +138,7 @@ def test_ief_below_iekfac_is_flagged_as_a_surprise():
 
 def test_every_number_the_chapter_glues_is_computed():
     from ief.paper import cite
-    from ief.plots.evaluation import chapter_glue
+    from ief.chapters.evaluation import chapter_glue
 
     recs, _ = _records()
     keys = set(chapter_glue(recs, "cpu", cite)) | {"n_batches", "batch_sizes", "stages", "damping_e1",
@@ -159,7 +159,7 @@ def test_each_verdict_is_glued_after_its_rule():
 
 
 def test_records_glue_reads_the_evaluation_jobs_times(tmp_path):
-    from ief.plots.evaluation import records_glue
+    from ief.chapters.evaluation import records_glue
 
     recs, _ = _records()
     paths = {}
@@ -175,7 +175,7 @@ def test_records_glue_reads_the_evaluation_jobs_times(tmp_path):
 
 
 def test_figure_setups_refuse_an_unknown_scale():
-    from ief.plots.evaluation import figure_setups
+    from ief.chapters.evaluation import figure_setups
 
     with pytest.raises(ValueError, match="scale must be one of"):
         figure_setups("gpu")
@@ -185,7 +185,7 @@ def test_figure_setups_refuse_an_unknown_scale():
 def test_glue_and_series_skip_unusable_gammas():
     """Issue 18: a gamma of 0 in the records (the old sweep's rounding) must neither crash a series nor print."""
     from ief.paper import cite
-    from ief.plots.evaluation import chapter_glue, stage_series, sweep_series
+    from ief.chapters.evaluation import chapter_glue, stage_series, sweep_series
 
     recs, _ = _records()
     for r in recs:

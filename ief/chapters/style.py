@@ -1,8 +1,8 @@
 """One colour per method, used by every figure of the project (the notebooks import it; nothing here plots).
 
 Colours follow the method, never the figure: NGD is always black, SGD always grey, iEF always blue, EF always
-vermillion, and so on. The palette is colour-blind-safe by construction and by test (``tests/test_style.py``, with
-the colour science of :mod:`ief.colour`):
+vermillion, and so on. The palette is colour-blind-safe by construction and by test
+(``tests/test_chapters_style.py``, with the colour science of :mod:`ief.chapters.colour`):
 
 * **Method colours** (:data:`METHOD_COLORS`): black, grey, Paul Tol's vibrant blue (iEF) and red (EF), Okabe-Ito's
   bluish green (eKFAC) and reddish purple (Adafactor), and darker shades of Tol's and Okabe-Ito's colours for the

@@ -2,17 +2,18 @@
 
 :data:`CHAPTER_OF` names the chapter (``notebooks/<stem>.ipynb``) wired to regenerate each of the paper's 23 labelled
 figures and tables. What that chapter *produces* for a label at a scale is not typed here: :func:`produced` reads it
-from the chapter's own registries (:func:`ief.plots.evaluation.figure_setups` for the evaluation chapter,
+from the chapter's own registries (:func:`ief.chapters.evaluation.figure_setups` for the evaluation chapter,
 :func:`ief.experiments.setups.e2_setups` for E2), so two labels drawn as one image at a scale (Figs. 3 and 11 at
 ``cpu``) and a label with no analogue at a scale (Fig. 10 below ``full``) are found, not asserted. Whether a chapter
 was *executed* at a scale comes from its provenance record (``_build/executed/<scale>/<stem>.provenance.json``,
 written by ``tools.book execute``): :func:`status` is a pure function of the registry, the scale and those records.
 
 The book's coverage page and the introduction's sentence are rendered from it at build time (``book/_ext``), for the
-scale the book was built at (:func:`book_state`); the README's statement (``python -m ief.paper.coverage README.md``)
-is the same function at the default ``cpu`` scale, claiming execution only at the scales the repository's own builds
-run (:data:`README_EXECUTED`), and ``tests/test_paper.py`` keeps it equal. :func:`chapter_caveats` gives a chapter the
-sentence saying which labels its headings name are, at its scale, another label's figure or have no analogue.
+scale the book was built at (:func:`book_state`); the README's statement (``python -m ief.chapters.coverage
+README.md``) is the same function at the default ``cpu`` scale, claiming execution only at the scales the repository's
+own builds run (:data:`README_EXECUTED`), and ``tests/test_chapters_coverage.py`` keeps it equal.
+:func:`chapter_caveats` gives a chapter the sentence saying which labels its headings name are, at its scale, another
+label's figure or have no analogue.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ CHAPTER_OF: dict[str, str] = {
     "tab:test": "optimisation", "tab:test-mlp": "optimisation",
     "tab:glue-details": "setups", "tab:train-epochs": "setups", "tab:license": "setups",
 }
-# The evaluation chapter's figure keys (ief.plots.evaluation.FIGURE_SETUPS) of the labels that are not E3 figures.
+# The evaluation chapter's figure keys (ief.chapters.evaluation.FIGURE_SETUPS) of the labels that are not E3 figures.
 _E1_KEYS = {"fig:sample_gamma": "sample_gamma", "fig:lora_gamma": "lora_gamma", "fig:pt_gamma": "pt_gamma",
             "fig:sample_blockdiag_gamma": "blockdiag"}
 # E2 figures/tables drawn for one fine-tuning method's setups (the optimisation notebook's `figure_of`).
@@ -106,7 +107,7 @@ def produced(label: str, scale: str) -> Output | None:
         raise KeyError(f"{label!r} is not a figure or table of the paper; known: {', '.join(CHAPTER_OF)}")
     chapter = CHAPTER_OF[label]
     if chapter == "evaluation":
-        from ief.plots.evaluation import figure_setups
+        from ief.chapters.evaluation import figure_setups
 
         fig, _ = figure_setups(scale)
         if label in _E1_KEYS:
@@ -280,8 +281,8 @@ def coverage_markdown(executed, links: bool = False) -> str:
     return "\n".join(rows) + "\n"
 
 
-README_START = ("<!-- coverage: generated from ief/paper/coverage.py; "
-                "tests/test_paper.py keeps it equal to the registry -->")
+README_START = ("<!-- coverage: generated from ief/chapters/coverage.py; "
+                "tests/test_chapters_coverage.py keeps it equal to the registry -->")
 README_END = "<!-- /coverage -->"
 
 
@@ -323,7 +324,7 @@ def readme_block() -> str:
 
 
 def update_readme(path) -> None:
-    """Rewrite the README's coverage block from the registry (``python -m ief.paper.coverage README.md``)."""
+    """Rewrite the README's coverage block from the registry (``python -m ief.chapters.coverage README.md``)."""
     text = Path(path).read_text()
     start, end = text.index(README_START), text.index(README_END) + len(README_END)
     Path(path).write_text(text[:start] + readme_block() + text[end:])

@@ -1,11 +1,11 @@
-"""ief.plots.train: the seed-0 checks and the sentences the train chapter glues, from the results table (one row per
+"""ief.chapters.train: the seed-0 checks and the sentences the train chapter glues, from the results table (one row per
 setup x optimiser at the chosen rates), and their comparison with chapter E2's verdicts over seeds."""
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from ief.plots.train import e2_observations, e2_statements
+from ief.chapters.train import e2_observations, e2_statements
 
 
 def _results(winners: dict[str, tuple[str, str]]) -> pd.DataFrame:
@@ -77,7 +77,7 @@ def test_reproduction_compares_the_chosen_trial_with_the_e2_seed0_run():
     final loss is not, and is named; without E2 runs nothing is claimed."""
     import pandas as pd
 
-    from ief.plots.train import reproduction
+    from ief.chapters.train import reproduction
 
     def rec(score, loss):
         trial = {"lr": 0.5, "seed": 0, "validation_score": score, "final_train_loss": loss}
@@ -93,3 +93,21 @@ def test_reproduction_compares_the_chosen_trial_with_the_e2_seed0_run():
     _, glue = reproduction({"a": rec(0.75, 0.25 + 1e-3)}, e2)
     assert glue["search_reproduced"] == "0 of 1"
     assert reproduction({"a": rec(0.75, 0.25)}, None)[0] is None
+
+
+def test_search_findings_take_the_tweets_labels_or_say_why_they_are_missing():
+    """The chapter back-end loads no data: it counts the labels it is given (the notebook loads them with
+    ief.experiments.data.validation_labels), or says on the page why there are none."""
+    from ief.chapters.train import results_table, search_findings
+    from ief.experiments import CPU_SETUPS
+    from ief.experiments.data import MissingResource
+    from ief.experiments.search import load_record, restricted
+    from ief.experiments.setups import OPTIMIZERS, PRACTICAL_OPTIMIZERS
+
+    paper = [o for o in OPTIMIZERS if o not in PRACTICAL_OPTIMIZERS]
+    records = {name: restricted(load_record(name, "cpu"), paper) for name in CPU_SETUPS}
+    results = results_table(records)
+    _, glue = search_findings(records, results, [2, 0, 0, 1, 0, 1])
+    assert glue["one_class_accuracies"] == "50.0% (3 of 6) or 33.3% (2 of 6)"
+    _, glue = search_findings(records, results, MissingResource("the tweets corpus is not installed"))
+    assert glue["one_class_accuracies"] == "not computed here: the tweets corpus is not installed"

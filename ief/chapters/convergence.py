@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..style import METHOD_COLORS, SEQUENCE_COLORS
+from .style import METHOD_COLORS, SEQUENCE_COLORS
 from .common import PAGE_WIDTH_IN, plain_log_axes
 
 GUIDE = "#bbbbbb"  # reference slopes: not a method

@@ -1,7 +1,8 @@
-"""The colour science behind :mod:`ief.style`'s palette: sRGB -> CIELAB, CIEDE2000 colour differences, simulated
-colour-vision deficiency and the WCAG contrast of a colour against the page.
+"""The colour science behind :mod:`ief.chapters.style`'s palette: sRGB -> CIELAB, CIEDE2000 colour differences,
+simulated colour-vision deficiency and the WCAG contrast of a colour against the page.
 
-Nothing here plots; :mod:`ief.style` states the palette and ``tests/test_style.py`` checks it with these functions.
+Nothing here plots; :mod:`ief.chapters.style` states the palette and ``tests/test_chapters_style.py`` checks it with
+these functions.
 References: the sRGB standard (IEC 61966-2-1: its transfer function and D65 matrix), CIE 15:2004 (CIELAB),
 Sharma, Wu & Dalal 2005 (the CIEDE2000 formula and its test data), Machado, Oliveira & Fernandes 2009 (the
 dichromacy matrices, severity 1, applied to linear RGB as in their paper) and WCAG 2.1 (relative luminance,

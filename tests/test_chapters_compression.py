@@ -1,11 +1,11 @@
-"""The compression chapter's rules (ief.plots.compression) on hand-made results: the damping chosen on validation,
+"""The compression chapter's rules (ief.chapters.compression) on hand-made results: the damping chosen on validation,
 the iEF-vs-EF verdict and the damping-robustness verdict."""
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from ief.plots import compression as plots
+from ief.chapters import compression as plots
 
 
 def _results(acc: dict[tuple[str, float, float], list[float]], split: str = "test") -> pd.DataFrame:

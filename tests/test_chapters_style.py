@@ -1,4 +1,4 @@
-"""ief.style's palette, checked with ief.colour (itself checked against published reference values): every method
+"""ief.chapters.style's palette, checked with ief.chapters.colour (itself checked against published reference values): every method
 visible on the white page, every two methods told apart, every two that share a figure told apart by colour-blind
 readers too and not by lightness alone, and the non-method colours apart from every method colour."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from ief import colour
-from ief.style import FIELD_COLORS, FIGURE_GROUPS, METHOD_COLORS, SEQUENCE_COLORS, method_color
+from ief.chapters import colour
+from ief.chapters.style import FIELD_COLORS, FIGURE_GROUPS, METHOD_COLORS, SEQUENCE_COLORS, method_color
 
 OLD_PALETTE = {  # the palette before issue 19: tab10 with light blue ieKFAC beside blue iEF
     "SGD": "#7f7f7f", "NGD": "#000000", "iEF": "#1f77b4", "EF": "#d62728", "SF": "#2ca02c", "AdamW": "#9467bd",
@@ -23,7 +23,7 @@ def _chroma_hue(color):
 
 
 def palette_problems(palette: dict[str, str]) -> list[str]:
-    """What makes a method palette fail the rules stated in ief.style's docstring (empty: it passes)."""
+    """What makes a method palette fail the rules stated in ief.chapters.style's docstring (empty: it passes)."""
     problems = [f"{m} {c}: contrast {colour.contrast(c):.2f} < 3 against white" for m, c in palette.items()
                 if colour.contrast(c) < 3]
     for a, b in itertools.combinations(palette, 2):
@@ -74,7 +74,7 @@ def test_method_color_is_case_insensitive_and_names_the_known_methods():
         method_color("lbfgs")
 
 
-# ------------------------------------------------------------------------------------------------ ief.colour
+# ------------------------------------------------------------------------------------------------ ief.chapters.colour
 SHARMA_2005 = [  # CIEDE2000 test data of Sharma, Wu & Dalal (2005), Table 1: pairs 1, 2, 7, 17-20
     ((50.0, 2.6772, -79.7751), (50.0, 0.0, -82.7485), 2.0425),
     ((50.0, 3.1571, -77.2803), (50.0, 0.0, -82.7485), 2.8615),

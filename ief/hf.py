@@ -61,8 +61,8 @@ import torch
 import transformers
 
 from .losses import IGNORE_INDEX, causal_lm_targets
-from .optim import EF, IEF, KFAC, SF
-from .optim.exact import MISSING
+from .optim.exact import EF, IEF, MISSING, SF
+from .optim.kfac import KFAC
 from .peft_support import per_sample_prompts
 
 OPTIMIZERS = ("ief", "ef", "sf", "kfac", "ekfac", "iekfac")

@@ -75,7 +75,7 @@ from dataclasses import dataclass
 import torch
 
 from .conv_rules import conv_factors, conv_is_unfoldable
-from .broadcast_uses import Use, UseTracker, check_sums, establish, per_sample_rows
+from .broadcast_uses import Use, UseTracker, establish, per_sample_rows, sum_mismatch
 from .layer_rules import (groupnorm_grads, hf_conv1d_grads, is_hf_conv1d, mha_batch_dim, mha_grads, mha_is_replayable,
                           write_block)
 from .logit_jvp import differentiable_kernels, jvps_any_mode
@@ -108,6 +108,14 @@ class PerSampleGradientMismatch(RuntimeError):
     derivatives (a layer that mixes samples). The message names the parameter or the samples. Tied weights are not
     refused: they take the exact per-sample loop.
     """
+
+
+def _check_sums(rows: torch.Tensor, batch_grad: torch.Tensor | None, name: str) -> None:
+    """:class:`PerSampleGradientMismatch` when a broadcast tensor's rows miss a use
+    (:func:`ief.broadcast_uses.sum_mismatch`)."""
+    mismatch = sum_mismatch(rows, batch_grad, name)
+    if mismatch is not None:
+        raise PerSampleGradientMismatch(mismatch)
 
 
 class SlowPathWarning(UserWarning):
@@ -677,7 +685,7 @@ class PerSampleCapture:
             if isinstance(axis, _BroadcastCall):  # ids shared by every sample: each sample's gradient of the output
                 m = self.batch_size
                 rows = per_sample_rows(axis.uses, m, grad.numel(), grad.dtype, grad.device)
-                check_sums(rows, grad, self.name(self.modules[k][3]["weight"]))
+                _check_sums(rows, grad, self.name(self.modules[k][3]["weight"]))
                 yield x.reshape(1, -1).expand(m, -1), rows.view(m, -1, grad.shape[-1])
                 continue
             if axis == WHOLE_CALL:
@@ -830,7 +838,7 @@ def _backward_jacobian(
     for i, uses in capture.broadcast.items():  # bare parameters broadcast over the batch: rows from their uses
         if i in columns:
             rows = per_sample_rows(uses, m, capture.sizes[i], ref.dtype, ref.device)
-            check_sums(rows, autograd[i], capture.name(i))
+            _check_sums(rows, autograd[i], capture.name(i))
             jac[:, columns[i] : columns[i] + capture.sizes[i]] = rows
             written.add(i)
     for i, rows in bias_rows.items():

@@ -26,12 +26,13 @@ Conventions, followed by every function of the package:
   same random state, so dropout masks are identical across the passes a computation needs.
 """
 from . import optim
-from .curvature import DegenerateIndicator, FisherOperator, ForwardModeUnsupported, fisher_vp, gamma, gammas
+from .curvature import DegenerateIndicator, FisherOperator, fisher_vp, gamma, gammas
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import CGResult, hessian_free
 from .damping_sweep import damping_sweep
 from .evaluation import METHODS, evaluate
 from .kfac import kfac_direction
+from .logit_jvp import ForwardModeUnsupported
 from .losses import causal_lm_targets
 from .jacobian import PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample, sampled_jacobian
 from .peft_support import per_sample_prompts

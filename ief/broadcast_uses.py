@@ -16,7 +16,7 @@ The sample axis of every use's result is established as for hooked calls, never 
 probe forward records the same uses, and the axis is the one dimension of ``R`` that shrinks from ``M`` to 1, along
 which ``u`` must be broadcast (size 1 or absent). A tensor with an unsupported use, a use without such an axis, or
 uses that differ between the two forwards keeps the exact per-sample loop. Behind this, the rows are checked to sum
-to autograd's batch gradient of ``u`` (:func:`check_sums`): a use the mode could not see (e.g. inside a custom
+to autograd's batch gradient of ``u`` (:func:`sum_mismatch`): a use the mode could not see (e.g. inside a custom
 ``autograd.Function``) raises rather than being missed.
 
 The tracker holds the watched tensors only while the forward runs (their ids key it); use records keep the gradient
@@ -172,19 +172,26 @@ def per_sample_rows(uses: Sequence[Use], m: int, numel: int, dtype: torch.dtype,
     return rows
 
 
-def check_sums(rows: torch.Tensor, batch_grad: torch.Tensor | None, name: str) -> None:
-    """Raise ``PerSampleGradientMismatch`` if the rows of a broadcast tensor do not sum to autograd's batch gradient
-    of it (a use the tracker did not see): ``||sum_n J_n - g|| > 50 sqrt(eps) sqrt(M) ||J||_F``."""
-    from .jacobian import PerSampleGradientMismatch
+def sum_mismatch(rows: torch.Tensor, batch_grad: torch.Tensor | None, name: str) -> str | None:
+    """Why the rows of a broadcast tensor do not sum to autograd's batch gradient of it (a use the tracker did not
+    see), or ``None`` when they do: ``||sum_n J_n - g|| > 50 sqrt(eps) sqrt(M) ||J||_F`` fails. :mod:`ief.jacobian`
+    raises the message as ``PerSampleGradientMismatch``.
 
+    Args:
+        rows: ``[M, numel]`` the tensor's per-sample gradients (:func:`per_sample_rows`).
+        batch_grad: autograd's batch gradient of it (``None``: it did not reach the loss).
+        name: the parameter's name, for the message.
+
+    Returns:
+        The message naming ``name`` and the error, or ``None``.
+    """
     total = rows.sum(0)
     batch = torch.zeros_like(total) if batch_grad is None else batch_grad.reshape(-1).to(total.dtype)
     err = float(torch.linalg.vector_norm(total - batch, dtype=torch.float64))
     eps = torch.finfo(rows.dtype)
     scale = float(torch.linalg.vector_norm(rows, dtype=torch.float64)) * math.sqrt(rows.shape[0]) + eps.tiny
-    if not err <= 50 * math.sqrt(eps.eps) * max(scale, float(torch.linalg.vector_norm(batch, dtype=torch.float64))):
-        raise PerSampleGradientMismatch(
-            f"the per-sample gradients of {name} (used broadcast over the batch) do not sum to its batch gradient "
+    if err <= 50 * math.sqrt(eps.eps) * max(scale, float(torch.linalg.vector_norm(batch, dtype=torch.float64))):
+        return None
+    return (f"the per-sample gradients of {name} (used broadcast over the batch) do not sum to its batch gradient "
             f"(error {err:.2e}, scale {scale:.2e}): it is also used where the tracker of its uses cannot see it (e.g. "
-            "inside a custom autograd.Function); pass params= to leave it out"
-        )
+            "inside a custom autograd.Function); pass params= to leave it out")

@@ -29,9 +29,9 @@ import torch
 import torch.utils.checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .logit_jvp import (  # noqa: F401  (differentiable_kernels: imported from here by ief.jacobian)
-    _NO_FORWARD_MODE,
+from .logit_jvp import (
     JVP_METHODS,
+    NO_FORWARD_MODE,
     ForwardModeUnsupported,
     batched_jvps,
     differentiable_kernels,
@@ -298,14 +298,14 @@ def fisher_vp(
         raise ValueError(f"unknown method {method!r}; accepted: {', '.join(map(repr, FVP_METHODS))}")
     automatic = method == "auto"
     if automatic:
-        method = "double_backward" if unwrap_model(model) in _NO_FORWARD_MODE else "forward"
+        method = "double_backward" if unwrap_model(model) in NO_FORWARD_MODE else "forward"
     operator = FisherOperator(model, inputs, targets, params, loss=loss, method=method)
     try:
         return operator.matvec(vector)
     except ForwardModeUnsupported:
         if not automatic:
             raise
-        _NO_FORWARD_MODE[operator._forward.model] = True
+        NO_FORWARD_MODE[operator._forward.model] = True
     operator._build_double_backward()  # replays the masks the failed dual forward drew
     return operator.matvec(vector)
 

@@ -23,7 +23,7 @@ a ``2M x 2M`` quadratic form whose terms are ``|w|^2 |C| ~ 1e20 |C|`` (float64 t
 rounding noise: ``gamma = 0`` (clamped negative curvature) or values off by factors of 2 at ``lambda <= 1e-8``
 (issue 18: ``Linear(4, 3)``, ``M = 32``: 0 against 0.2622; a prompt-tuned MLP in float32: 2.22 against 0.630), the
 very region E3's "iEF is insensitive to near-zero damping" is read from. The direct route cancels in float64 in
-parameter space on the exact ``J`` (:func:`ief.directions.combine_rows`) *before* any JVP, so nothing large is ever
+parameter space on the exact ``J`` (:meth:`ief.rows.Rows.combine_rows`) *before* any JVP, so nothing large is ever
 subtracted afterwards: it is exact by construction, and no fast route with a guard is kept.
 
 Cost (E3's grids: 7 dampings at smoke, 13 at cpu and full; ``K`` dampings, ``k`` methods): one per-sample (and one
@@ -45,50 +45,48 @@ from typing import Any
 
 import torch
 
-from .directions import FactoredRows, combine_rows, ef_direction, gram, ief_direction, max_abs, sf_direction
+from .directions import ef_direction, ief_direction, sf_direction
 from .evaluation import batch_rows, fresh_generator, rate, sampled_rows
 from .logit_space import LogitJacobian
 from .losses import Loss, check_damping, get_loss
-from .model_call import Inputs, all_finite, column_chunks, resolve_params
+from .model_call import Inputs, resolve_params
+from .rows import Rows, as_rows
 
 SWEEP_METHODS = ("ef", "ief", "sf")
 
 
-class _SharedGram(FactoredRows):
-    """``J`` (a tensor or a :class:`~ief.directions.FactoredRows`) whose float64 Gram matrix, ``max|J|`` and
-    finiteness are computed once and reused by every damping's Woodbury solve; everything else is ``J``'s own."""
+class SharedGram(Rows):
+    """Rows whose float64 Gram matrix is computed once per scale and reused by every damping's Woodbury solve;
+    everything else (``max|J|``, finiteness, ``J^T c``, ``J v``) is the wrapped rows' own.
 
-    def __init__(self, rows: torch.Tensor | FactoredRows):
-        self.rows, self.shape, self.dtype, self.device = rows, rows.shape, rows.dtype, rows.device
+    Args:
+        rows: ``J`` ``[M, P]``, a tensor (wrapped by :func:`ief.rows.as_rows`) or any :class:`ief.rows.Rows`.
+
+    Raises:
+        ValueError: ``rows`` not a floating ``[M, P]`` tensor nor :class:`ief.rows.Rows`.
+    """
+
+    def __init__(self, rows: torch.Tensor | Rows):
+        self.rows = as_rows(rows)
+        self.shape, self.dtype, self.device = self.rows.shape, self.rows.dtype, self.rows.device
         self._grams: dict[float, torch.Tensor] = {}
-        self._max_abs: float | None = None
-        self._finite: bool | None = None
 
     def gram(self, scale: float = 1.0) -> torch.Tensor:
         if scale not in self._grams:
-            self._grams[scale] = gram(self.rows, scale)
+            self._grams[scale] = self.rows.gram(scale)
         return self._grams[scale]
 
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
-        return combine_rows(coeff, self.rows, scale, final)
+        return self.rows.combine_rows(coeff, scale, final)
 
     def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        if isinstance(self.rows, FactoredRows):
-            return self.rows.times(v, scale)
-        out = torch.zeros(self.shape[0], dtype=torch.float64, device=self.device)
-        for lo, block in column_chunks(self.rows):
-            out += (block.to(torch.float64) / scale) @ v[lo : lo + block.shape[1]].to(torch.float64)
-        return out
+        return self.rows.times(v, scale)
 
     def max_abs(self) -> float:
-        if self._max_abs is None:
-            self._max_abs = max_abs(self.rows)
-        return self._max_abs
+        return self.rows.max_abs()
 
     def is_finite(self) -> bool:
-        if self._finite is None:
-            self._finite = self.rows.is_finite() if isinstance(self.rows, FactoredRows) else all_finite(self.rows)
-        return self._finite
+        return self.rows.is_finite()
 
 
 def damping_sweep(
@@ -142,8 +140,8 @@ def damping_sweep(
     params = resolve_params(model, params)
     fresh = fresh_generator(generator)
     jacobian, s_ief, gradient, lj = batch_rows(model, inputs, targets, params, loss_fn, logit_space)
-    jac = _SharedGram(jacobian)
-    sampled = _SharedGram(sampled_rows(model, inputs, targets, params, loss_fn, lj, fresh())) \
+    jac = SharedGram(jacobian)
+    sampled = SharedGram(sampled_rows(model, inputs, targets, params, loss_fn, lj, fresh())) \
         if "sf" in methods else None
 
     # every direction first, then one rating of them all (on the logit-space route one product with J_z for all)

@@ -11,9 +11,14 @@ definite, otherwise (duplicate samples, samples with zero gradient, ``lambda = 0
 negligible eigenvalues are dropped, which returns the minimum-norm solution. The result is never NaN or inf for
 finite input.
 
-Every function here takes ``J`` either as an ``[M, P]`` tensor or as a :class:`FactoredRows` (e.g. the
-``ief.jacobian.FactoredJacobian`` of ``ief.per_sample(..., form="auto")``), which provides the Gram matrix ``J J^T``
-and the products ``J^T c`` and ``J v`` without an ``[M, P]`` tensor; the Gram solve is the same code for both.
+``J`` is an ``[M, P]`` tensor or any :class:`ief.rows.Rows` (e.g. the ``ief.rows.FactoredJacobian`` of
+``ief.per_sample(..., form="auto")``); a tensor is wrapped once (:func:`ief.rows.as_rows`), and the solves below use
+only the rows' interface (``gram``, ``combine_rows``, ``times``, ``max_abs``), whatever form they are in.
+
+Two layers: :func:`ief_direction`, :func:`ef_direction` and :func:`sf_direction` check their input and call
+:func:`ief_solve`, :func:`ef_solve` and :func:`sf_solve`, which take it as checked. A caller that has checked it
+already (the optimisers of :mod:`ief.optim` check ``damping`` at the start of a step and take finite rows from
+:func:`ief.per_sample`) calls the solves directly, so every value is checked once per step.
 """
 from __future__ import annotations
 
@@ -22,54 +27,17 @@ import math
 import torch
 
 from .losses import check_damping
-from .model_call import all_finite, column_chunks
+from .model_call import all_finite
+from .rows import Rows, as_rows
 
 
-class FactoredRows:
-    """``J [M, P]`` held in a form other than a tensor; what the Gram solve needs of it (all float64 results).
-
-    ``shape``, ``dtype``, ``device`` as a tensor's; ``gram(scale) [M, M]`` = ``(J/scale)(J/scale)^T``;
-    ``combine_rows(coeff, scale) [P]`` = ``(J/scale)^T coeff``; ``times(v, scale) [M]`` = ``(J/scale) v``;
-    ``max_abs()``: an upper bound of ``max|J|`` within a factor ``T`` (any positive scale is exact: it only keeps the
-    float64 Gram clear of overflow); ``is_finite()``.
-    """
-
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-
-    def gram(self, scale: float = 1.0) -> torch.Tensor:
-        raise NotImplementedError
-
-    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
-        raise NotImplementedError
-
-    def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        raise NotImplementedError
-
-    def max_abs(self) -> float:
-        raise NotImplementedError
-
-    def is_finite(self) -> bool:
-        raise NotImplementedError
-
-
-def _check_jacobian(jacobian: torch.Tensor | FactoredRows, name: str = "jacobian") -> float | None:
-    """``ValueError`` for a ``J`` that is not a finite floating ``[M, P]``; returns ``max|J|`` of a tensor (the one pass
-    that checks it, reused as :func:`gram_scale`'s), ``None`` for a :class:`FactoredRows`."""
-    if isinstance(jacobian, FactoredRows):
-        if not jacobian.is_finite():
-            raise ValueError(f"{name} contains non-finite values")
-        return None
-    if not isinstance(jacobian, torch.Tensor) or jacobian.dim() != 2:
-        shape = tuple(jacobian.shape) if isinstance(jacobian, torch.Tensor) else type(jacobian).__name__
-        raise ValueError(f"{name} must be a [M, P] tensor, got {shape}")
-    if not jacobian.dtype.is_floating_point:
-        raise ValueError(f"{name} must be floating point, got {jacobian.dtype}")
-    magnitude = max_abs(jacobian)
-    if not math.isfinite(magnitude):
+def _checked_rows(jacobian: torch.Tensor | Rows, name: str) -> Rows:
+    """``jacobian`` as :class:`~ief.rows.Rows`; ``ValueError`` for one that is not a finite floating ``[M, P]``
+    (its ``max|J|``, the one pass that checks a tensor's finiteness, is kept for the solve's scale)."""
+    rows = as_rows(jacobian, name)
+    if not rows.is_finite():
         raise ValueError(f"{name} contains non-finite values")
-    return magnitude
+    return rows
 
 
 def _check_vector(v: torch.Tensor, size: int, name: str, what: str) -> None:
@@ -78,57 +46,6 @@ def _check_vector(v: torch.Tensor, size: int, name: str, what: str) -> None:
         raise ValueError(f"{name} must be a vector of length {size} ({what}), got {shape}")
     if not all_finite(v):
         raise ValueError(f"{name} contains non-finite values")
-
-
-def _column_chunks(jacobian: torch.Tensor, scale: float = 1.0):
-    """Column blocks of ``J / scale`` in float64."""
-    for lo, block in column_chunks(jacobian):
-        if scale == 1.0:
-            yield lo, block.to(torch.float64)
-        else:  # a private copy (``to`` returns the caller's tensor itself when it is already float64)
-            yield lo, block.to(torch.float64, copy=True).div_(scale)
-
-
-def max_abs(jacobian: torch.Tensor | FactoredRows) -> float:
-    """Largest magnitude in ``J``: the scale that keeps ``J J^T`` clear of float64 overflow and underflow."""
-    if isinstance(jacobian, FactoredRows):
-        return jacobian.max_abs()
-    if not jacobian.numel():
-        return 0.0
-    extremes = [torch.stack([block.max(), -block.min()]).max() for _, block in column_chunks(jacobian)]
-    return float(torch.stack(extremes).max())
-
-
-def gram_scale(jacobian: torch.Tensor | FactoredRows, magnitude: float | None = None) -> float:
-    """1, or ``max|J|`` when ``J J^T`` would overflow or underflow float64 (entries beyond ~1e+-100); ``magnitude``:
-    ``max|J|`` when already known."""
-    c = max_abs(jacobian) if magnitude is None else magnitude
-    return 1.0 if 1e-100 <= c <= 1e100 else c
-
-
-def gram(jacobian: torch.Tensor | FactoredRows, scale: float = 1.0) -> torch.Tensor:
-    """``(J/scale)(J/scale)^T`` accumulated in float64, ``[M, M]``, without a float64 copy of the whole ``J``."""
-    if isinstance(jacobian, FactoredRows):
-        return jacobian.gram(scale)
-    m = jacobian.shape[0]
-    g = torch.zeros(m, m, dtype=torch.float64, device=jacobian.device)
-    for _, block in _column_chunks(jacobian, scale):
-        g += block @ block.T
-    return 0.5 * (g + g.T)
-
-
-def combine_rows(
-    coeff: torch.Tensor, jacobian: torch.Tensor | FactoredRows, scale: float = 1.0, final: bool = False
-) -> torch.Tensor:
-    """``(J/scale)^T coeff`` accumulated in float64 (solve coefficients can cancel), ``[P]`` float64. ``final``: the
-    result is the direction itself (see :class:`FactoredRows`)."""
-    if isinstance(jacobian, FactoredRows):
-        return jacobian.combine_rows(coeff.to(torch.float64), scale, final)
-    coeff = coeff.to(torch.float64)
-    out = torch.empty(jacobian.shape[1], dtype=torch.float64, device=jacobian.device)
-    for lo, block in _column_chunks(jacobian, scale):
-        out[lo : lo + block.shape[1]] = coeff @ block
-    return out
 
 
 def _as_dtype(direction: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -177,8 +94,15 @@ def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float, noi
 
     Returns:
         ``[M]`` or ``[M, K]`` float64.
+
+    Raises:
+        ValueError: a negative or non-finite ``damping``.
     """
-    damping = check_damping(damping)
+    return _solve_gram(gram_matrix, rhs, check_damping(damping), noise_floor)
+
+
+def _solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float, noise_floor: float) -> torch.Tensor:
+    """:func:`solve_gram` with ``damping`` already checked."""
     g = gram_matrix.to(torch.float64)
     b = rhs.to(torch.float64)
     m = g.shape[0]
@@ -200,27 +124,99 @@ def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float, noi
     return evecs @ coeff
 
 
-def _woodbury(jacobian: torch.Tensor | FactoredRows, weights: torch.Tensor, damping: float, what: str,
-              magnitude: float | None = None) -> torch.Tensor:
+def _woodbury(rows: Rows, weights: torch.Tensor, damping: float, what: str) -> torch.Tensor:
     """``J^T (J J^T + lambda I)^{-1} weights`` in the Jacobian's dtype.
 
     Computed on ``J' = J / c`` with ``c = max|J|`` where the Gram matrix would otherwise overflow or underflow
     (``c = 1`` in the ordinary range): ``J^T (J J^T + lambda I)^{-1} w = (1/c) J'^T (J' J'^T + lambda/c^2 I)^{-1} w``.
     """
-    c = gram_scale(jacobian, magnitude)
+    c = rows.gram_scale()
     if c == 0.0:
-        return torch.zeros(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
+        return torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)
     weights = weights.to(torch.float64)
     scaled_damping = damping / c / c
     if math.isinf(scaled_damping):  # lambda swamps J J^T: (J J^T + lambda I)^{-1} = I / lambda to float64 precision
-        return _as_dtype(combine_rows(weights, jacobian, final=True).div_(damping), jacobian.dtype, what)
-    g = gram(jacobian, c)
-    coeff = solve_gram(g, weights, scaled_damping, rounding_floor(jacobian.dtype, g))
-    direction = combine_rows(coeff, jacobian, c, final=True)
-    return _as_dtype(direction if c == 1.0 else direction.div_(c), jacobian.dtype, what)
+        return _as_dtype(rows.combine_rows(weights, final=True).div_(damping), rows.dtype, what)
+    g = rows.gram(c)
+    coeff = _solve_gram(g, weights, scaled_damping, rounding_floor(rows.dtype, g))
+    direction = rows.combine_rows(coeff, c, final=True)
+    return _as_dtype(direction if c == 1.0 else direction.div_(c), rows.dtype, what)
 
 
-def ief_direction(jacobian: torch.Tensor | FactoredRows, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:
+def ief_solve(rows: Rows, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:
+    """:func:`ief_direction` of checked input: finite ``rows``, ``logit_sqnorm`` ``[M]`` finite, ``damping`` from
+    :func:`ief.losses.check_damping`.
+
+    Args:
+        rows: ``J`` (:func:`ief.rows.as_rows`).
+        logit_sqnorm: ``[M]`` ``s_iEF`` (``eqn:s_ief``).
+        damping: ``lambda >= 0``.
+
+    Returns:
+        The iEF direction ``[P]`` in ``rows.dtype`` (``eqn:iEF_lsq``).
+
+    Raises:
+        FloatingPointError: the direction is not representable in ``rows.dtype``.
+    """
+    return _woodbury(rows, logit_sqnorm, damping, "iEF")
+
+
+def ef_solve(rows: Rows, damping: float) -> torch.Tensor:
+    """:func:`ef_direction` of checked input: finite ``rows``, ``damping`` from :func:`ief.losses.check_damping`.
+
+    Args:
+        rows: ``J`` (:func:`ief.rows.as_rows`).
+        damping: ``lambda >= 0``.
+
+    Returns:
+        The EF direction ``[P]`` in ``rows.dtype`` (``eqn:EF_lsq``).
+
+    Raises:
+        FloatingPointError: the direction is not representable in ``rows.dtype``.
+    """
+    ones = torch.ones(rows.shape[0], dtype=torch.float64, device=rows.device)
+    return _woodbury(rows, ones, damping, "EF")
+
+
+def sf_solve(rows: Rows, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    """:func:`sf_direction` of checked input (the formula and its rounding are described there): finite ``rows``,
+    ``grad`` a finite floating ``[P]``, ``damping`` from :func:`ief.losses.check_damping` with ``allow_zero=False``.
+
+    Args:
+        rows: the sampled Jacobian ``A`` (:func:`ief.rows.as_rows`).
+        grad: ``[P]`` the batch gradient ``g``.
+        damping: ``lambda > 0``.
+
+    Returns:
+        The SF direction ``[P]`` in ``rows.dtype`` (``eqn:SF-smw``).
+
+    Raises:
+        FloatingPointError: the direction is not representable in ``rows.dtype``.
+    """
+    # With A' = A / c and lambda' = lambda / c^2: (A^T A + lambda I)^{-1} g = (A'^T A' + lambda' I)^{-1} g / c^2.
+    a, g = rows, grad.to(torch.float64)
+    c = a.gram_scale()
+    scaled_damping = damping / c / c if c > 0 else math.inf
+    if math.isinf(scaled_damping):  # lambda swamps A^T A (or A = 0): the direction is g / lambda
+        return _as_dtype(g / damping, a.dtype, "SF")
+    ag = a.times(g, c)
+    g_a = a.gram(c)
+    evals, evecs = torch.linalg.eigh(g_a)
+    m = evals.shape[0]
+    tiny = m * torch.finfo(torch.float64).eps * max(float(g_a.diagonal().max()), 1e-300)
+    keep = evals > max(1e3 * tiny, rounding_floor(a.dtype, g_a))
+    e = torch.where(keep, evals, torch.ones_like(evals))
+    qag = torch.where(keep, evecs.T @ ag, torch.zeros_like(evals))
+    in_range = a.combine_rows(evecs @ (qag / (e * (e + scaled_damping))), c)  # A'^T Q diag(1/(e(e+l'))) Q^T A' g
+    g_perp = g - a.combine_rows(evecs @ (qag / e), c)
+    eps = max(torch.finfo(a.dtype).eps, torch.finfo(grad.dtype).eps)
+    if float(g_perp.norm()) <= 10 * eps * float(g.norm()):
+        g_perp.zero_()
+    direction = g_perp.div_(damping).add_(in_range.div_(c * c))
+    return _as_dtype(direction, a.dtype, "SF")
+
+
+def ief_direction(jacobian: torch.Tensor | Rows, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:
     """iEF direction ``J^T (J J^T + lambda I)^{-1} s_iEF``, ``[P]`` (``eqn:iEF_lsq``).
 
     The least-squares step that asks each sample's loss to fall by its logit-gradient norm ``||grad_{z_n} l_n||^2``
@@ -229,8 +225,8 @@ def ief_direction(jacobian: torch.Tensor | FactoredRows, logit_sqnorm: torch.Ten
     ``O(M^2 P)`` for the Gram matrix and ``O(M^3)`` for the solve, no ``P x P`` matrix.
 
     Args:
-        jacobian: ``[M, P]`` per-sample gradients (row ``n`` = ``grad_theta l_n``), a tensor or a :class:`FactoredRows`
-            (``ief.per_sample(..., form="auto").jacobian``).
+        jacobian: ``[M, P]`` per-sample gradients (row ``n`` = ``grad_theta l_n``), a tensor or any
+            :class:`ief.rows.Rows` (``ief.per_sample(..., form="auto").jacobian``).
         logit_sqnorm: ``[M]`` ``||grad_{z_n} l_n||^2`` (``eqn:s_ief``; :attr:`PerSample.logit_sqnorm`).
         damping: ``lambda >= 0`` (``0`` gives the minimum-norm solution).
 
@@ -241,13 +237,12 @@ def ief_direction(jacobian: torch.Tensor | FactoredRows, logit_sqnorm: torch.Ten
         ValueError: ``jacobian`` not ``[M, P]`` with ``M >= 1``, ``logit_sqnorm`` not ``[M]``, or a negative or
             non-finite ``damping``, each named with its value.
     """
-    magnitude = _check_jacobian(jacobian)
-    _check_vector(logit_sqnorm, jacobian.shape[0], "logit_sqnorm", "one entry per sample")
-    damping = check_damping(damping)
-    return _woodbury(jacobian, logit_sqnorm, damping, "iEF", magnitude)
+    rows = _checked_rows(jacobian, "jacobian")
+    _check_vector(logit_sqnorm, rows.shape[0], "logit_sqnorm", "one entry per sample")
+    return ief_solve(rows, logit_sqnorm, check_damping(damping))
 
 
-def ef_direction(jacobian: torch.Tensor | FactoredRows, damping: float) -> torch.Tensor:
+def ef_direction(jacobian: torch.Tensor | Rows, damping: float) -> torch.Tensor:
     """EF direction ``J^T (J J^T + lambda I)^{-1} 1``, ``[P]`` (``eqn:EF_lsq``).
 
     The least-squares step that asks every sample's loss for the same reduction (the inversely-scaled projection of
@@ -255,7 +250,7 @@ def ef_direction(jacobian: torch.Tensor | FactoredRows, damping: float) -> torch
     Same float64 Gram solve and cost as :func:`ief_direction`.
 
     Args:
-        jacobian: ``[M, P]`` per-sample gradients, a tensor or a :class:`FactoredRows`.
+        jacobian: ``[M, P]`` per-sample gradients, a tensor or any :class:`ief.rows.Rows`.
         damping: ``lambda >= 0``.
 
     Returns:
@@ -264,13 +259,11 @@ def ef_direction(jacobian: torch.Tensor | FactoredRows, damping: float) -> torch
     Raises:
         ValueError: ``jacobian`` not ``[M, P]`` with ``M >= 1``, or a negative or non-finite ``damping``.
     """
-    magnitude = _check_jacobian(jacobian)
-    damping = check_damping(damping)
-    ones = torch.ones(jacobian.shape[0], dtype=torch.float64, device=jacobian.device)
-    return _woodbury(jacobian, ones, damping, "EF", magnitude)
+    rows = _checked_rows(jacobian, "jacobian")
+    return ef_solve(rows, check_damping(damping))
 
 
-def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tensor, damping: float) -> torch.Tensor:
+def sf_direction(sampled_jacobian: torch.Tensor | Rows, grad: torch.Tensor, damping: float) -> torch.Tensor:
     """SF direction ``(A^T A + lambda I)^{-1} g = (1/lambda) [g - A^T (A A^T + lambda I)^{-1} A g]``, ``[P]``.
 
     ``eqn:SF-smw``; ``damping`` must be > 0. Formed in float64 from the eigen-decomposition ``A A^T = Q diag(e) Q^T``
@@ -287,8 +280,8 @@ def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tens
     long on a rank-deficient ``A`` (a linear classifier with more samples than parameters).
 
     Args:
-        sampled_jacobian: ``[M, P]`` per-sample gradients at labels sampled from the model (a tensor or a
-            :class:`FactoredRows`).
+        sampled_jacobian: ``[M, P]`` per-sample gradients at labels sampled from the model (a tensor or any
+            :class:`ief.rows.Rows`).
         grad: ``[P]`` the batch gradient ``g``.
         damping: ``lambda > 0``.
 
@@ -299,34 +292,8 @@ def sf_direction(sampled_jacobian: torch.Tensor | FactoredRows, grad: torch.Tens
         ValueError: bad shapes, non-finite or integer input, or a damping that is not > 0.
         FloatingPointError: the direction is not representable in the Jacobian's dtype.
     """
-    magnitude = _check_jacobian(sampled_jacobian, "sampled_jacobian")
-    _check_vector(grad, sampled_jacobian.shape[1], "grad", "one entry per parameter")
+    rows = _checked_rows(sampled_jacobian, "sampled_jacobian")
+    _check_vector(grad, rows.shape[1], "grad", "one entry per parameter")
     if not grad.dtype.is_floating_point:
         raise ValueError(f"grad must be floating point, got {grad.dtype}")
-    damping = check_damping(damping, allow_zero=False)
-    # With A' = A / c and lambda' = lambda / c^2: (A^T A + lambda I)^{-1} g = (A'^T A' + lambda' I)^{-1} g / c^2.
-    a, g = sampled_jacobian, grad.to(torch.float64)
-    c = gram_scale(a, magnitude)
-    scaled_damping = damping / c / c if c > 0 else math.inf
-    if math.isinf(scaled_damping):  # lambda swamps A^T A (or A = 0): the direction is g / lambda
-        return _as_dtype(g / damping, sampled_jacobian.dtype, "SF")
-    if isinstance(a, FactoredRows):
-        ag = a.times(g, c)
-    else:
-        ag = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
-        for lo, block in _column_chunks(a, c):
-            ag += block @ g[lo : lo + block.shape[1]]
-    g_a = gram(a, c)
-    evals, evecs = torch.linalg.eigh(g_a)
-    m = evals.shape[0]
-    tiny = m * torch.finfo(torch.float64).eps * max(float(g_a.diagonal().max()), 1e-300)
-    keep = evals > max(1e3 * tiny, rounding_floor(a.dtype, g_a))
-    e = torch.where(keep, evals, torch.ones_like(evals))
-    qag = torch.where(keep, evecs.T @ ag, torch.zeros_like(evals))
-    in_range = combine_rows(evecs @ (qag / (e * (e + scaled_damping))), a, c)  # A'^T Q diag(1/(e(e+l'))) Q^T A' g
-    g_perp = g - combine_rows(evecs @ (qag / e), a, c)
-    eps = max(torch.finfo(a.dtype).eps, torch.finfo(grad.dtype).eps)
-    if float(g_perp.norm()) <= 10 * eps * float(g.norm()):
-        g_perp.zero_()
-    direction = g_perp.div_(damping).add_(in_range.div_(c * c))
-    return _as_dtype(direction, sampled_jacobian.dtype, "SF")
+    return sf_solve(rows, grad, check_damping(damping, allow_zero=False))

@@ -61,8 +61,8 @@ import torch
 import transformers
 
 from .losses import IGNORE_INDEX, causal_lm_targets
-from .optim import EF, IEF, KFAC, SF
-from .optim.exact import _MISSING
+from .optim.exact import EF, IEF, MISSING, SF
+from .optim.kfac import KFAC
 from .peft_support import per_sample_prompts
 
 OPTIMIZERS = ("ief", "ef", "sf", "kfac", "ekfac", "iekfac")
@@ -84,8 +84,8 @@ class _StepTakenInTrainingStep:
 
     _update_taken = False
 
-    def step(self, inputs: Any = _MISSING, targets: Any = _MISSING, *, closure: Any = None):  # type: ignore[override]
-        if targets is _MISSING and closure is None and (inputs is _MISSING or inputs is None):
+    def step(self, inputs: Any = MISSING, targets: Any = MISSING, *, closure: Any = None):  # type: ignore[override]
+        if targets is MISSING and closure is None and (inputs is MISSING or inputs is None):
             if not self._update_taken:
                 raise RuntimeError(
                     f"{type(self).__name__}.step() was called without a batch and no batch step preceded it: inside "

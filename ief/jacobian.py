@@ -27,7 +27,7 @@ verdict is cached per model and per shape signature (every hooked call's input s
 training loop with fixed shapes pays for it once; any new shape, ``T == M`` included, is probed afresh. With
 ``M = 1`` every call belongs to the one sample and no probe is needed.
 
-``J`` comes in two forms (``form=``): the ``[M, P]`` tensor (``"dense"``), or a :class:`FactoredJacobian`
+``J`` comes in two forms (``form=``): the ``[M, P]`` tensor (``"dense"``), or a :class:`~ief.rows.FactoredJacobian`
 (``"auto"``, the optimisers' default; ``"ghost"``, ``"rows"``) that keeps each ``nn.Linear`` / HF ``Conv1D`` weight
 (and each one-group ``nn.Conv2d`` / ``nn.Conv1d`` weight, its input unfolded) as its layer's hooked inputs and output
 gradients and gives ``J J^T``, ``J^T c``, ``J v``, ``J^T 1`` and the row norms from them (the Gram solve, the batch
@@ -75,12 +75,10 @@ from dataclasses import dataclass
 import torch
 
 from .conv_rules import conv_factors, conv_is_unfoldable
-from .broadcast_uses import Use, UseTracker, check_sums, establish, per_sample_rows
-from .curvature import differentiable_kernels
+from .broadcast_uses import Use, UseTracker, establish, per_sample_rows, sum_mismatch
 from .layer_rules import (groupnorm_grads, hf_conv1d_grads, is_hf_conv1d, mha_batch_dim, mha_grads, mha_is_replayable,
                           write_block)
-from .logit_jvp import jvps_any_mode
-from .directions import FactoredRows, combine_rows, gram, max_abs
+from .logit_jvp import differentiable_kernels, jvps_any_mode
 from .losses import Loss, get_loss, logit_sqnorm
 from .model_call import (
     Inputs,
@@ -98,6 +96,7 @@ from .model_call import (
     take_first,
     unwrap_model,
 )
+from .rows import FactoredJacobian, check_form, prefer_ghost
 
 
 class PerSampleGradientMismatch(RuntimeError):
@@ -109,6 +108,14 @@ class PerSampleGradientMismatch(RuntimeError):
     derivatives (a layer that mixes samples). The message names the parameter or the samples. Tied weights are not
     refused: they take the exact per-sample loop.
     """
+
+
+def _check_sums(rows: torch.Tensor, batch_grad: torch.Tensor | None, name: str) -> None:
+    """:class:`PerSampleGradientMismatch` when a broadcast tensor's rows miss a use
+    (:func:`ief.broadcast_uses.sum_mismatch`)."""
+    mismatch = sum_mismatch(rows, batch_grad, name)
+    if mismatch is not None:
+        raise PerSampleGradientMismatch(mismatch)
 
 
 class SlowPathWarning(UserWarning):
@@ -127,7 +134,7 @@ class PerSample:
 
     Attributes:
         losses: ``[M]``, ``l_n``.
-        jacobian: ``[M, P]``, row ``n`` is ``grad_theta l_n`` (a tensor, or a :class:`FactoredJacobian` with
+        jacobian: ``[M, P]``, row ``n`` is ``grad_theta l_n`` (a tensor, or a :class:`~ief.rows.FactoredJacobian` with
             ``per_sample(..., form="auto")``).
         logit_sqnorm: ``[M]``, ``||grad_{z_n} l_n||^2`` (``s_iEF``, ``eqn:s_ief``).
         gradient: ``[P]``, the batch gradient ``grad_theta L``.
@@ -166,156 +173,6 @@ def _set_gradient(self: PerSample, value) -> None:
 
 
 PerSample.gradient = property(_get_gradient, _set_gradient, doc="``grad_theta L``, ``[P]``")
-
-
-FORMS = ("dense", "auto", "ghost", "rows")
-
-
-class FactoredJacobian(FactoredRows):
-    """``J [M, P]`` without an ``[M, P]`` tensor: the weight of every ``nn.Linear`` chosen for the "ghost" form is kept
-    as its layer's inputs ``A [M, T, I]`` and output gradients ``G [M, T, O]`` (all calls of the layer concatenated
-    along the positions ``T``), so that its rows are ``J_n = G_n^T A_n`` (``[O, I]``, the weight's layout); every
-    other parameter (biases, LayerNorm, Embedding, Linear weights in the "rows" form, loop parameters) has its
-    column block materialised in ``dense [M, P_dense]``.
-
-    The Gram matrix (``sec:app-iEF-impl``'s ``J J^T``, layer by layer, as in Opacus' ghost clipping):
-    ``(J J^T)_{nm} = sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>`` (``[M, M, T, T]`` kernels; ``T = 1`` for an
-    MLP: ``(A A^T) * (G G^T)``), and ``J^T c = (c-weighted G)^T A`` per layer; both in float64.
-    """
-
-    def __init__(self, m: int, sizes: Sequence[int], ref: torch.Tensor, ghosts: list, dense: torch.Tensor,
-                 dense_index: dict[int, int]):
-        self.sizes = list(sizes)
-        self.offsets = [0, *torch.tensor(self.sizes, dtype=torch.long).cumsum(0).tolist()]
-        self.shape = torch.Size((m, self.offsets[-1]))
-        self.dtype, self.device = ref.dtype, ref.device
-        self.ghosts = ghosts  # [(parameter index, A [M, T, I], G [M, T, O])]
-        self.dense = dense  # [M, P_dense]
-        self.dense_index = dense_index  # parameter index -> first column in dense
-        self._finite: bool | None = None
-
-    # ---- helpers
-    def _dense_columns(self):
-        """``(parameter index, lo in J, lo in dense, size)`` of the materialised blocks."""
-        for i, lo in self.dense_index.items():
-            yield i, self.offsets[i], lo, self.sizes[i]
-
-    @staticmethod
-    def _scaled(a: torch.Tensor, g: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``A`` and ``G`` in float64 with ``(G/scale)^T A`` unchanged: ``A / ca`` and ``(G / cg) (ca cg / scale)``
-        (``ca, cg = max|A|, max|G|``). The factor ``ca cg / scale`` is formed from mantissas and exponents
-        (``math.frexp``), so no intermediate overflows or underflows: with a subnormal ``max|J|`` (~1e-310, then
-        ``scale = max|J|``) ``ca / scale`` alone would be inf, and the Gram NaN."""
-        ca, cg = (float(t.abs().max()) if t.numel() else 1.0 for t in (a, g))
-        ca, cg = (c if 0.0 < c < math.inf else 1.0 for c in (ca, cg))
-        (ma, ea), (mg, eg), (ms, es) = math.frexp(ca), math.frexp(cg), math.frexp(scale)
-        factor = math.ldexp(ma * mg / ms, ea + eg - es)
-        return a.to(torch.float64) / ca, g.to(torch.float64) / cg * factor
-
-    def _ghost_kernel(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """``sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>``, ``[M, M]``."""
-        if a.shape[1] == 1:
-            return (a[:, 0] @ a[:, 0].T) * (g[:, 0] @ g[:, 0].T)
-        ka = torch.einsum("nti,msi->nmts", a, a)
-        kg = torch.einsum("nto,mso->nmts", g, g)
-        return (ka * kg).sum(dim=(2, 3))
-
-    # ---- FactoredRows
-    def gram(self, scale: float = 1.0) -> torch.Tensor:
-        out = gram(self.dense, scale)
-        for _, a, g in self.ghosts:
-            out += self._ghost_kernel(*self._scaled(a, g, scale))
-        return 0.5 * (out + out.T)
-
-    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
-        coeff = coeff.to(torch.float64)
-        # final and a narrower model dtype: the direction in that dtype (see FactoredRows), written in place
-        narrow = final and self.dtype.itemsize < 8
-        out = torch.empty(self.shape[1], dtype=self.dtype if narrow else torch.float64, device=self.device)
-        part = combine_rows(coeff, self.dense, scale)
-        for i, lo, dlo, size in self._dense_columns():  # every column is written: here or below
-            out[lo : lo + size] = part[dlo : dlo + size]
-        for i, a, g in self.ghosts:
-            a, g = self._scaled(a, g, scale)
-            weighted = (g * coeff[:, None, None]).flatten(0, 1)  # [M T, O]
-            a = a.flatten(0, 1)  # [M T, I]
-            dest = out[self.offsets[i] : self.offsets[i + 1]].view(weighted.shape[1], a.shape[1])  # [O, I]
-            if narrow and a.shape[0] <= a.shape[1]:
-                # The [O, I] product in the model's dtype without cancellation error: A^T = Q R with Q [I, M T]
-                # orthonormal (float64 QR), so (cG)^T A = (cG^T R^T) Q^T; the small factor cG^T R^T is float64
-                # and a product with orthonormal Q^T errs by ~eps * ||row||, whatever cancels in c.
-                q, r = torch.linalg.qr(a.T)
-                torch.mm((weighted.T @ r.T).to(self.dtype), q.T.to(self.dtype), out=dest)
-            elif narrow:
-                dest.copy_(weighted.T @ a)
-            else:
-                torch.mm(weighted.T, a, out=dest)
-        return out
-
-    def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        v = v.to(torch.float64)
-        out = torch.zeros(self.shape[0], dtype=torch.float64, device=self.device)
-        for i, lo, dlo, size in self._dense_columns():
-            out += self.dense[:, dlo : dlo + size].to(torch.float64) @ v[lo : lo + size] / scale
-        for i, a, g in self.ghosts:
-            a, g = self._scaled(a, g, scale)
-            weight = v[self.offsets[i] : self.offsets[i + 1]].reshape(g.shape[-1], a.shape[-1])  # [O, I]
-            out += ((a @ weight.T) * g).sum(dim=(1, 2))
-        return out
-
-    def max_abs(self) -> float:
-        bound = max_abs(self.dense)
-        for _, a, g in self.ghosts:
-            if a.numel():
-                bound = max(bound, float(a.abs().max()) * float(g.abs().max()) * a.shape[1])
-        return bound
-
-    def is_finite(self) -> bool:
-        if self._finite is None:
-            self._finite = all_finite(self.dense) and all(all_finite(a) and all_finite(g) for _, a, g in self.ghosts)
-        return self._finite
-
-    # ---- what the batch gradient and the guard need
-    def row_sum(self) -> torch.Tensor:
-        """``J^T 1`` in the parameters' dtype, ``[P]`` (the hooked parameters' batch gradients, see
-        :func:`_batch_gradient`)."""
-        out = torch.empty(self.shape[1], dtype=self.dtype, device=self.device)  # every column is written below
-        total = self.dense.sum(0)
-        for i, lo, dlo, size in self._dense_columns():
-            out[lo : lo + size] = total[dlo : dlo + size]
-        for i, a, g in self.ghosts:  # written in place: no P-sized temporary
-            dest = out[self.offsets[i] : self.offsets[i + 1]].view(g.shape[-1], a.shape[-1])
-            torch.mm(g.flatten(0, 1).T, a.flatten(0, 1), out=dest)
-        return out
-
-    def row_sqnorms(self) -> torch.Tensor:
-        """``||J_n restricted to parameter i||^2``, ``[M, number of parameters]``, float64."""
-        out = torch.zeros(self.shape[0], len(self.sizes), dtype=torch.float64, device=self.device)
-        for i, lo, dlo, size in self._dense_columns():
-            out[:, i] = self.dense[:, dlo : dlo + size].to(torch.float64).square().sum(1)
-        for i, a, g in self.ghosts:
-            a, g = self._scaled(a, g, 1.0)
-            out[:, i] = (torch.einsum("nti,nsi->nts", a, a) * torch.einsum("nto,nso->nts", g, g)).sum(dim=(1, 2))
-        return out
-
-    def materialize(self) -> torch.Tensor:
-        """The ``[M, P]`` tensor (for tests and small models)."""
-        jac = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        for i, lo, dlo, size in self._dense_columns():
-            jac[:, lo : lo + size] = self.dense[:, dlo : dlo + size]
-        for i, a, g in self.ghosts:
-            jac[:, self.offsets[i] : self.offsets[i + 1]] = torch.bmm(g.transpose(1, 2), a).flatten(1)
-        return jac
-
-
-def _prefer_ghost(form: str, m: int, t: int, fan_in: int, fan_out: int) -> bool:
-    """Whether a Linear weight is kept as factors (ghost Gram) rather than as per-sample rows: "ghost" / "rows"
-    force it; "auto" compares the Gram's flops and memory, ``M^2 T^2 (I + O)`` and ``M^2 T^2`` for the ghost kernels
-    against ``M T I O + M^2 I O`` and ``M I O`` for the rows."""
-    if form != "auto":
-        return form == "ghost"
-    ghost_flops, rows_flops = m * m * t * t * (fan_in + fan_out), m * fan_in * fan_out * (t + m)
-    return ghost_flops <= rows_flops and m * m * t * t <= m * fan_in * fan_out
 
 
 # --------------------------------------------------------------------------------------------------- hooked layers
@@ -485,7 +342,7 @@ def recording_hook(records: list, slots: int = 2) -> Callable:
     return hook
 
 
-class _Capture:
+class PerSampleCapture:
     """Hooks that keep (input, output-gradient) pairs of every call of the modules owning trainable parameters.
 
     With ``stand_ins=True`` (the per-sample capture; K-FAC's does without) each hooked call runs with *stand-ins*
@@ -539,7 +396,7 @@ class _Capture:
         self.demoted: dict[int, str] = {}  # parameter index -> why its hooked module fell back to the loop
         self.handles: list = []
 
-    def __enter__(self) -> "_Capture":
+    def __enter__(self) -> "PerSampleCapture":
         self.stand_ins.clear()
         self.broadcast.clear()
         self.embedding_candidates.clear()
@@ -828,7 +685,7 @@ class _Capture:
             if isinstance(axis, _BroadcastCall):  # ids shared by every sample: each sample's gradient of the output
                 m = self.batch_size
                 rows = per_sample_rows(axis.uses, m, grad.numel(), grad.dtype, grad.device)
-                check_sums(rows, grad, self.name(self.modules[k][3]["weight"]))
+                _check_sums(rows, grad, self.name(self.modules[k][3]["weight"]))
                 yield x.reshape(1, -1).expand(m, -1), rows.view(m, -1, grad.shape[-1])
                 continue
             if axis == WHOLE_CALL:
@@ -858,7 +715,7 @@ class _Capture:
         return written
 
 
-def _warn_slow_path(model: torch.nn.Module, capture: _Capture, names: Sequence[str], m: int) -> None:
+def _warn_slow_path(model: torch.nn.Module, capture: PerSampleCapture, names: Sequence[str], m: int) -> None:
     """One :class:`SlowPathWarning` per model (and set of parameters) naming the parameters that take the loop."""
     loop = [i for i in range(len(names)) if i not in capture.hooked]
     if not loop or m == 1:
@@ -926,7 +783,7 @@ def _weight_factors(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor
 
 
 def _backward_jacobian(
-    capture: _Capture,
+    capture: PerSampleCapture,
     losses: torch.Tensor,
     params: Sequence[torch.Tensor],
     retain_graph: bool,
@@ -934,12 +791,12 @@ def _backward_jacobian(
     form: str = "dense",
 ) -> tuple[torch.Tensor | FactoredJacobian, list[torch.Tensor | None]]:
     """One backward of ``sum(losses)`` through the hooks (plus the loop for unhooked parameters): ``(J, autograd)``,
-    ``J`` an ``[M, P]`` tensor (``form="dense"``) or a :class:`FactoredJacobian` (``"auto"``, ``"ghost"``,
-    ``"rows"``: the form of every ``nn.Linear`` weight, see :func:`_prefer_ghost`).
+    ``J`` an ``[M, P]`` tensor (``form="dense"``) or a :class:`~ief.rows.FactoredJacobian` (``"auto"``, ``"ghost"``,
+    ``"rows"``: the form of every ``nn.Linear`` weight, see :func:`ief.rows.prefer_ghost`).
 
     ``autograd[i]`` is what autograd's batch backward gives parameter ``i``: its whole batch gradient for a parameter
-    of the per-sample loop; for a hooked one (its module's calls ran with stand-ins, see :class:`_Capture`) only the
-    contribution of its uses outside those calls, ``None`` when there are none (the guard reads it, and
+    of the per-sample loop; for a hooked one (its module's calls ran with stand-ins, see :class:`PerSampleCapture`)
+    only the contribution of its uses outside those calls, ``None`` when there are none (the guard reads it, and
     :func:`_batch_gradient` adds it to ``J^T 1``). Autograd never computes a hooked layer's batch weight gradient:
     the backward asks for the hooked calls' outputs instead (their gradient edges), which is all the rules need."""
     m = losses.shape[0]
@@ -959,7 +816,7 @@ def _backward_jacobian(
                 continue
             positions = sum(_positions_of(module, d) for _, d in calls)
             fan_out, fan_in = getattr(module, "weight").flatten(1).shape
-            if _prefer_ghost(form, m, positions, fan_in, fan_out):  # the factors only now: an unfold is not free
+            if prefer_ghost(form, m, positions, fan_in, fan_out):  # the factors only now: an unfold is not free
                 calls = [_weight_factors(module, x, d) for x, d in calls]
                 a = _positions([x for x, _ in calls]).to(ref.dtype)  # [M, T, I]
                 g = _positions([d for _, d in calls]).to(ref.dtype)  # [M, T, O]
@@ -981,7 +838,7 @@ def _backward_jacobian(
     for i, uses in capture.broadcast.items():  # bare parameters broadcast over the batch: rows from their uses
         if i in columns:
             rows = per_sample_rows(uses, m, capture.sizes[i], ref.dtype, ref.device)
-            check_sums(rows, autograd[i], capture.name(i))
+            _check_sums(rows, autograd[i], capture.name(i))
             jac[:, columns[i] : columns[i] + capture.sizes[i]] = rows
             written.add(i)
     for i, rows in bias_rows.items():
@@ -1047,19 +904,19 @@ def _block_norm(jacobian: torch.Tensor | FactoredJacobian, i: int, offsets: Sequ
     return torch.linalg.vector_norm(block, dtype=torch.float64)
 
 
-def check_no_outside_use(capture: _Capture, jacobian: torch.Tensor | FactoredJacobian,
+def check_no_outside_use(capture: PerSampleCapture, jacobian: torch.Tensor | FactoredJacobian,
                          autograd: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
     """The guard (``check=True``): raise :class:`PerSampleGradientMismatch` if a hooked parameter is used outside
     its hooked module calls beyond rounding error.
 
-    Its hooked calls ran with stand-ins (:class:`_Capture`), so autograd's gradient of the parameter itself,
+    Its hooked calls ran with stand-ins (:class:`PerSampleCapture`), so autograd's gradient of the parameter itself,
     ``o = autograd[i]``, is exactly the part of the batch gradient that the hooked rows miss: ``o = g - sum_n J_n``.
     ``None`` or zero: the rows are the whole gradient by construction (no gradient is read). Otherwise the block
     fails when ``||o|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds ``tol * sum_n ||J_n||``),
     ``tol = 50 sqrt(eps)``. Parameters of the per-sample loop are not checked: their rows are gradients of the
     individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
     the optimisers). A parameter whose outside use is in the forward's graph (tied weights) has already been sent to
-    the loop (:meth:`_Capture.demote_outside_uses`): this is the safety net behind that search."""
+    the loop (:meth:`PerSampleCapture.demote_outside_uses`): this is the safety net behind that search."""
     found = [i for i in sorted(capture.hooked - set(capture.broadcast))
              if autograd[i] is not None and bool(autograd[i].any())]
     if not found:
@@ -1084,12 +941,6 @@ def _raise_if_beyond(err: torch.Tensor, scale: torch.Tensor, tol: float, names: 
 
 
 CHECKS = (True, False, "exact")
-
-
-def _check_form(form) -> str:
-    if not isinstance(form, str) or form not in FORMS:
-        raise ValueError(f"form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
-    return form
 
 
 def _check_mode(check) -> str | None:
@@ -1167,7 +1018,7 @@ def _hooked_products(jac: torch.Tensor | FactoredJacobian, tangents, offsets: Se
     for i, (u, w) in enumerate(tangents):
         size = offsets[i + 1] - offsets[i]
         if i in ghosts:
-            a, g = FactoredJacobian._scaled(*ghosts[i], 1.0)  # [M, T, I], [M, T, O]
+            a, g = FactoredJacobian.scaled_factors(*ghosts[i], 1.0)  # [M, T, I], [M, T, O]
             out += ((a @ w.T.to(a.device)) * (g @ u.T.to(g.device))).sum(dim=1)
             continue
         if factored:
@@ -1270,7 +1121,7 @@ class _HookedForward:
         self.params = resolve_params(model, params)
         if self.mode is not None:
             _refuse_sample_mixing(model)
-        self.capture = _Capture(model, self.params, stand_ins=True)
+        self.capture = PerSampleCapture(model, self.params, stand_ins=True)
         self.capture.batch_size = m
         self.forward = ReplayableForward(model, inputs)
         # which hooked parameters the graph reaches outside their hooked calls (they ran with stand-ins)
@@ -1383,8 +1234,8 @@ def per_sample(
         out: optional ``[M, P]`` buffer of the parameters' dtype and device to write ``J`` into (overwritten; used
             when its shape matches). The optimisers reuse one across steps.
         form: how ``J`` is returned. ``"dense"`` (default): the ``[M, P]`` tensor. ``"auto"``: a
-            :class:`FactoredJacobian` that never forms ``[M, P]``: each ``nn.Linear`` weight is kept as its layer's
-            inputs and output gradients (the "ghost" Gram, cost ``M^2 T^2 (I + O)``) or as per-sample rows
+            :class:`~ief.rows.FactoredJacobian` that never forms ``[M, P]``: each ``nn.Linear`` weight is kept as its
+            layer's inputs and output gradients (the "ghost" Gram, cost ``M^2 T^2 (I + O)``) or as per-sample rows
             (``M I O``), whichever is cheaper for that layer; every other parameter as its (small) column block.
             ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight. ``ief_direction``,
             ``ef_direction`` and ``sf_direction`` take either form; ``.materialize()`` gives the tensor.
@@ -1402,7 +1253,7 @@ def per_sample(
         ief.model_call.ReentrantCheckpointError: a reentrant ``torch.utils.checkpoint`` outside HuggingFace layers
             (pass ``use_reentrant=False``; HuggingFace's reentrant layers are run non-reentrantly by ``ief``).
     """
-    form = _check_form(form)
+    form = check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
     losses, jac, gradient = fwd.jacobian(targets, out=out, form=form)
     return PerSample(losses=losses, jacobian=jac, logit_sqnorm=fwd.logit_sqnorm(targets), gradient=gradient)
@@ -1436,13 +1287,14 @@ def sampled_jacobian(
         form: ``"dense"`` (default), ``"auto"``, ``"ghost"`` or ``"rows"``, as :func:`per_sample`.
 
     Returns:
-        The sampled per-sample Jacobian ``[M, P]``: a tensor, or a :class:`FactoredJacobian` for a factored ``form``.
+        The sampled per-sample Jacobian ``[M, P]``: a tensor, or a :class:`~ief.rows.FactoredJacobian` for a factored
+        ``form``.
 
     Raises:
         ValueError: as :func:`per_sample`.
         FloatingPointError: logits the labels cannot be drawn from (NaN, ``+inf``, or every class ``-inf``).
     """
-    form = _check_form(form)
+    form = check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
     return fwd.jacobian(fwd.sampled_targets(generator), form=form)[1]
 
@@ -1460,7 +1312,7 @@ def gradient_and_sampled_jacobian(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | FactoredJacobian]:
     """``(losses [M], grad [P], sampled J [M, P])`` from one forward and two backward passes, as in ``alg:SF``
     (``form`` as in :func:`per_sample`)."""
-    form = _check_form(form)
+    form = check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
     losses, gradient = fwd.gradient(targets, retain_graph=True)
     sampled = fwd.jacobian(fwd.sampled_targets(generator), form=form)[1]

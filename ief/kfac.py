@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .jacobian import _Capture
+from .jacobian import PerSampleCapture
 from .losses import Loss, check_damping, get_loss, logit_sqnorm
 from .model_call import Inputs, ReplayableForward, batch_size, param_names, resolve_params
 
@@ -65,14 +65,18 @@ class KroneckerBlock:
     index: dict[str, int]
 
 
-def _check_kind(kind: str) -> None:
+def check_kind(kind: str) -> str:
+    """``kind`` if it is one of :data:`KINDS`; ``ValueError`` naming it and the accepted ones otherwise."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; accepted: {', '.join(map(repr, KINDS))}")
+    return kind
 
 
-def _check_approx(approx: str) -> None:
+def check_approx(approx: str) -> str:
+    """``approx`` if it is one of :data:`APPROXIMATIONS`; ``ValueError`` naming it and the accepted ones otherwise."""
     if approx not in APPROXIMATIONS:
         raise ValueError(f"unknown approx {approx!r}; accepted: {', '.join(map(repr, APPROXIMATIONS))}")
+    return approx
 
 
 def _rows(x: torch.Tensor, m: int, approx: str, reduce_op: str) -> torch.Tensor:
@@ -83,9 +87,9 @@ def _rows(x: torch.Tensor, m: int, approx: str, reduce_op: str) -> torch.Tensor:
     return x.mean(dim=1) if reduce_op == "mean" else x.sum(dim=1)
 
 
-class _LinearHooks(_Capture):
-    """The per-sample capture's hooks (:class:`ief.jacobian._Capture`: every call's input and the gradient flowing
-    back into its output), restricted to the ``nn.Linear`` layers owning ``params``: K-FAC needs their raw rows, not
+class _LinearHooks(PerSampleCapture):
+    """The per-sample capture's hooks (:class:`ief.jacobian.PerSampleCapture`: every call's input and the gradient
+    flowing back into its output), restricted to the ``nn.Linear`` layers owning ``params``: K-FAC needs their raw rows, not
     per-sample products or sample axes. ``records[k]``: ``[[input, output grad, _], ...]`` per call; ``modules[k]``:
     ``(module, rule, features, {"weight"/"bias": index in params})``. Any other trainable parameter: ``ValueError``."""
 
@@ -127,19 +131,39 @@ def kronecker_factors(
     labels drawn with ``generator`` for ``G``). ``sampled_targets`` replaces the draw (tests use it to reproduce a
     peer's labels).
     """
-    blocks, gradient, params = _factors(model, inputs, targets, [kind], params, generator=generator, loss=loss,
-                                        approx=approx, sampled_targets=sampled_targets)
+    blocks, gradient, params = kronecker_factor_sets(model, inputs, targets, [check_kind(kind)], params,
+                                                     generator=generator, loss=loss, approx=check_approx(approx),
+                                                     sampled_targets=sampled_targets)
     return blocks[kind], gradient, params
 
 
-def _factors(model, inputs, targets, kinds, params, *, generator, loss, approx, sampled_targets=None,
-             losses_out: list | None = None):
-    """``({kind: blocks}, grad, params)`` for several kinds from one forward: ``A`` and the true-label backward are
-    shared by eKFAC and ieKFAC; KFAC adds one backward for the sampled labels. ``losses_out``, when given, receives
-    the per-sample losses ``[M]`` of the true labels (detached; :class:`ief.optim.KFAC` returns them)."""
-    for kind in kinds:
-        _check_kind(kind)
-    _check_approx(approx)
+def kronecker_factor_sets(model: torch.nn.Module, inputs: Inputs, targets: torch.Tensor, kinds: list[str],
+                          params: Iterable[torch.nn.Parameter] | None, *, generator: torch.Generator | None,
+                          loss: str | Loss, approx: str, sampled_targets: torch.Tensor | None = None,
+                          losses_out: list | None = None,
+                          ) -> tuple[dict[str, list[KroneckerBlock]], torch.Tensor, list[torch.Tensor]]:
+    """``({kind: blocks}, grad [P], params)`` for several kinds from one forward: ``A`` and the true-label backward
+    are shared by eKFAC and ieKFAC; KFAC adds one backward for the sampled labels.
+
+    Args:
+        model: returns logits, as :func:`kronecker_factors`.
+        inputs: the batch's inputs.
+        targets: its targets.
+        kinds: checked kinds (:func:`check_kind`), each at most once.
+        params: the parameters (``None``: the model's trainable ones).
+        generator: ``"kfac"``'s label draws (``None``: the global RNG).
+        loss: ``"cross_entropy"`` or ``"mse"``.
+        sampled_targets: replaces ``"kfac"``'s draw (as :func:`kronecker_factors`).
+        approx: a checked approximation (:func:`check_approx`).
+        losses_out: when given, receives the per-sample losses ``[M]`` of the true labels (detached;
+            :class:`ief.optim.KFAC` returns them).
+
+    Returns:
+        Every kind's blocks, the batch gradient and the resolved parameters.
+
+    Raises:
+        ValueError: a parameter outside an ``nn.Linear`` or a bad batch, named.
+    """
     loss_fn = get_loss(loss)
     params = resolve_params(model, params)
     names = param_names(model, params)
@@ -295,16 +319,33 @@ def kfac_directions(
 ) -> dict[str, torch.Tensor]:
     """``{kind: direction [P]}`` for several kinds (``{kind: damping}``) from one forward and one or two backward
     passes: equal to :func:`kfac_direction` per kind (same labels for ``"kfac"`` from ``generator``)."""
-    dampings = {kind: check_damping(lam) for kind, lam in dampings.items()}
-    all_blocks, gradient, params = _factors(model, inputs, targets, list(dampings), params, generator=generator,
-                                            loss=loss, approx=approx)
-    return {kind: _direction(all_blocks[kind], gradient, params, dampings[kind], kind) for kind in dampings}
+    dampings = {check_kind(kind): check_damping(lam) for kind, lam in dampings.items()}
+    all_blocks, gradient, params = kronecker_factor_sets(model, inputs, targets, list(dampings), params,
+                                                         generator=generator, loss=loss, approx=check_approx(approx))
+    return {kind: block_diagonal_direction(all_blocks[kind], gradient, params, dampings[kind], kind)
+            for kind in dampings}
 
 
-def _direction(blocks: list[KroneckerBlock], gradient: torch.Tensor, params: list[torch.Tensor], damping: float,
-               kind: str, eigens: dict[str, tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor:
-    """The damped block-diagonal solve of every layer, back in the parameter order of ``params``. ``eigens``
-    (``{block name: kronecker_eigen(...)}``) replaces the blocks' own eigendecompositions where given."""
+def block_diagonal_direction(blocks: list[KroneckerBlock], gradient: torch.Tensor, params: list[torch.Tensor],
+                             damping: float, kind: str,
+                             eigens: dict[str, tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor:
+    """The damped block-diagonal solve ``(G (x) A + lambda I)^{-1} grad`` of every layer, back in the parameter
+    order of ``params`` (``sec:app-iEF-eNGDopt``).
+
+    Args:
+        blocks: the layers' factors (:func:`kronecker_factor_sets`).
+        gradient: ``[P]`` the batch gradient, in the order of ``params``.
+        params: the parameters.
+        damping: a checked ``lambda >= 0`` (:func:`ief.losses.check_damping`).
+        kind: the kind, for the error message.
+        eigens: ``{block name: kronecker_eigen(...)}``, replacing the blocks' own eigendecompositions where given.
+
+    Returns:
+        The direction ``[P]`` in ``gradient``'s dtype.
+
+    Raises:
+        FloatingPointError: the direction is not representable in that dtype.
+    """
     offsets = [0]
     for p in params:
         offsets.append(offsets[-1] + p.numel())

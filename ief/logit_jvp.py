@@ -264,7 +264,7 @@ def unsupported_message(forward: ReplayableForward, params, names, tangents, err
 
 
 # Models whose forward has no forward-mode rule somewhere: gamma and the exact check go straight to double backward.
-_NO_FORWARD_MODE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+NO_FORWARD_MODE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
 def jvp_any_mode(
@@ -272,20 +272,20 @@ def jvp_any_mode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, J_z v)`` by forward mode, or by double backward where the model has no forward-mode rule (same value);
     logits detached."""
-    if forward.model not in _NO_FORWARD_MODE:
+    if forward.model not in NO_FORWARD_MODE:
         try:
             with torch.no_grad():
                 logits, jv = logits_and_jvp(forward, params, names, tangents, "forward")
             return logits.detach(), jv
         except ForwardModeUnsupported:
-            _NO_FORWARD_MODE[forward.model] = True
+            NO_FORWARD_MODE[forward.model] = True
     with torch.enable_grad():
         logits, jv = logits_and_jvp(forward, params, names, tangents, "double_backward")
     return logits.detach(), jv
 
 
 # Models on which the batched forward-mode pass failed once (no batching rule, data-dependent control flow).
-_NO_BATCHED_JVP: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+NO_BATCHED_JVP: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
 def jvps_any_mode(
@@ -297,11 +297,11 @@ def jvps_any_mode(
     backward-type pass per tangent (:func:`double_backward_jvps`, the same values). Logits detached, ``[K, *z.shape]``
     detached."""
     model = forward.model
-    if model not in _NO_FORWARD_MODE and model not in _NO_BATCHED_JVP:
+    if model not in NO_FORWARD_MODE and model not in NO_BATCHED_JVP:
         try:
             return batched_tangent_jvps(forward, params, names, tangents)
         except (RuntimeError, NotImplementedError):  # the fallback is exact; a real error recurs there
-            _NO_BATCHED_JVP[model] = True
+            NO_BATCHED_JVP[model] = True
     tangent_sets = [[t[k] for t in tangents] for k in range(tangents[0].shape[0])]
     with differentiable_kernels(), torch.inference_mode(False), torch.enable_grad():
         logits = forward()

@@ -451,13 +451,13 @@ def test_fisher_vp_auto_takes_forward_mode_and_falls_back_without_changing_the_p
     """``method="auto"`` (the default) is the forward-mode product where every layer has a forward rule (the very same
     numbers), and double backward where one has none: no error, the value of ``method="double_backward"`` from the
     same RNG state (the fallback replays the dropout masks the failed dual forward drew), remembered per model."""
-    from ief.logit_jvp import _NO_FORWARD_MODE
+    from ief.logit_jvp import NO_FORWARD_MODE
 
     case = mlp_case()
     v = torch.randn(num_params(case), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     assert torch.equal(ief.fisher_vp(case.model, case.inputs, case.targets, v),
                        ief.fisher_vp(case.model, case.inputs, case.targets, v, method="forward"))
-    assert case.model not in _NO_FORWARD_MODE
+    assert case.model not in NO_FORWARD_MODE
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -475,7 +475,7 @@ def test_fisher_vp_auto_takes_forward_mode_and_falls_back_without_changing_the_p
     expected = _seeded(lambda: ief.fisher_vp(model, x, y, d, method="double_backward"))
     got = _seeded(lambda: ief.fisher_vp(model, x, y, d))
     torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)
-    assert model in _NO_FORWARD_MODE
+    assert model in NO_FORWARD_MODE
     torch.testing.assert_close(_seeded(lambda: ief.fisher_vp(model, x, y, d)), expected, rtol=1e-13, atol=1e-13)
     with pytest.raises(ValueError, match="'auto', 'forward', 'double_backward'"):
         ief.fisher_vp(model, x, y, d, method="nope")
@@ -593,7 +593,7 @@ def test_gammas_fallback_warning_gives_the_reason():
     p = sum(q.numel() for q in model.parameters())
     stacked = torch.randn(2, p, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     try:
-        ief.curvature.batched_jvps(ief.model_call.ReplayableForward(model, x), list(model.parameters()),
+        ief.logit_jvp.batched_jvps(ief.model_call.ReplayableForward(model, x), list(model.parameters()),
                                    ief.model_call.param_names(model, list(model.parameters())), stacked)
     except (RuntimeError, NotImplementedError) as err:
         reason = str(err).splitlines()[0]
@@ -839,24 +839,3 @@ def test_a_remembered_targets_check_is_redone_after_an_in_place_change():
         bad = torch.tensor([0, 1, 5, 1, 0])
     with pytest.raises(ValueError, match="class index 5 out of range"):
         ief.fisher_vp(torch.nn.Linear(4, 3), x, bad, v)
-
-
-def test_nested_differentiable_kernels_keep_and_restore_the_settings():
-    """A ``differentiable_kernels`` block inside another (a Fisher-vector product enters several) leaves the reference
-    kernels on and changes nothing on exit; the outer block restores the caller's settings; a nested block entered
-    after the model changed a setting sets it again."""
-    from ief.logit_jvp import _reference_kernels_set, differentiable_kernels
-
-    before = (torch.backends.mkldnn.enabled, torch.backends.mha.get_fastpath_enabled(),
-              torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
-    with differentiable_kernels():
-        assert _reference_kernels_set()
-        with differentiable_kernels():
-            assert _reference_kernels_set()
-        assert _reference_kernels_set()
-        torch.backends.mkldnn.enabled = True  # something inside switched oneDNN back on
-        with differentiable_kernels():
-            assert not torch.backends.mkldnn.enabled and _reference_kernels_set()
-        assert torch.backends.mkldnn.enabled  # restored to what it was when that block was entered
-    assert (torch.backends.mkldnn.enabled, torch.backends.mha.get_fastpath_enabled(),
-            torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before

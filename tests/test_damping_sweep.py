@@ -338,7 +338,7 @@ def test_a_saturated_batch_is_named_as_the_damping_sweep(logit_space):
         ief.damping_sweep(model, x, y, [1e-4], logit_space=logit_space)
 
 
-# --- _SharedGram: J's FactoredRows interface with the Gram, max|J| and finiteness computed once ------------------
+# --- SharedGram: J's Rows interface with the Gram computed once per scale -----------------------------------------
 def _shared_gram_cases():
     c64, c32 = mlp_case(), mlp_case(dtype=torch.float32)
     torch.manual_seed(0)
@@ -354,40 +354,41 @@ def _shared_gram_cases():
 
 
 @pytest.mark.parametrize("name", ["dense f64", "dense f32", "dense 1e-200", "wide", "factored f64", "factored f32"])
-def test_shared_gram_is_j_in_every_factored_rows_method(name):
-    """``_SharedGram(J)`` answers every :class:`ief.directions.FactoredRows` method as ``J`` itself: ``(J/s)(J/s)^T``,
+def test_shared_gram_is_j_in_every_rows_method(name):
+    """``SharedGram(J)`` answers every :class:`ief.rows.Rows` method as ``J`` itself: ``(J/s)(J/s)^T``,
     ``(J/s)^T c`` (in ``J``'s dtype with ``final`` for a factored float32 ``J``), ``(J/s) v`` for any float ``v``,
     ``max|J|`` and finiteness; the defaults are ``scale = 1``, ``final = False``."""
-    from ief import directions
-    from ief.damping_sweep import _SharedGram
+    from ief.damping_sweep import SharedGram
+    from ief.rows import DenseRows, as_rows
 
     j = _shared_gram_cases()[name]
-    dense = j.materialize() if isinstance(j, ief.jacobian.FactoredJacobian) else j
-    shared = _SharedGram(j)
+    rows = as_rows(j)
+    dense = rows.materialize()
+    shared = SharedGram(j)
     gen = torch.Generator().manual_seed(0)
     coeff = torch.randn(j.shape[0], generator=gen, dtype=torch.float64)
     v = torch.randn(j.shape[1], generator=gen, dtype=torch.float64)
     rtol = 1e-12 if j.dtype == torch.float64 else 1e-6
-    for scale in (1.0, 3.0, directions.gram_scale(j)):
-        expected_gram = directions.gram(dense, scale)
+    for scale in (1.0, 3.0, rows.gram_scale()):
+        expected_gram = DenseRows(dense).gram(scale)
         assert_close(shared.gram(scale), expected_gram, rtol, "gram")
         assert_close(shared.gram(scale), expected_gram, rtol, "gram (cached)")
         for final in (False, True):
             got = shared.combine_rows(coeff, scale, final)
-            expected = directions.combine_rows(coeff, j, scale, final)
+            expected = rows.combine_rows(coeff, scale, final)
             assert got.dtype == expected.dtype and torch.equal(got, expected), ("combine_rows", scale, final)
-        assert_close(shared.combine_rows(coeff, scale), directions.combine_rows(coeff, dense, scale), rtol, "J^T c")
+        assert_close(shared.combine_rows(coeff, scale), DenseRows(dense).combine_rows(coeff, scale), rtol, "J^T c")
         for vec in (v, v.float()):
             assert_close(shared.times(vec, scale), (dense.double() / scale) @ vec.double(), rtol, "J v")
-    assert_close(shared.gram(), directions.gram(dense), rtol, "gram, default scale")
+    assert_close(shared.gram(), DenseRows(dense).gram(), rtol, "gram, default scale")
     assert shared.combine_rows(coeff).dtype == torch.float64
-    assert_close(shared.combine_rows(coeff), directions.combine_rows(coeff, dense), rtol, "J^T c, default scale")
+    assert_close(shared.combine_rows(coeff), DenseRows(dense).combine_rows(coeff), rtol, "J^T c, default scale")
     assert_close(shared.times(v), dense.double() @ v, rtol, "J v, default scale")
-    assert shared.max_abs() == directions.max_abs(j) and shared.is_finite()
+    assert shared.max_abs() == as_rows(j).max_abs() and shared.is_finite()
 
 
 def test_shared_gram_reports_a_non_finite_j():
-    from ief.damping_sweep import _SharedGram
+    from ief.damping_sweep import SharedGram
 
     for form in ("dense", "ghost"):
         case = mlp_case()
@@ -397,8 +398,8 @@ def test_shared_gram_reports_a_non_finite_j():
         else:  # a fresh FactoredJacobian (per_sample has checked, and cached, the finiteness of its own)
             ghosts = [(i, a, g.clone()) for i, a, g in j.ghosts]
             ghosts[0][2][1, 0, 0] = float("inf")
-            j = ief.jacobian.FactoredJacobian(j.shape[0], j.sizes, j.dense, ghosts, j.dense, j.dense_index)
-        assert not _SharedGram(j).is_finite(), form
+            j = ief.rows.FactoredJacobian(j.shape[0], j.sizes, j.dense, ghosts, j.dense, j.dense_index)
+        assert not SharedGram(j).is_finite(), form
 
 
 def assert_close(actual, expected, rtol, what):

@@ -29,8 +29,8 @@ PINV_RTOL = 1e-10  # spectrum cutoff for pinv: genuine eigenvalues here are >= 1
 
 
 
-def ghost_factors(j: torch.Tensor) -> "ief.jacobian.FactoredJacobian":
-    """Any ``J [M, P]`` as a :class:`ief.jacobian.FactoredJacobian`: its first ``P - 2`` columns as one Linear weight
+def ghost_factors(j: torch.Tensor) -> "ief.rows.FactoredJacobian":
+    """Any ``J [M, P]`` as a :class:`ief.rows.FactoredJacobian`: its first ``P - 2`` columns as one Linear weight
     ``[O, I]`` held as factors (``A`` = the identity over ``T = I`` positions, ``G[n, t] = J_n[:, t]``, so that
     ``sum_t g_t a_t^T = J_n`` exactly), the last two as a materialised block: every direction test then also runs
     through the ghost Gram, ``J^T c`` from the factors and the scaling that keeps them in float64 range."""
@@ -41,7 +41,7 @@ def ghost_factors(j: torch.Tensor) -> "ief.jacobian.FactoredJacobian":
     a = torch.eye(fan_in, dtype=j.dtype).expand(m, fan_in, fan_in)  # [M, T = I, I]
     g = j[:, :width].reshape(m, fan_out, fan_in).transpose(1, 2)  # [M, T, O]
     sizes, dense_index = ([width, p - width], {1: 0}) if width < p else ([p], {})
-    return ief.jacobian.FactoredJacobian(m, sizes, j, [(0, a, g)], j[:, width:], dense_index)
+    return ief.rows.FactoredJacobian(m, sizes, j, [(0, a, g)], j[:, width:], dense_index)
 
 
 @pytest.fixture(params=["dense", "factored"])
@@ -442,7 +442,7 @@ def test_float32_factored_directions_are_accurate_to_float32(damping):
     assert len(fac.ghosts) == 2  # both weights factored: the float32 (QR) path is the one under test
     # the exact J of these factors (products formed in float64; SF amplifies J's own rounding by ~1/lambda)
     widened = [(i, a.double(), g.double()) for i, a, g in fac.ghosts]
-    j = ief.jacobian.FactoredJacobian(fac.shape[0], fac.sizes, fac.dense.double(), widened, fac.dense.double(),
+    j = ief.rows.FactoredJacobian(fac.shape[0], fac.sizes, fac.dense.double(), widened, fac.dense.double(),
                                       fac.dense_index).materialize()
     s = r.logit_sqnorm.double()
     for got, expected in (
@@ -665,22 +665,6 @@ def test_damped_solve_on_the_eigen_path_with_a_small_genuine_eigenvalue(as_j):
     assert_rel(ief.ef_direction(as_j(j), lam), expected, rtol=1e-4, what="EF")
 
 
-def test_public_gram_helpers_against_dense_products():
-    """``gram(J) = J J^T``, ``combine_rows(c, J) = J^T c`` (default scale 1), ``max_abs`` the largest magnitude
-    whatever its sign, and ``gram_scale`` 1 inside ``[1e-100, 1e100]``, ``max|J|`` outside."""
-    from ief.directions import combine_rows, gram, gram_scale, max_abs
-
-    j = random_jacobian()
-    c = random_s()
-    assert_rel(gram(j), j @ j.T, rtol=1e-14, what="gram")
-    assert_rel(combine_rows(c, j), j.T @ c, rtol=1e-14, what="combine_rows")
-    negative = -j.abs() - 0.5
-    negative[2, 3] = -7.0
-    assert max_abs(negative) == 7.0 and max_abs(j) == float(j.abs().max())
-    for scale, expected in ((1.0, 1.0), (1e-50, 1.0), (1e80, 1.0), (1e-120, 7e-120), (1e150, 7e150)):
-        assert gram_scale(negative * scale) == pytest.approx(expected, rel=1e-15), scale
-
-
 def test_directions_of_a_non_positive_jacobian(as_j):
     """Every entry ``<= 0`` (one exactly zero, the largest magnitude negative), also at ``|J| ~ 1e-120``: the
     magnitude that scales the Gram matrix is ``max|J|``, not ``max J = 0``; EF against the dense solve."""
@@ -795,3 +779,36 @@ def test_one_pass_finds_a_non_finite_entry_anywhere(bad, where):
             call()
     with pytest.raises(ValueError, match="^sampled_jacobian contains non-finite values$"):
         ief.sf_direction(j, torch.ones(2 * 65536), 1e-3)
+
+
+def test_a_tensor_its_dense_adaptor_and_the_checked_solves_give_the_same_bits():
+    """The public directions wrap a tensor once (``ief.rows.DenseRows``) and call the solves: the tensor, the adaptor
+    and the solves on it (what the optimisers call, their input checked at the step) agree bit for bit, in float32
+    and float64 and at a scale that needs the Gram's rescaling."""
+    from ief.directions import ef_solve, ief_solve, sf_solve
+    from ief.rows import DenseRows
+
+    for dtype in (torch.float64, torch.float32):
+        for scale in (1.0, 1e-120):
+            j = (random_jacobian() * scale).to(dtype)
+            s, g = random_s().to(dtype), (random_jacobian(1, 12, seed=3)[0] * scale).to(dtype)
+            rows = DenseRows(j)
+            for lam in (0.0, 1e-3):
+                ief_d = ief.ief_direction(j, s, lam)
+                assert torch.equal(ief_d, ief.ief_direction(rows, s, lam))
+                assert torch.equal(ief_d, ief_solve(rows, s, lam))
+                ef_d = ief.ef_direction(j, lam)
+                assert torch.equal(ef_d, ief.ef_direction(rows, lam)) and torch.equal(ef_d, ef_solve(rows, lam))
+            sf_d = ief.sf_direction(j, g, 1e-3)
+            assert torch.equal(sf_d, ief.sf_direction(rows, g, 1e-3)) and torch.equal(sf_d, sf_solve(rows, g, 1e-3))
+
+
+def test_a_non_finite_adaptor_is_refused_as_a_non_finite_tensor():
+    from ief.rows import DenseRows
+
+    j = random_jacobian()
+    j[1, 1] = math.nan
+    with pytest.raises(ValueError, match=r"^jacobian contains non-finite values$"):
+        ief.ief_direction(DenseRows(j), random_s(), 1e-3)
+    with pytest.raises(ValueError, match=r"^sampled_jacobian contains non-finite values$"):
+        ief.sf_direction(DenseRows(j), torch.ones(12, dtype=torch.float64), 1e-3)

@@ -134,7 +134,7 @@ def test_prompt_tuning_prompts_reach_the_encoder_and_hooks_see_samples():
     loss.backward()
     assert bool((table.grad.abs().sum(1) > 0).all())  # every prompt row reaches the encoder and the loss
     params = [p for p in model.parameters() if p.requires_grad]
-    capture = jacobian._Capture(model, params)
+    capture = jacobian.PerSampleCapture(model, params)
     with capture:
         model(**inputs)
     assert [r[0].shape[0] for k in capture.records for r in capture.records[k]] == [4]  # hooked per sample

@@ -122,7 +122,7 @@ def test_the_guard_is_a_safety_net_behind_the_search_and_suggests_no_check_false
     torch.manual_seed(0)
     model = _Tied(1.0, "embed").double()
     inputs, y = _tied_batch(6, torch.float64)
-    monkeypatch.setattr(jac_mod._Capture, "demote_outside_uses", lambda self, reached, names: None)
+    monkeypatch.setattr(jac_mod.PerSampleCapture, "demote_outside_uses", lambda self, reached, names: None)
     with pytest.raises(ief.PerSampleGradientMismatch, match=r"embed\.weight \(relative error") as err:
         ief.per_sample(model, inputs, y, form=form)
     assert "check=False" not in str(err.value)
@@ -322,7 +322,7 @@ def test_parameters_are_restored_when_the_forward_raises():
     with pytest.raises(RuntimeError):
         ief.per_sample(model, torch.randn(3, 4), torch.zeros(3, dtype=torch.long))
     assert model.lin.weight is weight and model.lin.bias is bias
-    capture = jac_mod._Capture(model, [weight, bias], stand_ins=True)
+    capture = jac_mod.PerSampleCapture(model, [weight, bias], stand_ins=True)
     with pytest.raises(RuntimeError), capture:
         model(torch.randn(3, 4))
     assert model.lin.weight is weight and model.lin.bias is bias and not capture._originals
@@ -332,7 +332,7 @@ def test_kfac_capture_keeps_the_real_parameters():
     """K-FAC's capture (no stand-ins) takes the gradient from autograd."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
-    capture = jac_mod._Capture(model, list(model.parameters()))
+    capture = jac_mod.PerSampleCapture(model, list(model.parameters()))
     with capture:
         out = model(torch.randn(5, 3, dtype=torch.float64)).sum()
     grads = torch.autograd.grad(out, list(model.parameters()))

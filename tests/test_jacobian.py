@@ -38,7 +38,7 @@ def form(request):
 
 def dense(jacobian):
     """The [M, P] tensor of either form."""
-    return jacobian.materialize() if isinstance(jacobian, ief.jacobian.FactoredJacobian) else jacobian
+    return jacobian.materialize() if isinstance(jacobian, ief.rows.FactoredJacobian) else jacobian
 
 
 def rtol_for(case) -> float:
@@ -486,21 +486,21 @@ def test_factored_jacobian_products_equal_the_dense_ones(any_case, factored):
     """What the Gram solve and the guard use of a FactoredJacobian, against the same quantities of the dense J of
     the same backward: ``J J^T``, ``J^T c``, ``J v``, ``J^T 1``, per-parameter row norms, ``max|J|`` (an upper
     bound within a factor T). Rounding only: ``1e-12`` relative (float64)."""
-    from ief import directions
+    from ief.rows import DenseRows
 
     c = any_case
     torch.manual_seed(0)
     jac = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss).jacobian
     torch.manual_seed(0)
     fac = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss, form=factored).jacobian
-    assert isinstance(fac, ief.jacobian.FactoredJacobian) and fac.shape == jac.shape and fac.dtype == jac.dtype
+    assert isinstance(fac, ief.rows.FactoredJacobian) and fac.shape == jac.shape and fac.dtype == jac.dtype
     gen = torch.Generator().manual_seed(0)
     coeff = torch.randn(jac.shape[0], generator=gen, dtype=torch.float64)
     v = torch.randn(jac.shape[1], generator=gen, dtype=torch.float64)
     assert_rel(fac.materialize(), jac, 1e-12, "materialize")
     for scale in (1.0, 3.0):
-        assert_rel(fac.gram(scale), directions.gram(jac, scale), 1e-12, "gram")
-        assert_rel(fac.combine_rows(coeff, scale), directions.combine_rows(coeff, jac, scale), 1e-12, "J^T c")
+        assert_rel(fac.gram(scale), DenseRows(jac).gram(scale), 1e-12, "gram")
+        assert_rel(fac.combine_rows(coeff, scale), DenseRows(jac).combine_rows(coeff, scale), 1e-12, "J^T c")
         assert_rel(fac.times(v, scale), jac.double() @ v / scale, 1e-12, "J v")
     assert_rel(fac.row_sum(), jac.sum(0), 1e-12, "J^T 1")
     sizes = [p.numel() for p in oracle.trainable(c.model)]
@@ -524,8 +524,8 @@ def test_auto_form_keeps_mlp_weights_as_factors_and_long_sequences_as_rows():
     x, y = torch.randn(3, 40, 4, dtype=torch.float64), torch.randint(0, 5, (3, 40))
     fac = ief.per_sample(model, x, y, form="auto").jacobian
     assert not fac.ghosts and fac.dense.shape[1] == 25
-    assert ief.jacobian._prefer_ghost("auto", 64, 1, 3072, 2048)
-    assert not ief.jacobian._prefer_ghost("auto", 64, 512, 768, 8)
+    assert ief.rows.prefer_ghost("auto", 64, 1, 3072, 2048)
+    assert not ief.rows.prefer_ghost("auto", 64, 512, 768, 8)
 
 
 class _TiedLinear(torch.nn.Module):
@@ -582,7 +582,7 @@ def test_unknown_form_is_refused(bad):
 
 
 def test_the_hooked_backward_skips_the_batch_weight_gradients(monkeypatch):
-    """Stand-ins (``ief.jacobian._Capture``): the backward of ``per_sample`` runs only the input-gradient matmuls of a
+    """Stand-ins (``ief.jacobian.PerSampleCapture``): the backward of ``per_sample`` runs only the input-gradient matmuls of a
     3-layer MLP (2), not its 3 batch weight-gradient matmuls; the SF path's plain gradient runs all 5."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -671,7 +671,7 @@ def test_forced_forms_keep_every_linear_weight_as_factors_or_as_rows():
 @pytest.mark.parametrize("t", [1, 2, 3])
 def test_ghost_kernel_over_t_positions_is_the_dense_gram(t):
     """``(J J^T)_{nm} = sum_{t,s} <a_nt, a_ms> <g_nt, g_ms>`` for every ``T`` (``T = 1`` takes ``(A A^T) * (G G^T)``)."""
-    from ief import directions
+    from ief.rows import DenseRows
 
     torch.manual_seed(t)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
@@ -679,7 +679,7 @@ def test_ghost_kernel_over_t_positions_is_the_dense_gram(t):
     _, expected, _ = oracle.per_sample(model, x, y)
     fac = ief.per_sample(model, x, y, form="ghost").jacobian
     assert len(fac.ghosts) == 2 and all(a.shape[1] == t for _, a, _ in fac.ghosts)
-    assert_rel(fac.gram(), directions.gram(expected), 1e-12, "gram")
+    assert_rel(fac.gram(), DenseRows(expected).gram(), 1e-12, "gram")
     assert_rel(fac.materialize(), expected, F64_RTOL, "J")
 
 
@@ -697,7 +697,7 @@ class _TwiceLinear(torch.nn.Module):
 
 @pytest.mark.parametrize("form", ["dense", "ghost", "rows"])
 def test_a_linear_called_twice_sums_both_calls(form):
-    from ief import directions
+    from ief.rows import DenseRows
 
     torch.manual_seed(0)
     model = _TwiceLinear().double()
@@ -705,14 +705,12 @@ def test_a_linear_called_twice_sums_both_calls(form):
     _, expected, _ = oracle.per_sample(model, x, y)
     got = ief.per_sample(model, x, y, form=form).jacobian
     assert_rel(dense(got), expected, F64_RTOL, "J")
-    g = got.gram() if form != "dense" else directions.gram(got)
-    assert_rel(g, directions.gram(expected), 1e-12, "gram")
+    g = got.gram() if form != "dense" else DenseRows(got).gram()
+    assert_rel(g, DenseRows(expected).gram(), 1e-12, "gram")
 
 
 def test_float32_factored_combination_is_float64_unless_final():
-    """``FactoredRows.combine_rows``: ``(J/scale)^T c`` in float64; only ``final=True`` writes the model's dtype."""
-    from ief import directions
-
+    """``FactoredJacobian.combine_rows``: ``(J/scale)^T c`` in float64; only ``final=True`` writes the model's dtype."""
     c = mlp_case(dtype=torch.float32)
     fac = ief.per_sample(c.model, c.inputs, c.targets, form="ghost").jacobian
     coeff = torch.randn(fac.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -723,7 +721,6 @@ def test_float32_factored_combination_is_float64_unless_final():
     final = fac.combine_rows(coeff, 1.0, True)
     assert final.dtype == torch.float32
     assert_rel(final, expected, F32_RTOL, "J^T c, final")
-    assert directions.combine_rows(coeff, fac).dtype == torch.float64
 
 
 @pytest.mark.parametrize("form", ["dense", "ghost"])
@@ -810,24 +807,12 @@ def test_the_non_finite_error_says_what_to_do():
         "samples)")
 
 
-def test_auto_form_weighs_t_squared_in_both_the_flops_and_the_memory():
-    """``_prefer_ghost``'s docstring: ghost kernels cost ``M^2 T^2 (I + O)`` flops and ``M^2 T^2`` memory, rows
-    ``M T I O + M^2 I O`` and ``M I O``. Cases where dropping a ``T^2`` factor would flip the choice."""
-    prefer = ief.jacobian._prefer_ghost
-    # M=2, T=4, I=O=8: ghost flops 1024 > rows 768 (memory 64 <= 128): rows
-    assert not prefer("auto", 2, 4, 8, 8)
-    # M=100, T=2, I=O=16: flops 102400 <= 2611200 but memory 40000 > 25600: rows
-    assert not prefer("auto", 100, 2, 16, 16)
-    assert prefer("auto", 100, 1, 16, 16)  # T=1: both within
-    assert prefer("ghost", 100, 2, 16, 16) and not prefer("rows", 2, 1, 8, 8)
-
-
 @pytest.mark.parametrize("form", ["ghost", "auto"])
 def test_a_factored_layer_with_all_zero_inputs_or_output_gradients(form):
     """A layer whose inputs ``A`` (or output gradients ``G``) are all zero has zero rows: its factors are not
     rescaled by ``max|A| = 0`` (which would make them NaN), and the Gram, ``J^T c`` and the direction are the
     oracle's."""
-    from ief import directions
+    from ief.rows import DenseRows
 
     c = mlp_case()
     x = torch.zeros_like(c.inputs)  # the first Linear's inputs: A = 0
@@ -835,7 +820,7 @@ def test_a_factored_layer_with_all_zero_inputs_or_output_gradients(form):
     got = ief.per_sample(c.model, x, c.targets, form=form).jacobian
     assert any(float(a.abs().max()) == 0.0 for _, a, _ in got.ghosts)
     for scale in (1.0, 1e-60):
-        assert_rel(got.gram(scale), directions.gram(expected, scale), 1e-12, f"gram at scale {scale}")
+        assert_rel(got.gram(scale), DenseRows(expected).gram(scale), 1e-12, f"gram at scale {scale}")
     coeff = torch.linspace(-1, 1, expected.shape[0], dtype=torch.float64)
     assert_rel(got.combine_rows(coeff), expected.T @ coeff, 1e-12, "J^T c")
     assert_rel(ief.ief_direction(got, s, 1e-3), ief.ief_direction(expected, s, 1e-3), 1e-10, "iEF direction")

@@ -21,7 +21,7 @@ FORMS = ["dense", "ghost", "rows"]
 
 
 def _dense(jac):
-    return jac.materialize() if isinstance(jac, ief.jacobian.FactoredJacobian) else jac
+    return jac.materialize() if isinstance(jac, ief.rows.FactoredJacobian) else jac
 
 
 def _rel(a, b) -> float:

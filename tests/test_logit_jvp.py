@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.autograd import forward_ad
 
-from ief.logit_jvp import LeanTangents, batched_jvps, differentiable_kernels, dual_forward
+from ief.logit_jvp import LeanTangents, _reference_kernels_set, batched_jvps, differentiable_kernels, dual_forward
 from ief.model_call import ReplayableForward, param_names, split_vector
 from tiny_models import sequence_case, t5_lora_case, vit_lora_case
 
@@ -219,7 +219,7 @@ def test_jvps_any_mode_equals_one_double_backward_product_per_tangent(build):
     """The exact check's ``K`` products (:func:`ief.logit_jvp.jvps_any_mode`, tangents given per parameter) equal
     the products of the reverse-mode definition, one tangent at a time; a model without forward-mode rule falls back
     to double backward (the same values) and is remembered."""
-    from ief.logit_jvp import _NO_BATCHED_JVP, _NO_FORWARD_MODE, double_backward_jvps, jvps_any_mode
+    from ief.logit_jvp import NO_BATCHED_JVP, NO_FORWARD_MODE, double_backward_jvps, jvps_any_mode
 
     if build == "sequence":
         c = sequence_case()
@@ -239,4 +239,23 @@ def test_jvps_any_mode_equals_one_double_backward_product_per_tangent(build):
         expected = double_backward_jvps(forward(), params, [[t[k] for t in tangents] for k in range(3)])
     for k in range(3):
         torch.testing.assert_close(jvs[k], expected[k], rtol=1e-10, atol=1e-12)
-    assert (model in _NO_BATCHED_JVP or model in _NO_FORWARD_MODE) == (build == "no-jvp")
+    assert (model in NO_BATCHED_JVP or model in NO_FORWARD_MODE) == (build == "no-jvp")
+
+
+def test_nested_differentiable_kernels_keep_and_restore_the_settings():
+    """A ``differentiable_kernels`` block inside another (a Fisher-vector product enters several) leaves the reference
+    kernels on and changes nothing on exit; the outer block restores the caller's settings; a nested block entered
+    after the model changed a setting sets it again."""
+    before = (torch.backends.mkldnn.enabled, torch.backends.mha.get_fastpath_enabled(),
+              torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    with differentiable_kernels():
+        assert _reference_kernels_set()
+        with differentiable_kernels():
+            assert _reference_kernels_set()
+        assert _reference_kernels_set()
+        torch.backends.mkldnn.enabled = True  # something inside switched oneDNN back on
+        with differentiable_kernels():
+            assert not torch.backends.mkldnn.enabled and _reference_kernels_set()
+        assert torch.backends.mkldnn.enabled  # restored to what it was when that block was entered
+    assert (torch.backends.mkldnn.enabled, torch.backends.mha.get_fastpath_enabled(),
+            torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before

@@ -882,14 +882,41 @@ def test_zero_damping_written_into_sf_param_groups_is_refused_before_the_step():
     assert torch.equal(flat(c.model), before)
 
 
-def test_a_non_finite_step_says_what_was_not_finite():
-    """The optimiser's own check of the per-sample quantities (finite losses, an inf row)."""
+@pytest.mark.parametrize("form", ["dense", "auto"])
+@pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
+def test_a_non_finite_row_stops_the_step_naming_the_sample(cls, form, monkeypatch):
+    """A row of ``J`` that overflows while every loss is finite: the step's per-sample gradients (``ief.per_sample``,
+    the one check of them; the solves take them as checked) refuse it, naming the step and the sample, and leave the
+    parameters and the step counter as they were."""
     c = mlp_case()
-    exact = importlib.import_module("ief.optim.exact")
-    r = ief.per_sample(c.model, c.inputs, c.targets, form="dense")
-    r.jacobian[0, 0] = float("inf")
-    with pytest.raises(FloatingPointError, match=r"^non-finite loss or per-sample gradients$"):
-        exact._ExactPreconditioned._raise_if_nonfinite(r.losses, r.jacobian)
+    jacobian = importlib.import_module("ief.jacobian")
+    real = jacobian._backward_jacobian
+
+    def overflowing(*args, **kwargs):
+        jac, autograd = real(*args, **kwargs)
+        (jac.dense if isinstance(jac, ief.rows.FactoredJacobian) else jac)[2, 0] = float("inf")
+        return jac, autograd
+
+    monkeypatch.setattr(jacobian, "_backward_jacobian", overflowing)
+    opt = cls(c.model, lr=0.1, damping=1e-3, form=form)
+    before = flat(c.model)
+    with pytest.raises(FloatingPointError, match=r"^step 0: non-finite per-sample gradient for samples \[2\] .*; "
+                                                 r"parameters left unchanged$"):
+        opt.step(c.inputs, c.targets)
+    assert torch.equal(flat(c.model), before) and opt.steps_taken == 0
+
+
+def test_a_token_mean_damping_that_overflows_for_the_sum_is_refused():
+    """``reduction="mean"``: the checked damping times ``K^2`` must stay finite (``inf`` would silently give a zero
+    step)."""
+    c = mlp_case()
+    opt = ief.optim.IEF(c.model, reduction="mean", damping=1e308)
+    before = flat(c.model)
+    with pytest.raises(ValueError, match=r"^step 0: damping 1e\+308 for the token mean is inf for the sum over this "
+                                         r"batch's 6 tokens \(x K\^2\): use a smaller damping; parameters left "
+                                         r"unchanged$"):
+        opt.step(c.inputs, c.targets)
+    assert torch.equal(flat(c.model), before) and opt.steps_taken == 0
 
 
 def test_reduction_mean_accepts_one_counted_token_and_names_an_empty_batch():

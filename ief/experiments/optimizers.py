@@ -27,7 +27,7 @@ import torch
 
 from ..model_call import call_model
 from ..optim import EF, IEF, KFAC, SF
-from ..optim.exact import _ExactPreconditioned
+from ..optim.exact import PreconditionedOptimizer
 from .convention import CONVENTIONS, target_tokens, to_sum_convention
 from .setups import OptimizerConfig
 
@@ -128,7 +128,7 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: in
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Any, targets: torch.Tensor) -> float:
     """One update; returns the batch's mean cross-entropy per target token. Raises :class:`Diverged`."""
     tokens = int((targets != IGNORE).sum())
-    if isinstance(opt, _ExactPreconditioned):
+    if isinstance(opt, PreconditionedOptimizer):
         try:
             total = float(opt.step(inputs, targets))
         except FloatingPointError as err:

@@ -78,17 +78,18 @@ from typing import Any
 
 import torch
 
-from ..directions import ef_direction, ief_direction, sf_direction
-from ..jacobian import CHECKS, FactoredJacobian, _check_form, gradient_and_sampled_jacobian, per_sample
+from ..directions import ef_solve, ief_solve, sf_solve
+from ..jacobian import CHECKS, gradient_and_sampled_jacobian, per_sample
 from ..losses import IGNORE_INDEX, Loss, check_damping
 from ..model_call import Inputs, all_finite
+from ..rows import FactoredJacobian, as_rows, check_form
 from .convention import to_sum_convention
 from .momentum import (check_dampening, check_group_extras, check_momentum, check_shared, check_weight_decay,
                        momentum_buffers, resolve_groups)
 
 REDUCTIONS = ("sum", "mean")
 DEFAULT_DAMPING = {"sum": 1e-4, "mean": 1e-7}  # see "Defaults" above
-_MISSING: Any = object()
+MISSING: Any = object()  # step()'s default batch: no batch given (also ief.hf's)
 
 
 def _how_to_step(name: str) -> str:
@@ -142,8 +143,9 @@ def _looks_unshifted(inputs: Inputs, targets: torch.Tensor) -> bool:
     return bool(kept.any()) and bool((targets[kept] == ids.to(targets.device)[kept]).all())
 
 
-class _ExactPreconditioned(torch.optim.Optimizer):
-    """Shared machinery: validation, schedule, finite checks and the in-place update."""
+class PreconditionedOptimizer(torch.optim.Optimizer):
+    """Shared machinery of :class:`IEF`, :class:`EF`, :class:`SF` and :class:`ief.optim.KFAC`: validation,
+    schedule, finite checks and the in-place update; a subclass provides ``_direction``."""
 
     _needs_positive_damping = False
     method = ""  # "ief" / "ef" / "sf": the rule that converts a token-mean rate (reduction="mean")
@@ -178,7 +180,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         weight_decay = check_weight_decay(weight_decay)
         check = _check_check(check)
         self.reduction = _check_reduction(reduction)
-        self.form = _check_form(form)
+        self.form = check_form(form)
         groups = resolve_groups(model, params)
         super().__init__(groups, dict(lr=lr, damping=damping, normalize=bool(normalize), total_steps=total_steps,
                                       momentum=momentum, dampening=dampening, weight_decay=weight_decay))
@@ -226,9 +228,10 @@ class _ExactPreconditioned(torch.optim.Optimizer):
     def _direction(self, inputs: Inputs, targets: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _check_group(self, index: int, group: dict) -> None:
+    def _check_group(self, index: int, group: dict) -> float:
         """The values of ``param_groups[index]`` that a step uses, checked before the step touches anything (a
-        scheduler, ``load_state_dict`` or the user may have written them)."""
+        scheduler, ``load_state_dict`` or the user may have written them); returns the checked damping, the value the
+        step passes on (the solves do not check it again)."""
         where = f"step {self.steps_taken}: param_groups[{index}]"
         lr = group.get("lr")
         try:
@@ -239,11 +242,12 @@ class _ExactPreconditioned(torch.optim.Optimizer):
             raise ValueError(f"{where}['lr'] must be a finite number >= 0 (set by a scheduler, load_state_dict or "
                              f"by hand), got {lr!r}; parameters left unchanged")
         try:
-            check_damping(group.get("damping"), allow_zero=not self._needs_positive_damping)
+            damping = check_damping(group.get("damping"), allow_zero=not self._needs_positive_damping)
             _check_total_steps(group.get("total_steps"))
             check_group_extras(group)
         except ValueError as err:
             raise ValueError(f"{where}: {err}; parameters left unchanged") from None
+        return damping
 
     def _step_size(self, group: dict, direction_norm: float) -> float:
         size = group["lr"]
@@ -309,7 +313,7 @@ class _ExactPreconditioned(torch.optim.Optimizer):
                              "loss is undefined; parameters left unchanged")
         return k
 
-    def step(self, inputs: Inputs = _MISSING, targets: torch.Tensor = _MISSING, *,  # type: ignore[override]
+    def step(self, inputs: Inputs = MISSING, targets: torch.Tensor = MISSING, *,  # type: ignore[override]
              closure: Any = None) -> torch.Tensor:
         """One update on the batch ``(inputs, targets)``: the forward, the per-sample backward and the update.
 
@@ -340,10 +344,9 @@ class _ExactPreconditioned(torch.optim.Optimizer):
                 Face's unshifted causal-LM ``labels``; pass ``ief.causal_lm_targets(labels)``).
             SlowPathWarning: once per model, naming parameters whose per-sample gradients take the per-sample loop.
         """
-        if targets is _MISSING or closure is not None:
+        if targets is MISSING or closure is not None:
             raise TypeError(_how_to_step(type(self).__name__))
-        for index, g in enumerate(self.param_groups):
-            self._check_group(index, g)
+        dampings = [self._check_group(index, g) for index, g in enumerate(self.param_groups)]
         try:
             check_shared(self.param_groups)
         except ValueError as err:
@@ -356,12 +359,17 @@ class _ExactPreconditioned(torch.optim.Optimizer):
                 "own input token; pass ief.causal_lm_targets(labels) (the next token at each position)",
                 UserWarning, stacklevel=3)  # (torch.optim wraps step: 3 is the caller's line)
         given = self.param_groups[0]
-        group = dict(given, params=self._all_params())  # one joint direction over every group's parameters
+        # one joint direction over every group's parameters, with the damping as checked (the groups agree on it)
+        group = dict(given, params=self._all_params(), damping=dampings[0])
         tokens = None
         if self.reduction == "mean":  # the given (token-mean) rates as this package's (sum) ones for this batch
             tokens = self.last_tokens = self._tokens(targets)
             lr, damping = to_sum_convention(self.method, group["lr"], group["damping"], tokens,
                                             normalized=group["normalize"])
+            if not math.isfinite(damping):  # the conversion's K^2 overflowed a checked (finite) damping
+                raise ValueError(f"step {self.steps_taken}: damping {group['damping']!r} for the token mean is "
+                                 f"{damping!r} for the sum over this batch's {tokens} tokens (x K^2): use a smaller "
+                                 f"damping; parameters left unchanged")
             group = dict(group, lr=lr, damping=damping)
         number = self.steps_taken
         try:
@@ -384,23 +392,17 @@ class _ExactPreconditioned(torch.optim.Optimizer):
         return self.check
 
     def _per_sample(self, inputs: Inputs, targets: torch.Tensor, group: dict) -> Any:
+        """The batch's :class:`ief.jacobian.PerSample`; :func:`ief.per_sample` refuses non-finite losses and rows
+        (``FloatingPointError`` naming the samples), so the solves take them as checked."""
         result = per_sample(self.model, inputs, targets, group["params"], loss=self.loss, check=self._check_now(),
                             out=self._buffer, form=self.form)
         # reused next step (same batch size): no fresh allocation of J (or of its materialised column blocks)
         factored = isinstance(result.jacobian, FactoredJacobian)
         self._buffer = result.jacobian.dense if factored else result.jacobian
-        self._raise_if_nonfinite(result.losses, result.jacobian)
         return result
 
-    @staticmethod
-    def _raise_if_nonfinite(losses: torch.Tensor, jacobian: torch.Tensor | FactoredJacobian) -> None:
-        """Inside ``_direction``: ``step`` adds the step number and "parameters left unchanged" (once)."""
-        finite = jacobian.is_finite() if isinstance(jacobian, FactoredJacobian) else all_finite(jacobian)
-        if not (all_finite(losses) and finite):
-            raise FloatingPointError("non-finite loss or per-sample gradients")
 
-
-class IEF(_ExactPreconditioned):
+class IEF(PreconditionedOptimizer):
     """Exact iEF: ``theta <- theta - lr * J^T (J J^T + lambda I)^{-1} s_iEF`` (``alg:iEF``, ``eqn:iEF_lsq``).
 
     With momentum and weight decay (beyond the paper, whose ``sec:app-limitations`` says the exact iEF optimiser
@@ -473,10 +475,10 @@ class IEF(_ExactPreconditioned):
 
     def _direction(self, inputs, targets, group):
         r = self._per_sample(inputs, targets, group)
-        return r.losses, ief_direction(r.jacobian, r.logit_sqnorm, group["damping"])
+        return r.losses, ief_solve(as_rows(r.jacobian), r.logit_sqnorm, group["damping"])
 
 
-class EF(_ExactPreconditioned):
+class EF(PreconditionedOptimizer):
     """Exact EF: ``theta <- theta - lr * J^T (J J^T + lambda I)^{-1} 1`` (``alg:EF``, ``eqn:EF_lsq``).
 
     Defaults to the paper's normalised update; pass ``total_steps`` for its linear decay to 0. ``momentum``,
@@ -528,10 +530,10 @@ class EF(_ExactPreconditioned):
 
     def _direction(self, inputs, targets, group):
         r = self._per_sample(inputs, targets, group)
-        return r.losses, ef_direction(r.jacobian, group["damping"])
+        return r.losses, ef_solve(as_rows(r.jacobian), group["damping"])
 
 
-class SF(_ExactPreconditioned):
+class SF(PreconditionedOptimizer):
     """Exact SF: ``theta <- theta - lr * (A^T A + lambda I)^{-1} grad L`` with ``A`` sampled (``alg:SF``).
 
     Labels are drawn from the model's predictive distribution with ``generator`` (default: the global RNG). Costs one
@@ -599,10 +601,9 @@ class SF(_ExactPreconditioned):
             self.model, inputs, targets, group["params"], loss=self.loss, generator=self.generator,
             check=self._check_now(), form=self.form,
         )
-        self._raise_if_nonfinite(losses, sampled)
-        if not all_finite(grad):
+        if not all_finite(grad):  # the losses and the sampled rows: refused there when not finite
             raise FloatingPointError("non-finite gradient")
-        return losses, sf_direction(sampled, grad, group["damping"])
+        return losses, sf_solve(as_rows(sampled), grad, group["damping"])
 
     def state_dict(self) -> dict:
         """The torch optimiser state plus, with ``generator=``, the generator's state (so that a resumed run

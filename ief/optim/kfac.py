@@ -45,10 +45,11 @@ from typing import Any
 
 import torch
 
-from ..kfac import KINDS, _check_approx, _check_kind, _direction, _factors, check_linear_only, kronecker_eigen
+from ..kfac import (KINDS, block_diagonal_direction, check_approx, check_kind, check_linear_only, kronecker_eigen,
+                    kronecker_factor_sets)
 from ..losses import Loss
 from ..model_call import all_finite
-from .exact import _ExactPreconditioned
+from .exact import PreconditionedOptimizer
 
 
 def _check_factor_decay(value: Any) -> float:
@@ -72,7 +73,7 @@ def _check_inverse_every(value: Any) -> int:
     return value
 
 
-class KFAC(_ExactPreconditioned):
+class KFAC(PreconditionedOptimizer):
     """Block-diagonal K-FAC optimiser: ``theta <- theta - lr * (G_t (x) A_t + lambda I)^{-1} grad L`` per linear
     layer, with running factors and occasional eigendecompositions (module docstring; ``sec:app-iEF-eNGDopt``).
 
@@ -113,8 +114,8 @@ class KFAC(_ExactPreconditioned):
                  factor_decay: float = 0.95, inverse_every: int = 10, approx: str = "expand",
                  generator: torch.Generator | None = None, params: Iterable | None = None,
                  loss: str | Loss = "cross_entropy", reduction: str = "sum", **kwargs: Any):
-        _check_kind(kind)
-        _check_approx(approx)
+        check_kind(kind)
+        check_approx(approx)
         if reduction != "sum":
             raise ValueError(f"KFAC supports reduction='sum' only (the loss sum_n l_n; the token-mean conversion of "
                              f"lr and damping with running factors is not derived), got {reduction!r}")
@@ -133,9 +134,9 @@ class KFAC(_ExactPreconditioned):
 
     def _direction(self, inputs, targets, group):
         losses: list[torch.Tensor] = []
-        blocks, gradient, params = _factors(self.model, inputs, targets, [self.kind], group["params"],
-                                            generator=self.generator, loss=self.loss, approx=self.approx,
-                                            losses_out=losses)
+        blocks, gradient, params = kronecker_factor_sets(self.model, inputs, targets, [self.kind], group["params"],
+                                                         generator=self.generator, loss=self.loss,
+                                                         approx=self.approx, losses_out=losses)
         blocks = blocks[self.kind]
         refresh = self.steps_taken % self.inverse_every == 0
         c = self.factor_decay
@@ -149,8 +150,8 @@ class KFAC(_ExactPreconditioned):
                 raise FloatingPointError(f"non-finite Kronecker factors of layer {block.name!r}")
             eigen = kronecker_eigen(block.G, block.A) if refresh or old is None else old["eigen"]
             pending[block.name] = {"G": block.G, "A": block.A, "eigen": eigen}
-        direction = _direction(blocks, gradient, params, group["damping"], self.kind,
-                               {name: entry["eigen"] for name, entry in pending.items()})
+        direction = block_diagonal_direction(blocks, gradient, params, group["damping"], self.kind,
+                                             {name: entry["eigen"] for name, entry in pending.items()})
         self._pending = pending
         return losses[0], direction
 

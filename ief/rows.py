@@ -1,0 +1,346 @@
+"""``J [M, P]`` as the Gram solves see it: one interface, :class:`Rows`, for every form of the per-sample rows.
+
+What the Woodbury solves of :mod:`ief.directions` (``eqn:iEF_lsq``, ``eqn:EF_lsq``, ``eqn:SF-smw``) need of ``J`` is
+five products, all in float64: the Gram matrix ``J J^T`` (:meth:`Rows.gram`), ``J^T c`` (:meth:`Rows.combine_rows`),
+``J v`` (:meth:`Rows.times`), a bound of ``max|J|`` that keeps the float64 Gram clear of overflow
+(:meth:`Rows.max_abs`, :meth:`Rows.gram_scale`) and finiteness (:meth:`Rows.is_finite`). Two forms provide them:
+
+- :class:`DenseRows`: an ``[M, P]`` tensor, read column block by column block (no float64 copy of the whole ``J``);
+- :class:`FactoredJacobian`: ``ief.per_sample(..., form="auto")``'s rows, each ``nn.Linear`` weight kept as its
+  layer's inputs and output gradients (the "ghost" Gram of ``sec:app-iEF-impl``), never an ``[M, P]`` tensor.
+
+:func:`as_rows` wraps a tensor once, so the solves never ask which form they hold. Which form
+:func:`ief.per_sample` builds is its ``form=`` (:data:`FORMS`, :func:`check_form`, :func:`prefer_ghost`).
+"""
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .model_call import all_finite, column_chunks
+
+FORMS = ("dense", "auto", "ghost", "rows")
+
+
+def check_form(form: object) -> str:
+    """``form`` if it is one of :data:`FORMS` (how :func:`ief.per_sample` returns ``J``).
+
+    Raises:
+        ValueError: any other value, named with the accepted ones.
+    """
+    if not isinstance(form, str) or form not in FORMS:
+        raise ValueError(f"form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
+    return form
+
+
+def prefer_ghost(form: str, m: int, t: int, fan_in: int, fan_out: int) -> bool:
+    """Whether a Linear weight is kept as factors (ghost Gram) rather than as per-sample rows: "ghost" / "rows"
+    force it; "auto" compares the Gram's flops and memory, ``M^2 T^2 (I + O)`` and ``M^2 T^2`` for the ghost kernels
+    against ``M T I O + M^2 I O`` and ``M I O`` for the rows.
+
+    Args:
+        form: a checked form (:func:`check_form`): ``"auto"``, ``"ghost"`` or ``"rows"``.
+        m: the samples ``M``.
+        t: the positions ``T`` per sample (all calls of the layer).
+        fan_in: the weight's input features ``I``.
+        fan_out: its output features ``O``.
+
+    Returns:
+        ``True`` for the factors, ``False`` for the rows.
+    """
+    if form != "auto":
+        return form == "ghost"
+    ghost_flops, rows_flops = m * m * t * t * (fan_in + fan_out), m * fan_in * fan_out * (t + m)
+    return ghost_flops <= rows_flops and m * m * t * t <= m * fan_in * fan_out
+
+
+class Rows(abc.ABC):
+    """``J [M, P]`` (row ``n`` = ``grad_theta l_n``) as the Gram solves use it; every result is float64.
+
+    Attributes:
+        shape: ``(M, P)``, a ``torch.Size``.
+        dtype: the dtype ``J`` was computed in (the directions are returned in it).
+        device: where ``J`` lives.
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @abc.abstractmethod
+    def gram(self, scale: float = 1.0) -> torch.Tensor:
+        """``(J/scale)(J/scale)^T``, ``[M, M]`` float64, symmetric (``sec:app-iEF-impl``'s Gram matrix)."""
+
+    @abc.abstractmethod
+    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
+        """``(J/scale)^T coeff``, ``[P]``, accumulated in float64 (solve coefficients can cancel).
+
+        Args:
+            coeff: ``[M]``.
+            scale: the common divisor of ``J`` (see :meth:`gram_scale`).
+            final: the result is the direction itself: a form may then return it in ``dtype`` when that is
+                narrower (formed without cancellation error), otherwise it is float64.
+        """
+
+    @abc.abstractmethod
+    def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """``(J/scale) v``, ``[M]`` float64, for ``v`` ``[P]``."""
+
+    @abc.abstractmethod
+    def max_abs(self) -> float:
+        """An upper bound of ``max|J|`` within a factor ``T`` (exact for :class:`DenseRows`); any positive scale is
+        exact for the solves, it only keeps the float64 Gram clear of overflow and underflow."""
+
+    @abc.abstractmethod
+    def is_finite(self) -> bool:
+        """Whether every entry of ``J`` is finite."""
+
+    def gram_scale(self) -> float:
+        """1, or :meth:`max_abs` when ``J J^T`` would overflow or underflow float64 (entries beyond ~1e+-100): the
+        ``scale`` the solves pass to :meth:`gram`, :meth:`combine_rows` and :meth:`times`."""
+        c = self.max_abs()
+        return 1.0 if 1e-100 <= c <= 1e100 else c
+
+
+def as_rows(jacobian: torch.Tensor | Rows, name: str = "jacobian") -> Rows:
+    """``jacobian`` itself if it is :class:`Rows`, a tensor wrapped as :class:`DenseRows`.
+
+    Raises:
+        ValueError: neither, or a tensor that is not a floating ``[M, P]`` (as :class:`DenseRows`), named ``name``.
+    """
+    return jacobian if isinstance(jacobian, Rows) else DenseRows(jacobian, name)
+
+
+def _column_chunks(matrix: torch.Tensor, scale: float = 1.0) -> Iterator[tuple[int, torch.Tensor]]:
+    """Column blocks of ``matrix / scale`` in float64."""
+    for lo, block in column_chunks(matrix):
+        if scale == 1.0:
+            yield lo, block.to(torch.float64)
+        else:  # a private copy (``to`` returns the caller's tensor itself when it is already float64)
+            yield lo, block.to(torch.float64, copy=True).div_(scale)
+
+
+def _matrix_max_abs(matrix: torch.Tensor) -> float:
+    """Largest magnitude in ``matrix`` (NaN if it holds one)."""
+    if not matrix.numel():
+        return 0.0
+    extremes = [torch.stack([block.max(), -block.min()]).max() for _, block in column_chunks(matrix)]
+    return float(torch.stack(extremes).max())
+
+
+def _matrix_gram(matrix: torch.Tensor, scale: float) -> torch.Tensor:
+    """``(X/scale)(X/scale)^T`` accumulated in float64, without a float64 copy of the whole ``X``."""
+    m = matrix.shape[0]
+    g = torch.zeros(m, m, dtype=torch.float64, device=matrix.device)
+    for _, block in _column_chunks(matrix, scale):
+        g += block @ block.T
+    return 0.5 * (g + g.T)
+
+
+def _matrix_combine(matrix: torch.Tensor, coeff: torch.Tensor, scale: float) -> torch.Tensor:
+    """``(X/scale)^T coeff`` accumulated in float64, ``[P]`` float64."""
+    coeff = coeff.to(torch.float64)
+    out = torch.empty(matrix.shape[1], dtype=torch.float64, device=matrix.device)
+    for lo, block in _column_chunks(matrix, scale):
+        out[lo : lo + block.shape[1]] = coeff @ block
+    return out
+
+
+class DenseRows(Rows):
+    """An ``[M, P]`` tensor behind the :class:`Rows` interface (the dense adaptor).
+
+    Every product reads ``J`` column block by column block in float64 (:func:`ief.model_call.column_chunks`), so no
+    float64 copy of ``J`` is made; ``max|J|`` (one pass, which also decides finiteness) is computed once.
+
+    Args:
+        matrix: ``[M, P]`` floating-point tensor (not copied).
+        name: what to call it in errors.
+
+    Raises:
+        ValueError: ``matrix`` not a floating-point ``[M, P]`` tensor, naming ``name`` and what it got.
+    """
+
+    def __init__(self, matrix: torch.Tensor, name: str = "jacobian"):
+        if not isinstance(matrix, torch.Tensor) or matrix.dim() != 2:
+            shape = tuple(matrix.shape) if isinstance(matrix, torch.Tensor) else type(matrix).__name__
+            raise ValueError(f"{name} must be a [M, P] tensor, got {shape}")
+        if not matrix.dtype.is_floating_point:
+            raise ValueError(f"{name} must be floating point, got {matrix.dtype}")
+        self.matrix = matrix
+        self.shape, self.dtype, self.device = matrix.shape, matrix.dtype, matrix.device
+        self._max_abs: float | None = None
+
+    def gram(self, scale: float = 1.0) -> torch.Tensor:
+        return _matrix_gram(self.matrix, scale)
+
+    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
+        return _matrix_combine(self.matrix, coeff, scale)
+
+    def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        v = v.to(torch.float64)
+        out = torch.zeros(self.shape[0], dtype=torch.float64, device=self.device)
+        for lo, block in _column_chunks(self.matrix, scale):
+            out += block @ v[lo : lo + block.shape[1]]
+        return out
+
+    def max_abs(self) -> float:
+        if self._max_abs is None:
+            self._max_abs = _matrix_max_abs(self.matrix)
+        return self._max_abs
+
+    def is_finite(self) -> bool:
+        return math.isfinite(self.max_abs())
+
+    def materialize(self) -> torch.Tensor:
+        """The ``[M, P]`` tensor itself."""
+        return self.matrix
+
+
+class FactoredJacobian(Rows):
+    """``J [M, P]`` without an ``[M, P]`` tensor: the weight of every ``nn.Linear`` chosen for the "ghost" form is kept
+    as its layer's inputs ``A [M, T, I]`` and output gradients ``G [M, T, O]`` (all calls of the layer concatenated
+    along the positions ``T``), so that its rows are ``J_n = G_n^T A_n`` (``[O, I]``, the weight's layout); every
+    other parameter (biases, LayerNorm, Embedding, Linear weights in the "rows" form, loop parameters) has its
+    column block materialised in ``dense [M, P_dense]``.
+
+    The Gram matrix (``sec:app-iEF-impl``'s ``J J^T``, layer by layer, as in Opacus' ghost clipping):
+    ``(J J^T)_{nm} = sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>`` (``[M, M, T, T]`` kernels; ``T = 1`` for an
+    MLP: ``(A A^T) * (G G^T)``), and ``J^T c = (c-weighted G)^T A`` per layer; both in float64.
+
+    Built by :func:`ief.per_sample` (``form="auto"``, ``"ghost"``, ``"rows"``); ``materialize()`` gives the tensor.
+
+    Args:
+        m: the samples ``M``.
+        sizes: every parameter's number of entries, in ``J``'s column order.
+        ref: a tensor of ``J``'s dtype and device.
+        ghosts: ``[(parameter index, A [M, T, I], G [M, T, O])]`` of the factored weights.
+        dense: ``[M, P_dense]``, the other parameters' column blocks side by side.
+        dense_index: parameter index -> its first column in ``dense``.
+    """
+
+    def __init__(self, m: int, sizes: Sequence[int], ref: torch.Tensor, ghosts: list, dense: torch.Tensor,
+                 dense_index: dict[int, int]):
+        self.sizes = list(sizes)
+        self.offsets = [0, *torch.tensor(self.sizes, dtype=torch.long).cumsum(0).tolist()]
+        self.shape = torch.Size((m, self.offsets[-1]))
+        self.dtype, self.device = ref.dtype, ref.device
+        self.ghosts = ghosts  # [(parameter index, A [M, T, I], G [M, T, O])]
+        self.dense = dense  # [M, P_dense]
+        self.dense_index = dense_index  # parameter index -> first column in dense
+        self._finite: bool | None = None
+
+    # ---- helpers
+    def _dense_columns(self):
+        """``(parameter index, lo in J, lo in dense, size)`` of the materialised blocks."""
+        for i, lo in self.dense_index.items():
+            yield i, self.offsets[i], lo, self.sizes[i]
+
+    @staticmethod
+    def scaled_factors(a: torch.Tensor, g: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A`` and ``G`` in float64 with ``(G/scale)^T A`` unchanged: ``A / ca`` and ``(G / cg) (ca cg / scale)``
+        (``ca, cg = max|A|, max|G|``). The factor ``ca cg / scale`` is formed from mantissas and exponents
+        (``math.frexp``), so no intermediate overflows or underflows: with a subnormal ``max|J|`` (~1e-310, then
+        ``scale = max|J|``) ``ca / scale`` alone would be inf, and the Gram NaN."""
+        ca, cg = (float(t.abs().max()) if t.numel() else 1.0 for t in (a, g))
+        ca, cg = (c if 0.0 < c < math.inf else 1.0 for c in (ca, cg))
+        (ma, ea), (mg, eg), (ms, es) = math.frexp(ca), math.frexp(cg), math.frexp(scale)
+        factor = math.ldexp(ma * mg / ms, ea + eg - es)
+        return a.to(torch.float64) / ca, g.to(torch.float64) / cg * factor
+
+    def _ghost_kernel(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>``, ``[M, M]``."""
+        if a.shape[1] == 1:
+            return (a[:, 0] @ a[:, 0].T) * (g[:, 0] @ g[:, 0].T)
+        ka = torch.einsum("nti,msi->nmts", a, a)
+        kg = torch.einsum("nto,mso->nmts", g, g)
+        return (ka * kg).sum(dim=(2, 3))
+
+    # ---- Rows
+    def gram(self, scale: float = 1.0) -> torch.Tensor:
+        out = _matrix_gram(self.dense, scale)
+        for _, a, g in self.ghosts:
+            out += self._ghost_kernel(*self.scaled_factors(a, g, scale))
+        return 0.5 * (out + out.T)
+
+    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
+        coeff = coeff.to(torch.float64)
+        # final and a narrower model dtype: the direction in that dtype (see Rows.combine_rows), written in place
+        narrow = final and self.dtype.itemsize < 8
+        out = torch.empty(self.shape[1], dtype=self.dtype if narrow else torch.float64, device=self.device)
+        part = _matrix_combine(self.dense, coeff, scale)
+        for i, lo, dlo, size in self._dense_columns():  # every column is written: here or below
+            out[lo : lo + size] = part[dlo : dlo + size]
+        for i, a, g in self.ghosts:
+            a, g = self.scaled_factors(a, g, scale)
+            weighted = (g * coeff[:, None, None]).flatten(0, 1)  # [M T, O]
+            a = a.flatten(0, 1)  # [M T, I]
+            dest = out[self.offsets[i] : self.offsets[i + 1]].view(weighted.shape[1], a.shape[1])  # [O, I]
+            if narrow and a.shape[0] <= a.shape[1]:
+                # The [O, I] product in the model's dtype without cancellation error: A^T = Q R with Q [I, M T]
+                # orthonormal (float64 QR), so (cG)^T A = (cG^T R^T) Q^T; the small factor cG^T R^T is float64
+                # and a product with orthonormal Q^T errs by ~eps * ||row||, whatever cancels in c.
+                q, r = torch.linalg.qr(a.T)
+                torch.mm((weighted.T @ r.T).to(self.dtype), q.T.to(self.dtype), out=dest)
+            elif narrow:
+                dest.copy_(weighted.T @ a)
+            else:
+                torch.mm(weighted.T, a, out=dest)
+        return out
+
+    def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        v = v.to(torch.float64)
+        out = torch.zeros(self.shape[0], dtype=torch.float64, device=self.device)
+        for i, lo, dlo, size in self._dense_columns():
+            out += self.dense[:, dlo : dlo + size].to(torch.float64) @ v[lo : lo + size] / scale
+        for i, a, g in self.ghosts:
+            a, g = self.scaled_factors(a, g, scale)
+            weight = v[self.offsets[i] : self.offsets[i + 1]].reshape(g.shape[-1], a.shape[-1])  # [O, I]
+            out += ((a @ weight.T) * g).sum(dim=(1, 2))
+        return out
+
+    def max_abs(self) -> float:
+        bound = _matrix_max_abs(self.dense)
+        for _, a, g in self.ghosts:
+            if a.numel():
+                bound = max(bound, float(a.abs().max()) * float(g.abs().max()) * a.shape[1])
+        return bound
+
+    def is_finite(self) -> bool:
+        if self._finite is None:
+            self._finite = all_finite(self.dense) and all(all_finite(a) and all_finite(g) for _, a, g in self.ghosts)
+        return self._finite
+
+    # ---- what the batch gradient and the guard need
+    def row_sum(self) -> torch.Tensor:
+        """``J^T 1`` in the parameters' dtype, ``[P]`` (the hooked parameters' batch gradients,
+        :attr:`ief.jacobian.PerSample.gradient`)."""
+        out = torch.empty(self.shape[1], dtype=self.dtype, device=self.device)  # every column is written below
+        total = self.dense.sum(0)
+        for i, lo, dlo, size in self._dense_columns():
+            out[lo : lo + size] = total[dlo : dlo + size]
+        for i, a, g in self.ghosts:  # written in place: no P-sized temporary
+            dest = out[self.offsets[i] : self.offsets[i + 1]].view(g.shape[-1], a.shape[-1])
+            torch.mm(g.flatten(0, 1).T, a.flatten(0, 1), out=dest)
+        return out
+
+    def row_sqnorms(self) -> torch.Tensor:
+        """``||J_n restricted to parameter i||^2``, ``[M, number of parameters]``, float64."""
+        out = torch.zeros(self.shape[0], len(self.sizes), dtype=torch.float64, device=self.device)
+        for i, lo, dlo, size in self._dense_columns():
+            out[:, i] = self.dense[:, dlo : dlo + size].to(torch.float64).square().sum(1)
+        for i, a, g in self.ghosts:
+            a, g = self.scaled_factors(a, g, 1.0)
+            out[:, i] = (torch.einsum("nti,nsi->nts", a, a) * torch.einsum("nto,nso->nts", g, g)).sum(dim=(1, 2))
+        return out
+
+    def materialize(self) -> torch.Tensor:
+        """The ``[M, P]`` tensor (for tests and small models)."""
+        jac = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        for i, lo, dlo, size in self._dense_columns():
+            jac[:, lo : lo + size] = self.dense[:, dlo : dlo + size]
+        for i, a, g in self.ghosts:
+            jac[:, self.offsets[i] : self.offsets[i + 1]] = torch.bmm(g.transpose(1, 2), a).flatten(1)
+        return jac

@@ -1,0 +1,138 @@
+"""``ief.rows``: one interface for ``J [M, P]`` in every form (the dense adaptor and the factored Jacobian).
+
+Every form answers the Gram solves' questions as the ``[M, P]`` matrix itself does: ``gram`` = ``(J/s)(J/s)^T``,
+``combine_rows`` = ``(J/s)^T c``, ``times`` = ``(J/s) v``, ``max_abs`` = ``max|J|`` (exact for the dense adaptor, an
+upper bound within a factor ``T`` for factors), in float32 and float64 models alike.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ief
+from ief.rows import FORMS, DenseRows, FactoredJacobian, Rows, as_rows, check_form, prefer_ghost
+from tiny_models import mlp_case, sequence_case
+
+# float64: rounding only; float32: the dense J is rounded to float32 entry by entry, the factored forms keep the
+# float32 factors and form their products in float64, so they agree to float32 rounding of J
+RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-300))
+
+
+def _case(name: str, dtype: torch.dtype):
+    return mlp_case(dtype=dtype) if name == "mlp" else sequence_case(dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("case", ["mlp", "sequence"])
+@pytest.mark.parametrize("form", ["dense-adaptor", "ghost", "rows", "auto"])
+def test_every_form_answers_as_the_dense_matrix(form, case, dtype):
+    """``gram``, ``combine_rows`` (float64; ``final=True`` may be the model's dtype), ``times`` and ``max_abs`` of each
+    form against the products of the ``[M, P]`` matrix of the same backward, at scales 1 and 3."""
+    c = _case(case, dtype)
+    torch.manual_seed(0)
+    matrix = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss, form="dense").jacobian
+    torch.manual_seed(0)
+    rows = DenseRows(matrix) if form == "dense-adaptor" else \
+        ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss, form=form).jacobian
+    assert isinstance(rows, Rows) and rows.shape == matrix.shape and rows.dtype == dtype
+    j = matrix.double()
+    gen = torch.Generator().manual_seed(0)
+    coeff = torch.randn(j.shape[0], generator=gen, dtype=torch.float64)
+    v = torch.randn(j.shape[1], generator=gen, dtype=torch.float64)
+    rtol = RTOL[dtype]
+    for scale in (1.0, 3.0):
+        gram = rows.gram(scale)
+        assert gram.dtype == torch.float64 and torch.equal(gram, gram.T)
+        assert rel_err(gram, (j / scale) @ (j / scale).T) <= rtol, ("gram", scale)
+        combined = rows.combine_rows(coeff, scale)
+        assert combined.dtype == torch.float64
+        assert rel_err(combined, (j / scale).T @ coeff) <= rtol, ("combine_rows", scale)
+        final = rows.combine_rows(coeff, scale, final=True)
+        assert final.dtype in (torch.float64, dtype)
+        assert rel_err(final, (j / scale).T @ coeff) <= max(rtol, 1e-6 if dtype == torch.float32 else 0), "final"
+        product = rows.times(v, scale)
+        assert product.dtype == torch.float64
+        assert rel_err(product, (j / scale) @ v) <= rtol, ("times", scale)
+    truth = float(j.abs().max())
+    if form == "dense-adaptor":
+        assert rows.max_abs() == truth
+    else:  # an upper bound (it only keeps the float64 Gram clear of overflow)
+        assert truth * (1 - rtol) <= rows.max_abs() < math.inf
+    if form == "ghost":
+        assert rows.ghosts  # the factors' own products are under test
+    assert rows.is_finite()
+    assert rows.gram_scale() == 1.0  # an ordinary magnitude
+
+
+def test_dense_rows_against_dense_products():
+    """``gram = J J^T``, ``combine_rows(c) = J^T c`` (default scale 1), ``max_abs`` the largest magnitude whatever its
+    sign, and ``gram_scale`` 1 inside ``[1e-100, 1e100]``, ``max|J|`` outside."""
+    j = torch.randn(5, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    c = torch.rand(5, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.1
+    rows = DenseRows(j)
+    assert rel_err(rows.gram(), j @ j.T) <= 1e-14
+    assert rel_err(rows.combine_rows(c), j.T @ c) <= 1e-14
+    assert rel_err(rows.times(torch.ones(12, dtype=torch.float64)), j.sum(1)) <= 1e-14
+    assert rows.materialize() is j
+    negative = -j.abs() - 0.5
+    negative[2, 3] = -7.0
+    assert DenseRows(negative).max_abs() == 7.0 and rows.max_abs() == float(j.abs().max())
+    for scale, expected in ((1.0, 1.0), (1e-50, 1.0), (1e80, 1.0), (1e-120, 7e-120), (1e150, 7e150)):
+        assert DenseRows(negative * scale).gram_scale() == pytest.approx(expected, rel=1e-15), scale
+    assert DenseRows(torch.zeros(3, 0, dtype=torch.float64)).max_abs() == 0.0
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_non_finite_entries_are_seen_by_every_form(bad):
+    j = torch.randn(4, 6, dtype=torch.float64)
+    j[1, 2] = bad
+    assert not DenseRows(j).is_finite()
+    a = torch.ones(4, 1, 2, dtype=torch.float64)
+    g = torch.ones(4, 1, 3, dtype=torch.float64)
+    g[3, 0, 1] = bad
+    factored = FactoredJacobian(4, [6, 2], a, [(0, a, g)], torch.ones(4, 2, dtype=torch.float64), {1: 0})
+    assert not factored.is_finite()
+    fine = FactoredJacobian(4, [6, 2], a, [(0, a, torch.ones_like(g))], torch.ones(4, 2, dtype=torch.float64), {1: 0})
+    assert fine.is_finite()
+
+
+def test_as_rows_wraps_a_tensor_once_and_names_what_it_refuses():
+    j = torch.randn(3, 4, dtype=torch.float64)
+    rows = as_rows(j)
+    assert isinstance(rows, DenseRows) and rows.materialize() is j and as_rows(rows) is rows
+    with pytest.raises(ValueError, match=r"^jacobian must be a \[M, P\] tensor, got \(12,\)$"):
+        as_rows(j.flatten())
+    with pytest.raises(ValueError, match=r"^sampled_jacobian must be a \[M, P\] tensor, got list$"):
+        as_rows([[1.0]], "sampled_jacobian")
+    with pytest.raises(ValueError, match=r"^jacobian must be floating point, got torch.int64$"):
+        as_rows(torch.ones(2, 2, dtype=torch.long))
+    with pytest.raises(TypeError):
+        Rows()  # the interface itself has no products
+
+
+def test_check_form_names_the_accepted_forms():
+    for form in FORMS:
+        assert check_form(form) == form
+    with pytest.raises(ValueError, match=r"^form must be one of 'dense', 'auto', 'ghost', 'rows', got 'sparse'$"):
+        check_form("sparse")
+    with pytest.raises(ValueError, match=r"got None$"):
+        check_form(None)
+
+
+def test_auto_form_weighs_t_squared_in_both_the_flops_and_the_memory():
+    """``prefer_ghost``'s docstring: ghost kernels cost ``M^2 T^2 (I + O)`` flops and ``M^2 T^2`` memory, rows
+    ``M T I O + M^2 I O`` and ``M I O``. Cases where dropping a ``T^2`` factor would flip the choice."""
+    # M=2, T=4, I=O=8: ghost flops 1024 > rows 768 (memory 64 <= 128): rows
+    assert not prefer_ghost("auto", 2, 4, 8, 8)
+    # M=100, T=2, I=O=16: flops 102400 <= 2611200 but memory 40000 > 25600: rows
+    assert not prefer_ghost("auto", 100, 2, 16, 16)
+    assert prefer_ghost("auto", 100, 1, 16, 16)  # T=1: both within
+    assert prefer_ghost("ghost", 100, 2, 16, 16) and not prefer_ghost("rows", 2, 1, 8, 8)
+    assert prefer_ghost("auto", 64, 1, 3072, 2048)
+    assert not prefer_ghost("auto", 64, 512, 768, 8)

@@ -3,6 +3,7 @@ counts from full-size random-weight builds, prompt tuning's prompts, metrics, fa
 files that a weights-only load reads (a crafted checkpoint runs no code)."""
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 import random
@@ -347,6 +348,16 @@ def test_rng_states_round_trip_through_a_weights_only_load(tmp_path):
     assert random.random() == expected[0]
     np.testing.assert_array_equal(np.random.rand(4), expected[1])
     assert torch.equal(torch.rand(3), expected[2])
+
+
+@pytest.mark.parametrize("mapping", [collections.Counter({3: 2, 1: 1}), collections.OrderedDict([(2, "b"), (1, "a")]),
+                                     {"milestones": collections.Counter({5: 1}), "gamma": np.float64(0.5)}])
+def test_mappings_keep_their_type_and_items_through_a_resume_file(mapping, tmp_path):
+    """A scheduler's state holds a Counter (MultiStepLR's milestones): it comes back as the same Counter, not as a
+    Counter of its (key, count) pairs."""
+    store.write_torch(tmp_path / "resume.pt", {"state": mapping})
+    back = store.read_torch(tmp_path / "resume.pt")["state"]
+    assert type(back) is type(mapping) and back == mapping and list(back) == list(mapping)
 
 
 def test_a_resume_checkpoint_of_the_previous_format_still_loads(tmp_path):

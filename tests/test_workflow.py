@@ -165,12 +165,10 @@ def test_deleting_a_results_folder_replans_it_without_exceptions(tmp_path, profi
 
 
 def _chapter_module(checkout: Path) -> Path:
-    """A chapter back-end of the checkout (ief/chapters, or ief/plots before the rename)."""
-    for package in ("chapters", "plots"):
-        modules = sorted((checkout / "ief" / package).glob("*.py"))
-        if modules:
-            return next((m for m in modules if m.name != "__init__.py"), modules[0])
-    raise AssertionError("no chapter package (ief/chapters or ief/plots) in the checkout")
+    """A chapter back-end of the checkout (a module of ief/chapters)."""
+    modules = sorted(m for m in (checkout / "ief" / "chapters").glob("*.py") if m.name != "__init__.py")
+    assert modules, "no chapter back-end in ief/chapters"
+    return modules[0]
 
 
 def _edit(path: Path, stamp: float) -> None:

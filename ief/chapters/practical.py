@@ -4,7 +4,7 @@ figures and glued sentences.
 The chapter compares, per setup, the baseline (AdamW / Adafactor / Adam), the exact iEF of E2, iEF with momentum and
 weight decay (``ief-momentum``, :mod:`ief.optim.momentum`) and, where every trainable parameter is an ``nn.Linear``,
 the K-FAC family as optimisers (:class:`ief.optim.KFAC`). The baseline and iEF runs are E2's own; the others are the
-grid's ``practical`` runs (``config/config.yaml``).
+grid's ``practical`` runs (``GRIDS[scale].practical`` in :mod:`ief.experiments.setups`).
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ next owner (:func:`remove_stale_temporaries`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import fcntl
 import io
@@ -189,8 +190,11 @@ def storable(obj: Any) -> Any:
         return torch.from_numpy(np.array(obj, copy=True))
     if isinstance(obj, np.generic):
         return obj.item()
-    if isinstance(obj, dict):
-        return type(obj)((k, storable(v)) for k, v in obj.items())
+    if isinstance(obj, dict):  # the same mapping type, filled by update(): Counter(pairs) would count the pairs
+        converted = copy.copy(obj)
+        converted.clear()
+        converted.update({k: storable(v) for k, v in obj.items()})
+        return converted
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(storable(v) for v in obj)
     return obj

@@ -131,11 +131,10 @@ GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES
 
 # The code a job runs. Training and evaluation run the core and the experiments code (and read the recorded data
 # shipped inside the package: lr_search/*.json, ...), never the chapters' back-ends (plotting, styles, colours: the
-# ief/plots or ief/chapters package and style.py / colour.py wherever they live), so a plot-only change reruns no
+# ief/chapters package), so a plot-only change reruns no
 # training or evaluation job. A notebook runs both: the chapter back-ends, and the core code the chapters that
 # compute on their own call (the toy problems, compression, a smoke run trained when no results exist).
-CHAPTER_PACKAGES = ("plots", "chapters")
-CHAPTER_MODULES = ("style.py", "colour.py")
+CHAPTER_PACKAGE = "chapters"
 
 
 def _package_files() -> list[Path]:
@@ -144,9 +143,8 @@ def _package_files() -> list[Path]:
 
 
 def is_chapter_code(path: Path) -> bool:
-    """A file of the chapters' back-ends: under ief/plots or ief/chapters, or a style/colour module."""
-    parts = path.relative_to(ROOT / "ief").parts
-    return parts[0] in CHAPTER_PACKAGES or parts[-1] in CHAPTER_MODULES
+    """A file of the chapters' back-ends (ief/chapters: plots, styles, glued sentences)."""
+    return path.relative_to(ROOT / "ief").parts[0] == CHAPTER_PACKAGE
 
 
 # absolute: a workflow run in another --directory (a test's tmp folder) still finds them

@@ -297,7 +297,9 @@ def jvps_any_mode(
     backward-type pass per tangent (:func:`double_backward_jvps`, the same values). Logits detached, ``[K, *z.shape]``
     detached."""
     model = forward.model
-    if model not in NO_FORWARD_MODE and model not in NO_BATCHED_JVP:
+    # a vmapped replay draws CUDA dropout masks unlike the forward it replays (draws_cuda_random): not the same
+    # function, so such a forward takes the double-backward passes, which replay it exactly
+    if not forward.draws_cuda_random and model not in NO_FORWARD_MODE and model not in NO_BATCHED_JVP:
         try:
             return batched_tangent_jvps(forward, params, names, tangents)
         except (RuntimeError, NotImplementedError):  # the fallback is exact; a real error recurs there
@@ -360,7 +362,8 @@ def batched_jvps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, [J_z d_1, ..., J_z d_K])`` for the rows of ``directions [K, P]`` from one forward-mode pass: the primal
     forward runs once and the ``K`` tangents as one batch (``torch.func.vmap`` over ``torch.func.jvp``, dropout masks
-    shared by the ``K`` tangents and drawn as one plain forward would draw them). Returns the logits (detached) and
+    shared by the ``K`` tangents; on the CPU drawn as one plain forward would draw them, on CUDA not:
+    :attr:`ReplayableForward.draws_cuda_random`). Returns the logits (detached) and
     ``[K, *z.shape]``.
 
     Raises what ``vmap`` or forward mode raise where the model does not support them (an operation without a batching

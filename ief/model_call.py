@@ -326,6 +326,8 @@ class ReplayableForward:
         self._cpu_state = torch.get_rng_state()
         self._cuda_states = [torch.cuda.get_rng_state(d) for d in self._devices]
         self._calls = 0
+        # whether the first call drew random numbers on a CUDA device (None: not called yet); see draws_cuda_random
+        self._draws_cuda_random: bool | None = None
         self.watch: Mapping[int, int] | None = None  # leaves whose presence in the graph is reported in ``reached``
         self.reached: set[int] = set()
 
@@ -334,12 +336,26 @@ class ReplayableForward:
         self._calls += 1
         if self._calls == 1:
             yield
+            self._draws_cuda_random = any(not torch.equal(torch.cuda.get_rng_state(d), state)
+                                          for d, state in zip(self._devices, self._cuda_states))
             return
         with torch.random.fork_rng(devices=self._devices):
             torch.set_rng_state(self._cpu_state)
             for d, s in zip(self._devices, self._cuda_states):
                 torch.cuda.set_rng_state(s, d)
             yield
+
+    @property
+    def draws_cuda_random(self) -> bool:
+        """Whether the forward draws random numbers on a CUDA device (dropout in train mode): measured on the first
+        call (the CUDA generators' states before and after); before it, assumed for a CUDA model in train mode.
+
+        ``torch.func.vmap(randomness="same")`` draws such numbers with other kernels than a plain forward (on an
+        H100, ``F.dropout``'s mask under vmap differed from the plain forward's from the same generator state; on
+        the CPU they agree), so a vmapped replay of this forward would not be the same function."""
+        if self._draws_cuda_random is None:
+            return bool(self._devices) and any(m.training for m in self.model.modules())
+        return self._draws_cuda_random
 
     def __call__(self, substitute: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits, optionally with some parameters substituted (``torch.func.functional_call``).

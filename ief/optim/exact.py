@@ -217,6 +217,30 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             for key in ("momentum", "dampening", "weight_decay"):
                 group.setdefault(key, 0.0)
 
+    def _store_generator(self, state: dict) -> dict:
+        """``state`` with the label generator's state under ``"generator_state"`` (SF and KFAC with ``generator=``):
+        a resumed run then draws the same labels as an uninterrupted one."""
+        generator = getattr(self, "generator", None)
+        if generator is not None:
+            state["generator_state"] = generator.get_state()
+        return state
+
+    def _pop_generator_state(self, state_dict: dict) -> torch.Tensor | None:
+        """Take ``"generator_state"`` out of ``state_dict`` (a copy the caller owns); ``ValueError`` if it holds one
+        and this optimiser has no generator to restore it into."""
+        generator_state = state_dict.pop("generator_state", None)
+        if generator_state is not None and getattr(self, "generator", None) is None:
+            raise ValueError(f"this state_dict holds the state of {type(self).__name__}'s generator, but this "
+                             f"{type(self).__name__} has none (it would draw labels from the global RNG): construct "
+                             "it with generator=torch.Generator() to resume")
+        return generator_state
+
+    def _restore_generator(self, generator_state: torch.Tensor | None) -> None:
+        """Set the label generator's state. A generator's state is a CPU byte tensor whatever its device; a state
+        dict moved to the GPU (accelerate's ``AcceleratedOptimizer`` does) comes back to the CPU here."""
+        if generator_state is not None:
+            self.generator.set_state(generator_state.to("cpu", torch.uint8))
+
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
@@ -608,17 +632,11 @@ class SF(PreconditionedOptimizer):
     def state_dict(self) -> dict:
         """The torch optimiser state plus, with ``generator=``, the generator's state (so that a resumed run
         draws the same labels as an uninterrupted one)."""
-        state = super().state_dict()
-        if self.generator is not None:
-            state["generator_state"] = self.generator.get_state()
-        return state
+        return self._store_generator(super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`'s output (``ValueError`` if it holds a generator state and this SF has none)."""
         state_dict = dict(state_dict)
-        generator_state = state_dict.pop("generator_state", None)
-        if generator_state is not None and self.generator is None:
-            raise ValueError("this state_dict holds the state of SF's generator, but this SF has none (it would draw "
-                             "labels from the global RNG): construct it with generator=torch.Generator() to resume")
+        generator_state = self._pop_generator_state(state_dict)
         super().load_state_dict(state_dict)
-        if generator_state is not None:
-            self.generator.set_state(generator_state)
+        self._restore_generator(generator_state)

@@ -169,30 +169,24 @@ class KFAC(PreconditionedOptimizer):
                          "factors": {name: {"G": e["G"].clone(), "A": e["A"].clone(),
                                             "eigen": tuple(t.clone() for t in e["eigen"])}
                                      for name, e in self.factors.items()}}
-        if self.generator is not None:
-            state["generator_state"] = self.generator.get_state()
-        return state
+        return self._store_generator(state)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore :meth:`state_dict`'s output (``ValueError`` if it is another kind's or lacks the factors)."""
         state_dict = dict(state_dict)
         saved = state_dict.pop("kfac", None)
-        generator_state = state_dict.pop("generator_state", None)
         if saved is None:
             raise ValueError("this state_dict has no 'kfac' entry (running factors): it is not a KFAC optimiser's")
         if saved["kind"] != self.kind or saved["approx"] != self.approx:
             raise ValueError(f"this state_dict is a KFAC(kind={saved['kind']!r}, approx={saved['approx']!r})'s, this "
                              f"optimiser is KFAC(kind={self.kind!r}, approx={self.approx!r})")
-        if generator_state is not None and self.generator is None:
-            raise ValueError("this state_dict holds the state of KFAC's generator, but this KFAC has none (it would "
-                             "draw labels from the global RNG): construct it with generator=torch.Generator()")
+        generator_state = self._pop_generator_state(state_dict)
         super().load_state_dict(state_dict)
         device = self._all_params()[0].device  # a state loaded with map_location="cpu" (transformers.Trainer does)
         self.factors = {name: {"G": e["G"].to(device, copy=True), "A": e["A"].to(device, copy=True),
                                "eigen": tuple(t.to(device, copy=True) for t in e["eigen"])}
                         for name, e in saved["factors"].items()}
-        if generator_state is not None:
-            self.generator.set_state(generator_state)
+        self._restore_generator(generator_state)
 
 
 __all__ = ["KFAC", "KINDS"]

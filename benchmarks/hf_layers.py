@@ -198,7 +198,7 @@ def step_methods(model, x: dict, y: torch.Tensor, before) -> dict:
 
 
 def _dense(jac) -> torch.Tensor:
-    return (jac.materialize() if isinstance(jac, ief.jacobian.FactoredJacobian) else jac).detach()
+    return (jac.materialize() if isinstance(jac, ief.rows.FactoredJacobian) else jac).detach()
 
 
 def looped(fn) -> list[str]:

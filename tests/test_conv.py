@@ -88,7 +88,7 @@ def _case(name: str, dtype: torch.dtype, mode: str = "eval", m: int = 5, seed: i
 
 
 def _dense(jac):
-    return jac.materialize() if isinstance(jac, ief.jacobian.FactoredJacobian) else jac
+    return jac.materialize() if isinstance(jac, ief.rows.FactoredJacobian) else jac
 
 
 def _rel(a, b) -> float:

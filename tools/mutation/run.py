@@ -37,6 +37,7 @@ EQUIVALENT = HERE / "equivalent.txt"
 # module group -> the test files it is measured against (tests/ mirrors ief/).
 MODULES: dict[str, list[str]] = {
     "ief/damping_sweep.py": ["tests/test_damping_sweep.py"],
+    "ief/rows.py": ["tests/test_rows.py", "tests/test_directions.py", "tests/test_jacobian.py"],
     "ief/directions.py": ["tests/test_directions.py"],
     "ief/curvature.py": ["tests/test_curvature.py"],
     "ief/kfac.py": ["tests/test_kfac.py"],

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from ief.chapters import colour
-from ief.chapters.style import FIELD_COLORS, FIGURE_GROUPS, METHOD_COLORS, SEQUENCE_COLORS, method_color
+from ief.chapters.style import CONTOUR_COLOR, FIELD_COLORS, FIGURE_GROUPS, METHOD_COLORS, SEQUENCE_COLORS, method_color
 
 OLD_PALETTE = {  # the palette before issue 19: tab10 with light blue ieKFAC beside blue iEF
     "SGD": "#7f7f7f", "NGD": "#000000", "iEF": "#1f77b4", "EF": "#d62728", "SF": "#2ca02c", "AdamW": "#9467bd",
@@ -55,17 +55,19 @@ def test_the_rules_fail_the_old_palette_light_blue_iekfac_beside_blue_ief():
 
 
 def test_non_method_colours_differ_from_every_method_colour_and_from_each_other():
-    for c in (*SEQUENCE_COLORS, *FIELD_COLORS.values()):
+    for c in SEQUENCE_COLORS:
         nearest = min(METHOD_COLORS.values(), key=lambda m: colour.difference(c, m))
         assert colour.difference(c, nearest) >= 15, (c, nearest)
-    for group in (SEQUENCE_COLORS, tuple(FIELD_COLORS.values())):
-        for a, b in itertools.combinations(group, 2):
-            assert colour.difference(a, b) >= 15, (a, b)
+    for a, b in itertools.combinations(SEQUENCE_COLORS, 2):
+        assert colour.difference(a, b) >= 15, (a, b)
     for s, f in itertools.product(SEQUENCE_COLORS[:5], FIELD_COLORS.values()):  # a toy panel: 5 paths on a field
         assert colour.difference(s, f) >= 15, (s, f)
     assert all(colour.contrast(c) >= 2 for c in SEQUENCE_COLORS)  # thin trajectories stay visible
+    for c in (*FIELD_COLORS.values(), CONTOUR_COLOR):  # greys: no hue a trajectory could share
+        assert _chroma_hue(c)[0] < 1, c
     for vision in ("deuteranopia", "protanopia"):  # NGD's and iEF's fields are drawn over each other
         assert colour.difference(FIELD_COLORS["NGD"], FIELD_COLORS["iEF"], vision) >= 10
+    assert colour.lab(CONTOUR_COLOR)[0] > max(colour.lab(c)[0] for c in FIELD_COLORS.values())  # contours under all
 
 
 def test_method_color_is_case_insensitive_and_names_the_known_methods():

@@ -18,9 +18,9 @@ vermillion, and so on. The palette is colour-blind-safe by construction and by t
   Lines drawn per method also carry a marker and a dash of their own (the plotting modules), so colour is never the
   only cue.
 * **Non-method colours**: :data:`SEQUENCE_COLORS` for series that are not methods (trajectories from different
-  starts, setups, samples) and :data:`FIELD_COLORS` for the vector field drawn for a method in the toy chapter (pale,
-  so that a trajectory drawn over it stands out). Each differs from every method colour by CIEDE2000 >= 15, so a
-  trajectory never takes the hue of the field or method beside it.
+  starts, setups, samples) and :data:`FIELD_COLORS` for the vector field drawn for a method in the toy chapter (greys:
+  no hue, so a trajectory drawn over it never takes the field's hue). Each sequence colour differs from every method
+  colour by CIEDE2000 >= 15, so a trajectory never takes the hue of the method beside it.
 """
 from __future__ import annotations
 
@@ -59,9 +59,18 @@ FIGURE_GROUPS: tuple[frozenset[str], ...] = (
 # A qualitative sequence for things that are not methods (trajectories from different starts, setups, samples).
 SEQUENCE_COLORS: tuple[str, ...] = ("#00BBCC", "#9944FF", "#447700", "#884400", "#006666", "#999966", "#444455")
 
-# The vector field of a method in the toy chapter: pale, distinct from every method and sequence colour (NGD's and
-# iEF's fields are drawn over each other: they differ for colour-blind readers too).
-FIELD_COLORS: dict[str, str] = {"SGD": "#BBBBBB", "NGD": "#D9C27A", "iEF": "#99AAFF", "EF": "#FF9977"}
+
+
+def _grey(white: float) -> str:
+    """Black mixed with ``white`` parts of white (0: black, 1: white), as ``"#rrggbb"``."""
+    return "#" + f"{round(255 * white):02x}" * 3
+
+
+# The vector field of a method in the toy chapter, and the loss contours under it: greys (no hue at all), so they
+# cannot share a hue with the chromatic per-start trajectory colours (SEQUENCE_COLORS). NGD's field is drawn wide and
+# pale under iEF's thin dark one where the two coincide (least squares): told apart by lightness, for every reader.
+FIELD_COLORS: dict[str, str] = {"SGD": _grey(0.5), "NGD": _grey(0.65), "iEF": _grey(0.3), "EF": _grey(0.5)}
+CONTOUR_COLOR = _grey(0.82)
 
 
 def method_color(name: str) -> str:

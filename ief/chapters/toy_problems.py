@@ -20,20 +20,10 @@ import torch
 
 from .. import toy
 from ..paper import cite
-from .style import METHOD_COLORS, SEQUENCE_COLORS
+from .style import CONTOUR_COLOR, FIELD_COLORS, METHOD_COLORS, SEQUENCE_COLORS
 from .common import PAGE_WIDTH_IN, plain_log_ticks
 
 
-def _grey(white: float) -> str:
-    """Black mixed with ``white`` parts of white (0: black, 1: white), as ``"#rrggbb"``."""
-    return "#" + f"{round(255 * white):02x}" * 3
-
-
-# ief.chapters.style exports no FIELD_COLORS in this branch, so the fields' colours are defined here: greys (no hue at
-# all), so they cannot share a hue with the chromatic per-start trajectory colours (SEQUENCE_COLORS). NGD's field is
-# drawn wide and pale under iEF's thin dark one where the two coincide (least squares).
-FIELD_COLORS: dict[str, str] = {"SGD": _grey(0.5), "NGD": _grey(0.65), "iEF": _grey(0.3), "EF": _grey(0.5)}
-CONTOUR_COLOR = _grey(0.82)
 HUE_SEPARATION_DEG = 30.0  # two saturated colours closer in hue than this count as "the same hue"
 MIN_SATURATION = 0.15  # HSV saturation below which a colour counts as grey (no hue)
 

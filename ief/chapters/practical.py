@@ -50,45 +50,42 @@ class PracticalGrid:
 
 
 def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: str | Path = "runs",
-                   setups: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
-                   train_missing: bool = False) -> PracticalGrid:
+                   setups: Sequence[str] | None = None, seeds: Sequence[int] | None = None) -> PracticalGrid:
     """The chapter's runs, read as E2's (:func:`~ief.experiments.aggregate.load_e2`: the workflow's tables, else the
-    runs). ``train_missing``: at smoke scale only, train the runs that are missing first (seconds).
+    runs); runs finished after the tables were written are read from ``runs_dir``. Reads only: nothing is trained
+    (:func:`train_missing_smoke_runs` does that).
 
     Args:
         scale: ``"smoke"``, ``"cpu"`` or ``"full"``.
         results_dir: the aggregated tables (default ``results/<scale>``).
-        runs_dir: the runs folder, read when ``results_dir`` has no tables.
+        runs_dir: the runs folder, read when ``results_dir`` has no tables or lacks some of the chapter's runs.
         setups: default every E2 setup of the scale.
         seeds: default the paper's three (at smoke, the seeds the runs have).
-        train_missing: train missing smoke runs here.
 
     Returns:
-        A :class:`PracticalGrid`.
+        A :class:`PracticalGrid` (its ``missing`` lists the runs found nowhere).
 
     Raises:
         FileNotFoundError: no run and no table (names the commands that make them).
     """
-    from ..experiments.runner import train
-
-    chosen = list(setups) if setups else None, list(seeds) if seeds is not None else None
-    if train_missing and scale == "smoke":
-        ensure_smoke_e2_runs(results_dir, runs_dir, *chosen)
-    grid = load_e2(scale, results_dir, runs_dir, *chosen)
+    grid = load_e2(scale, results_dir, runs_dir, list(setups) if setups else None,
+                   list(seeds) if seeds is not None else None)
     opts = {s: chapter_optimizers(s, scale) for s in grid.setups}
     expected = [(s, o, k) for s in grid.setups for o in opts[s] for k in grid.seeds]
-    have = set(zip(grid.table.setup, grid.table.optimizer, grid.table.seed))
-    missing = [e for e in expected if e not in have]
-    table, curves, source = grid.table, grid.curves, grid.source
-    if missing and scale == "smoke" and train_missing:
-        for s, o, k in missing:
-            train(s, o, k, "smoke", runs_dir, progress=False, verbose=False)
-        table, curves = collect(runs_dir, scale)
-        table = table[table.setup.isin(grid.setups) & table.seed.isin(grid.seeds)]
-        curves = curves[curves.setup.isin(grid.setups) & curves.seed.isin(grid.seeds)]
+
+    def absent(table: pd.DataFrame) -> list[tuple[str, str, int]]:
         have = set(zip(table.setup, table.optimizer, table.seed))
-        missing = [e for e in expected if e not in have]
-        source = f"the runs in {Path(runs_dir) / scale} (aggregated here)"
+        return [e for e in expected if e not in have]
+
+    table, curves, source = grid.table, grid.curves, grid.source
+    missing = absent(table)
+    if missing and (Path(runs_dir) / scale).is_dir():  # runs finished after the tables: read them from the runs
+        runs_table, runs_curves = collect(runs_dir, scale)
+        runs_table = runs_table[runs_table.setup.isin(grid.setups) & runs_table.seed.isin(grid.seeds)]
+        if len(absent(runs_table)) < len(missing):
+            table = runs_table
+            curves = runs_curves[runs_curves.setup.isin(grid.setups) & runs_curves.seed.isin(grid.seeds)]
+            missing, source = absent(table), f"the runs in {Path(runs_dir) / scale} (aggregated here)"
     keep = pd.Series(False, index=table.index)
     for s, os_ in opts.items():
         keep |= (table.setup == s) & table.optimizer.isin(os_)
@@ -97,6 +94,31 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
         list(zip(table.setup, table.optimizer)))]
     return PracticalGrid(table.reset_index(drop=True), curves.reset_index(drop=True), grid.setups, grid.seeds, opts,
                          missing, source)
+
+
+def train_missing_smoke_runs(results_dir: str | Path | None = None, runs_dir: str | Path = "runs",
+                             setups: Sequence[str] | None = None, seeds: Sequence[int] | None = None
+                             ) -> list[tuple[str, str, int]]:
+    """At smoke scale, train the chapter's runs that are missing (the E2 grid first, then the practical
+    optimisers'; seconds each), so that :func:`load_practical` finds them.
+
+    Args:
+        results_dir: the aggregated tables (default ``results/smoke``).
+        runs_dir: where the runs are written.
+        setups: default every E2 setup of the smoke scale.
+        seeds: default the seeds of the smoke grid.
+
+    Returns:
+        The ``(setup, optimizer, seed)`` runs trained here (E2's included).
+    """
+    from ..experiments.runner import train
+
+    chosen = list(setups) if setups else None, list(seeds) if seeds is not None else None
+    trained = list(ensure_smoke_e2_runs(results_dir, runs_dir, *chosen) or [])
+    missing = load_practical("smoke", results_dir, runs_dir, *chosen).missing
+    for s, o, k in missing:
+        train(s, o, k, "smoke", runs_dir, progress=False, verbose=False)
+    return trained + list(missing)
 
 
 def results_table(table: pd.DataFrame, opts: dict[str, list[str]]) -> pd.DataFrame:

@@ -39,6 +39,25 @@ from benchmarks import harness
 from benchmarks.workloads import randomise_lora_b
 
 SETUPS = ("tweets-minilm-lora", "digits-mlp", "tweets-minilm-pt")
+# the paper's E1 at full scale without the hub: T5-base LoRA from its config (random weights), M = 160 (GPU)
+FULL_T5 = "t5-base-lora-full"
+
+
+def build_full_t5(device: torch.device, seed: int) -> dict:
+    """The full scale's evaluation of a T5-base LoRA setup (``rte-t5-lora``'s iEF damping, the full scale's batch,
+    CG steps and sweep) on a T5-base built from its config with random weights (no hub), LoRA ``B`` off zero."""
+    from ief.experiments.evaluate_runs import BLOCK_METHODS, E1_METHODS, sweep_grid
+    from ief.experiments.setups import EVALUATION_KNOBS, resolve
+    from benchmarks.workloads import build_t5_lora
+
+    knobs = EVALUATION_KNOBS["full"]
+    w = build_t5_lora(knobs["batch_size"], device, seed, "t5-base-config")
+    w.model.eval()
+    return dict(model=w.model, inputs=w.inputs, targets=w.targets, methods=[*E1_METHODS, *BLOCK_METHODS],
+                batch=knobs["batch_size"], source="T5-base (t5-base-config, random weights) + LoRA r=8 on q,v",
+                damping=float(resolve("rte-t5-lora", "full").optimizers["ief"].damping), cg=knobs["cg_iterations"],
+                sweep=list(sweep_grid(knobs["sweep_dampings"])),
+                params=sum(p.numel() for p in w.model.parameters() if p.requires_grad), scale="full")
 
 
 def build(setup: str, checkpoint: str | None, seed: int):
@@ -75,7 +94,7 @@ def build(setup: str, checkpoint: str | None, seed: int):
     return dict(model=model, inputs=inputs, targets=targets, methods=methods, batch=m, source=source,
                 damping=float(cfg.optimizers["ief"].damping), cg=DEFAULTS["cpu"]["cg_iterations"],
                 sweep=list(sweep_grid(DEFAULTS["cpu"]["sweep_dampings"])),
-                params=sum(p.numel() for p in model.parameters() if p.requires_grad))
+                params=sum(p.numel() for p in model.parameters() if p.requires_grad), scale="cpu")
 
 
 def cases(s: dict) -> dict:
@@ -97,32 +116,35 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     p = argparse.ArgumentParser(prog="python -m benchmarks.evaluation", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_common_arguments(p, repeats=3, warmup=1, device=False)
+    harness.add_common_arguments(p, repeats=3, warmup=1)
     p.add_argument("--setups", default="tweets-minilm-lora,digits-mlp",
-                   help=f"comma-separated cpu-scale setups, from {', '.join(SETUPS)}")
+                   help=f"comma-separated cpu-scale setups, from {', '.join(SETUPS)}; or {FULL_T5} (the full "
+                        "scale's T5-base LoRA evaluation from the config, M = 160; meant for --device cuda)")
     p.add_argument("--checkpoint", default=None, help="a run's checkpoints/stage-PPP.pt (one setup only)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     args = p.parse_args(argv)
-    harness.check_common(p, args)
+    device = harness.check_common(p, args)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    if not setups or any(s not in SETUPS for s in setups):
-        p.error(f"--setups: {args.setups!r}; choose from {', '.join(SETUPS)}")
+    if not setups or any(s not in (*SETUPS, FULL_T5) for s in setups):
+        p.error(f"--setups: {args.setups!r}; choose from {', '.join((*SETUPS, FULL_T5))}")
+    if device.type != "cpu" and any(s in SETUPS for s in setups):
+        p.error(f"--device {device}: the cpu-scale setups run on the CPU; on a GPU use --setups {FULL_T5}")
     if args.checkpoint and len(setups) != 1:
         p.error("--checkpoint needs exactly one setup in --setups")
     results, tables = [], []
     with harness.OtherLoad() as load:
         for setup in setups:
             t0 = time.perf_counter()
-            s = build(setup, args.checkpoint, args.seed)
+            s = build_full_t5(device, args.seed) if setup == FULL_T5 else build(setup, args.checkpoint, args.seed)
             fns = cases(s)
-            times = harness.round_robin(fns, args.repeats, args.warmup)
-            peaks = {k: (None if args.no_memory else harness.peak_memory_mib(fn)) for k, fn in fns.items()}
+            times = harness.round_robin(fns, args.repeats, args.warmup, device=device)
+            peaks = {k: (None if args.no_memory else harness.peak_memory_mib(fn, device)) for k, fn in fns.items()}
             rows = harness.rows(times, {k: (None if k == "sgd" else "sgd") for k in fns})
             for r in rows:
                 r["peak_mib"] = peaks[r["key"]]
             info = {k: v for k, v in s.items() if k not in ("model", "inputs", "targets")}
             results.append(dict(setup=setup, **info, rows=rows, seconds=time.perf_counter() - t0))
-            print(f"\n{setup} [cpu]: P = {s['params']:,} trainable, batch {s['batch']}, damping {s['damping']:g}, "
+            print(f"\n{setup} [{s['scale']}]: P = {s['params']:,} trainable, batch {s['batch']}, damping {s['damping']:g}, "
                   f"{s['cg']} CG steps, {s['source']}")
             print(f"{'case':<14} {'median s':>9} {'IQR s':>7} {'vs sgd':>7} {'peak MiB':>9}")
             for r in rows:
@@ -130,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r['key']:<14} {r['median_ms'] / 1e3:>9.3f} {r['iqr_ms'] / 1e3:>7.3f} "
                       f"{(r['ratio'] or 1.0):>6.2f}x {peak:>9}", flush=True)
             tables.append(harness.table(
-                f"`ief.evaluate` on one batch of {setup} (cpu scale: P = {s['params']:,} trainable, batch "
+                f"`ief.evaluate` on one batch of {setup} ({s['scale']} scale: P = {s['params']:,} trainable, batch "
                 f"{s['batch']}, {s['cg']} CG steps for hf)",
                 [("method(s)", "s"), ("median s", ".3f"), ("IQR s", ".3f"), ("vs sgd", ".2f"), ("peak MiB", ".1f")],
                 [[r["key"], r["median_ms"] / 1e3, r["iqr_ms"] / 1e3, 1.0 if r["ratio"] is None else r["ratio"],
@@ -139,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"(per-sample backward, gradient, one γ) included; `all methods` is one call with every "
                      f"method (what the job pays per batch); `damping sweep` is `ief.damping_sweep` at "
                      f"{len(s['sweep'])} dampings. vs sgd: median of within-round ratios."))
-    doc = harness.record("evaluation", argv, "cpu", args, load, dict(setups=results), tables, started)
+    doc = harness.record("evaluation", argv, device, args, load, dict(setups=results), tables, started)
     harness.finish(doc, args.json)
     return 0
 

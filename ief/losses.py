@@ -41,6 +41,12 @@ class Loss(Protocol):
     ) -> torch.Tensor: ...
 
 
+def draw_device(generator: torch.Generator | None, tensor: torch.Tensor) -> torch.device:
+    """Where random labels are drawn: the ``generator``'s device (a generator draws only on its own), else
+    ``tensor``'s (the global generator of that device)."""
+    return tensor.device if generator is None else torch.device(generator.device)
+
+
 def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in torch.nonzero(mask)[0])
 
@@ -135,11 +141,14 @@ class CrossEntropy:
     ) -> torch.Tensor:
         """Labels drawn from the model's own predictive distribution at every kept position (SF).
 
-        Masked (``-inf``) classes have probability 0 and are never drawn, as in the other methods' losses.
+        Masked (``-inf``) classes have probability 0 and are never drawn, as in the other methods' losses. A
+        ``generator`` on another device than the logits (a CPU generator for a CUDA model) draws on its own device, so
+        the labels do not depend on the model's device.
         """
         self.check_finite(logits, targets)
         probs = torch.softmax(logits.detach().to(torch.float64), dim=-1).reshape(-1, logits.shape[-1])
-        drawn = torch.multinomial(probs, 1, generator=generator).reshape(targets.shape)
+        drawn = torch.multinomial(probs.to(draw_device(generator, probs)), 1, generator=generator)
+        drawn = drawn.to(targets.device).reshape(targets.shape)
         return torch.where(targets == IGNORE_INDEX, targets, drawn.to(targets.dtype))
 
 
@@ -174,10 +183,12 @@ class MeanSquaredError:
     def sample_targets(
         self, logits: torch.Tensor, targets: torch.Tensor, generator: torch.Generator | None
     ) -> torch.Tensor:
-        """``y ~ N(z, I)``, the predictive distribution whose Fisher is the Gauss-Newton matrix."""
+        """``y ~ N(z, I)``, the predictive distribution whose Fisher is the Gauss-Newton matrix (drawn on the
+        ``generator``'s device, as :meth:`CrossEntropy.sample_targets`)."""
         self.check_finite(logits, targets)
-        noise = torch.randn(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
-        return (logits.detach().to(torch.float64) + noise).to(logits.dtype)
+        noise = torch.randn(logits.shape, generator=generator, dtype=torch.float64,
+                            device=draw_device(generator, logits))
+        return (logits.detach().to(torch.float64) + noise.to(logits.device)).to(logits.dtype)
 
 
 _LOSSES: dict[str, Loss] = {"cross_entropy": CrossEntropy(), "mse": MeanSquaredError()}

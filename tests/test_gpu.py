@@ -7,7 +7,7 @@ import torch
 
 import ief
 import oracle
-from tiny_models import mlp_case, t5_lora_case, vit_lora_case
+from tiny_models import mlp_case, mse_case, t5_lora_case, vit_lora_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -130,3 +130,19 @@ def test_cuda_runner_trains_every_optimizer_and_resumes(setup, tmp_path):
     res_losses = read_run(run_dir(tmp_path / "res", "smoke", setup, "sgd", 1))["losses"]
     assert res_losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)
     assert not (run_dir(tmp_path / "res", "smoke", setup, "sgd", 1) / "resume.pt").exists()
+
+
+def test_cuda_evaluate_draws_sf_labels_with_a_cpu_generator_as_on_the_cpu():
+    """``ief.evaluate`` draws SF's labels with a CPU generator (``ief.evaluation.batch_generator``): on a CUDA model
+    they are drawn on the generator's device, so every method's γ equals the CPU's (this once raised "Expected a
+    'cuda' device type for generator" on an H100, and the mse loss drew its noise likewise)."""
+    for case in (mlp_case(m=8), mse_case()):
+        methods = ["sgd", "ef", "ief", "sf", "hf", "kfac", "ekfac", "iekfac"]
+        loss = case.loss
+        cpu = ief.evaluate(case.model, [(case.inputs, case.targets)], methods, 1e-3, loss=loss, seed=3)
+        model = case.model.to("cuda")
+        gpu = ief.evaluate(model, [(_to(case.inputs, device="cuda"), _to(case.targets, device="cuda"))], methods,
+                           1e-3, loss=loss, seed=3)
+        assert [r["method"] for r in gpu] == [r["method"] for r in cpu]
+        for a, b in zip(gpu, cpu):
+            assert a["gamma"] == pytest.approx(b["gamma"], rel=1e-8), a["method"]

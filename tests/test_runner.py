@@ -133,16 +133,22 @@ def test_resume_after_sigterm_and_sigint_gives_the_same_summary(reference, tmp_p
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
-def test_resume_after_a_crash_from_the_periodic_checkpoint(reference, tmp_path, monkeypatch):
+def _crash_at_step(step: int):
+    """``runner.train_step`` that raises at its ``step``-th call (a power cut), and the original to restore."""
     inner, calls = runner.train_step, []
 
-    def crash_at_step_6(*args, **kwargs):
+    def crashing(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 6:
+        if len(calls) == step:
             raise RuntimeError("simulated crash (power cut)")
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "train_step", crash_at_step_6)
+    return crashing, inner
+
+
+def test_resume_after_a_crash_from_the_periodic_checkpoint(reference, tmp_path, monkeypatch):
+    crashing, inner = _crash_at_step(6)
+    monkeypatch.setattr(runner, "train_step", crashing)
     with pytest.raises(RuntimeError, match="simulated crash"):  # resume.pt after every step
         train(SETUP, OPT, 3, "smoke", tmp_path, overrides=LONGER, progress=False, verbose=False, checkpoint_every_s=0)
     monkeypatch.setattr(runner, "train_step", inner)
@@ -522,15 +528,8 @@ def test_resume_before_a_multistep_milestone_keeps_the_schedule(tmp_path, monkey
     an H100 with cifar10-mlp + SGD; the same on the CPU)."""
     setup, opt = "cifar10-mlp", "sgd"  # smoke: 4 steps per epoch, lr x0.1 after epoch 1
     reference = train(setup, opt, 1, "smoke", tmp_path / "ref", progress=False, verbose=False)
-    inner, calls = runner.train_step, []
-
-    def crash_at_step_2(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("simulated crash")
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "train_step", crash_at_step_2)
+    crashing, inner = _crash_at_step(2)
+    monkeypatch.setattr(runner, "train_step", crashing)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(setup, opt, 1, "smoke", tmp_path / "res", progress=False, verbose=False, checkpoint_every_s=0)
     monkeypatch.setattr(runner, "train_step", inner)

@@ -3,6 +3,7 @@ evaluation under ATEN_CPU_CAPABILITY=default and compares). These tests pin the 
 verdicts on crafted records, and that the kernel set asked for is the one torch runs."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -74,3 +75,18 @@ def test_the_rerun_runs_the_kernel_set_it_asks_for(tmp_path, monkeypatch):
 def test_no_tables_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no evaluation tables.*make book SCALE=smoke"):
         kernels.run(tmp_path / "results", tmp_path / "runs", tmp_path / "out")
+
+
+def test_evaluation_params_come_from_the_stage_records(tmp_path):
+    """The rerun takes each table's parameters from its stage records (the sweep from a stage that swept); a table
+    without records is an error naming the folder, never a silent rerun of nothing."""
+    parts = tmp_path / "eval" / "digits-mlp.csv.parts"
+    parts.mkdir(parents=True)
+    base = dict(setup="digits-mlp", scale="smoke", seed=0, batches=2, batch_size=8, damping=1e-7, cg=5)
+    (parts / "stage-000.json").write_text(json.dumps({"job": {**base, "stage": 0, "sweep": False}}))
+    (parts / "stage-050.json").write_text(json.dumps({"job": {**base, "stage": 50, "sweep": True,
+                                                              "sweep_dampings": [1e-4, 1.0]}}))
+    assert kernels.evaluation_params(tmp_path / "eval" / "digits-mlp.csv") == {
+        **base, "sweep": True, "sweep_dampings": [1e-4, 1.0]}
+    with pytest.raises(FileNotFoundError, match=r"tweets-minilm-pt\.csv\.parts"):
+        kernels.evaluation_params(tmp_path / "eval" / "tweets-minilm-pt.csv")

@@ -5,7 +5,7 @@ checkpoints, with the same parameters, and compares every record with the first 
     python -m tools.kernels --results results/smoke --runs runs --out _build/smoke/kernels-default
 
 What may differ, and why: both runs read the same stage checkpoints and draw the same batches with the same
-parameters (the first run's manifest, ``eval/<setup>.csv.json``), so a difference comes only from the order of
+parameters (the first run's stage records, ``eval/<setup>.csv.parts/stage-PPP.json``: :func:`evaluation_params`), so a difference comes only from the order of
 floating-point operations inside the kernels (vectorised reductions, matmul blocking). The setups' models are float32:
 the per-sample Jacobians carry float32 rounding (relative ~1e-7), which the float64 solves of the exact directions
 (``ief.logit_space``, ``ief.damping_sweep``) amplify by up to ~1/damping relative to the Gram matrix's scale. So a
@@ -117,9 +117,27 @@ def compare(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> list[s
     return problems
 
 
+def evaluation_params(table: Path) -> dict[str, Any]:
+    """The parameters an evaluation table was computed with, read from its stage records
+    (``TABLE.parts/stage-PPP.json``, each holding its job's parameters): setup, scale, seed, batches, batch size,
+    damping, CG steps, whether damping sweeps ran (at the scale's sweep stages) and their dampings.
+
+    Raises:
+        FileNotFoundError: the table has no stage records (naming the folder).
+    """
+    parts = table.with_name(table.name + ".parts")
+    jobs = [json.loads(p.read_text())["job"] for p in sorted(parts.glob("stage-*.json"))]
+    if not jobs:
+        raise FileNotFoundError(f"{table}: no stage records in {parts} (written by python -m ief evaluate)")
+    first, swept = jobs[0], [j for j in jobs if j.get("sweep")]
+    return dict(setup=first["setup"], scale=first["scale"], seed=first["seed"], batches=first["batches"],
+                batch_size=first["batch_size"], damping=first["damping"], cg=first["cg"], sweep=bool(swept),
+                sweep_dampings=swept[0]["sweep_dampings"] if swept else None)
+
+
 def _rerun(results: Path, runs: Path, out: Path) -> dict[str, Any]:
-    """In this process (started with ATEN_CPU_CAPABILITY set): every evaluation table of ``results`` again, from its
-    manifest's parameters, into ``out``; returns the capability torch used."""
+    """In this process (started with ATEN_CPU_CAPABILITY set): every evaluation table of ``results`` again, with its
+    parameters (:func:`evaluation_params`), into ``out``; returns the capability torch used."""
     import torch
 
     from ief.experiments.evaluate_runs import evaluate_run
@@ -128,12 +146,11 @@ def _rerun(results: Path, runs: Path, out: Path) -> dict[str, Any]:
     wanted = os.environ.get("ATEN_CPU_CAPABILITY", "")
     if used.lower() != wanted.lower():
         raise RuntimeError(f"ATEN_CPU_CAPABILITY={wanted} asked, but torch runs {used} kernels")
-    for manifest in sorted(results.glob("eval/*.csv.json")):
-        p = json.loads(manifest.read_text())["params"]
-        evaluate_run(p["setup"], p["scale"], p["seed"], runs, out / "eval" / manifest.name.removesuffix(".json"),
+    for table in sorted(results.glob("eval/*.csv")):
+        p = evaluation_params(table)
+        evaluate_run(p["setup"], p["scale"], p["seed"], runs, out / "eval" / table.name,
                      batches=p["batches"], batch_size=p["batch_size"], damping=p["damping"],
-                     sweep_dampings=p["sweep_dampings"], sweep=p["sweep_dampings"] is not None,
-                     cg_iterations=p["cg"], progress=False)
+                     sweep_dampings=p["sweep_dampings"], sweep=p["sweep"], cg_iterations=p["cg"], progress=False)
     return {"capability": used}
 
 

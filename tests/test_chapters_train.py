@@ -93,6 +93,12 @@ def test_reproduction_compares_the_chosen_trial_with_the_e2_seed0_run():
     _, glue = reproduction({"a": rec(0.75, 0.25 + 1e-3)}, e2)
     assert glue["search_reproduced"] == "0 of 1"
     assert reproduction({"a": rec(0.75, 0.25)}, None)[0] is None
+    smoke = e2.assign(scale="smoke")  # a smoke build's runs are not the cpu search's configuration
+    table, glue = reproduction({"a": {**rec(0.75, 0.25), "scale": "cpu"}}, smoke)
+    assert table is None and glue["search_reproduced"].startswith("not checked in this build (its E2 runs are at "
+                                                                  "scale smoke; the searches were made at cpu)")
+    table, _ = reproduction({"a": {**rec(0.75, 0.25), "scale": "cpu"}}, pd.concat([smoke, e2.assign(scale="cpu")]))
+    assert list(table["reproduced"]) == ["yes"]
 
 
 def test_search_findings_take_the_tweets_labels_or_say_why_they_are_missing():

@@ -395,11 +395,18 @@ def reproduction(records: dict, e2_table: pd.DataFrame | None) -> tuple[pd.DataF
     configuration of the search's trial at that rate, so the two must agree exactly (the runs are deterministic on
     one thread): one row per (setup, optimiser) of the E2 grid with both numbers and ``reproduced`` (validation
     score equal, final training loss within 1e-6), and the glue: ``search_reproduced`` (how many of how many) and
-    ``search_not_reproduced`` (which, with the numbers, or "none"). ``(None, ...)`` without E2 runs."""
+    ``search_not_reproduced`` (which, with the numbers, or "none"). ``(None, ...)`` without E2 runs of the
+    searches' own scale (a smoke build's runs are not the cpu searches' configuration)."""
     if e2_table is None:
         text = "not checked in this build (no E2 runs)"
         return None, {"search_reproduced": text, "search_not_reproduced": text}
+    scales = sorted({r.get("scale") for r in records.values()} - {None})
+    if scales and "scale" in e2_table and not e2_table["scale"].isin(scales).any():
+        text = (f"not checked in this build (its E2 runs are at scale {', '.join(sorted(set(e2_table['scale'])))}; "
+                f"the searches were made at {', '.join(scales)})")
+        return None, {"search_reproduced": text, "search_not_reproduced": text}
     rows = []
+    e2_table = e2_table[e2_table["scale"].isin(scales)] if scales and "scale" in e2_table else e2_table
     seed0 = e2_table[e2_table["seed"] == 0].set_index(["setup", "optimizer"])
     for name, r in records.items():
         for o, rec in r["optimizers"].items():

@@ -15,13 +15,13 @@ def run_notebook(name: str, out_dir: Path, /, timeout: int = 600, **parameters):
     ``name`` and ``out_dir`` are positional-only, so a notebook parameter may itself be called ``out_dir``.
 
     The kernel is this interpreter's (ipykernel), with the repository on ``PYTHONPATH``, one thread per library and
-    local IPC sockets, as in the book's build (tools/book/steps.py).
+    local IPC sockets in a directory of its own, as in the book's build (tools/book/steps.py).
     """
     import papermill
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with single_threaded():
+    with single_threaded(), kernel_config() as config:
         return papermill.execute_notebook(
             str(ROOT / "notebooks" / name),
             str(out_dir / name),
@@ -31,7 +31,7 @@ def run_notebook(name: str, out_dir: Path, /, timeout: int = 600, **parameters):
             execution_timeout=timeout,
             progress_bar=False,
             stdout_file=sys.stdout,
-            config=kernel_config(),
+            config=config,
         )
 
 

@@ -3,6 +3,7 @@ provenance, a failing one stops the build naming the notebook and the cell, the 
 the build itself, and a missing npm is reported before anything runs. (Up-to-dateness is Snakemake's:
 tests/test_workflow.py.)"""
 import json
+import os
 
 import nbformat
 import pytest
@@ -41,6 +42,29 @@ def test_execute_records_provenance_single_threaded_and_quietly(tmp_path, capfd,
     published = steps.publish(executed, record, generated=tmp_path / "generated")
     text = published.read_text()
     assert "## Provenance" in text and "table.csv" in text and steps._sha256(table) in text
+
+
+def test_kernels_started_at_once_get_sockets_of_their_own():
+    """Two notebooks started at once in separate processes each write their kernel's connection before either
+    kernel binds its sockets; with a shared IPC prefix both chose ``kernel-ipc-1`` ... ``-5`` and one client read the
+    other kernel's messages ("Invalid Signature", a failed start in CI). Each kernel's sockets are its own, and go
+    with it."""
+    from jupyter_client.manager import KernelManager
+
+    names = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+    with steps.kernel_config() as first, steps.kernel_config() as second:
+        managers = [KernelManager(kernel_name="python3", config=c) for c in (first, second)]
+        for km in managers:
+            km.write_connection_file()
+        try:
+            sockets = [{f"{km.ip}-{km.get_connection_info()[n]}" for n in names} for km in managers]
+            assert all(km.transport == "ipc" and os.path.isabs(km.ip) for km in managers)
+            assert not sockets[0] & sockets[1]
+            folders = [os.path.dirname(km.ip) for km in managers]
+        finally:
+            for km in managers:
+                km.cleanup_connection_file()
+    assert not any(os.path.exists(f) for f in folders)
 
 
 def test_timings_page_shows_the_builds_measured_by_the_build(tmp_path):

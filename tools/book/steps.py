@@ -153,13 +153,23 @@ def _progress_engine(label: str):
     return Engine
 
 
+@contextlib.contextmanager
 def kernel_config():
-    """The kernel talks to papermill over local IPC sockets: it is never reachable from the network, and ipykernel's
-    "Kernel is running over TCP without encryption" warning (ipykernel.kernelapp, for tcp without a CurveZMQ key)
-    does not apply."""
+    """The configuration of one notebook's kernel, valid inside the ``with`` block: the kernel talks to papermill
+    over local IPC sockets in a directory of its own, removed afterwards.
+
+    IPC sockets are never reachable from the network, and ipykernel's "Kernel is running over TCP without
+    encryption" warning (ipykernel.kernelapp, for tcp without a CurveZMQ key) does not apply. The directory of its
+    own matters: jupyter_client names IPC sockets ``<ip>-1`` ... ``<ip>-5`` with the first numbers whose files do not
+    exist yet, and its default ``ip`` is ``kernel-ipc`` in the working directory, so two notebooks started at once
+    in separate processes (the workflow runs them side by side) chose the same sockets, and one client read the
+    other kernel's messages ("Invalid Signature", then a failed start; jupyter/jupyter_client#487)."""
+    import tempfile
+
     from traitlets.config import Config
 
-    return Config({"KernelManager": {"transport": "ipc"}})
+    with tempfile.TemporaryDirectory(prefix="ief-kernel-") as sockets:
+        yield Config({"KernelManager": {"transport": "ipc", "ip": str(Path(sockets) / "kernel")}})
 
 
 def execute(notebook: Path, scale: str, executed_root: Path | None = None,
@@ -194,10 +204,9 @@ def execute(notebook: Path, scale: str, executed_root: Path | None = None,
     start = time.time()
     partial = executed.with_suffix(".partial.ipynb")
     try:
-        with single_threaded():
+        with single_threaded(), kernel_config() as config:
             papermill.execute_notebook(str(notebook), str(partial), parameters=parameters, kernel_name="python3",
-                                       cwd=str(ROOT), progress_bar=False, engine_name=engine,
-                                       config=kernel_config())
+                                       cwd=str(ROOT), progress_bar=False, engine_name=engine, config=config)
     except papermill.PapermillExecutionError as err:
         index, first_line = _source_cell(partial, err.cell_index)
         raise NotebookFailed(

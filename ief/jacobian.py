@@ -89,6 +89,7 @@ from .model_call import (
     check_targets,
     column_chunks,
     flatten,
+    large_empty,
     non_reentrant_checkpointing,
     param_names,
     resolve_params,
@@ -833,7 +834,7 @@ def _backward_jacobian(
     if out is not None and tuple(out.shape) == shape and out.dtype == ref.dtype and out.device == ref.device:
         jac = out  # a reused buffer: its pages are already mapped (a fresh J-sized allocation page-faults)
     else:
-        jac = torch.empty(shape, dtype=ref.dtype, device=ref.device)
+        jac = large_empty(shape, ref.dtype, ref.device)
     written = capture.fill(jac, columns, skip=ghost_modules)
     for i, uses in capture.broadcast.items():  # bare parameters broadcast over the batch: rows from their uses
         if i in columns:

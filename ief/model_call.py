@@ -22,8 +22,10 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -226,11 +228,48 @@ def flatten(tensors: Iterable[torch.Tensor | None], params: Sequence[torch.Tenso
 COLUMN_CHUNK = 1 << 16  # columns of an [M, P] matrix processed at a time by column-wise reductions
 
 
-def column_chunks(matrix: torch.Tensor, chunk: int = COLUMN_CHUNK):
+def column_chunks(matrix: torch.Tensor, chunk: int = COLUMN_CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
     """``(start, matrix[:, start:start+chunk])`` blocks: column-wise reductions over a row-major ``[M, P]`` matrix are
     far faster by blocks (a dim-0 reduction over all of it is strided, and a temporary of its size page-faults)."""
     for lo in range(0, matrix.shape[1], chunk):
         yield lo, matrix[:, lo : lo + chunk]
+
+
+HUGE_PAGE = 1 << 21  # bytes of a transparent huge page on x86-64 and arm64 Linux
+_MADV_HUGEPAGE = 14  # Linux's <sys/mman.h>
+
+
+@functools.cache
+def _madvise() -> Callable | None:
+    """libc's ``madvise`` on Linux, else ``None``."""
+    if sys.platform != "linux":
+        return None
+    try:
+        advise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    advise.argtypes, advise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return advise
+
+
+def large_empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty(shape)``, on Linux CPUs with its memory advised for transparent huge pages before it is touched.
+
+    A fresh allocation of many MiB comes from the operating system, and the first write to each 4 KiB page faults:
+    writing a fresh 35 MiB ``J`` (full-parameter BERT, ``M = 16``) took 15.6 ms on this project's machine, 3.4 ms with
+    the advice (2 MiB pages, 512 times fewer faults). This is what torch's own ``THP_MEM_ALLOC_ENABLE=1`` does for
+    every large allocation, which an already running process cannot switch on. The advice is a hint only: values
+    are the same, and where the kernel refuses it (huge pages "never") nothing changes.
+    """
+    out = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = out.numel() * out.element_size()
+    advise = _madvise() if out.device.type == "cpu" and nbytes >= 2 * HUGE_PAGE else None
+    if advise is not None:  # the whole huge pages inside the tensor's own memory
+        lo = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        hi = (out.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+        if hi > lo:
+            advise(lo, hi - lo, _MADV_HUGEPAGE)
+    return out
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -136,3 +136,48 @@ def test_auto_form_weighs_t_squared_in_both_the_flops_and_the_memory():
     assert prefer_ghost("ghost", 100, 2, 16, 16) and not prefer_ghost("rows", 2, 1, 8, 8)
     assert prefer_ghost("auto", 64, 1, 3072, 2048)
     assert not prefer_ghost("auto", 64, 512, 768, 8)
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_dense_products_over_column_blocks_equal_a_float64_copy_of_each_block(scale):
+    """A float32 ``J`` wider than two column blocks (the last one partial) is read through one reused float64
+    buffer; every product equals, bit for bit, the same block products of ``block.to(float64)`` (the fresh copies it
+    replaces), so the buffer changes speed, never a number."""
+    from ief.model_call import COLUMN_CHUNK, column_chunks
+
+    gen = torch.Generator().manual_seed(4)
+    j = torch.randn(3, 2 * COLUMN_CHUNK + 77, generator=gen)
+    coeff = torch.randn(3, generator=gen, dtype=torch.float64)
+    v = torch.randn(j.shape[1], generator=gen, dtype=torch.float64)
+    blocks = [(lo, b.to(torch.float64) / scale) for lo, b in column_chunks(j)]
+    assert len(blocks) == 3 and blocks[-1][1].shape[1] == 77
+    gram = torch.zeros(3, 3, dtype=torch.float64)
+    for _, b in blocks:
+        gram += b @ b.T
+    rows = DenseRows(j)
+    assert torch.equal(rows.gram(scale), 0.5 * (gram + gram.T))
+    assert torch.equal(rows.combine_rows(coeff, scale), torch.cat([coeff @ b for _, b in blocks]))
+    product = torch.zeros(3, dtype=torch.float64)
+    for lo, b in blocks:
+        product += b @ v[lo : lo + b.shape[1]]
+    assert torch.equal(rows.times(v, scale), product)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_narrow_rows_are_in_float64_range_without_a_pass_over_them(dtype, monkeypatch):
+    """Entries of a float32/float16/bfloat16 ``J`` lie within ``[1e-100, 1e100]`` or are 0, so ``gram_scale`` is 1 and
+    ``max|J|`` is never computed (one pass over ``J`` less per step); an all-zero ``J`` still gives the zero direction
+    (through the solve), at zero damping and with damping."""
+    def refuse(self):
+        raise AssertionError("max_abs was computed")
+
+    monkeypatch.setattr(DenseRows, "max_abs", refuse)
+    tiny = torch.full((2, 5), float(torch.finfo(dtype).tiny) / 4, dtype=dtype)  # subnormal where the dtype has them
+    assert DenseRows(tiny).gram_scale() == 1.0
+    monkeypatch.undo()
+    zeros = torch.zeros(3, 7, dtype=dtype)
+    s = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    for lam in (0.0, 1e-3):
+        d = ief.ief_direction(zeros, s, lam)
+        assert d.dtype == dtype and d.shape == (7,) and not d.any()
+    assert DenseRows(torch.full((2, 2), 1e-120, dtype=torch.float64)).gram_scale() == pytest.approx(1e-120)

@@ -190,14 +190,19 @@ def _linear_grads(module: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor, des
         write_block(dests["bias"], g.sum(dim=1), accumulate)
 
 
-def _embedding_grads(module: torch.nn.Embedding, idx: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
+def _embedding_grads(module: torch.nn.Embedding, idx: torch.Tensor, g: torch.Tensor, dests, accumulate: bool,
+                     rows: torch.Tensor | None = None) -> None:
+    """Per-sample gradients of an embedding table: ``dests["weight"]`` ``[M, V D]``, or with ``rows`` (sorted
+    distinct ids, ``[U]``, holding every id of ``idx``) only those rows of the table, ``[M, U D]``."""
     dest = dests["weight"]
     m, dim = idx.shape[0], g.shape[-1]
     idx = idx.reshape(m, -1)  # [M, T]
     g = g.reshape(m, -1, dim).to(dest.dtype)  # [M, T, D]
     if module.padding_idx is not None:
         g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
-    block = dest.unflatten(1, (module.num_embeddings, dim))  # [M, V, D]
+    if rows is not None:
+        idx = torch.searchsorted(rows, idx.contiguous())  # each id's place among the used rows
+    block = dest.unflatten(1, (module.num_embeddings if rows is None else rows.numel(), dim))  # [M, V or U, D]
     if not accumulate:
         block.zero_()
     block.scatter_add_(1, idx.unsqueeze(-1).expand(-1, -1, dim), g)
@@ -810,8 +815,16 @@ def _backward_jacobian(
     autograd = _summed(grads[: len(params)], loop_owners[len(fallback):], grads[len(params) : len(params) + extra])
     ref = params[0]
     ghosts, ghost_modules, bias_rows = [], set(), {}
+    tables = {}  # k -> (parameter index, used ids [U], the calls): embedding tables kept as their used rows
     if form != "dense":
         for k, (module, rule, _, owned) in enumerate(capture.modules):
+            if rule is _embedding_grads and "weight" in owned:
+                calls = list(capture.calls(k))
+                if calls:
+                    ids = torch.unique(torch.cat([x.reshape(-1) for x, _ in calls]))  # sorted
+                    if ids.numel() < module.num_embeddings:
+                        tables[k] = (owned["weight"], ids, calls)
+                continue
             calls = list(capture.calls(k)) if "weight" in owned and _factored_weight(module) else []
             if not calls:
                 continue
@@ -826,16 +839,24 @@ def _backward_jacobian(
                 if "bias" in owned:  # the output gradients: A for HF Conv1D (see _weight_factors)
                     bias_rows[owned["bias"]] = (a if is_hf_conv1d(module) else g).sum(dim=1)
     ghosted = {i for i, _, _ in ghosts}
+    used_rows = {i: (ids, capture.sizes[i] // capture.modules[k][0].num_embeddings) for k, (i, ids, _) in
+                 tables.items()}
     columns, width = {}, 0
     for i, size in enumerate(capture.sizes):
         if i not in ghosted:
-            columns[i], width = width, width + size
-    shape = (m, width)
-    if out is not None and tuple(out.shape) == shape and out.dtype == ref.dtype and out.device == ref.device:
-        jac = out  # a reused buffer: its pages are already mapped (a fresh J-sized allocation page-faults)
+            columns[i] = width
+            width += used_rows[i][0].numel() * used_rows[i][1] if i in used_rows else size
+    if out is not None and out.dtype == ref.dtype and out.device == ref.device and out.shape[0] == m and (
+            out.shape[1] == width or (form != "dense" and out.shape[1] > width)):
+        jac = out[:, :width]  # a reused buffer (its pages are already mapped: a fresh J-sized allocation page-faults)
     else:
-        jac = large_empty(shape, ref.dtype, ref.device)
-    written = capture.fill(jac, columns, skip=ghost_modules)
+        jac = large_empty((m, width), ref.dtype, ref.device)
+    written = capture.fill(jac, columns, skip=ghost_modules | set(tables))
+    for k, (i, ids, calls) in tables.items():
+        dest = {"weight": jac[:, columns[i] : columns[i] + ids.numel() * used_rows[i][1]]}
+        for n, (x, grad) in enumerate(calls):
+            _embedding_grads(capture.modules[k][0], x, grad, dest, n > 0, rows=ids)
+        written.add(i)
     for i, uses in capture.broadcast.items():  # bare parameters broadcast over the batch: rows from their uses
         if i in columns:
             rows = per_sample_rows(uses, m, capture.sizes[i], ref.dtype, ref.device)
@@ -862,7 +883,7 @@ def _backward_jacobian(
             rec[1] = g
     if form == "dense":
         return jac, autograd
-    return FactoredJacobian(m, capture.sizes, ref, ghosts, jac, columns), autograd
+    return FactoredJacobian(m, capture.sizes, ref, ghosts, jac, columns, used_rows), autograd
 
 
 def _summed(grads: Sequence[torch.Tensor | None], owners: Sequence[int], extra: Sequence[torch.Tensor | None]):
@@ -898,8 +919,7 @@ def _block_norm(jacobian: torch.Tensor | FactoredJacobian, i: int, offsets: Sequ
     if isinstance(jacobian, FactoredJacobian):
         if i not in jacobian.dense_index:
             return jacobian.row_sqnorms()[:, i].sum().sqrt()
-        lo = jacobian.dense_index[i]
-        block = jacobian.dense[:, lo : lo + offsets[i + 1] - offsets[i]]
+        block = jacobian.dense_block(i)  # a table's used rows only: the others are zero
     else:
         block = jacobian[:, offsets[i] : offsets[i + 1]]
     return torch.linalg.vector_norm(block, dtype=torch.float64)
@@ -1022,10 +1042,12 @@ def _hooked_products(jac: torch.Tensor | FactoredJacobian, tangents, offsets: Se
             a, g = FactoredJacobian.scaled_factors(*ghosts[i], 1.0)  # [M, T, I], [M, T, O]
             out += ((a @ w.T.to(a.device)) * (g @ u.T.to(g.device))).sum(dim=1)
             continue
-        if factored:
-            block = jac.dense[:, jac.dense_index[i] : jac.dense_index[i] + size]
-        else:
-            block = jac[:, offsets[i] : offsets[i + 1]]
+        if factored and i in jac.used_rows:  # a table's used rows: the tangent's entries of those rows
+            ids, dim = jac.used_rows[i]
+            cols = (u[:, ids.cpu(), None] * w[:, None, :]).flatten(1).to(jac.device)  # [K, U D]
+            out += jac.dense_block(i).to(torch.float64) @ cols.T
+            continue
+        block = jac.dense_block(i) if factored else jac[:, offsets[i] : offsets[i + 1]]
         for lo, chunk in column_chunks(block):
             cols = _tangent_columns(u, w, lo, lo + chunk.shape[1]).to(jac.device)
             out += chunk.to(torch.float64) @ cols.T

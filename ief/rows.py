@@ -222,7 +222,10 @@ class FactoredJacobian(Rows):
     as its layer's inputs ``A [M, T, I]`` and output gradients ``G [M, T, O]`` (all calls of the layer concatenated
     along the positions ``T``), so that its rows are ``J_n = G_n^T A_n`` (``[O, I]``, the weight's layout); every
     other parameter (biases, LayerNorm, Embedding, Linear weights in the "rows" form, loop parameters) has its
-    column block materialised in ``dense [M, P_dense]``.
+    column block materialised in ``dense [M, P_dense]``. An embedding table ``[V, D]`` keeps only the rows the batch
+    uses (``used_rows``): every other row of it is zero in every sample's gradient, so its block in ``dense`` is
+    ``[M, U D]`` for the ``U`` distinct ids (with a 30,522-word vocabulary and 2,048 tokens per batch, at least 15
+    times narrower), and the products read and write the full ``[V, D]`` layout through them.
 
     The Gram matrix (``sec:app-iEF-impl``'s ``J J^T``, layer by layer, as in Opacus' ghost clipping):
     ``(J J^T)_{nm} = sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>`` (``[M, M, T, T]`` kernels; ``T = 1`` for an
@@ -237,10 +240,12 @@ class FactoredJacobian(Rows):
         ghosts: ``[(parameter index, A [M, T, I], G [M, T, O])]`` of the factored weights.
         dense: ``[M, P_dense]``, the other parameters' column blocks side by side.
         dense_index: parameter index -> its first column in ``dense``.
+        used_rows: parameter index -> ``(ids, D)`` for a table whose block in ``dense`` holds only the rows ``ids``
+            (sorted, distinct, ``[U]`` long) of its ``[V, D]`` layout, ``[M, U D]``; default none.
     """
 
     def __init__(self, m: int, sizes: Sequence[int], ref: torch.Tensor, ghosts: list, dense: torch.Tensor,
-                 dense_index: dict[int, int]):
+                 dense_index: dict[int, int], used_rows: dict[int, tuple[torch.Tensor, int]] | None = None):
         self.sizes = list(sizes)
         self.offsets = [0, *torch.tensor(self.sizes, dtype=torch.long).cumsum(0).tolist()]
         self.shape = torch.Size((m, self.offsets[-1]))
@@ -248,13 +253,44 @@ class FactoredJacobian(Rows):
         self.ghosts = ghosts  # [(parameter index, A [M, T, I], G [M, T, O])]
         self.dense = dense  # [M, P_dense]
         self.dense_index = dense_index  # parameter index -> first column in dense
+        self.used_rows = dict(used_rows or {})  # parameter index -> (ids [U], D): a table's used rows only
         self._finite: bool | None = None
 
     # ---- helpers
     def _dense_columns(self):
-        """``(parameter index, lo in J, lo in dense, size)`` of the materialised blocks."""
+        """``(parameter index, lo in J, lo in dense, its width in dense)`` of the materialised blocks."""
         for i, lo in self.dense_index.items():
-            yield i, self.offsets[i], lo, self.sizes[i]
+            yield i, self.offsets[i], lo, self.dense_width(i)
+
+    def dense_width(self, i: int) -> int:
+        """The columns of parameter ``i``'s block in ``dense``: its size, or ``U D`` for a table's used rows."""
+        if i in self.used_rows:
+            ids, dim = self.used_rows[i]
+            return ids.numel() * dim
+        return self.sizes[i]
+
+    def dense_block(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s ``[M, width]`` block of ``dense`` (:meth:`dense_width`)."""
+        lo = self.dense_index[i]
+        return self.dense[:, lo : lo + self.dense_width(i)]
+
+    def _expand(self, i: int, dest: torch.Tensor, part: torch.Tensor) -> None:
+        """Write ``part`` (parameter ``i``'s columns as stored in ``dense``, leading dimensions kept) into ``dest``
+        (its columns in ``J``): the same, or, for a table's used rows, those rows and zeros elsewhere."""
+        if i not in self.used_rows:
+            dest.copy_(part)
+            return
+        ids, dim = self.used_rows[i]
+        table = dest.unflatten(-1, (-1, dim))  # [..., V, D]
+        table.zero_()
+        table.index_copy_(-2, ids, part.unflatten(-1, (-1, dim)).to(table.dtype))
+
+    def _restrict(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s entries of a ``[P_i]`` vector as its block in ``dense`` stores them."""
+        if i not in self.used_rows:
+            return full
+        ids, dim = self.used_rows[i]
+        return full.view(-1, dim).index_select(0, ids).reshape(-1)
 
     @staticmethod
     def scaled_factors(a: torch.Tensor, g: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,8 +325,8 @@ class FactoredJacobian(Rows):
         narrow = final and self.dtype.itemsize < 8
         out = torch.empty(self.shape[1], dtype=self.dtype if narrow else torch.float64, device=self.device)
         part = _matrix_combine(self.dense, coeff, scale)
-        for i, lo, dlo, size in self._dense_columns():  # every column is written: here or below
-            out[lo : lo + size] = part[dlo : dlo + size]
+        for i, lo, dlo, width in self._dense_columns():  # every column is written: here or below
+            self._expand(i, out[lo : lo + self.sizes[i]], part[dlo : dlo + width])
         for i, a, g in self.ghosts:
             a, g = self.scaled_factors(a, g, scale)
             weighted = (g * coeff[:, None, None]).flatten(0, 1)  # [M T, O]
@@ -311,8 +347,9 @@ class FactoredJacobian(Rows):
     def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         v = v.to(torch.float64)
         out = torch.zeros(self.shape[0], dtype=torch.float64, device=self.device)
-        for i, lo, dlo, size in self._dense_columns():
-            out += self.dense[:, dlo : dlo + size].to(torch.float64) @ v[lo : lo + size] / scale
+        for i, lo, dlo, width in self._dense_columns():
+            block = self.dense[:, dlo : dlo + width].to(torch.float64)
+            out += block @ self._restrict(i, v[lo : lo + self.sizes[i]]) / scale
         for i, a, g in self.ghosts:
             a, g = self.scaled_factors(a, g, scale)
             weight = v[self.offsets[i] : self.offsets[i + 1]].reshape(g.shape[-1], a.shape[-1])  # [O, I]
@@ -337,8 +374,8 @@ class FactoredJacobian(Rows):
         :attr:`ief.jacobian.PerSample.gradient`)."""
         out = torch.empty(self.shape[1], dtype=self.dtype, device=self.device)  # every column is written below
         total = self.dense.sum(0)
-        for i, lo, dlo, size in self._dense_columns():
-            out[lo : lo + size] = total[dlo : dlo + size]
+        for i, lo, dlo, width in self._dense_columns():
+            self._expand(i, out[lo : lo + self.sizes[i]], total[dlo : dlo + width])
         for i, a, g in self.ghosts:  # written in place: no P-sized temporary
             dest = out[self.offsets[i] : self.offsets[i + 1]].view(g.shape[-1], a.shape[-1])
             torch.mm(g.flatten(0, 1).T, a.flatten(0, 1), out=dest)
@@ -347,8 +384,8 @@ class FactoredJacobian(Rows):
     def row_sqnorms(self) -> torch.Tensor:
         """``||J_n restricted to parameter i||^2``, ``[M, number of parameters]``, float64."""
         out = torch.zeros(self.shape[0], len(self.sizes), dtype=torch.float64, device=self.device)
-        for i, lo, dlo, size in self._dense_columns():
-            out[:, i] = self.dense[:, dlo : dlo + size].to(torch.float64).square().sum(1)
+        for i, lo, dlo, width in self._dense_columns():
+            out[:, i] = self.dense[:, dlo : dlo + width].to(torch.float64).square().sum(1)
         for i, a, g in self.ghosts:
             a, g = self.scaled_factors(a, g, 1.0)
             out[:, i] = (torch.einsum("nti,nsi->nts", a, a) * torch.einsum("nto,nso->nts", g, g)).sum(dim=(1, 2))
@@ -357,8 +394,8 @@ class FactoredJacobian(Rows):
     def materialize(self) -> torch.Tensor:
         """The ``[M, P]`` tensor (for tests and small models)."""
         jac = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        for i, lo, dlo, size in self._dense_columns():
-            jac[:, lo : lo + size] = self.dense[:, dlo : dlo + size]
+        for i, lo, dlo, width in self._dense_columns():
+            self._expand(i, jac[:, lo : lo + self.sizes[i]], self.dense[:, dlo : dlo + width])
         for i, a, g in self.ghosts:
             jac[:, self.offsets[i] : self.offsets[i + 1]] = torch.bmm(g.transpose(1, 2), a).flatten(1)
         return jac

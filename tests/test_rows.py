@@ -181,3 +181,86 @@ def test_narrow_rows_are_in_float64_range_without_a_pass_over_them(dtype, monkey
         d = ief.ief_direction(zeros, s, lam)
         assert d.dtype == dtype and d.shape == (7,) and not d.any()
     assert DenseRows(torch.full((2, 2), 1e-120, dtype=torch.float64)).gram_scale() == pytest.approx(1e-120)
+
+
+class _TwoTables(torch.nn.Module):
+    """A token table of 40 rows used twice (tokens and a second id per position), with padding row 0, position
+    embeddings fed ``[1, T]`` ids shared by every sample, and a linear head: the batch uses only some table rows."""
+
+    def __init__(self, vocab: int = 40, positions: int = 8, dim: int = 3, classes: int = 4):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, dim, padding_idx=0)
+        self.positions = torch.nn.Embedding(positions, dim)
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        where = torch.arange(ids.shape[1]).unsqueeze(0)  # [1, T]
+        h = self.tokens(ids) + self.tokens((ids * 3) % 40) + self.positions(where)
+        return self.head(torch.tanh(h))
+
+
+def _table_batch(m: int, t: int, low: int, high: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, high, (m, t), generator=gen)
+    ids[0, -2:] = 0  # padding
+    targets = torch.randint(0, 4, (m, t), generator=gen)
+    targets[ids.eq(0)] = -100
+    return ids, targets
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("form", ["auto", "ghost", "rows"])
+def test_an_embedding_table_keeps_only_its_used_rows_and_answers_as_the_per_sample_loop(form, dtype):
+    """The token table's block holds only the rows the batch uses (fewer columns than ``V D``); the rows of ``J``
+    equal the brute-force per-sample loop, every product equals the dense matrix's, the batch gradient is
+    ``J^T 1`` with zeros on the unused rows, and the exact check (directional derivatives) passes."""
+    import oracle
+
+    torch.manual_seed(0)
+    model = _TwoTables().to(dtype)
+    ids, targets = _table_batch(5, 6, 1, 9, seed=1)
+    result = ief.per_sample(model, ids, targets, form=form, check="exact")
+    rows = result.jacobian
+    table = 0  # the token table is the first parameter
+    assert isinstance(rows, FactoredJacobian) and table in rows.used_rows
+    used, dim = rows.used_rows[table]
+    expected = torch.unique(torch.cat([ids.flatten(), ((ids * 3) % 40).flatten()]))
+    assert torch.equal(used, expected) and dim == 3 and rows.dense_width(table) == used.numel() * 3 < 40 * 3
+    _, truth, _ = oracle.per_sample(model.double(), ids, targets)
+    model.to(dtype)
+    matrix = rows.materialize()
+    assert rel_err(matrix, truth) <= RTOL[dtype]
+    j = matrix.double()
+    gen = torch.Generator().manual_seed(2)
+    coeff = torch.randn(j.shape[0], generator=gen, dtype=torch.float64)
+    v = torch.randn(j.shape[1], generator=gen, dtype=torch.float64)
+    for scale in (1.0, 3.0):
+        assert rel_err(rows.gram(scale), (j / scale) @ (j / scale).T) <= RTOL[dtype]
+        assert rel_err(rows.combine_rows(coeff, scale), (j / scale).T @ coeff) <= RTOL[dtype]
+        assert rel_err(rows.combine_rows(coeff, scale, final=True), (j / scale).T @ coeff) <= RTOL[dtype]
+        assert rel_err(rows.times(v, scale), (j / scale) @ v) <= RTOL[dtype]
+    assert torch.equal(rows.row_sum(), matrix.sum(0)) or rel_err(rows.row_sum(), matrix.sum(0)) <= RTOL[dtype]
+    assert rel_err(result.gradient, truth.sum(0)) <= RTOL[dtype]
+    norms = torch.stack([j[:, lo:hi].square().sum(1) for lo, hi in zip(rows.offsets[:-1], rows.offsets[1:])], 1)
+    assert rel_err(rows.row_sqnorms(), norms) <= RTOL[dtype]
+    assert float(j.abs().max()) * (1 - RTOL[dtype]) <= rows.max_abs() < math.inf and rows.is_finite()  # a bound
+
+
+def test_the_optimiser_reuses_its_buffer_when_the_used_rows_change_from_batch_to_batch():
+    """``IEF(form="auto")`` on batches that use 8, then 30, then 5 table rows: each step equals the dense form's
+    step (float64), though the factored ``J`` is written into the first columns of the buffer of a wider batch."""
+    torch.manual_seed(0)
+    model = _TwoTables().double()
+    twin = _TwoTables().double()
+    twin.load_state_dict(model.state_dict())
+    auto = ief.optim.IEF(model, lr=0.1, form="auto")
+    dense = ief.optim.IEF(twin, lr=0.1, form="dense")
+    widths = []
+    for seed, high in ((3, 9), (4, 31), (5, 6)):
+        ids, targets = _table_batch(5, 6, 1, high, seed)
+        auto.step(ids, targets)
+        dense.step(ids, targets)
+        widths.append(auto._buffer.shape[1])
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert rel_err(p.detach(), q.detach()) <= 1e-12
+    assert widths[1] > widths[0] and widths[2] == widths[1]  # grown once, then reused

@@ -420,9 +420,12 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         (``FloatingPointError`` naming the samples), so the solves take them as checked."""
         result = per_sample(self.model, inputs, targets, group["params"], loss=self.loss, check=self._check_now(),
                             out=self._buffer, form=self.form)
-        # reused next step (same batch size): no fresh allocation of J (or of its materialised column blocks)
+        # reused next step (same batch size): no fresh allocation of J (or of its materialised column blocks); a
+        # factored J may use the first columns of a wider buffer (an embedding table's used rows vary by batch)
         factored = isinstance(result.jacobian, FactoredJacobian)
-        self._buffer = result.jacobian.dense if factored else result.jacobian
+        written = result.jacobian.dense if factored else result.jacobian
+        if self._buffer is None or written.data_ptr() != self._buffer.data_ptr():
+            self._buffer = written
         return result
 
 

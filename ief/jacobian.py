@@ -1259,7 +1259,9 @@ def per_sample(
         form: how ``J`` is returned. ``"dense"`` (default): the ``[M, P]`` tensor. ``"auto"``: a
             :class:`~ief.rows.FactoredJacobian` that never forms ``[M, P]``: each ``nn.Linear`` weight is kept as its
             layer's inputs and output gradients (the "ghost" Gram, cost ``M^2 T^2 (I + O)``) or as per-sample rows
-            (``M I O``), whichever is cheaper for that layer; every other parameter as its (small) column block.
+            (``M I O``), whichever is cheaper for that layer; an ``nn.Embedding`` table as the rows the batch uses
+            (``[M, U D]``, exact: its other rows are zero in every sample's gradient); every other parameter as its
+            (small) column block.
             ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight. ``ief_direction``,
             ``ef_direction`` and ``sf_direction`` take either form; ``.materialize()`` gives the tensor.
 

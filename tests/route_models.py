@@ -11,7 +11,9 @@ every target position is ignored, so its per-sample gradient is zero and ``J J^T
 - ``t5-prompt``: a prompt-only model (tiny T5, prompt tuning made per-sample as the setups do it);
 - ``t5-lora``: tiny T5 with LoRA, per-position vocabulary logits and padded labels;
 - ``cnn``: two zero-padded ``Conv2d`` (hooked, unfolded) and a reflect-padded one (exact per-sample loop), a head;
-- ``gru``: an ``nn.GRU`` (exact per-sample loop) with per-position logits and ignored positions.
+- ``gru``: an ``nn.GRU`` (exact per-sample loop) with per-position logits and ignored positions;
+- ``token-table``: a trainable ``nn.Embedding`` the batch uses only partly (the factored forms keep its used rows),
+  a position table shared by every sample, a repeated sample and per-position logits.
 """
 from __future__ import annotations
 
@@ -149,6 +151,35 @@ def gru() -> Case:
     return Case("gru", model, tokens, y)
 
 
+class SmallTokenModel(torch.nn.Module):
+    """A trainable token table (12 rows, padding row 0) the batch uses only partly, a position table fed ``[1, T]``
+    ids shared by every sample, tanh, and a Linear head: per-position logits ``[M, T, C]``. The factored forms keep
+    the token table as the rows the batch uses (``ief.rows.FactoredJacobian.used_rows``)."""
+
+    def __init__(self, vocab: int = 12, positions: int = 4, dim: int = 3, classes: int = 3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim, padding_idx=0)
+        self.positions = torch.nn.Embedding(positions, dim)
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        where = torch.arange(tokens.shape[1]).unsqueeze(0)  # [1, T]
+        return self.head(torch.tanh(self.embed(tokens) + self.positions(where)))
+
+
+def token_table() -> Case:
+    torch.manual_seed(0)
+    model = SmallTokenModel()
+    tokens = torch.randint(1, 7, (5, 4))  # rows 7..11 of the table unused
+    tokens[0, 3] = 0  # padding
+    tokens[4] = tokens[3]  # a repeated sample
+    y = torch.randint(0, 3, (5, 4))
+    y[4] = y[3]
+    y[0, 3] = IGNORE
+    y[1] = IGNORE  # every position of sample 1 ignored
+    return Case("token-table", model, tokens, y)
+
+
 MODELS = {
     m.name: m
     for m in (
@@ -160,6 +191,7 @@ MODELS = {
         RouteModel("t5-lora", t5_lora, classifier=False),
         RouteModel("cnn", cnn, classifier=True, kfac_params=("head",)),
         RouteModel("gru", gru, classifier=False, kfac_params=("head",)),
+        RouteModel("token-table", token_table, classifier=False, kfac_params=("head",)),
     )
 }
 

@@ -66,7 +66,8 @@ one step with ``lr=100, damping=1e-7`` takes the loss ``L`` from 22.2 to 58,192,
 The cpu setups' learning-rate searches chose iEF ``lr=1`` in the sum convention.
 
 Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's
-Gram block and direction come from its layer's inputs and output gradients (see ``ief.per_sample``'s ``form``);
+Gram block and direction come from its layer's inputs and output gradients, or from its per-sample rows where those
+are cheaper, and an embedding table keeps only the rows the batch uses (see ``ief.per_sample``'s ``form``);
 ``form="dense"`` forms ``J`` (reusing one buffer across steps), ``"ghost"`` / ``"rows"`` force one Linear form.
 """
 from __future__ import annotations

@@ -1255,7 +1255,8 @@ def per_sample(
             that, and every row against exact per-sample directional derivatives along 8 random tangents (one
             batched forward-mode pass, :func:`check_directional_derivatives`); ``False``: no guard.
         out: optional ``[M, P]`` buffer of the parameters' dtype and device to write ``J`` into (overwritten; used
-            when its shape matches). The optimisers reuse one across steps.
+            when its shape matches; for a factored ``form``, the buffer of its materialised columns, whose first
+            columns are used when it is wider). The optimisers reuse one across steps.
         form: how ``J`` is returned. ``"dense"`` (default): the ``[M, P]`` tensor. ``"auto"``: a
             :class:`~ief.rows.FactoredJacobian` that never forms ``[M, P]``: each ``nn.Linear`` weight is kept as its
             layer's inputs and output gradients (the "ghost" Gram, cost ``M^2 T^2 (I + O)``) or as per-sample rows

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 import oracle
-from tiny_models import IGNORE, Case, t5_lora_case, t5_prompt_case
+from tiny_models import IGNORE, Case, TokenTableModel, t5_lora_case, t5_prompt_case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,25 +151,9 @@ def gru() -> Case:
     return Case("gru", model, tokens, y)
 
 
-class SmallTokenModel(torch.nn.Module):
-    """A trainable token table (12 rows, padding row 0) the batch uses only partly, a position table fed ``[1, T]``
-    ids shared by every sample, tanh, and a Linear head: per-position logits ``[M, T, C]``. The factored forms keep
-    the token table as the rows the batch uses (``ief.rows.FactoredJacobian.used_rows``)."""
-
-    def __init__(self, vocab: int = 12, positions: int = 4, dim: int = 3, classes: int = 3):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim, padding_idx=0)
-        self.positions = torch.nn.Embedding(positions, dim)
-        self.head = torch.nn.Linear(dim, classes)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        where = torch.arange(tokens.shape[1]).unsqueeze(0)  # [1, T]
-        return self.head(torch.tanh(self.embed(tokens) + self.positions(where)))
-
-
 def token_table() -> Case:
     torch.manual_seed(0)
-    model = SmallTokenModel()
+    model = TokenTableModel()
     tokens = torch.randint(1, 7, (5, 4))  # rows 7..11 of the table unused
     tokens[0, 3] = 0  # padding
     tokens[4] = tokens[3]  # a repeated sample

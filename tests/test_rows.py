@@ -13,7 +13,7 @@ import torch
 
 import ief
 from ief.rows import FORMS, DenseRows, FactoredJacobian, Rows, as_rows, check_form, prefer_ghost
-from tiny_models import mlp_case, sequence_case
+from tiny_models import TokenTableModel, mlp_case, sequence_case
 
 # float64: rounding only; float32: the dense J is rounded to float32 entry by entry, the factored forms keep the
 # float32 factors and form their products in float64, so they agree to float32 rounding of J
@@ -183,22 +183,6 @@ def test_narrow_rows_are_in_float64_range_without_a_pass_over_them(dtype, monkey
     assert DenseRows(torch.full((2, 2), 1e-120, dtype=torch.float64)).gram_scale() == pytest.approx(1e-120)
 
 
-class _TwoTables(torch.nn.Module):
-    """A token table of 40 rows used twice (tokens and a second id per position), with padding row 0, position
-    embeddings fed ``[1, T]`` ids shared by every sample, and a linear head: the batch uses only some table rows."""
-
-    def __init__(self, vocab: int = 40, positions: int = 8, dim: int = 3, classes: int = 4):
-        super().__init__()
-        self.tokens = torch.nn.Embedding(vocab, dim, padding_idx=0)
-        self.positions = torch.nn.Embedding(positions, dim)
-        self.head = torch.nn.Linear(dim, classes)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        where = torch.arange(ids.shape[1]).unsqueeze(0)  # [1, T]
-        h = self.tokens(ids) + self.tokens((ids * 3) % 40) + self.positions(where)
-        return self.head(torch.tanh(h))
-
-
 def _table_batch(m: int, t: int, low: int, high: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(low, high, (m, t), generator=gen)
@@ -217,11 +201,11 @@ def test_an_embedding_table_keeps_only_its_used_rows_and_answers_as_the_per_samp
     import oracle
 
     torch.manual_seed(0)
-    model = _TwoTables().to(dtype)
+    model = TokenTableModel(vocab=40, positions=8, dim=3, classes=4, twice=True).to(dtype)
     ids, targets = _table_batch(5, 6, 1, 9, seed=1)
     result = ief.per_sample(model, ids, targets, form=form, check="exact")
     rows = result.jacobian
-    table = 0  # the token table is the first parameter
+    table = 0  # the token table is the first parameter (looked up twice: tokens and 3 id mod 40)
     assert isinstance(rows, FactoredJacobian) and table in rows.used_rows
     used, dim = rows.used_rows[table]
     expected = torch.unique(torch.cat([ids.flatten(), ((ids * 3) % 40).flatten()]))
@@ -250,8 +234,8 @@ def test_the_optimiser_reuses_its_buffer_when_the_used_rows_change_from_batch_to
     """``IEF(form="auto")`` on batches that use 8, then 30, then 5 table rows: each step equals the dense form's
     step (float64), though the factored ``J`` is written into the first columns of the buffer of a wider batch."""
     torch.manual_seed(0)
-    model = _TwoTables().double()
-    twin = _TwoTables().double()
+    model = TokenTableModel(vocab=40, positions=8, dim=3, classes=4, twice=True).double()
+    twin = TokenTableModel(vocab=40, positions=8, dim=3, classes=4, twice=True).double()
     twin.load_state_dict(model.state_dict())
     auto = ief.optim.IEF(model, lr=0.1, form="auto")
     dense = ief.optim.IEF(twin, lr=0.1, form="dense")

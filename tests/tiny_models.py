@@ -56,6 +56,27 @@ class TinySequenceModel(torch.nn.Module):
         return self.head(self.norm(h + a))
 
 
+class TokenTableModel(torch.nn.Module):
+    """A trainable token table (padding row 0) that a batch uses only partly, looked up once (or, ``twice``, also at
+    ``3 id mod V``), a position table fed ``[1, T]`` ids shared by every sample, tanh and a Linear head:
+    per-position logits ``[M, T, C]``. The factored forms of ``ief.per_sample`` keep the token table as the rows the
+    batch uses (``ief.rows.FactoredJacobian.used_rows``)."""
+
+    def __init__(self, vocab: int = 12, positions: int = 4, dim: int = 3, classes: int = 3, twice: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim, padding_idx=0)
+        self.positions = torch.nn.Embedding(positions, dim)
+        self.head = torch.nn.Linear(dim, classes)
+        self.twice = twice
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        where = torch.arange(tokens.shape[1]).unsqueeze(0)  # [1, T]
+        h = self.embed(tokens) + self.positions(where)
+        if self.twice:
+            h = h + self.embed((tokens * 3) % self.embed.num_embeddings)
+        return self.head(torch.tanh(h))
+
+
 def sequence_case(m: int = 4, t: int = 5, dtype=torch.float64, seed: int = 0) -> Case:
     """Token sequences with padding (token 0) and ignored target positions (-100), one sample fully ignored but one."""
     torch.manual_seed(seed)

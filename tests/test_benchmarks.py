@@ -230,3 +230,24 @@ def test_fvp_benchmark_times_what_it_says():
     for a, b in zip(cases["gradient"](), torch.autograd.grad(loss, params)):
         assert torch.allclose(a, b)
     assert torch.equal(cases["fvp"](), cases["fvp_before"]())
+
+
+def test_hf_layers_tables_split_per_sample_and_step_results():
+    """``benchmarks.hf_layers.tables``: per-sample ratios (against a backward) in one table, the step ratios
+    (against AdamW) with AdamW's time in another, each model's own numbers in its row, a missing method as ``None``."""
+    from benchmarks import hf_layers
+
+    def result(name, base):
+        keys = ("backward", "ief_before", "ief", "ief_auto", "vmap", "adamw_step", "ief_step_before", "ief_step")
+        rows = [dict(key=k, ratio=None if k == "backward" else base + i, median_ms=10.0 * (i + 1))
+                for i, k in enumerate(keys)]
+        return dict(model=name, tensors=5, loops=dict(ief_before=["a"], ief=[]), rows=rows)
+
+    per_sample, step = hf_layers.tables([result("bert", 1.0), result("vit", 2.0)], 16, 32, "abc1234")
+    headers = [c["header"] for c in per_sample["columns"]]
+    assert headers[:3] == ["model", "tensors looped before", "looped now"] and len(headers) == 3 + 5
+    assert per_sample["rows"][0][:3] == ["bert", "1 of 5", "0 of 5"]
+    assert per_sample["rows"][1][3:] == [3.0, 4.0, 5.0, 6.0, None]  # before, now, auto, vmap, no BackPACK
+    assert "abc1234" in per_sample["note"] and "M = 16, T = 32" in per_sample["title"]
+    assert [c["header"] for c in step["columns"]][:2] == ["model", "AdamW step ms"]
+    assert step["rows"] == [["bert", 60.0, 7.0, 8.0], ["vit", 60.0, 8.0, 9.0]]

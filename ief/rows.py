@@ -224,7 +224,7 @@ class FactoredJacobian(Rows):
     other parameter (biases, LayerNorm, Embedding, Linear weights in the "rows" form, loop parameters) has its
     column block materialised in ``dense [M, P_dense]``. An embedding table ``[V, D]`` keeps only the rows the batch
     uses (``used_rows``): every other row of it is zero in every sample's gradient, so its block in ``dense`` is
-    ``[M, U D]`` for the ``U`` distinct ids (with a 30,522-word vocabulary and 2,048 tokens per batch, at least 15
+    ``[M, U D]`` for the ``U`` distinct ids (with a 30,522-word vocabulary and 2,048 tokens per batch, about 15
     times narrower), and the products read and write the full ``[V, D]`` layout through them.
 
     The Gram matrix (``sec:app-iEF-impl``'s ``J J^T``, layer by layer, as in Opacus' ghost clipping):

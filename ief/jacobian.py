@@ -839,13 +839,13 @@ def _backward_jacobian(
                 if "bias" in owned:  # the output gradients: A for HF Conv1D (see _weight_factors)
                     bias_rows[owned["bias"]] = (a if is_hf_conv1d(module) else g).sum(dim=1)
     ghosted = {i for i, _, _ in ghosts}
-    used_rows = {i: (ids, capture.sizes[i] // capture.modules[k][0].num_embeddings) for k, (i, ids, _) in
-                 tables.items()}
+    used_rows = {i: (ids, capture.modules[k][0].embedding_dim) for k, (i, ids, _) in tables.items()}
+    widths = {i: ids.numel() * dim for i, (ids, dim) in used_rows.items()}  # a table's columns: its used rows
     columns, width = {}, 0
     for i, size in enumerate(capture.sizes):
         if i not in ghosted:
             columns[i] = width
-            width += used_rows[i][0].numel() * used_rows[i][1] if i in used_rows else size
+            width += widths.get(i, size)
     if out is not None and out.dtype == ref.dtype and out.device == ref.device and out.shape[0] == m and (
             out.shape[1] == width or (form != "dense" and out.shape[1] > width)):
         jac = out[:, :width]  # a reused buffer (its pages are already mapped: a fresh J-sized allocation page-faults)
@@ -853,7 +853,7 @@ def _backward_jacobian(
         jac = large_empty((m, width), ref.dtype, ref.device)
     written = capture.fill(jac, columns, skip=ghost_modules | set(tables))
     for k, (i, ids, calls) in tables.items():
-        dest = {"weight": jac[:, columns[i] : columns[i] + ids.numel() * used_rows[i][1]]}
+        dest = {"weight": jac[:, columns[i] : columns[i] + widths[i]]}
         for n, (x, grad) in enumerate(calls):
             _embedding_grads(capture.modules[k][0], x, grad, dest, n > 0, rows=ids)
         written.add(i)
@@ -1037,13 +1037,12 @@ def _hooked_products(jac: torch.Tensor | FactoredJacobian, tangents, offsets: Se
     out = torch.zeros(jac.shape[0], CHECK_TANGENTS, dtype=torch.float64, device=jac.device)
     ghosts = {i: (a, g) for i, a, g in jac.ghosts} if factored else {}
     for i, (u, w) in enumerate(tangents):
-        size = offsets[i + 1] - offsets[i]
         if i in ghosts:
             a, g = FactoredJacobian.scaled_factors(*ghosts[i], 1.0)  # [M, T, I], [M, T, O]
             out += ((a @ w.T.to(a.device)) * (g @ u.T.to(g.device))).sum(dim=1)
             continue
         if factored and i in jac.used_rows:  # a table's used rows: the tangent's entries of those rows
-            ids, dim = jac.used_rows[i]
+            ids, _ = jac.used_rows[i]
             cols = (u[:, ids.cpu(), None] * w[:, None, :]).flatten(1).to(jac.device)  # [K, U D]
             out += jac.dense_block(i).to(torch.float64) @ cols.T
             continue

@@ -121,6 +121,38 @@ def test_dry_runs_print_no_exception(full_plan):
     assert "Exception" not in full_plan.stdout + full_plan.stderr
 
 
+def _priorities(plan: str) -> list[tuple[str, str, int]]:
+    """(rule, wildcards, priority) of every job of a dry run (Snakemake prints a priority only where it is not 0)."""
+    jobs = []
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", plan):
+        rule = re.match(r"(?:local)?rule (\w+):", block)
+        if rule:
+            wildcards = re.search(r"^\s+wildcards: (.+)$", block, flags=re.M)
+            priority = re.search(r"^\s+priority: (-?\d+)$", block, flags=re.M)
+            jobs.append((rule.group(1), wildcards.group(1) if wildcards else "",
+                         int(priority.group(1)) if priority else 0))
+    return jobs
+
+
+def test_jobs_that_unlock_the_evaluation_start_first_and_the_mlp_runs_fill_in_last(tmp_path):
+    """The order of a local build (workflow/rules/common.smk, PRIORITY): the evaluated baseline runs and the
+    evaluation's jobs before every other job, the MLP's runs (seconds each) after every other training run, and no
+    job but the `all` target left at Snakemake's default 0 (which would hold it back until nothing else is ready)."""
+    done = _snakemake("-n", "--cores", "2", "--config", "scale=cpu", f"runs={tmp_path}/runs",
+                      f"results={tmp_path}/results")
+    assert done.returncode == 0, done.stdout + done.stderr
+    jobs = _priorities(done.stdout)
+    first = {(r, w) for r, w, p in jobs if p == max(p for _, _, p in jobs)}
+    evaluated = {("train", f"scale=cpu, setup={s}, optimizer={registry.baseline_optimizer(s, 'cpu')}, "
+                           f"seed={registry.EVALUATION_SEED}") for s in registry.CPU_SETUPS}
+    assert first == evaluated | {(r, w) for r, w, _ in jobs if r in ("evaluate_stage", "evaluate")}
+    train = {w: p for r, w, p in jobs if r == "train" and ("train", w) not in evaluated}
+    mlp = {p for w, p in train.items() if "setup=digits-mlp" in w}
+    assert len(train) == len(registry.grid_runs("cpu")) - 3 and mlp
+    assert max(mlp) < min(p for w, p in train.items() if "setup=digits-mlp" not in w)
+    assert [r for r, _, p in jobs if p <= 0] == ["all"]
+
+
 def _outputs(plan: str) -> list[Path]:
     """Every output file of a dry run's jobs."""
     return [Path(f.strip()) for line in re.findall(r"^\s+output: (.+)$", plan, flags=re.M) for f in line.split(",")]

@@ -9,6 +9,7 @@ rule mathjax:
     """MathJax from the npm registry, once (the book is served offline)."""
     output:
         str(BOOK.MATHJAX_ENTRY.relative_to(ROOT)),
+    priority: PRIORITY["normal"]
     shell:
         "{PYTHON} -m tools.book mathjax"
 
@@ -25,6 +26,7 @@ rule execute_notebook:
         name="|".join(NOTEBOOKS) or "no-notebooks",
     params:
         packages=BOOK.package_versions(),
+    priority: PRIORITY["normal"]
     resources:
         runtime=config["slurm_time"]["notebook_minutes"][SCALE],
     shell:
@@ -41,6 +43,7 @@ rule publish:
         "book/generated/{name}.ipynb",
     wildcard_constraints:
         name="|".join(NOTEBOOKS) or "no-notebooks",
+    priority: PRIORITY["normal"]
     shell:
         "{PYTHON} -m tools.book publish {input.executed}"
 
@@ -52,6 +55,7 @@ rule timings:
         tool="tools/book/steps.py",
     output:
         "book/generated/timings.md",
+    priority: PRIORITY["normal"]
     shell:
         "{PYTHON} -m tools.book timings"
 
@@ -68,5 +72,6 @@ rule book:
         BOOK_INDEX,
     params:
         output=f"--output {BOOK_BASE}" if config.get("book_output") else "",
+    priority: PRIORITY["normal"]
     shell:
         "{PYTHON} -m tools.book jupyter-book {params.output}"

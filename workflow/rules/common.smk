@@ -182,6 +182,22 @@ BOOK_SOURCES = sorted({"_config.yml", "_toc.yml"}
                       | {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks" / "results").glob("*.json")})
 
 
+# ------------------------------------------------------------------------------------------------ job order
+# Snakemake starts the ready jobs of highest priority first (unset: 0, last); priorities change no result, only the
+# order, and so the build's wall time on a few cores. First the runs the evaluation framework reads and its jobs:
+# those runs unlock the stage jobs (a minute or more each), which would otherwise all wait for the last training run.
+# Then every other job, the transformer setups' runs (a minute or two each) and chapters among them, so that the
+# MLP's runs (seconds each) fill the cores at the end, when little else is ready.
+PRIORITY = {"first": 3, "normal": 2, "short": 1}
+
+
+def train_priority(wildcards) -> int:
+    """A training job's priority (:data:`PRIORITY`): the evaluated baseline runs, then transformer runs, then MLPs."""
+    if wildcards.optimizer == baseline(wildcards.setup) and int(wildcards.seed) == EVALUATION_SEED:
+        return PRIORITY["first"]
+    return PRIORITY["normal"] if REGISTRY.resolve(wildcards.setup, SCALE).family != "mlp" else PRIORITY["short"]
+
+
 # -------------------------------------------------------------------------------------------- SLURM limits
 def train_minutes(wildcards) -> int:
     """A training job's time limit (config slurm_time): estimated from the registry's update steps at full scale."""

@@ -10,6 +10,7 @@ rule aggregate_e2:
         E2_TABLES,
     log:
         f"{RESULTS}/logs/aggregate_e2.log",
+    priority: PRIORITY["normal"]
     shell:
         "{PYTHON} -m ief aggregate --scale {SCALE} --runs {RUNS} --out {RESULTS} > {log} 2>&1"
 
@@ -37,6 +38,7 @@ rule evaluate_stage:
         stage=lambda wc: int(wc.stage),
     resources:
         runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
+    priority: PRIORITY["first"]
     shell:
         "{PYTHON} -m ief evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
         "{params.knobs} --stages {params.stage} --out {params.out} > {log} 2>&1"
@@ -55,6 +57,7 @@ rule evaluate:
     params:
         seed=EVALUATION_SEED,
         knobs=lambda wc: evaluation_flags(wc.setup),
+    priority: PRIORITY["first"]
     shell:
         "{PYTHON} -m ief evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
         "{params.knobs} --out {output} > {log} 2>&1"

@@ -17,6 +17,7 @@ rule train:
         scale=SCALE,  # setup, optimizer, seed: workflow/rules/common.smk
     log:
         f"{RUNS}/{{scale}}/{{setup}}/{{optimizer}}/seed-{{seed}}/train.log",
+    priority: train_priority
     resources:
         runtime=train_minutes,
     shell:

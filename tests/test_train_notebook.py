@@ -48,3 +48,39 @@ def test_train_notebook_warns_before_a_full_scale_run():
 
     source = "\n".join(c.source for c in nbformat.read(ROOT / "notebooks" / "train.ipynb", as_version=4).cells)
     assert source.index("cost_warning(setup, scale, optimizer)") < source.index("train(setup, optimizer")
+
+
+def test_the_chapter_run_is_a_grid_run_and_the_notebooks_default():
+    """The run the workflow hands chapter "Training runs" (TRAIN_CHAPTER_RUN) is one the grid trains anyway, and the
+    one the notebook's parameters name by default, so the chapter reads it instead of training it a second time."""
+    import papermill
+
+    from nbrun import ROOT
+    from ief.experiments.setups import TRAIN_CHAPTER_RUN, grid_runs
+
+    declared = papermill.inspect_notebook(str(ROOT / "notebooks" / "train.ipynb"))
+    defaults = (eval(declared["optimizer"]["default"]), eval(declared["seed"]["default"]))
+    for scale, (setup, optimizer, seed) in TRAIN_CHAPTER_RUN.items():
+        assert (setup, optimizer, seed) in grid_runs(scale), scale
+        assert (optimizer, seed) == defaults
+    assert "runs_dir" in declared
+
+
+def test_train_notebook_reads_a_run_the_workflow_trained(tmp_path):
+    """Given the workflow's runs folder (runs_dir) holding the finished run, the notebook's `train` call skips it and
+    the chapter shows that run: nothing is trained again, no run folder of its own is made."""
+    from ief.experiments import train
+
+    workflow_runs, figures = tmp_path / "runs", tmp_path / "fig"
+    trained = train("digits-mlp", "sgd", 1, "smoke", workflow_runs, progress=False, verbose=False)
+    folder = run_dir(workflow_runs, "smoke", "digits-mlp", "sgd", 1)
+    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file() and p.name != "run.lock"}
+    nb = run_notebook("train.ipynb", tmp_path, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
+                      runs_dir=str(workflow_runs), out_dir=str(figures))
+    assert not unresolved_glue(nb)
+    assert "read here" in glued_text(nb, "train_source")
+    assert any("skipped (finished)" in "".join(o.get("text", "")) for c in nb.cells if c.cell_type == "code"
+               for o in c.get("outputs", []))
+    assert not (figures / "runs").exists()
+    assert {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file() and p.name != "run.lock"} == before
+    assert glued_text(nb, "train_wall") == f"{trained['wall_time_s']:.0f} s"

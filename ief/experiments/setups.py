@@ -493,6 +493,14 @@ E2_OPTIMIZERS: dict[str, tuple[str, ...]] = {
 # evaluates the checkpoints of its runs: AdamW for LoRA, Adafactor for prompt tuning, Adam for the MLP.
 BASELINE: dict[str, str] = {method: optimizers[0] for method, optimizers in E2_OPTIMIZERS.items()}
 E2_SEEDS = (0, 1, 2)  # the paper's three seeds (mean +- sd over them)
+# The run chapter "Training runs" (notebooks/train.ipynb) shows by default, per scale: (setup, optimiser, seed), a run
+# of the grid. The workflow makes this run an input of the chapter and passes it the runs folder, so the chapter's
+# `train` call finds the run finished and reads it instead of training it a second time.
+TRAIN_CHAPTER_RUN: dict[str, tuple[str, str, int]] = {
+    "smoke": ("tweets-minilm-lora", "ief", 0),
+    "cpu": ("tweets-minilm-lora", "ief", 0),
+    "full": ("sst2-t5-lora", "ief", 0),
+}
 
 
 @dataclass(frozen=True)

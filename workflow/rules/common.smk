@@ -125,7 +125,10 @@ def eval_parts(setup: str) -> list[str]:
 
 E2_TABLES = [f"{RESULTS}/e2_runs.csv", f"{RESULTS}/e2_curves.csv"]
 EVAL_TABLES = [f"{RESULTS}/eval/{setup}.csv" for setup in SETUPS]
-RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES}
+# "chapter_run": the grid's run that chapter "Training runs" shows (ief.experiments.setups.TRAIN_CHAPTER_RUN); the
+# chapter reads it from the runs folder instead of training it again.
+CHAPTER_RUN = [summary(*REGISTRY.TRAIN_CHAPTER_RUN[SCALE])]
+RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES, "chapter_run": CHAPTER_RUN}
 GRID_RUNS = [summary(*run) for run in GRID]
 GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES
 

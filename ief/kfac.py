@@ -190,12 +190,13 @@ def kronecker_factor_sets(model: torch.nn.Module, inputs: Inputs, targets: torch
                 losses_out.append(per_sample.detach())
             return list(torch.autograd.grad(per_sample.sum(), params, retain_graph=retain, allow_unused=True))
 
-    def blocks(weights: torch.Tensor | None) -> list[KroneckerBlock]:
-        """Every layer's ``(G, A)`` from the gradients of the last backward (rows of sample n weighted by w_n)."""
-        out = []
-        for k, (module, *_, owned) in enumerate(capture.modules):
-            a_sum, g_sum = None, None
-            for x, g, _ in capture.records[k]:
+    a_factors: dict[int, torch.Tensor | None] = {}  # layer k -> A / m: one forward, so one A for every kind
+
+    def input_factor(k: int, owned: dict) -> torch.Tensor | None:
+        """Layer ``k``'s ``A`` (``None``: never called), computed once and shared by every kind's blocks."""
+        if k not in a_factors:
+            a_sum = None
+            for x, _, _ in capture.records[k]:
                 a = _rows(x, m, approx, "mean")
                 if "bias" in owned:
                     a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype, device=a.device)], dim=1)
@@ -204,6 +205,15 @@ def kronecker_factor_sets(model: torch.nn.Module, inputs: Inputs, targets: torch
                 positions = a.shape[0] // m
                 a_cov = a.T @ a / positions  # curvlinops: each call's input covariance / (N * positions)
                 a_sum = a_cov if a_sum is None else a_sum + a_cov
+            a_factors[k] = None if a_sum is None else a_sum / m
+        return a_factors[k]
+
+    def blocks(weights: torch.Tensor | None) -> list[KroneckerBlock]:
+        """Every layer's ``(G, A)`` from the gradients of the last backward (rows of sample n weighted by w_n)."""
+        out = []
+        for k, (module, *_, owned) in enumerate(capture.modules):
+            a_factor, g_sum = input_factor(k, owned), None
+            for _, g, _ in capture.records[k]:
                 if g is None:  # this call's output did not reach the loss
                     continue
                 gr = _rows(g, m, approx, "sum")
@@ -211,12 +221,12 @@ def kronecker_factor_sets(model: torch.nn.Module, inputs: Inputs, targets: torch
                     gr = gr * weights.repeat_interleave(gr.shape[0] // m).sqrt().unsqueeze(1)
                 g_cov = gr.T @ gr
                 g_sum = g_cov if g_sum is None else g_sum + g_cov
-            if a_sum is None:
+            if a_factor is None:
                 continue
             if g_sum is None:
                 g_sum = torch.zeros(module.out_features, module.out_features, dtype=torch.float64,
-                                    device=a_sum.device)
-            out.append(KroneckerBlock(module_names.get(id(module), ""), g_sum, a_sum / m, dict(owned)))
+                                    device=a_factor.device)
+            out.append(KroneckerBlock(module_names.get(id(module), ""), g_sum, a_factor, dict(owned)))
         return out
 
     result: dict[str, list[KroneckerBlock]] = {}
@@ -240,9 +250,12 @@ def kronecker_eigen(G: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, tor
     """``(e_G, U, e_A, V)``: the eigendecompositions of both (symmetrised) factors, from which
     :func:`_eigen_solve` applies ``(G (x) A + lambda I)^{-1}`` for any ``lambda`` (:class:`ief.optim.KFAC` keeps them
     between refreshes)."""
-    eg, U = torch.linalg.eigh(0.5 * (G + G.T))
-    ea, V = torch.linalg.eigh(0.5 * (A + A.T))
-    return eg, U, ea, V
+    return (*symmetric_eigh(G), *symmetric_eigh(A))
+
+
+def symmetric_eigh(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(eigenvalues, eigenvectors)`` of a Kronecker factor, symmetrised first (rounding leaves it almost so)."""
+    return torch.linalg.eigh(0.5 * (factor + factor.T))
 
 
 def _damped_kronecker_solve(G: torch.Tensor, A: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
@@ -322,7 +335,16 @@ def kfac_directions(
     dampings = {check_kind(kind): check_damping(lam) for kind, lam in dampings.items()}
     all_blocks, gradient, params = kronecker_factor_sets(model, inputs, targets, list(dampings), params,
                                                          generator=generator, loss=loss, approx=check_approx(approx))
-    return {kind: block_diagonal_direction(all_blocks[kind], gradient, params, dampings[kind], kind)
+    input_eigens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the kinds share each layer's A (one tensor)
+
+    def eigens(blocks: list[KroneckerBlock]) -> dict[str, tuple[torch.Tensor, ...]]:
+        for block in blocks:
+            if id(block.A) not in input_eigens:
+                input_eigens[id(block.A)] = symmetric_eigh(block.A)
+        return {block.name: (*symmetric_eigh(block.G), *input_eigens[id(block.A)]) for block in blocks}
+
+    return {kind: block_diagonal_direction(all_blocks[kind], gradient, params, dampings[kind], kind,
+                                           eigens(all_blocks[kind]))
             for kind in dampings}
 
 

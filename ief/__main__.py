@@ -52,6 +52,15 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
     a.add_argument("--runs", required=True, metavar="RUNS", help="the runs folder (RUNS/<scale>/<setup>/...)")
     a.add_argument("--out", required=True, metavar="DIR", help="where the two CSV files go")
+    c = sub.add_parser("step-costs", help="seconds per update of the practical comparison's optimisers, measured "
+                       "side by side, to a CSV (chapter practical.ipynb, 'Cost per update')")
+    c.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
+    c.add_argument("--setup", action="append", default=[], metavar="S",
+                   help="time this setup (repeatable; default: every setup of the scale's grid)")
+    c.add_argument("--repeats", type=int, default=5, metavar="N",
+                   help="timed updates per optimiser after one warm-up (an MLP's: 20 N; default 5)")
+    c.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    c.add_argument("--out", required=True, metavar="OUT.csv", help="the table (written atomically)")
     for q in (d, t, r):
         q.add_argument("--setup", required=True, metavar="S", help="one of: " + ", ".join(SETUPS))
         q.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
@@ -177,6 +186,18 @@ def main(argv: list[str] | None = None) -> int:
             for path in paths:
                 print(f"wrote {path}")
             print(f"{len(done)} finished runs" + (f"; {len(unfinished)} unfinished (left out)" if unfinished else ""))
+            return 0
+        if args.command == "step-costs":
+            from .experiments import store
+            from .experiments.setups import SCALES, scale_grid
+            from .experiments.step_cost import practical_step_costs
+
+            if args.scale not in SCALES:
+                raise ValueError(f"unknown scale {args.scale!r}; valid scales: {', '.join(SCALES)}")
+            costs = practical_step_costs(args.setup or scale_grid(args.scale).setups, args.scale,
+                                         repeats=args.repeats, device=args.device)
+            store.write_text(args.out, costs.to_csv(index=False))
+            print(f"wrote {args.out}")
             return 0
         overrides = _overrides(args.set)
         if args.command == "search":

@@ -3,6 +3,9 @@ their rules (decided over seeds, able to hold, fail and stay inconclusive), the 
 chapter notebooks/practical.ipynb at smoke scale."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pandas as pd
 import pytest
 import torch
@@ -10,20 +13,20 @@ from nbrun import glued_text, run_notebook, unresolved_glue
 
 from ief.experiments.aggregate import collect
 from ief.experiments.optimizers import make_optimizer
-from ief.experiments.setups import CPU_SETUPS, PRACTICAL_OPTIMIZERS, optimizer_config, resolve
-from ief.experiments.step_cost import step_costs
+from ief.experiments.setups import CPU_SETUPS, PRACTICAL_OPTIMIZERS, optimizer_config, practical_optimizers, resolve
+from ief.experiments.step_cost import MLP_REPEAT_FACTOR, STEP_COSTS_FILE, practical_step_costs, step_costs
 from ief.experiments.verdicts import FAILS, HOLDS, INCONCLUSIVE, RULES
 from ief.optim import IEF, KFAC
-from ief.chapters.practical import chapter_optimizers, results_table
+from ief.chapters.practical import results_table
 
 
 def test_every_cpu_setup_defines_the_practical_optimisers_it_can_run():
-    assert chapter_optimizers("digits-mlp", "cpu") == ["adam", "ief", *PRACTICAL_OPTIMIZERS]
-    assert chapter_optimizers("tweets-minilm-lora", "cpu") == ["adamw", "ief", *PRACTICAL_OPTIMIZERS]
-    assert chapter_optimizers("tweets-minilm-pt", "cpu") == ["adafactor", "ief", "ief-momentum"]  # no nn.Linear
+    assert practical_optimizers("digits-mlp", "cpu") == ["adam", "ief", *PRACTICAL_OPTIMIZERS]
+    assert practical_optimizers("tweets-minilm-lora", "cpu") == ["adamw", "ief", *PRACTICAL_OPTIMIZERS]
+    assert practical_optimizers("tweets-minilm-pt", "cpu") == ["adafactor", "ief", "ief-momentum"]  # no nn.Linear
     for setup in CPU_SETUPS:
         cfg = resolve(setup, "cpu")
-        for o in chapter_optimizers(setup, "cpu"):
+        for o in practical_optimizers(setup, "cpu"):
             assert "lr search" in cfg.optimizers[o].source, (setup, o)  # every rate searched, none provisional
 
 
@@ -79,12 +82,38 @@ def test_step_costs_times_every_optimiser_against_the_baseline_and_refuses_bad_i
         step_costs("tweets-minilm-pt", "smoke", ["kfac"], "adafactor", repeats=1)
 
 
+def test_practical_step_costs_time_the_chapters_optimisers_on_every_setup(tmp_path):
+    """The table the workflow's step_costs job writes (python -m ief step-costs): per setup the chapter's optimisers,
+    the baseline first, an MLP's updates timed MLP_REPEAT_FACTOR times as often."""
+    costs = practical_step_costs(["digits-mlp", "tweets-minilm-pt"], "smoke", repeats=1)
+    assert list(zip(costs.setup, costs.optimizer)) == [(s, o) for s in ("digits-mlp", "tweets-minilm-pt")
+                                                       for o in practical_optimizers(s, "smoke")]
+    assert list(costs.updates) == [MLP_REPEAT_FACTOR] * 6 + [1] * 3
+    out = tmp_path / "costs.csv"
+    done = subprocess.run([sys.executable, "-m", "ief", "step-costs", "--scale", "smoke", "--setup", "digits-mlp",
+                           "--repeats", "1", "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert list(pd.read_csv(out).optimizer) == practical_optimizers("digits-mlp", "smoke")
+    bad = subprocess.run([sys.executable, "-m", "ief", "step-costs", "--scale", "smoke", "--repeats", "0", "--out",
+                          str(tmp_path / "bad.csv")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "repeats must be a positive integer" in bad.stderr
+    assert not (tmp_path / "bad.csv").exists()
+
+
 def test_practical_notebook_smoke(tmp_path):
-    figures, runs = tmp_path / "fig", tmp_path / "runs"
+    """The chapter at smoke scale, its cost table read from a step_costs.csv as the workflow's job leaves it (one
+    ratio marked, to see that it is the file's)."""
+    figures, runs, results = tmp_path / "fig", tmp_path / "runs", tmp_path / "no-e2-tables"
+    results.mkdir()
+    planted = practical_step_costs(CPU_SETUPS, "smoke", repeats=1)
+    planted.loc[(planted.setup == "tweets-minilm-lora") & (planted.optimizer == "iekfac"), "ratio"] = 7.77
+    planted.to_csv(results / STEP_COSTS_FILE, index=False)
     nb = run_notebook("practical.ipynb", tmp_path, scale="smoke", out_dir=str(figures), runs_dir=str(runs),
-                      results_dir=str(tmp_path / "no-results"), seeds=[0, 1], cost_repeats=1)
+                      results_dir=str(results), seeds=[0, 1], cost_repeats=1)
+    assert "ieKFAC 7.77×" in glued_text(nb, "cost_tweets-minilm-lora")
+    assert pd.read_csv(figures / "costs.csv").equals(pd.read_csv(results / STEP_COSTS_FILE))
     table, _ = collect(runs, "smoke")
-    opts = {s: chapter_optimizers(s, "smoke") for s in CPU_SETUPS}
+    opts = {s: practical_optimizers(s, "smoke") for s in CPU_SETUPS}
     for s, optimizers in opts.items():  # every chapter run trained (E2's and the practical ones), two seeds each
         for o in optimizers:
             assert sorted(table[(table.setup == s) & (table.optimizer == o)].seed) == [0, 1], (s, o)

@@ -153,6 +153,24 @@ def test_jobs_that_unlock_the_evaluation_start_first_and_the_mlp_runs_fill_in_la
     assert [r for r, _, p in jobs if p <= 0] == ["all"]
 
 
+def test_the_practical_chapters_cost_table_is_a_job_of_its_own(tmp_path):
+    """The chapter's seconds per update are measured by the step_costs job beside the training (it needs no run), to
+    the file the chapter reads (ief.experiments.step_cost.STEP_COSTS_FILE); a scale without practical runs has none."""
+    from ief.experiments.step_cost import STEP_COSTS_FILE
+
+    done = _snakemake("-n", "--cores", "2", "--config", "scale=cpu", f"runs={tmp_path}/runs",
+                      f"results={tmp_path}/results")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (block,) = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout) if b.startswith("rule step_costs:")]
+    assert re.search(rf"output: {re.escape(str(tmp_path))}/results/cpu/{STEP_COSTS_FILE}$", block, flags=re.M)
+    assert not re.search(r"input: .*summary\.json", block)  # no training run: it starts at once
+    practical = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout) if b.startswith("rule execute_notebook:") and "wildcards: name=practical" in b]
+    assert len(practical) == 1 and f"results/cpu/{STEP_COSTS_FILE}" in practical[0]
+    full = _snakemake("-n", "--cores", "1", "--config", "scale=full", f"runs={tmp_path}/runs",
+                      f"results={tmp_path}/results")
+    assert full.returncode == 0 and "rule step_costs:" not in full.stdout
+
+
 def _outputs(plan: str) -> list[Path]:
     """Every output file of a dry run's jobs."""
     return [Path(f.strip()) for line in re.findall(r"^\s+output: (.+)$", plan, flags=re.M) for f in line.split(",")]
@@ -183,7 +201,7 @@ def test_deleting_a_results_folder_replans_it_without_exceptions(tmp_path, profi
     cases = [
         (list((results / "eval").glob("*.csv")), {"evaluate": evaluate}),
         ([results / "eval"], {"evaluate_stage": evaluate_stage, "evaluate": evaluate}),
-        ([results], {"evaluate_stage": evaluate_stage, "evaluate": evaluate, "aggregate_e2": 1}),
+        ([results], {"evaluate_stage": evaluate_stage, "evaluate": evaluate, "aggregate_e2": 1, "step_costs": 1}),
     ]
     for deleted, expected in cases if profile == "default" else cases[1:2]:  # slurm: the case seen (CI time)
         for path in deleted:
@@ -229,7 +247,8 @@ def test_each_rule_depends_on_the_code_it_runs(tmp_path):
     first = _snakemake(*args, directory=checkout, checkout=checkout)
     plan = _planned(first)
     notebooks = len(list((checkout / "notebooks").glob("*.ipynb")))
-    grid = {"train": len(registry.grid_runs("smoke")), "aggregate_e2": 1, "evaluate_stage": 3 * 5, "evaluate": 3}
+    grid = {"train": len(registry.grid_runs("smoke")), "aggregate_e2": 1, "evaluate_stage": 3 * 5, "evaluate": 3,
+            "step_costs": 1}
     book = {"execute_notebook": notebooks, "publish": notebooks, "timings": 1, "book": 1, "all": 1}
     assert plan == {**grid, **book, "mathjax": 1}, first.stdout[-3000:]
     for path in _outputs(first.stdout + first.stderr):

@@ -15,25 +15,10 @@ from pathlib import Path
 import pandas as pd
 
 from ..experiments.aggregate import collect, ensure_smoke_e2_runs, load_e2, mean_sd
-from ..experiments.setups import E2_OPTIMIZERS, PRACTICAL_OPTIMIZERS, resolve
+from ..experiments.setups import practical_optimizers, resolve
 from .optimisation import label, plot_curves
 
 KFAC_FAMILY = ("kfac", "ekfac", "iekfac")
-
-
-def chapter_optimizers(setup: str, scale: str) -> list[str]:
-    """The chapter's optimisers of a setup, the baseline first: the baseline, iEF, then the practical optimisers
-    the setup defines (no K-FAC family for prompt tuning: prompt embeddings are not ``nn.Linear``).
-
-    Args:
-        setup: a setup name (:mod:`ief.experiments.setups`).
-        scale: ``"smoke"``, ``"cpu"`` or ``"full"``.
-
-    Returns:
-        Optimiser names, e.g. ``["adamw", "ief", "ief-momentum", "kfac", "ekfac", "iekfac"]``.
-    """
-    cfg = resolve(setup, scale)
-    return [E2_OPTIMIZERS[cfg.method][0], "ief", *[o for o in PRACTICAL_OPTIMIZERS if o in cfg.optimizers]]
 
 
 @dataclass
@@ -70,7 +55,7 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
     """
     grid = load_e2(scale, results_dir, runs_dir, list(setups) if setups else None,
                    list(seeds) if seeds is not None else None)
-    opts = {s: chapter_optimizers(s, scale) for s in grid.setups}
+    opts = {s: practical_optimizers(s, scale) for s in grid.setups}
     expected = [(s, o, k) for s in grid.setups for o in opts[s] for k in grid.seeds]
 
     def absent(table: pd.DataFrame) -> list[tuple[str, str, int]]:

@@ -623,6 +623,25 @@ def grid_runs(scale: str, grid: ScaleGrid | None = None) -> list[tuple[str, str,
             for seed in grid.seeds]
 
 
+def practical_optimizers(name: str, scale: str) -> list[str]:
+    """The optimisers the practical comparison (chapter ``notebooks/practical.ipynb``) sets side by side on a setup,
+    the baseline first: the baseline, iEF, then the practical optimisers the setup defines (no K-FAC family for
+    prompt tuning: prompt embeddings are not ``nn.Linear``).
+
+    Args:
+        name: a setup name.
+        scale: ``"smoke"``, ``"cpu"`` or ``"full"``.
+
+    Returns:
+        Optimiser names, e.g. ``["adamw", "ief", "ief-momentum", "kfac", "ekfac", "iekfac"]``.
+
+    Raises:
+        ValueError: an unknown setup or scale, or a setup that has no such scale.
+    """
+    cfg = resolve(name, scale)
+    return [E2_OPTIMIZERS[cfg.method][0], "ief", *[o for o in PRACTICAL_OPTIMIZERS if o in cfg.optimizers]]
+
+
 def evaluation_knobs(name: str, scale: str) -> dict[str, Any]:
     """The evaluation job's knobs for setup ``name`` at ``scale`` (:data:`EVALUATION_KNOBS`).
 

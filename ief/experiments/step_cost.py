@@ -20,10 +20,13 @@ from .data import load_data
 from .models import build_model
 from .optimizers import make_optimizer, train_step
 from .runner import check_setup, epoch_order, resolve_device, seed_everything
-from .setups import optimizer_config, resolve
+from .setups import optimizer_config, practical_optimizers, resolve
 from .tasks import make_task, to_device
 
 COLUMNS = ["setup", "optimizer", "median_s", "min_s", "max_s", "updates", "ratio", "baseline"]
+STEP_COSTS_FILE = "step_costs.csv"  # the workflow's table of practical_step_costs, in results/<scale>/
+# A millisecond update (the MLP) is timed this many times as often as a one-second one: the same few seconds of timing.
+MLP_REPEAT_FACTOR = 20
 
 
 def step_costs(setup: str, scale: str, optimizers: Sequence[str], baseline: str, *, repeats: int = 5,
@@ -91,3 +94,31 @@ def step_costs(setup: str, scale: str, optimizers: Sequence[str], baseline: str,
              "updates": len(t), "ratio": statistics.median(t) / base, "baseline": baseline}
             for o, t in times.items()]
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def practical_step_costs(setups: Sequence[str], scale: str, *, repeats: int = 5, device: str | None = None
+                         ) -> pd.DataFrame:
+    """:func:`step_costs` of the practical comparison's optimisers (:func:`.setups.practical_optimizers`) on every
+    setup, against its baseline: the table of chapter ``notebooks/practical.ipynb`` ("Cost per update"), which the
+    workflow measures as a job of its own (``python -m ief step-costs``) beside the training runs.
+
+    Args:
+        setups: setup names.
+        scale: ``"smoke"``, ``"cpu"`` or ``"full"``.
+        repeats: timed updates per optimiser (>= 1); an MLP's updates are timed :data:`MLP_REPEAT_FACTOR` times
+            as often.
+        device: torch device (default: cuda if available, else cpu).
+
+    Returns:
+        The rows of :func:`step_costs` of every setup, in the order of ``setups``.
+
+    Raises:
+        ValueError: as :func:`step_costs`, or an unknown setup or scale.
+    """
+    frames = []
+    for setup in setups:
+        optimizers = practical_optimizers(setup, scale)
+        factor = MLP_REPEAT_FACTOR if resolve(setup, scale).family == "mlp" else 1
+        frames.append(step_costs(setup, scale, optimizers[1:], optimizers[0], repeats=repeats * factor,
+                                 device=device))
+    return pd.concat(frames, ignore_index=True)

@@ -128,9 +128,12 @@ EVAL_TABLES = [f"{RESULTS}/eval/{setup}.csv" for setup in SETUPS]
 # "chapter_run": the grid's run that chapter "Training runs" shows (ief.experiments.setups.TRAIN_CHAPTER_RUN); the
 # chapter reads it from the runs folder instead of training it again.
 CHAPTER_RUN = [summary(*REGISTRY.TRAIN_CHAPTER_RUN[SCALE])]
-RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES, "chapter_run": CHAPTER_RUN}
+# "costs": the practical comparison's seconds per update (python -m ief step-costs; ief.experiments.step_cost
+# STEP_COSTS_FILE), measured by a job of its own beside the training runs; a scale without the practical runs has none.
+STEP_COSTS = [f"{RESULTS}/step_costs.csv"] if _GRID.practical else []
+RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES, "chapter_run": CHAPTER_RUN, "costs": STEP_COSTS}
 GRID_RUNS = [summary(*run) for run in GRID]
-GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES
+GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES + STEP_COSTS
 
 # The code a job runs. Training and evaluation run the core and the experiments code (and read the recorded data
 # shipped inside the package: lr_search/*.json, ...), never the chapters' back-ends (plotting, styles, colours: the

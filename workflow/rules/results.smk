@@ -61,3 +61,22 @@ rule evaluate:
     shell:
         "{PYTHON} -m ief evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
         "{params.knobs} --out {output} > {log} 2>&1"
+
+
+rule step_costs:
+    """Chapter practical.ipynb's "Cost per update": the seconds per update of the practical comparison's optimisers,
+    measured side by side in one process (python -m ief step-costs), as a job of its own that runs beside the
+    training runs, not in the chapter, which waits for the last run."""
+    input:
+        code=CORE_CODE,
+    output:
+        f"{RESULTS}/step_costs.csv",
+    log:
+        f"{RESULTS}/logs/step_costs.log",
+    params:
+        setups=" ".join(f"--setup {s}" for s in SETUPS),
+    priority: PRIORITY["normal"]
+    resources:
+        runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
+    shell:
+        "{PYTHON} -m ief step-costs --scale {SCALE} {params.setups} --out {output} > {log} 2>&1"

@@ -68,10 +68,12 @@ lock:
 # The test command: build the book at smoke scale through the workflow (into _build/smoke, leaving a reader's
 # _build/html alone), then run the whole suite, including the browser test of that book, then the smoke evaluation
 # again under ATen's default (scalar) CPU kernels, its records compared with the build's (tools/kernels.py states the
-# tolerances and why).
+# tolerances and why). The suite runs on every core (pytest-xdist; TEST_WORKERS=0 runs it in one process), at most 4
+# workers, each test file in one worker (its module fixtures built once), one torch thread per worker (conftest.py).
+TEST_WORKERS ?= auto
 test: $(ENV_READY) $(CHROMIUM)
 	$(PYTHON) -m tools.book build --scale smoke --output _build/smoke
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile tests
 	$(PYTHON) -m tools.kernels --results results/smoke --runs runs --out _build/smoke/kernels-default
 
 # A real SLURM cluster on localhost (needs root; writes /etc/slurm): the smoke grid through workflow/profiles/slurm,

@@ -81,6 +81,43 @@ def test_timings_page_shows_the_builds_measured_by_the_build(tmp_path):
     text = steps.timings_table(executed_root=tmp_path / "none", build_log=log)
     assert "| `smoke` | cold build" in text and "2 min 30 s" in text
     assert "| `smoke` | no-op rebuild" in text and "| 9 s |" in text and "00:06:00" not in text
+    assert "Where those cold builds' time went" not in text  # an entry from before job times were logged
+    entries[0].update(job_seconds={"train": 200.0, "book": 20.0, "publish": 0.2}, cores=2)
+    log.write_text("\n".join(json.dumps(e) for e in entries) + "\n")
+    text = steps.timings_table(executed_root=tmp_path / "none", build_log=log)
+    assert ("jobs took 3 min 40 s in all (train 3 min 20 s, book 20 s) in 2 min 30 s of wall time; 1.47 of its 2 "
+            "cores busy on average.") in text
+
+
+def test_job_clock_sums_each_rules_jobs_from_snakemakes_output():
+    """Snakemake's start and finish lines, two jobs at once: each job's time summed by rule."""
+    output = """[Wed Nov 25 00:15:36 2026]
+localrule train:
+    output: runs/a/summary.json
+    jobid: 10
+    wildcards: setup=a
+[Wed Nov 25 00:15:36 2026]
+rule train:
+    jobid: 24
+[Wed Nov 25 00:15:41 2026]
+Finished jobid: 10 (Rule: train)
+[Wed Nov 25 00:15:41 2026]
+localrule evaluate_stage:
+    jobid: 13
+[Wed Nov 25 00:15:50 2026]
+Finished jobid: 24 (Rule: train)
+[Wed Nov 25 00:16:02 2026]
+Finished jobid: 13 (Rule: evaluate_stage)
+[Wed Nov 25 00:16:02 2026]
+localrule all:
+    jobid: 0
+[Wed Nov 25 00:16:02 2026]
+Finished jobid: 0 (Rule: all)
+"""
+    clock = driver.JobClock()
+    for line in output.splitlines(keepends=True):
+        clock.line(line)
+    assert clock.seconds() == {"evaluate_stage": 21.0, "train": 19.0}
 
 
 def test_missing_npm_is_reported_before_anything_runs(tmp_path, monkeypatch, capsys):

@@ -24,6 +24,38 @@ _NOISE = re.compile(r"^(\[\w{3} \w{3} +\d+ [\d:]+ \d{4}\]|Select jobs to execute
                     r"Config file config/config.yaml is extended|\s*$)")
 
 
+class JobClock:
+    """The time each job of a Snakemake run took, from Snakemake's own output: a ``[timestamp]`` line, then a job's
+    ``rule NAME:`` and ``jobid: N`` when it starts, and ``Finished jobid: N (Rule: NAME)`` when it ends (one-second
+    resolution). ``seconds()``: ``{rule: seconds summed over its jobs}``, what the build log keeps to say where a
+    build's time went."""
+
+    _STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]\s*$")
+    _START = re.compile(r"^\s+jobid: (\d+)\s*$")
+    _END = re.compile(r"^Finished jobid: (\d+) \(Rule: (\w+)\)")
+
+    def __init__(self) -> None:
+        self.now: float | None = None
+        self.rule: str | None = None
+        self.started: dict[str, tuple[str, float]] = {}
+        self.spent: dict[str, float] = {}
+
+    def line(self, line: str) -> None:
+        if stamp := self._STAMP.match(line):
+            self.now = time.mktime(time.strptime(" ".join(stamp.group(1).split()), "%a %b %d %H:%M:%S %Y"))
+        elif job := _JOB.match(line):
+            self.rule = job.group(1)
+        elif (start := self._START.match(line)) and self.rule is not None and self.now is not None:
+            self.started[start.group(1)] = (self.rule, self.now)
+            self.rule = None
+        elif (end := self._END.match(line)) and end.group(1) in self.started and self.now is not None:
+            rule, began = self.started.pop(end.group(1))
+            self.spent[rule] = self.spent.get(rule, 0.0) + self.now - began
+
+    def seconds(self) -> dict[str, float]:
+        return {rule: round(s, 1) for rule, s in sorted(self.spent.items(), key=lambda kv: -kv[1]) if rule != "all"}
+
+
 class _Console:
     """Snakemake's output made short: one line per job started (rule and wildcards), progress and everything after
     the first error in full."""
@@ -88,11 +120,13 @@ def build(scale: str, output: Path | None = None, profile: str = "default", extr
     jobs: dict[str, int] = {}
     noop = False
     console = _Console(verbose or any(a in ("-n", "--dry-run", "--dryrun") for a in extra or []))
+    clock = JobClock()
     with subprocess.Popen(command, cwd=steps.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           bufsize=1) as proc:
         try:
             for line in proc.stdout:
                 console.line(line)
+                clock.line(line)
                 match = _JOB.match(line)
                 if match:
                     jobs[match.group(1)] = jobs.get(match.group(1), 0) + 1
@@ -107,7 +141,8 @@ def build(scale: str, output: Path | None = None, profile: str = "default", extr
         kind = ("no-op" if noop else "cold" if executed == notebooks and jobs.get("book") else "partial")
         jobs.pop("all", None)
         entry = {"scale": scale, "profile": profile, "kind": kind, "returncode": returncode,
-                 "wall_time_s": round(wall, 1), "jobs": jobs, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+                 "wall_time_s": round(wall, 1), "jobs": jobs, "job_seconds": clock.seconds(),
+                 "cores": os.cpu_count(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a") as f:
             f.write(json.dumps(entry) + "\n")

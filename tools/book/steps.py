@@ -308,7 +308,7 @@ def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG
         rows.append(f"| `{notebook.name}` | " + " | ".join(cells) + " |")
     header = "| notebook | " + " | ".join(SCALES) + " |\n| --- |" + " ---: |" * len(SCALES) + "\n"
     text = (header + "\n".join(rows) + "\n") if rows else "No notebooks yet.\n"
-    builds = []
+    builds, spent = [], []
     log = [e for e in read_build_log(build_log) if e.get("returncode") == 0]
     for scale in SCALES:
         for kind, what in (("cold", "cold build (every notebook executed, book built)"),
@@ -319,13 +319,28 @@ def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG
                 jobs = ", ".join(f"{n} {r}" for r, n in sorted(e.get("jobs", {}).items())) or "0 jobs"
                 wall = format_minutes(e["wall_time_s"])
                 builds.append(f"| `{scale}` | {what} | {wall} | {jobs} | {e['finished']} |")
+                if kind == "cold" and e.get("job_seconds"):
+                    spent.append(job_time_sentence(e))
     if builds:
         text += ("\nWhole-book builds (`make book`), timed by the build itself (`python -m tools.book build`, "
                  "logged in `_build/build-log.jsonl`); the build that made this page is logged after the page was "
                  "written, so these are the builds before it:\n\n"
                  "| scale | build | wall time | jobs run | finished |\n| --- | --- | ---: | --- | --- |\n"
                  + "\n".join(builds) + "\n")
+    if spent:
+        text += "\nWhere those cold builds' time went:\n\n" + "\n".join(f"- {line}" for line in spent) + "\n"
     return text
+
+
+def job_time_sentence(entry: dict) -> str:
+    """Where a logged build's time went: its jobs' wall times summed by rule (Snakemake's start and finish times,
+    :class:`tools.book.driver.JobClock`), their total against the build's wall time and its cores."""
+    spent = entry["job_seconds"]
+    total, wall, cores = sum(spent.values()), entry["wall_time_s"], entry.get("cores")
+    parts = ", ".join(f"{rule} {format_minutes(s)}" for rule, s in spent.items() if s >= 1)
+    busy = (f"; {total / wall:.2f} of its {cores} cores busy on average" if cores and wall > 0 else "")
+    return (f"`{entry['scale']}`, finished {entry['finished']}: jobs took {format_minutes(total)} in all "
+            f"({parts}) in {format_minutes(wall)} of wall time{busy}.")
 
 
 def write_timings(generated: Path = GENERATED) -> Path:

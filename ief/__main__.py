@@ -34,6 +34,7 @@ def _overrides(items: list[str]) -> dict[str, Any] | None:
 
 def parser() -> argparse.ArgumentParser:
     from .experiments import OPTIMIZERS, SCALES, SETUPS
+    from .experiments.step_cost import MLP_REPEAT_FACTOR
 
     p = argparse.ArgumentParser(prog="python -m ief", description="Experiments of the iEF paper (sec:exp).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -58,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--setup", action="append", default=[], metavar="S",
                    help="time this setup (repeatable; default: every setup of the scale's grid)")
     c.add_argument("--repeats", type=int, default=5, metavar="N",
-                   help="timed updates per optimiser after one warm-up (an MLP's: 20 N; default 5)")
+                   help=f"timed updates per optimiser after one warm-up (an MLP's: {MLP_REPEAT_FACTOR} N; default 5)")
     c.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     c.add_argument("--out", required=True, metavar="OUT.csv", help="the table (written atomically)")
     for q in (d, t, r):

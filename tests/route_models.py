@@ -1,11 +1,11 @@
-"""The models of the differential route tests (``tests/test_routes.py``), each in float32 and float64 with the very
+"""The models of the differential route tests (``tests/ief/test_routes.py``), each in float32 and float64 with the very
 same parameter values and inputs, and their dense float64 oracles, cached per model.
 
 Models (every one small enough for an explicit ``[P, P]`` Fisher; every one but the P < M example has a sample whose
 every target position is ignored, so its per-sample gradient is zero and ``J J^T`` is singular):
 
 - ``digits-mlp``, ``minilm-lora``, ``minilm-pt``: the cpu setups' architectures at smoke size, built by
-  :func:`ief.experiments.models.build_model` from their smoke configs on the smoke data (eval mode; LoRA ``B``
+  :func:`companion.experiments.models.build_model` from their smoke configs on the smoke data (eval mode; LoRA ``B``
   moved off zero so that the Jacobian is generic);
 - ``linear-p15-m32``: ``Linear(4, 3)`` on 32 samples, P = 15 < M = 32 (``J J^T`` singular by construction);
 - ``t5-prompt``: a prompt-only model (tiny T5, prompt tuning made per-sample as the setups do it);
@@ -44,10 +44,10 @@ class RouteModel:
 
 
 def _smoke_setup(setup: str, m: int, ignored: int) -> Case:
-    from ief.experiments import data as data_mod
-    from ief.experiments.models import build_model
-    from ief.experiments.setups import resolve
-    from ief.experiments.tasks import make_task
+    from companion.experiments import data as data_mod
+    from companion.experiments.models import build_model
+    from companion.experiments.setups import resolve
+    from companion.experiments.tasks import make_task
 
     cfg = resolve(setup, "smoke")
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ and its image processor), GLUE-shaped ``nyu-mll/glue`` configurations (the hub's
 and ``-1`` test labels) and CIFAR-shaped ``uoft-cs/cifar10`` / ``uoft-cs/cifar100`` (RGB ``Image`` columns of 16x16 pixels,
 ``label`` / ``fine_label``). :func:`serve` patches ``huggingface_hub.model_info`` / ``dataset_info`` /
 ``snapshot_download`` and ``datasets.load_dataset`` to answer from it, recording every call, so that
-``ief.experiments.asset_folder.download`` runs its real code against it.
+``companion.experiments.asset_folder.download`` runs its real code against it.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 def _glue(task: str):
     import datasets
 
-    from ief.experiments.data import _fixed_rng, _smoke_text
-    from ief.experiments.setups import GLUE_FIELDS
+    from companion.experiments.data import _fixed_rng, _smoke_text
+    from companion.experiments.setups import GLUE_FIELDS
 
     rng = _fixed_rng("standin-glue", task)
     features = datasets.Features({**{f: datasets.Value("string") for f in GLUE_FIELDS[task]},
@@ -82,9 +82,9 @@ def _cifar(classes: int):
 def _t5(dest: Path) -> None:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from ief.experiments.models import train_tokenizer
-    from ief.experiments.setups import GLUE_LABEL_WORDS, GLUE_PROMPTS
-    from ief.experiments.tasks import glue_text
+    from companion.experiments.models import train_tokenizer
+    from companion.experiments.setups import GLUE_LABEL_WORDS, GLUE_PROMPTS
+    from companion.experiments.tasks import glue_text
 
     corpus = []
     for task in GLUE_CLASS_NAMES:

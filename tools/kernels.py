@@ -128,7 +128,7 @@ def evaluation_params(table: Path) -> dict[str, Any]:
     parts = table.with_name(table.name + ".parts")
     jobs = [json.loads(p.read_text())["job"] for p in sorted(parts.glob("stage-*.json"))]
     if not jobs:
-        raise FileNotFoundError(f"{table}: no stage records in {parts} (written by python -m ief evaluate)")
+        raise FileNotFoundError(f"{table}: no stage records in {parts} (written by python -m companion evaluate)")
     first, swept = jobs[0], [j for j in jobs if j.get("sweep")]
     return dict(setup=first["setup"], scale=first["scale"], seed=first["seed"], batches=first["batches"],
                 batch_size=first["batch_size"], damping=first["damping"], cg=first["cg"], sweep=bool(swept),
@@ -140,7 +140,7 @@ def _rerun(results: Path, runs: Path, out: Path) -> dict[str, Any]:
     parameters (:func:`evaluation_params`), into ``out``; returns the capability torch used."""
     import torch
 
-    from ief.experiments.evaluate_runs import evaluate_run
+    from companion.experiments.evaluate_runs import evaluate_run
 
     used = torch.backends.cpu.get_cpu_capability()
     wanted = os.environ.get("ATEN_CPU_CAPABILITY", "")
@@ -158,7 +158,7 @@ def run(results: Path, runs: Path, out: Path, capability: str = CAPABILITY) -> i
     """Rerun ``results``' evaluation under ``capability`` into ``out`` and compare; 0 when every record agrees."""
     import torch
 
-    from ief.experiments.evaluate_runs import read_records
+    from companion.experiments.evaluate_runs import read_records
 
     results, runs, out = Path(results).resolve(), Path(runs).resolve(), Path(out).resolve()
     tables = sorted(results.glob("eval/*.csv"))

@@ -1,11 +1,11 @@
 """Sphinx extension for reading the book beside the paper.
 
-- ``{paper}`eqn:iEF_lsq``` renders as the paper's reader knows it, "Eq. (8)" (from ``ief/paper/labels.json``, made
+- ``{paper}`eqn:iEF_lsq``` renders as the paper's reader knows it, "Eq. (8)" (from ``companion/paper/labels.json``, made
   once from the LaTeX by ``python -m tools.paper_labels``); the raw key is kept only as the hover title. An unknown or
   unnumbered label is a build error (the book builds with ``-W``).
 - ``{coverage}`summary``` and ``{fullcost}`SETUP OPTIMIZER``` put the coverage sentence and a full-scale run's cost
   (steps, the paper's reported hours) into prose, from code, never typed.
-- ``{coverage-table}`` (a directive) writes the coverage table from the registry :mod:`ief.chapters.coverage` at build
+- ``{coverage-table}`` (a directive) writes the coverage table from the registry :mod:`companion.chapters.coverage` at build
   time, for the scale of the published chapters and the provenance records of this build, with each chapter linked:
   the page and the README cannot drift from the code.
 - ``{benchmark-tables}`` (a directive) writes the benchmark tables from the committed JSON in ``benchmarks/results/``
@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 
 
 def paper_role(name, rawtext, text, lineno, inliner, options=None, content=None):
-    from ief.paper import cite
+    from companion.paper import cite
 
     label = text.strip()
     try:
@@ -44,7 +44,7 @@ def paper_role(name, rawtext, text, lineno, inliner, options=None, content=None)
 
 def coverage_role(name, rawtext, text, lineno, inliner, options=None, content=None):
     """``{coverage}`summary``` -> the registry's coverage count at the scale this book was built at."""
-    from ief.chapters.coverage import book_state, coverage_sentence
+    from companion.chapters.coverage import book_state, coverage_sentence
 
     try:
         scale, executed = book_state(ROOT)
@@ -56,7 +56,7 @@ def coverage_role(name, rawtext, text, lineno, inliner, options=None, content=No
 
 def fullcost_role(name, rawtext, text, lineno, inliner, options=None, content=None):
     """``{fullcost}`sst2-t5-lora ief``` -> the full-scale run's update steps and the paper's reported hours."""
-    from ief.experiments.cost import cost_summary
+    from companion.experiments.cost import cost_summary
 
     try:
         setup, optimizer = text.split()
@@ -73,12 +73,12 @@ class CoverageTable(Directive):
     has_content = False
 
     def run(self):
-        from ief.chapters.coverage import book_state, coverage_markdown, coverage_sentence
+        from companion.chapters.coverage import book_state, coverage_markdown, coverage_sentence
 
         scale, executed = book_state(ROOT)  # a ValueError (chapters of mixed scales) fails the build, naming them
         lines = [coverage_sentence(scale, executed), ""] + coverage_markdown(executed, links=True).splitlines()
         container = nodes.container(classes=["coverage"])
-        self.state.nested_parse(StringList(lines, source="ief.chapters.coverage"), self.content_offset, container)
+        self.state.nested_parse(StringList(lines, source="companion.chapters.coverage"), self.content_offset, container)
         return container.children
 
 
@@ -98,7 +98,7 @@ class BenchmarkTables(Directive):
 
 def _cite_labels_in_docstrings(app, what, name, obj, options, lines) -> None:
     """The API page cites the paper by its numbers too: ``eqn:iEF_lsq`` in a docstring reads "Eq. (8)"."""
-    from ief.paper import cite_keys
+    from companion.paper import cite_keys
 
     lines[:] = [cite_keys(line) for line in lines]
 

@@ -1,6 +1,6 @@
 // Click any figure of the book to see it at its natural size; click again or press Escape to close. Offline: no CDN.
 // Caption convention: under every figure the page shows smaller than its natural size, a line says so and that a
-// click enlarges it (tests/test_book_browser.py checks both). The line follows the window's width.
+// click enlarges it (tests/book/test_book_browser.py checks both). The line follows the window's width.
 (function () {
   function note(img) {
     var next = img.nextElementSibling;

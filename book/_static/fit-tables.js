@@ -1,6 +1,6 @@
 // Wide tables and wide display equations fit the page: one wider than its column is set in a smaller font, step by
 // step (tables down to 60 % of their size, equations to 70 %), so that every column is on the page rather than behind
-// a horizontal scroll (tests/test_book_browser.py, test_no_table_is_cut). Offline, no dependencies.
+// a horizontal scroll (tests/book/test_book_browser.py, test_no_table_is_cut). Offline, no dependencies.
 (function () {
   function shrink(element, floor, step) {
     var size = parseFloat(window.getComputedStyle(element).fontSize);

@@ -1,6 +1,6 @@
 """The token-mean loss convention (the paper's released code) as ``ief``'s sum convention, per batch.
 
-:mod:`ief.experiments.convention` derives the conversion (``lr`` by ``1/K`` for iEF, by ``K`` for un-normalised EF
+:mod:`companion.experiments.convention` derives the conversion (``lr`` by ``1/K`` for iEF, by ``K`` for un-normalised EF
 and SF, by 1 with the normalised update; ``damping`` by ``K^2``, with ``K`` the batch's counted target tokens); this
 module holds the arithmetic, used by ``ief.optim``'s ``reduction="mean"`` and by the experiments.
 """

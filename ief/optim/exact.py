@@ -35,7 +35,7 @@ this package's convention, with ``l_n`` the sum over sample ``n``'s counted posi
 ``damping`` are values for the mean ``L / K`` over the batch's ``K`` counted target positions (tokens; entries of the
 target for ``loss="mse"``), the convention of Hugging Face's ``outputs.loss`` and of the paper's released code, so
 the paper's hyperparameters mean what the paper means; every step converts them for its batch's ``K``
-(:func:`ief.optim.convention.to_sum_convention`, derivation in :mod:`ief.experiments.convention`: iEF's rate by
+(:func:`ief.optim.convention.to_sum_convention`, derivation in :mod:`companion.experiments.convention`: iEF's rate by
 ``1/K``, un-normalised EF/SF's by ``K``, normalised updates unchanged, the damping by ``K^2``), and ``step`` returns
 ``L / K``. ``param_groups`` keep the given values (a scheduler acts on them).
 

@@ -36,14 +36,14 @@ EQUIVALENT = HERE / "equivalent.txt"
 
 # module group -> the test files it is measured against (tests/ mirrors ief/).
 MODULES: dict[str, list[str]] = {
-    "ief/damping_sweep.py": ["tests/test_damping_sweep.py"],
-    "ief/rows.py": ["tests/test_rows.py", "tests/test_directions.py", "tests/test_jacobian.py"],
-    "ief/directions.py": ["tests/test_directions.py"],
-    "ief/curvature.py": ["tests/test_curvature.py"],
-    "ief/kfac.py": ["tests/test_kfac.py"],
+    "ief/damping_sweep.py": ["tests/ief/test_damping_sweep.py"],
+    "ief/rows.py": ["tests/ief/test_rows.py", "tests/ief/test_directions.py", "tests/ief/test_jacobian.py"],
+    "ief/directions.py": ["tests/ief/test_directions.py"],
+    "ief/curvature.py": ["tests/ief/test_curvature.py"],
+    "ief/kfac.py": ["tests/ief/test_kfac.py"],
     # jacobian.py's Conv2d / BatchNorm2d rules and its default guard have their own test files
-    "ief/jacobian.py": ["tests/test_jacobian.py", "tests/test_conv.py", "tests/test_guard.py"],
-    "ief/optim/": ["tests/test_optim.py"],
+    "ief/jacobian.py": ["tests/ief/test_jacobian.py", "tests/ief/test_conv.py", "tests/ief/test_guard.py"],
+    "ief/optim/": ["tests/ief/test_optim.py"],
 }
 DETECTED = ("killed", "timeout")
 

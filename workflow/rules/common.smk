@@ -23,21 +23,21 @@ RESULTS = f"{config['results']}/{SCALE}"
 for _var in BOOK.THREAD_VARIABLES:
     os.environ[_var] = str(config["threads_per_job"])
 
-# An assets folder (config assets=DIR; python -m ief assets download): every job and notebook kernel inherits
+# An assets folder (config assets=DIR; python -m companion assets download): every job and notebook kernel inherits
 # IEF_ASSETS and the hub's offline switches, so the loaders read the folder and never the network. On SLURM each job
 # parses this file again on its node, with the same --config, so the variables are set there too.
 if config.get("assets"):
     _assets = Path(str(config["assets"])).expanduser().resolve()
     if not _assets.is_dir():
         raise WorkflowError(f"config assets={config['assets']!r} is not a directory; make it with "
-                            f"`python -m ief assets download --scale full --to {config['assets']}`")
+                            f"`python -m companion assets download --scale full --to {config['assets']}`")
     os.environ["IEF_ASSETS"] = str(_assets)
     for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ[_var] = "1"
 
 
 def _registry():
-    """ief/experiments/setups.py loaded on its own (it imports no torch): the grid is defined there, once."""
+    """companion/experiments/setups.py loaded on its own (it imports no torch): the grid is defined there, once."""
     name = "_ief_setups_registry"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, ROOT / "ief" / "experiments" / "setups.py")
@@ -64,7 +64,7 @@ def _override(key: str):
 
 
 def _grid():
-    """The scale's grid (ief.experiments.setups.GRIDS) with config's overrides (setups, seeds, practical)."""
+    """The scale's grid (companion.experiments.setups.GRIDS) with config's overrides (setups, seeds, practical)."""
     try:
         grid = REGISTRY.scale_grid(SCALE, setups=_override("setups"), seeds=_override("seeds"),
                                    practical=_override("practical"))
@@ -101,7 +101,7 @@ def baseline(setup: str) -> str:
 
 
 def evaluation_flags(setup: str) -> str:
-    """The evaluate job's knobs (ief.experiments.setups.EVALUATION_KNOBS) as command-line flags: the same values the
+    """The evaluate job's knobs (companion.experiments.setups.EVALUATION_KNOBS) as command-line flags: the same values the
     library takes by default, stated so that a job's command line (and Snakemake's params trigger) shows them."""
     knobs = REGISTRY.evaluation_knobs(setup, SCALE)
     flags = [f"--batches {int(knobs['batches'])}", f"--cg-iterations {int(knobs['cg_iterations'])}",
@@ -125,32 +125,31 @@ def eval_parts(setup: str) -> list[str]:
 
 E2_TABLES = [f"{RESULTS}/e2_runs.csv", f"{RESULTS}/e2_curves.csv"]
 EVAL_TABLES = [f"{RESULTS}/eval/{setup}.csv" for setup in SETUPS]
-# "chapter_run": the grid's run that chapter "Training runs" shows (ief.experiments.setups.TRAIN_CHAPTER_RUN); the
+# "chapter_run": the grid's run that chapter "Training runs" shows (companion.experiments.setups.TRAIN_CHAPTER_RUN); the
 # chapter reads it from the runs folder instead of training it again.
 CHAPTER_RUN = [summary(*REGISTRY.TRAIN_CHAPTER_RUN[SCALE])]
-# "costs": the practical comparison's seconds per update (python -m ief step-costs; ief.experiments.step_cost
+# "costs": the practical comparison's seconds per update (python -m companion step-costs; companion.experiments.step_cost
 # STEP_COSTS_FILE), measured by a job of its own beside the training runs; a scale without the practical runs has none.
 STEP_COSTS = [f"{RESULTS}/step_costs.csv"] if _GRID.practical else []
 RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES, "chapter_run": CHAPTER_RUN, "costs": STEP_COSTS}
 GRID_RUNS = [summary(*run) for run in GRID]
 GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES + STEP_COSTS
 
-# The code a job runs. Training and evaluation run the core and the experiments code (and read the recorded data
-# shipped inside the package: lr_search/*.json, ...), never the chapters' back-ends (plotting, styles, colours: the
-# ief/chapters package), so a plot-only change reruns no
-# training or evaluation job. A notebook runs both: the chapter back-ends, and the core code the chapters that
-# compute on their own call (the toy problems, compression, a smoke run trained when no results exist).
-CHAPTER_PACKAGE = "chapters"
+# The code a job runs. Training and evaluation run the library (ief/) and the companion's code below its chapters
+# (and read the recorded data shipped inside the companion: lr_search/*.json, ...), never the chapters' back-ends
+# (plotting, styles, colours: the companion/chapters package), so a plot-only change reruns no training or evaluation
+# job. A notebook runs both.
+CHAPTER_PACKAGE = ("companion", "chapters")
 
 
 def _package_files() -> list[Path]:
-    return sorted(p for p in (ROOT / "ief").rglob("*")
+    return sorted(p for package in ("ief", "companion") for p in (ROOT / package).rglob("*")
                   if p.suffix in (".py", ".json") and p.is_file() and "__pycache__" not in p.parts)
 
 
 def is_chapter_code(path: Path) -> bool:
-    """A file of the chapters' back-ends (ief/chapters: plots, styles, glued sentences)."""
-    return path.relative_to(ROOT / "ief").parts[0] == CHAPTER_PACKAGE
+    """A file of the chapters' back-ends (companion/chapters: plots, styles, glued sentences)."""
+    return path.relative_to(ROOT).parts[:2] == CHAPTER_PACKAGE
 
 
 # absolute: a workflow run in another --directory (a test's tmp folder) still finds them
@@ -184,7 +183,7 @@ BOOK_SOURCES = sorted({"_config.yml", "_toc.yml"}
                       # the API page's benchmark tables are rendered from these at build time (book/_ext)
                       | {"benchmarks/report.py", "benchmarks/harness.py"}
                       # the coverage page and the intro's count are rendered from the registry at build time
-                      | {"ief/chapters/coverage.py", "ief/paper/labels.json"}
+                      | {"companion/chapters/coverage.py", "companion/paper/labels.json"}
                       | {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks" / "results").glob("*.json")})
 
 
@@ -210,7 +209,7 @@ def train_minutes(wildcards) -> int:
     spec = config["slurm_time"]
     if SCALE != "full":
         return int(spec["fixed_minutes"][SCALE])
-    from ief.experiments.data import FULL_SIZES  # full scale only: imports torch
+    from companion.experiments.data import FULL_SIZES  # full scale only: imports torch
 
     cfg = REGISTRY.resolve(wildcards.setup, SCALE)
     train = cfg.sizes["train"] or FULL_SIZES[cfg.task]["train"]

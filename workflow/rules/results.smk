@@ -65,7 +65,7 @@ rule evaluate:
 
 rule step_costs:
     """Chapter practical.ipynb's "Cost per update": the seconds per update of the practical comparison's optimisers,
-    measured side by side in one process (python -m ief step-costs), as a job of its own that runs beside the
+    measured side by side in one process (python -m companion step-costs), as a job of its own that runs beside the
     training runs, not in the chapter, which waits for the last run."""
     input:
         code=CORE_CODE,

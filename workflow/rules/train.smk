@@ -1,4 +1,4 @@
-"""One job per (setup, optimiser, seed): the resumable runner (ief.experiments.runner).
+"""One job per (setup, optimiser, seed): the resumable runner (companion.experiments.runner).
 
 The output is the run's summary.json only: the runner writes it last and atomically, so a run folder without it is
 an unfinished run that the same command resumes (resume.pt), and Snakemake never deletes the folder. The runner's

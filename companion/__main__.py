@@ -1,0 +1,238 @@
+"""Command line: ``python -m companion describe ...`` and ``python -m companion train ...`` (see :mod:`companion.experiments`).
+
+Exit codes: 0 done (or skipped: finished), 2 bad input or an unreadable run file (an ``error:`` line naming the value
+or the file, nothing written), 1 missing data or weights, 75 the run is being run by another process (try again
+later, or pass ``--wait-lock``), 128 + N stopped by signal N (SIGINT, SIGTERM or SIGHUP; ``resume.pt`` saved), 130
+stopped at once (a second signal).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+EXIT_LOCKED = 75  # EX_TEMPFAIL: another process owns the run folder; try again later
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _overrides(items: list[str]) -> dict[str, Any] | None:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes KEY=VALUE (a setup field, VALUE as JSON), got {item!r}")
+        out[key] = _value(value)
+    return out or None
+
+
+def parser() -> argparse.ArgumentParser:
+    from .experiments import OPTIMIZERS, SCALES, SETUPS
+    from .experiments.step_cost import MLP_REPEAT_FACTOR
+
+    p = argparse.ArgumentParser(prog="python -m companion", description="Experiments of the iEF paper (sec:exp).")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("describe", help="print a resolved setup: data sizes, hyperparameters, parameter counts")
+    t = sub.add_parser("train", help="train one run (resumes an interrupted one, skips a finished one)")
+    r = sub.add_parser("search", help="learning-rate search over the paper's grids, chosen on validation")
+    sub.add_parser("list", help="list the setups, their scales and the optimisers")
+    _add_evaluate_parser(sub)
+    from .experiments.asset_folder import add_parser as add_assets_parser
+
+    add_assets_parser(sub)
+    p.add_argument("--assets", default=None, metavar="DIR",
+                   help="read every hub model and data set from this assets folder, never the network "
+                   "(as IEF_ASSETS=DIR; python -m companion assets download makes it)")
+    a = sub.add_parser("aggregate", help="gather finished runs into DIR/e2_runs.csv and DIR/e2_curves.csv (E2)")
+    a.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
+    a.add_argument("--runs", required=True, metavar="RUNS", help="the runs folder (RUNS/<scale>/<setup>/...)")
+    a.add_argument("--out", required=True, metavar="DIR", help="where the two CSV files go")
+    c = sub.add_parser("step-costs", help="seconds per update of the practical comparison's optimisers, measured "
+                       "side by side, to a CSV (chapter practical.ipynb, 'Cost per update')")
+    c.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
+    c.add_argument("--setup", action="append", default=[], metavar="S",
+                   help="time this setup (repeatable; default: every setup of the scale's grid)")
+    c.add_argument("--repeats", type=int, default=5, metavar="N",
+                   help=f"timed updates per optimiser after one warm-up (an MLP's: {MLP_REPEAT_FACTOR} N; default 5)")
+    c.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    c.add_argument("--out", required=True, metavar="OUT.csv", help="the table (written atomically)")
+    for q in (d, t, r):
+        q.add_argument("--setup", required=True, metavar="S", help="one of: " + ", ".join(SETUPS))
+        q.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
+        q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field of the resolved setup (VALUE is JSON), e.g. epochs=1")
+    d.add_argument("--random-weights", action="store_true", help="build the architecture from its config (no download)")
+    d.add_argument("--json", action="store_true", help="print JSON")
+    t.add_argument("--optimizer", required=True, metavar="O", help="one of: " + ", ".join(OPTIMIZERS))
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", default="runs", help="runs go to OUT/<scale>/<setup>/<optimizer>/seed-<K>/")
+    t.add_argument("--lr", type=float, default=None, help="override the learning rate")
+    t.add_argument("--schedule", default=None, metavar="NAME",
+                   help="override the schedule: constant | normalised-linear (ief, ef, sf) | multistep")
+    t.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    t.add_argument("--checkpoint-every", type=float, default=120.0, metavar="SECONDS",
+                   help="write resume.pt at least this often (default 120)")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no tqdm progress bars: a progress line at every validation and every --log-every seconds")
+    t.add_argument("--log-every", type=float, default=300.0, metavar="SECONDS",
+                   help="with --no-progress, a progress line at least this often (default 300)")
+    for q in (t, r):
+        q.add_argument("--wait-lock", action="store_true",
+                       help="when another process runs this run (e.g. a requeued job), wait for it instead of "
+                       "stopping with exit code 75; then resume it, or skip it if it finished")
+    r.add_argument("--optimizer", action="append", default=[], metavar="O",
+                   help="search only these optimisers (repeatable; default: every optimiser of the setup)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", default="runs", help="trial runs go to OUT/lr-search/lr=<lr>/...; the record to "
+                   "OUT/lr-search/<scale>-<setup>.json")
+    r.add_argument("--record", default=None, metavar="PATH", help="also write the record here")
+    r.add_argument("--missing", action="store_true",
+                   help="run only the rates that OUT's record has no trial of (a grid extended after a search)")
+    r.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    return p
+
+
+def _add_evaluate_parser(sub: Any) -> None:
+    """``python -m companion evaluate``: E1 / block-diagonal / E3 records of a setup's baseline run (companion.experiments.evaluate_runs)."""
+    e = sub.add_parser("evaluate", help="gamma indicators (alg:eval) of the baseline run's checkpoints, to a CSV")
+    e.add_argument("--setup", required=True, metavar="S")
+    e.add_argument("--scale", required=True, metavar="X")
+    e.add_argument("--seed", type=int, default=None,
+                   help="the run's seed (default: the grid's evaluation seed, companion.experiments.setups.EVALUATION_SEED)")
+    e.add_argument("--runs", default="runs", metavar="RUNS_DIR", help="where the runs are (python -m companion train --out)")
+    e.add_argument("--out", required=True, metavar="OUT.csv")
+    e.add_argument("--batches", type=int, default=None, metavar="N",
+                   help="batches per checkpoint (default by scale: companion.experiments.setups.EVALUATION_KNOBS)")
+    e.add_argument("--batch-size", type=int, default=None, metavar="M", help="default: 160 at full, else the setup's")
+    e.add_argument("--cg-iterations", type=int, default=None, metavar="K",
+                   help="Hessian-free CG steps of the reference (default by scale)")
+    e.add_argument("--sweep-dampings", type=int, default=None, metavar="K",
+                   help="E3: K dampings log-spaced over 1e-10 .. 1e2 (default by scale)")
+    e.add_argument("--no-sweep", action="store_true",
+                   help="skip the E3 damping sweep (default: the sweep where the scale's knobs give the setup E3)")
+    e.add_argument("--stages", default=None, metavar="P[,P...]",
+                   help="only these stages (percent of training): their cached parts OUT.parts/stage-PPP.csv are "
+                        "computed and OUT is not written (the workflow's one job per checkpoint)")
+
+
+def _evaluate_command(args: argparse.Namespace) -> int:
+    from .experiments.evaluate_runs import evaluate_run, sweep_grid
+    from .experiments.setups import EVALUATION_SEED
+
+    try:
+        grid = None if args.sweep_dampings is None else sweep_grid(args.sweep_dampings)
+        stages = None
+        if args.stages is not None:
+            try:
+                stages = [int(p) for p in args.stages.split(",") if p.strip()]
+            except ValueError:
+                raise ValueError(f"--stages: comma-separated percentages expected (e.g. 0,50,100), "
+                                 f"got {args.stages!r}") from None
+        seed = EVALUATION_SEED if args.seed is None else args.seed
+        path = evaluate_run(args.setup, args.scale, seed, args.runs, args.out, batches=args.batches,
+                            batch_size=args.batch_size, cg_iterations=args.cg_iterations, sweep_dampings=grid,
+                            sweep=False if args.no_sweep else None, stages=stages)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ValueError) else 1
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "assets":
+        from .experiments.asset_folder import run_command
+
+        return run_command(args)
+    if args.assets is not None:
+        from .experiments.asset_folder import use_assets
+
+        try:
+            use_assets(args.assets)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    if args.command == "evaluate":
+        return _evaluate_command(args)
+    from .experiments import (MissingResource, RunInterrupted, describe, format_describe, resolve, scales_of, train)
+    from .experiments.runner import RunLocked
+    from .experiments.setups import OPTIMIZERS, SETUPS
+
+    try:
+        if args.command == "list":
+            for name in SETUPS:
+                cfg = resolve(name, "smoke")
+                opts = [o for o in OPTIMIZERS if o in cfg.optimizers]
+                print(f"{name:20s} scales: {', '.join(scales_of(name)):12s} optimizers: {', '.join(opts)}")
+            return 0
+        if args.command == "aggregate":
+            from .experiments.aggregate import aggregate, find_runs
+            from .experiments.setups import SCALES
+
+            if args.scale not in SCALES:
+                raise ValueError(f"unknown scale {args.scale!r}; valid scales: {', '.join(SCALES)}")
+            done, unfinished = find_runs(args.runs, args.scale)
+            try:
+                paths = aggregate(args.runs, args.scale, args.out)
+            except FileNotFoundError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+            for path in paths:
+                print(f"wrote {path}")
+            print(f"{len(done)} finished runs" + (f"; {len(unfinished)} unfinished (left out)" if unfinished else ""))
+            return 0
+        if args.command == "step-costs":
+            from .experiments import store
+            from .experiments.setups import SCALES, scale_grid
+            from .experiments.step_cost import practical_step_costs
+
+            if args.scale not in SCALES:
+                raise ValueError(f"unknown scale {args.scale!r}; valid scales: {', '.join(SCALES)}")
+            costs = practical_step_costs(args.setup or scale_grid(args.scale).setups, args.scale,
+                                         repeats=args.repeats, device=args.device)
+            store.write_text(args.out, costs.to_csv(index=False))
+            print(f"wrote {args.out}")
+            return 0
+        overrides = _overrides(args.set)
+        if args.command == "search":
+            if overrides:
+                raise ValueError("search takes no --set: it searches the setup as registered")
+            from .experiments import store
+            from .experiments.search import search
+
+            record = search(args.setup, args.scale, args.out, optimizers=args.optimizer or None, seed=args.seed,
+                            progress=not args.no_progress, wait_lock=args.wait_lock, missing_only=args.missing)
+            if args.record:
+                store.write_json(args.record, record)
+            return 0
+        if args.command == "describe":
+            info = describe(args.setup, args.scale, random_weights=args.random_weights, overrides=overrides)
+            print(json.dumps(info, indent=2) if args.json else format_describe(info))
+            return 0
+        train(args.setup, args.optimizer, args.seed, args.scale, args.out, lr=args.lr, schedule=args.schedule,
+              overrides=overrides, device=args.device, progress=not args.no_progress,
+              checkpoint_every_s=args.checkpoint_every, wait_lock=args.wait_lock, log_every_s=args.log_every)
+        return 0
+    except RunInterrupted as err:
+        print(f"interrupted: {err}", file=sys.stderr)
+        return 128 + int(err.signum)
+    except RunLocked as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_LOCKED
+    except KeyboardInterrupt:
+        print("stopped at once (second signal); the last resume.pt stays valid", file=sys.stderr)
+        return 130
+    except (ValueError, MissingResource) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ValueError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""The compression chapter (``notebooks/compression.ipynb``): one-shot pruning of the trained ``digits-mlp`` baseline
+with magnitude, EF-, iEF-, SF-WoodFisher and the exact GGN (:mod:`ief.woodfisher`, ``sec:app-iEF-woodfisher``), over
+sparsities, dampings and draws of the gradient sample; the tables, figures, rules and verdicts the chapter glues."""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .style import method_color
+from ief.woodfisher import FISHERS, magnitude_prune, obs_curvature
+from .common import PAGE_WIDTH_IN, plain_log_ticks
+
+METHODS = ("magnitude", *FISHERS)
+LABELS = {"magnitude": "magnitude", "ef": "EF-WoodFisher", "ief": "iEF-WoodFisher", "sf": "SF-WoodFisher",
+          "ggn": "exact GGN"}
+# The project's colours (companion.chapters.style): magnitude takes SGD's grey (the curvature-free baseline), the exact GGN
+# NGD's black (the exact Fisher), EF / iEF / SF their own.
+COLORS = {"magnitude": method_color("SGD"), "ef": method_color("EF"), "ief": method_color("iEF"),
+          "sf": method_color("SF"), "ggn": method_color("NGD")}
+MARKERS = {"magnitude": "s", "ef": "X", "ief": "o", "sf": "^", "ggn": "D"}
+SETUP = "digits-mlp"
+BASELINE_OPTIMIZER = "adam"
+# The setup's scale per book scale: digits-mlp exists at cpu and smoke; a full build runs the cpu chapter (the
+# paper has no compression experiment to stand for, and a 10M-parameter MLP's N x P rows do not fit a node).
+SETUP_SCALE = {"smoke": "smoke", "cpu": "cpu", "full": "cpu"}
+DEFAULTS = {
+    "smoke": dict(samples=32, block_size=128, sparsities=(0.5, 0.7, 0.9), dampings=(1e-6, 1e-3, 1.0)),
+    "cpu": dict(samples=512, block_size=256, sparsities=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95),
+                dampings=tuple(float(f"1e{k}") for k in range(-8, 3))),
+}
+DEFAULTS["full"] = DEFAULTS["cpu"]
+
+
+@dataclass
+class Baseline:
+    """The trained model (eval mode, best-validation weights) and its data as tensors."""
+
+    model: torch.nn.Module
+    setup_scale: str
+    summary: dict[str, Any]
+    train: list[dict]
+    collate: Any
+    validation: tuple[torch.Tensor, torch.Tensor]
+    test: tuple[torch.Tensor, torch.Tensor]
+    pruned_weights: int
+
+
+def load_baseline(scale: str, runs: str | Path, seed: int = 0) -> Baseline:
+    """Train (or find finished) the ``digits-mlp`` Adam baseline run with :func:`companion.experiments.train` and load its
+    best-validation checkpoint. ``ValueError`` for an unknown scale (accepted: smoke, cpu, full)."""
+    from ..experiments import run_dir, train
+    from ..experiments.data import load_data
+    from ..experiments.models import build_model
+    from ..experiments.setups import resolve
+    from ..experiments.store import load_trainable, read_trainable
+    from ..experiments.tasks import make_task
+
+    if scale not in SETUP_SCALE:
+        raise ValueError(f"unknown scale {scale!r}; accepted: {', '.join(SETUP_SCALE)}")
+    setup_scale = SETUP_SCALE[scale]
+    summary = train(SETUP, BASELINE_OPTIMIZER, seed, setup_scale, runs, progress=False, verbose=False)
+    cfg = resolve(SETUP, setup_scale)
+    data = load_data(cfg)
+    model, pre = build_model(cfg, data)
+    task = make_task(cfg, model, pre)
+    load_trainable(model, read_trainable(run_dir(runs, setup_scale, SETUP, BASELINE_OPTIMIZER, seed)
+                                         / "checkpoints" / "best.pt"))
+    model.eval()
+    (val,) = data.validation.values()
+    (test,) = data.test.values()
+    weights = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    return Baseline(model, setup_scale, summary, list(data.train), task.collate, task.collate(list(val)),
+                    task.collate(list(test)), weights)
+
+
+def draw_batches(base: Baseline, samples: int, draw: int, seed: int = 0, batch_size: int = 128) -> list:
+    """Draw ``draw``'s gradient sample: ``samples`` training examples without replacement (a fixed function of
+    ``(seed, draw)``), in batches of ``batch_size``."""
+    rng = np.random.default_rng([seed, 23, draw])
+    idx = rng.choice(len(base.train), size=min(samples, len(base.train)), replace=False)
+    x, y = base.collate([base.train[int(i)] for i in idx])
+    return [(x[lo : lo + batch_size], y[lo : lo + batch_size]) for lo in range(0, len(idx), batch_size)]
+
+
+@torch.no_grad()
+def accuracy_and_loss(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``."""
+    x, y = data
+    logits = model(x)
+    return float((logits.argmax(-1) == y).float().mean()), float(torch.nn.functional.cross_entropy(logits, y))
+
+
+def run(base: Baseline, *, samples: int, block_size: int | None, sparsities, dampings, draws: int = 3,
+        seed: int = 0, methods=FISHERS) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Prune the baseline at every (method, draw, damping, sparsity), from the same trained weights each time.
+
+    Returns:
+        ``(results, costs)``: results one row per pruned model and split (``method, draw, damping, sparsity, split,
+        accuracy, loss``; magnitude has no damping and is the same for every draw); costs one row per (method,
+        draw): the seconds to build the curvature, the mean seconds of one pruning, ``N`` and the undamped
+        curvature's mean diagonal entry ``tr F / P`` (its scale, against which a damping is small or large).
+    """
+    model = base.model
+    original = copy.deepcopy(model.state_dict())
+    rows, costs = [], []
+
+    def record(method, draw, damping, sparsity):
+        for split, data in (("validation", base.validation), ("test", base.test)):
+            acc, loss = accuracy_and_loss(model, data)
+            rows.append(dict(method=method, draw=draw, damping=damping, sparsity=sparsity, split=split, accuracy=acc,
+                             loss=loss))
+
+    try:
+        spent = []
+        for sparsity in sparsities:
+            model.load_state_dict(original)
+            start = time.perf_counter()
+            magnitude_prune(model, sparsity)
+            spent.append(time.perf_counter() - start)
+            for draw in range(draws):
+                record("magnitude", draw, np.nan, sparsity)
+        costs.append(dict(method="magnitude", draw=0, curvature_s=0.0, prune_s=float(np.mean(spent)), samples=0,
+                          mean_diagonal=np.nan))
+        for draw in range(draws):
+            batches = draw_batches(base, samples, draw, seed)
+            n = sum(int(y.shape[0]) for _, y in batches)
+            for fisher in methods:
+                model.load_state_dict(original)
+                start = time.perf_counter()
+                curvature = obs_curvature(model, batches, fisher=fisher, block_size=block_size,
+                                          generator=torch.Generator().manual_seed(1000 * seed + draw))
+                built = time.perf_counter() - start
+                spent = []
+                for damping in dampings:
+                    for sparsity in sparsities:
+                        model.load_state_dict(original)
+                        start = time.perf_counter()
+                        curvature.prune(sparsity, damping)
+                        spent.append(time.perf_counter() - start)
+                        record(fisher, draw, damping, sparsity)
+                costs.append(dict(method=fisher, draw=draw, curvature_s=built, prune_s=float(np.mean(spent)),
+                                  samples=n, mean_diagonal=curvature.trace() / base.pruned_weights))
+    finally:
+        model.load_state_dict(original)
+    return pd.DataFrame(rows), pd.DataFrame(costs)
+
+
+def chosen_dampings(results: pd.DataFrame, sparsity: float) -> dict[str, float]:
+    """Each curvature's damping: the grid value of the best mean validation accuracy at ``sparsity`` (ties: the
+    larger damping, the safer one)."""
+    val = results[(results.split == "validation") & (results.sparsity == sparsity) & (results.method != "magnitude")]
+    means = val.groupby(["method", "damping"]).accuracy.mean().reset_index()
+    out = {}
+    for method, group in means.groupby("method"):
+        best = group.accuracy.max()
+        out[method] = float(group[group.accuracy == best].damping.max())
+    return out
+
+
+def at_chosen(results: pd.DataFrame, chosen: dict[str, float], split: str = "test") -> pd.DataFrame:
+    """The rows of ``split`` at each method's chosen damping (magnitude: all its rows)."""
+    r = results[results.split == split]
+    keep = (r.method == "magnitude") | r.apply(lambda row: chosen.get(row.method) == row.damping, axis=1)
+    return r[keep]
+
+
+def summary(results: pd.DataFrame, chosen: dict[str, float], split: str = "test") -> pd.DataFrame:
+    """Mean and sd over the draws per (sparsity, method) at the chosen dampings."""
+    r = at_chosen(results, chosen, split)
+    return r.groupby(["sparsity", "method"]).agg(acc_mean=("accuracy", "mean"), acc_sd=("accuracy", "std"),
+                                                 loss_mean=("loss", "mean"), loss_sd=("loss", "std"),
+                                                 draws=("draw", "nunique")).reset_index()
+
+
+def _order(methods) -> list[str]:
+    return [m for m in METHODS if m in set(methods)]
+
+
+def accuracy_table(results: pd.DataFrame, chosen: dict[str, float], what: str = "acc") -> pd.DataFrame:
+    """Sparsity x method, ``mean ± sd`` over the draws (accuracy in %, or the loss), at the chosen dampings."""
+    s = summary(results, chosen)
+    scale, digits = (100.0, 1) if what == "acc" else (1.0, 3)
+    s["cell"] = [f"{m * scale:.{digits}f} ± {sd * scale:.{digits}f}" for m, sd in zip(s[f"{what}_mean"],
+                                                                                      s[f"{what}_sd"])]
+    table = s.pivot(index="sparsity", columns="method", values="cell")[_order(s.method)]
+    table.index = [f"{100 * v:g} %" for v in table.index]
+    table.index.name = "sparsity"
+    table.columns = [LABELS[m] + ("" if m == "magnitude" else f" (λ={chosen[m]:g})") for m in table.columns]
+    return table
+
+
+def sparsity_figure(results: pd.DataFrame, chosen: dict[str, float], dense: tuple[float, float]):
+    """Test accuracy and loss against sparsity, mean ± sd over the draws, each method at its chosen damping."""
+    import matplotlib.pyplot as plt
+
+    s = summary(results, chosen)
+    fig, axes = plt.subplots(1, 2, figsize=(PAGE_WIDTH_IN, 3.3))
+    for method in _order(s.method):
+        g = s[s.method == method]
+        label = LABELS[method] + ("" if method == "magnitude" else f" (λ={chosen[method]:g})")
+        for ax, col, scale in ((axes[0], "acc", 100.0), (axes[1], "loss", 1.0)):
+            ax.errorbar(100 * g.sparsity, scale * g[f"{col}_mean"], yerr=scale * g[f"{col}_sd"].fillna(0),
+                        color=COLORS[method], marker=MARKERS[method], capsize=3, label=label)
+    axes[0].axhline(100 * dense[0], color="0.5", lw=0.8, ls=":", label="dense (unpruned)")
+    axes[1].axhline(dense[1], color="0.5", lw=0.8, ls=":")
+    axes[0].set(xlabel="sparsity (%)", ylabel="test accuracy (%)")
+    axes[1].set(xlabel="sparsity (%)", ylabel="test loss (mean CE)", yscale="log")
+    plain_log_ticks(axes[1])
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, frameon=False,
+               bbox_to_anchor=(0.5, -0.02))
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
+    return fig
+
+
+def damping_figure(results: pd.DataFrame, sparsity: float, costs: pd.DataFrame):
+    """Mean validation accuracy at ``sparsity`` against the damping ``lambda`` (left) and against ``lambda`` relative
+    to each curvature's own scale, its mean diagonal entry ``tr F / P`` (right); magnitude as a line."""
+    import matplotlib.pyplot as plt
+
+    val = results[(results.split == "validation") & (results.sparsity == sparsity)]
+    scale = costs[costs.method != "magnitude"].groupby("method").mean_diagonal.mean()
+    fig, axes = plt.subplots(1, 2, figsize=(PAGE_WIDTH_IN, 3.4), sharey=True)
+    for method in _order(val.method):
+        g = val[val.method == method]
+        if method == "magnitude":
+            for ax in axes:
+                ax.axhline(100 * g.accuracy.mean(), color=COLORS[method], ls="--", label=LABELS[method])
+            continue
+        m = g.groupby("damping").accuracy.agg(["mean", "std"]).reset_index()
+        for ax, x in ((axes[0], m.damping), (axes[1], m.damping / scale[method])):
+            ax.errorbar(x, 100 * m["mean"], yerr=100 * m["std"].fillna(0), color=COLORS[method],
+                        marker=MARKERS[method], capsize=3, label=LABELS[method])
+    axes[0].set(xscale="log", xlabel="damping λ", ylabel=f"validation accuracy (%)\nat {100 * sparsity:g} % sparsity")
+    axes[1].set(xscale="log", xlabel="λ / (tr F / P)")
+    for ax in axes:
+        plain_log_ticks(ax, "x")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, frameon=False,
+               bbox_to_anchor=(0.5, -0.02))
+    fig.tight_layout(rect=(0, 0.17, 1, 1))
+    return fig
+
+
+def damping_table(results: pd.DataFrame, sparsity: float) -> pd.DataFrame:
+    """Damping x curvature: mean ± sd validation accuracy (%) at ``sparsity``."""
+    val = results[(results.split == "validation") & (results.sparsity == sparsity) & (results.method != "magnitude")]
+    s = val.groupby(["damping", "method"]).accuracy.agg(["mean", "std"]).reset_index()
+    s["cell"] = [f"{100 * m:.1f} ± {100 * sd:.1f}" for m, sd in zip(s["mean"], s["std"])]
+    table = s.pivot(index="damping", columns="method", values="cell")[_order(s.method)]
+    table.index = [f"{v:g}" for v in table.index]
+    table.index.name = "damping λ"
+    table.columns = [LABELS[m] for m in table.columns]
+    return table
+
+
+def cost_table(costs: pd.DataFrame, samples: int, block_size: int | None, weights: int) -> pd.DataFrame:
+    """Per method: seconds to build the curvature (mean over draws), to prune once, and what each block holds."""
+    c = costs.groupby("method").agg(curvature_s=("curvature_s", "mean"), prune_s=("prune_s", "mean"))
+    c = c.loc[_order(c.index)]
+    b = weights if block_size is None else block_size
+    held = {"magnitude": "nothing", "ggn": f"a dense {b} × {b} matrix (float64)"}
+    out = pd.DataFrame({
+        "curvature (s, mean over draws)": [f"{v:.2f}" for v in c.curvature_s],
+        "one pruning (s, mean)": [f"{v:.3f}" for v in c.prune_s],
+        "per block": [held.get(m, f"the thin SVD of its N × {b} rows (N = {samples}): V, {b} × {min(samples, b)}")
+                      for m in c.index],
+    }, index=[LABELS[m] for m in c.index])
+    out.index.name = "method"
+    return out
+
+
+RULE_BEATS = ("at each sparsity, iEF-WoodFisher wins if its mean test accuracy over the draws exceeds "
+              "EF-WoodFisher's by more than the sum of the two standard deviations, and loses if it falls short "
+              "by more than that sum (each method at its own damping, chosen on the validation split). iEF beats "
+              "EF here if it wins at more sparsities than it loses and at no fewer than half of them; EF beats "
+              "iEF under the mirror condition; otherwise neither beats the other here.")
+
+
+def beats_verdict(results: pd.DataFrame, chosen: dict[str, float]) -> dict[str, str]:
+    """The rule :data:`RULE_BEATS` applied: the verdict, and the wins / losses / ties by sparsity."""
+    s = summary(results, chosen).set_index(["sparsity", "method"])
+    wins, losses, ties = [], [], []
+    sparsities = sorted({i for i, _ in s.index})
+    for sp in sparsities:
+        a, b = s.loc[(sp, "ief")], s.loc[(sp, "ef")]
+        margin = float(np.nan_to_num(a.acc_sd) + np.nan_to_num(b.acc_sd))
+        diff = float(a.acc_mean - b.acc_mean)
+        (wins if diff > margin else losses if diff < -margin else ties).append(f"{100 * sp:g} %")
+    half = len(sparsities) / 2
+    if len(wins) > len(losses) and len(wins) >= half:
+        verdict = "iEF-WoodFisher beats EF-WoodFisher here"
+    elif len(losses) > len(wins) and len(losses) >= half:
+        verdict = "EF-WoodFisher beats iEF-WoodFisher here"
+    else:
+        verdict = "neither beats the other here"
+    fmt = lambda xs: ", ".join(xs) if xs else "none"  # noqa: E731
+    return {"wf_verdict": verdict, "wf_wins": fmt(wins), "wf_losses": fmt(losses), "wf_ties": fmt(ties),
+            "wf_rule": RULE_BEATS}
+
+
+RULE_ROBUST = ("at the sweep sparsity, iEF's robustness to damping carries over if, at every damping of the grid, "
+               "iEF-WoodFisher's mean validation accuracy is at least EF-WoodFisher's less the sum of their standard "
+               "deviations, and at the grid's smallest damping (the nearly undamped curvature) it is above "
+               "EF-WoodFisher's by more than that sum.")
+
+
+def robustness(results: pd.DataFrame, sparsity: float) -> dict[str, str]:
+    """The rule :data:`RULE_ROBUST` applied, with the numbers it reads."""
+    val = results[(results.split == "validation") & (results.sparsity == sparsity)]
+    m = val.groupby(["method", "damping"]).accuracy.agg(["mean", "std"]).fillna(0.0)
+    grid = sorted(val[val.method == "ief"].damping.unique())
+    below = [d for d in grid if m.loc[("ief", d), "mean"] < m.loc[("ef", d), "mean"]
+             - m.loc[("ief", d), "std"] - m.loc[("ef", d), "std"]]
+    low = grid[0]
+    gap = m.loc[("ief", low), "mean"] - m.loc[("ef", low), "mean"]
+    above_low = gap > m.loc[("ief", low), "std"] + m.loc[("ef", low), "std"]
+    holds = not below and above_low
+    mag = val[val.method == "magnitude"].accuracy.mean()
+    pct = lambda v: f"{100 * v:.1f} %"  # noqa: E731
+    return {
+        "wf_robust_rule": RULE_ROBUST,
+        "wf_robust_verdict": "it carries over" if holds else "it does not carry over",
+        "wf_robust_below": ", ".join(f"{d:g}" for d in below) if below else "none",
+        "wf_low_damping": f"{low:g}",
+        "wf_low_ef": pct(m.loc[("ef", low), "mean"]),
+        "wf_low_ief": pct(m.loc[("ief", low), "mean"]),
+        "wf_best_ef": pct(m.loc["ef", "mean"].max()),
+        "wf_best_ief": pct(m.loc["ief", "mean"].max()),
+        "wf_sweep_magnitude": pct(mag),
+        "wf_low_ggn": pct(m.loc[("ggn", low), "mean"]) if ("ggn", low) in m.index else "not run",
+        "wf_low_reading": _low_reading(m, low, mag),
+        "wf_robust_meaning": ("iEF-WoodFisher needs less damping tuning than EF-WoodFisher here" if holds else
+                              "the damping still has to be chosen, for iEF-WoodFisher as for EF-WoodFisher"),
+    }
+
+
+def _low_reading(m: pd.DataFrame, low: float, magnitude: float, points: float = 0.10) -> str:
+    """What the smallest damping shows: whether iEF and the exact GGN fall more than ``points`` below magnitude
+    pruning there (both: the failure is nearly undamped OBS itself; iEF only: iEF's approximation)."""
+    ief_fails = m.loc[("ief", low), "mean"] < magnitude - points
+    ggn_fails = ("ggn", low) in m.index and m.loc[("ggn", low), "mean"] < magnitude - points
+    if ief_fails and ggn_fails:
+        return ("the exact GGN fails there too, so what fails is nearly undamped OBS at this sparsity (many weights "
+                "removed at once, each with its own update from an ill-conditioned curvature), not iEF's "
+                "approximation of the Fisher")
+    if ief_fails:
+        return "the exact GGN does not fail there: at that damping iEF's curvature is the worse approximation"
+    return f"iEF-WoodFisher stays within {100 * points:g} points of magnitude pruning there"
+
+
+
+def scales(costs: pd.DataFrame) -> str:
+    """Each curvature's mean diagonal entry ``tr F / P`` (mean over the draws), as text."""
+    c = costs[costs.method != "magnitude"].groupby("method").mean_diagonal.mean()
+    return "; ".join(f"{LABELS[m]} {c[m]:.2g}" for m in _order(c.index))

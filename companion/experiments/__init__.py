@@ -1,0 +1,19 @@
+"""The paper's experiments as code: one registry of setups at three scales and a resumable runner (``sec:exp``).
+
+>>> from companion.experiments import describe, train
+>>> describe("digits-mlp", "smoke")["trainable_parameters"]            # doctest: +SKIP
+>>> train("digits-mlp", "ief", seed=0, scale="smoke", out="runs")       # doctest: +SKIP
+
+Command line: ``python -m companion describe --setup S --scale X [--random-weights] [--json]`` and
+``python -m companion train --setup S --optimizer O --seed K --scale X --out DIR``. Modules: :mod:`.setups` (names and
+hyperparameters), :mod:`.data`, :mod:`.models`, :mod:`.tasks` (inputs, targets, predictions), :mod:`.metrics`,
+:mod:`.optimizers`, :mod:`.store` (the run folder) and :mod:`.runner`.
+"""
+from .data import MissingResource
+from .runner import RunConflict, RunInterrupted, describe, format_describe, format_summary, run_dir, train
+from .setups import CPU_SETUPS, OPTIMIZERS, PAPER_SETUPS, SCALES, SETUPS, resolve, scales_of
+
+__all__ = [
+    "SETUPS", "PAPER_SETUPS", "CPU_SETUPS", "SCALES", "OPTIMIZERS", "resolve", "scales_of", "describe", "train",
+    "run_dir", "format_describe", "format_summary", "MissingResource", "RunInterrupted", "RunConflict",
+]

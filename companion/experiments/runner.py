@@ -1,0 +1,795 @@
+"""Train one (setup, optimiser, seed, scale) run, resumably, and describe a setup (``sec:exp``, ``sec:opt-exp``).
+
+A run follows the paper's protocol (``sec:app-optimiser``): batches of the setup's size drawn without replacement
+each epoch, validation every ``eval_every`` update steps (tab:train-epochs) and at the end, the best-validation
+checkpoint kept and its test metrics reported; ``final_train_loss`` is the book's one definition
+(:func:`.summaries.final_train_loss`: the mean loss of the last 10 % of the updates, ``final_train_loss_updates`` of
+them; ``summary.json`` files written before held the mean of the last 100 updates and lack that field).
+
+Progress: with ``progress=True`` a tqdm bar; without it (``--no-progress``, the workflow's and cluster jobs' choice)
+and with ``verbose``, one line per validation and at least one every ``log_every_s`` seconds (step, epoch, the mean
+training loss since the previous line, the last validation score, elapsed and remaining time), flushed at once, so a
+cluster log shows how far a run is. A resumed run says so first: ``resuming from step k of n``.
+
+Resuming: ``resume.pt`` holds the trainable parameters, the optimiser and scheduler states, every RNG state, the
+position in the data (epoch orders are a function of the seed and the epoch, so the step count is the position)
+and the histories. It is written every ``checkpoint_every_s`` seconds of wall time and when SIGTERM, SIGINT or
+SIGHUP (a closed terminal or a dropped SSH session) arrives (the signal is honoured after the current update, or
+aborts an evaluation, whose result is then recomputed on resume). A second signal stops at once; the last
+checkpoint stays valid because every file is written atomically. Evaluation touches no RNG and no parameter, so a
+resumed run ends with exactly the numbers of an uninterrupted one. A run whose ``summary.json`` exists is skipped and never written again.
+
+One process per run folder: the runner holds an ``fcntl.flock`` on ``run.lock`` in the folder (the kernel releases it
+when the process dies, however it dies). A second invocation of the same run (a SLURM requeue, a second terminal)
+stops with ``error: ... is in use by PID N ...`` (exit code 75, "try again later") or, with ``wait_lock=True``
+(``--wait-lock``), waits for the first and then resumes it or, when it finished, skips it. Temporaries
+``.NAME.tmp-PID`` left by a writer killed mid-write are removed by the next owner of the folder.
+
+Everything is checked before anything is written: the setup fields (``--set``: epochs, batch sizes, evaluation
+frequency, sizes, stage fractions), ``lr`` (finite, > 0; equal to the registered rate it is no override), the
+schedule, the seed, the device (known, and present) and that ``out`` can be written. Checkpoints are read back when
+written (:mod:`.store`) and checked when read: an unreadable ``resume.pt`` falls back to ``resume.prev.pt`` (the
+previous one) and an unreadable or missing ``checkpoints/best.pt`` to another checkpoint of the same step; when
+there is none, the run stops with an error naming the file and what to do.
+
+Stage checkpoints (the contract with the evaluation code): ``checkpoints/stage-PPP.pt`` holds the trainable
+parameters (:func:`.store.trainable_state`) after update ``round(f * total_steps)`` (Python's ``round``) for every
+fraction ``f`` of the setup's ``stage_fractions`` (default 0, 0.25, 0.5, 0.75, 1; recorded in ``config.json``),
+``PPP = round(100 * f)`` in 3 digits: ``stage-000`` is the initial model, ``stage-100`` the model after the last
+update, so even a one-epoch run has five stages. A resumed run writes each exactly as an uninterrupted one (the
+same file, the same parameters). :func:`.store.stage_checkpoints` lists them; ``summary.json`` maps each written
+stage to its update (a run that diverged lacks the stages past the divergence).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import signal
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import store
+from .data import FULL_SIZES, Data, load_data
+from .metrics import score, split_metrics, write_glue_predictions
+from .models import build_model, count_parameters
+from .optimizers import Diverged, make_optimizer, train_step
+from .setups import GLUE_TASKS, SetupConfig, optimizer_config, resolve
+from .summaries import final_train_loss, final_window
+from .tasks import make_task, to_device
+
+
+class RunInterrupted(Exception):
+    """SIGTERM / SIGINT / SIGHUP stopped the run after saving ``resume.pt``; the same command resumes it."""
+
+    def __init__(self, signum: int, where: str):
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} received {where}; resume.pt saved: run the same command "
+                         f"again to resume")
+
+
+class RunConflict(ValueError):
+    """The run folder holds a run with a different configuration."""
+
+
+RunLocked = store.Locked  # another process owns the run folder
+DEVICES = "cpu, cuda, cuda:N, mps"
+
+
+class _Aborted(Exception):
+    pass
+
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class _Signals:
+    """SIGINT/SIGTERM/SIGHUP set ``pending`` (handled at the next safe point); a second one raises
+    KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.pending is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without saving")
+        self.pending = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+
+def run_dir(out: str | Path, scale: str, setup: str, optimizer: str, seed: int) -> Path:
+    return Path(out) / scale / setup / optimizer / f"seed-{seed}"
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The order of the training examples in one epoch: a function of (seed, epoch) only."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def evaluate(model: torch.nn.Module, task: Any, sets: dict[str, Any], device: torch.device, batch_size: int, *,
+             abort: Any = lambda: False, progress: bool = False) -> dict[str, dict[str, Any]]:
+    """Predictions on every split: ``{split: {"pred", "gold", "idx"}}``; ``abort()`` is polled between batches."""
+    model.eval()
+    out = {}
+    try:
+        for name, examples in sets.items():
+            preds, gold, idx = [], [], []
+            for lo in tqdm(range(0, len(examples), batch_size), desc=f"eval {name}", leave=False,
+                           disable=not progress):
+                if abort():
+                    raise _Aborted
+                batch = [examples[i] for i in range(lo, min(lo + batch_size, len(examples)))]
+                preds.append(task.predict(model, batch, device))
+                gold += [int(e["label"]) for e in batch]
+                idx += [int(e.get("idx", lo + k)) for k, e in enumerate(batch)]
+            out[name] = {"pred": torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long),
+                         "gold": torch.tensor(gold, dtype=torch.long), "idx": idx}
+    finally:
+        model.train()
+    return out
+
+
+def metrics_of(task_name: str, results: dict[str, dict[str, Any]]) -> dict[str, float] | None:
+    """The metrics of every labelled split merged (None when the labels are private, as for GLUE test)."""
+    merged: dict[str, float] = {}
+    for name, r in results.items():
+        if len(r["gold"]) == 0 or bool((r["gold"] < 0).any()):
+            return None
+        merged.update(split_metrics(task_name, name, r["pred"], r["gold"]))
+    return merged
+
+
+def _run_record(cfg: SetupConfig, opt: Any, seed: int) -> dict[str, Any]:
+    record = {"setup": cfg.to_dict(), "optimizer": dataclasses.asdict(opt), "seed": seed}
+    return json.loads(json.dumps(store.finite_or_none(record)))  # tuples -> lists, as read back from JSON
+
+
+def package_versions() -> dict[str, str]:
+    import peft
+    import transformers
+
+    from ief import __version__
+
+    return {"ief": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__}
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def fmt(m: dict | None) -> str:
+        return "n/a" if not m else " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in m.items())
+
+    loss = s.get("final_train_loss")
+    window = s.get("final_train_loss_updates")
+    over = f" (last {window} of {s['steps']} updates)" if window else " (last 100 updates: an older run)"
+    div = f" DIVERGED at step {s['diverged']['step']}" if s.get("diverged") else ""
+    return (f"{s['setup']}/{s['optimizer']}/seed-{s['seed']} [{s['scale']}]: final_train_loss="
+            f"{'n/a' if loss is None else f'{loss:.4f}{over}'} | "
+            f"best validation (step {s['best_validation']['step']}): "
+            f"{fmt(s['best_validation']['metrics'])} | test: {fmt(s['test'])}{div} | {s['wall_time_s']:.1f}s")
+
+
+def _positive_int(field: str, value: Any, *, none_ok: bool = False) -> None:
+    if none_ok and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"setup field {field} must be a positive integer{' or null' if none_ok else ''}, "
+                         f"got {value!r}")
+
+
+def check_setup(cfg: SetupConfig) -> SetupConfig:
+    """The fields a run relies on, checked (``ValueError`` naming the field and the value); ``stage_fractions`` as a
+    sorted tuple of floats."""
+    _positive_int("epochs", cfg.epochs)
+    _positive_int("batch_size", cfg.batch_size)
+    _positive_int("eval_batch_size", cfg.eval_batch_size)
+    _positive_int("eval_every", cfg.eval_every, none_ok=True)
+    _positive_int("max_length", cfg.max_length, none_ok=True)
+    if not isinstance(cfg.sizes, dict):
+        raise ValueError(f"setup field sizes must be a mapping split -> size, got {cfg.sizes!r}")
+    for split, size in cfg.sizes.items():
+        _positive_int(f"sizes[{split!r}]", size, none_ok=True)
+    fractions = cfg.stage_fractions
+    bad = not isinstance(fractions, (list, tuple)) or not fractions or any(
+        isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1 for f in fractions)
+    if bad:
+        raise ValueError(f"setup field stage_fractions must be a non-empty list of numbers in [0, 1], got "
+                         f"{fractions!r}")
+    names = [store.stage_name(f) for f in fractions]
+    if len(set(names)) != len(names):
+        raise ValueError(f"setup field stage_fractions {list(fractions)!r} name the same stage twice "
+                         f"({sorted(names)}): fractions must differ by at least 0.01")
+    return dataclasses.replace(cfg, stage_fractions=tuple(sorted(float(f) for f in fractions)))
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``device`` checked: known to torch, one of cpu / cuda[:N] / mps, and present here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"unknown device {device!r}; valid devices: {DEVICES}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA GPU is available here (torch {torch.__version__}); use "
+                             f"--device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {device!r}: MPS is not available here; use --device cpu")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {device!r} is not supported; valid devices: {DEVICES}")
+    return dev
+
+
+def _check_lr(lr: Any) -> float | None:
+    if lr is None:
+        return None
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}") from None
+    if isinstance(lr, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    return value
+
+
+def _comparable(record: dict[str, Any]) -> dict[str, Any]:
+    """What must agree between config.json and an invocation: everything but the optimiser's provenance text (an
+    ``--lr`` equal to the registered rate is no override) and the setup's table of registered optimisers (the run's
+    own optimiser, as it ran, is ``optimizer``; a new search's rate for AdamW does not change an SGD run, nor a
+    re-registered rate a finished run at an overridden one); a config.json from before ``stage_fractions`` existed
+    takes the default."""
+    out = json.loads(json.dumps(record))
+    if isinstance(out.get("optimizer"), dict):
+        out["optimizer"].pop("source", None)
+    if isinstance(out.get("setup"), dict):
+        out["setup"].setdefault("stage_fractions", list(SetupConfig.__dataclass_fields__["stage_fractions"].default))
+        out["setup"].pop("optimizers", None)
+        out["setup"].pop("provisional", None)
+    return out
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        saved = store.read_json(path)
+    except store.CorruptFile as err:
+        raise store.CorruptFile(f"{err}: remove {path.parent} to start this run again, or restore the file") from None
+    if not isinstance(saved, dict):
+        raise store.CorruptFile(f"{path} is not a run configuration: remove {path.parent} to start this run again")
+    return saved
+
+
+def recorded_overrides(root: str | Path, setup: str, scale: str) -> dict[str, Any] | None:
+    """The setup fields a run was trained with (its ``config.json``) that differ from the registry's: the run's
+    ``--set`` overrides, so that what reads the run (the evaluation framework, iEF's first step redone) builds the
+    model and data it was trained on. ``None`` when they agree or the folder has no ``config.json``.
+
+    Args:
+        root: the run folder (:func:`run_dir`).
+        setup: its setup name.
+        scale: its scale.
+
+    Returns:
+        ``{field: value}`` for :func:`~.setups.resolve`'s ``overrides``, or ``None``.
+    """
+    path = Path(root) / "config.json"
+    if not path.exists():
+        return None
+    saved = _read_config(path).get("setup") or {}
+    registered = json.loads(json.dumps(resolve(setup, scale).to_dict()))
+    ignored = ("optimizers", "provisional", "notes", "source")  # provenance, not what the model or data are
+    out = {k: v for k, v in saved.items() if k in registered and k not in ignored and v != registered[k]}
+    return out or None
+
+
+def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: str | Path = "runs", *,
+          lr: float | None = None, schedule: str | None = None, overrides: dict[str, Any] | None = None,
+          device: str | None = None, progress: bool = True, checkpoint_every_s: float = 120.0,
+          verbose: bool = True, wait_lock: bool = False, log_every_s: float = 300.0) -> dict[str, Any]:
+    """Run (or resume, or skip if finished) one training run; returns its summary (see :mod:`.store` for the files).
+
+    ``lr`` and ``schedule`` override the optimiser's learning rate and schedule, ``overrides`` fields of the resolved
+    setup (all recorded in ``config.json``). Every argument is checked before anything is written (``ValueError``).
+    ``verbose`` without ``progress``: a progress line at every validation and at least every ``log_every_s`` seconds.
+    Raises :class:`RunLocked` when another process runs this run (``wait_lock=True``: wait for it instead),
+    :class:`RunInterrupted` after SIGTERM/SIGINT/SIGHUP (``resume.pt`` saved), :class:`.store.CorruptFile` when a
+    file of the run cannot be read and nothing can replace it (the message names the file and the remedy).
+    """
+    cfg = check_setup(resolve(setup, scale, overrides))
+    registered = optimizer_config(cfg, optimizer)
+    lr = _check_lr(lr)
+    ocfg = optimizer_config(cfg, optimizer, None if lr == registered.lr else lr,
+                            None if schedule == registered.schedule else schedule)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if isinstance(log_every_s, bool) or not isinstance(log_every_s, (int, float)) or not log_every_s > 0:
+        raise ValueError(f"log_every_s must be a number of seconds > 0, got {log_every_s!r}")
+    dev = resolve_device(device)
+    root = run_dir(out, scale, setup, optimizer, seed)
+    record = _run_record(cfg, ocfg, seed)
+    with contextlib.ExitStack() as owner:
+        try:
+            owner.enter_context(store.lock(root, wait=wait_lock))
+        except OSError as err:
+            raise ValueError(f"cannot write the run folder {root} (out={str(out)!r}): "
+                             f"{err.strerror or err}") from None
+        store.remove_stale_temporaries(root)
+        if (root / "config.json").exists():
+            saved = _read_config(root / "config.json")
+            if _comparable({k: saved.get(k) for k in record}) != _comparable(record):
+                raise RunConflict(f"{root} holds a run with a different configuration (config.json); use another "
+                                  f"--out")
+            if (root / "summary.json").exists():
+                try:
+                    summary = store.read_json(root / "summary.json")
+                except store.CorruptFile as err:
+                    raise store.CorruptFile(f"{err}: the run's result is lost; remove {root} to train it again"
+                                            ) from None
+                if verbose:
+                    print(f"skipped (finished): {format_summary(summary)}")
+                return summary
+        log = _ProgressLog(f"{setup}/{optimizer}/seed-{seed} [{scale}]", verbose, progress, log_every_s)
+        summary = TrainingLoop(cfg, ocfg, record, root, setup, optimizer, seed, scale, dev, progress,
+                               checkpoint_every_s, log).run()
+        if verbose:
+            print(format_summary(summary))
+        return summary
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class _ProgressLog:
+    """The lines a run without a progress bar prints (``verbose`` and not ``progress``), flushed at once: one per
+    validation and at least one every ``every_s`` seconds; the resume line is printed whenever ``verbose``."""
+
+    def __init__(self, name: str, verbose: bool, progress: bool, every_s: float):
+        self.name, self.verbose, self.lines, self.every_s = name, verbose, verbose and not progress, every_s
+        self.started = self.last_time = time.time()
+        self.start_step = self.last_step = 0
+        self.wall_before = 0.0
+
+    def begin(self, state: dict[str, Any], total: int, resumed: bool) -> None:
+        """Called once the run state is known: this session's clock starts (the remaining time is estimated from
+        this session's updates); a resumed run says where it resumed."""
+        self.started = self.last_time = time.time()
+        self.start_step = self.last_step = state["done"]
+        self.wall_before = state["wall"]
+        if resumed and self.verbose:
+            what = "the test evaluation" if state["training_done"] else f"update {state['done'] + 1}"
+            print(f"{self.name}: resuming from step {state['done']} of {total} ({_duration(state['wall'])} trained "
+                  f"before; next: {what})", flush=True)
+
+    def step(self, state: dict[str, Any], total: int, spe: int, validated: bool) -> None:
+        done, now = state["done"], time.time()
+        if not self.lines or not (validated or now - self.last_time >= self.every_s):
+            return
+        recent = state["losses"][self.last_step:done]
+        loss = f"train loss {sum(recent) / len(recent):.4f} (mean of updates {self.last_step + 1}-{done})" \
+            if recent else "no update since the last line"
+        evals = state["evals"]
+        val = f", validation score {evals[-1]['score']:.4f} at step {evals[-1]['step']}" if evals else ""
+        rate = (now - self.started) / max(1, done - self.start_step)
+        print(f"{self.name}: step {done}/{total} (epoch {done / spe:.2f}), {loss}{val}, "
+              f"{_duration(self.wall_before + now - self.started)} elapsed, ~{_duration(rate * (total - done))} left",
+              flush=True)
+        self.last_time, self.last_step = now, done
+
+
+_RESUME_KEYS = ("model", "optimizer", "scheduler", "state", "rng")
+
+
+def _resume(root: Path, model: torch.nn.Module, opt: Any, scheduler: Any) -> dict[str, Any] | None:
+    """Load ``resume.pt``, or ``resume.prev.pt`` when it cannot be read or does not fit; the run state or ``None``
+    (no checkpoint: start). :class:`.store.CorruptFile` naming the files when neither can be used."""
+    problems = []
+    for name in ("resume.pt", "resume.prev.pt"):
+        path = root / name
+        if not path.exists():
+            continue
+        try:
+            ck = store.read_torch(path)
+            if not isinstance(ck, dict) or not set(_RESUME_KEYS) <= set(ck):
+                raise store.CorruptFile(f"{path} is not a resume checkpoint (keys {_RESUME_KEYS} expected)")
+            try:
+                store.load_trainable(model, ck["model"])
+                opt.load_state_dict(ck["optimizer"])
+                if scheduler is not None:
+                    scheduler.load_state_dict(ck["scheduler"])
+                state = dict(ck["state"])
+                _set_rng_state(ck["rng"])
+            except (ValueError, KeyError, TypeError, RuntimeError) as err:
+                raise store.CorruptFile(f"{path} does not fit this run ({type(err).__name__}: {err})") from None
+        except store.CorruptFile as err:
+            problems.append(str(err))
+            continue
+        if problems:
+            warnings.warn(f"{problems[0]}; resumed from the previous checkpoint {path} (step {state['done']})",
+                          RuntimeWarning, stacklevel=3)
+            with contextlib.suppress(OSError):
+                os.replace(root / "resume.pt", root / "resume.pt.corrupt")  # kept for inspection, out of the way
+        return state
+    if problems:
+        raise store.CorruptFile(f"{'; '.join(problems)}; no readable resume checkpoint: remove "
+                                f"{root / 'resume.pt'} (and resume.prev.pt) to restart this run from step 0, or "
+                                f"restore it from a backup")
+    return None
+
+
+def _load_best(root: Path, model: torch.nn.Module, state: dict[str, Any], candidates: list[Path]) -> None:
+    """Put the best-validation parameters into ``model``: ``checkpoints/best.pt``, or, when it is missing or cannot
+    be read, another checkpoint of the same step (rewritten as best.pt); else :class:`.store.CorruptFile`."""
+    best = root / "checkpoints" / "best.pt"
+    try:
+        store.load_trainable(model, store.read_trainable(best))
+        return
+    except (FileNotFoundError, ValueError) as err:  # CorruptFile is a ValueError, as is a mismatch
+        problem = f"{err}" if best.name in str(err) else f"{best}: {err}"
+    step = state["best"]["step"]
+    found = None
+    if step == state["done"]:  # the model holds the parameters after the last update (or before a failed one)
+        found = f"the parameters after update {step} (resume state)"
+    for path in candidates if found is None else []:
+        try:
+            store.load_trainable(model, store.read_trainable(path))
+        except (FileNotFoundError, ValueError):
+            continue
+        found = str(path.relative_to(root))
+        break
+    if found is None:
+        raise store.CorruptFile(f"{problem}; no other checkpoint holds the parameters of the best validation (step "
+                                f"{step}): remove {root} to train this run again")
+    warnings.warn(f"{problem}; the best-validation parameters (step {step}) were taken from {found} and best.pt "
+                  f"rewritten", RuntimeWarning, stacklevel=4)
+    store.write_torch(best, store.trainable_state(model))
+
+
+class TrainingLoop:
+    """One run, once :func:`train` holds its folder's lock and found it unfinished: the model, data and optimiser
+    built, then updates, validations and checkpoints until the end, the test evaluation of the best-validation
+    parameters and ``summary.json``.
+
+    ``state`` is what ``resume.pt`` saves besides the parameters, optimiser, scheduler and RNG states: ``done``
+    (updates applied), ``post_pending`` (what follows update ``done`` not yet done), ``training_done``, ``losses``,
+    ``evals``, ``best``, ``diverged`` and ``wall`` (seconds trained before this session).
+
+    Args:
+        cfg: the checked setup (:func:`check_setup`).
+        ocfg: the optimiser's configuration.
+        record: what ``config.json`` records of the invocation (:func:`_run_record`).
+        root: the run folder (:func:`run_dir`).
+        setup: the setup's name.
+        optimizer: the optimiser's name.
+        seed: the run's seed (the initial model, the epoch orders).
+        scale: ``"smoke"``, ``"cpu"`` or ``"full"``.
+        dev: the device.
+        progress: a tqdm bar.
+        checkpoint_every_s: seconds of wall time between ``resume.pt`` writes.
+        log: the progress lines.
+    """
+
+    def __init__(self, cfg: SetupConfig, ocfg: Any, record: dict[str, Any], root: Path, setup: str, optimizer: str,
+                 seed: int, scale: str, dev: torch.device, progress: bool, checkpoint_every_s: float,
+                 log: _ProgressLog):
+        self.cfg, self.root, self.dev, self.progress, self.log = cfg, root, dev, progress, log
+        self.setup, self.optimizer, self.seed, self.scale = setup, optimizer, seed, scale
+        self.checkpoint_every_s = checkpoint_every_s
+        seed_everything(seed)
+        self.data = load_data(cfg)  # missing data or weights fail here, before anything is written
+        self.model, preprocessor = build_model(cfg, self.data)
+        self.model.to(dev)
+        self.task = make_task(cfg, self.model, preprocessor)
+        self.n = len(self.data.train)
+        self.spe = math.ceil(self.n / cfg.batch_size)  # steps per epoch
+        self.total = cfg.epochs * self.spe
+        self.eval_every = cfg.eval_every or self.spe
+        self.opt, self.scheduler = make_optimizer(self.model, ocfg, self.total)
+        self.parameter_counts = count_parameters(self.model)
+        store.write_json(root / "config.json", {**record, "device": str(dev), "versions": package_versions()})
+        # stage checkpoint file -> the update after which it is written
+        self.stages = {store.stage_name(f): round(f * self.total) for f in cfg.stage_fractions}
+        self.state: dict[str, Any] = {"done": 0, "post_pending": False, "training_done": False, "losses": [],
+                                      "evals": [], "best": None, "diverged": None, "wall": 0.0}
+        resumed = _resume(root, self.model, self.opt, self.scheduler)
+        self.state = resumed or self.state
+        log.begin(self.state, self.total, resumed is not None)
+        self.t0, self.wall0, self.last_save = time.time(), self.state["wall"], time.time()
+        self.signals = _Signals()
+        self._order, self._order_epoch = None, -1  # the current epoch's example order (:func:`epoch_order`)
+
+    def _stopping(self) -> bool:
+        return self.signals.pending is not None
+
+    def save_resume(self) -> None:
+        """``resume.pt`` (the previous one kept as ``resume.prev.pt``) and ``train_loss.csv``."""
+        state, root = self.state, self.root
+        state["wall"] = self.wall0 + time.time() - self.t0
+        store.write_text(root / "train_loss.csv", store.loss_csv(state["losses"], self.spe))
+        if (root / "resume.pt").exists():
+            os.replace(root / "resume.pt", root / "resume.prev.pt")  # the fallback should the new one be unreadable
+        store.write_torch(root / "resume.pt", {
+            "model": store.trainable_state(self.model), "optimizer": self.opt.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "state": state, "rng": _rng_state()})
+
+    def write_stages(self, done: int) -> None:
+        """Write the stage checkpoints due after update ``done``.
+
+        Args:
+            done: the updates applied (0: the initial model).
+        """
+        for name, at in self.stages.items():
+            if at == done:
+                store.write_torch(self.root / "checkpoints" / name, store.trainable_state(self.model))
+
+    def validate(self, done: int) -> None:
+        """Validate after update ``done`` (once per step), rewrite ``validation.jsonl`` and, when the score is the
+        best so far, ``checkpoints/best.pt``.
+
+        Args:
+            done: the updates applied.
+
+        Raises:
+            _Aborted: a stop signal arrived during the evaluation (nothing of it is recorded).
+        """
+        state = self.state
+        if state["evals"] and state["evals"][-1]["step"] == done:
+            return
+        results = evaluate(self.model, self.task, self.data.validation, self.dev, self.cfg.eval_batch_size,
+                           abort=self._stopping, progress=self.progress)
+        metrics = metrics_of(self.cfg.task, results)
+        entry = {"step": done, "epoch": done / self.spe, "metrics": metrics, "score": score(metrics)}
+        state["evals"].append(entry)
+        store.write_text(self.root / "validation.jsonl", store.evals_jsonl(state["evals"]))
+        if state["best"] is None or entry["score"] > state["best"]["score"]:
+            state["best"] = entry
+            store.write_torch(self.root / "checkpoints" / "best.pt", store.trainable_state(self.model))
+
+    def after_update(self, done: int) -> None:
+        """What follows update ``done``: validation when due, the progress line, the stage and epoch checkpoints and
+        the epoch scheduler's step.
+
+        Args:
+            done: the updates applied.
+        """
+        due = done % self.eval_every == 0 or done == self.total
+        if due:
+            self.validate(done)
+        self.log.step(self.state, self.total, self.spe, due)
+        self.write_stages(done)
+        if done % self.spe == 0:
+            store.write_torch(self.root / "checkpoints" / f"epoch-{done // self.spe:03d}.pt",
+                              store.trainable_state(self.model))
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.state["post_pending"] = False
+
+    def _batch(self, step: int) -> list[Any]:
+        epoch, b = divmod(step, self.spe)
+        if epoch != self._order_epoch:
+            self._order, self._order_epoch = epoch_order(self.seed, epoch, self.n), epoch
+        bs = self.cfg.batch_size
+        return [self.data.train[int(i)] for i in self._order[b * bs : (b + 1) * bs]]
+
+    def update(self, bar: Any) -> bool:
+        """One update on the next batch of the epoch's order, then ``resume.pt`` when one is due.
+
+        Args:
+            bar: the tqdm bar (advanced by one).
+
+        Returns:
+            ``False`` when the update diverged (it is not applied; ``state["diverged"]`` says where), else ``True``.
+
+        Raises:
+            RunInterrupted: a stop signal arrived (after the update, with ``resume.pt`` saved).
+        """
+        state = self.state
+        step = state["done"]
+        inputs, targets = self.task.collate(self._batch(step))
+        try:
+            loss = train_step(self.model, self.opt, to_device(inputs, self.dev), targets.to(self.dev))
+        except Diverged as err:  # training ends; the update was not applied
+            state["diverged"] = {"step": step + 1, "reason": str(err)}
+            return False
+        state["losses"].append(loss)
+        state["done"], state["post_pending"] = step + 1, True
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if self._stopping() or time.time() - self.last_save >= self.checkpoint_every_s:
+            self.save_resume()
+            self.last_save = time.time()
+        if self._stopping():
+            raise RunInterrupted(self.signals.pending, f"after step {state['done']}")
+        return True
+
+    def train_to_end(self) -> None:
+        """Update until the last update or a divergence, from where ``state`` is; then ``resume.pt`` is written
+        with ``training_done``."""
+        state = self.state
+        self.model.train()
+        if state["done"] == 0:
+            self.write_stages(0)  # the initial model
+        if state["post_pending"]:
+            self.after_update(state["done"])
+        bar = tqdm(total=self.total, initial=state["done"], desc=f"{self.setup}/{self.optimizer}/seed-{self.seed}",
+                   disable=not self.progress, dynamic_ncols=True)
+        try:
+            while state["done"] < self.total and state["diverged"] is None:
+                if not self.update(bar):
+                    break
+                self.after_update(state["done"])
+        finally:
+            bar.close()
+        if state["diverged"] is not None:
+            self.validate(state["done"])  # the parameters before the failed update (redone on resume)
+        state["training_done"] = True
+        self.save_resume()
+
+    def test_best(self) -> dict[str, dict[str, Any]]:
+        """Put the best-validation parameters back into the model (:func:`_load_best`) and evaluate the test split.
+
+        Returns:
+            :func:`evaluate`'s predictions on the test split(s).
+        """
+        best, root = self.state["best"], self.root
+        same_step = [root / "checkpoints" / f"epoch-{best['step'] // self.spe:03d}.pt"] \
+            if best["step"] % self.spe == 0 else []
+        same_step += [root / "checkpoints" / name for name, at in self.stages.items() if at == best["step"]]
+        _load_best(root, self.model, self.state, same_step)
+        return evaluate(self.model, self.task, self.data.test, self.dev, self.cfg.eval_batch_size,
+                        abort=self._stopping, progress=self.progress)
+
+    def run(self) -> dict[str, Any]:
+        """Train (or resume) to the end, then test the best-validation parameters.
+
+        Returns:
+            The run's summary (:meth:`write_summary`).
+
+        Raises:
+            RunInterrupted: a stop signal arrived (``resume.pt`` saved; the same command resumes).
+        """
+        with self.signals:
+            try:
+                if not self.state["training_done"]:
+                    self.train_to_end()
+                results = self.test_best()
+            except _Aborted:
+                if not self.state["training_done"]:
+                    self.save_resume()  # state as after the last update: the aborted evaluation is redone on resume
+                raise RunInterrupted(self.signals.pending or signal.SIGTERM, "during an evaluation") from None
+        return self.write_summary(results)
+
+    def write_summary(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Write ``summary.json`` (and the GLUE prediction files) and remove ``resume.pt``.
+
+        Args:
+            results: :meth:`test_best`'s predictions.
+
+        Returns:
+            The summary as read back from ``summary.json`` (what a re-invocation returns).
+        """
+        cfg, root, state = self.cfg, self.root, self.state
+        predictions = []
+        if cfg.task in GLUE_TASKS:
+            for split, r in results.items():
+                path = write_glue_predictions(cfg.task, split, r["idx"], r["pred"], root / "predictions")
+                predictions.append(str(path.relative_to(root)))
+        losses, best = state["losses"], state["best"]
+        total_params, trainable_params = self.parameter_counts
+        summary = {
+            "setup": self.setup, "scale": self.scale, "optimizer": self.optimizer, "seed": self.seed,
+            "steps": state["done"], "epochs": cfg.epochs, "steps_per_epoch": self.spe,
+            "final_train_loss": final_train_loss(losses) if losses else None,
+            "final_train_loss_updates": final_window(len(losses)) if losses else 0,
+            "best_validation": {"step": best["step"], "epoch": best["epoch"], "metrics": best["metrics"],
+                                "score": best["score"]},
+            "test": metrics_of(cfg.task, results), "test_predictions": predictions,
+            "diverged": state["diverged"], "total_parameters": total_params,
+            "trainable_parameters": trainable_params,
+            "stages": {name[len("stage-"):-len(".pt")]: at for name, at in self.stages.items()
+                       if at <= state["done"]},
+            "wall_time_s": self.wall0 + time.time() - self.t0,
+        }
+        store.write_text(root / "train_loss.csv", store.loss_csv(losses, self.spe))
+        store.write_json(root / "summary.json", summary)
+        (root / "resume.pt").unlink(missing_ok=True)
+        (root / "resume.prev.pt").unlink(missing_ok=True)
+        return store.read_json(root / "summary.json")  # as a re-invocation would return it
+
+
+def describe(setup: str, scale: str, *, random_weights: bool = False,
+             overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The resolved setup: sources, data sizes, schedule, optimiser hyperparameters and parameter counts.
+
+    ``random_weights=True`` builds the architecture from the config written in the code (no download); at full
+    scale the data are then not loaded either and the sizes are the expected ones.
+    """
+    cfg = resolve(setup, scale, overrides)
+    seed_everything(0)
+    data: Data | None = None
+    if scale == "full" and random_weights:
+        sizes, sizes_source = dict(FULL_SIZES[cfg.task]), "expected (not loaded)"
+    else:
+        data = load_data(cfg)
+        sizes, sizes_source = data.sizes(), "loaded"
+    model, _ = build_model(cfg, data, random_weights=random_weights)
+    total, trainable = count_parameters(model)
+    spe = math.ceil(sizes["train"] / cfg.batch_size)
+    paper = cfg.paper_trainable_parameters
+    return {
+        "setup": cfg.name, "scale": scale, "family": cfg.family, "method": cfg.method, "task": cfg.task,
+        "model_source": "config (random weights)" if random_weights else cfg.model_source,
+        "data_source": cfg.data_source, "sizes": sizes, "sizes_source": sizes_source,
+        "num_classes": cfg.num_classes, "batch_size": cfg.batch_size, "epochs": cfg.epochs, "steps_per_epoch": spe,
+        "total_steps": spe * cfg.epochs, "eval_every": cfg.eval_every or spe, "max_length": cfg.max_length,
+        "optimizers": {k: dataclasses.asdict(v) for k, v in cfg.optimizers.items()},
+        "total_parameters": total, "trainable_parameters": trainable,
+        "paper_trainable_parameters": paper if scale == "full" else None,
+        "difference_from_paper": trainable - paper if (paper is not None and scale == "full") else None,
+        "provisional_hyperparameters": cfg.provisional, "notes": list(cfg.notes),
+    }
+
+
+def format_describe(d: dict[str, Any]) -> str:
+    lines = [f"{d['setup']} [{d['scale']}]  {d['family']} / {d['method']} / {d['task']}",
+             f"  model: {d['model_source']}", f"  data:  {d['data_source']}",
+             f"  sizes ({d['sizes_source']}): " + ", ".join(f"{k} {v:,}" for k, v in d["sizes"].items()),
+             f"  batch {d['batch_size']}, {d['epochs']} epochs x {d['steps_per_epoch']} steps = {d['total_steps']} "
+             f"steps, validation every {d['eval_every']} steps" + (f", max_length {d['max_length']}"
+                                                                  if d["max_length"] else ""),
+             f"  parameters: total {d['total_parameters']:,}, trainable {d['trainable_parameters']:,}"
+             + (f" (paper: {d['paper_trainable_parameters']:,}, difference {d['difference_from_paper']:+,})"
+                if d["paper_trainable_parameters"] is not None else "")]
+    lines.append("  optimizers" + (" (PROVISIONAL)" if d["provisional_hyperparameters"] else "") + ":")
+    for name, o in d["optimizers"].items():
+        extra = "".join(f", {k}={o[k]}" for k in ("weight_decay", "damping") if o[k])
+        ms = f" {tuple(o['milestones'])}" if o["milestones"] else ""
+        lines.append(f"    {name:9s} lr={o['lr']:g}{extra}, {o['schedule']}{ms}  [{o['source']}]")
+    lines += [f"  note: {n}" for n in d["notes"]]
+    return "\n".join(lines)

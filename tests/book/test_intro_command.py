@@ -1,0 +1,45 @@
+"""The introduction's "rerun a chapter on a GPU" command, parsed from the page source (book/intro.md): it names a
+chapter that needs a GPU at full scale, the extras it installs exist and hold what full scale needs, and the same
+command at smoke scale runs as printed."""
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _commands() -> list[list[str]]:
+    text = (ROOT / "book" / "intro.md").read_text()
+    section = text[text.index("## Rerunning a chapter on a GPU"):]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    return [shlex.split(line) for line in block.strip().splitlines()]
+
+
+def test_the_command_reruns_a_gpu_chapter_at_full_scale():
+    pip, papermill = _commands()
+    assert papermill[:2] == ["papermill", "notebooks/train.ipynb"] and papermill[-3:] == ["-p", "scale", "full"]
+    from companion.experiments import resolve
+
+    assert resolve("sst2-t5-lora", "full").model_source == "google-t5/t5-base"  # the notebook's full default
+    extras = re.fullmatch(r"\.\[(.*)\]", pip[-1]).group(1).split(",")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(extras) <= set(declared)
+    needed = {"transformers", "peft", "datasets", "pillow", "papermill", "myst-nb", "seaborn"}
+    installed = {re.split(r"[<>=\[]", r)[0].lower() for e in extras for r in declared[e]}
+    assert needed <= installed, needed - installed
+
+
+def test_the_command_runs_as_printed_at_smoke_scale(tmp_path):
+    _, papermill = _commands()
+    command = [sys.executable, "-m", "papermill", papermill[1], str(tmp_path / "out.ipynb"), *papermill[3:-1],
+               "smoke", "-p", "out_dir", str(tmp_path / "fig"), "-p", "out", str(tmp_path / "runs"), "--cwd", str(ROOT)]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOME": str(tmp_path),
+           "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "fig" / "run.csv").exists()

@@ -1,0 +1,86 @@
+"""notebooks/train.ipynb at smoke scale: the same run as ``python -m companion train``, its figure and table, and the
+recorded learning-rate search it reads."""
+from __future__ import annotations
+
+import csv
+import json
+
+from nbrun import glued_text, run_notebook, unresolved_glue
+
+from companion.experiments import CPU_SETUPS, run_dir
+from companion.experiments.store import read_run
+from companion.experiments.summaries import final_train_loss, final_window
+
+
+def test_train_notebook_runs_the_cli_run_and_reads_the_search(tmp_path):
+    figures, runs = tmp_path / "fig", tmp_path / "runs"
+    nb = run_notebook("train.ipynb", tmp_path, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
+                      out=str(runs), out_dir=str(figures))
+    assert not unresolved_glue(nb)
+    assert "not available" in glued_text(nb, "e2_disagreement")  # no results_dir: no E2 runs to compare with
+    summary = json.loads((run_dir(runs, "smoke", "digits-mlp", "sgd", 1) / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["seed"] == 1
+    (row,) = list(csv.DictReader((figures / "run.csv").open()))
+    losses = read_run(run_dir(runs, "smoke", "digits-mlp", "sgd", 1))["losses"]
+    column = f"final train loss (last {final_window(len(losses))} updates)"  # the book's definition, not the runner's
+    assert row["setup"] == "digits-mlp" and float(row[column]) == final_train_loss(losses)
+    assert (figures / "run-digits-mlp-sgd-seed1.png").stat().st_size > 10_000
+    assert (figures / "lr_search.png").stat().st_size > 10_000
+    trials = list(csv.DictReader((figures / "lr_search_trials.csv").open()))
+    assert {t["setup"] for t in trials} == set(CPU_SETUPS)
+    chosen = [t for t in trials if t["chosen"] == "*"]
+    assert {(t["setup"], t["optimizer"]) for t in trials} >= {(s, "iEF") for s in CPU_SETUPS}
+    results = list(csv.DictReader((figures / "cpu_results_seed0.csv").open()))
+    assert len(chosen) == len(results) and {(r["setup"], r["optimizer"]) for r in results} == {
+        (t["setup"], t["optimizer"]) for t in chosen}
+
+
+def test_train_notebook_warns_before_a_full_scale_run():
+    """At full scale the notebook's first cell prints the steps and the paper's hours before anything starts."""
+    from companion.experiments.cost import cost_warning
+
+    warning = cost_warning("sst2-t5-lora", "full", "ief")
+    assert "42,100 update steps" in warning and "10 hours" in warning and "Appendix H.3" in warning
+    assert cost_warning("sst2-t5-lora", "smoke", "ief") is None
+    import nbformat
+
+    from nbrun import ROOT
+
+    source = "\n".join(c.source for c in nbformat.read(ROOT / "notebooks" / "train.ipynb", as_version=4).cells)
+    assert source.index("cost_warning(setup, scale, optimizer)") < source.index("train(setup, optimizer")
+
+
+def test_the_chapter_run_is_a_grid_run_and_the_notebooks_default():
+    """The run the workflow hands chapter "Training runs" (TRAIN_CHAPTER_RUN) is one the grid trains anyway, and the
+    one the notebook's parameters name by default, so the chapter reads it instead of training it a second time."""
+    import papermill
+
+    from nbrun import ROOT
+    from companion.experiments.setups import TRAIN_CHAPTER_RUN, grid_runs
+
+    declared = papermill.inspect_notebook(str(ROOT / "notebooks" / "train.ipynb"))
+    defaults = (eval(declared["optimizer"]["default"]), eval(declared["seed"]["default"]))
+    for scale, (setup, optimizer, seed) in TRAIN_CHAPTER_RUN.items():
+        assert (setup, optimizer, seed) in grid_runs(scale), scale
+        assert (optimizer, seed) == defaults
+    assert "runs_dir" in declared
+
+
+def test_train_notebook_reads_a_run_the_workflow_trained(tmp_path):
+    """Given the workflow's runs folder (runs_dir) holding the finished run, the notebook's `train` call skips it and
+    the chapter shows that run: nothing is trained again, no run folder of its own is made."""
+    from companion.experiments import train
+
+    workflow_runs, figures = tmp_path / "runs", tmp_path / "fig"
+    trained = train("digits-mlp", "sgd", 1, "smoke", workflow_runs, progress=False, verbose=False)
+    folder = run_dir(workflow_runs, "smoke", "digits-mlp", "sgd", 1)
+    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file() and p.name != "run.lock"}
+    nb = run_notebook("train.ipynb", tmp_path, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
+                      runs_dir=str(workflow_runs), out_dir=str(figures))
+    assert not unresolved_glue(nb)
+    assert "read here" in glued_text(nb, "train_source")
+    assert any("skipped (finished)" in "".join(o.get("text", "")) for c in nb.cells if c.cell_type == "code"
+               for o in c.get("outputs", []))
+    assert not (figures / "runs").exists()
+    assert {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file() and p.name != "run.lock"} == before
+    assert glued_text(nb, "train_wall") == f"{trained['wall_time_s']:.0f} s"

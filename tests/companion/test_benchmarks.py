@@ -1,0 +1,253 @@
+"""The benchmark harness's pure parts: rotated round-robin order, quartiles, within-round ratios, the JSON record.
+
+The benchmarks themselves are measurements, not pass/fail; what is tested here is the arithmetic and bookkeeping
+every table rests on, and that the documented command lines name modules that exist.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ief
+from benchmarks import __main__ as entry
+from benchmarks import harness
+
+ROOT = Path(__file__).resolve().parents[2]
+positive = st.floats(min_value=1e-6, max_value=1e3, allow_nan=False)
+
+
+def test_rotations_put_every_case_in_every_position():
+    order = harness.rotations(["a", "b", "c"], 6)
+    assert order[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert order[3:] == order[:3]
+    for position in range(3):
+        assert {o[position] for o in order[:3]} == {"a", "b", "c"}
+    assert harness.rotations([], 3) == []
+
+
+def test_round_robin_times_every_case_once_per_round_in_rotated_order():
+    calls, resets = [], []
+    cases = {k: (lambda k=k: calls.append(k)) for k in ("x", "y", "z")}
+    times = harness.round_robin(cases, rounds=4, warmup=1, before_each=lambda: resets.append(1))
+    assert {k: len(v) for k, v in times.items()} == {"x": 4, "y": 4, "z": 4}
+    assert calls[:3] == ["x", "y", "z"]  # warm-up, then the rotated rounds
+    assert calls[3:] == ["x", "y", "z", "y", "z", "x", "z", "x", "y", "x", "y", "z"]
+    assert len(resets) == len(calls)
+    assert all(t >= 0 for v in times.values() for t in v)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        harness.round_robin(cases, rounds=0)
+
+
+def test_quartiles_and_summary():
+    assert harness.quartiles([3.0]) == (3.0, 3.0, 3.0)
+    assert harness.quartiles([4.0, 1.0, 3.0, 2.0, 5.0]) == (2.0, 3.0, 4.0)
+    s = harness.summary([0.001, 0.002, 0.003, 0.004, 0.005])
+    assert s["median_ms"] == pytest.approx(3.0) and s["iqr_ms"] == pytest.approx(2.0)
+    assert s["min_ms"] == pytest.approx(1.0) and s["q1_ms"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="no values"):
+        harness.quartiles([])
+
+
+def test_within_round_ratio_is_robust_to_a_slow_round():
+    reference = [1.0, 1.0, 10.0, 1.0, 1.0]  # round 3: the machine was slow for both calls
+    times = [2.0, 2.0, 20.0, 2.0, 2.0]
+    assert harness.within_round_ratio(times, reference) == 2.0
+    # the ratio of medians agrees here; a slow phase that hits only some rounds of one case does not move the ratio
+    assert harness.ratio_of_medians(times, reference) == 2.0
+    with pytest.raises(ValueError, match="one time per round"):
+        harness.within_round_ratio([1.0, 2.0], [1.0])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(positive, positive), min_size=1, max_size=30), positive)
+def test_within_round_ratio_properties(pairs, scale):
+    times, reference = [a for a, _ in pairs], [b for _, b in pairs]
+    ratio = harness.within_round_ratio(times, reference)
+    per_round = [a / b for a, b in pairs]
+    assert min(per_round) <= ratio <= max(per_round)
+    # invariant to a slow-down that hits both calls of every round alike
+    assert harness.within_round_ratio([scale * a for a in times], [scale * b for b in reference]) == \
+        pytest.approx(ratio, rel=1e-9)
+    assert harness.within_round_ratio(reference, times) == pytest.approx(
+        statistics.median(b / a for a, b in pairs), rel=1e-12)
+
+
+def test_rows_refer_to_their_reference():
+    times = {"ref": [1.0, 2.0, 3.0], "op": [2.0, 4.0, 9.0]}
+    rows = harness.rows(times, {"ref": None, "op": "ref"}, {"op": "the op"})
+    by = {r["key"]: r for r in rows}
+    assert by["ref"]["ratio"] is None and by["ref"]["label"] == "ref"
+    assert by["op"]["ratio"] == 2.0 and by["op"]["label"] == "the op"
+    assert by["op"]["ratio_of_medians"] == 2.0 and by["op"]["times_ms"] == [2000.0, 4000.0, 9000.0]
+
+
+def test_running_peak():
+    assert harness.running_peak([]) == 0
+    assert harness.running_peak([100, 50, -120, 200, -230]) == 230
+    assert harness.running_peak([-10, 5]) == 0  # frees of blocks allocated before the start
+
+
+def test_cpu_tensor_peak_sees_a_temporary_tensor():
+    def make():
+        x = torch.empty(2**20, dtype=torch.float32)  # 4 MiB, freed before the call returns
+        x.fill_(1.0)
+        return float(x[0])
+
+    peak = harness.cpu_tensor_peak_mib(make)
+    if peak is None:
+        pytest.skip("this torch's profiler exposes no memory events (harness reports None, as documented)")
+    assert 4.0 <= peak < 5.0
+
+
+def test_other_load_and_warning():
+    with harness.OtherLoad() as load:
+        sum(range(10000))
+    assert load.cores is None or load.cores >= 0.0
+    cpus = __import__("os").cpu_count() or 1
+    assert harness.load_warning(None, 1) is None
+    assert harness.load_warning(0.0, 1, "cuda") is None
+    assert "WARNING" in harness.load_warning(float(cpus), 1)
+
+
+def test_table_rejects_ragged_rows():
+    t = harness.table("T", [("a", "s"), ("b", ".2f")], [["x", 1.0]])
+    assert t["columns"][1] == {"header": "b", "format": ".2f"}
+    with pytest.raises(ValueError, match="2 columns"):
+        harness.table("T", [("a", "s"), ("b", ".2f")], [["x"]])
+
+
+def _doc(**changes):
+    args = argparse.Namespace(repeats=3, json="out.json", _device=torch.device("cpu"))
+    with harness.OtherLoad() as load:
+        pass
+    doc = harness.record("step", ["--repeats", "3"], "cpu", args, load, {"raw": [1, 2]},
+                         [harness.table("T", [("a", "s"), ("b", ".2f")], [["x", 1.0]])], started=0.0)
+    doc.update(changes)
+    return doc
+
+
+def test_record_schema_and_atomic_write(tmp_path):
+    doc = _doc()
+    assert doc["schema"] == harness.SCHEMA and doc["benchmark"] == "step"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", doc["date"])
+    assert doc["command"].endswith("python -m benchmarks.step --repeats 3")
+    assert set(harness.MACHINE_KEYS) <= set(doc["machine"]) and doc["machine"]["torch"] == torch.__version__
+    assert "_device" not in doc["args"] and doc["args"]["repeats"] == 3
+    path = harness.write_json(tmp_path / "sub" / "r.json", doc)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(doc))
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(schema=99), "schema 99"),
+    (dict(command=None), "'command' must be a str"),
+    (dict(machine={"cpu": "x"}), "machine lacks"),
+    (dict(tables=[{"title": "T", "columns": [{"header": "a", "format": "s"}], "rows": [["x", 1]]}]),
+     "does not match its columns"),
+])
+def test_validate_names_what_is_wrong(change, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        harness.write_json(tmp_path / "bad.json", _doc(**change))
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_command_line_records_thread_variables(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    assert harness.command_line("benchmarks.conv2d", ["--batch", "a b"]) == \
+        "OMP_NUM_THREADS=1 python -m benchmarks.conv2d --batch 'a b'"
+
+
+def test_entry_point_lists_and_rejects(capsys):
+    assert entry.main([]) == 0
+    listed = capsys.readouterr().out
+    for name in entry.COMMANDS:
+        assert name in listed
+        assert (ROOT / "benchmarks" / f"{name}.py").exists()
+    assert entry.main(["nonsense"]) == 2
+    assert "unknown benchmark 'nonsense'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("step", ["--models", "mlp,resnet"], "unknown"),
+    ("step", ["--repeats", "0"], "--repeats >= 1"),
+    ("conv2d", ["--threads", "0"], "--threads >= 1"),
+    ("damping_sweep", ["--m", "32,x"], "comma-separated integers"),
+    ("evaluation", ["--setups", "cifar10-mlp"], "choose from"),
+    ("paper_mlp", ["--cases", "ief-auto"], "no 'adam'"),
+    ("fvp", ["--batch", "0"], "--batch must be >= 1"),
+    ("fvp", ["--models", "resnet"], "invalid choice"),
+])
+def test_bad_arguments_are_refused_by_name(module, argv, message, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(f"benchmarks.{module}").main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_documented_commands_name_existing_benchmarks():
+    texts = [ROOT / "README.md", ROOT / "Makefile", *sorted((ROOT / "book").glob("*.md")),
+             *sorted((ROOT / "benchmarks").glob("*.py"))]
+    named = set()
+    for path in texts:
+        named |= set(re.findall(r"python -m benchmarks[. ](\w+)", path.read_text())) - {"NAME"}
+    assert named, "no benchmark command found in the docs"
+    missing = sorted(n for n in named if not (ROOT / "benchmarks" / f"{n}.py").exists())
+    assert not missing, f"documented benchmark commands without a module: {missing}"
+
+
+def test_evaluation_benchmark_builds_its_workload_and_cases():
+    """The evaluation benchmark reads the evaluation jobs' knobs from the package (an import of a renamed constant
+    broke it once, unnoticed, since benchmarks are not run by the tests)."""
+    from benchmarks import evaluation
+    from companion.experiments.setups import EVALUATION_KNOBS as DEFAULTS
+
+    s = evaluation.build("digits-mlp", None, 0)
+    assert s["cg"] == DEFAULTS["cpu"]["cg_iterations"] and len(s["sweep"]) == DEFAULTS["cpu"]["sweep_dampings"]
+    assert {"sgd", "ief", "all methods", "damping sweep"} <= set(evaluation.cases(s))
+
+
+def test_fvp_benchmark_times_what_it_says():
+    """``python -m benchmarks fvp``'s cases on the MLP: the gradient is ``autograd.grad`` of the summed loss, and both
+    Fisher-vector products (here the package twice, as the 'before' one) give ``ief.fisher_vp``'s value."""
+    from benchmarks import fvp, workloads
+
+    w = fvp.build("mlp", 4, 0)
+    cases = fvp.cases_of(w, ief, 0)
+    assert set(cases) == {"forward", "gradient", "fvp", "fvp_before"}
+    params = [p for p in w.model.parameters() if p.requires_grad]
+    loss = workloads.summed_cross_entropy(w.model(w.inputs), w.targets)
+    for a, b in zip(cases["gradient"](), torch.autograd.grad(loss, params)):
+        assert torch.allclose(a, b)
+    assert torch.equal(cases["fvp"](), cases["fvp_before"]())
+
+
+def test_hf_layers_tables_split_per_sample_and_step_results():
+    """``benchmarks.hf_layers.tables``: per-sample ratios (against a backward) in one table, the step ratios
+    (against AdamW) with AdamW's time in another, each model's own numbers in its row, a missing method as ``None``."""
+    from benchmarks import hf_layers
+
+    def result(name, base):
+        keys = ("backward", "ief_before", "ief", "ief_auto", "vmap", "adamw_step", "ief_step_before", "ief_step")
+        rows = [dict(key=k, ratio=None if k == "backward" else base + i, median_ms=10.0 * (i + 1))
+                for i, k in enumerate(keys)]
+        return dict(model=name, tensors=5, loops=dict(ief_before=["a"], ief=[]), rows=rows)
+
+    per_sample, step = hf_layers.tables([result("bert", 1.0), result("vit", 2.0)], 16, 32, "abc1234")
+    headers = [c["header"] for c in per_sample["columns"]]
+    assert headers[:3] == ["model", "tensors looped before", "looped now"] and len(headers) == 3 + 5
+    assert per_sample["rows"][0][:3] == ["bert", "1 of 5", "0 of 5"]
+    assert per_sample["rows"][1][3:] == [3.0, 4.0, 5.0, 6.0, None]  # before, now, auto, vmap, no BackPACK
+    assert "abc1234" in per_sample["note"] and "M = 16, T = 32" in per_sample["title"]
+    assert [c["header"] for c in step["columns"]][:2] == ["model", "AdamW step ms"]
+    assert step["rows"] == [["bert", 60.0, 7.0, 8.0], ["vit", 60.0, 8.0, 9.0]]

@@ -1,0 +1,62 @@
+"""The compression chapter's rules (companion.chapters.compression) on hand-made results: the damping chosen on validation,
+the iEF-vs-EF verdict and the damping-robustness verdict."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from companion.chapters import compression as plots
+
+
+def _results(acc: dict[tuple[str, float, float], list[float]], split: str = "test") -> pd.DataFrame:
+    """Rows for (method, damping, sparsity) -> one accuracy per draw, on ``split`` and (the same) on validation."""
+    rows = []
+    for (method, damping, sparsity), values in acc.items():
+        for draw, a in enumerate(values):
+            for s in {split, "validation"}:
+                rows.append(dict(method=method, draw=draw, damping=damping, sparsity=sparsity, split=s, accuracy=a,
+                                 loss=1 - a))
+    return pd.DataFrame(rows)
+
+
+def test_chosen_damping_is_the_best_on_validation_ties_to_the_larger():
+    r = _results({("ef", 1e-4, 0.9): [0.5, 0.5], ("ef", 1e-2, 0.9): [0.6, 0.6], ("ef", 1.0, 0.9): [0.6, 0.6],
+                  ("ief", 1e-4, 0.9): [0.7, 0.7], ("ief", 1e-2, 0.9): [0.6, 0.6]})
+    assert plots.chosen_dampings(r, 0.9) == {"ef": 1.0, "ief": 1e-4}
+
+
+def test_beats_verdict_counts_wins_beyond_the_summed_sd():
+    acc = {}
+    for sp, ef, ief in ((0.5, [0.90, 0.90], [0.95, 0.95]),  # win: +5 points, sd 0
+                        (0.7, [0.80, 0.82], [0.82, 0.84]),  # tie: +2 points, sds ~1.4 + 1.4
+                        (0.9, [0.50, 0.50], [0.60, 0.60])):  # win
+        acc[("ef", 1e-2, sp)] = ef
+        acc[("ief", 1e-2, sp)] = ief
+        acc[("magnitude", np.nan, sp)] = [0.4, 0.4]
+    r = _results(acc)
+    v = plots.beats_verdict(r, {"ef": 1e-2, "ief": 1e-2})
+    assert v["wf_verdict"] == "iEF-WoodFisher beats EF-WoodFisher here"
+    assert (v["wf_wins"], v["wf_losses"], v["wf_ties"]) == ("50 %, 90 %", "none", "70 %")
+    # mirror: EF ahead everywhere
+    swapped = r.replace({"method": {"ef": "ief", "ief": "ef"}})
+    assert plots.beats_verdict(swapped, {"ef": 1e-2, "ief": 1e-2})["wf_verdict"] == \
+        "EF-WoodFisher beats iEF-WoodFisher here"
+    # one win, one loss, one tie: neither
+    acc[("ief", 1e-2, 0.9)] = [0.40, 0.40]
+    assert plots.beats_verdict(_results(acc), {"ef": 1e-2, "ief": 1e-2})["wf_verdict"] == \
+        "neither beats the other here"
+
+
+def test_robustness_rule():
+    base = {("magnitude", np.nan, 0.9): [0.5, 0.5]}
+    good = {**base, ("ef", 1e-8, 0.9): [0.2, 0.2], ("ief", 1e-8, 0.9): [0.6, 0.6], ("ef", 1.0, 0.9): [0.5, 0.5],
+            ("ief", 1.0, 0.9): [0.5, 0.5], ("ggn", 1e-8, 0.9): [0.6, 0.6], ("ggn", 1.0, 0.9): [0.5, 0.5]}
+    v = plots.robustness(_results(good), 0.9)
+    assert v["wf_robust_verdict"] == "it carries over" and v["wf_robust_below"] == "none"
+    assert v["wf_low_ief"] == "60.0 %" and v["wf_low_ef"] == "20.0 %"
+    bad = {**good, ("ief", 1e-8, 0.9): [0.1, 0.1], ("ggn", 1e-8, 0.9): [0.1, 0.1]}
+    v = plots.robustness(_results(bad), 0.9)
+    assert v["wf_robust_verdict"] == "it does not carry over" and v["wf_robust_below"] == "1e-08"
+    assert v["wf_low_reading"].startswith("the exact GGN fails there too")
+    only_ief = {**bad, ("ggn", 1e-8, 0.9): [0.6, 0.6]}
+    assert plots.robustness(_results(only_ief), 0.9)["wf_low_reading"].startswith("the exact GGN does not fail")

@@ -1,0 +1,199 @@
+"""companion.chapters.evaluation: the evaluation chapter's summary table (never a value split across lines) and log axes
+labelled with plain numbers."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from companion.chapters.common import plain_log_ticks  # noqa: E402
+from companion.chapters.evaluation import _plain, summary_table  # noqa: E402
+
+
+def _rows():
+    rows = []
+    for setup, methods in (("digits-mlp", ("sgd", "ef", "ief", "kfac")), ("tweets-minilm-pt", ("sgd", "ief", "ef"))):
+        for stage in (100, 0, 25):
+            for k, method in enumerate(methods):
+                rows.append({"setup": setup, "stage": stage, "method": method, "mean": 0.5 + 0.01 * k + stage / 1000,
+                             "sd": 0.0123, "n": 2, "imbalance_mean": 46.123 + stage, "imbalance_sd": 12.4})
+    return rows
+
+
+def test_summary_table_has_a_row_per_method_and_a_column_per_stage_in_order():
+    table = summary_table(_rows())
+    data = table.data
+    assert list(data.columns) == ["0%", "25%", "100%"]
+    assert list(data.loc["digits-mlp"].index) == ["EF / SGD", "iEF / SGD", "KFAC / SGD", "imbalance"]
+    assert list(data.loc["tweets-minilm-pt"].index) == ["EF / SGD", "iEF / SGD", "imbalance"]  # no K-FAC row
+    assert data.loc[("digits-mlp", "iEF / SGD"), "25%"] == "0.545\u00a0±\u00a00.012"
+    assert data.loc[("digits-mlp", "imbalance"), "100%"] == "146\u00a0±\u00a012"  # no "1e+01"
+
+
+def test_summary_cells_never_wrap_inside_a_value():
+    html = summary_table(_rows()).to_html()
+    assert "white-space: nowrap" in html and 'class="dataframe"' in html
+
+
+def test_summary_table_refuses_records_without_e1_rows():
+    with pytest.raises(ValueError, match="no E1 records"):
+        summary_table([])
+
+
+@pytest.mark.parametrize("x, digits, text", [(46.1234, 3, "46.1"), (12.4, 2, "12"), (150.2, 2, "150"),
+                                             (0.00234, 2, "0.0023"), (1.2e-8, 2, "1.2e-08"), (0.695, 3, "0.695")])
+def test_plain_numbers_have_no_exponent_above_one(x, digits, text):
+    assert _plain(x, digits) == text
+
+
+@pytest.mark.parametrize("lo, hi", [(1.3, 1.45), (0.3, 0.7), (0.26, 1.05), (0.2, 30.0), (1e-3, 2.3)])
+def test_log_axes_are_labelled_with_plain_numbers(lo, hi):
+    """A narrow log range (E1's ratios around 1.35) is labelled "1.35", never with matplotlib's "1.35x10^0"."""
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [lo, hi])
+    ax.set_yscale("log")
+    plain_log_ticks(ax)
+    fig.canvas.draw()
+    y0, y1 = ax.get_ylim()
+    labels = [t.get_text() for t in ax.get_yticklabels() if y0 <= t.get_position()[1] <= y1 and t.get_text()]
+    minor = [t.get_text() for t in ax.get_yticklabels(minor=True) if t.get_text()]
+    assert len(labels) >= 3 and not minor
+    assert all("10^" not in s and "$" not in s and "times" not in s for s in labels), labels
+    plt.close(fig)
+
+
+def _records():
+    """Two setups, three stages, two batches: EF above SGD and growing with the imbalance, iEF < SF < EF everywhere,
+    ieKFAC below KFAC/eKFAC; E3 sweeps where iEF is flat at small damping and EF/SF are best at a stage-dependent
+    damping."""
+    from companion.experiments.evaluate_runs import findings
+
+    recs = []
+    for setup in ("digits-mlp", "tweets-minilm-lora"):
+        for stage, grow in ((0, 1.0), (50, 2.0), (100, 4.0)):
+            for batch in (0, 1):
+                jitter = 1 + 0.01 * batch
+                ratios = {"sgd": 1.0, "ef": 1.1 * grow * jitter, "ief": 0.5 * jitter, "sf": 0.8 * jitter * (1 + 0.05 * grow),
+                          "hf": 0.3, "kfac": 0.9, "ekfac": 0.7, "iekfac": 0.6 * jitter}
+                for method, ratio in ratios.items():
+                    recs.append({"setup": setup, "stage": stage, "kind": "e1", "batch": batch, "method": method,
+                                 "damping": None if method == "sgd" else 1e-7, "gamma": ratio, "ratio": ratio,
+                                 "imbalance": 2.0 * grow, "target_tokens": 8})
+                for lam in (1e-9, 1e-7, 1e-2, 1.0):
+                    best = 1e-2 if stage == 0 else 1.0
+                    for method in ("ef", "sf", "ief"):
+                        ratio = 0.5 if method == "ief" and lam <= 1e-6 else 0.6 + abs(math.log10(lam / best)) / 10
+                        recs.append({"setup": setup, "stage": stage, "kind": "sweep", "batch": batch,
+                                     "method": method, "damping": lam, "gamma": ratio, "ratio": ratio,
+                                     "imbalance": 2.0 * grow, "target_tokens": 8})
+    return recs, findings(recs)
+
+
+def _notebook_glue_keys() -> set[str]:
+    nb = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "evaluation.ipynb").read_text())
+    text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    return set(re.findall(r"\{glue:text\}`([^`:]+)", text))
+
+
+def test_chapter_glue_states_each_rule_before_its_verdict():
+    """The glue carries each rule of companion.experiments.verdicts (thresholds in words) and its verdict per setup."""
+    from companion.experiments.verdicts import RULES
+    from companion.paper import cite
+    from companion.chapters.evaluation import chapter_glue
+
+    recs, _ = _records()
+    glued = chapter_glue(recs, "cpu", cite)
+    both = "digits-mlp, tweets-minilm-lora"
+    assert glued["v_e1_ef_worse"] == f"holds for {both}" and glued["v_e1_ief_better"] == f"holds for {both}"
+    assert glued["v_e1_order"] == f"holds for {both}" and glued["v_e1_imbalance"] == f"holds for {both}"
+    assert glued["rule_e1_ef_worse"].startswith(RULES["e1_ef_worse"].statement)
+    assert glued["v_e3_ief_robust"] == f"holds for {both}"
+    assert glued["v_e3_best_moves"].startswith("holds for digits-mlp, EF, digits-mlp, SF")
+    assert glued["v_e3_ef_signature"].startswith("does not hold for digits-mlp (stage 0 %: un-damped EF is 1.3× SGD")
+    assert glued["v_bd_iekfac_better"] == f"holds for {both}" and glued["v_bd_iekfac_close"] == f"holds for {both}"
+    assert glued["bd_surprise"] == "No stage has ieKFAC decided below exact iEF."
+    assert "Fig." in glued["damping_map"] and "fig:" not in glued["damping_map"]
+    assert not any(v.startswith("holds for some") for v in glued.values())
+
+
+def test_ief_below_iekfac_is_flagged_as_a_surprise():
+    from companion.paper import cite
+    from companion.chapters.evaluation import chapter_glue
+
+    recs, _ = _records()
+    for r in recs:
+        if r["method"] == "iekfac":
+            r["ratio"] = r["gamma"] = 0.4 * (1 + 0.01 * r["batch"])  # iEF is 0.5: ieKFAC 0.8x exact iEF
+    glued = chapter_glue(recs, "cpu", cite)
+    assert glued["v_bd_iekfac_close"].startswith("does not hold for digits-mlp (ieKFAC is below exact iEF at stage(s)")
+    assert glued["bd_surprise"].startswith("Surprise: digits-mlp: ieKFAC, a block-diagonal approximation of iEF")
+
+
+def test_every_number_the_chapter_glues_is_computed():
+    from companion.paper import cite
+    from companion.chapters.evaluation import chapter_glue
+
+    recs, _ = _records()
+    keys = set(chapter_glue(recs, "cpu", cite)) | {"n_batches", "batch_sizes", "stages", "damping_e1",
+                                                   "cg_iterations", "eval_seconds", "scale_caveat"}
+    from companion.experiments.blockdiag_check import CHECK_KEYS  # the dense check's cell (chapter_check)
+
+    keys |= set(CHECK_KEYS)
+    assert _notebook_glue_keys() <= keys, _notebook_glue_keys() - keys
+
+
+def test_each_verdict_is_glued_after_its_rule():
+    nb = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "evaluation.ipynb").read_text())
+    text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    verdicts = re.findall(r"\{glue:text\}`v_([a-z0-9_]+)`", text)
+    assert len(verdicts) >= 11
+    for name in verdicts:
+        assert text.index(f"`rule_{name}`") < text.index(f"`v_{name}`"), name
+
+
+def test_records_glue_reads_the_evaluation_jobs_times(tmp_path):
+    from companion.chapters.evaluation import records_glue
+
+    recs, _ = _records()
+    paths = {}
+    for k, setup in enumerate(("digits-mlp", "tweets-minilm-lora")):
+        paths[setup] = tmp_path / f"{setup}.csv"
+        parts = tmp_path / f"{setup}.csv.parts"
+        parts.mkdir()
+        for stage in (0, 50, 100):
+            (parts / f"stage-{stage:03d}.json").write_text(json.dumps({"seconds": 9.0, "cpu_seconds": 1.5 + k}))
+    glued = records_glue(recs, paths, "cpu")
+    assert glued["n_batches"] == 2 and glued["eval_seconds"] == "digits-mlp: 4.5 s, tweets-minilm-lora: 7.5 s"
+    assert glued["stages"] == "digits-mlp: 0%, 50%, 100%; tweets-minilm-lora: 0%, 50%, 100%"
+
+
+def test_figure_setups_refuse_an_unknown_scale():
+    from companion.chapters.evaluation import figure_setups
+
+    with pytest.raises(ValueError, match="scale must be one of"):
+        figure_setups("gpu")
+    assert figure_setups("full")[1][:3] == ["cola-t5-lora", "sst2-t5-pt", "cifar100-vit-lora"]
+
+
+def test_glue_and_series_skip_unusable_gammas():
+    """Issue 18: a gamma of 0 in the records (the old sweep's rounding) must neither crash a series nor print."""
+    from companion.paper import cite
+    from companion.chapters.evaluation import chapter_glue, stage_series, sweep_series
+
+    recs, _ = _records()
+    for r in recs:
+        if r["setup"] == "digits-mlp" and r["stage"] == 50 and r["batch"] == 0 and r["method"] in ("sgd", "sf"):
+            r["gamma"] = r["ratio"] = 0.0
+    stages, mean, _ = stage_series(recs, "digits-mlp", "ef")
+    assert list(stages) == [0, 50, 100] and all(math.isfinite(v) and v > 0 for v in mean)
+    lams, mean, _ = sweep_series(recs, "digits-mlp", 50, "sf")
+    assert len(lams) == 4 and all(v > 0 for v in mean)
+    glued = chapter_glue(recs, "cpu", cite)
+    assert "nan" not in " ".join(glued.values()) and "inf" not in glued["d_e1_order"]

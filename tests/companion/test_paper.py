@@ -1,0 +1,101 @@
+"""The paper as data: the label -> number map (``companion/paper/labels.json``); the coverage registry is
+tests/companion/test_chapters_coverage.py.
+
+Known numbers were read off the LaTeX by hand: equations are numbered globally (``eqn:EF_dl`` carries a ``\\notag``
+and has none, so ``eqn:kappa_EF`` is (6)); theorems, lemmas and assumptions share a per-section counter; appendix
+sections are lettered (A relation iEF/GN/NGD, B toy, C convergence, ..., H experiment details).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from tools import paper_labels
+
+from companion.paper import cite, cite_keys, labels
+
+ROOT = Path(__file__).resolve().parents[2]
+TEX = paper_labels.TEX  # the paper beside the repository (tools.paper_labels.find_paper)
+ROLE = re.compile(r"\{paper\}`([^`]+)`")
+RAW_KEY = re.compile(r"(?<![\w{`/])(?:eqn|fig|tab|sec|lemma|theorem|ass|alg):[A-Za-z0-9_\-]+")
+
+
+@pytest.mark.parametrize("label, text", [
+    ("eqn:prob_loss", "Eq. (1)"),
+    ("eqn:EF_lsq", "Eq. (5)"),
+    ("eqn:kappa_EF", "Eq. (6)"),  # after the un-numbered eqn:EF_dl
+    ("eqn:iEF_lsq", "Eq. (8)"),
+    ("fig:visual_tour", "Fig. 1"),
+    ("fig:logistic-regression", "Fig. 4"),  # the appendix B figure, after Figs. 2-3 of the main text
+    ("tab:sum-test", "Table 1"),
+    ("tab:license", "Table 4"),
+    ("sec:iEF", "Sec. 5"),
+    ("sec:app-toy-lls-2pt", "Appendix B"),
+    ("sec:app-optimiser", "Appendix H.2"),
+    ("sec:app-eval-complexity", "Appendix F.1.1"),
+    ("sec:opt-exp", "Sec. 7 (E2)"),  # a \paragraph: cited by its section
+    ("ass:full_batch_iEF", "Assumption 5.1"),
+    ("theorem:sublinear-convergence", "Theorem 5.3"),
+    ("theorem:linear-convergence", "Theorem 5.4"),
+    ("lemma:dln_dt", "Lemma C.1"),
+    ("ass:strong-convex-F", "Assumption C.2"),
+    ("alg:iEF", "Algorithm 1"),
+    ("alg:CG", "Algorithm 5"),
+])
+def test_known_labels_have_the_papers_numbers(label, text):
+    assert cite(label) == text
+
+
+def test_unnumbered_equations_are_cited_by_their_neighbour_and_unknown_labels_refused():
+    assert cite("eqn:EF_dl") == "the unnumbered equation after Eq. (5)"  # its \notag un-steps the counter
+    assert cite("eqn:s_ief") == "the unnumbered equation after Eq. (8)"  # equation*
+    assert labels()["eqn:s_ief"]["number"] is None
+    assert cite_keys("paper: sec:app-optimiser, ``eqn:iEF_lsq``, fig:nope") == "paper: Appendix H.2, Eq. (8), fig:nope"
+    with pytest.raises(KeyError, match="did you mean eqn:iEF_lsq"):
+        cite("eqn:iEF_lsqq")
+
+
+@pytest.mark.skipif(not TEX.exists(), reason="the paper's LaTeX source is not on this machine")
+def test_committed_map_is_what_the_latex_gives():
+    from tools.paper_labels import parse, strip_comments
+
+    tex = TEX.read_text(encoding="utf-8")
+    assert parse(tex) == labels()
+    assert set(re.findall(r"\\label\{([^}]+)\}", strip_comments(tex))) == set(labels())
+
+
+def _book_texts() -> dict[str, str]:
+    """Every text a reader meets: the book's markdown pages and the notebooks' markdown cells."""
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "book").glob("*.md")}
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = nbformat.read(nb, as_version=4).cells
+        texts[str(nb.relative_to(ROOT))] = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+    return texts
+
+
+def test_every_label_the_book_cites_is_in_the_map():
+    used = {(where, key) for where, text in _book_texts().items() for key in ROLE.findall(text)}
+    assert used, "the book cites no label of the paper"
+    unknown = [(w, k) for w, k in used if k not in labels()]
+    assert not unknown, unknown
+
+
+def test_no_raw_label_key_in_the_books_prose():
+    raw = {}
+    for where, text in _book_texts().items():
+        text = ROLE.sub("", text)
+        text = re.sub(r"```.*?```", "", text, flags=re.S)  # shell examples may name files
+        found = [k for k in RAW_KEY.findall(text) if k in labels()]
+        if found:
+            raw[where] = found
+    assert not raw, raw
+
+
+def test_labels_json_is_package_data():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '"companion.paper" = ["labels.json"]' in text
+    json.loads((ROOT / "ief" / "paper" / "labels.json").read_text())

@@ -11,7 +11,7 @@ Both sides compute gamma and gamma/gamma_SGD of EF, iEF and SF at K dampings (lo
   (a per-sample backward, a sampled backward, three Woodbury solves and four ``ief.gamma`` forward-mode passes, per damping);
 - ``sweep``: one ``ief.damping_sweep(model, *batch, dampings)`` (default route: the batch's logit Jacobian; one
   per-sample and one sampled Jacobian and one Gram matrix each, shared by all dampings, then per damping and method
-  the exact direction and its ``gamma``, as ``ief.evaluate`` computes them; until issue 18 it rated every damping by
+  the exact direction and its ``gamma``, as ``ief.evaluate`` computes them; an earlier version rated every damping by
   an ``O(M^2)`` quadratic form after ``2M`` logit JVPs, which was wrong on singular Grams at small damping).
 
 Models (float32, eval mode): ``mlp``: the digits-mlp architecture (64-128-128-10 ReLU, 26,122 parameters) on random
@@ -61,7 +61,7 @@ def _minilm(m: int):
 def _separate(model, x, y, dampings):
     out = []
     for lam in dampings:
-        # logit_space=False: K full model evaluations, as the issue's baseline (the default route would share one
+        # logit_space=False: K full model evaluations, the sweep's baseline (the default route would share one
         # logit Jacobian across calls' algebra and measure ief.evaluate's own shortcut instead)
         out += ief.evaluate(model, [(x, y)], ["ef", "ief", "sf"], lam, seed=0, logit_space=False)
     return out

@@ -36,7 +36,7 @@ from benchmarks.hf_layers import load_before
 from benchmarks.workloads import build_minilm_lora, build_mlp, build_t5_lora, logits_of, summed_cross_entropy
 
 MODELS = ("mlp", "t5-lora", "minilm-lora")
-BEFORE = "ef74e9b"  # main before issue 22's point 3 (the fixed per-call cost of fisher_vp)
+BEFORE = "ef74e9b"  # main before fisher_vp's fixed per-call cost was cut (the 'before' column)
 LABELS = {"forward": "forward (graph) F", "gradient": "gradient G", "fvp": "`fisher_vp` now",
           "fvp_before": "`fisher_vp` before"}
 

@@ -17,7 +17,7 @@ dropout off (eval mode), float32), every parameter trainable:
   classes (40 tensors: ``cls_token`` expanded and ``position_embeddings`` added to every sample).
 
 Cases, one process, round-robin (``benchmarks.harness``): ``backward`` (forward, ``L = sum_n l_n``, backward: the
-reference of every ratio); ``ief.per_sample`` as of the commit before issue 22 (``--before``, loaded from git as the
+reference of every ratio); ``ief.per_sample`` before these layers had hooks (``--before``, loaded from git as the
 package ``ief_before``; its parameters with no hook take the loop of ``M`` backward passes) and now, both dense;
 ``ief.per_sample(form="auto")`` (the optimisers' form); ``torch.func`` ``vmap(grad)`` and BackPACK ``BatchGrad`` where
 they run (the reason is recorded where not); one ``ief.optim.IEF`` step before and now, against one
@@ -45,7 +45,7 @@ import ief
 from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
-BEFORE = "89adfa7"  # the last commit before issue 22's layer rules
+BEFORE = "89adfa7"  # the last commit before the layer rules for HF Conv1D, position embeddings and broadcast tensors
 MODELS = ("bert", "gpt2", "vit")
 LABELS = {
     "backward": "plain backward",

@@ -12,7 +12,7 @@ dtype) and rated by :func:`ief.evaluation.rate`, the evaluation's own ``gamma`` 
 forward-mode pass). Every record is therefore the value :func:`ief.evaluate` computes at that damping (the tests
 check it, and both against a dense float64 oracle, on singular and near-singular Grams and ``lambda = 0``).
 
-Why not the cheaper algebra this module used before (until issue 18). It wrote every direction as ``d = B^T w``,
+Why not the cheaper algebra this module used before. It wrote every direction as ``d = B^T w``,
 ``B = [J; A]``, formed ``Z = J_z B^T`` once (``2M`` logit JVPs along the *rows* of ``B``) and rated each
 ``(method, lambda)`` by the quadratic form ``w^T (Z^T H Z) w / |w^T Z^T r|`` in ``O(M^2)``. That is exact in exact
 arithmetic but not in floating point whenever ``J J^T`` is singular or ill-conditioned (``P < M``, repeated samples,
@@ -21,7 +21,7 @@ samples whose every position is ignored, ``lambda`` near 0): on a null eigenvect
 happens in ``Z``'s rounding (each column its own JVP, in the model's dtype: ``6e-8 x 1e10`` in float32) and inside
 a ``2M x 2M`` quadratic form whose terms are ``|w|^2 |C| ~ 1e20 |C|`` (float64 too). The curvature came out as
 rounding noise: ``gamma = 0`` (clamped negative curvature) or values off by factors of 2 at ``lambda <= 1e-8``
-(issue 18: ``Linear(4, 3)``, ``M = 32``: 0 against 0.2622; a prompt-tuned MLP in float32: 2.22 against 0.630), the
+(measured: ``Linear(4, 3)``, ``M = 32``: 0 against 0.2622; a prompt-tuned MLP in float32: 2.22 against 0.630), the
 very region E3's "iEF is insensitive to near-zero damping" is read from. The direct route cancels in float64 in
 parameter space on the exact ``J`` (:meth:`ief.rows.Rows.combine_rows`) *before* any JVP, so nothing large is ever
 subtracted afterwards: it is exact by construction, and no fast route with a guard is kept.

@@ -1,4 +1,4 @@
-"""The ief optimisers inside ``transformers.Trainer``: :class:`IEFTrainer` (issue 20, beyond the paper).
+"""The ief optimisers inside ``transformers.Trainer``: :class:`IEFTrainer` (beyond the paper).
 
 The exact iEF / EF / SF updates (``alg:iEF``, ``alg:EF``, ``alg:SF``) and the K-FAC family
 (``sec:app-iEF-eNGDopt``) need the batch: their ``step(inputs, targets)`` runs the forward and the per-sample

@@ -1,4 +1,4 @@
-"""The evaluation's records under another CPU kernel set (issue 18, item 3): ``make test`` reruns the smoke evaluation
+"""The evaluation's records under another CPU kernel set (portable numbers): ``make test`` reruns the smoke evaluation
 with ``ATEN_CPU_CAPABILITY=default`` (ATen's scalar kernels instead of the machine's AVX2/AVX-512 ones) on the same
 checkpoints, with the same parameters, and compares every record with the first run's.
 
@@ -56,7 +56,7 @@ class Tolerance:
 # rounding floor of ief.directions), the largest relative difference of gamma: digits-mlp bitwise equal except
 # K-FAC/EK-FAC/iEK-FAC (3e-4); tweets-minilm-* E1 <= 5.1e-4 (their E1 damping, the setups' near-zero 1e-7 / 1e-12, is itself near-singular);
 # sweep at dampings >= 1e-4 <= 5.8e-6, at 1e-6 <= 8.5e-5, at 1e-8 and 1e-10 <= 3.3e-4. Each tolerance is ~10x the
-# largest seen. (The sweep before issue 18 differed by up to a factor 2.7 below 1e-7, and recorded gamma = 0 in one
+# largest seen. (The sweep's earlier algebra differed by up to a factor 2.7 below 1e-7, and recorded gamma = 0 in one
 # run only: that was its algebra cancelling 1/lambda-sized terms in rounding, not the kernels.)
 E1_TOLERANCE = Tolerance(5e-3)  # E1 and the block-diagonal study, every method
 SWEEP_TOLERANCES = (  # E3's damping sweep: (smallest damping of the band, tolerance), searched in order

@@ -48,7 +48,7 @@ PAPER_MLP = "paper: sec:app-mlp-cifar10"
 @dataclass(frozen=True)
 class Grid:
     """A learning-rate grid: ``paper`` (the paper's values, or ours where it ran no search) and ``extended`` (rates we
-    added because the cpu search chose an edge of ``paper``: a search must bracket its optimum, issue 19), with where
+    added because the cpu search chose an edge of ``paper``: a search must bracket its optimum), with where
     each comes from. ``values``: all of them, ascending."""
     paper: tuple[float, ...]
     source: str
@@ -110,9 +110,9 @@ GRIDS: dict[str, dict[str, Grid]] = {
 }
 
 
-# Beyond the paper (issue 20): the practical optimisers get grids of ours. iEF + momentum + weight decay: iEF's own
+# Beyond the paper: the practical optimisers get grids of ours. iEF + momentum + weight decay: iEF's own
 # cpu grid (the exponential-average momentum keeps the rate's meaning); the K-FAC family: a decade either side of 0.1
-_PRACTICAL_SOURCE = "ours: beyond the paper (issue 20)"
+_PRACTICAL_SOURCE = "ours: beyond the paper"
 # (the MLP: iEF's whole grid, cheap there; the tweets setups: four rates around iEF's chosen 0.3 and 1); the K-FAC
 # family with damping 1 (companion.experiments.setups): rates around the 0.01 a probe found to train
 _PRACTICAL: dict[str, dict[str, Grid]] = {

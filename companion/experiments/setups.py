@@ -186,7 +186,7 @@ def _lora_optimizers(source: str, token_mean: bool = True) -> dict[str, Optimize
     }
     # LoRA's trainable parameters are nn.Linear (the adapters; a classifier head where there is one). K-FAC damping 1:
     # on tweets-minilm-lora (sum over 32 samples) 1e-2 reached 40.6 % validation at lr 0.01, 1 reached 61.3 % (a probe
-    # before the search, issue 20); the MLP's value too
+    # before the search); the MLP's value too
     return {**table, **_practical_optimizers(table["ief"], linear=True, kfac_damping=1.0)}
 
 
@@ -211,11 +211,11 @@ def _mlp_optimizers(source: str, milestone: int, token_mean: bool = True) -> dic
                                      source=f"{_NOT_IN_PAPER} (prompt tuning's Adafactor settings)"),
     }
     # K-FAC damping 1: on digits-mlp (sum over 64 samples) 0.1 diverged at every rate 0.01..1 and 1 reached 97.5 %
-    # validation at lr 0.01 (a probe before the search, issue 20)
+    # validation at lr 0.01 (a probe before the search)
     return {**table, **_practical_optimizers(table["ief"], linear=True, kfac_damping=1.0)}
 
 
-_PRACTICAL = "ours, beyond the paper (issue 20)"
+_PRACTICAL = "ours, beyond the paper"
 # iEF + momentum + decoupled weight decay (ief.optim.momentum): momentum 0.9 with dampening 0.9 (the exponential
 # average: a constant direction is stepped lr far, so the rate keeps iEF's meaning); weight decay 1e-4 (a shrink of
 # lr * 1e-4 per step: about AdamW's lr 1e-3 * 1e-2 per step on LoRA at iEF's lr ~0.3)
@@ -516,7 +516,7 @@ class ScaleGrid:
 
 
 GRIDS: dict[str, ScaleGrid] = {
-    "full": ScaleGrid(PAPER_SETUPS, E2_SEEDS, practical=False),  # practical rates are searched at cpu only (issue 20)
+    "full": ScaleGrid(PAPER_SETUPS, E2_SEEDS, practical=False),  # practical rates are searched at cpu only (their cost)
     "cpu": ScaleGrid(CPU_SETUPS, E2_SEEDS, practical=True),
     "smoke": ScaleGrid(CPU_SETUPS, (0, 1), practical=True),
 }

@@ -260,7 +260,7 @@ FIGURES_JS = """Array.from(document.querySelectorAll('main img')).map((img, i) =
 
 
 def test_figure_text_is_at_least_9_px_as_shown_and_reduced_figures_say_they_enlarge(book, server, browser):
-    """Issue 19: every figure's smallest text (recorded in its PNG by companion.chapters.common.render_png, in px of the
+    """Legible: every figure's smallest text (recorded in its PNG by companion.chapters.common.render_png, in px of the
     image) times the scale the page shows the image at (shown / natural width) is >= MIN_TEXT_PX in a 1400 px and
     a 1000 px window; an image without that record was not drawn in the book's style and fails. The column is at
     least BOOK_CONTENT_PX wide there (the width tests/book/test_figures.py holds each figure function to). In every
@@ -364,7 +364,7 @@ LAYOUT_JS = r"""() => {
 
 
 def test_parameters_fold_math_fits_or_scrolls_and_no_word_breaks_in_a_table(book, server, browser):
-    """Issue 19's small layout defects: the parameters cell is folded (or wraps when shown); every display equation
+    """Small layout defects once seen: the parameters cell is folded (or wraps when shown); every display equation
     fits the column at 1400 and 1000 px (a wide one is set smaller, fit-tables.js); at 1400 px no number or word in
     a table cell is split across lines (a column sized by its longest word, never letter by letter)."""
     problems = []

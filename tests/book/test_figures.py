@@ -139,7 +139,7 @@ def test_the_convergence_figures_are_readable_too():
 
 
 def test_the_old_layout_fails_the_measure():
-    """Today's measure fails what the book showed before issue 19: a 13 in wide four-panel row at 100 dpi with an
+    """Today's measure fails what the book once showed: a 13 in wide four-panel row at 100 dpi with an
     8 pt legend, shown in a 690 px column (about 7 px), and a figure whose text is small in the image itself."""
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), dpi=100)
     for ax in axes:

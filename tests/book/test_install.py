@@ -1,4 +1,4 @@
-"""The install story holds beyond this machine (issue 24, point 2).
+"""The install story holds beyond this machine (a pip user's own torch, a fresh venv).
 
 - pip users install their torch first; the README's ``pip install -e ".[hf,cpu-scale]"`` must then keep it. Checked
   by a real resolution: ``pip install --dry-run`` into a fresh venv that holds a stand-in ``torch`` (a bare

@@ -180,7 +180,7 @@ def _outputs(plan: str) -> list[Path]:
 def test_deleting_a_results_folder_replans_it_without_exceptions(tmp_path, profile):
     """The smoke grid's files made (empty, all of one mtime) from a dry run's plan; then each results folder deleted
     in turn (the evaluation tables, their per-stage parts, all of results/smoke): the dry run plans exactly the
-    deleted files' jobs again, and prints no exception (issue 18, item 9: `rm -rf results/smoke/eval` printed 15)."""
+    deleted files' jobs again, and prints no exception (`rm -rf results/smoke/eval` once printed 15)."""
     args = ["-n", "--profile", f"workflow/profiles/{profile}", "--config", "scale=smoke", f"runs={tmp_path}/runs",
             f"results={tmp_path}/results", "--", "grid"]
     first = _snakemake(*args)
@@ -235,7 +235,7 @@ def _planned(done: subprocess.CompletedProcess) -> dict[str, int]:
 
 def test_each_rule_depends_on_the_code_it_runs(tmp_path):
     """Training and evaluation depend on the core and experiments code only, the notebooks on the chapter back-ends
-    too (issue 24): on a copy of the checkout with the smoke book made (every output newer than every source), a
+    too: on a copy of the checkout with the smoke book made (every output newer than every source), a
     plot-only edit (a chapter module, the style module) plans the notebooks and the book and no training or evaluation
     job; a core edit plans the whole grid again."""
     checkout = tmp_path / "checkout"

@@ -183,7 +183,7 @@ def test_figure_setups_refuse_an_unknown_scale():
 
 
 def test_glue_and_series_skip_unusable_gammas():
-    """Issue 18: a gamma of 0 in the records (the old sweep's rounding) must neither crash a series nor print."""
+    """A gamma of 0 in the records (the old sweep's rounding) must neither crash a series nor print."""
     from companion.paper import cite
     from companion.chapters.evaluation import chapter_glue, stage_series, sweep_series
 

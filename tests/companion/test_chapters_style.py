@@ -11,7 +11,7 @@ import pytest
 from companion.chapters import colour
 from companion.chapters.style import CONTOUR_COLOR, FIELD_COLORS, FIGURE_GROUPS, METHOD_COLORS, SEQUENCE_COLORS, method_color
 
-OLD_PALETTE = {  # the palette before issue 19: tab10 with light blue ieKFAC beside blue iEF
+OLD_PALETTE = {  # the earlier palette: tab10 with light blue ieKFAC beside blue iEF
     "SGD": "#7f7f7f", "NGD": "#000000", "iEF": "#1f77b4", "EF": "#d62728", "SF": "#2ca02c", "AdamW": "#9467bd",
     "Adafactor": "#8c564b", "Adam": "#e377c2", "HF": "#17becf", "KFAC": "#bcbd22", "eKFAC": "#ff7f0e",
     "ieKFAC": "#aec7e8"}

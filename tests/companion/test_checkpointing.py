@@ -1,7 +1,7 @@
 """Activation (gradient) checkpointing, against the float64 per-sample loop of ``tests/oracle.py`` run on a twin of the
 model without checkpointing (same weights; the oracle's ``autograd.grad`` cannot enter a reentrant checkpoint).
 
-What was seen before (issue 18, item 4):
+What was seen before:
 
 - peft LoRA + HuggingFace ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})``
   (+ ``enable_input_require_grads()``, the usual recipe): ``per_sample``'s ``J`` identically zero, ``fisher_vp`` zero,

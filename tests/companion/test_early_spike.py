@@ -1,4 +1,4 @@
-"""companion.experiments.early_spike: iEF's early loss spike on the MLP from scratch, measured and explained (issue 19)."""
+"""companion.experiments.early_spike: iEF's early loss spike on the MLP from scratch, measured and explained."""
 from __future__ import annotations
 
 import math

@@ -246,7 +246,7 @@ def _sweep_records(sf_ratios, ief_ratios=(0.5, 0.5, 0.6)):
 
 
 def test_findings_never_divide_by_an_unchecked_value():
-    """Issue 18: a recorded gamma = 0 (the old sweep's rounding) made findings divide by zero; records that are
+    """A recorded gamma = 0 (the old sweep's rounding) made findings divide by zero; records that are
     0, inf or NaN are not usable and never enter a finding."""
     assert er.findings(_sweep_records((0.0, 0.0, 0.7)))["s"]["ief_over_best_sf"] == [pytest.approx(0.5 / 0.7)]
     assert er.findings(_sweep_records((0.0, math.nan, math.inf)))["s"]["ief_over_best_sf"] == [None]

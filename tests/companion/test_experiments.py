@@ -272,7 +272,7 @@ def test_full_scale_splits_from_hub_datasets(monkeypatch):
 
 
 def test_schedule_override_gives_ef_without_a_schedule(tmp_path, capsys):
-    """`--schedule constant`: EF with a constant, un-normalised rate (the issue's 'EF without a schedule'); other
+    """`--schedule constant`: EF with a constant, un-normalised rate (the 'EF without a schedule' baseline); other
     schedules are refused where they do not exist, naming the valid ones."""
     from companion.experiments.optimizers import make_optimizer
 
@@ -311,7 +311,7 @@ class _WritesAFile:
 
 @pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy-pickle"])
 def test_a_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path, zipped):
-    """A run folder someone else wrote (issue 18, item 10): a resume.pt whose pickle would execute code."""
+    """A run folder someone else wrote: a resume.pt whose pickle would execute code."""
     target = tmp_path / "pwned"
     path = tmp_path / "resume.pt"
     torch.save({"model": {"w": torch.ones(2)}, "rng": _WritesAFile(target)}, path,

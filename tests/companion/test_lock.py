@@ -1,4 +1,4 @@
-"""requirements/ci.lock (issue 18, item 11): every transitive dependency of the CPU install pinned with hashes, and
+"""requirements/ci.lock (a reproducible install): every transitive dependency of the CPU install pinned with hashes, and
 the environment `make env` built from it holding exactly what the lock and requirements/no-deps.txt say."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The practical optimisers beyond the paper (issue 20, point 4): the grid's ief-momentum and K-FAC family runs,
+"""The practical optimisers beyond the paper: the grid's ief-momentum and K-FAC family runs,
 their rules (decided over seeds, able to hold, fail and stay inconclusive), the cost measured side by side, and the
 chapter notebooks/practical.ipynb at smoke scale."""
 from __future__ import annotations

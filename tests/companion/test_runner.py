@@ -195,7 +195,7 @@ def test_divergence_ends_the_run_with_a_summary(tmp_path):
                                                 ).exists()
 
 
-# ------------------------------------------------------------------------------------- issue 9 §5: the hardened runner
+# ------------------------------------------------------------------- the hardened runner: faults, duplicates, bad input
 FAST = ["train", "--setup", "digits-mlp", "--optimizer", "ief", "--scale", "smoke", "--no-progress"]  # 8 steps, <1 s
 
 
@@ -266,7 +266,7 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 
 def test_a_lagging_duplicate_cannot_corrupt_a_run(fast_reference, tmp_path, capsys):
-    """The issue's scenario: the same run started twice (a SLURM requeue, a second terminal), the second lagging
+    """A fault seen in practice: the same run started twice (a SLURM requeue, a second terminal), the second lagging
     behind the first. Before: the first to finish loaded the other's best.pt (test accuracy 0.54 instead of 0.97),
     the folder kept a truncated train_loss.csv and a stray resume.pt. Now the first (a child process, held after
     its first update) owns the folder: a duplicate without --wait-lock stops at once (exit 75), one with

@@ -48,7 +48,7 @@ def test_grids_are_the_papers():
 
 @pytest.mark.parametrize("name", CPU_SETUPS)
 def test_every_cpu_search_brackets_its_choice(name):
-    """Issue 19: a rate at the edge of its grid says nothing about whether a better one lies beyond it, so every
+    """A rate at the edge of its grid says nothing about whether a better one lies beyond it, so every
     committed cpu search chose a rate with a tried rate on each side."""
     record = S.load_record(name, "cpu")
     edges = {opt: S.edge(o) for opt, o in record["optimizers"].items()}

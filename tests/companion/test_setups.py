@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_grid_per_scale_is_the_papers_and_its_siblings():
     """full: the paper's 16 setups x its five optimisers per method x 3 seeds (tab:train, tab:test, tab:test-mlp);
-    cpu and smoke: the CPU siblings, with the practical optimisers (issue 20) beside the E2 ones."""
+    cpu and smoke: the CPU siblings, with the practical optimisers (beyond the paper) beside the E2 ones."""
     assert S.GRIDS["full"] == S.ScaleGrid(S.PAPER_SETUPS, (0, 1, 2), practical=False)
     assert S.GRIDS["cpu"] == S.ScaleGrid(S.CPU_SETUPS, (0, 1, 2), practical=True)
     assert S.GRIDS["smoke"] == S.ScaleGrid(S.CPU_SETUPS, (0, 1), practical=True)

@@ -233,7 +233,7 @@ def _figure_colour_clashes(fig):
 
 @pytest.mark.slow
 def test_no_trajectory_is_drawn_in_the_hue_of_its_field():
-    """Issue 19: red trajectories were drawn on the red EF field and blue ones on the blue iEF field."""
+    """Red trajectories were once drawn on the red EF field and blue ones on the blue iEF field."""
     import matplotlib
 
     matplotlib.use("Agg")

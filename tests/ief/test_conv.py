@@ -273,7 +273,7 @@ class _TiedConv(torch.nn.Module):
 
 @pytest.mark.parametrize("form", ["dense", "ghost", "rows"])
 def test_a_conv_weight_used_outside_its_module_takes_the_loop(form):
-    """Found in the forward's graph (issue 18): its rows come from the exact per-sample loop, not refused."""
+    """Found in the forward's graph: its rows come from the exact per-sample loop, not refused."""
     torch.manual_seed(0)
     model = _TiedConv().double()
     x, y = torch.randn(4, 2, 5, 5, dtype=torch.float64), torch.randint(0, CLASSES, (4,))

@@ -62,7 +62,7 @@ def test_bad_input(kwargs, match):
         ief.damping_sweep(case.model, case.inputs, case.targets, **kwargs)
 
 
-# --- issue 18: exact on singular and near-singular Grams, against ief.evaluate and a dense float64 oracle ---------
+# --- exact on singular and near-singular Grams, against ief.evaluate and a dense float64 oracle ----------------
 
 import copy  # noqa: E402
 import importlib  # noqa: E402
@@ -166,7 +166,7 @@ def _by_key(records):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_sweep_equals_evaluate_and_dense_oracle_on_singular_grams(name, dtype, logit_space):
-    """Issue 18: the old 2M-JVP algebra returned gamma = 0 (Linear(4, 3), M = 32, f64, 1e-8; the prompt case, f64,
+    """The old 2M-JVP algebra returned gamma = 0 (Linear(4, 3), M = 32, f64, 1e-8; the prompt case, f64,
     1e-10) or 2.22 against 0.630 (prompt, f32, 1e-8) where J J^T is singular: every (method, lambda) must equal one
     ief.evaluate at that damping and the dense oracle."""
     case = CASES[name](dtype)

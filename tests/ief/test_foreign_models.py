@@ -10,7 +10,7 @@ mode, float64 and float32:
   softmax cross-entropy, ``sec:app-eval-complexity``), built on the positions that are not ignored;
 - the iEF direction (``eqn:iEF_lsq``) against the one formed from the oracle's ``J``.
 
-Plus the cases of issue 9: ``T == M`` and ``T != M`` on consecutive calls and optimiser steps (the sample axis of a
+Plus cases once silently wrong: ``T == M`` and ``T != M`` on consecutive calls and optimiser steps (the sample axis of a
 sequence-first layer is established per call, never guessed), the transformer fast path, float32 ``nn.LSTM``
 (oneDNN), ``torch.compile`` and ``nn.DataParallel`` under forward-mode AD, and one ``SlowPathWarning`` per model.
 """
@@ -217,7 +217,7 @@ def test_foreign_model_matches_loop_and_curvlinops(name, mode, dtype):
     assert abs(ief.gamma(model, inputs, targets, v.to(dtype)) - expected) < tol * expected
 
 
-# ------------------------------------------------------------------------------------- issue 9, section 1
+# ----------------------------------------------------- a sequence-first layer: the sample axis established per call
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_sequence_first_layer_with_t_equal_and_unequal_to_m_on_consecutive_calls(mode):
     """A sequence-first TransformerEncoderLayer sees ``[T, M, E]``. Its sample axis is established per call (a
@@ -301,7 +301,7 @@ def test_call_without_a_sample_axis_takes_the_loop():
     assert _rel(got.jacobian, oracle.per_sample(model, x, y)[1]) < 1e-12
 
 
-# ------------------------------------------------------------------------------------- issue 9, section 2
+# --------------------------------------------- forward-mode AD through fast paths, torch.compile and DataParallel
 def _all_forward_mode_paths(model, inputs, targets):
     """gamma (forward mode), fisher_vp(method="forward"), per_sample(check="exact") and an optimiser's first step."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -364,13 +364,13 @@ def test_compiled_and_data_parallel_models_are_run_through_their_module(wrapper)
     ief.optim.IEF(wrapped, lr=1e-3).step(x, y)
 
 
-# ------------------------------------------------------------------------------------- issue 9, section 3
+# ---------------------------------------------------------------- one SlowPathWarning per model, naming the tensors
 @pytest.mark.parametrize(
     "name, looped",
     [
         ("cnn-reflect", ["conv.weight", "conv.bias"]),
         ("gru", ["gru.weight_ih_l0", "gru.weight_hh_l0", "gru.bias_ih_l0", "gru.bias_hh_l0"]),
-        ("lstm-tagger", ["lstm.weight_ih_l0", "lstm.weight_hh_l0"]),  # attention is hooked (issue 22)
+        ("lstm-tagger", ["lstm.weight_ih_l0", "lstm.weight_hh_l0"]),  # attention is hooked
     ],
 )
 def test_slow_path_warns_once_per_model_naming_the_parameters(name, looped):

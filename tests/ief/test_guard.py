@@ -395,7 +395,7 @@ def test_per_sample_gradient_is_computed_on_first_access_and_survives_pickling()
 
 # ------------------------------------------------------------------------------ the exact check, whatever P and dtype
 class _FlipMix(torch.nn.Module):
-    """``Linear(D, D) -> tanh -> h + mix * h.flip(0) -> Linear(D, 3)`` (issue 18): with ``mix != 0`` every l_n
+    """``Linear(D, D) -> tanh -> h + mix * h.flip(0) -> Linear(D, 3)`` (samples mixed): with ``mix != 0`` every l_n
     depends on sample ``M - 1 - n``; the hooked rows still add up. ``P = D^2 + 4 D + 3`` (4 355 for D = 64, 66 563
     for D = 256)."""
 

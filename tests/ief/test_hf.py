@@ -1,4 +1,4 @@
-"""``ief.hf.IEFTrainer``: ``transformers.Trainer`` driving the ief optimisers (issue 20, point 3).
+"""``ief.hf.IEFTrainer``: ``transformers.Trainer`` driving the ief optimisers.
 
 Oracle: the same steps driven by hand with ``ief.optim`` (no ``ief.hf``): the same float64 model init, the same
 batches in the same order (sequential sampling, built here from the rows), targets built here position by position

@@ -390,7 +390,7 @@ def test_lambda_lr_scheduler_with_ief():
     assert_rel(flat(c.model) - before, -0.05 * d, what="scheduled update")
 
 
-# ------------------------------------------------------------------- values arriving through param_groups (issue 9)
+# --------------------------------------------------------------------------- values arriving through param_groups
 _BAD_GROUP_VALUES = [
     ("lr", float("nan"), "nan"), ("lr", float("inf"), "inf"), ("lr", -0.1, "-0.1"), ("lr", "fast", "'fast'"),
     ("lr", None, "None"), ("damping", float("nan"), "damping must be a finite"), ("damping", -1.0, "-1.0"),
@@ -529,7 +529,7 @@ def test_bad_form_is_refused_by_the_constructor(bad):
         ief.optim.IEF(c.model, form=bad)
 
 
-# ----------------------------------------------------------------------- driving the optimisers: API edges (issue 18)
+# ------------------------------------------------------------------------------ driving the optimisers: API edges
 @pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
 def test_add_param_group_is_refused_with_the_reason_and_the_remedy(cls):
     """One joint direction over the groups fixed at construction: a group added later would never be updated, so it
@@ -582,7 +582,7 @@ def test_empty_params_names_what_was_given():
             ief.optim.IEF(c.model, params=params)
 
 
-# ---------------------------------------------------------------------------------- reduction="mean" (issue 18)
+# ----------------------------------------------------------------------------------------------- reduction="mean"
 def _mean_convention_oracle(case, lr, damping, method, normalize=False):
     """The update of the paper's code, by brute force in float64: per-sample gradients of the *mean* loss
     ``L / K`` (rows ``J / K``, ``s / K^2``) and the dense formula of ``alg:iEF`` / ``alg:EF``."""
@@ -683,7 +683,7 @@ def test_reduction_mean_refuses_a_batch_without_a_counted_target():
     assert torch.equal(flat(c.model), theta)
 
 
-# ------------------------------------------------------------------------------ defaults cannot mislead (issue 18)
+# --------------------------------------------------------------------------------------- defaults cannot mislead
 def _tiny_bert_lora(seed: int = 0):
     import peft
     from transformers import BertConfig, BertForSequenceClassification
@@ -734,7 +734,7 @@ def test_the_paper_values_in_the_sum_convention_do_diverge():
     assert _bert_loss(model, inputs, targets) > 100 * before
 
 
-# ------------------------------------------------------------------------------------------ causal LMs (issue 18)
+# --------------------------------------------------------------------------------------------------- causal LMs
 def _causal_lm(kind: str):
     torch.manual_seed(0)
     if kind == "gpt2":

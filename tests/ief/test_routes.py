@@ -1,4 +1,4 @@
-"""Differential tests: every fast route of ``ief`` against its reference route, over one matrix (issue 18).
+"""Differential tests: every fast route of ``ief`` against its reference route, over one matrix.
 
 Routes (fast -> reference; "oracle" is the dense float64 brute force of ``tests/oracle.py`` / ``route_models.py``):
 

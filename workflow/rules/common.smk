@@ -84,7 +84,7 @@ def _one_of(names) -> str:
 
 # Every wildcard matches only what it names, so no rule's output pattern matches another rule's files: without
 # these, `{setup}` of eval/{setup}.csv matched eval/digits-mlp.csv.parts/stage-000.csv, and every dry run or rerun
-# after a results folder was deleted printed one InputFunctionException per stage checkpoint (issue 18, item 9).
+# after a results folder was deleted printed one InputFunctionException per stage checkpoint.
 wildcard_constraints:
     setup=_one_of(REGISTRY.SETUPS),
     optimizer=_one_of(REGISTRY.OPTIMIZERS),

@@ -1,4 +1,4 @@
-"""The paper's claims as rules that can fail, stated before the numbers (issue 19, items 3 and 4).
+"""The paper's claims as rules that can fail, stated before the numbers, so that a verdict could come out otherwise.
 
 Each claim a chapter checks is a :class:`Rule`: its name, the paper's claim and ``\\label``, the rule in one or two
 plain sentences with its thresholds (the sentence a chapter glues *before* the result), why the thresholds are what

@@ -1,4 +1,4 @@
-"""The practical optimisers' rules (beyond the paper, issue 20): what momentum and weight decay do for iEF, and
+"""The practical optimisers' rules (beyond the paper): what momentum and weight decay do for iEF, and
 whether ieKFAC improves on K-FAC and eKFAC as an optimiser. Decided over seeds as E2's rankings
 (:func:`~.core.pair_over_seeds`: every seed in favour holds, every seed against does not, else inconclusive)."""
 from __future__ import annotations

@@ -45,7 +45,7 @@ def find_paper() -> Path:
 
 
 TEX = find_paper()
-OUTPUT = ROOT / "ief" / "paper" / "labels.json"
+OUTPUT = ROOT / "companion" / "paper" / "labels.json"
 
 _TOKEN = re.compile(
     r"\\(?P<cmd>appendix|section|subsection|subsubsection|paragraph|caption|label|notag|nonumber|begin|end)\b"

@@ -1,6 +1,6 @@
 """The install story holds beyond this machine (a pip user's own torch, a fresh venv).
 
-- pip users install their torch first; the README's ``pip install -e ".[hf,cpu-scale]"`` must then keep it. Checked
+- pip users install their torch first; the README's ``pip install -e ".[hf]"`` (the library) must then keep it. Checked
   by a real resolution: ``pip install --dry-run`` into a fresh venv that holds a stand-in ``torch`` (a bare
   ``dist-info``), reading pip's report; and, so that the check can fail, the same resolution with a stand-in below
   the accepted range must replace it.
@@ -28,10 +28,14 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-EXTRAS: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())  # the library, ief
+COMPANION = tomllib.loads((ROOT / "companion" / "pyproject.toml").read_text())  # the companion, ief-companion
+LIBRARY = PYPROJECT["project"]["name"]
+SELF = COMPANION["project"]["name"]
+# every extra of both distributions, the library's named "ief[...]" as the companion's dependencies name them
+EXTRAS: dict[str, list[str]] = {**COMPANION["project"]["optional-dependencies"],
+                                **{f"{LIBRARY}[{k}]": v for k, v in PYPROJECT["project"]["optional-dependencies"].items()}}
 TORCH_REPLACERS = {"torch", "torchvision", "torchaudio", "curvlinops-for-pytorch", "backpack-for-pytorch"}
-SELF = PYPROJECT["project"]["name"]
 
 
 def _name(requirement: str) -> str:
@@ -49,6 +53,8 @@ def _closure(extras: list[str]) -> set[str]:
         for req in EXTRAS[extra]:
             if _name(req) == SELF:
                 todo += re.search(r"\[(.*)\]", req).group(1).split(",")
+            elif _name(req) == LIBRARY and "[" in req:
+                todo += [f"{LIBRARY}[{e}]" for e in re.search(r"\[(.*)\]", req).group(1).split(",")]
             else:
                 names.add(_name(req))
     return names
@@ -108,13 +114,13 @@ def test_pip_keeps_the_torch_you_installed_first(tmp_path):
     kept = _dry_run(_venv_with_torch(tmp_path / "kept", "2.13.0"), target, tmp_path / "kept.json")
     names = {n for n, _ in kept}
     assert "torch" not in names and not names & TORCH_REPLACERS, sorted(names & TORCH_REPLACERS)
-    assert {"transformers", "peft", "scikit-learn", SELF} <= names  # it did resolve the extras
+    assert {"transformers", "peft", LIBRARY} <= names  # it did resolve the extras
     old = _dry_run(_venv_with_torch(tmp_path / "old", "2.3.0"), target, tmp_path / "old.json")
     assert "torch" in {n for n, _ in old}, "a torch below the accepted range must be replaced (the check can fail)"
 
 
 def test_no_extra_pulls_a_package_that_replaces_torch():
-    everything = _closure(list(EXTRAS))
+    everything = _closure(list(EXTRAS)) | {_name(r) for r in COMPANION["project"]["dependencies"]}
     assert not everything & TORCH_REPLACERS, sorted(everything & TORCH_REPLACERS)
     no_deps = {_name(line) for line in (ROOT / "requirements" / "no-deps.txt").read_text().splitlines()
                if line and not line.startswith(("#", " "))}
@@ -124,7 +130,13 @@ def test_no_extra_pulls_a_package_that_replaces_torch():
 def test_scikit_learn_is_in_an_extra_of_the_book():
     assert "scikit-learn" in _closure(["cpu-scale"])
     assert "scikit-learn" in _closure(["book"]) and "scikit-learn" in _closure(["dev"])
-    assert "scikit-learn" not in {_name(r) for r in PYPROJECT["project"]["dependencies"]}
+    assert "scikit-learn" not in {_name(r) for p in (PYPROJECT, COMPANION) for r in p["project"]["dependencies"]}
+
+
+def test_the_library_depends_on_torch_numpy_tqdm_and_optionally_hugging_face_only():
+    assert {_name(r) for r in PYPROJECT["project"]["dependencies"]} == {"torch", "numpy", "tqdm"}
+    assert set(PYPROJECT["project"]["optional-dependencies"]) == {"hf"}
+    assert PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"] == ["ief", "ief.*"]
 
 
 def _make_n(*args: str) -> str:
@@ -151,8 +163,37 @@ def test_environment_yml_takes_torch_from_conda_forge_and_extras_only():
     assert any(d.startswith("pytorch") for d in conda)
     pip_lines = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     for line in pip_lines:
-        match = re.fullmatch(r"-e \.\[(.*)\]", line)
-        assert match, f"environment.yml installs something other than this package's extras: {line!r}"
-        extras = match.group(1).split(",")
+        match = re.fullmatch(r"-e (\.|\./companion)\[(.*)\]", line)
+        assert match, f"environment.yml installs something other than the two distributions' extras: {line!r}"
+        extras = match.group(2).split(",")
+        if match.group(1) == ".":
+            extras = [f"{LIBRARY}[{e}]" for e in extras]
         assert set(extras) <= set(EXTRAS)
         assert not _closure(extras) & TORCH_REPLACERS
+
+
+@pytest.mark.slow
+def test_the_library_wheel_holds_ief_alone(tmp_path):
+    """``python -m pip wheel .`` builds the library: every file of the wheel is ``ief/`` or its metadata."""
+    import zipfile
+
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "--disable-pip-version-check", "-w", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [wheel] = tmp_path.glob("ief-*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert tops == {"ief", f"ief-{PYPROJECT['project']['version']}.dist-info"}, tops
+
+
+def test_the_library_imports_without_the_companions_packages():
+    """``import ief`` (and its public modules) needs none of matplotlib, pandas, seaborn, papermill, the companion:
+    each is made unimportable in a fresh interpreter."""
+    blocked = ["matplotlib", "pandas", "seaborn", "papermill", "sklearn", "companion"]
+    code = ("import sys\n"
+            f"for name in {blocked!r}:\n    sys.modules[name] = None\n"
+            "import ief, ief.optim, ief.hf, ief.woodfisher\n"
+            "print(sorted(set(ief.__all__) - set(dir(ief))))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"

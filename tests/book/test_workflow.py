@@ -216,7 +216,7 @@ def test_deleting_a_results_folder_replans_it_without_exceptions(tmp_path, profi
 
 def _chapter_module(checkout: Path) -> Path:
     """A chapter back-end of the checkout (a module of companion/chapters)."""
-    modules = sorted(m for m in (checkout / "ief" / "chapters").glob("*.py") if m.name != "__init__.py")
+    modules = sorted(m for m in (checkout / "companion" / "chapters").glob("*.py") if m.name != "__init__.py")
     assert modules, "no chapter back-end in companion/chapters"
     return modules[0]
 
@@ -260,7 +260,7 @@ def test_each_rule_depends_on_the_code_it_runs(tmp_path):
                                                                                checkout=checkout))
 
     chapter = _chapter_module(checkout)
-    style = next((checkout / "ief").rglob("style.py"))
+    style = next((checkout / "companion").rglob("style.py"))
     for edited in (chapter, style):
         before = edited.read_text()
         _edit(edited, stamp)

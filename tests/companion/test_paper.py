@@ -98,4 +98,4 @@ def test_no_raw_label_key_in_the_books_prose():
 def test_labels_json_is_package_data():
     text = (ROOT / "pyproject.toml").read_text()
     assert '"companion.paper" = ["labels.json"]' in text
-    json.loads((ROOT / "ief" / "paper" / "labels.json").read_text())
+    json.loads((ROOT / "companion" / "paper" / "labels.json").read_text())

@@ -40,7 +40,7 @@ def _registry():
     """companion/experiments/setups.py loaded on its own (it imports no torch): the grid is defined there, once."""
     name = "_ief_setups_registry"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "ief" / "experiments" / "setups.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "companion" / "experiments" / "setups.py")
         registry = importlib.util.module_from_spec(spec)
         sys.modules[name] = registry  # dataclasses need the module registered
         spec.loader.exec_module(registry)

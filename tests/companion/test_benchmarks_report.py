@@ -104,16 +104,3 @@ def test_committed_results_are_valid_records():
     assert docs, "benchmarks/results/ holds no committed benchmark record"
     for doc in docs:
         assert doc["machine"]["threads"] >= 1 and doc["command"].startswith(("OMP_NUM_THREADS", "python"))
-
-
-def test_readme_block_equals_the_committed_json():
-    assert report.block(report.load()) in (ROOT / "benchmarks" / "README.md").read_text(), (
-        "benchmarks/README.md's block differs from benchmarks/results/*.json: "
-        "run python -m benchmarks.report benchmarks/README.md")
-
-
-def test_book_api_page_renders_the_same_tables():
-    assert "```{benchmark-tables}\n```" in (ROOT / "book" / "api.md").read_text()
-    ext = (ROOT / "book" / "_ext" / "paper_book.py").read_text()
-    assert 'add_directive("benchmark-tables", BenchmarkTables)' in ext
-    assert "from benchmarks.report import load, markdown" in ext

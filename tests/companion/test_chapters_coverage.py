@@ -11,7 +11,7 @@ import pytest
 
 from companion.chapters.coverage import (CHAPTER_OF, CHAPTERS, README_EXECUTED, SCALES, book_state, chapter_caveats, counts,
                                    coverage_markdown, coverage_sentence, paper_figures_and_tables, produced,
-                                   readme_block, status)
+                                   status)
 from companion.paper import cite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,12 +157,3 @@ def test_the_coverage_page_renders_as_one_table_row_per_label():
     assert ("| Fig. 11 | {doc}`Approximation quality of EF, SF and iEF </book/generated/evaluation>` | same figure as "
             "Fig. 3 at this scale | same figure as Fig. 3 at this scale | wired for full, not executed |") in text
     assert "| Fig. 10 | {doc}`" in text and "| no smoke analogue | no cpu analogue | wired for full" in text
-    assert "{coverage-table}" in (ROOT / "book" / "coverage.md").read_text()
-    assert "{coverage}`summary`" in (ROOT / "book" / "intro.md").read_text()
-    toc = (ROOT / "_toc.yml").read_text()
-    assert "- file: book/coverage\n      - file: book/errata\n" in toc
-
-
-def test_readme_states_coverage_from_the_registry():
-    assert readme_block() in (ROOT / "README.md").read_text(), (
-        "the README's coverage block differs from companion/chapters/coverage.py: run python -m companion.chapters.coverage README.md")

@@ -566,25 +566,3 @@ def test_multihead_attention_whose_batch_is_not_the_samples_keeps_the_loop():
     expected = torch.stack([oracle.flat_grad(oracle.sample_loss(z[n : n + 1], y[n : n + 1], "cross_entropy"), params)
                             for n in range(4)])
     assert _rel(got, expected) < F64_RTOL
-
-
-# ------------------------------------------------------------------------------- the hf_layers benchmark's models
-@pytest.mark.parametrize("name, tensors", [("bert", 41), ("gpt2", 27), ("vit", 40)])
-def test_the_hf_layers_benchmark_models_take_no_loop(name, tensors):
-    """``python -m benchmarks hf_layers`` builds full-parameter BERT / GPT-2 (wte tied, frozen) / ViT; none of their
-    tensors takes the loop now, and the benchmark's own reading of a SlowPathWarning finds the looped names."""
-    from benchmarks import hf_layers
-
-    model, x, y = hf_layers.build(name, 2, 4, 0)
-    assert sum(p.requires_grad for p in model.parameters()) == tensors
-    assert hf_layers.looped(lambda: ief.per_sample(model, x, y)) == []
-    assert hf_layers.looped(lambda: ief.per_sample(_Scaled("multiplied").double(), torch.randint(0, 9, (4, 5)),
-                                                   torch.randint(0, 3, (4, 5)))) == ["pos.weight"]
-
-
-def test_the_hf_layers_benchmark_refuses_bad_arguments(capsys):
-    from benchmarks import hf_layers
-
-    with pytest.raises(SystemExit) as exc:
-        hf_layers.main(["--batch", "1"])
-    assert exc.value.code == 2 and "--batch and --tokens must be >= 2" in capsys.readouterr().err

@@ -656,19 +656,6 @@ def test_reduction_mean_sf_equals_the_sum_convention_with_converted_values(norma
     assert_rel(flat(c.model) - theta, flat(ref.model) - theta, rtol=1e-9, what="SF update")
 
 
-def test_reduction_mean_equals_the_experiments_token_mean_optimiser():
-    """The experiments' ``TokenMeanIEF`` (paper setups) and ``IEF(reduction="mean")``: the same updates, 3 steps."""
-    from companion.experiments.optimizers import TokenMeanIEF
-
-    a, b = t5_lora_case(), t5_lora_case()
-    opt_a = ief.optim.IEF(a.model, lr=100.0, damping=1e-7, reduction="mean")
-    opt_b = TokenMeanIEF(b.model, lr=100.0, damping=1e-7)
-    for _ in range(3):
-        la, lb = opt_a.step(a.inputs, a.targets), opt_b.step(b.inputs, b.targets)
-        assert math.isclose(float(la), float(lb) / opt_b.last_tokens, rel_tol=1e-12)
-        assert_rel(flat(a.model), flat(b.model), rtol=1e-12, what="parameters")
-
-
 @pytest.mark.parametrize("bad", ["Mean", "none", None, 1])
 def test_bad_reduction_is_refused(bad):
     with pytest.raises(ValueError, match=r"reduction must be one of 'sum', 'mean'.*got"):

@@ -13,7 +13,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "requirements"
-SELF = canonicalize_name("ief-companion")  # this checkout, installed editable (pip install --no-deps -e .)
+SELF = {canonicalize_name("ief"), canonicalize_name("ief-companion")}  # this checkout's two distributions, editable
 
 
 def _entries(path: Path) -> dict[str, tuple[str, list[str]]]:
@@ -68,7 +68,8 @@ def test_the_venv_holds_exactly_what_is_locked():
     installed = {}
     for dist in importlib.metadata.distributions():
         installed[canonicalize_name(dist.metadata["Name"])] = dist.version
-    installed.pop(SELF, None)
+    for name in SELF:
+        installed.pop(name, None)
     locked = {name: version for name, (version, _) in {**LOCK, **NO_DEPS}.items()}
     unlocked = {n: v for n, v in installed.items() if n not in locked}
     assert not unlocked, f"installed but not in requirements/ci.lock or no-deps.txt: {unlocked}"

@@ -110,6 +110,26 @@ class Rows(abc.ABC):
         c = self.max_abs()
         return 1.0 if 1e-100 <= c <= 1e100 else c
 
+    # ---- what the per-sample machinery's batch gradient, guard and exact check need (ief.jacobian)
+    def row_sum(self) -> torch.Tensor:
+        """``J^T 1``, ``[P]`` in :attr:`dtype` (the batch gradient of the rows)."""
+        raise NotImplementedError(f"{type(self).__name__} has no row_sum")
+
+    def column_norm(self, lo: int, hi: int) -> torch.Tensor:
+        """``||J[:, lo:hi]||_F`` in float64 (0-d); a factored form takes one parameter's block only."""
+        raise NotImplementedError(f"{type(self).__name__} has no column_norm")
+
+    def finite_rows(self) -> torch.Tensor:
+        """``[M]`` booleans: whether row ``n`` of ``J`` is finite."""
+        raise NotImplementedError(f"{type(self).__name__} has no finite_rows")
+
+    def add_rank_one_products(self, out: torch.Tensor, lo: int, hi: int, u: torch.Tensor,
+                              w: torch.Tensor | None) -> None:
+        """``out += J[:, lo:hi] V^T`` in float64 (``out [M, K]``), for the ``K`` tangents ``V`` of one parameter's
+        block given as factors: ``V_k = vec(u_k w_k^T)`` (``u [K, O]``, ``w [K, I]``, the block viewed ``[O, I]``),
+        or ``V = u`` (``[K, hi - lo]``) when ``w`` is ``None``; a factored form takes one parameter's block only."""
+        raise NotImplementedError(f"{type(self).__name__} has no add_rank_one_products")
+
 
 def as_rows(jacobian: torch.Tensor | Rows, name: str = "jacobian") -> Rows:
     """``jacobian`` itself if it is :class:`Rows`, a tensor wrapped as :class:`DenseRows`.
@@ -139,6 +159,14 @@ def _column_chunks(matrix: torch.Tensor, scale: float = 1.0) -> Iterator[tuple[i
         out = buffer.view(-1)[: block.numel()].view(block.shape)  # contiguous, as block.to(float64) would be
         out.copy_(block)
         yield lo, out if scale == 1.0 else out.div_(scale)
+
+
+def _tangent_columns(u: torch.Tensor, w: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+    """Columns ``lo:hi`` of the flattened tangents ``vec(u_k w_k^T)`` (or of ``u``), ``[K, hi - lo]`` (float64)."""
+    if w is None:
+        return u[:, lo:hi]
+    idx = torch.arange(lo, hi)
+    return u[:, idx // w.shape[1]] * w[:, idx % w.shape[1]]
 
 
 def _matrix_max_abs(matrix: torch.Tensor) -> float:
@@ -215,6 +243,29 @@ class DenseRows(Rows):
     def materialize(self) -> torch.Tensor:
         """The ``[M, P]`` tensor itself."""
         return self.matrix
+
+    def row_sum(self) -> torch.Tensor:
+        total = torch.empty(self.shape[1], dtype=self.dtype, device=self.device)
+        for lo, block in column_chunks(self.matrix):  # a dim-0 reduction over all of J at once is strided
+            torch.sum(block, dim=0, out=total[lo : lo + block.shape[1]])
+        return total
+
+    def column_norm(self, lo: int, hi: int) -> torch.Tensor:
+        return torch.linalg.vector_norm(self.matrix[:, lo:hi], dtype=torch.float64)
+
+    def finite_rows(self) -> torch.Tensor:
+        return torch.isfinite(self.matrix).all(dim=1)
+
+    def add_rank_one_products(self, out: torch.Tensor, lo: int, hi: int, u: torch.Tensor,
+                              w: torch.Tensor | None) -> None:
+        _add_block_products(out, self.matrix[:, lo:hi], u, w)
+
+
+def _add_block_products(out: torch.Tensor, block: torch.Tensor, u: torch.Tensor, w: torch.Tensor | None) -> None:
+    """``out += block V^T`` (float64), column chunk by column chunk: no float64 copy of ``J``, no ``[K, P]``."""
+    for lo, chunk in column_chunks(block):
+        cols = _tangent_columns(u, w, lo, lo + chunk.shape[1]).to(block.device)
+        out += chunk.to(torch.float64) @ cols.T
 
 
 class FactoredJacobian(Rows):
@@ -380,6 +431,41 @@ class FactoredJacobian(Rows):
             dest = out[self.offsets[i] : self.offsets[i + 1]].view(g.shape[-1], a.shape[-1])
             torch.mm(g.flatten(0, 1).T, a.flatten(0, 1), out=dest)
         return out
+
+    def _parameter(self, lo: int, hi: int) -> int:
+        """The parameter whose block is the columns ``lo:hi``."""
+        for i, size in enumerate(self.sizes):
+            if self.offsets[i] == lo and self.offsets[i] + size == hi:
+                return i
+        raise ValueError(f"columns {lo}:{hi} are not one parameter's block of a FactoredJacobian")
+
+    def column_norm(self, lo: int, hi: int) -> torch.Tensor:
+        i = self._parameter(lo, hi)
+        if i not in self.dense_index:
+            return self.row_sqnorms()[:, i].sum().sqrt()
+        block = self.dense_block(i)  # a table's used rows only: the others are zero
+        return torch.linalg.vector_norm(block, dtype=torch.float64)
+
+    def finite_rows(self) -> torch.Tensor:
+        ok = torch.isfinite(self.dense).all(dim=1)
+        for _, a, g in self.ghosts:
+            ok &= torch.isfinite(a).flatten(1).all(dim=1) & torch.isfinite(g).flatten(1).all(dim=1)
+        return ok
+
+    def add_rank_one_products(self, out: torch.Tensor, lo: int, hi: int, u: torch.Tensor,
+                              w: torch.Tensor | None) -> None:
+        i = self._parameter(lo, hi)
+        for j, a, g in self.ghosts:
+            if j == i:  # J_n . u w^T straight from the factors
+                a, g = self.scaled_factors(a, g, 1.0)  # [M, T, I], [M, T, O]
+                out += ((a @ w.T.to(a.device)) * (g @ u.T.to(g.device))).sum(dim=1)
+                return
+        if i in self.used_rows:  # a table's used rows: the tangent's entries of those rows
+            ids, _ = self.used_rows[i]
+            cols = (u[:, ids.cpu(), None] * w[:, None, :]).flatten(1).to(self.device)  # [K, U D]
+            out += self.dense_block(i).to(torch.float64) @ cols.T
+            return
+        _add_block_products(out, self.dense_block(i), u, w)
 
     def row_sqnorms(self) -> torch.Tensor:
         """``||J_n restricted to parameter i||^2``, ``[M, number of parameters]``, float64."""

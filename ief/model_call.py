@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import functools
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -153,11 +154,28 @@ def parameters_of(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return out
 
 
+class ResolvedParams(list):
+    """The list :func:`resolve_params` returns: it remembers the model it was resolved for, so that a public entry
+    that resolves ``params`` once can pass the list down to the others it calls without each walking the model again
+    (only ``requires_grad`` is checked again). Pickled and copied as a plain list."""
+
+    def __init__(self, items: Iterable[torch.Tensor], model: torch.nn.Module):
+        super().__init__(items)
+        self._model = weakref.ref(model)
+
+    def __reduce__(self):
+        return list, (list(self),)
+
+
 def resolve_params(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] | None) -> list[torch.Tensor]:
     """The trainable parameters, in ``model.parameters()`` order, or the given ones (deduplicated, in order).
 
-    Every given tensor must be a parameter of ``model`` that requires grad (``ValueError`` naming it otherwise).
+    Every given tensor must be a parameter of ``model`` that requires grad (``ValueError`` naming it otherwise). The
+    result is a :class:`ResolvedParams`: passed again with the same ``model``, it is returned as it is (resolved once
+    per public call, then passed down).
     """
+    if type(params) is ResolvedParams and params._model() is model and all(p.requires_grad for p in params):
+        return params
     if params is None:
         chosen = [p for p in parameters_of(model) if p.requires_grad]
     else:
@@ -190,7 +208,7 @@ def resolve_params(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] 
             "the model has no trainable parameters (none with requires_grad=True) and no params= were given; "
             "unfreeze the parameters to precondition (e.g. the LoRA or prompt weights)"
         )
-    return chosen
+    return ResolvedParams(chosen, model)
 
 
 def param_names(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> list[str]:

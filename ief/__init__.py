@@ -33,7 +33,7 @@ from .damping_sweep import damping_sweep
 from .evaluation import METHODS, batch_generator, evaluate, evaluate_batch, fresh_generator
 from .kfac import check_linear_only, kfac_direction
 from .logit_jvp import ForwardModeUnsupported
-from .losses import causal_lm_targets, get_loss, logit_sqnorm
+from .losses import IGNORE_INDEX, causal_lm_targets, count_targets, get_loss, logit_sqnorm
 from .model_call import call_model
 from .jacobian import PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample, sampled_jacobian
 from .peft_support import per_sample_prompts
@@ -68,6 +68,8 @@ __all__ = [
     "METHODS",
     "damping_sweep",
     "causal_lm_targets",
+    "count_targets",
+    "IGNORE_INDEX",
     "call_model",
     "get_loss",
     "logit_sqnorm",

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import transformers
 
-from .losses import IGNORE_INDEX, causal_lm_targets
+from .losses import IGNORE_INDEX, causal_lm_targets, count_targets
 from .optim.exact import EF, IEF, MISSING, SF
 from .optim.kfac import KFAC
 from .peft_support import per_sample_prompts
@@ -217,11 +217,6 @@ def _join(batches: list[dict[str, Any]]) -> dict[str, Any]:
                 f"tokenizer's padding='max_length') or use gradient_accumulation_steps=1 with a larger batch")
         out[key] = torch.cat(values, dim=0)
     return out
-
-
-def _counted(targets: torch.Tensor) -> int:
-    """``K``: the batch's counted targets (every entry of a float target, else those other than ``-100``)."""
-    return targets.numel() if targets.dtype.is_floating_point else int((targets != IGNORE_INDEX).sum())
 
 
 def _default_learning_rate() -> float:
@@ -397,7 +392,7 @@ class IEFTrainer(transformers.Trainer):
         step_inputs, targets = split_batch(self.ief_optimizer.model, batch, causal_lm=self.causal_lm)
         loss = self.ief_optimizer.step(step_inputs, targets)
         if self.ief_optimizer.reduction == "sum":
-            counted = _counted(targets)
+            counted = count_targets(targets)
             loss = loss / counted if counted else torch.zeros_like(loss)
         return loss.detach().to(self.args.device)
 

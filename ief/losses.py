@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # a class-index target equal to this marks an ignored position (Hugging Face's and torch's value)
 LOSSES = ("cross_entropy", "mse")
 
 
@@ -220,6 +220,35 @@ def check_damping(damping: float, *, allow_zero: bool = True) -> float:
         accepted = "a finite number >= 0" if allow_zero else "a finite number > 0"
         raise ValueError(f"damping must be {accepted}, got {damping!r}")
     return value
+
+
+def count_targets(targets: torch.Tensor) -> int:
+    """``K``: how many entries of ``targets`` count in the loss, the number a mean loss divides ``L = sum_n l_n`` by.
+
+    One rule for every place that needs ``K`` (``reduction="mean"`` of :mod:`ief.optim`, :class:`ief.hf.IEFTrainer`'s
+    logged loss, a training loop's mean loss): class-index targets count every position that is not
+    ``IGNORE_INDEX`` (``-100``), so ``L / K`` is torch's ``cross_entropy(..., ignore_index=-100)`` and Hugging
+    Face's ``outputs.loss``; a float target (``loss="mse"``) counts **every entry**, so ``L / K`` is half of
+    ``torch.nn.functional.mse_loss``'s mean, which Hugging Face's regression heads use (its ``MSELoss`` averages over
+    all entries, not per sample).
+
+    Args:
+        targets: class indices ``[M]`` / ``[M, T]`` (any integer dtype) with ``-100`` at ignored positions, or float
+            targets (``loss="mse"``).
+
+    Returns:
+        ``K`` as an ``int`` (``0`` when every class-index target is ignored: a caller that divides by it decides).
+
+    Raises:
+        ValueError: ``targets`` is not a tensor, or a boolean or complex one.
+    """
+    if not isinstance(targets, torch.Tensor) or targets.dtype == torch.bool or targets.dtype.is_complex:
+        kind = f"a tensor of dtype {targets.dtype}" if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise ValueError(f"count_targets needs class-index targets (integers, {IGNORE_INDEX} = ignored) or float "
+                         f"targets, got {kind}")
+    if targets.dtype.is_floating_point:
+        return targets.numel()
+    return int((targets != IGNORE_INDEX).sum())
 
 
 def causal_lm_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

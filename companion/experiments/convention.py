@@ -28,14 +28,18 @@ paper's ``lr`` and ``\lambda``:
 So the damping always scales by ``K^2`` and the rate by ``1/K`` (iEF), ``K`` (un-normalised EF/SF) or 1 (normalised
 EF/SF). First-order baselines (AdamW, Adafactor, SGD) already minimise the token mean here (the runner's loss), so
 they need nothing. ``K`` varies from batch to batch (label words of several tokens, MNLI's "maybe"), so the
-experiments convert **per batch** (:class:`companion.experiments.optimizers.TokenMeanRates`), the only way to reproduce
-the paper's updates exactly; ``tests/companion/test_convention.py`` checks the converted ``ief.optim.IEF`` / ``EF`` update
-against the official computation on a tiny T5 to float64 precision.
+conversion happens **per batch**, the only way to reproduce the paper's updates exactly: the experiments build
+``ief.optim.IEF`` / ``EF`` / ``SF`` with ``reduction="mean"`` (:func:`companion.experiments.optimizers.make_optimizer`),
+which converts the given values with the rules above for every batch's ``K = ief.count_targets(targets)``;
+``tests/companion/test_convention.py`` checks those updates against the official computation on a tiny T5 to float64
+precision.
 
 One difference that is not a convention: the released SF draws a label for the *first* target position only and
 keeps the true ``</s>``; ``ief``'s SF draws every target position from the model (the exact sampled Fisher).
 """
 from __future__ import annotations
 
-from ief.optim.convention import (CONVENTIONS, IGNORE, METHODS, target_tokens, to_sum_convention,  # noqa: F401
-                                to_token_mean_convention)
+# the values of an optimiser's ``options["convention"]`` (companion.experiments.setups) and the ``reduction`` of
+# ief.optim each one is run with
+CONVENTIONS = ("sum", "token-mean")
+REDUCTION = {"sum": "sum", "token-mean": "mean"}

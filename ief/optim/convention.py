@@ -2,25 +2,11 @@
 
 :mod:`companion.experiments.convention` derives the conversion (``lr`` by ``1/K`` for iEF, by ``K`` for un-normalised EF
 and SF, by 1 with the normalised update; ``damping`` by ``K^2``, with ``K`` the batch's counted target tokens); this
-module holds the arithmetic, used by ``ief.optim``'s ``reduction="mean"`` and by the experiments.
+module holds the arithmetic, used by ``ief.optim``'s ``reduction="mean"`` (``K``: :func:`ief.count_targets`).
 """
 from __future__ import annotations
 
-import torch
-
-CONVENTIONS = ("sum", "token-mean")
 METHODS = ("ief", "ef", "sf")
-IGNORE = -100
-
-
-def target_tokens(targets: torch.Tensor) -> int:
-    """``K``: the number of target positions of a batch that count in the loss (not ``-100``)."""
-    if targets.dtype.is_floating_point:
-        raise ValueError(f"target_tokens needs class-index targets, got dtype {targets.dtype}")
-    k = int((targets != IGNORE).sum())
-    if k < 1:
-        raise ValueError("the batch has no target token (every target is -100): the token-mean loss is undefined")
-    return k
 
 
 def _factors(method: str, tokens: int, normalized: bool) -> tuple[float, float]:

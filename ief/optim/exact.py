@@ -81,7 +81,7 @@ import torch
 
 from ..directions import ef_solve, ief_solve, sf_solve
 from ..jacobian import CHECKS, gradient_and_sampled_jacobian, per_sample
-from ..losses import IGNORE_INDEX, Loss, check_damping
+from ..losses import IGNORE_INDEX, Loss, check_damping, count_targets
 from ..model_call import Inputs, all_finite
 from ..rows import FactoredJacobian, as_rows, check_form
 from .convention import to_sum_convention
@@ -328,11 +328,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.last_update_norm = abs(size) * math.sqrt(sum(float(b.norm()) ** 2 for b in buffers))
 
     def _tokens(self, targets: torch.Tensor) -> int:
-        """``K``: the counted target positions (class indices other than ``-100``; every entry of a float target)."""
-        if targets.dtype.is_floating_point:
-            k = targets.numel()
-        else:
-            k = int((targets != IGNORE_INDEX).sum())
+        """``K`` of :func:`ief.count_targets` (class indices other than ``-100``; every entry of a float target)."""
+        k = count_targets(targets)
         if k < 1:
             raise ValueError("reduction='mean': the batch has no counted target (every target is -100), so the mean "
                              "loss is undefined; parameters left unchanged")

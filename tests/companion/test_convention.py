@@ -1,7 +1,7 @@
-"""companion.experiments.convention: the paper's (token-mean) EF/SF/iEF rates and dampings converted to ief's (sum)
-convention reproduce, on a tiny T5, the update computed the way the authors' released code computes it (per-sample
-gradients of Hugging Face's mean loss over the batch's target tokens, s from that loss's logit gradient), to float64
-precision, batch by batch."""
+"""companion.experiments.convention: the paper's (token-mean) EF/SF/iEF rates and dampings, given to ``ief.optim``
+with ``reduction="mean"`` (how the experiments build them), reproduce, on a tiny T5, the update computed the way the
+authors' released code computes it (per-sample gradients of Hugging Face's mean loss over the batch's target tokens,
+s from that loss's logit gradient), to float64 precision, batch by batch."""
 from __future__ import annotations
 
 import copy
@@ -12,10 +12,11 @@ from tiny_models import t5_lora_case, t5_prompt_case
 
 import ief
 from ief.directions import sf_direction
-from companion.experiments.convention import target_tokens, to_sum_convention, to_token_mean_convention
-from companion.experiments.optimizers import TokenMeanEF, TokenMeanIEF, make_optimizer
+from companion.experiments.optimizers import make_optimizer
 from companion.experiments.setups import GLUE_LABEL_WORDS, optimizer_config, resolve
+from ief import count_targets
 from ief.optim import EF, IEF
+from ief.optim.convention import to_sum_convention  # the library's arithmetic (tests may reach inside ief)
 
 CASES = {"t5-lora": t5_lora_case, "t5-prompt": t5_prompt_case}
 
@@ -92,7 +93,7 @@ def _two_batches(name):
     b.model = a.model
     if name == "t5-prompt":
         ief.per_sample_prompts(a.model)  # as the experiments do: one backward for every sample's prompt gradient
-    assert target_tokens(a.targets) != target_tokens(b.targets)
+    assert count_targets(a.targets) != count_targets(b.targets)
     return a.model, [(a.inputs, a.targets), (b.inputs, b.targets)]
 
 
@@ -108,17 +109,15 @@ def test_converted_ief_equals_the_official_update_batch_by_batch(name):
     jac0, _, _ = official_quantities(model, *batches[0])
     damping = _relative_damping(jac0)
     ours = copy.deepcopy(model)
-    opt = TokenMeanIEF(ours, lr=lr, damping=damping)
+    opt = IEF(ours, lr=lr, damping=damping, reduction="mean")
     for inputs, labels in batches:  # the official update from the current parameters, then ours
         reference = copy.deepcopy(ours)
         jac, lgn2, _ = official_quantities(reference, inputs, labels)
         expected = official_ief_update(jac, lgn2, lr, damping)
         before = _flat(ours)
         opt.step(inputs, labels)
-        k = target_tokens(labels)
-        assert opt.last_tokens == k and opt.last_sum_rates == to_sum_convention("ief", lr, damping, k)
-        assert opt.param_groups[0]["lr"] == pytest.approx(lr / k) and opt.param_groups[0]["damping"] == pytest.approx(
-            damping * k * k)
+        assert opt.last_tokens == count_targets(labels)
+        assert opt.param_groups[0]["lr"] == lr and opt.param_groups[0]["damping"] == damping  # the given values
         torch.testing.assert_close(_flat(ours) - before, expected, rtol=1e-9, atol=1e-12 * float(expected.abs().max()))
 
 
@@ -141,8 +140,7 @@ def test_converted_ef_equals_the_official_update(normalized):
     jac0, _, _ = official_quantities(model, *batches[0])
     damping = _relative_damping(jac0)
     ours = copy.deepcopy(model)
-    opt = TokenMeanEF(ours, lr=lr, damping=damping, normalize=normalized)
-    assert isinstance(opt, EF)
+    opt = EF(ours, lr=lr, damping=damping, normalize=normalized, reduction="mean")
     for inputs, labels in batches:
         jac, _, _ = official_quantities(copy.deepcopy(ours), inputs, labels)
         expected = official_ef_update(jac, lr, damping, normalized)
@@ -158,28 +156,13 @@ def test_converted_sf_direction_equals_the_official_formula():
     g = torch.Generator().manual_seed(0)
     sampled = torch.where(case.targets == -100, case.targets, torch.randint(2, 32, case.targets.shape, generator=g))
     jac, _, grad, sjac = official_quantities(case.model, case.inputs, case.targets, sampled)
-    k = target_tokens(case.targets)
+    k = count_targets(case.targets)
     lr, damping = 0.01, _relative_damping(sjac)
     c = sjac @ sjac.T + damping * torch.eye(len(sjac), dtype=sjac.dtype)
     official = -lr * (grad - sjac.T @ torch.linalg.solve(c, sjac @ grad)) / damping
     lr_sum, damping_sum = to_sum_convention("sf", lr, damping, k)
     ours = -lr_sum * sf_direction(sjac * k, grad * k, damping_sum)  # ief's rows: gradients of the summed loss
     torch.testing.assert_close(ours, official, rtol=1e-9, atol=1e-12 * float(official.abs().max()))
-
-
-def test_conversion_both_ways_and_bad_input():
-    for method, normalized, lr_factor in [("ief", False, 1 / 7), ("ef", False, 7), ("sf", False, 7), ("ef", True, 1),
-                                          ("sf", True, 1), ("ief", True, 1)]:
-        lr, damping = to_sum_convention(method, 2.0, 1e-7, 7, normalized=normalized)
-        assert lr == pytest.approx(2.0 * lr_factor) and damping == pytest.approx(49e-7)
-        assert to_token_mean_convention(method, lr, damping, 7, normalized=normalized) == pytest.approx((2.0, 1e-7))
-    with pytest.raises(ValueError, match="valid|exists for"):
-        to_sum_convention("adamw", 1.0, 0.0, 3)
-    with pytest.raises(ValueError, match="positive integer"):
-        to_sum_convention("ief", 1.0, 0.0, 0)
-    with pytest.raises(ValueError, match="no target token"):
-        target_tokens(torch.full((2, 3), -100))
-    assert target_tokens(torch.tensor([[5, 1, -100], [7, 1, 2]])) == 5
 
 
 def test_registry_uses_the_token_mean_convention_for_the_paper_setups_only():
@@ -192,22 +175,10 @@ def test_registry_uses_the_token_mean_convention_for_the_paper_setups_only():
         assert all("convention" not in o.options for o in resolve(name, "cpu").optimizers.values())
     case = t5_lora_case()
     opt, _ = make_optimizer(case.model, optimizer_config(full, "ief"), 10)
-    assert isinstance(opt, TokenMeanIEF) and opt.paper_lr == 100.0 and opt.paper_damping == 1e-7
+    assert type(opt) is IEF and opt.reduction == "mean"
+    assert opt.param_groups[0]["lr"] == 100.0 and opt.param_groups[0]["damping"] == 1e-7
     opt, _ = make_optimizer(case.model, optimizer_config(resolve("digits-mlp", "cpu"), "ief"), 10)
-    assert type(opt) is IEF
-
-
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-
-@given(st.sampled_from(["ief", "ef", "sf"]), st.floats(1e-6, 1e3), st.floats(0.0, 1.0), st.integers(1, 10_000),
-       st.booleans())
-def test_conversion_round_trips_and_damping_scales_by_k_squared(method, lr, damping, k, normalized):
-    lr_s, d_s = to_sum_convention(method, lr, damping, k, normalized=normalized)
-    assert d_s == pytest.approx(damping * k * k)
-    assert lr_s == pytest.approx(lr if normalized else (lr / k if method == "ief" else lr * k))
-    assert to_token_mean_convention(method, lr_s, d_s, k, normalized=normalized) == pytest.approx((lr, damping))
+    assert type(opt) is IEF and opt.reduction == "sum"
 
 
 def test_t5_targets_follow_the_official_label_format():

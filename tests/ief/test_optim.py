@@ -20,6 +20,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import ief
 import oracle
@@ -996,7 +998,6 @@ def test_convention_round_trip_defaults_and_errors():
     assert conv.to_token_mean_convention("ief", 0.5, 48.0, 4) == (2.0, 3.0)
     assert conv.to_token_mean_convention("ef", 8.0, 48.0, 4) == (2.0, 3.0)
     assert conv.to_token_mean_convention("ef", 2.0, 48.0, 4, normalized=True) == (2.0, 3.0)
-    assert conv.target_tokens(torch.tensor([[1, -100], [-100, -100]])) == 1
     for call, text in [
         (lambda: conv.to_sum_convention("kfac", 1.0, 1.0, 2),
          "unknown method 'kfac'; the conversion exists for: ief, ef, sf"),
@@ -1006,14 +1007,43 @@ def test_convention_round_trip_defaults_and_errors():
          "tokens (K, target tokens in the batch) must be a positive integer, got 2.0"),
         (lambda: conv.to_sum_convention("ief", 1.0, 1.0, True),
          "tokens (K, target tokens in the batch) must be a positive integer, got True"),
-        (lambda: conv.target_tokens(torch.zeros(2, 3)),
-         "target_tokens needs class-index targets, got dtype torch.float32"),
-        (lambda: conv.target_tokens(torch.full((2, 3), -100)),
-         "the batch has no target token (every target is -100): the token-mean loss is undefined"),
     ]:
         with pytest.raises(ValueError) as err:
             call()
         assert str(err.value) == text
+
+
+@given(st.sampled_from(["ief", "ef", "sf"]), st.floats(1e-6, 1e3), st.floats(0.0, 1.0), st.integers(1, 10_000),
+       st.booleans())
+def test_conversion_round_trips_and_damping_scales_by_k_squared(method, lr, damping, k, normalized):
+    from ief.optim.convention import to_sum_convention, to_token_mean_convention
+
+    lr_s, d_s = to_sum_convention(method, lr, damping, k, normalized=normalized)
+    assert d_s == pytest.approx(damping * k * k)
+    assert lr_s == pytest.approx(lr if normalized else (lr / k if method == "ief" else lr * k))
+    assert to_token_mean_convention(method, lr_s, d_s, k, normalized=normalized) == pytest.approx((lr, damping))
+
+
+def test_count_targets_is_what_the_mean_losses_divide_by():
+    """``ief.count_targets``: the ``K`` of torch's (and Hugging Face's) mean cross-entropy with ``-100`` ignored, and
+    every entry of a float target, the ``K`` of ``mse_loss``'s mean (``l_n = 1/2 ||z_n - y_n||^2``)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 5, dtype=torch.float64)
+    targets = torch.tensor([[1, -100, 2, 0], [-100, -100, -100, -100], [4, 4, -100, 3]])
+    k = ief.count_targets(targets)
+    assert k == 6 and ief.IGNORE_INDEX == -100 and ief.count_targets(targets.int()) == 6
+    ce = ief.get_loss("cross_entropy")
+    mean = torch.nn.functional.cross_entropy(logits.reshape(-1, 5), targets.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(ce.per_sample(logits, targets).sum() / k, mean, rtol=1e-14, atol=0)
+    floats = torch.randn(3, 4, 5, dtype=torch.float64)
+    mse = ief.get_loss("mse")
+    assert ief.count_targets(floats) == floats.numel()
+    torch.testing.assert_close(mse.per_sample(logits, floats).sum() / ief.count_targets(floats),
+                               torch.nn.functional.mse_loss(logits, floats) / 2, rtol=1e-14, atol=0)
+    assert ief.count_targets(torch.full((2, 3), -100)) == 0
+    for bad, text in [(torch.ones(2, dtype=torch.bool), "tensor of dtype torch.bool"), ([1, 2], "got list")]:
+        with pytest.raises(ValueError, match=f"count_targets needs class-index targets.*{text}"):
+            ief.count_targets(bad)
 
 
 def test_constructor_messages_name_the_argument_and_the_value():

@@ -43,7 +43,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+if __name__ == "__main__" and not __package__:  # run as a file: its folder (tools/, with a kernels.py) is no
+    _HERE = os.path.dirname(os.path.abspath(__file__))  # package root, so that it cannot shadow a dependency
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import torch  # noqa: E402
 
 IGNORE = -100
 DAMPINGS = (0.0, 1e-6, 1e-3, 1.0)
@@ -468,7 +472,8 @@ def point_quantities(snap: Snapshot, case: Case, tag: str, full: bool = True) ->
         for src, res in (("dense", r), ("auto", factored)):
             if res is None or (src == "auto" and not full and lam not in (0.0, 1e-3)):
                 continue
-            d = snap.run(f"{k}/ief_direction/{src}/{lam!r}", lambda: ief.ief_direction(res.jacobian, res.logit_sqnorm, lam))
+            d = snap.run(f"{k}/ief_direction/{src}/{lam!r}",
+                         lambda: ief.ief_direction(res.jacobian, res.logit_sqnorm, lam))
             if d is not None:
                 snap.put(f"{k}/ief_direction/{src}/{lam!r}", d)
                 dirs.setdefault(f"ief/{lam!r}", d)
@@ -517,11 +522,9 @@ def point_quantities(snap: Snapshot, case: Case, tag: str, full: bool = True) ->
 
     res = snap.run(f"{k}/hessian_free", lambda: ief.hessian_free(model, x, y, 5, loss=loss, return_gammas=True))
     if res is not None:
-        for field in ("direction", "gammas", "iterations", "x", "gamma"):
-            if hasattr(res, field):
-                value = getattr(res, field)
-                if isinstance(value, (torch.Tensor, float, int, list, tuple)):
-                    snap.put(f"{k}/hessian_free/{field}", value)
+        snap.put(f"{k}/hessian_free/solution", res.solution)
+        snap.put(f"{k}/hessian_free/gammas", res.gammas)
+        snap.put(f"{k}/hessian_free/residual_norms", res.residual_norms)
     if full:
         d = snap.run(f"{k}/hessian_free/forward", lambda: ief.hessian_free(model, x, y, 3, loss=loss,
                                                                            method="forward"))
@@ -554,7 +557,8 @@ def sweep_and_evaluate(snap: Snapshot, case: Case, tag: str) -> None:
             snap.put(f"{key}/labels", ";".join(f"{rec['batch']}:{rec['method']}" for rec in recs))
 
 
-def trajectory(snap: Snapshot, key: str, case: Case, make_opt: Callable[[torch.nn.Module], Any], steps: int = 5) -> None:
+def trajectory(snap: Snapshot, key: str, case: Case, make_opt: Callable[[torch.nn.Module], Any],
+               steps: int = 5) -> None:
     """``steps`` optimiser steps on a fresh copy of ``case.model``, one batch each: losses and parameters."""
     def go():
         model = copy.deepcopy(case.model)

@@ -111,7 +111,7 @@ bench: $(ENV_READY)
 # Mutation testing (tools/mutation/run.py): mutmut is installed apart from the project's environment, one worker,
 # niced, one thread; survivors that cannot change behaviour are listed, with why, in tools/mutation/equivalent.txt.
 MUTATION_SITE := _build/mutation/site
-MODULES ?= ief/damping_sweep.py ief/rows.py ief/directions.py ief/curvature.py ief/kfac.py ief/jacobian.py ief/optim/
+MODULES ?= ief/damping_sweep.py ief/rows.py ief/directions.py ief/curvature.py ief/kfac.py ief/jacobian/ ief/optim/
 MUTATION_BUDGET ?= 400
 MUTATION_SEED ?= 0
 $(MUTATION_SITE)/.installed: requirements/mutation.txt

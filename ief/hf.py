@@ -63,7 +63,7 @@ import transformers
 from .losses import IGNORE_INDEX, causal_lm_targets, count_targets
 from .optim.exact import EF, IEF, MISSING, SF
 from .optim.kfac import KFAC
-from .peft_support import per_sample_prompts
+from .jacobian import per_sample_prompts
 
 OPTIMIZERS = ("ief", "ef", "sf", "kfac", "ekfac", "iekfac")
 KFAC_KINDS = ("kfac", "ekfac", "iekfac")

@@ -40,7 +40,7 @@ def mse_case(m: int = 5, dtype=torch.float64, seed: int = 0) -> Case:
 
 
 class TinySequenceModel(torch.nn.Module):
-    """Embedding -> multi-head self-attention (hooked: its calls replayed per sample, ief.layer_rules)
+    """Embedding -> multi-head self-attention (hooked: its calls replayed per sample, ief.jacobian.rules.attention)
     -> LayerNorm -> linear head, with per-position logits ``[M, T, C]``."""
 
     def __init__(self, vocab: int = 11, dim: int = 6, classes: int = 5):

@@ -1,4 +1,4 @@
-"""Per-sample gradients of ``nn.Conv2d`` (unfold, ``ief.conv_rules``) and eval-mode ``nn.BatchNorm2d`` by hooks.
+"""Per-sample gradients of ``nn.Conv2d`` (unfold, rules.conv) and eval-mode ``nn.BatchNorm2d`` by hooks.
 
 Checked on CNNs the rule was not written around (a torchvision-style ResNet basic block with eval-mode batch norm and
 a strided 1x1 downsample, grouped / depthwise / dilated / ``"same"``-padded / bias-free convolutions), float64 and

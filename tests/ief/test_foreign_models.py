@@ -108,7 +108,7 @@ def _batch(name: str, m: int, t: int, dtype: torch.dtype, seed: int = 0):
 
 
 MODELS = {
-    "cnn": CNN,  # hooked (unfold, ief.conv_rules)
+    "cnn": CNN,  # hooked (unfold, ief.jacobian.rules.conv)
     "cnn-reflect": lambda: CNN("reflect"),  # reflect padding: the per-sample loop
     "gru": GRUClassifier,
     "lstm-tagger": LSTMTagger,

@@ -242,7 +242,7 @@ def _bn_model():
 
 def test_batchnorm_train_mode_raises_mismatch(form):
     """Batch norm in training mode mixes samples: ``l_n`` depends on every sample through the batch statistics, so
-    the hooked rows ``(dL/dout_n) a_n^T`` are not ``d l_n / d theta``. The module docstring of ``ief/jacobian.py``
+    the hooked rows ``(dL/dout_n) a_n^T`` are not ``d l_n / d theta``. The docstring of ``ief.jacobian``
     and the error text promise :class:`ief.PerSampleGradientMismatch` for exactly this case.
 
     Hooked rows always sum to the batch gradient, so the sum check cannot see the mixing: the guard refuses batch norm
@@ -641,14 +641,14 @@ def test_non_finite_samples_are_named_not_returned_as_nan_rows(form, bad):
 def test_a_non_finite_row_with_a_finite_loss_is_named(monkeypatch):
     """A row can overflow while its loss is finite: the rows are checked too."""
     c = mlp_case()
-    real = ief.jacobian._backward_jacobian
+    real = ief.jacobian.assemble._backward_jacobian
 
     def overflowing(*args, **kwargs):
         jac, autograd = real(*args, **kwargs)
         jac[2, 0] = float("inf")
         return jac, autograd
 
-    monkeypatch.setattr(ief.jacobian, "_backward_jacobian", overflowing)
+    monkeypatch.setattr(ief.jacobian.assemble, "_backward_jacobian", overflowing)
     with pytest.raises(FloatingPointError, match=r"non-finite per-sample gradient for samples \[2\]"):
         ief.per_sample(c.model, c.inputs, c.targets)
 
@@ -746,7 +746,7 @@ class _TwoBare(torch.nn.Module):
         self.p = torch.nn.Parameter(torch.randn(3))
         self.q = torch.nn.Parameter(torch.randn(3))
 
-    def forward(self, x):  # neither p nor q is only added or expanded (ief.broadcast_uses): both take the loop
+    def forward(self, x):  # neither p nor q is only added or expanded (jacobian rules.broadcast): both take the loop
         return self.lin(x) * self.p + self.q.sin()
 
 

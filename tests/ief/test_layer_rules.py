@@ -1,4 +1,4 @@
-"""Per-sample hooks of the layers in :mod:`ief.layer_rules` against the dense float64 per-sample loop
+"""Per-sample hooks of the layers in :mod:`ief.jacobian.rules` against the dense float64 per-sample loop
 (``tests/oracle.py``: one forward per sample), in the three forms of ``J`` (dense, ghost, rows), float32, masks with
 an all-ignored sample, and ``torch.func`` vmap where it runs (``sec:app-iEF-impl``).
 

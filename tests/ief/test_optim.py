@@ -878,7 +878,7 @@ def test_a_non_finite_row_stops_the_step_naming_the_sample(cls, form, monkeypatc
     the one check of them; the solves take them as checked) refuse it, naming the step and the sample, and leave the
     parameters and the step counter as they were."""
     c = mlp_case()
-    jacobian = importlib.import_module("ief.jacobian")
+    jacobian = importlib.import_module("ief.jacobian.assemble")
     real = jacobian._backward_jacobian
 
     def overflowing(*args, **kwargs):

@@ -41,8 +41,10 @@ MODULES: dict[str, list[str]] = {
     "ief/directions.py": ["tests/ief/test_directions.py"],
     "ief/curvature.py": ["tests/ief/test_curvature.py"],
     "ief/kfac.py": ["tests/ief/test_kfac.py"],
-    # jacobian.py's Conv2d / BatchNorm2d rules and its default guard have their own test files
-    "ief/jacobian.py": ["tests/ief/test_jacobian.py", "tests/ief/test_conv.py", "tests/ief/test_guard.py"],
+    # the per-sample package: its layer rules (conv, norms, attention, the registry) and its guard have their own
+    # test files
+    "ief/jacobian/": ["tests/ief/test_jacobian.py", "tests/ief/test_conv.py", "tests/ief/test_guard.py",
+                      "tests/ief/test_layer_rules.py", "tests/ief/test_rule_registry.py"],
     "ief/optim/": ["tests/ief/test_optim.py"],
 }
 DETECTED = ("killed", "timeout")

@@ -30,6 +30,8 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..errors import PerSampleGradientMismatch
+
 ADDITIONS = frozenset({"add", "__add__", "__radd__"})
 IN_PLACE_ADDITIONS = frozenset({"add_", "__iadd__"})
 EXPANSIONS = frozenset({"expand", "expand_as"})
@@ -195,3 +197,11 @@ def sum_mismatch(rows: torch.Tensor, batch_grad: torch.Tensor | None, name: str)
     return (f"the per-sample gradients of {name} (used broadcast over the batch) do not sum to its batch gradient "
             f"(error {err:.2e}, scale {scale:.2e}): it is also used where the tracker of its uses cannot see it (e.g. "
             "inside a custom autograd.Function); pass params= to leave it out")
+
+
+def check_sums(rows: torch.Tensor, batch_grad: torch.Tensor | None, name: str) -> None:
+    """:class:`~ief.jacobian.PerSampleGradientMismatch` when a broadcast tensor's rows miss a use
+    (:func:`sum_mismatch`)."""
+    mismatch = sum_mismatch(rows, batch_grad, name)
+    if mismatch is not None:
+        raise PerSampleGradientMismatch(mismatch)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from .registry import LayerRule, register_rule, write_block
+
 
 def conv_is_unfoldable(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a plain ``nn.Conv2d`` or ``nn.Conv1d`` whose per-sample gradients the unfold rule gives
@@ -76,3 +78,46 @@ def conv_factors(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -
     if a.shape[2] != g.shape[2]:  # cannot happen for nn.Conv2d's own forward; a guard against silent misuse
         raise RuntimeError(f"unfolded {a.shape[2]} positions for a conv output with {g.shape[2]}")
     return a, g
+
+
+def _conv_grads(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
+    dtype = next(iter(dests.values())).dtype
+    a, g = conv_factors(module, x.to(dtype), g.to(dtype))  # [M, groups, L, I], [M, groups, L, O]
+    m, groups = a.shape[:2]
+    if "weight" in dests:  # per group sum_l g_l a_l^T; in place (no J-sized temporary) without groups
+        block = dests["weight"].unflatten(1, (groups, g.shape[-1], a.shape[-1]))  # [M, groups, O, I]
+        if groups == 1:
+            block[:, 0].baddbmm_(g[:, 0].transpose(1, 2), a[:, 0], beta=1 if accumulate else 0)
+        else:
+            write_block(block, g.transpose(2, 3) @ a, accumulate)
+    if "bias" in dests:
+        write_block(dests["bias"], g.sum(dim=2), accumulate)
+
+
+class ConvRule(LayerRule):
+    """``nn.Conv2d`` / ``nn.Conv1d`` with zero padding, unfolded; one-group weights factored as ``(A, G)``."""
+
+    batched = True  # [M, C, *] (or an unbatched [C, *] call)
+
+    def applies(self, module):
+        return conv_is_unfoldable(module)
+
+    def feature_dims(self, module):
+        return 3 if type(module) is torch.nn.Conv2d else 2
+
+    def grads(self, module, x, g, dests, accumulate):
+        _conv_grads(module, x, g, dests, accumulate)
+
+    def factored(self, module):
+        return module.groups == 1
+
+    def factors(self, module, x, g):
+        a, g = conv_factors(module, x, g)
+        return a[:, 0], g[:, 0]
+
+    def positions(self, module, g):
+        return g[0].numel() // g.shape[1]
+
+
+register_rule(torch.nn.Conv2d, ConvRule())
+register_rule(torch.nn.Conv1d, ConvRule())

@@ -1,0 +1,298 @@
+"""The public entries: :func:`per_sample`, :func:`sampled_jacobian`, :func:`gradient_and_sampled_jacobian` and
+their result :class:`PerSample`, over one hooked forward (:class:`_HookedForward`)."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..logit_jvp import differentiable_kernels
+from ..losses import Loss, get_loss, logit_sqnorm
+from ..model_call import (
+    Inputs,
+    ReplayableForward,
+    batch_size,
+    call_model,
+    check_targets,
+    flatten,
+    non_reentrant_checkpointing,
+    param_names,
+    resolve_params,
+    take_first,
+    unwrap_model,
+)
+from ..rows import FactoredJacobian, check_form
+from . import assemble
+from .assemble import _batch_gradient, _summed
+from .capture import PerSampleCapture
+from .guard import (_check_mode, _refuse_nonfinite, _refuse_sample_mixing, check_directional_derivatives,
+                    check_no_outside_use)
+from .loop import _warn_slow_path
+
+
+@dataclass
+class PerSample:
+    """Per-sample quantities at one point (``eqn:prob_loss``), returned by :func:`per_sample`.
+
+    Attributes:
+        losses: ``[M]``, ``l_n``.
+        jacobian: ``[M, P]``, row ``n`` is ``grad_theta l_n`` (a tensor, or a :class:`~ief.rows.FactoredJacobian` with
+            ``per_sample(..., form="auto")``).
+        logit_sqnorm: ``[M]``, ``||grad_{z_n} l_n||^2`` (``s_iEF``, ``eqn:s_ief``).
+        gradient: ``[P]``, the batch gradient ``grad_theta L``.
+
+    From :func:`per_sample`, ``gradient`` is computed on first access: the hooked parameters' rows summed
+    (``J^T 1``, the batch backward does not compute their batch gradients) plus any use outside their hooked
+    modules, autograd's batch gradient for the others. It reads ``jacobian``: with ``out=``, read it before the
+    buffer is reused.
+    """
+
+    losses: torch.Tensor
+    jacobian: torch.Tensor | FactoredJacobian
+    logit_sqnorm: torch.Tensor
+    gradient: torch.Tensor
+
+    def __getstate__(self) -> dict:  # pickling and deep copies hold the gradient, not the way to compute it
+        self.gradient
+        return self.__dict__
+
+
+class _Deferred:
+    """A value computed on first use (:attr:`PerSample.gradient`)."""
+
+    def __init__(self, compute: Callable[[], torch.Tensor]):
+        self.compute = compute
+
+
+def _get_gradient(self: PerSample) -> torch.Tensor:
+    if isinstance(self._gradient, _Deferred):
+        self._gradient = self._gradient.compute()
+    return self._gradient
+
+
+def _set_gradient(self: PerSample, value) -> None:
+    self._gradient = value
+
+
+PerSample.gradient = property(_get_gradient, _set_gradient, doc="``grad_theta L``, ``[P]``")
+
+
+class _HookedForward:
+    """One forward through the capture hooks; per-sample backward passes of any loss of its logits.
+
+    ``check``: ``True`` (~free: no sample-mixing batch norm, and no hooked parameter used outside its hooked calls
+    that the graph search missed, see :func:`check_no_outside_use`), ``"exact"`` (additionally every row against
+    exact per-sample directional derivatives, :func:`check_directional_derivatives`: catches a custom layer that
+    mixes samples), or ``False``. Tied weights take the exact loop whatever ``check``.
+    """
+
+    def __init__(self, model, inputs, targets, params, loss, check):
+        self.mode = _check_mode(check)
+        self.loss = get_loss(loss)
+        model = unwrap_model(model)
+        m = check_targets(targets)
+        self.params = resolve_params(model, params)
+        if self.mode is not None:
+            _refuse_sample_mixing(model)
+        self.capture = PerSampleCapture(model, self.params, stand_ins=True)
+        self.capture.batch_size = m
+        self.forward = ReplayableForward(model, inputs)
+        # which hooked parameters the graph reaches outside their hooked calls (they ran with stand-ins)
+        self.forward.watch = {id(self.params[i]): i for i in self.capture.hooked}
+        # The exact check replays this forward with the reference kernels (forward-mode AD needs them); fused kernels
+        # draw attention-dropout masks differently, so with the exact check on, this forward uses them too, and so do
+        # the backward passes (activation checkpointing recomputes the forward inside them: same kernels, same graph).
+        kernels = differentiable_kernels if self.mode == "exact" else contextlib.nullcontext
+        self.kernels = kernels
+        with self.capture, torch.enable_grad(), kernels():
+            self.logits = self.forward()
+        self.loss.check(self.logits, targets)
+        if batch_size(self.logits) != m:
+            raise ValueError(f"the model returned logits of shape {tuple(self.logits.shape)} for {m} targets")
+
+        def probe() -> tuple | str:  # the hooked calls' input shapes when the first sample runs alone
+            def run():
+                buffers = [(b, b.clone()) for b in model.buffers()]  # e.g. batch-norm running statistics
+                try:
+                    with torch.random.fork_rng(devices=self.forward._devices), torch.enable_grad(), kernels(), \
+                            non_reentrant_checkpointing(model):
+                        logits = call_model(model, take_first(inputs, m))
+                finally:  # restored through .data: no version bump for the batch forward's saved tensors
+                    for b, saved in buffers:
+                        if not torch.equal(b, saved):
+                            b.data.copy_(saved)
+                if tuple(logits.shape) != (1, *self.logits.shape[1:]):
+                    raise ValueError("the inputs were not cut to one sample")
+
+            return self.capture.probe_shapes(run)
+
+        self.capture.establish_axes(m, model, inputs, probe)
+        names = param_names(model, self.params)
+        self.capture.names = names
+        self.capture.demote_outside_uses(self.forward.reached, names)
+        _warn_slow_path(model, self.capture, names, m)
+        self.targets = targets
+        self.names = names if self.mode is not None else None
+
+    def jacobian(
+        self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None, form: str = "dense"
+    ) -> tuple[torch.Tensor, torch.Tensor | FactoredJacobian, _Deferred]:
+        """``(losses, J, grad)`` for the given targets (``J`` in the given form, see :func:`per_sample`; ``grad``
+        computed on first use, see :class:`PerSample`). Raises ``FloatingPointError`` naming the samples whose loss
+        or row of ``J`` is not finite."""
+        logit_grads: list[torch.Tensor] = []  # dL/dz as the batch backward computed it (for the exact check)
+        with torch.enable_grad(), self.kernels():
+            losses = self.loss.per_sample(self.logits, targets)
+            _refuse_nonfinite(losses, None)
+            handle = self.logits.register_hook(lambda g: logit_grads.append(g) if not logit_grads else None) \
+                if self.mode == "exact" and self.logits.requires_grad else None
+            try:
+                jac, autograd = assemble._backward_jacobian(self.capture, losses, self.params, retain_graph, out,
+                                                            form)
+            finally:
+                if handle is not None:
+                    handle.remove()
+        _refuse_nonfinite(losses, jac)
+        if self.mode is not None:
+            check_no_outside_use(self.capture, jac, autograd, self.names)
+        if self.mode == "exact":
+            grad_z = logit_grads[0] if logit_grads else self.loss.logit_grad(self.logits.detach(), targets)
+            check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z)
+        # the records are not kept alive; a broadcast parameter's autograd gradient is its whole batch gradient
+        offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked - set(self.capture.broadcast))
+        return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
+
+    def gradient(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(losses, grad)`` only: a plain backward (the hooks' records are not turned into a Jacobian); it asks
+        for the hooked calls' stand-ins too, so that autograd gives every parameter its whole batch gradient."""
+        owners, leaves = self.capture.leaves(self.params, range(len(self.params)))
+        n = len(self.params)
+        with torch.enable_grad(), self.kernels():
+            losses = self.loss.per_sample(self.logits, targets)
+            _refuse_nonfinite(losses, None)
+            grads = torch.autograd.grad(losses.sum(), leaves, retain_graph=retain_graph, allow_unused=True)
+        return losses.detach(), flatten(_summed(grads[:n], owners[n:], grads[n:]), self.params)
+
+    def sampled_targets(self, generator: torch.Generator | None) -> torch.Tensor:
+        return self.loss.sample_targets(self.logits, self.targets, generator)
+
+    def logit_sqnorm(self, targets: torch.Tensor) -> torch.Tensor:
+        return logit_sqnorm(self.loss, self.logits, targets)
+
+
+def per_sample(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    loss: str | Loss = "cross_entropy",
+    check: bool | str = True,
+    out: torch.Tensor | None = None,
+    form: str = "dense",
+) -> PerSample:
+    """Per-sample losses, Jacobian ``grad_theta l`` and ``s_iEF`` from one forward and one backward.
+
+    Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]`` (or an object with ``.logits``).
+        inputs: tensor, tuple, or dict of keyword arguments for ``model``.
+        targets: class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored (cross-entropy), or float targets shaped
+            like the logits (``loss="mse"``).
+        params: parameters to differentiate; default: the model's trainable ones.
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
+        check: ``True`` (default, ~free): refuse batch norm with batch statistics and verify that no hooked
+            parameter is used outside its hooked module, so that the rows of ``J`` sum to the batch gradient (see
+            :func:`check_no_outside_use`; tied weights are found before and take the exact loop); ``"exact"``:
+            that, and every row against exact per-sample directional derivatives along 8 random tangents (one
+            batched forward-mode pass, :func:`check_directional_derivatives`); ``False``: no guard.
+        out: optional ``[M, P]`` buffer of the parameters' dtype and device to write ``J`` into (overwritten; used
+            when its shape matches; for a factored ``form``, the buffer of its materialised columns, whose first
+            columns are used when it is wider). The optimisers reuse one across steps.
+        form: how ``J`` is returned. ``"dense"`` (default): the ``[M, P]`` tensor. ``"auto"``: a
+            :class:`~ief.rows.FactoredJacobian` that never forms ``[M, P]``: each ``nn.Linear`` weight is kept as its
+            layer's inputs and output gradients (the "ghost" Gram, cost ``M^2 T^2 (I + O)``) or as per-sample rows
+            (``M I O``), whichever is cheaper for that layer; an ``nn.Embedding`` table as the rows the batch uses
+            (``[M, U D]``, exact: its other rows are zero in every sample's gradient); every other parameter as its
+            (small) column block.
+            ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight. ``ief_direction``,
+            ``ef_direction`` and ``sf_direction`` take either form; ``.materialize()`` gives the tensor.
+
+    Returns:
+        :class:`PerSample` (``losses``, ``jacobian``, ``logit_sqnorm``, ``gradient``).
+
+    Raises:
+        ValueError: a bad value, named with the accepted ones: no trainable parameters, a ``params=`` tensor that is
+            not a parameter of the model, an empty batch (``M = 0``), a model returning ``()``, logits/targets shape
+            mismatch, float targets for cross-entropy, a class index out of range, an unknown ``loss``, ``check`` or
+            ``form``.
+        FloatingPointError: naming the samples whose loss or row of ``J`` is not finite (never NaN rows).
+        PerSampleGradientMismatch: from the guard / the exact check (naming the parameter or the samples).
+        ief.model_call.ReentrantCheckpointError: a reentrant ``torch.utils.checkpoint`` outside HuggingFace layers
+            (pass ``use_reentrant=False``; HuggingFace's reentrant layers are run non-reentrantly by ``ief``).
+    """
+    form = check_form(form)
+    fwd = _HookedForward(model, inputs, targets, params, loss, check)
+    losses, jac, gradient = fwd.jacobian(targets, out=out, form=form)
+    return PerSample(losses=losses, jacobian=jac, logit_sqnorm=fwd.logit_sqnorm(targets), gradient=gradient)
+
+
+def sampled_jacobian(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    generator: torch.Generator | None = None,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    loss: str | Loss = "cross_entropy",
+    check: bool | str = True,
+    form: str = "dense",
+) -> torch.Tensor | FactoredJacobian:
+    """``[M, P]`` per-sample gradients for labels drawn from the model's predictive distribution (SF, ``alg:SF``).
+
+    A label is drawn at every non-ignored position of every sample (``targets`` only supply the ignore mask and
+    shapes); ``E[J^T J]`` over the draws is the exact Fisher (``sec:app-sample-fisher``). Cost: one forward and one
+    backward, as :func:`per_sample`.
+
+    Args:
+        model: returns logits ``[M, C]`` / ``[M, T, C]``, as :func:`per_sample`.
+        inputs: tensor, tuple, or dict of keyword arguments for ``model``.
+        targets: ``[M]`` / ``[M, T]``; only their ``-100`` mask and shape are used.
+        generator: the ``torch.Generator`` the labels are drawn with (default ``None``: the global RNG).
+        params: parameters to differentiate; default: the model's trainable ones.
+        loss: ``"cross_entropy"`` (default) or ``"mse"`` (labels drawn from ``N(z, I)``).
+        check: the per-sample guard, as :func:`per_sample` (default ``True``).
+        form: ``"dense"`` (default), ``"auto"``, ``"ghost"`` or ``"rows"``, as :func:`per_sample`.
+
+    Returns:
+        The sampled per-sample Jacobian ``[M, P]``: a tensor, or a :class:`~ief.rows.FactoredJacobian` for a factored
+        ``form``.
+
+    Raises:
+        ValueError: as :func:`per_sample`.
+        FloatingPointError: logits the labels cannot be drawn from (NaN, ``+inf``, or every class ``-inf``).
+    """
+    form = check_form(form)
+    fwd = _HookedForward(model, inputs, targets, params, loss, check)
+    return fwd.jacobian(fwd.sampled_targets(generator), form=form)[1]
+
+
+def gradient_and_sampled_jacobian(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    targets: torch.Tensor,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    loss: str | Loss = "cross_entropy",
+    generator: torch.Generator | None = None,
+    check: bool | str = True,
+    form: str = "dense",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | FactoredJacobian]:
+    """``(losses [M], grad [P], sampled J [M, P])`` from one forward and two backward passes, as in ``alg:SF``
+    (``form`` as in :func:`per_sample`)."""
+    form = check_form(form)
+    fwd = _HookedForward(model, inputs, targets, params, loss, check)
+    losses, gradient = fwd.gradient(targets, retain_graph=True)
+    sampled = fwd.jacobian(fwd.sampled_targets(generator), form=form)[1]
+    return losses, gradient, sampled

@@ -1,0 +1,432 @@
+"""The capture: hooks that keep every hooked call's input and output gradient, and each call's sample axis.
+
+Forward hooks keep each hooked module's input and a tensor hook on its output keeps the gradient flowing back; while
+a hooked module runs, its parameters are replaced by stand-ins (see :class:`PerSampleCapture`). Which modules are
+hooked, and how, is their :class:`~ief.jacobian.rules.registry.LayerRule`'s (:func:`~ief.jacobian.rules.rule_for`).
+
+The sample axis of every hooked call is established, never guessed from a size: a probe forward of the batch's first
+sample alone shows which dimension of each call's input shrinks from ``M`` to 1 while every other dimension stays
+put (:meth:`PerSampleCapture.establish_axes`, cached per model and shape signature).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from ..model_call import shapes_of
+from .rules import LayerRule, rule_for
+from .rules.broadcast import Use, UseTracker, check_sums, establish, per_sample_rows
+from .rules.registry import BATCH_FIRST, WHOLE_CALL
+
+
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The (sub)module holding parameter ``name`` of ``module`` (``"out_proj.weight"``) and its own name for it."""
+    prefix, _, leaf = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), leaf
+
+
+class _BroadcastCall:
+    """The "axis" of an embedding call whose ids every sample shares (``[1, T]`` positions): its output's uses
+    broadcast it over the batch, and each sample's gradient of the output comes from them
+    (:mod:`ief.jacobian.rules.broadcast`).
+    """
+
+    __slots__ = ("uses",)
+
+    def __init__(self, uses: list):
+        self.uses = uses
+
+
+def _use_shapes(uses: dict) -> tuple:
+    """The recorded uses as hashable shapes: ``((key, ((name, shape, result shape), ...)), ...)``."""
+    return tuple((key, tuple((u.name, u.shape, u.result_shape) for u in us)) for key, us in uses.items())
+
+
+def _uses_from(shapes: tuple) -> dict:
+    """The inverse of :func:`_use_shapes` (shapes only, no gradients)."""
+    return {key: [Use(*u) for u in us] for key, us in shapes}
+
+
+def _sample_axis(full: tuple | None, probe: tuple | None, m: int, features: int) -> int | None:
+    """The one dimension of a call's input that is ``m`` in the batch forward and 1 in the one-sample probe, every
+    other dimension unchanged, and that is not a feature dimension; ``None`` if there is no such single dimension."""
+    if full is None or probe is None or len(full) != len(probe):
+        return None
+    changed = [d for d, (a, b) in enumerate(zip(full, probe)) if a != b]
+    if len(changed) != 1:
+        return None
+    d = changed[0]
+    limit = 1 if features == BATCH_FIRST else len(full) - features
+    return d if full[d] == m and probe[d] == 1 and d < limit else None
+
+
+# The established axes, per model and shape signature (a handful of signatures per model: the last ones used).
+_AXIS_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weakref.WeakKeyDictionary()
+_AXIS_CACHE_SIZE = 256
+# The sets of slow-path parameters already reported, per model (a SlowPathWarning once per model and set).
+_WARNED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
+
+
+def recording_hook(records: list, slots: int = 2) -> Callable:
+    """A forward hook that appends ``[input, output grad, None, ...]`` (``slots`` entries) to ``records`` for every
+    call whose output reaches a loss, and fills in the gradient flowing back into that output (summed if it arrives
+    in parts). The input is ``None`` when the call had no positional tensor. Shared by the per-sample capture here
+    and the K-FAC factors (:mod:`ief.kfac`)."""
+
+    def hook(module, args, output):
+        if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        x = args[0].detach() if args and isinstance(args[0], torch.Tensor) else None
+        record = [x] + [None] * (slots - 1)
+        records.append(record)
+
+        def keep_grad(grad):
+            record[1] = grad if record[1] is None else record[1] + grad
+
+        output.register_hook(keep_grad)
+
+    return hook
+
+
+class PerSampleCapture:
+    """Hooks that keep (input, output-gradient) pairs of every call of the modules owning trainable parameters.
+
+    With ``stand_ins=True`` (the per-sample capture; K-FAC's does without) each hooked call runs with *stand-ins*
+    of its module's parameters in ``params``: ``p.detach().requires_grad_()``, a fresh leaf sharing ``p``'s storage
+    (no copy), put in place by a forward pre-hook and put back by a forward hook that runs even when the forward
+    raises (and by ``__exit__``). Autograd then reaches ``p`` itself only through its uses outside its hooked calls
+    (normally none: the guard's structural check), and a backward that asks for ``params`` never computes the hooked
+    layers' batch weight gradients (their stand-ins are not asked for); the records also keep every call's output
+    gradient edge (``edges[k]``, beside the records, never in them: a record is reachable from the graph through its
+    gradient hook, so an edge inside it would close a cycle through C++ that Python's collector cannot see, and every
+    call would leak its graph and activations), which such a backward asks for instead so that it reaches every
+    hooked call.
+    ``stand_ins[i]``: the stand-ins made for parameter ``i`` (one per call), for a backward that needs the whole
+    gradient (:meth:`leaves`). Calls with gradients off run with the real parameters."""
+
+    def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor], stand_ins: bool = False):
+        self.swap = stand_ins
+        self.stand_ins: dict[int, list[torch.Tensor]] = {}
+        self._originals: dict[tuple[int, str], tuple[torch.nn.Module, torch.Tensor]] = {}
+        self.params = list(params)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.sizes = [p.numel() for p in self.params]
+        self.offsets = [0, *torch.tensor(self.sizes).cumsum(0).tolist()]
+        # (module, rule, trailing feature dims, {parameter name in module: index in params})
+        self.modules: list[tuple[torch.nn.Module, LayerRule, int, dict[str, int]]] = []
+        covered: set[int] = set()
+        for module in model.modules():
+            rule = rule_for(module)
+            if rule is None:
+                continue
+            # e.g. a MultiheadAttention also owns its out_proj's parameters (used inside its call, never as a module)
+            owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=rule.owns_submodules)
+                     if id(p) in index}
+            if owned and not (set(owned.values()) & covered):
+                self.modules.append((module, rule, rule.feature_dims(module), owned))
+                covered.update(owned.values())
+        self.hooked = covered
+        # Broadcast uses (rules.broadcast), per-sample capture with more than one sample only: the trainable
+        # parameters outside hooked modules (candidates), those whose every use is broadcast over the batch
+        # (``broadcast``, rows from their uses; autograd's gradient of them is their whole batch gradient), the
+        # embedding calls without a sample dimension of their own (``(k, j)``: module k's call j).
+        self.batch_size = 1  # M, set before the forward
+        self.names: Sequence[str] | None = None
+        self.tracker: UseTracker | None = None
+        self.bare = [i for i in range(len(self.params)) if i not in covered] if stand_ins else []
+        self.broadcast: dict[int, list] = {}  # parameter index -> its uses
+        self.embedding_candidates: set[tuple[int, int]] = set()
+        self.probe_uses: tuple | None = None  # the uses the one-sample probe recorded (shapes)
+        self.records: dict[int, list] = {}  # k -> [[input, output grad, sample axis], ...] in call order
+        self.edges: dict[int, list] = {}  # k -> the gradient edges of its recorded calls' outputs (stand-ins only)
+        self.demoted: dict[int, str] = {}  # parameter index -> why its hooked module fell back to the loop
+        self.handles: list = []
+
+    def __enter__(self) -> "PerSampleCapture":
+        self.stand_ins.clear()
+        self.broadcast.clear()
+        self.embedding_candidates.clear()
+        self.tracker = None
+        if self.swap and self.batch_size > 1 and (
+                self.bare or any(rule.table for _, rule, *_ in self.modules)):
+            self.tracker = UseTracker()
+            for i in self.bare:
+                self.tracker.watch(self.params[i], ("param", i))
+            self.tracker.__enter__()
+        for k, (module, rule, _, owned) in enumerate(self.modules):
+            self.records[k] = []
+            self.edges[k] = []
+            # first of the module's forward hooks: the output as the layer returned it (another hook may replace it)
+            if rule._recording_hook is not None and self.swap:  # a rule that records whole calls (attention)
+                hook = rule._recording_hook(self.records[k], self.edges[k])
+                self.handles.append(module.register_forward_hook(hook, prepend=True, with_kwargs=True))
+            else:
+                self.handles.append(module.register_forward_hook(self._forward_hook(k), prepend=True))
+            if self.swap:  # last of the pre-hooks, first of the hooks: other hooks see the real parameters
+                self.handles.append(module.register_forward_pre_hook(self._install(owned)))
+                self.handles.append(module.register_forward_hook(self._restore(owned), prepend=True, always_call=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+            self.tracker.release()
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for module_id, name in list(self._originals):  # e.g. a pre-hook raised before the forward
+            self._put_back(module_id, name)
+
+    def _install(self, owned: dict[str, int]):
+        def pre_hook(module, args):
+            if not torch.is_grad_enabled():
+                return
+            for name, i in owned.items():
+                owner, leaf = _owner(module, name)
+                p = owner._parameters.get(leaf)
+                if p is not self.params[i] or (id(owner), leaf) in self._originals:
+                    continue
+                stand_in = p.detach().requires_grad_()  # shares p's storage and version counter
+                self._originals[(id(owner), leaf)] = (owner, p)
+                owner._parameters[leaf] = stand_in
+                self.stand_ins.setdefault(i, []).append(stand_in)
+
+        return pre_hook
+
+    def _restore(self, owned: dict[str, int]):
+        def hook(module, args, output):
+            for name in owned:
+                owner, leaf = _owner(module, name)
+                self._put_back(id(owner), leaf)
+
+        return hook
+
+    def _put_back(self, module_id: int, name: str) -> None:
+        entry = self._originals.pop((module_id, name), None)
+        if entry is not None:
+            entry[0]._parameters[name] = entry[1]
+
+    def _forward_hook(self, k: int):
+        if not self.swap:
+            return recording_hook(self.records[k], slots=3)  # [input, output grad, sample axis]
+        calls, edges = self.records[k], self.edges[k]
+        record = recording_hook(calls, slots=3)  # [input, output grad, sample axis]
+        table = self.modules[k][1].table
+
+        def hook(module, args, output):
+            n = len(calls)
+            record(module, args, output)
+            if len(calls) > n:
+                edges.append(torch.autograd.graph.get_gradient_edge(output))
+                x = calls[-1][0]
+                if self.tracker is not None and table and x is not None and (
+                        x.dim() == 0 or x.shape[0] == 1 or self.batch_size not in x.shape):
+                    self.embedding_candidates.add((k, n))  # ids shared by all samples (e.g. [1, T] positions)
+                    self.tracker.watch(output, ("call", k, n))
+
+        return hook
+
+    def output_edges(self) -> list:
+        """The gradient edges of the hooked calls' outputs (modules with an established sample axis)."""
+        return [e for k in self.records for e in self.edges[k]] if self.swap else []
+
+    def leaves(self, params: Sequence[torch.Tensor], which: Iterable[int]) -> tuple[list[int], list[torch.Tensor]]:
+        """``(owners, leaves)``: the parameters ``which`` (in that order), then the stand-ins made for them; a
+        backward asking for all of them gets each parameter's whole gradient (summed over its owner)."""
+        which = list(which)
+        extra = [(i, s) for i in which for s in self.stand_ins.get(i, [])]
+        return which + [i for i, _ in extra], [params[i] for i in which] + [s for _, s in extra]
+
+    def call_shapes(self) -> tuple:
+        """Every hooked call's input shape, per hooked module, in call order."""
+        return tuple(
+            tuple(None if rec[0] is None else tuple(rec[0].shape) for rec in self.records[k])
+            for k in range(len(self.modules))
+        )
+
+    def probe_shapes(self, run: Callable[[], torch.Tensor]) -> tuple | str:
+        """The call shapes of the hooked modules during ``run()`` (the one-sample probe), or why it failed."""
+        seen: dict[int, list] = {k: [] for k in range(len(self.modules))}
+        handles = []
+        tracker = UseTracker(hooks=False) if self.tracker is not None else None  # the same uses, shapes only
+        self.probe_uses = None
+        if tracker is not None:
+            for i in self.bare:
+                tracker.watch(self.params[i], ("param", i))
+
+        def shape_hook(k):
+            def hook(module, args, output):
+                if isinstance(output, tuple) and self.modules[k][1]._recording_hook is not None:
+                    output = output[0]
+                if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                    if tracker is not None and (k, len(seen[k])) in self.embedding_candidates:
+                        tracker.watch(output, ("call", k, len(seen[k])))
+                    seen[k].append(tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None)
+
+            return hook
+
+        for k, (module, *_) in enumerate(self.modules):
+            handles.append(module.register_forward_hook(shape_hook(k)))
+        try:
+            with tracker if tracker is not None else contextlib.nullcontext():
+                run()
+        except Exception as err:  # the model cannot run one sample alone (e.g. batch norm with batch statistics)
+            return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        finally:
+            for h in handles:
+                h.remove()
+            if tracker is not None:
+                tracker.release()
+        if tracker is not None:
+            self.probe_uses = (_use_shapes(tracker.uses), frozenset(tracker.unsupported))
+        return tuple(tuple(seen[k]) for k in range(len(self.modules)))
+
+    def establish_axes(self, m: int, model: torch.nn.Module, inputs, probe: Callable[[], tuple | str]) -> None:
+        """Give every call its sample axis (probed or cached); modules with a call without one fall back."""
+        if not self.modules and self.tracker is None:
+            return
+        if m == 1:  # the whole call is sample 0's; a [N, C, *] layer's own batch dimension N must be that sample
+            reasons = {}
+            for k, (module, rule, features, _) in enumerate(self.modules):
+                for rec in self.records[k]:
+                    rec[2] = rule._one_sample_axis(module, rec[0], features)
+                if any(rec[2] is None for rec in self.records[k]):
+                    reasons[k] = f"{type(module).__name__} called on a batch of several instances for one sample"
+            self.demote(reasons)
+            return
+        full = self.call_shapes()
+        uses = None if self.tracker is None else (_use_shapes(self.tracker.uses), frozenset(self.tracker.unsupported))
+        key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full, uses)
+        cache = _AXIS_CACHE.setdefault(model, OrderedDict())
+        cached = cache.get(key)
+        if cached is None:
+            shrunk = probe()
+            failed = isinstance(shrunk, str)
+            axes = tuple(
+                tuple(
+                    _sample_axis(shape, None if failed or len(shrunk[k]) != len(calls) else shrunk[k][j], m,
+                                 self.modules[k][2])
+                    for j, shape in enumerate(calls)
+                )
+                for k, calls in enumerate(full)
+            )
+            cached = cache[key] = (axes, shrunk if failed else None, None if failed else self.probe_uses)
+            while len(cache) > _AXIS_CACHE_SIZE:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(key)
+        axes, probe_error, probe_uses = cached
+        shared = {}  # the watched tensors whose every use is broadcast over the batch, with an established axis
+        if uses is not None and probe_uses is not None:
+            shared = establish(self.tracker.uses, _uses_from(probe_uses[0]), self.tracker.unsupported | probe_uses[1],
+                               m)
+        for i in self.bare:
+            if ("param", i) in shared:
+                self.broadcast[i] = shared[("param", i)]
+                self.hooked.add(i)
+        reasons = {}
+        for k, entry in enumerate(self.modules):
+            call_axes = [_BroadcastCall(shared[("call", k, j)]) if axis is None and ("call", k, j) in shared else axis
+                         for j, axis in enumerate(axes[k])]
+            call_axes = [entry[1]._keep_axis(entry[0], axis) for axis in call_axes]  # attention: its own batch
+            if all(axis is not None for axis in call_axes):
+                for rec, axis in zip(self.records[k], call_axes):
+                    rec[2] = axis
+                continue
+            shapes = sorted({str(shape) for shape, axis in zip(full[k], axes[k]) if axis is None})
+            if probe_error is not None:
+                reasons[k] = f"the one-sample probe forward that finds the sample axis failed: {probe_error}"
+            else:
+                reasons[k] = (
+                    f"{type(entry[0]).__name__} input shapes {', '.join(shapes)} have no dimension that is the {m} "
+                    "samples (a probe forward of one sample does not shrink exactly one of them to 1)"
+                )
+        self.demote(reasons)
+
+    def demote(self, reasons: dict[int, str]) -> None:
+        """Send the parameters of hooked modules ``k`` (``reasons``: ``k -> why``) to the per-sample loop: the module
+        is no longer hooked; its calls' stand-ins stay, so that the loop differentiates every use (:meth:`leaves`)."""
+        if not reasons:
+            return
+        kept = []
+        for k, entry in enumerate(self.modules):
+            if k not in reasons:
+                kept.append((k, entry))
+                continue
+            for i in entry[3].values():
+                self.demoted[i] = reasons[k]
+            self.hooked -= set(entry[3].values())
+        self.modules = [e for _, e in kept]
+        self.records = {new: self.records[old] for new, (old, _) in enumerate(kept)}
+        self.edges = {new: self.edges[old] for new, (old, _) in enumerate(kept)}
+
+    def demote_outside_uses(self, reached: set[int], names: Sequence[str]) -> None:
+        """Demote the modules of hooked parameters that the graph reaches outside their hooked calls (``reached``:
+        their own gradient accumulators are in the graph, see :func:`ief.model_call.scan_graph`; e.g. tied weights):
+        their hooked rows would miss that use, the loop's rows are exact."""
+        reasons = {}
+        for k, (module, _, _, owned) in enumerate(self.modules):
+            outside = [i for i in owned.values() if i in reached]
+            if outside:
+                reasons[k] = (f"{', '.join(names[i] for i in outside)} also used outside its {type(module).__name__} "
+                              "(e.g. tied weights)")
+        self.demote(reasons)
+
+    def clear_grads(self) -> None:
+        for calls in self.records.values():
+            for rec in calls:
+                rec[1] = None
+        if self.tracker is not None:
+            for uses in self.tracker.uses.values():
+                for use in uses:
+                    use.grad = None
+
+    def name(self, i: int) -> str:
+        return self.names[i] if self.names is not None else f"parameter {i}"
+
+    def calls(self, k: int):
+        """``(input, output gradient)`` of module ``k``'s calls that reached the loss, sample axis first."""
+        for x, grad, axis, *rest in self.records[k]:
+            if rest and rest[0] is not None:  # a MultiheadAttention call: replayed from its whole input
+                if grad is not None or rest[1] is not None:
+                    yield (rest[0], axis), (grad, rest[1])
+                continue
+            if grad is None:  # this call's output did not reach the loss
+                continue
+            if isinstance(axis, _BroadcastCall):  # ids shared by every sample: each sample's gradient of the output
+                m = self.batch_size
+                rows = per_sample_rows(axis.uses, m, grad.numel(), grad.dtype, grad.device)
+                check_sums(rows, grad, self.name(self.modules[k][3]["weight"]))
+                yield x.reshape(1, -1).expand(m, -1), rows.view(m, -1, grad.shape[-1])
+                continue
+            if axis == WHOLE_CALL:
+                x, grad = x.unsqueeze(0), grad.unsqueeze(0)
+            elif axis != 0:  # e.g. [T, M, E] -> [M, T, E]
+                x, grad = x.movedim(axis, 0), grad.movedim(axis, 0)
+            yield x, grad
+
+    def fill(self, jac: torch.Tensor, columns: dict[int, int] | None = None, skip: Iterable[int] = ()) -> set[int]:
+        """Write the hooked per-sample gradients into their column blocks of ``jac`` (uninitialised memory: a
+        module's first call writes its blocks, later calls add); returns the parameter indices written.
+
+        ``columns``: parameter index -> its first column in ``jac`` (default: its offset in ``J [M, P]``);
+        parameters not in it and modules in ``skip`` are left out."""
+        columns = {i: self.offsets[i] for i in range(len(self.params))} if columns is None else columns
+        written: set[int] = set()
+        for k, (module, rule, _, owned) in enumerate(self.modules):
+            dests = {name: jac[:, columns[i] : columns[i] + self.sizes[i]] for name, i in owned.items() if i in columns}
+            if k in skip or not dests:
+                continue
+            accumulate = False
+            for x, grad in self.calls(k):
+                rule.grads(module, x, grad, dests, accumulate)
+                accumulate = True
+            if accumulate:
+                written.update(owned[name] for name in dests)
+        return written
+
+

@@ -1,0 +1,193 @@
+"""The guard and the exact check: that the hooked rows are the per-sample gradients.
+
+The guard (``check=True``, ~free) refuses batch norm with batch statistics and reads what the batch backward gives
+each hooked parameter itself, ``o = g - sum_n J_n``: ``None`` by construction (its hooked calls ran with stand-ins)
+unless a use escaped the search for outside uses, when :class:`PerSampleGradientMismatch` names the parameter.
+The exact check (``check="exact"``) compares every row with exact per-sample directional derivatives. Non-finite
+losses or rows raise ``FloatingPointError`` naming the samples.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..logit_jvp import jvps_any_mode
+from ..model_call import ReplayableForward, all_finite
+from ..rows import FactoredJacobian, as_rows
+from .capture import PerSampleCapture
+from .errors import PerSampleGradientMismatch
+
+
+def check_no_outside_use(capture: PerSampleCapture, jacobian: torch.Tensor | FactoredJacobian,
+                         autograd: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
+    """The guard (``check=True``): raise :class:`PerSampleGradientMismatch` if a hooked parameter is used outside
+    its hooked module calls beyond rounding error.
+
+    Its hooked calls ran with stand-ins (:class:`PerSampleCapture`), so autograd's gradient of the parameter itself,
+    ``o = autograd[i]``, is exactly the part of the batch gradient that the hooked rows miss: ``o = g - sum_n J_n``.
+    ``None`` or zero: the rows are the whole gradient by construction (no gradient is read). Otherwise the block
+    fails when ``||o|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds ``tol * sum_n ||J_n||``),
+    ``tol = 50 sqrt(eps)``. Parameters of the per-sample loop are not checked: their rows are gradients of the
+    individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
+    the optimisers). A parameter whose outside use is in the forward's graph (tied weights) has already been sent to
+    the loop (:meth:`PerSampleCapture.demote_outside_uses`): this is the safety net behind that search."""
+    found = [i for i in sorted(capture.hooked - set(capture.broadcast))
+             if autograd[i] is not None and bool(autograd[i].any())]
+    if not found:
+        return
+    err = torch.stack([torch.linalg.vector_norm(autograd[i], dtype=torch.float64) for i in found])
+    eps = torch.finfo(jacobian.dtype)
+    rows, offsets = as_rows(jacobian), capture.offsets
+    scale = torch.stack([rows.column_norm(offsets[i], offsets[i + 1]) for i in found]) * math.sqrt(jacobian.shape[0])
+    _raise_if_beyond(err, scale + eps.tiny, 50 * math.sqrt(eps.eps), [names[i] for i in found])
+
+
+def _raise_if_beyond(err: torch.Tensor, scale: torch.Tensor, tol: float, names: Sequence[str]) -> None:
+    """Raise :class:`PerSampleGradientMismatch` naming the blocks with ``err > tol * scale``."""
+    failing = torch.nonzero(err > tol * scale).flatten().tolist()
+    if failing:
+        bad = [f"{names[k]} (relative error {float(err[k] / scale[k]):.2e})" for k in failing[:5]]
+        raise PerSampleGradientMismatch(
+            "per-sample gradients do not sum to the batch gradient for: " + ", ".join(bad)
+            + ". A parameter is used outside the module that owns it where the per-sample hooks cannot see it (tied "
+            "weights are found before the backward and take the exact per-sample loop: this use escaped that "
+            "search); pass params= to leave it out."
+        )
+
+
+CHECKS = (True, False, "exact")
+
+
+def _check_mode(check) -> str | None:
+    if check is True:
+        return "sum"
+    if check is False or check is None:
+        return None
+    if check == "exact":
+        return "exact"
+    raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
+
+
+def _refuse_sample_mixing(model: torch.nn.Module) -> None:
+    """Batch norm that normalises with batch statistics makes every l_n depend on every sample's input."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and (
+            module.training or module.running_mean is None
+        ):
+            raise PerSampleGradientMismatch(
+                f"module {name or type(module).__name__!r} ({type(module).__name__}) normalises with batch "
+                "statistics, so samples are mixed and per-sample gradients from one backward are not the gradients "
+                "of the individual losses; put it in eval mode (module.eval()), or replace it by a per-sample "
+                "normalisation (e.g. nn.GroupNorm / nn.LayerNorm)"
+            )
+
+
+CHECK_TANGENTS = 8  # random tangents of the exact check
+
+
+def exact_check_tolerance(dtype: torch.dtype) -> float:
+    """The exact check's bound on ``||J_n V - exact_n|| / ||exact_n||``: ``1e4`` units of float32 rounding (1.2e-3)
+    for float32 and float64 parameters alike (models compute parts in float32 whatever their parameters' dtype:
+    T5's layer norm; the exact products of a float64 T5-LoRA differ from its rows by 7.5e-8), ``1e4`` units of the
+    dtype's rounding for wider rounding, at most 0.1 (16-bit dtypes, whose rounding hides smaller errors)."""
+    return min(1e4 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps), 0.1)
+
+
+def _check_tangents(params: Sequence[torch.Tensor], k: int,
+                    padding: dict[int, int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``K`` random tangents per parameter (fixed seed), as float64 factors rounded to the parameter's dtype (both
+    sides of the check then use the same numbers): ``(u [K, O], w [K, I])`` for a parameter of two or more dimensions
+    viewed ``[O, I]`` (the rank-1 tangent ``u w^T``: ``O + I`` draws instead of ``O I``, and ``J_n . u w^T`` straight
+    from a factored weight's ``G`` and ``A``), ``(t [K, numel], None)`` otherwise. ``E[(u^T D w)^2] = ||D||_F^2``:
+    an error ``D`` shows in proportion to its size, as with a dense Gaussian tangent. ``padding``: ``id`` of an
+    ``nn.Embedding`` weight -> its ``padding_idx``, whose row gets no tangent (autograd defines its gradient as 0,
+    forward mode would differentiate it)."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for p in params:
+        rows = p.shape[0] if p.dim() >= 2 else p.numel()
+        u = torch.randn(k, rows, generator=gen, dtype=torch.float64).to(p.dtype).to(torch.float64)
+        if padding and id(p) in padding:
+            u[:, padding[id(p)]] = 0
+        w = None
+        if p.dim() >= 2:
+            w = torch.randn(k, p.numel() // rows, generator=gen, dtype=torch.float64).to(p.dtype).to(torch.float64)
+        out.append((u, w))
+    return out
+
+
+def _hooked_products(jac: torch.Tensor | FactoredJacobian, tangents, offsets: Sequence[int]) -> torch.Tensor:
+    """``J_n v_k`` for the tangents of :func:`_check_tangents`, ``[M, K]`` in float64, column block by column block
+    (no float64 copy of ``J``, no ``[K, P]`` matrix); a factored weight's from its ``G`` and ``A``
+    (:meth:`ief.rows.Rows.add_rank_one_products`)."""
+    rows = as_rows(jac)
+    out = torch.zeros(jac.shape[0], CHECK_TANGENTS, dtype=torch.float64, device=jac.device)
+    for i, (u, w) in enumerate(tangents):
+        rows.add_rank_one_products(out, offsets[i], offsets[i + 1], u, w)
+    return out
+
+
+def check_directional_derivatives(forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str],
+                                  jac: torch.Tensor | FactoredJacobian, grad_z: torch.Tensor) -> None:
+    """The exact check (``check="exact"``): every row ``J_n`` against sample ``n``'s exact directional derivatives.
+
+    For ``K`` = :data:`CHECK_TANGENTS` random tangents ``v_k`` (:func:`_check_tangents`: rank one per weight matrix),
+    ``exact_nk = (dl_n/dz_n)^T J_{z_n} v_k`` (one batched forward-mode pass, or double backward, on a replay of the
+    forward with the real parameters; ``dl_n/dz_n`` as the batch backward computed it, so that a confident sample's
+    rounded ``p - 1`` is shared) and ``J_n v_k`` from the rows, both summed in float64. Sample ``n`` fails when
+    ``||J_n V - exact_n|| > tol * max(||exact_n||, ||J_n V||)`` (norms over the ``K`` tangents; ``tol`` from
+    :func:`exact_check_tolerance`). Normalised by the size of the products themselves, an error of relative size
+    ``r`` in ``J_n`` shows as ``~r`` whatever ``P`` (``exact_nk`` and the error's product both scale like
+    ``1/sqrt(P)``), so a 1 % error is caught in float32 and float64 alike (``tol`` 1.2e-3: ten times below it).
+
+    Raises:
+        PerSampleGradientMismatch: naming the samples that fail, the worst one and its relative error.
+    """
+    m = jac.shape[0]
+    padding = {id(mod.weight): mod.padding_idx for mod in forward.model.modules()
+               if isinstance(mod, torch.nn.Embedding) and mod.padding_idx is not None}
+    tangents = _check_tangents(params, CHECK_TANGENTS, padding)
+    full = [(u.to(p) if w is None else u.to(p)[:, :, None] * w.to(p)[:, None, :]).reshape(-1, *p.shape)
+            for (u, w), p in zip(tangents, params)]  # formed in the parameter's dtype (no float64 [K, P])
+    _, jvs = jvps_any_mode(forward, params, names, full)
+    del full
+    g = grad_z.detach().to(torch.float64).reshape(1, m, -1)
+    exact = (g * jvs.to(torch.float64).reshape(CHECK_TANGENTS, m, -1)).sum(dim=2).T  # [M, K]
+    offsets = [0, *torch.tensor([p.numel() for p in params]).cumsum(0).tolist()]
+    hooked = _hooked_products(jac, tangents, offsets)
+    err = (hooked - exact).norm(dim=1)
+    scale = torch.maximum(exact.norm(dim=1), hooked.norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
+    rel = err / scale
+    tol = exact_check_tolerance(jac.dtype)
+    failing = torch.nonzero(rel > tol).flatten().tolist()
+    if failing:
+        n = int(rel.argmax())
+        raise PerSampleGradientMismatch(
+            f"per-sample gradients of samples {failing[:10]}{' ...' if len(failing) > 10 else ''} disagree with their "
+            f"exact directional derivatives (worst: sample {n}, relative error {float(rel[n]):.2e} > {tol:.1e}): a "
+            "layer mixes samples or a hooked layer's leading dimension is not the sample dimension; pass params= to "
+            "leave its parameters out, or make it a module without a per-sample hook (its parameters then take the "
+            "exact per-sample loop)"
+        )
+
+
+def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian | None) -> None:
+    """``FloatingPointError`` naming the samples whose loss (or, given ``jac``, row of ``J``) is not finite."""
+    if jac is None:
+        if all_finite(losses):
+            return
+        bad = torch.nonzero(~torch.isfinite(losses.detach())).flatten().tolist()
+        what = "loss"
+    else:
+        rows = as_rows(jac)
+        if rows.is_finite():
+            return
+        bad = torch.nonzero(~rows.finite_rows()).flatten().tolist()
+        what = "per-sample gradient"
+    raise FloatingPointError(
+        f"non-finite {what} for samples {bad[:10]}{' ...' if len(bad) > 10 else ''} (of {losses.shape[0]}): a NaN or "
+        "inf in those samples' inputs, logits or targets, or in the parameters; per-sample gradients are refused "
+        "rather than returned as non-finite rows (drop or fix those samples)"
+    )

@@ -96,7 +96,7 @@ def build(name: str, m: int, t: int, seed: int) -> tuple[torch.nn.Module, dict, 
         model.transformer.wte.weight.requires_grad_(False)  # tied to lm_head
         ids = torch.randint(5, 1000, (m, t + 1), generator=gen)
         targets = ids[:, 1:].clone()
-        targets[:, -1] = -100
+        targets[:, -1] = ief.IGNORE_INDEX
         return model.eval(), {"input_ids": ids[:, :-1]}, targets
     if name == "vit":
         cfg = tf.ViTConfig(image_size=24, patch_size=4, num_channels=3, num_labels=10, **common)
@@ -108,7 +108,7 @@ def build(name: str, m: int, t: int, seed: int) -> tuple[torch.nn.Module, dict, 
 
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum",
-                                             ignore_index=-100)
+                                             ignore_index=ief.IGNORE_INDEX)
 
 
 def methods(model, x: dict, y: torch.Tensor, before) -> tuple[dict, list[dict]]:

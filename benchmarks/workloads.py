@@ -32,6 +32,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from ief import IGNORE_INDEX  # noqa: E402
+
 MODELS = ("mlp", "t5-lora", "minilm-lora")  # the op-cost table's models
 T5_SIZES = {
     "tiny": dict(vocab_size=4096, d_model=128, d_kv=32, d_ff=512, num_layers=2, num_decoder_layers=2, num_heads=4),
@@ -40,7 +42,7 @@ T5_SIZES = {
     "t5-base-config": dict(vocab_size=32128, d_model=768, d_kv=64, d_ff=3072, num_layers=12, num_decoder_layers=12,
                            num_heads=12),
 }
-IGNORE = -100
+IGNORE = IGNORE_INDEX  # the library's one -100
 
 
 @dataclass

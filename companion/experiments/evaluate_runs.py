@@ -33,8 +33,8 @@ the workflow states them on each job's command line, and they are this module's 
 
 Damping (the axis-conversion point, :data:`DAMPING_CONVENTION`): every damping here is in the package's convention,
 the sum loss ``L = sum_n l_n``. The paper's code uses the mean over the batch's ``K`` target tokens, so
-``lambda_paper = lambda_ief / K^2``; each record carries ``target_tokens`` = ``K`` so the conversion can be applied
-when plotting (:func:`companion.chapters.evaluation.damping_axis`).
+``lambda_paper = lambda_ief / K^2``; each record carries ``target_tokens`` = ``K`` (:func:`ief.count_targets`) so the
+conversion can be applied when plotting (:func:`companion.chapters.evaluation.damping_axis`).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ief import batch_generator, check_linear_only, damping_sweep, DegenerateIndicator, evaluate_batch
+from ief import batch_generator, check_linear_only, count_targets, damping_sweep, DegenerateIndicator, evaluate_batch
 from . import store
 from .runner import recorded_overrides, run_dir, seed_everything
 from .setups import BASELINE, evaluation_knobs, resolve
@@ -152,10 +152,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
                     rec[k] = v
             out.append(rec)
     return out
-
-
-def _target_tokens(targets: torch.Tensor) -> int:
-    return int((targets != -100).sum()) if not targets.dtype.is_floating_point else int(targets[..., 0].numel())
 
 
 def evaluate_run(
@@ -260,7 +256,7 @@ def evaluate_run(
                 # one logit Jacobian J_z per batch (ief.logit_space) serves every method's gamma, CG and the sweep
                 e1, lj = evaluate_batch(model, x, targets, methods, lam, cg_iterations=cg,
                                         generator=batch_generator(seed * 7919 + b, 0), extra={**extra, "batch": b})
-                records += [{**r, "target_tokens": _target_tokens(targets)} for r in e1]
+                records += [{**r, "target_tokens": count_targets(targets)} for r in e1]
                 if stage in sweep_at:
                     try:
                         swept = damping_sweep(model, x, targets, sweep_dampings, logit_space=lj,
@@ -269,7 +265,7 @@ def evaluate_run(
                         raise DegenerateIndicator(f"setup {setup}, stage {stage}, batch {b}: {err}") from err
                     for r in swept:
                         sweeps.append({**common, "stage": stage, "source": source, "kind": "sweep", "batch": b,
-                                       "imbalance": None, "target_tokens": _target_tokens(targets), **r})
+                                       "imbalance": None, "target_tokens": count_targets(targets), **r})
             records += sweeps
             store.write_text(part, _csv_text(records))
             store.write_json(part_json, {"job": key, "seconds": time.time() - t0,

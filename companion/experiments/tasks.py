@@ -20,10 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ief import IGNORE_INDEX
 from .setups import GLUE_FIELDS, GLUE_LABEL_WORDS, GLUE_PROMPTS, SetupConfig
-
-IGNORE = -100
-
 
 def glue_text(task: str, example: dict) -> str:
     """The model input of a GLUE example: the task's prompt (tab:glue-details) with its sentence(s) filled in."""
@@ -56,10 +54,10 @@ class LabelWordTask:
     def collate(self, examples: Sequence[dict]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         inputs = self._encode(examples)
         words = [self.label_ids[int(e["label"])] for e in examples]
-        targets = torch.full((len(words), max(map(len, words))), IGNORE, dtype=torch.long)
+        targets = torch.full((len(words), max(map(len, words))), IGNORE_INDEX, dtype=torch.long)
         for n, ids in enumerate(words):
             targets[n, : len(ids)] = torch.tensor(ids)
-        shifted = targets[:, :-1].masked_fill(targets[:, :-1] == IGNORE, self.pad)  # teacher forcing
+        shifted = targets[:, :-1].masked_fill(targets[:, :-1] == IGNORE_INDEX, self.pad)  # teacher forcing
         inputs["decoder_input_ids"] = torch.cat([torch.full((len(words), 1), self.start), shifted], dim=1)
         return inputs, targets
 

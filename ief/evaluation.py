@@ -84,7 +84,15 @@ def _dampings(methods: Sequence[str], damping: float | Mapping[str, float]) -> d
 
 
 def batch_generator(seed: int, index: int) -> torch.Generator:
-    """The generator of batch ``index``: SF's and KFAC's label draws, reproducible per record."""
+    """The generator of batch ``index``: SF's and KFAC's label draws, reproducible per record (``alg:eval``).
+
+    Args:
+        seed: the evaluation's seed.
+        index: the batch's index within the evaluation.
+
+    Returns:
+        A CPU ``torch.Generator`` seeded with ``seed * 1_000_003 + index``.
+    """
     return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(index))
 
 
@@ -118,7 +126,14 @@ def directions(
 
 def fresh_generator(generator: torch.Generator | None) -> Callable[[], torch.Generator]:
     """A factory of generators that all start from ``generator``'s state now (seed 0 when ``None``): SF and KFAC
-    (and :func:`ief.damping_sweep`) each draw from it, so they see the same labels."""
+    (and :func:`ief.damping_sweep`) each draw from it, so they see the same labels.
+
+    Args:
+        generator: the state to start from; ``None``: a generator seeded with 0.
+
+    Returns:
+        A function of no argument returning a new ``torch.Generator`` in that state at each call.
+    """
     start = (generator if generator is not None else torch.Generator().manual_seed(0)).get_state()
 
     def fresh() -> torch.Generator:
@@ -253,6 +268,27 @@ def evaluate_batch(
 
     With the logit-space route (``logit_space``, see :func:`directions`) every ``gamma`` is a product with ``J_z``
     instead of a forward-mode pass; the returned ``J_z`` can be handed on (e.g. to :func:`ief.damping_sweep`).
+
+    Args:
+        model: the model, used in the mode it is in.
+        inputs: what the model takes (a tensor, a tuple, or a dict of keyword arguments), sample dimension first.
+        targets: class indices ``[M]`` / ``[M, T]`` with ``-100`` ignored, or float targets (``loss="mse"``).
+        methods: the directions to rate, as :func:`evaluate` (``"sgd"`` is always added: the ratios' reference).
+        damping: one ``lambda`` for every method, or ``{method: lambda}``.
+        params: the parameters (default: the model's trainable ones).
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
+        cg_iterations: conjugate-gradient iterations of the exact-NGD reference.
+        generator: the state SF's and K-FAC's label draws start from (:func:`fresh_generator`).
+        logit_space: ``None`` (automatic), ``True``, ``False``, or a ``J_z`` already formed for this batch.
+        extra: fields copied into every record (e.g. the checkpoint's step).
+
+    Returns:
+        ``(records, J_z)``: one dict per method with its ``gamma`` and the ratios to SGD's, as :func:`evaluate`
+        writes them; ``J_z`` the batch's logit Jacobian when the logit-space route was taken, else ``None``.
+
+    Raises:
+        ValueError: an unknown method, a bad damping, or what :func:`ief.per_sample` refuses.
+        DegenerateIndicator: a direction whose indicator is undefined (e.g. a zero direction).
     """
     methods = _check_methods(methods)
     if "sgd" not in methods:

@@ -108,7 +108,22 @@ class _LinearHooks(PerSampleCapture):
 
 def check_linear_only(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] | None = None,
                       kind: str = "kfac") -> None:
-    """Raise the ``ValueError`` of :func:`kfac_direction` up front if a parameter is not an ``nn.Linear``'s."""
+    """Raise the ``ValueError`` of :func:`kfac_direction` up front if a parameter is not an ``nn.Linear``'s.
+
+    K-FAC's factors (``sec:app-kfac``) exist for ``nn.Linear`` weights and biases only; this checks a model before a
+    long run instead of at its first K-FAC direction.
+
+    Args:
+        model: the model whose parameters K-FAC would precondition.
+        params: the parameters (default: the model's trainable ones, as everywhere in ``ief``).
+        kind: ``"kfac"``, ``"ekfac"`` or ``"iekfac"`` (named in the message).
+
+    Returns:
+        ``None`` when every parameter belongs to an ``nn.Linear``.
+
+    Raises:
+        ValueError: a parameter that is not an ``nn.Linear``'s weight or bias (named), or an unknown ``kind``.
+    """
     params = resolve_params(model, params)
     _LinearHooks(model, params, param_names(model, params), kind)
 

@@ -195,7 +195,17 @@ _LOSSES: dict[str, Loss] = {"cross_entropy": CrossEntropy(), "mse": MeanSquaredE
 
 
 def get_loss(loss: str | Loss) -> Loss:
-    """Resolve ``loss="cross_entropy"`` / ``"mse"`` (or pass a :class:`Loss` object through)."""
+    """Resolve ``loss="cross_entropy"`` / ``"mse"`` (or pass a :class:`Loss` object through).
+
+    Args:
+        loss: ``"cross_entropy"`` (``eqn:prob_loss``), ``"mse"`` (``l_n = 1/2 ||z_n - y_n||^2``) or a ``Loss``.
+
+    Returns:
+        The ``Loss`` object: its per-sample losses, logit gradients and sampled targets.
+
+    Raises:
+        ValueError: an unknown name (the accepted ones are listed).
+    """
     if not isinstance(loss, str):
         return loss
     try:
@@ -205,7 +215,16 @@ def get_loss(loss: str | Loss) -> Loss:
 
 
 def logit_sqnorm(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``s_iEF`` (``eqn:s_ief``): ``||grad_{z_n} l_n||^2`` summed over the sample's positions, ``[M]``."""
+    """``s_iEF`` (``eqn:s_ief``): ``||grad_{z_n} l_n||^2`` summed over the sample's positions, ``[M]``.
+
+    Args:
+        loss: the ``Loss`` (:func:`get_loss`).
+        logits: ``[M, C]`` or ``[M, T, C]``.
+        targets: as the loss takes them (``-100`` positions add nothing).
+
+    Returns:
+        ``[M]``, in the logits' dtype.
+    """
     grad = loss.logit_grad(logits.detach(), targets)
     return _sum_per_sample(grad * grad)
 

@@ -314,7 +314,18 @@ def extract_logits(output: Any) -> torch.Tensor:
 
 
 def call_model(model: torch.nn.Module, inputs: Inputs) -> torch.Tensor:
-    """Run the model on ``inputs`` and return its logits."""
+    """Run the model on ``inputs`` and return its logits (the calling convention of ``ief``'s package docstring).
+
+    Args:
+        model: the model.
+        inputs: a tensor (``model(inputs)``), a tuple (``model(*inputs)``) or a mapping (``model(**inputs)``).
+
+    Returns:
+        The logits, class dimension last: the model's output, or its ``.logits`` (or first element).
+
+    Raises:
+        ValueError: an output with no logits to take.
+    """
     if isinstance(inputs, Mapping):
         out = model(**inputs)
     elif isinstance(inputs, tuple):

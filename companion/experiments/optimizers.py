@@ -30,7 +30,6 @@ import torch
 
 from ief import IGNORE_INDEX, call_model, count_targets
 from ief.optim import EF, IEF, KFAC, SF
-from ief.optim import PreconditionedOptimizer
 from .convention import CONVENTIONS, REDUCTION
 from .setups import OptimizerConfig
 
@@ -98,7 +97,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Any, 
     ``K = ief.count_targets(targets)``, whatever the optimiser: an :mod:`ief.optim` optimiser's own loss (``L / K``
     with ``reduction="mean"``, ``L`` divided by ``K`` once with ``"sum"``), torch's mean cross-entropy for the others.
     Raises :class:`Diverged`."""
-    if isinstance(opt, PreconditionedOptimizer):
+    if isinstance(opt, (IEF, EF, SF, KFAC)):  # they run the forward and backward themselves
         try:
             value = float(opt.step(inputs, targets))
         except FloatingPointError as err:

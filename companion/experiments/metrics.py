@@ -7,13 +7,14 @@ checkpoint) is the mean of its metrics, as GLUE averages a task's metrics (``tab
 from __future__ import annotations
 
 import csv
+import io
 import math
-import os
 from pathlib import Path
 
 import torch
 
 from .setups import GLUE_TASKS
+from .store import write_atomically
 
 
 def accuracy(pred: torch.Tensor, gold: torch.Tensor) -> float:
@@ -67,15 +68,11 @@ def write_glue_predictions(task: str, split: str, idx: list[int], pred: torch.Te
         raise ValueError(f"{task!r} is not a GLUE task")
     key = f"mnli_{split.split('_', 1)[1]}" if task == "mnli" else task
     path = Path(directory) / f"{_GLUE_FILES[key]}.tsv"
-    path.parent.mkdir(parents=True, exist_ok=True)
     names = _GLUE_NAMES.get(task)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.writer(f, delimiter="\t", lineterminator="\n")
-        writer.writerow(["index", "prediction"])
-        for i, p in zip(idx, pred.tolist()):
-            writer.writerow([int(i), names[p] if names else int(p)])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    text = io.StringIO(newline="")
+    writer = csv.writer(text, delimiter="\t", lineterminator="\n")
+    writer.writerow(["index", "prediction"])
+    for i, p in zip(idx, pred.tolist()):
+        writer.writerow([int(i), names[p] if names else int(p)])
+    write_atomically(path, text.getvalue())
     return path

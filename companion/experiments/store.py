@@ -56,7 +56,22 @@ class Locked(RuntimeError):
     """Another process holds the lock of a run folder (or of a search record)."""
 
 
-def _atomic_bytes(path: Path, data: bytes) -> None:
+def write_atomically(path: str | os.PathLike, data: bytes | str) -> None:
+    """Write ``data`` (``str``: UTF-8) to ``path`` atomically, the one way every file of the companion is written.
+
+    A temporary ``.NAME.tmp-PID`` in the same folder (created with its parents), fsync, read back and compared, then
+    ``os.replace``: an interrupted write leaves the previous version intact, a short write is never installed, and
+    a temporary left by a killed writer is recognised (:func:`remove_stale_temporaries`).
+
+    Args:
+        path: the file to (re)write.
+        data: its new content.
+
+    Raises:
+        OSError: the write failed or the bytes read back differ (``path`` left as it was).
+    """
+    if isinstance(data, str):
+        data = data.encode()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -155,7 +170,7 @@ def finite_or_none(value: Any) -> Any:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    _atomic_bytes(path, (json.dumps(finite_or_none(obj), indent=2, sort_keys=True) + "\n").encode())
+    write_atomically(path, (json.dumps(finite_or_none(obj), indent=2, sort_keys=True) + "\n").encode())
 
 
 def read_json(path: Path) -> Any:
@@ -168,7 +183,7 @@ def read_json(path: Path) -> Any:
 
 
 def write_text(path: Path, text: str) -> None:
-    _atomic_bytes(path, text.encode())
+    write_atomically(path, text.encode())
 
 
 class UnsafeCheckpoint(CorruptFile):
@@ -233,7 +248,7 @@ def write_torch(path: Path, obj: Any) -> None:
         what = _unsafe_globals(buffer) or str(err).splitlines()[-1][:160]
         raise TypeError(f"{path}: not written, it would hold {what}, which a weights-only load refuses; "
                         f"store tensors, numbers, strings, None and dicts/lists/tuples of them") from None
-    _atomic_bytes(path, buffer.getvalue())
+    write_atomically(path, buffer.getvalue())
 
 
 def read_torch(path: Path) -> Any:

@@ -62,6 +62,22 @@ def parser() -> argparse.ArgumentParser:
                    help=f"timed updates per optimiser after one warm-up (an MLP's: {MLP_REPEAT_FACTOR} N; default 5)")
     c.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     c.add_argument("--out", required=True, metavar="OUT.csv", help="the table (written atomically)")
+    w = sub.add_parser("compression", help="the compression study: one-shot pruning of the digits-mlp baseline with "
+                       "every WoodFisher curvature, to DIR/pruning_results.csv, pruning_costs.csv, study.json "
+                       "(chapter compression.ipynb)")
+    w.add_argument("--scale", required=True, metavar="X", help="the book's scale: smoke, cpu or full (full prunes "
+                   "the cpu baseline)")
+    w.add_argument("--runs", default="runs", metavar="RUNS",
+                   help="the runs folder: the baseline run is read there (trained there first if missing)")
+    w.add_argument("--seed", type=int, default=0, help="the baseline run's seed and the draws' seed")
+    w.add_argument("--out", required=True, metavar="DIR", help="where the tables go (each written atomically)")
+    k = sub.add_parser("early-spike", help="iEF's first update on the MLP from scratch redone for the E2 runs' "
+                       "seeds and rates, to a CSV (chapter optimisation.ipynb)")
+    k.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
+    k.add_argument("--runs", default="runs", metavar="RUNS", help="the runs folder (their recorded setup overrides)")
+    k.add_argument("--results", required=True, metavar="DIR",
+                   help="the aggregated E2 tables (python -m companion aggregate --out DIR)")
+    k.add_argument("--out", required=True, metavar="OUT.csv", help="the table (written atomically)")
     for q in (d, t, r):
         q.add_argument("--setup", required=True, metavar="S", help="one of: " + ", ".join(SETUPS))
         q.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
@@ -200,6 +216,24 @@ def main(argv: list[str] | None = None) -> int:
             store.write_text(args.out, costs.to_csv(index=False))
             print(f"wrote {args.out}")
             return 0
+        if args.command == "compression":
+            from .experiments.compression import write_study
+
+            for path in write_study(args.scale, args.runs, args.out, seed=args.seed):
+                print(f"wrote {path}")
+            return 0
+        if args.command == "early-spike":
+            from .experiments.early_spike import write_e2_first_step
+            from .experiments.setups import SCALES
+
+            if args.scale not in SCALES:
+                raise ValueError(f"unknown scale {args.scale!r}; valid scales: {', '.join(SCALES)}")
+            try:
+                print(f"wrote {write_e2_first_step(args.scale, args.runs, args.results, args.out)}")
+            except FileNotFoundError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+            return 0
         overrides = _overrides(args.set)
         if args.command == "search":
             if overrides:
@@ -216,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             info = describe(args.setup, args.scale, random_weights=args.random_weights, overrides=overrides)
             print(json.dumps(info, indent=2) if args.json else format_describe(info))
             return 0
+        from .experiments.cost import cost_warning
+
+        if (warning := cost_warning(args.setup, args.scale, args.optimizer)) is not None:  # full scale: hours
+            print(warning, file=sys.stderr, flush=True)
         train(args.setup, args.optimizer, args.seed, args.scale, args.out, lr=args.lr, schedule=args.schedule,
               overrides=overrides, device=args.device, progress=not args.no_progress,
               checkpoint_every_s=args.checkpoint_every, wait_lock=args.wait_lock, log_every_s=args.log_every)

@@ -57,3 +57,14 @@ def glued_text(nb, key: str) -> str:
                 raw = data.get("text/plain") or data.get("application/papermill.record/text/plain")
                 return ast.literal_eval(raw)
     raise KeyError(key)
+
+
+def train_grid(runs: Path, scale: str, runs_of) -> list[tuple[str, str, int]]:
+    """Train every ``(setup, optimizer, seed)`` of ``runs_of`` into ``runs`` (what the workflow's ``train`` jobs do
+    before a chapter reads their tables; the chapters themselves never train)."""
+    from companion.experiments import train
+
+    runs_of = list(runs_of)
+    for setup, optimizer, seed in runs_of:
+        train(setup, optimizer, seed, scale, runs, progress=False, verbose=False)
+    return runs_of

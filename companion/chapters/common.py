@@ -214,6 +214,29 @@ def workflow_note(paths, scale: str, what: str = "figure") -> str:
             f"{'tables' if len(paths) > 1 else 'table'} {files}.*")
 
 
+def provenance(tables, scale: str, what: str = "figure", paper=None) -> str:
+    """The provenance line under a chapter's figure or table, the one helper every notebook uses: the workflow's
+    ``tables`` it was read from (:func:`workflow_note`) and, with ``paper``, the committed record of the paper's
+    numbers shown beside ours (:func:`record_note`). A chapter only reads and draws, so it has no other source to
+    name: a missing table is an error (naming the job that makes it) before any line is drawn."""
+    line = workflow_note(tables, scale, what)
+    return line if paper is None else line + " " + record_note(paper, f"{what}'s part marked paper")
+
+
+def require_tables(tables, scale: str, command: str) -> list[Path]:
+    """``tables`` as paths when every one exists; else ``FileNotFoundError`` saying which are missing and which job
+    makes them (``make book`` at ``scale``, or by hand ``command``): a chapter reads the workflow's tables and
+    computes nothing itself."""
+    tables = [Path(t) for t in tables]
+    missing = [str(t) for t in tables if not t.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"this chapter reads the workflow's tables and computes nothing itself; missing: {', '.join(missing)}. "
+            f"`make book SCALE={scale}` makes them (or `python -m tools.book build --scale {scale}`); by hand: "
+            f"`{command}`")
+    return tables
+
+
 def record_made(path: str | Path) -> str:
     """When, at which commit and by which command a committed record was made: the ``created`` / ``commit`` /
     ``command`` fields a JSON record carries (``companion.experiments.search``), else "made before records carried their

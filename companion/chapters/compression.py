@@ -3,19 +3,12 @@ with magnitude, EF-, iEF-, SF-WoodFisher and the exact GGN (:mod:`ief.woodfisher
 sparsities, dampings and draws of the gradient sample; the tables, figures, rules and verdicts the chapter glues."""
 from __future__ import annotations
 
-import copy
-import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 import pandas as pd
-import torch
 
-from .style import method_color
-from ief.woodfisher import FISHERS, magnitude_prune, obs_curvature
+from ..experiments.compression import DEFAULTS, FISHERS, SETUP_SCALE, STUDY_FILES, read_study  # noqa: F401  (read, not run)
 from .common import PAGE_WIDTH_IN, plain_log_ticks
+from .style import method_color
 
 METHODS = ("magnitude", *FISHERS)
 LABELS = {"magnitude": "magnitude", "ef": "EF-WoodFisher", "ief": "iEF-WoodFisher", "sf": "SF-WoodFisher",
@@ -25,131 +18,6 @@ LABELS = {"magnitude": "magnitude", "ef": "EF-WoodFisher", "ief": "iEF-WoodFishe
 COLORS = {"magnitude": method_color("SGD"), "ef": method_color("EF"), "ief": method_color("iEF"),
           "sf": method_color("SF"), "ggn": method_color("NGD")}
 MARKERS = {"magnitude": "s", "ef": "X", "ief": "o", "sf": "^", "ggn": "D"}
-SETUP = "digits-mlp"
-BASELINE_OPTIMIZER = "adam"
-# The setup's scale per book scale: digits-mlp exists at cpu and smoke; a full build runs the cpu chapter (the
-# paper has no compression experiment to stand for, and a 10M-parameter MLP's N x P rows do not fit a node).
-SETUP_SCALE = {"smoke": "smoke", "cpu": "cpu", "full": "cpu"}
-DEFAULTS = {
-    "smoke": dict(samples=32, block_size=128, sparsities=(0.5, 0.7, 0.9), dampings=(1e-6, 1e-3, 1.0)),
-    "cpu": dict(samples=512, block_size=256, sparsities=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95),
-                dampings=tuple(float(f"1e{k}") for k in range(-8, 3))),
-}
-DEFAULTS["full"] = DEFAULTS["cpu"]
-
-
-@dataclass
-class Baseline:
-    """The trained model (eval mode, best-validation weights) and its data as tensors."""
-
-    model: torch.nn.Module
-    setup_scale: str
-    summary: dict[str, Any]
-    train: list[dict]
-    collate: Any
-    validation: tuple[torch.Tensor, torch.Tensor]
-    test: tuple[torch.Tensor, torch.Tensor]
-    pruned_weights: int
-
-
-def load_baseline(scale: str, runs: str | Path, seed: int = 0) -> Baseline:
-    """Train (or find finished) the ``digits-mlp`` Adam baseline run with :func:`companion.experiments.train` and load its
-    best-validation checkpoint. ``ValueError`` for an unknown scale (accepted: smoke, cpu, full)."""
-    from ..experiments import run_dir, train
-    from ..experiments.data import load_data
-    from ..experiments.models import build_model
-    from ..experiments.setups import resolve
-    from ..experiments.store import load_trainable, read_trainable
-    from ..experiments.tasks import make_task
-
-    if scale not in SETUP_SCALE:
-        raise ValueError(f"unknown scale {scale!r}; accepted: {', '.join(SETUP_SCALE)}")
-    setup_scale = SETUP_SCALE[scale]
-    summary = train(SETUP, BASELINE_OPTIMIZER, seed, setup_scale, runs, progress=False, verbose=False)
-    cfg = resolve(SETUP, setup_scale)
-    data = load_data(cfg)
-    model, pre = build_model(cfg, data)
-    task = make_task(cfg, model, pre)
-    load_trainable(model, read_trainable(run_dir(runs, setup_scale, SETUP, BASELINE_OPTIMIZER, seed)
-                                         / "checkpoints" / "best.pt"))
-    model.eval()
-    (val,) = data.validation.values()
-    (test,) = data.test.values()
-    weights = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
-    return Baseline(model, setup_scale, summary, list(data.train), task.collate, task.collate(list(val)),
-                    task.collate(list(test)), weights)
-
-
-def draw_batches(base: Baseline, samples: int, draw: int, seed: int = 0, batch_size: int = 128) -> list:
-    """Draw ``draw``'s gradient sample: ``samples`` training examples without replacement (a fixed function of
-    ``(seed, draw)``), in batches of ``batch_size``."""
-    rng = np.random.default_rng([seed, 23, draw])
-    idx = rng.choice(len(base.train), size=min(samples, len(base.train)), replace=False)
-    x, y = base.collate([base.train[int(i)] for i in idx])
-    return [(x[lo : lo + batch_size], y[lo : lo + batch_size]) for lo in range(0, len(idx), batch_size)]
-
-
-@torch.no_grad()
-def accuracy_and_loss(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
-    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``."""
-    x, y = data
-    logits = model(x)
-    return float((logits.argmax(-1) == y).float().mean()), float(torch.nn.functional.cross_entropy(logits, y))
-
-
-def run(base: Baseline, *, samples: int, block_size: int | None, sparsities, dampings, draws: int = 3,
-        seed: int = 0, methods=FISHERS) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Prune the baseline at every (method, draw, damping, sparsity), from the same trained weights each time.
-
-    Returns:
-        ``(results, costs)``: results one row per pruned model and split (``method, draw, damping, sparsity, split,
-        accuracy, loss``; magnitude has no damping and is the same for every draw); costs one row per (method,
-        draw): the seconds to build the curvature, the mean seconds of one pruning, ``N`` and the undamped
-        curvature's mean diagonal entry ``tr F / P`` (its scale, against which a damping is small or large).
-    """
-    model = base.model
-    original = copy.deepcopy(model.state_dict())
-    rows, costs = [], []
-
-    def record(method, draw, damping, sparsity):
-        for split, data in (("validation", base.validation), ("test", base.test)):
-            acc, loss = accuracy_and_loss(model, data)
-            rows.append(dict(method=method, draw=draw, damping=damping, sparsity=sparsity, split=split, accuracy=acc,
-                             loss=loss))
-
-    try:
-        spent = []
-        for sparsity in sparsities:
-            model.load_state_dict(original)
-            start = time.perf_counter()
-            magnitude_prune(model, sparsity)
-            spent.append(time.perf_counter() - start)
-            for draw in range(draws):
-                record("magnitude", draw, np.nan, sparsity)
-        costs.append(dict(method="magnitude", draw=0, curvature_s=0.0, prune_s=float(np.mean(spent)), samples=0,
-                          mean_diagonal=np.nan))
-        for draw in range(draws):
-            batches = draw_batches(base, samples, draw, seed)
-            n = sum(int(y.shape[0]) for _, y in batches)
-            for fisher in methods:
-                model.load_state_dict(original)
-                start = time.perf_counter()
-                curvature = obs_curvature(model, batches, fisher=fisher, block_size=block_size,
-                                          generator=torch.Generator().manual_seed(1000 * seed + draw))
-                built = time.perf_counter() - start
-                spent = []
-                for damping in dampings:
-                    for sparsity in sparsities:
-                        model.load_state_dict(original)
-                        start = time.perf_counter()
-                        curvature.prune(sparsity, damping)
-                        spent.append(time.perf_counter() - start)
-                        record(fisher, draw, damping, sparsity)
-                costs.append(dict(method=fisher, draw=draw, curvature_s=built, prune_s=float(np.mean(spent)),
-                                  samples=n, mean_diagonal=curvature.trace() / base.pruned_weights))
-    finally:
-        model.load_state_dict(original)
-    return pd.DataFrame(rows), pd.DataFrame(costs)
 
 
 def chosen_dampings(results: pd.DataFrame, sparsity: float) -> dict[str, float]:

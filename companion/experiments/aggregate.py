@@ -216,40 +216,9 @@ def _tables_exist(results_dir: Path) -> bool:
     return (results_dir / RUNS_FILE).exists() and (results_dir / CURVES_FILE).exists()
 
 
-def ensure_smoke_e2_runs(results_dir: str | Path | None = None, runs_dir: str | Path = "runs",
-                         setups: list[str] | None = None, seeds: list[int] | None = None) -> list[tuple[str, str, int]]:
-    """Train the smoke-scale E2 grid (tiny models, seconds) when :func:`load_e2` would find nothing to read.
-
-    Nothing is trained when the workflow's tables exist in ``results_dir`` or any finished run exists under
-    ``runs_dir/smoke``; otherwise every ``(setup, optimizer, seed)`` of the grid is trained with
-    :func:`.runner.train`. A chapter run on its own at smoke scale calls this before :func:`load_e2`; the workflow
-    makes the runs itself, and at the cpu and full scales runs are hours, so only smoke is trained here.
-
-    Args:
-        results_dir: the aggregated tables (default ``results/smoke``).
-        runs_dir: the runs folder (``runs_dir/smoke/<setup>/<optimizer>/seed-<K>/``).
-        setups: default every smoke E2 setup.
-        seeds: default the paper's three seeds.
-
-    Returns:
-        The ``(setup, optimizer, seed)`` runs trained, in order; empty when there was something to read.
-    """
-    from .runner import train
-    from .setups import E2_SEEDS, e2_optimizers, e2_setups
-
-    if _tables_exist(Path(results_dir or "results/smoke")) or find_runs(runs_dir, "smoke")[0]:
-        return []
-    grid = [(s, o, k) for s in (e2_setups("smoke") if setups is None else setups) for o in e2_optimizers(s)
-            for k in (E2_SEEDS if seeds is None else seeds)]
-    for s, o, k in grid:
-        train(s, o, k, "smoke", runs_dir, progress=False, verbose=False)
-    return grid
-
-
 def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | Path = "runs",
             setups: list[str] | None = None, seeds: list[int] | None = None) -> E2Grid:
-    """The E2 grid of ``scale`` as it exists on disk; reads only (:func:`ensure_smoke_e2_runs` trains a missing
-    smoke grid).
+    """The E2 grid of ``scale`` as it exists on disk; reads only (the workflow trains and aggregates the runs).
 
     Args:
         scale: ``"smoke"``, ``"cpu"`` or ``"full"``.
@@ -283,8 +252,7 @@ def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | P
                 f"no E2 runs under {Path(runs_dir) / scale} and no {RUNS_FILE} in {results_dir}. `make book` runs the "
                 f"workflow that trains them (SCALE={scale}); by hand: `python -m companion train --setup S --optimizer O "
                 f"--seed K --scale {scale} --out {runs_dir}` for every run, then `python -m companion aggregate --scale "
-                f"{scale} --runs {runs_dir} --out {results_dir}`"
-                + ("; or `ensure_smoke_e2_runs` trains this grid here (seconds)" if scale == "smoke" else ""))
+                f"{scale} --runs {runs_dir} --out {results_dir}`")
         table, curves = collect(runs_dir, scale)
         source = f"the runs in {Path(runs_dir) / scale} (aggregated here)"
     if scale == "smoke" and not seeds_given:  # the smoke grid's seeds (the workflow's smoke grid has two)

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -202,3 +203,60 @@ def spike_glue(setup: str, lr: float, classes: int, runs: pd.DataFrame, search: 
         "sp_rescale_verdict": ("iEF's rescaling singles out no sample" if first["s_spread"].max() < 1.5 else
                                "iEF's rescaling weighs the samples of a first batch differently"),
     }
+
+
+EARLY_SPIKE_FILE = "early_spike.csv"  # the workflow's table of :func:`first_step` on the E2 runs, in results/<scale>/
+
+
+def spike_setup(setups: Sequence[str], scale: str) -> str | None:
+    """The setup whose early spike is measured: the first MLP trained from scratch among ``setups`` that iEF trains
+    in E2 (``None``: none is)."""
+    from .setups import e2_optimizers
+
+    return next((s for s in setups if resolve(s, scale).method == "scratch" and "ief" in e2_optimizers(s)), None)
+
+
+def e2_first_step(scale: str, runs_dir: str | Path, results_dir: str | Path) -> pd.DataFrame:
+    """:func:`first_step` of the E2 grid's iEF runs of :func:`spike_setup` (the chapter E2's setups, read from the
+    aggregated tables in ``results_dir``): at the runs' rate, :data:`ASKED_RATES` and the search's rates, for the
+    runs' seeds, with the runs' own setup overrides (read from ``runs_dir``). An empty table (no row, no column)
+    where the grid has no such setup. The workflow's ``early_spike`` job writes it (``python -m companion
+    early-spike``)."""
+    from .aggregate import load_e2
+    from .runner import recorded_overrides, run_dir
+    from .search import load_record
+
+    grid = load_e2(scale, results_dir, runs_dir)
+    setup = spike_setup(grid.setups, scale)
+    if setup is None:
+        return pd.DataFrame()
+    table = grid.table
+    ief_runs = table[(table.setup == setup) & (table.optimizer == "ief")]
+    lr = float(ief_runs["lr"].iloc[0])
+    record = load_record(setup, scale)
+    searched = search_spikes(record) if record else None
+    rates = sorted(set(ASKED_RATES) | {lr} | (set(searched["lr"]) if searched is not None else set()))
+    seeds = sorted(ief_runs["seed"].unique())  # the runs' own setup (their --set overrides) where at hand
+    overrides = recorded_overrides(run_dir(runs_dir, scale, setup, "ief", int(seeds[0])), setup, scale)
+    return first_step(setup, scale, rates, seeds=seeds, overrides=overrides)
+
+
+def write_e2_first_step(scale: str, runs_dir: str | Path, results_dir: str | Path, out: str | Path) -> Path:
+    """:func:`e2_first_step` written to ``out`` atomically (an empty file where there is no setup to measure)."""
+    from .store import write_text
+
+    first = e2_first_step(scale, runs_dir, results_dir)
+    write_text(Path(out), "" if first.empty else first.to_csv(index=False))
+    return Path(out)
+
+
+def read_e2_first_step(path: str | Path, scale: str) -> pd.DataFrame:
+    """The table :func:`write_e2_first_step` wrote (floats read back exactly); ``FileNotFoundError`` naming the job
+    that makes it when it is missing."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: the workflow's `early_spike` job makes it (`make book SCALE={scale}`); by hand, "
+            f"after the E2 runs and `python -m companion aggregate`: `python -m companion early-spike --scale {scale} "
+            f"--runs runs --results {path.parent} --out {path}`")
+    return pd.read_csv(path, float_precision="round_trip") if path.stat().st_size else pd.DataFrame()

@@ -171,6 +171,23 @@ def test_the_practical_chapters_cost_table_is_a_job_of_its_own(tmp_path):
     assert full.returncode == 0 and "rule step_costs:" not in full.stdout
 
 
+def test_the_compression_study_and_the_early_spike_are_jobs_the_chapters_read(tmp_path):
+    """The chapters only read: the compression study (on the grid's digits-mlp Adam run) and iEF's first update
+    redone (on the aggregated E2 runs) are jobs of their own, and their tables inputs of the chapters that show them."""
+    done = _snakemake("-n", "--cores", "2", "--config", "scale=smoke", f"runs={tmp_path}/runs",
+                      f"results={tmp_path}/results")
+    assert done.returncode == 0, done.stdout + done.stderr
+    blocks = re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout)
+    (compression,) = [b for b in blocks if b.startswith("rule compression:")]
+    assert f"runs/smoke/digits-mlp/adam/seed-0/summary.json" in compression
+    assert f"results/smoke/compression/study.json" in compression
+    (spike,) = [b for b in blocks if b.startswith("rule early_spike:")]
+    assert "results/smoke/e2_runs.csv" in spike and "results/smoke/early_spike.csv" in spike
+    for name, table in (("compression", "compression/pruning_results.csv"), ("optimisation", "early_spike.csv")):
+        (chapter,) = [b for b in blocks if b.startswith("rule execute_notebook:") and f"wildcards: name={name}" in b]
+        assert f"results/smoke/{table}" in chapter, name
+
+
 def _outputs(plan: str) -> list[Path]:
     """Every output file of a dry run's jobs."""
     return [Path(f.strip()) for line in re.findall(r"^\s+output: (.+)$", plan, flags=re.M) for f in line.split(",")]
@@ -247,8 +264,10 @@ def test_each_rule_depends_on_the_code_it_runs(tmp_path):
     first = _snakemake(*args, directory=checkout, checkout=checkout)
     plan = _planned(first)
     notebooks = len(list((checkout / "notebooks").glob("*.ipynb")))
+    # every job that computes (the chapters only read its tables): the grid's runs and tables, the early spike's
+    # first updates and the compression study
     grid = {"train": len(registry.grid_runs("smoke")), "aggregate_e2": 1, "evaluate_stage": 3 * 5, "evaluate": 3,
-            "step_costs": 1}
+            "step_costs": 1, "early_spike": 1, "compression": 1}
     book = {"execute_notebook": notebooks, "publish": notebooks, "timings": 1, "book": 1, "all": 1}
     assert plan == {**grid, **book, "mathjax": 1}, first.stdout[-3000:]
     for path in _outputs(first.stdout + first.stderr):

@@ -168,27 +168,9 @@ def test_load_e2_only_reads_and_names_what_trains_a_missing_grid(runs, tmp_path,
 
     runs, _ = runs
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail(f"load_e2 trained a run: {a}"))
-    with pytest.raises(FileNotFoundError, match="ensure_smoke_e2_runs"):
+    with pytest.raises(FileNotFoundError, match="python -m companion aggregate"):
         load_e2("smoke", tmp_path / "no-results", tmp_path / "no-runs")
     assert not (tmp_path / "no-runs").exists()
     partial = load_e2("smoke", tmp_path / "no-results", runs, setups=[SETUP])
     assert set(GRID) == {(o, k) for _, o, k in partial.expected if (SETUP, o, k) not in partial.missing}
     assert partial.missing and all(o not in {"sgd", "ief"} for _, o, _ in partial.missing)
-
-
-def test_ensure_smoke_e2_runs_trains_the_grid_only_when_nothing_exists(runs, tmp_path, monkeypatch):
-    from companion.experiments import runner
-    from companion.experiments.aggregate import ensure_smoke_e2_runs
-    from companion.experiments.setups import e2_optimizers
-
-    runs, _ = runs
-    trained = []
-    monkeypatch.setattr(runner, "train", lambda setup, opt, seed, scale, out, **kw: trained.append(
-        (setup, opt, seed, scale, out)))
-    grid = ensure_smoke_e2_runs(tmp_path / "no-results", tmp_path / "no-runs", [SETUP], [0])
-    assert grid == [(SETUP, o, 0) for o in e2_optimizers(SETUP)]
-    assert trained == [(SETUP, o, 0, "smoke", tmp_path / "no-runs") for o in e2_optimizers(SETUP)]
-    trained.clear()
-    assert ensure_smoke_e2_runs(tmp_path / "no-results", runs, [SETUP], [0]) == [] and not trained  # runs exist
-    aggregate(runs, "smoke", tmp_path / "results")
-    assert ensure_smoke_e2_runs(tmp_path / "results", tmp_path / "no-runs", [SETUP], [0]) == [] and not trained

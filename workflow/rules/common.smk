@@ -131,7 +131,16 @@ CHAPTER_RUN = [summary(*REGISTRY.TRAIN_CHAPTER_RUN[SCALE])]
 # "costs": the practical comparison's seconds per update (python -m companion step-costs; companion.experiments.step_cost
 # STEP_COSTS_FILE), measured by a job of its own beside the training runs; a scale without the practical runs has none.
 STEP_COSTS = [f"{RESULTS}/step_costs.csv"] if _GRID.practical else []
-RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES, "chapter_run": CHAPTER_RUN, "costs": STEP_COSTS}
+# "early_spike": iEF's first update on the MLP from scratch redone for the E2 runs (python -m companion early-spike;
+# companion.experiments.early_spike), read by chapter E2. "compression": the compression study, one-shot pruning of
+# the digits-mlp baseline (python -m companion compression; companion.experiments.compression), read by its chapter.
+EARLY_SPIKE = [f"{RESULTS}/early_spike.csv"]
+COMPRESSION = [f"{RESULTS}/compression/{name}" for name in ("pruning_results.csv", "pruning_costs.csv", "study.json")]
+# the study's baseline run: the grid's digits-mlp Adam run where the book's scale has it (smoke, cpu); a full build
+# prunes the cpu baseline, which the compression job trains itself (the train rule makes this scale's runs only)
+COMPRESSION_BASELINE = [summary("digits-mlp", "adam", 0)] if SCALE in ("smoke", "cpu") else []
+RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES, "chapter_run": CHAPTER_RUN, "costs": STEP_COSTS,
+                "early_spike": EARLY_SPIKE, "compression": COMPRESSION}
 GRID_RUNS = [summary(*run) for run in GRID]
 GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES + STEP_COSTS
 

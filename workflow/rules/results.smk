@@ -1,4 +1,4 @@
-"""Tidy tables from the runs: the E2 tables (ief aggregate) and the evaluation framework (ief evaluate)."""
+"""Tidy tables from the runs: the E2 tables (python -m companion aggregate) and the evaluation framework (python -m companion evaluate)."""
 
 
 rule aggregate_e2:
@@ -12,7 +12,7 @@ rule aggregate_e2:
         f"{RESULTS}/logs/aggregate_e2.log",
     priority: PRIORITY["normal"]
     shell:
-        "{PYTHON} -m ief aggregate --scale {SCALE} --runs {RUNS} --out {RESULTS} > {log} 2>&1"
+        "{PYTHON} -m companion aggregate --scale {SCALE} --runs {RUNS} --out {RESULTS} > {log} 2>&1"
 
 
 # assembling a setup's table only reads the stages' parts: on a cluster it runs on the submitting node
@@ -40,7 +40,7 @@ rule evaluate_stage:
         runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
     priority: PRIORITY["first"]
     shell:
-        "{PYTHON} -m ief evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
+        "{PYTHON} -m companion evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
         "{params.knobs} --stages {params.stage} --out {params.out} > {log} 2>&1"
 
 
@@ -59,7 +59,7 @@ rule evaluate:
         knobs=lambda wc: evaluation_flags(wc.setup),
     priority: PRIORITY["first"]
     shell:
-        "{PYTHON} -m ief evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
+        "{PYTHON} -m companion evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
         "{params.knobs} --out {output} > {log} 2>&1"
 
 
@@ -79,4 +79,43 @@ rule step_costs:
     resources:
         runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
     shell:
-        "{PYTHON} -m ief step-costs --scale {SCALE} {params.setups} --out {output} > {log} 2>&1"
+        "{PYTHON} -m companion step-costs --scale {SCALE} {params.setups} --out {output} > {log} 2>&1"
+
+
+rule early_spike:
+    """Chapter optimisation.ipynb's early loss spike: iEF's first update on the MLP from scratch, redone for the E2
+    runs' seeds at their rate and the search's (python -m companion early-spike), a job of its own so that the
+    chapter only reads."""
+    input:
+        tables=E2_TABLES,
+        code=CORE_CODE,
+    output:
+        EARLY_SPIKE,
+    log:
+        f"{RESULTS}/logs/early_spike.log",
+    priority: PRIORITY["normal"]
+    resources:
+        runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
+    shell:
+        "{PYTHON} -m companion early-spike --scale {SCALE} --runs {RUNS} --results {RESULTS} --out {output} "
+        "> {log} 2>&1"
+
+
+rule compression:
+    """Chapter compression.ipynb's study: one-shot pruning of the digits-mlp baseline with magnitude and every
+    WoodFisher curvature over sparsities, dampings and draws (python -m companion compression); the chapter reads
+    its tables."""
+    input:
+        baseline=COMPRESSION_BASELINE,
+        code=CORE_CODE,
+    output:
+        COMPRESSION,
+    log:
+        f"{RESULTS}/logs/compression.log",
+    params:
+        out=f"{RESULTS}/compression",
+    priority: PRIORITY["normal"]
+    resources:
+        runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
+    shell:
+        "{PYTHON} -m companion compression --scale {SCALE} --runs {RUNS} --out {params.out} > {log} 2>&1"

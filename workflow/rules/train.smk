@@ -21,5 +21,5 @@ rule train:
     resources:
         runtime=train_minutes,
     shell:
-        "{PYTHON} -m ief train --setup {wildcards.setup} --optimizer {wildcards.optimizer} --seed {wildcards.seed} "
+        "{PYTHON} -m companion train --setup {wildcards.setup} --optimizer {wildcards.optimizer} --seed {wildcards.seed} "
         "--scale {wildcards.scale} --out {RUNS} --no-progress > {log} 2>&1"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..experiments.aggregate import collect, ensure_smoke_e2_runs, load_e2, mean_sd
+from ..experiments.aggregate import collect, load_e2, mean_sd
 from ..experiments.setups import practical_optimizers, resolve
 from .optimisation import label, plot_curves
 
@@ -34,16 +34,17 @@ class PracticalGrid:
     source: str
 
 
-def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: str | Path = "runs",
+def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: str | Path | None = "runs",
                    setups: Sequence[str] | None = None, seeds: Sequence[int] | None = None) -> PracticalGrid:
     """The chapter's runs, read as E2's (:func:`~companion.experiments.aggregate.load_e2`: the workflow's tables, else the
     runs); runs finished after the tables were written are read from ``runs_dir``. Reads only: nothing is trained
-    (:func:`train_missing_smoke_runs` does that).
+    (the workflow trains the runs).
 
     Args:
         scale: ``"smoke"``, ``"cpu"`` or ``"full"``.
         results_dir: the aggregated tables (default ``results/<scale>``).
-        runs_dir: the runs folder, read when ``results_dir`` has no tables or lacks some of the chapter's runs.
+        runs_dir: the runs folder, read when ``results_dir`` has no tables or lacks some of the chapter's runs
+            (``None``: the tables only, as the chapter reads them).
         setups: default every E2 setup of the scale.
         seeds: default the paper's three (at smoke, the seeds the runs have).
 
@@ -53,7 +54,7 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
     Raises:
         FileNotFoundError: no run and no table (names the commands that make them).
     """
-    grid = load_e2(scale, results_dir, runs_dir, list(setups) if setups else None,
+    grid = load_e2(scale, results_dir, runs_dir or "runs", list(setups) if setups else None,
                    list(seeds) if seeds is not None else None)
     opts = {s: practical_optimizers(s, scale) for s in grid.setups}
     expected = [(s, o, k) for s in grid.setups for o in opts[s] for k in grid.seeds]
@@ -64,7 +65,7 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
 
     table, curves, source = grid.table, grid.curves, grid.source
     missing = absent(table)
-    if missing and (Path(runs_dir) / scale).is_dir():  # runs finished after the tables: read them from the runs
+    if missing and runs_dir is not None and (Path(runs_dir) / scale).is_dir():  # runs finished after the tables: read them from the runs
         runs_table, runs_curves = collect(runs_dir, scale)
         runs_table = runs_table[runs_table.setup.isin(grid.setups) & runs_table.seed.isin(grid.seeds)]
         if len(absent(runs_table)) < len(missing):
@@ -79,31 +80,6 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
         list(zip(table.setup, table.optimizer)))]
     return PracticalGrid(table.reset_index(drop=True), curves.reset_index(drop=True), grid.setups, grid.seeds, opts,
                          missing, source)
-
-
-def train_missing_smoke_runs(results_dir: str | Path | None = None, runs_dir: str | Path = "runs",
-                             setups: Sequence[str] | None = None, seeds: Sequence[int] | None = None
-                             ) -> list[tuple[str, str, int]]:
-    """At smoke scale, train the chapter's runs that are missing (the E2 grid first, then the practical
-    optimisers'; seconds each), so that :func:`load_practical` finds them.
-
-    Args:
-        results_dir: the aggregated tables (default ``results/smoke``).
-        runs_dir: where the runs are written.
-        setups: default every E2 setup of the smoke scale.
-        seeds: default the seeds of the smoke grid.
-
-    Returns:
-        The ``(setup, optimizer, seed)`` runs trained here (E2's included).
-    """
-    from ..experiments.runner import train
-
-    chosen = list(setups) if setups else None, list(seeds) if seeds is not None else None
-    trained = list(ensure_smoke_e2_runs(results_dir, runs_dir, *chosen) or [])
-    missing = load_practical("smoke", results_dir, runs_dir, *chosen).missing
-    for s, o, k in missing:
-        train(s, o, k, "smoke", runs_dir, progress=False, verbose=False)
-    return trained + list(missing)
 
 
 def results_table(table: pd.DataFrame, opts: dict[str, list[str]]) -> pd.DataFrame:

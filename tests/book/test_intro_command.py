@@ -20,9 +20,24 @@ def _commands() -> list[list[str]]:
     return [shlex.split(line) for line in block.strip().splitlines()]
 
 
+def _option(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
 def test_the_command_reruns_a_gpu_chapter_at_full_scale():
-    pip, papermill = _commands()
+    pip, train, papermill = _commands()
     assert papermill[:2] == ["papermill", "notebooks/train.ipynb"] and papermill[-3:] == ["-p", "scale", "full"]
+    # the job first: it trains the very run the chapter reads at full scale, where the chapter looks for it
+    import papermill as pm
+
+    from companion.experiments.setups import TRAIN_CHAPTER_RUN
+
+    assert train[:4] == ["python", "-m", "companion", "train"]
+    setup, optimizer, seed = TRAIN_CHAPTER_RUN["full"]
+    assert (_option(train, "--setup"), _option(train, "--optimizer"), int(_option(train, "--seed")),
+            _option(train, "--scale")) == (setup, optimizer, seed, "full")
+    declared = pm.inspect_notebook(str(ROOT / "notebooks" / "train.ipynb"))
+    assert eval(declared["runs_dir"]["default"]) == _option(train, "--out")
     from companion.experiments import resolve
 
     assert resolve("sst2-t5-lora", "full").model_source == "google-t5/t5-base"  # the notebook's full default
@@ -47,11 +62,21 @@ def test_the_command_reruns_a_gpu_chapter_at_full_scale():
 
 
 def test_the_command_runs_as_printed_at_smoke_scale(tmp_path):
-    _, papermill = _commands()
-    command = [sys.executable, "-m", "papermill", papermill[1], str(tmp_path / "out.ipynb"), *papermill[3:-1],
-               "smoke", "-p", "out_dir", str(tmp_path / "fig"), "-p", "out", str(tmp_path / "runs"), "--cwd", str(ROOT)]
+    """The page's commands at smoke scale, as its prose says: the smoke chapter's run trained, then the chapter."""
+    from companion.experiments.setups import TRAIN_CHAPTER_RUN
+
+    _, train, papermill = _commands()
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOME": str(tmp_path),
            "HF_HUB_OFFLINE": "1"}
+    train = [*train]
+    train[train.index("--setup") + 1] = TRAIN_CHAPTER_RUN["smoke"][0]
+    train[train.index("--scale") + 1] = "smoke"
+    train[train.index("--out") + 1] = str(tmp_path / "runs")
+    done = subprocess.run([sys.executable, *train[1:]], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    command = [sys.executable, "-m", "papermill", papermill[1], str(tmp_path / "out.ipynb"), *papermill[3:-1],
+               "smoke", "-p", "out_dir", str(tmp_path / "fig"), "-p", "runs_dir", str(tmp_path / "runs"), "--cwd",
+               str(ROOT)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "fig" / "run.csv").exists()

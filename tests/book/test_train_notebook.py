@@ -1,21 +1,23 @@
-"""notebooks/train.ipynb at smoke scale: the same run as ``python -m companion train``, its figure and table, and the
-recorded learning-rate search it reads."""
+"""notebooks/train.ipynb at smoke scale: the run ``python -m companion train`` made (the workflow's job), read with its
+figure and table, and the recorded learning-rate search it reads; the chapter never trains."""
 from __future__ import annotations
 
 import csv
 import json
 
-from nbrun import glued_text, run_notebook, unresolved_glue
+import pytest
+from nbrun import glued_text, run_notebook, train_grid, unresolved_glue
 
 from companion.experiments import CPU_SETUPS, run_dir
 from companion.experiments.store import read_run
 from companion.experiments.summaries import final_train_loss, final_window
 
 
-def test_train_notebook_runs_the_cli_run_and_reads_the_search(tmp_path):
+def test_train_notebook_reads_the_cli_run_and_the_search(tmp_path):
     figures, runs = tmp_path / "fig", tmp_path / "runs"
+    train_grid(runs, "smoke", [("digits-mlp", "sgd", 1)])
     nb = run_notebook("train.ipynb", tmp_path, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
-                      out=str(runs), out_dir=str(figures))
+                      runs_dir=str(runs), out_dir=str(figures))
     assert not unresolved_glue(nb)
     assert "not available" in glued_text(nb, "e2_disagreement")  # no results_dir: no E2 runs to compare with
     summary = json.loads((run_dir(runs, "smoke", "digits-mlp", "sgd", 1) / "summary.json").read_text())
@@ -35,8 +37,8 @@ def test_train_notebook_runs_the_cli_run_and_reads_the_search(tmp_path):
         (t["setup"], t["optimizer"]) for t in chosen}
 
 
-def test_train_notebook_warns_before_a_full_scale_run():
-    """At full scale the notebook's first cell prints the steps and the paper's hours before anything starts."""
+def test_the_train_command_warns_before_a_full_scale_run():
+    """At full scale `python -m companion train` prints the steps and the paper's hours before anything starts."""
     from companion.experiments.cost import cost_warning
 
     warning = cost_warning("sst2-t5-lora", "full", "ief")
@@ -46,8 +48,11 @@ def test_train_notebook_warns_before_a_full_scale_run():
 
     from nbrun import ROOT
 
-    source = "\n".join(c.source for c in nbformat.read(ROOT / "notebooks" / "train.ipynb", as_version=4).cells)
-    assert source.index("cost_warning(setup, scale, optimizer)") < source.index("train(setup, optimizer")
+    source = (ROOT / "companion" / "__main__.py").read_text()
+    assert source.index("cost_warning(args.setup, args.scale, args.optimizer)") < source.index("train(args.setup,")
+    notebook = "\n".join(c.source for c in nbformat.read(ROOT / "notebooks" / "train.ipynb", as_version=4).cells
+                         if c.cell_type == "code")
+    assert "train(" not in notebook  # the chapter reads the run; it never trains
 
 
 def test_the_chapter_run_is_a_grid_run_and_the_notebooks_default():
@@ -67,20 +72,24 @@ def test_the_chapter_run_is_a_grid_run_and_the_notebooks_default():
 
 
 def test_train_notebook_reads_a_run_the_workflow_trained(tmp_path):
-    """Given the workflow's runs folder (runs_dir) holding the finished run, the notebook's `train` call skips it and
-    the chapter shows that run: nothing is trained again, no run folder of its own is made."""
+    """Given the workflow's runs folder (runs_dir) holding the finished run, the chapter shows that run and touches
+    nothing in it; without the run it stops, naming the command that trains it."""
+    import papermill
+
     from companion.experiments import train
 
     workflow_runs, figures = tmp_path / "runs", tmp_path / "fig"
     trained = train("digits-mlp", "sgd", 1, "smoke", workflow_runs, progress=False, verbose=False)
     folder = run_dir(workflow_runs, "smoke", "digits-mlp", "sgd", 1)
-    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file() and p.name != "run.lock"}
+    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
     nb = run_notebook("train.ipynb", tmp_path, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
                       runs_dir=str(workflow_runs), out_dir=str(figures))
     assert not unresolved_glue(nb)
     assert "read here" in glued_text(nb, "train_source")
-    assert any("skipped (finished)" in "".join(o.get("text", "")) for c in nb.cells if c.cell_type == "code"
-               for o in c.get("outputs", []))
     assert not (figures / "runs").exists()
-    assert {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file() and p.name != "run.lock"} == before
+    assert {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()} == before
     assert glued_text(nb, "train_wall") == f"{trained['wall_time_s']:.0f} s"
+    with pytest.raises(papermill.PapermillExecutionError,
+                       match="python -m companion train --setup digits-mlp --optimizer sgd --seed 0 --scale smoke"):
+        run_notebook("train.ipynb", tmp_path / "none", scale="smoke", setup="digits-mlp", optimizer="sgd", seed=0,
+                     runs_dir=str(workflow_runs), out_dir=str(figures))

@@ -200,16 +200,23 @@ def test_summary_is_mean_and_sd_over_batches():
 
 @pytest.mark.slow
 def test_notebook_at_smoke_scale(tmp_path):
-    """notebooks/evaluation.ipynb end to end at smoke scale: trains the three baseline runs, evaluates, plots."""
+    """notebooks/evaluation.ipynb end to end at smoke scale, on what the workflow's jobs make: the three baseline
+    runs trained and evaluated (python -m companion train / evaluate); the chapter reads the tables and plots."""
     from nbrun import run_notebook, unresolved_glue
 
-    out = tmp_path / "fig"
-    nb = run_notebook("evaluation.ipynb", tmp_path, scale="smoke", out_dir=str(out))
+    from companion.experiments import train
+
+    out, runs, results = tmp_path / "fig", tmp_path / "runs", tmp_path / "results" / "smoke"
+    for setup in ("digits-mlp", "tweets-minilm-lora", "tweets-minilm-pt"):
+        train(setup, er.baseline_optimizer(setup, "smoke"), 0, "smoke", runs, progress=False, verbose=False)
+        er.evaluate_run(setup, "smoke", 0, runs, results / "eval" / f"{setup}.csv", progress=False)
+    nb = run_notebook("evaluation.ipynb", tmp_path, scale="smoke", out_dir=str(out), runs_dir=str(runs),
+                      results_dir=str(results))
     assert not unresolved_glue(nb)  # every rule and verdict the prose names is glued
     for name in ("sample_gamma", "lora_gamma", "pt_gamma", "sample_blockdiag_gamma", "damping_gamma_digits-mlp",
                  "damping_gamma_tweets-minilm-lora", "damping_gamma_tweets-minilm-pt"):
         assert (out / f"{name}.png").stat().st_size > 10_000, name
-    records = er.read_records(out / "smoke-tweets-minilm-pt.csv")
+    records = er.read_records(results / "eval" / "tweets-minilm-pt.csv")
     assert "iekfac" not in {r["method"] for r in records}  # prompt tuning: no K-FAC factors for the prompt
 
 
@@ -232,7 +239,7 @@ def test_notebook_parameters_parse():
     cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
     names = [p.name for p in PythonTranslator.inspect(cell)]
     assigned = [line.split("=")[0].strip() for line in cell.source.splitlines() if "=" in line.split("#")[0]]
-    assert names == assigned and {"scale", "out_dir", "batches"} <= set(names)
+    assert names == assigned and {"scale", "out_dir", "runs_dir", "results_dir"} <= set(names)
 
 
 def _sweep_records(sf_ratios, ief_ratios=(0.5, 0.5, 0.6)):

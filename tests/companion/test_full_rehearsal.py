@@ -11,7 +11,7 @@ written into an assets folder by ``companion.experiments.asset_folder.download``
   evaluation takes ~100 s of one CPU core per checkpoint);
 - ``python -m companion evaluate --scale full`` on ``cola-t5-lora`` (small knobs);
 - the baseline run and the evaluation of every other paper setup, in process (the evaluation chapter shows all 16);
-- ``python -m companion aggregate --scale full``, then ``notebooks/evaluation.ipynb`` and ``notebooks/optimisation.ipynb``
+- ``python -m companion aggregate`` and ``early-spike --scale full``, then ``notebooks/evaluation.ipynb`` and ``notebooks/optimisation.ipynb``
   at ``scale="full"`` on those results.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ KNOBS = dict(batches=2, batch_size=16, cg_iterations=5, sweep_dampings=[1e-7, 1e
 
 
 def _ief(env: dict, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "ief", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "companion", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, f"python -m companion {' '.join(args)}\n{done.stdout}\n{done.stderr}"
     return done
@@ -86,12 +86,13 @@ def rehearsal(tmp_path_factory):
             if setup != "cola-t5-lora":  # evaluated above
                 evaluate_run(setup, "full", 0, runs, results / "eval" / f"{setup}.csv", progress=False, **KNOBS)
         _ief(env, "aggregate", "--scale", "full", "--runs", str(runs), "--out", str(results))
+        _ief(env, "early-spike", "--scale", "full", "--runs", str(runs), "--results", str(results), "--out",
+             str(results / "early_spike.csv"))
         notebooks = {
             "evaluation": run_notebook("evaluation.ipynb", tmp / "nb", scale="full", out_dir=str(tmp / "fig-eval"),
                                        runs_dir=str(runs), results_dir=str(results)),
             "optimisation": run_notebook("optimisation.ipynb", tmp / "nb", scale="full",
-                                         out_dir=str(tmp / "fig-opt"), runs_dir=str(runs),
-                                         results_dir=str(results)),
+                                         out_dir=str(tmp / "fig-opt"), results_dir=str(results)),
         }
         yield {"tmp": tmp, "runs": runs, "results": results, "notebooks": notebooks, "assets": tmp / "assets"}
     finally:

@@ -4,9 +4,12 @@ same parameter values and inputs, and their dense float64 oracles, cached per mo
 Models (every one small enough for an explicit ``[P, P]`` Fisher; every one but the P < M example has a sample whose
 every target position is ignored, so its per-sample gradient is zero and ``J J^T`` is singular):
 
-- ``digits-mlp``, ``minilm-lora``, ``minilm-pt``: the cpu setups' architectures at smoke size, built by
-  :func:`companion.experiments.models.build_model` from their smoke configs on the smoke data (eval mode; LoRA ``B``
-  moved off zero so that the Jacobian is generic);
+- ``digits-mlp``, ``minilm-lora``, ``minilm-pt``: the book's cpu setups (``digits-mlp``, ``tweets-minilm-lora``,
+  ``tweets-minilm-pt``) at smoke size, the very models and batches their smoke configs build, rebuilt here from numpy,
+  torch, tokenizers, transformers and peft alone (so the library's tier needs nothing but the library): a 16-32-32-4
+  ReLU MLP on the generated 4x4 images; a tiny BERT (hidden 16, one layer) on a BPE tokenizer trained on the
+  generated tweets, with LoRA on query/value or per-sample prompt tuning (eval mode; LoRA ``B`` moved off zero so
+  that the Jacobian is generic);
 - ``linear-p15-m32``: ``Linear(4, 3)`` on 32 samples, P = 15 < M = 32 (``J J^T`` singular by construction);
 - ``t5-prompt``: a prompt-only model (tiny T5, prompt tuning made per-sample as the setups do it);
 - ``t5-lora``: tiny T5 with LoRA, per-position vocabulary logits and padded labels;
@@ -21,8 +24,10 @@ import copy
 import dataclasses
 import functools
 import math
+import zlib
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
 import oracle
@@ -43,22 +48,120 @@ class RouteModel:
     kfac_params: tuple[str, ...] | str = "all"
 
 
-def _smoke_setup(setup: str, m: int, ignored: int) -> Case:
-    from companion.experiments import data as data_mod
-    from companion.experiments.models import build_model
-    from companion.experiments.setups import resolve
-    from companion.experiments.tasks import make_task
+# The cpu setups at smoke size as the book's experiments build them for training (their setup registry's smoke
+# configs, smoke data, model builder and collation), rebuilt from numpy, torch, tokenizers, transformers and peft
+# alone and equal to those bit for bit (parameters, inputs, targets): the same generated data (numpy's generator
+# seeded with [0, crc32("smoke"), crc32(task)]), tokenizer, architecture, peft wrapping, initialisation order and
+# collation. A change to the smoke setups there is not followed here: these are the matrix's models, fixed.
+_WORDS = ("apple river stone cloud table green quick lamp music paper garden window silver orange forest "
+          "pencil rocket candle island bridge").split()
 
-    cfg = resolve(setup, "smoke")
+
+def _smoke_rng(task: str) -> np.random.Generator:
+    return np.random.default_rng([0, *(zlib.crc32(k.encode()) for k in ("smoke", task))])
+
+
+def _smoke_digits(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``m`` smoke digits: 4x4x1 noise images (0..4) with one quadrant brighter by 8 (the quadrant is the
+    class of 4), pixels / 16 standardised with mean 0.5 and std 0.3, flattened in CHW order."""
+    rng, images, labels = _smoke_rng("digits"), [], []
+    for _ in range(m):
+        label = int(rng.integers(4))
+        img = rng.integers(0, 16 // 3, size=(4, 4, 1))
+        r, q = divmod(label, 2)
+        img[r * 2 : r * 2 + 2, q * 2 : q * 2 + 2] += 8
+        images.append(np.clip(img, 0, 16).astype(np.uint8).astype(np.float32))
+        labels.append(label)
+    x = (np.stack(images) / 16.0 - np.float32(0.5)) / np.float32(0.3)
+    return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).reshape(m, -1), torch.tensor(labels)
+
+
+def _smoke_tweets(n: int = 32) -> tuple[list[str], list[int]]:
+    """The smoke tweets (the setup's 32 training ones): 3 to 6 filler words and the class (negative / neutral /
+    positive), with a negative or positive word inserted for classes 0 and 2."""
+    rng, texts, labels = _smoke_rng("tweets"), [], []
+    for _ in range(n):
+        words = [str(w) for w in rng.choice(_WORDS, size=int(rng.integers(3, 7)))]
+        label = int(rng.integers(3))
+        if label in (0, 2):
+            sentiment = ("bad", "awful", "poor") if label == 0 else ("good", "great", "lovely")
+            words.insert(int(rng.integers(len(words) + 1)), str(rng.choice(sentiment)))
+        texts.append(" ".join(words))
+        labels.append(label)
+    return texts, labels
+
+
+def _bert_tokenizer(corpus: list[str], vocab_size: int = 120):
+    """A BPE tokenizer trained on ``corpus`` with BERT's normaliser and pre-tokeniser ([PAD]=0, [CLS] ... [SEP])."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.BPEDecoder()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                                        show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2),
+                                                                                             ("[SEP]", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]")
+
+
+class SmokeMLP(torch.nn.Module):
+    """``digits-mlp`` at smoke size: ``net`` = 16 -> 32 -> ReLU -> 32 -> ReLU -> 4 (the experiments' ``MLP``, with
+    its parameter names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                       torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _smoke_minilm(method: str, m: int):
+    """``tweets-minilm-{lora,pt}`` at smoke size: a tiny ``BertForSequenceClassification`` (hidden 16, 1 layer, 2
+    heads, 3 classes, eager attention) on a tokenizer trained on the 32 smoke tweets, with peft LoRA (r=8, alpha 8,
+    dropout 0.1, query/value) or prompt tuning (20 virtual tokens sampled from the vocabulary, per sample); its
+    inputs: the first ``m`` tweets tokenised (padded, truncated to 32 tokens)."""
+    import peft
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from ief import per_sample_prompts
+
+    texts, labels = _smoke_tweets()
+    tokenizer = _bert_tokenizer(texts)
+    base = BertForSequenceClassification(BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=128, num_labels=3, attn_implementation="eager"))
+    if method == "lora":
+        model = peft.get_peft_model(base, peft.LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=8, lora_dropout=0.1,
+                                                          target_modules=["query", "value"], bias="none"))
+    else:
+        model = per_sample_prompts(peft.get_peft_model(base, peft.PromptTuningConfig(
+            task_type="SEQ_CLS", num_virtual_tokens=20, num_transformer_submodules=1,
+            prompt_tuning_init=peft.PromptTuningInit.SAMPLE_VOCAB)))
+    enc = tokenizer(texts[:m], max_length=32, truncation=True, padding=True, return_tensors="pt")
+    return model, {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, torch.tensor(labels[:m])
+
+
+def _smoke_setup(setup: str, m: int, ignored: int) -> Case:
+    """The first ``m`` training samples of a cpu setup at smoke size and its model (torch seeded with 0 before it is
+    built), in eval mode, LoRA's ``B`` drawn from N(0, 0.3^2) so that the Jacobian is generic; every target of
+    sample ``ignored`` ignored."""
     torch.manual_seed(0)
-    data = data_mod.load_data(cfg)
-    model, preprocessor = build_model(cfg, data)
+    if setup == "digits-mlp":
+        model, (inputs, targets) = SmokeMLP(), _smoke_digits(m)
+    else:
+        model, inputs, targets = _smoke_minilm(setup.rsplit("-", 1)[1], m)
     model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.3)
-    inputs, targets = make_task(cfg, model, preprocessor).collate(list(data.train[:m]))
     targets[ignored] = IGNORE
     return Case(setup, model, inputs, targets)
 

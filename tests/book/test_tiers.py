@@ -1,7 +1,8 @@
 """The tests follow the products in tiers (ARCHITECTURE.md): ``tests/ief`` tests the library alone, so that
 ``make test-lib`` runs without the companion, the tools or the benchmarks, and a library change is judged by library
 tests. Read with ``ast`` (importing nothing): every import of every file of ``tests/ief``, lazy ones inside functions
-included, and of the shared helpers in ``tests/`` that those files import, transitively."""
+included, and of the shared helpers in ``tests/`` that those files import, transitively. No helper is exempt: the
+route matrix's smoke-size setups (``tests/route_models.py``) are built from the library and third-party packages."""
 from __future__ import annotations
 
 import ast
@@ -10,11 +11,6 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 LIBRARY_TIER = TESTS / "ief"
 OUTSIDE_THE_LIBRARY = ("companion", "tools", "benchmarks")
-# The one known breach, through a shared helper: three models of the route matrix are the cpu setups' architectures
-# at smoke size, built by the companion's own builder on its smoke data (tests/route_models.py, _smoke_setup), so
-# that the matrix holds the library to its oracle on the very models the book trains. Until they are built from the
-# library and transformers alone, the matrix's tier needs the companion installed; no other helper may do this.
-KNOWN = {"route_models.py": "the cpu setups' models at smoke size, built by companion.experiments"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -41,7 +37,7 @@ def _offences(path: Path, seen: set[Path]) -> list[str]:
         if top in OUTSIDE_THE_LIBRARY:
             out.append(f"{_where(path)}:{line} imports {module}")
         helper = TESTS / f"{top}.py"
-        if helper.exists() and helper not in seen and helper.name not in KNOWN:
+        if helper.exists() and helper not in seen:
             out += [f"{o} (through {_where(path)}:{line})" for o in _offences(helper, seen)]
     return out
 
@@ -62,10 +58,3 @@ def test_the_tier_check_sees_a_lazy_import(tmp_path):
     helper_user = tmp_path / "test_helper_user.py"  # a shared helper of tests/ that imports the tools is seen too
     helper_user.write_text("import nbrun\n")
     assert any("imports tools" in o and "through" in o for o in _offences(helper_user, set()))
-
-
-def test_the_known_breach_is_still_there():
-    """An exception that no longer applies is removed from KNOWN, so that the check covers that helper again."""
-    for name in KNOWN:
-        assert any(m.split(".")[0] in OUTSIDE_THE_LIBRARY for _, m in _imports(TESTS / name)), (
-            f"tests/{name} no longer reaches outside the library: remove it from KNOWN")

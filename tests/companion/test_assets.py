@@ -128,7 +128,7 @@ def test_command_line(folder, capsys, tmp_path):
     assert main(["--assets", str(tmp_path / "absent"), "list"]) == 2
     assert "is not a directory" in capsys.readouterr().err
     # a training run at full scale with --assets on a folder lacking the data: exit 1, the item named
-    done = subprocess.run([sys.executable, "-m", "ief", "--assets", str(root), "train", "--setup", "sst2-t5-lora",
+    done = subprocess.run([sys.executable, "-m", "companion", "--assets", str(root), "train", "--setup", "sst2-t5-lora",
                            "--scale", "full", "--optimizer", "adamw", "--out", str(tmp_path / "runs")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "has no dataset nyu-mll/glue (sst2)" in done.stderr

@@ -255,13 +255,17 @@ def test_no_trajectory_is_drawn_in_the_hue_of_its_field():
 def test_ef_reaches_the_minimum_under_normalised_steps_but_slowly():
     """sec:app-toy-lls-2pt: "the EF training trajectories managed to converge because we normalised every update to
     a small norm of 1e-2". From (0.6, -1.3) EF gets to L < 1e-3 (|theta| < 0.05) in a few thousand steps; NGD in
-    ~140; plain (un-normalised) EF steps of 1e-2 do not get there in as many steps."""
+    ~140; plain (un-normalised) EF steps of 1e-2 do not converge in as many steps: they zigzag and end far from the
+    minimum. Not "never below 1e-3": a zigzag iterate may pass through that ball once by chance, and whether one does
+    depends on the machine's rounding (on one machine it did at step 441, then jumped to L = 0.34), so the statistic
+    is where the run settles, its last 100 iterates."""
     p = toy.lls_problem()
     ef = toy.steps_to_loss(p, "EF", (0.6, -1.3), 1e-3, max_steps=5000)
     ngd = toy.steps_to_loss(p, "NGD", (0.6, -1.3), 1e-3, max_steps=5000)
     assert ef is not None and ngd is not None and ef > 10 * ngd
     assert float(toy.trajectory(p, "EF", (0.6, -1.3), steps=ef)[-1].norm()) < 0.05
-    assert toy.steps_to_loss(p, "EF", (0.6, -1.3), 1e-3, max_steps=ef, normalise=False) is None
+    plain = p.loss_at(toy.trajectory(p, "EF", (0.6, -1.3), steps=ef, normalise=False))
+    assert float(plain[-100:].min()) > 100 * 1e-3, plain[-100:]
 
 
 def _synthetic_study(ends, lengths):

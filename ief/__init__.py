@@ -35,8 +35,8 @@ from .kfac import check_linear_only, kfac_direction
 from .logit_jvp import ForwardModeUnsupported
 from .losses import IGNORE_INDEX, causal_lm_targets, count_targets, get_loss, logit_sqnorm
 from .model_call import call_model
-from .jacobian import (PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample, per_sample_prompts,
-                       register_rule, sampled_jacobian)
+from .jacobian import (LayerRule, PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample,
+                       per_sample_prompts, register_rule, sampled_jacobian, write_block)
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,8 @@ __all__ = [
     "SlowPathWarning",
     "per_sample_prompts",
     "register_rule",
+    "LayerRule",
+    "write_block",
     "sampled_jacobian",
     "ief_direction",
     "ef_direction",

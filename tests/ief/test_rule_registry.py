@@ -31,15 +31,15 @@ class ScaledLinear(torch.nn.Module):
 
 
 # ---- the rule: all a new layer type needs (in the library it would be one file under ief/jacobian/rules/)
-class ScaledLinearRule(ief.jacobian.LayerRule):
+class ScaledLinearRule(ief.LayerRule):
     """Rows ``s G_n^T A_n`` (weight) and ``s G_n^T 1`` (bias), ``A`` the inputs and ``G`` the output gradients."""
 
     def grads(self, module, x, g, dests, accumulate):
         a, g = self.factors(module, x, g)
         if "weight" in dests:
-            ief.jacobian.write_block(dests["weight"], g.transpose(1, 2) @ a, accumulate)
+            ief.write_block(dests["weight"], g.transpose(1, 2) @ a, accumulate)
         if "bias" in dests:
-            ief.jacobian.write_block(dests["bias"], g.sum(dim=1), accumulate)
+            ief.write_block(dests["bias"], g.sum(dim=1), accumulate)
 
     def factored(self, module):
         return True
@@ -103,11 +103,11 @@ def test_registering_a_type_again_replaces_and_returns_the_rule(registered):
     assert ief.register_rule(ScaledLinear, ScaledLinearRule()) is first
 
 
-class NoGrads(ief.jacobian.LayerRule):
+class NoGrads(ief.LayerRule):
     pass
 
 
-class FactoredWithoutFactors(ief.jacobian.LayerRule):
+class FactoredWithoutFactors(ief.LayerRule):
     def grads(self, module, x, g, dests, accumulate):
         pass
 
@@ -116,7 +116,7 @@ class FactoredWithoutFactors(ief.jacobian.LayerRule):
 
 
 @pytest.mark.parametrize("layer_type,rule,message", [
-    (ScaledLinear, lambda module, x, g, dests, accumulate: None, "instance of an ief.jacobian.LayerRule subclass"),
+    (ScaledLinear, lambda module, x, g, dests, accumulate: None, "instance of an ief.LayerRule subclass"),
     (ScaledLinear, ScaledLinearRule, r"got the class ScaledLinearRule \(call it"),
     (ScaledLinear, NoGrads(), "NoGrads does not override LayerRule.grads"),
     (ScaledLinear, FactoredWithoutFactors(), "overrides factored but not factors"),

@@ -17,7 +17,16 @@ WHOLE_CALL = -1  # the sample "axis" of every call when M = 1: the whole call be
 
 def write_block(dest: torch.Tensor, value: torch.Tensor, accumulate: bool) -> None:
     """Write one call's per-sample gradients into their column block of J: copied on a module's first call, added on
-    later calls (``accumulate``). ``dest``: a strided ``[M, numel]`` view; ``value``: anything of its size."""
+    later calls (``accumulate``); what a :class:`LayerRule`'s ``grads`` calls for each parameter it fills.
+
+    Args:
+        dest: the parameter's block of ``J``, a strided ``[M, numel]`` view (``dests[name]`` in ``grads``).
+        value: the per-sample gradients, ``M * numel`` values in any shape (reshaped to ``dest``'s).
+        accumulate: add to ``dest`` (a later call of the same module) instead of overwriting it.
+
+    Returns:
+        ``None``; ``dest`` is written in place.
+    """
     value = value.reshape(dest.shape)
     dest.add_(value) if accumulate else dest.copy_(value)
 
@@ -170,21 +179,21 @@ def register_rule(layer_type: type, rule: LayerRule) -> LayerRule | None:
     """Register the per-sample rule of a layer type, so that :func:`ief.per_sample` hooks its modules.
 
     Without a rule, a module's parameters take the exact per-sample loop (``M`` backward passes) with a
-    :class:`~ief.SlowPathWarning`. A rule is one subclass of :class:`ief.jacobian.LayerRule` (see its docstring);
+    :class:`~ief.SlowPathWarning`. A rule is one subclass of :class:`ief.LayerRule` (see its docstring);
     modules are matched by exact type, so a subclass of a registered type needs its own registration. Registering a
     type again replaces its rule (the previous one is returned). Example, a linear layer with a fixed output scale::
 
         class ScaledLinear(torch.nn.Module):  # y = s (x W^T + b)
             ...
 
-        class ScaledLinearRule(ief.jacobian.LayerRule):
+        class ScaledLinearRule(ief.LayerRule):
             def grads(self, module, x, g, dests, accumulate):
                 m = x.shape[0]
                 a, g = x.reshape(m, -1, x.shape[-1]), module.scale * g.reshape(m, -1, g.shape[-1])
                 if "weight" in dests:
-                    ief.jacobian.write_block(dests["weight"], g.transpose(1, 2) @ a, accumulate)
+                    ief.write_block(dests["weight"], g.transpose(1, 2) @ a, accumulate)
                 if "bias" in dests:
-                    ief.jacobian.write_block(dests["bias"], g.sum(dim=1), accumulate)
+                    ief.write_block(dests["bias"], g.sum(dim=1), accumulate)
 
             def factored(self, module):  # optional: the "ghost" form keeps the weight as (A, G)
                 return True
@@ -197,7 +206,7 @@ def register_rule(layer_type: type, rule: LayerRule) -> LayerRule | None:
 
     Args:
         layer_type: a subclass of ``torch.nn.Module``.
-        rule: an instance of a :class:`~ief.jacobian.LayerRule` subclass that overrides ``grads``.
+        rule: an instance of a :class:`~ief.LayerRule` subclass that overrides ``grads``.
 
     Returns:
         The rule ``layer_type`` had before, or ``None``.
@@ -212,7 +221,7 @@ def register_rule(layer_type: type, rule: LayerRule) -> LayerRule | None:
         raise TypeError(f"register_rule needs a LayerRule instance, got the class {rule.__name__} (call it: "
                         f"{rule.__name__}())")
     if not isinstance(rule, LayerRule):
-        raise TypeError(f"register_rule needs an instance of an ief.jacobian.LayerRule subclass, got "
+        raise TypeError(f"register_rule needs an instance of an ief.LayerRule subclass, got "
                         f"{type(rule).__name__}")
     if type(rule).grads is LayerRule.grads:
         raise TypeError(f"{type(rule).__name__} does not override LayerRule.grads (the per-sample rows of one call)")

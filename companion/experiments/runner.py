@@ -57,7 +57,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+# tqdm's plain bar, not tqdm.auto: importing tqdm.auto in a kernel without ipywidgets warns (TqdmWarning: IProgress
+# not found), and the chapters import this package to read its tables, so that warning showed on a book page.
+from tqdm import tqdm
 
 from . import store
 from .data import FULL_SIZES, Data, load_data

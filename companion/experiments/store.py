@@ -44,6 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..atomic import write_atomically  # noqa: F401  (the one atomic writer; re-exported: store is where the companion writes)
+
 LOCK_NAME = "run.lock"
 _TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 
@@ -54,39 +56,6 @@ class CorruptFile(ValueError):
 
 class Locked(RuntimeError):
     """Another process holds the lock of a run folder (or of a search record)."""
-
-
-def write_atomically(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write ``data`` (``str``: UTF-8) to ``path`` atomically, the one way every file of the companion is written.
-
-    A temporary ``.NAME.tmp-PID`` in the same folder (created with its parents), fsync, read back and compared, then
-    ``os.replace``: an interrupted write leaves the previous version intact, a short write is never installed, and
-    a temporary left by a killed writer is recognised (:func:`remove_stale_temporaries`).
-
-    Args:
-        path: the file to (re)write.
-        data: its new content.
-
-    Raises:
-        OSError: the write failed or the bytes read back differ (``path`` left as it was).
-    """
-    if isinstance(data, str):
-        data = data.encode()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(tmp, "rb") as f:  # verify what reached the disk before it replaces the previous version
-            if f.read() != data:
-                raise OSError(f"{tmp}: the bytes read back differ from the bytes written; {path} left as it was")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _pid_alive(pid: int) -> bool:

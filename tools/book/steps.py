@@ -31,6 +31,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from companion.atomic import write_atomically
+
 ROOT = Path(__file__).resolve().parents[2]
 SCALES = ("smoke", "cpu", "full")
 NOTEBOOKS = ROOT / "notebooks"
@@ -73,13 +75,6 @@ def git_commit() -> str:
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class NotebookFailed(RuntimeError):
@@ -227,7 +222,7 @@ def execute(notebook: Path, scale: str, executed_root: Path | None = None,
         "wall_time_s": round(wall, 1),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
-    _write_atomic(record, json.dumps(provenance, indent=2))
+    write_atomically(record, json.dumps(provenance, indent=2))
     log_line(f"{label}: done in {wall:.1f} s")
     return executed, provenance
 
@@ -270,10 +265,8 @@ def publish(executed: Path, provenance: dict | None = None, generated: Path = GE
     nb = nbformat.read(executed, as_version=4)
     nb.cells.append(nbformat.v4.new_markdown_cell(provenance_markdown(provenance)))
     target = Path(generated) / executed.name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    nbformat.write(nb, tmp)
-    os.replace(tmp, target)
+    text = nbformat.writes(nb)
+    write_atomically(target, text if text.endswith("\n") else text + "\n")  # as nbformat.write ends a file
     return target
 
 
@@ -346,7 +339,7 @@ def job_time_sentence(entry: dict) -> str:
 def write_timings(generated: Path = GENERATED) -> Path:
     """Write :func:`timings_table` to ``generated/timings.md`` (atomically); returns the path."""
     target = Path(generated) / "timings.md"
-    _write_atomic(target, timings_table())
+    write_atomically(target, timings_table())
     return target
 
 

@@ -78,6 +78,18 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--results", required=True, metavar="DIR",
                    help="the aggregated E2 tables (python -m companion aggregate --out DIR)")
     k.add_argument("--out", required=True, metavar="OUT.csv", help="the table (written atomically)")
+    b = sub.add_parser("blockdiag-check", help="the block-diagonal study's dense float64 check at one stage "
+                       "checkpoint of the baseline runs, to a CSV and its glue to OUT.json (chapter evaluation.ipynb)")
+    b.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
+    b.add_argument("--runs", default="runs", metavar="RUNS", help="the runs folder: the baseline runs' checkpoints")
+    b.add_argument("--results", required=True, metavar="DIR",
+                   help="the evaluation tables DIR/eval/<setup>.csv (python -m companion evaluate)")
+    b.add_argument("--seed", type=int, default=None, help="the evaluated runs' seed (default: the grid's evaluation "
+                   "seed)")
+    b.add_argument("--stage", type=int, default=None, help="the stage checkpoint, percent of training (default: the "
+                   "chapter's, 50)")
+    b.add_argument("--out", required=True, metavar="OUT.csv", help="the table; its glue goes to OUT.json (each "
+                   "written atomically)")
     for q in (d, t, r):
         q.add_argument("--setup", required=True, metavar="S", help="one of: " + ", ".join(SETUPS))
         q.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
@@ -220,6 +232,21 @@ def main(argv: list[str] | None = None) -> int:
             from .experiments.compression import write_study
 
             for path in write_study(args.scale, args.runs, args.out, seed=args.seed):
+                print(f"wrote {path}")
+            return 0
+        if args.command == "blockdiag-check":
+            from .experiments.blockdiag_check import CHECK_STAGE, write_chapter_check
+            from .experiments.setups import SCALES
+
+            if args.scale not in SCALES:
+                raise ValueError(f"unknown scale {args.scale!r}; valid scales: {', '.join(SCALES)}")
+            try:
+                paths = write_chapter_check(args.scale, args.runs, args.results, args.out, seed=args.seed,
+                                            stage=CHECK_STAGE if args.stage is None else args.stage)
+            except FileNotFoundError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+            for path in paths:
                 print(f"wrote {path}")
             return 0
         if args.command == "early-spike":

@@ -395,6 +395,11 @@ def check_glue(summary: dict[str, float], *, setup: str, stage: int, batches: in
     }
 
 
+def not_computed_glue() -> dict[str, str]:
+    """The check's glue where there is no check (no MLP among the block-diagonal setups: full scale)."""
+    return {k: "not computed at this scale (no MLP setup)" for k in CHECK_KEYS}
+
+
 CHECK_KEYS = ("kc_setup", "kc_stage", "kc_batches", "kc_records_ratio", "kc_pkg64_err", "kc_pkg_err", "kc_bug_verdict",
               "kc_ief", "kc_iekfac", "kc_ekfac", "kc_kfac", "kc_blockdiag_ief", "kc_ngd", "kc_span_best",
               "kc_iekfac_over_ief", "kc_ief_undamped", "kc_iekfac_undamped", "kc_real_verdict", "kc_damping_verdict",
@@ -409,7 +414,7 @@ def chapter_check(records: list[dict[str, Any]], runs_dir: str | Path, setups: S
     every key reads "not computed at this scale" and the table is ``None``."""
     mlp = [s for s in setups if resolve(s, scale).family == "mlp"]
     if not mlp:
-        return {k: "not computed at this scale (no MLP setup)" for k in CHECK_KEYS}, None
+        return not_computed_glue(), None
     table = blockdiag_check(runs_dir, mlp[0], scale, seed=seed, stage=stage, batches=batches)
     means = {(r["setup"], r["stage"], r["method"]): r["mean"] for r in summary_rows(records)}
     ratio = lambda s: (means[(s, stage, "ekfac")] / means[(s, stage, "iekfac")]  # noqa: E731
@@ -419,3 +424,60 @@ def chapter_check(records: list[dict[str, Any]], runs_dir: str | Path, setups: S
                       spreads={s: s_spread(runs_dir, s, scale, seed=seed, stage=stage) for s in setups},
                       ekfac_over_iekfac={s: ratio(s) for s in setups})
     return glue, table
+
+
+CHECK_FILES = ("blockdiag_check.csv", "blockdiag_check.json")  # the workflow's table and glue, in results/<scale>/
+CHECK_STAGE = 50  # the stage checkpoint (percent of training) the evaluation chapter's dense check reads
+
+
+def write_chapter_check(scale: str, runs_dir: str | Path, results_dir: str | Path, out: str | Path, *,
+                        seed: int | None = None, stage: int = CHECK_STAGE, batches: int = 2) -> list[Path]:
+    """:func:`chapter_check` as the evaluation chapter ran it, on the block-diagonal figure's setups
+    (:func:`.setups.blockdiag_setups`) and their evaluation records (``results_dir/eval/<setup>.csv``, the
+    ``evaluate`` jobs' tables), written atomically: the table to ``out`` and ``{"scale", "setups", "seed", "stage",
+    "batches", "glue"}`` to ``out`` with the suffix ``.json`` (last). The workflow's ``blockdiag_check`` job
+    (``python -m companion blockdiag-check``).
+
+    Raises:
+        FileNotFoundError: an evaluation table or a baseline checkpoint is missing (the message names what makes it).
+        ValueError: an unknown scale, or one whose block-diagonal setups hold no MLP (nothing to check: the chapter
+            glues :func:`not_computed_glue` there).
+    """
+    from .evaluate_runs import read_records
+    from .setups import EVALUATION_SEED, blockdiag_check_setup, blockdiag_setups
+
+    seed = EVALUATION_SEED if seed is None else seed
+    setups = list(blockdiag_setups(scale))
+    if blockdiag_check_setup(scale) is None:
+        raise ValueError(f"no MLP among the block-diagonal setups at {scale!r} ({', '.join(setups)}): no dense check")
+    tables = [Path(results_dir) / "eval" / f"{s}.csv" for s in setups]
+    missing = [str(t) for t in tables if not t.is_file()]
+    if missing:
+        raise FileNotFoundError(f"missing evaluation tables {', '.join(missing)}: the workflow's `evaluate` jobs "
+                                f"make them (python -m companion evaluate --setup S --scale {scale} --seed {seed} "
+                                f"--runs {runs_dir} --out {Path(results_dir) / 'eval'}/S.csv)")
+    records = [r for t in tables for r in read_records(t)]
+    glue, table = chapter_check(records, runs_dir, setups, scale, seed=seed, stage=stage, batches=batches)
+    out = Path(out)
+    meta = out.with_suffix(".json")
+    store.write_text(out, table.to_csv(index=False))
+    store.write_json(meta, dict(scale=scale, setups=setups, seed=seed, stage=stage, batches=batches, glue=glue))
+    return [out, meta]
+
+
+def read_chapter_check(path: str | Path, scale: str) -> tuple[dict[str, Any], pd.DataFrame]:
+    """``(meta, table)`` that :func:`write_chapter_check` wrote to ``path`` (and its ``.json``; floats read back
+    exactly); ``FileNotFoundError`` naming the job that makes them when one is missing."""
+    import json
+
+    path = Path(path)
+    paths = [path, path.with_suffix(".json")]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the dense check's table is missing ({', '.join(missing)}): the workflow's `blockdiag_check` job makes "
+            f"it (`make book SCALE={scale}`); by hand, after the baseline runs and their evaluation: `python -m "
+            f"companion blockdiag-check --scale {scale} --runs runs --results {path.parent} --out {path}`")
+    # floats read back exactly: pandas 3 does so by default (and deprecates the option), pandas 2 with round_trip
+    exact = {} if int(pd.__version__.split(".")[0]) >= 3 else dict(float_precision="round_trip")
+    return json.loads(paths[1].read_text()), pd.read_csv(path, **exact)

@@ -537,6 +537,31 @@ EVALUATION_KNOBS: dict[str, dict[str, Any]] = {
 }
 
 
+# The evaluation chapter's block-diagonal figure (fig:sample_blockdiag_gamma, sec:app-iEF-eNGDopt) per scale: the
+# paper's QNLI/RTE/MRPC + T5 LoRA at full; at cpu and smoke the setups whose trainable parameters are all nn.Linear
+# (LoRA and the MLP; prompt tuning has no K-FAC factors for its prompt). Read by companion.chapters.evaluation's
+# figure_setups and by the workflow's blockdiag_check job (companion.experiments.blockdiag_check), whose dense float64
+# check runs on the first MLP among them (blockdiag_check_setup; none at full: the T5 setups are too large for it).
+BLOCKDIAG_SETUPS: dict[str, tuple[str, ...]] = {
+    "full": ("qnli-t5-lora", "rte-t5-lora", "mrpc-t5-lora"),
+    "cpu": ("tweets-minilm-lora", "digits-mlp"),
+    "smoke": ("tweets-minilm-lora", "digits-mlp"),
+}
+
+
+def blockdiag_setups(scale: str) -> tuple[str, ...]:
+    """The setups of the evaluation chapter's block-diagonal figure at ``scale`` (:data:`BLOCKDIAG_SETUPS`);
+    ``ValueError`` for an unknown scale."""
+    _check("scale", scale, SCALES)
+    return BLOCKDIAG_SETUPS[scale]
+
+
+def blockdiag_check_setup(scale: str) -> str | None:
+    """The setup of the block-diagonal study's dense check at ``scale``: the first MLP among
+    :func:`blockdiag_setups` (``None``: none is, as at full scale, so there is no check)."""
+    return next((s for s in blockdiag_setups(scale) if resolve(s, scale).family == "mlp"), None)
+
+
 def method_of(name: str) -> str:
     """The fine-tuning method of setup ``name`` (``pt``, ``lora`` or ``scratch``; the same at every scale)."""
     return resolve(name, scales_of(name)[-1]).method

@@ -188,6 +188,29 @@ def test_the_compression_study_and_the_early_spike_are_jobs_the_chapters_read(tm
         assert f"results/smoke/{table}" in chapter, name
 
 
+def test_the_evaluation_chapters_dense_check_is_a_job_the_chapter_reads(tmp_path):
+    """The evaluation chapter only reads: its dense float64 check of the block-diagonal study is the blockdiag_check
+    job, on the evaluation tables and baseline runs of the block-diagonal figure's setups
+    (companion.experiments.setups.BLOCKDIAG_SETUPS), and its table an input of the chapter; at full scale (no MLP
+    among those setups) there is no check and no job."""
+    from companion.experiments.setups import BLOCKDIAG_SETUPS, baseline_optimizer
+
+    done = _snakemake("-n", "--cores", "2", "--config", "scale=smoke", f"runs={tmp_path}/runs",
+                      f"results={tmp_path}/results")
+    assert done.returncode == 0, done.stdout + done.stderr
+    blocks = re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout)
+    (check,) = [b for b in blocks if b.startswith("rule blockdiag_check:")]
+    for setup in BLOCKDIAG_SETUPS["smoke"]:
+        assert f"results/smoke/eval/{setup}.csv" in check, setup
+        assert f"runs/smoke/{setup}/{baseline_optimizer(setup, 'smoke')}/seed-0/summary.json" in check, setup
+    assert "results/smoke/blockdiag_check.csv" in check and "results/smoke/blockdiag_check.json" in check
+    (chapter,) = [b for b in blocks if b.startswith("rule execute_notebook:") and "wildcards: name=evaluation" in b]
+    assert "results/smoke/blockdiag_check.csv" in chapter and "results/smoke/blockdiag_check.json" in chapter
+    full = _snakemake("-n", "--cores", "1", "--config", "scale=full", f"runs={tmp_path}/runs",
+                      f"results={tmp_path}/results")
+    assert full.returncode == 0 and "rule blockdiag_check:" not in full.stdout
+
+
 def _outputs(plan: str) -> list[Path]:
     """Every output file of a dry run's jobs."""
     return [Path(f.strip()) for line in re.findall(r"^\s+output: (.+)$", plan, flags=re.M) for f in line.split(",")]
@@ -265,9 +288,9 @@ def test_each_rule_depends_on_the_code_it_runs(tmp_path):
     plan = _planned(first)
     notebooks = len(list((checkout / "notebooks").glob("*.ipynb")))
     # every job that computes (the chapters only read its tables): the grid's runs and tables, the early spike's
-    # first updates and the compression study
+    # first updates, the compression study and the evaluation chapter's dense check
     grid = {"train": len(registry.grid_runs("smoke")), "aggregate_e2": 1, "evaluate_stage": 3 * 5, "evaluate": 3,
-            "step_costs": 1, "early_spike": 1, "compression": 1}
+            "step_costs": 1, "early_spike": 1, "compression": 1, "blockdiag_check": 1}
     book = {"execute_notebook": notebooks, "publish": notebooks, "timings": 1, "book": 1, "all": 1}
     assert plan == {**grid, **book, "mathjax": 1}, first.stdout[-3000:]
     for path in _outputs(first.stdout + first.stderr):

@@ -143,7 +143,7 @@ def test_every_number_the_chapter_glues_is_computed():
     recs, _ = _records()
     keys = set(chapter_glue(recs, "cpu", cite)) | {"n_batches", "batch_sizes", "stages", "damping_e1",
                                                    "cg_iterations", "eval_seconds", "scale_caveat"}
-    from companion.experiments.blockdiag_check import CHECK_KEYS  # the dense check's cell (chapter_check)
+    from companion.experiments.blockdiag_check import CHECK_KEYS  # the dense check's glue (the blockdiag_check job)
 
     keys |= set(CHECK_KEYS)
     assert _notebook_glue_keys() <= keys, _notebook_glue_keys() - keys

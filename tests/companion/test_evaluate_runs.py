@@ -201,15 +201,23 @@ def test_summary_is_mean_and_sd_over_batches():
 @pytest.mark.slow
 def test_notebook_at_smoke_scale(tmp_path):
     """notebooks/evaluation.ipynb end to end at smoke scale, on what the workflow's jobs make: the three baseline
-    runs trained and evaluated (python -m companion train / evaluate); the chapter reads the tables and plots."""
-    from nbrun import run_notebook, unresolved_glue
+    runs trained and evaluated (python -m companion train / evaluate) and the dense check (python -m companion
+    blockdiag-check); the chapter reads the tables and plots. Without the check's table it stops, naming the job."""
+    import pandas as pd
+    import papermill
+    from nbrun import glued_text, run_notebook, unresolved_glue
 
     from companion.experiments import train
+    from companion.experiments.blockdiag_check import CHECK_FILES, read_chapter_check, write_chapter_check
 
     out, runs, results = tmp_path / "fig", tmp_path / "runs", tmp_path / "results" / "smoke"
     for setup in ("digits-mlp", "tweets-minilm-lora", "tweets-minilm-pt"):
         train(setup, er.baseline_optimizer(setup, "smoke"), 0, "smoke", runs, progress=False, verbose=False)
         er.evaluate_run(setup, "smoke", 0, runs, results / "eval" / f"{setup}.csv", progress=False)
+    with pytest.raises(papermill.PapermillExecutionError, match="python -m companion blockdiag-check --scale smoke"):
+        run_notebook("evaluation.ipynb", tmp_path / "without", scale="smoke", out_dir=str(out), runs_dir=str(runs),
+                     results_dir=str(results))
+    write_chapter_check("smoke", runs, results, results / CHECK_FILES[0])  # the blockdiag_check job
     nb = run_notebook("evaluation.ipynb", tmp_path, scale="smoke", out_dir=str(out), runs_dir=str(runs),
                       results_dir=str(results))
     assert not unresolved_glue(nb)  # every rule and verdict the prose names is glued
@@ -218,6 +226,10 @@ def test_notebook_at_smoke_scale(tmp_path):
         assert (out / f"{name}.png").stat().st_size > 10_000, name
     records = er.read_records(results / "eval" / "tweets-minilm-pt.csv")
     assert "iekfac" not in {r["method"] for r in records}  # prompt tuning: no K-FAC factors for the prompt
+    # the chapter's dense-check table and glue are the job's, number for number
+    meta, table = read_chapter_check(results / CHECK_FILES[0], "smoke")
+    assert pd.read_csv(out / "blockdiag_dense_check.csv").equals(table)
+    assert all(glued_text(nb, key) == value for key, value in meta["glue"].items())
 
 
 def test_summary_rows_per_setup_stage_and_method():

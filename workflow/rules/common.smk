@@ -139,8 +139,15 @@ COMPRESSION = [f"{RESULTS}/compression/{name}" for name in ("pruning_results.csv
 # the study's baseline run: the grid's digits-mlp Adam run where the book's scale has it (smoke, cpu); a full build
 # prunes the cpu baseline, which the compression job trains itself (the train rule makes this scale's runs only)
 COMPRESSION_BASELINE = [summary("digits-mlp", "adam", 0)] if SCALE in ("smoke", "cpu") else []
+# "blockdiag_check": the evaluation chapter's dense float64 check of the block-diagonal study at one stage checkpoint
+# (python -m companion blockdiag-check; companion.experiments.blockdiag_check CHECK_FILES), on the block-diagonal
+# figure's setups (companion.experiments.setups.BLOCKDIAG_SETUPS): their evaluation tables and baseline runs. A scale
+# without an MLP among them (full: the paper's T5 setups) has no check and no job.
+BLOCKDIAG_SETUPS = list(REGISTRY.blockdiag_setups(SCALE))
+BLOCKDIAG_CHECK_FILES = [f"{RESULTS}/blockdiag_check.csv", f"{RESULTS}/blockdiag_check.json"]
+BLOCKDIAG_CHECK = BLOCKDIAG_CHECK_FILES if REGISTRY.blockdiag_check_setup(SCALE) is not None else []
 RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES, "chapter_run": CHAPTER_RUN, "costs": STEP_COSTS,
-                "early_spike": EARLY_SPIKE, "compression": COMPRESSION}
+                "early_spike": EARLY_SPIKE, "compression": COMPRESSION, "blockdiag_check": BLOCKDIAG_CHECK}
 GRID_RUNS = [summary(*run) for run in GRID]
 GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES + STEP_COSTS
 

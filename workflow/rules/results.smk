@@ -119,3 +119,26 @@ rule compression:
         runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
     shell:
         "{PYTHON} -m companion compression --scale {SCALE} --runs {RUNS} --out {params.out} > {log} 2>&1"
+
+
+rule blockdiag_check:
+    """Chapter evaluation.ipynb's dense float64 check of the block-diagonal study (why ieKFAC can beat exact iEF)
+    at one stage checkpoint of the baseline runs of the block-diagonal figure's setups, with their evaluation
+    records (python -m companion blockdiag-check): a job of its own, so that the chapter only reads its table
+    and glue. A scale without an MLP among those setups (full) requests no check (BLOCKDIAG_CHECK is empty)."""
+    input:
+        tables=[f"{RESULTS}/eval/{s}.csv" for s in BLOCKDIAG_SETUPS],
+        runs=[summary(s, baseline(s), EVALUATION_SEED) for s in BLOCKDIAG_SETUPS],
+        code=CORE_CODE,
+    output:
+        BLOCKDIAG_CHECK_FILES,
+    log:
+        f"{RESULTS}/logs/blockdiag_check.log",
+    params:
+        seed=EVALUATION_SEED,
+    priority: PRIORITY["normal"]
+    resources:
+        runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
+    shell:
+        "{PYTHON} -m companion blockdiag-check --scale {SCALE} --runs {RUNS} --results {RESULTS} "
+        "--seed {params.seed} --out {output[0]} > {log} 2>&1"

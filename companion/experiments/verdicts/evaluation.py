@@ -455,8 +455,8 @@ EVALUATION_RULES: dict[str, Rule] = {r.name: r for r in (
          "grid's top edge is named as such: there damping dominates and the update tends to SGD's direction, so a "
          "move that rests on it is reported with it, and the same best at the top edge at every stage is "
          "inconclusive (the optimum may lie beyond the grid).",
-         "The sweep has one damping per decade, so \"moves\" is at least a factor 10 that the batches can tell "
-         "apart.", _best_moves),
+         "The sweep's dampings are log-spaced (one per decade at cpu and full scale), so \"moves\" is at least "
+         "one step of the grid that the batches can tell apart.", _best_moves),
     Rule("e3_ief_robust", "iEF robustly achieves great approximation quality with a near-zero damping factor, "
          "unlike EF and SF, whose quality relies on careful damping tuning", "sec:exp-damping",
          f"At a sweep stage, on the same batches: iEF is flat when its γ at the worst and at the best damping "

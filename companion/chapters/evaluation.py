@@ -5,11 +5,13 @@
 Every point of a figure is a per-batch ratio averaged over the evaluated batches with a +-1 sd bar (the paper:
 "averaged across 100 evaluations, error bars the standard deviation"), on log axes: so the average is the geometric
 mean and the bar +-1 sd of the log ratios (:func:`log_errorbar`), symmetric on the axis and never down to its floor.
-The tables and glued numbers keep the arithmetic mean +- sd (:func:`stage_series`, ``summary_rows``). Figures are laid
+The glued ratios are that geometric mean too (the statistic the verdicts decide on); the summary table alone keeps the
+arithmetic mean +- sd (:func:`stage_series`, ``summary_rows``), and the glue ``mean_kinds`` says which is which. Figures are laid
 out at the page width (at most two panels a row) so their text stays >= 9 px as shown (``tests/book/test_figures.py``).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +19,9 @@ import numpy as np
 
 from ..experiments.evaluate_runs import usable, summary_rows
 from ..experiments.setups import BLOCKDIAG_SETUPS, CPU_SETUPS, EVALUATION_KNOBS as DEFAULTS, resolve
-from ..experiments.verdicts import BLOCK_RULES, DECIDED, E1_AGGREGATION, E1_RULES, E3_RULES, RULES, WHY_T, summary
+from ..experiments.verdicts import (BLOCK_RULES, DECIDED, E1_AGGREGATION, E1_RULES, E3_RULES, FAILS, HOLDS,
+                                    INCONCLUSIVE, RULES, TENTH_DECADE, WHY_T, decide, e1_batches, summary)
+from ..experiments.verdicts.evaluation import near_zero_contrast, top_edge_bests
 from .style import SEQUENCE_COLORS, method_color
 from .common import PAGE_WIDTH_IN, log_band, plain_log_ticks
 
@@ -316,17 +320,169 @@ def verdict_glue(records: list[dict[str, Any]], names: Sequence[str]) -> dict[st
     return out
 
 
+def _stage_geomeans(records, method: str) -> dict[tuple[str, int], tuple[float, int]]:
+    """``{(setup, stage): (geometric mean over batches of gamma_method / gamma_SGD, decided vs 1)}`` of the E1
+    records: the statistic of the verdicts and of the figures' points (:func:`log_errorbar`)."""
+    out = {}
+    for setup in setups_of(records):
+        for stage, batches in e1_batches(records, setup).items():
+            logs = [row[method] for row in batches.values() if method in row]
+            if logs:
+                out[(setup, stage)] = (math.exp(float(np.mean(logs))), decide(logs))
+    return out
+
+
+def ratio_range(records, method: str) -> str:
+    """``"0.251–60.5"``: the smallest and largest, over setups and stages, geometric mean over batches of
+    ``gamma_method / gamma_SGD`` (the verdicts' statistic), or ``"not measured"``."""
+    values = [g for g, _ in _stage_geomeans(records, method).values()]
+    return f"{min(values):.3g}–{max(values):.3g}" if values else "not measured"
+
+
+def mean_kinds(records, method: str = "ef") -> str:
+    """Which average is which: at the (setup, stage) where they differ most, ``gamma_method / gamma_SGD`` as the
+    geometric mean over batches (figures, ranges, verdicts) and as the arithmetic mean (the summary table)."""
+    geo = _stage_geomeans(records, method)
+    arith = {(r["setup"], r["stage"]): r["mean"] for r in summary_rows(records) if r["method"] == method}
+    both = [(arith[k] / geo[k][0], k) for k in geo if k in arith]
+    if not both:
+        return "not measured"
+    _, (setup, stage) = max(both)
+    return (f"{LABELS[method]}/SGD at {setup}, stage {stage} %: {geo[(setup, stage)][0]:.3g} as the geometric mean "
+            f"over batches (the figures' points, the ranges and every verdict), {arith[(setup, stage)]:.3g} as the "
+            "arithmetic mean (the table)")
+
+
+def ef_imbalance_glue(records) -> str:
+    """Whether the gradient-norm imbalance accounts for where EF is and is not decided worse than SGD: per setup the
+    imbalance (mean over batches, as in the table) and EF/SGD (geometric mean) from the first to the last stage, then
+    over all setups and stages whether the imbalance separates the stages where EF is decided worse from those where
+    it is decided better."""
+    geo = _stage_geomeans(records, "ef")
+    imb = {(r["setup"], r["stage"]): r["imbalance_mean"] for r in summary_rows(records)
+           if r["method"] == "sgd" and r.get("imbalance_mean") is not None}
+    keys = [k for k in geo if k in imb]
+    if not keys:
+        return "No E1 stage has both EF and an imbalance."
+    parts = []
+    for setup in dict.fromkeys(k[0] for k in keys):
+        ks = sorted(k for k in keys if k[0] == setup)
+        worse = sum(geo[k][1] > 0 for k in ks)
+        parts.append(f"{setup}: imbalance {imb[ks[0]]:.3g} at {ks[0][1]} % to {imb[ks[-1]]:.3g} at {ks[-1][1]} % "
+                     f"(largest {max(imb[k] for k in ks):.3g}), EF/SGD {geo[ks[0]][0]:.3g} to {geo[ks[-1]][0]:.3g}, "
+                     f"EF decided worse than SGD at {worse} of {len(ks)} stages")
+    worse = [imb[k] for k in keys if geo[k][1] > 0]
+    better = [imb[k] for k in keys if geo[k][1] < 0]
+    if not worse:
+        verdict = (f"EF is decided worse than SGD at no stage of this build, whose largest imbalance is "
+                   f"{max(imb[k] for k in keys):.3g}")
+    elif not better:
+        verdict = (f"EF is decided worse than SGD at every stage decided either way (imbalance from "
+                   f"{min(worse):.3g})")
+    elif max(better) < min(worse):
+        verdict = (f"over all setups and stages, EF is decided worse than SGD only at stages whose imbalance is at "
+                   f"least {min(worse):.3g}, and decided better at stages whose imbalance is at most "
+                   f"{max(better):.3g}: the imbalance separates the two, as the paper's account (the "
+                   "inversely-scaled projection grows with the imbalance) predicts, and a setup whose imbalance stays "
+                   "small is one where EF is not worse than SGD")
+    else:
+        verdict = (f"the imbalance alone does not separate them: EF is decided worse than SGD at an imbalance as low "
+                   f"as {min(worse):.3g} and decided better at one as high as {max(better):.3g}")
+    return "; ".join(parts) + ". " + verdict[0].upper() + verdict[1:] + "."
+
+
+def damping_cost_glue(records) -> str:
+    """What the near-zero damping costs each method (``e3_ief_robust``): per setup the range over sweep stages of
+    gamma at the smallest damping over gamma at the method's best (geometric mean over batches), then where EF or SF
+    is decided as flat as iEF (the sweep does not separate them) and where the contrast the paper draws is seen."""
+    parts, flat, seen = [], [], []
+    for setup in setups_of(records):
+        rows = near_zero_contrast(records, setup)
+        if not rows:
+            continue
+        costs = {"iEF": [r["iEF"][0] for r in rows.values()]}
+        for name in ("EF", "SF"):
+            costs[name] = [r[name][0] for r in rows.values() if r[name] is not None]
+        parts.append(f"{setup}: " + ", ".join(f"{n} ×{_plain(min(c), 3)}–{_plain(max(c), 3)}"
+                                              for n, c in costs.items() if c))
+        as_flat = {name: [s for s, r in rows.items() if r[name] is not None and r[name][3] < 0]
+                   for name in ("EF", "SF")}
+        for name, stages in as_flat.items():
+            if stages:
+                flat.append(f"{name} on {setup} (stage(s) {', '.join(f'{s} %' for s in stages)})")
+        if all(r["flat"] > 0 and all(r[n] is not None and r[n][3] > 0 for n in ("EF", "SF")) for r in rows.values()):
+            seen.append(setup)
+    if not parts:
+        return "No setup has a damping sweep at this scale."
+    text = "Cost of the near-zero damping (γ at the smallest damping over γ at the method's own best), over the " \
+           "sweep stages: " + "; ".join(parts) + ". "
+    text += (f"The paper's contrast (EF and SF need their damping, iEF does not) is decided at every sweep stage of "
+             f"{', '.join(seen)}. " if seen else "The paper's contrast is decided at every sweep stage of no setup. ")
+    text += (f"Decided as flat as iEF (their cost over iEF's below ×{TENTH_DECADE:.2f}): {'; '.join(flat)}: there that "
+             "method needs no damping either, so the sweep cannot show iEF's advantage over it, and the claim is not "
+             "counted as holding." if flat else "Neither EF nor SF is decided as flat as iEF at any sweep stage.")
+    return text
+
+
+def edge_glue(records) -> str:
+    """Where EF's or SF's best damping is the sweep grid's top edge (:func:`top_edge_bests`), in words."""
+    found = top_edge_bests(records)
+    if not found:
+        return "No best damping of EF or SF lies at the grid's top edge."
+    grid = max(float(r["damping"]) for r in records if r["kind"] == "sweep" and r["damping"] is not None)
+    where = "; ".join(f"{name} on {setup} (stage(s) {', '.join(f'{s} %' for s in stages)})"
+                      for setup, name, stages in found)
+    return (f"A best damping at the grid's top edge λ={grid:.0e}: {where}. There damping dominates the curvature "
+            "and the damped update tends to SGD's direction (its γ/γ_SGD there is given with each verdict), so the "
+            "\"optimally damped\" method is close to SGD, the optimum may lie beyond the grid, a rescue by damping is "
+            "the method turned into SGD, and iEF compared with it is compared with SGD.")
+
+
+SHORT_CLAIMS = {
+    "e1_ef_worse": "EF worse than SGD", "e1_ief_better": "iEF better than SGD", "e1_order": "iEF > SF > EF",
+    "e1_imbalance": "the imbalance grows and tracks EF and SF", "e3_best_moves": "the best damping moves",
+    "e3_ief_robust": "iEF needs no damping where EF and SF do", "e3_ief_vs_sf": "iEF comparable to optimally damped SF",
+    "e3_ief_vs_ef": "iEF better than EF at any damping", "e3_ef_signature": "un-damped EF far worse, rescued by damping",
+    "bd_iekfac_better": "ieKFAC better than KFAC and eKFAC", "bd_iekfac_close": "ieKFAC close to exact iEF",
+}
+
+
+def agreement(records, names: Sequence[str]) -> str:
+    """In words, what of a section agrees with the paper and what does not: the claims (:data:`SHORT_CLAIMS`) whose
+    rule holds, does not hold and is inconclusive, each with its setups."""
+    groups: dict[str, list[str]] = {HOLDS: [], FAILS: [], INCONCLUSIVE: []}
+    for name in names:
+        by = {o: [v.subject for v in RULES[name].evaluate(records) if v.verdict == o] for o in groups}
+        for outcome, subjects in by.items():
+            if subjects:
+                groups[outcome].append(f"{SHORT_CLAIMS[name]} ({', '.join(subjects)})")
+    heads = {HOLDS: "Agrees with the paper", FAILS: "Does not agree", INCONCLUSIVE: "Undecided on these batches"}
+    parts = [f"{heads[o]}: {'; '.join(items)}." for o, items in groups.items() if items]
+    return " ".join(parts) or "Not measured at this scale."
+
+
 def chapter_glue(records: list[dict[str, Any]], scale: str, cite: Callable[[str], str]) -> dict[str, str]:
     """Every rule, verdict and number the evaluation chapter's prose glues, from the E1/E3 records (``cite``: a
-    paper label -> "Fig. 3"); the verdicts are :mod:`companion.experiments.verdicts`'s."""
+    paper label -> "Fig. 3"); the verdicts are :mod:`companion.experiments.verdicts`'s.
+
+    Every ratio glued here is the geometric mean over batches (the verdicts' and the figures' statistic); the summary
+    table alone gives arithmetic means, and ``mean_kinds`` says which is which where they differ most."""
     fig, _ = figure_setups(scale)
     out: dict[str, str] = {"rule_decided": DECIDED + " " + WHY_T, "rule_aggregation": E1_AGGREGATION}
     out["scale_note"] = ("the paper's three representative setups" if scale == "full" else
                          f"a {scale}-scale analogue on this scale's setups, not the paper's T5 / ViT tasks")
     out.update(verdict_glue(records, E1_RULES + E3_RULES + BLOCK_RULES))
-    e1 = {m: [r["mean"] for r in summary_rows(records) if r["method"] == m] for m in ("ef", "ief")}
     for m in ("ef", "ief"):
-        out[f"{m}_ratio_range"] = f"{min(e1[m]):.2f}–{max(e1[m]):.2f}" if e1[m] else "not measured"
+        out[f"{m}_ratio_range"] = ratio_range(records, m)
+    out["mean_kinds"] = mean_kinds(records, "ef")
+    out["ef_imbalance"] = ef_imbalance_glue(records)
+    out["e3_costs"] = damping_cost_glue(records)
+    out["e3_edge"] = edge_glue(records)
+    grid = sorted({float(r["damping"]) for r in records if r["kind"] == "sweep" and r["damping"] is not None})
+    out["sweep_grid"] = (f"{len(grid)} from λ={grid[0]:.0e} to λ={grid[-1]:.0e}, log-spaced (the package's sum-loss "
+                         "convention)" if grid else "no sweep at this scale")
+    for key, names in (("agree_e1", E1_RULES), ("agree_e3", E3_RULES), ("agree_bd", BLOCK_RULES)):
+        out[key] = agreement(records, names)
     out["lora_setups"] = ", ".join(fig["lora_gamma"])
     out["pt_setups"] = ", ".join(fig["pt_gamma"])
     out["appendix_note"] = (
@@ -337,8 +493,8 @@ def chapter_glue(records: list[dict[str, Any]], scale: str, cite: Callable[[str]
     out["damping_map"] = "; ".join(f"{s}: {analogue}" + ", ".join(cite(label) for label in labels)
                                    for s, labels in fig["damping"].items())
     surprises = [f"{v.subject}: {v.surprise}" for v in RULES["bd_iekfac_close"].evaluate(records) if v.surprise]
-    out["bd_surprise"] = ("Surprise: " + "; ".join(surprises) + "." if surprises else
-                          "No stage has ieKFAC decided below exact iEF.")
+    out["bd_surprise"] = ("Surprise (discussed, not counted against the claim): " + "; ".join(surprises) + "."
+                          if surprises else "No stage has ieKFAC decided below exact iEF.")
     return out
 
 

@@ -9,6 +9,9 @@ build step the workflow's rules call (``execute``, ``publish``, ``timings``, ``m
 - ``execute NOTEBOOK --scale S``: run one notebook with its provenance (:func:`tools.book.steps.execute`).
 - ``publish EXECUTED``: copy it into ``book/generated/`` with its provenance (:func:`tools.book.steps.publish`).
 - ``timings``: ``book/generated/timings.md`` (:func:`tools.book.steps.write_timings`).
+- ``record-cold-build --log _build/build-log.jsonl --load idle|loaded``: put the log's last successful cold build
+  into the committed record ``book/cold-builds.json``, replacing that scale's entry
+  (:func:`tools.book.steps.record_cold_build`).
 - ``mathjax``: MathJax 3 from the npm registry into ``_build/vendor``, once (:func:`tools.book.steps.mathjax`).
 - ``jupyter-book [--output D]``: the HTML, execution off, warnings are errors (:func:`tools.book.steps.jupyter_book`).
 """
@@ -26,7 +29,7 @@ from . import driver, steps
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand (``build`` when none is named); returns the exit status (0: done)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    subcommands = ("build", "execute", "publish", "timings", "mathjax", "jupyter-book")
+    subcommands = ("build", "execute", "publish", "timings", "record-cold-build", "mathjax", "jupyter-book")
     if not argv or argv[0] not in subcommands + ("-h", "--help"):
         argv = ["build", *argv]  # python -m tools.book --scale smoke
     parser = argparse.ArgumentParser(prog="python -m tools.book", description=__doc__.split("\n\n")[0])
@@ -52,6 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("publish", help="copy an executed notebook into book/generated with its provenance")
     p.add_argument("executed", type=Path)
     sub.add_parser("timings", help="write book/generated/timings.md")
+    r = sub.add_parser("record-cold-build", help="record a build log's last cold build in book/cold-builds.json")
+    r.add_argument("--log", type=Path, default=steps.BUILD_LOG, help="the build log (default _build/build-log.jsonl)")
+    r.add_argument("--load", required=True, choices=("idle", "loaded"),
+                   help="idle: nothing else ran on the machine; loaded: other work shared it")
+    r.add_argument("--scale", choices=steps.SCALES, default=None, help="the scale (default: the log's last cold build)")
+    r.add_argument("--note", default=None, help="what to say of the load or the build, shown beside it")
+    r.add_argument("--other-cores", type=float, default=None,
+                   help="cores other processes kept busy on average, measured outside the driver (where the log "
+                        "has no measurement of its own)")
+    r.add_argument("--machine", default=None, help="the machine's CPU, where the log does not name it")
+    r.add_argument("--total-wall-s", type=float, default=None,
+                   help="the whole command's wall time, measured outside the driver (make book from a fresh clone, "
+                        "its virtual environment included)")
+    r.add_argument("--snakemake-log", type=Path, default=None,
+                   help="Snakemake's own log of that build (.snakemake/log/*.snakemake.log), for each job's time "
+                        "where the build log has none")
+    r.add_argument("--record", type=Path, default=None, help="the record (default book/cold-builds.json)")
     sub.add_parser("mathjax", help="install MathJax from npm into _build/vendor (once)")
     j = sub.add_parser("jupyter-book", help="jupyter-book build -W (execution off)")
     j.add_argument("--output", type=Path, default=None)
@@ -70,6 +90,18 @@ def main(argv: list[str] | None = None) -> int:
             steps.publish(args.executed)
         elif args.step == "timings":
             steps.write_timings()
+        elif args.step == "record-cold-build":
+            try:
+                entry = steps.record_cold_build(args.log, args.load, scale=args.scale, note=args.note,
+                                                other_cores=args.other_cores, machine=args.machine,
+                                                total_wall_s=args.total_wall_s, snakemake_log=args.snakemake_log,
+                                                record=args.record)
+            except (ValueError, OSError) as err:  # no cold build in the log, a missing file: say so, no traceback
+                steps.log_line(f"FAILED: {err}")
+                return 1
+            steps.log_line(f"recorded the cold {entry['scale']} build of {entry['finished']} "
+                           f"({steps.format_minutes(entry['wall_time_s'])}, {entry['load']}) in "
+                           f"{args.record or steps.cost.RECORD}")
         elif args.step == "mathjax":
             steps.mathjax()
         else:

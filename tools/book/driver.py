@@ -1,12 +1,18 @@
 """The book's driver: what ``make book`` runs (``python -m tools.book build``). It runs the workflow
 (workflow/Snakefile, profile workflow/profiles/<profile>) with Snakemake, which decides what is out of date and calls
 the build steps (:mod:`tools.book.steps`, through :mod:`tools.book.cli`); it shows Snakemake's output short (one line
-per job) and times and logs every build in ``_build/build-log.jsonl`` (the book's timings page reads it).
+per job) and times and logs every build in ``_build/build-log.jsonl`` (the book's timings page reads it): one JSON line
+per build with its scale, kind (``cold``: every notebook executed and the book built; ``no-op``; ``partial``), exit
+status, wall time, jobs run and their time by rule (``job_seconds``) and one by one (``job_times``: rule, wildcards,
+seconds), the machine (``cores``, ``machine``), the cores other processes kept busy meanwhile (``other_cores``) and the
+load average at its start and end. ``python -m tools.book record-cold-build`` copies a cold build from it into the
+committed record ``book/cold-builds.json`` (:mod:`companion.chapters.cost`).
 """
 from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -26,34 +32,112 @@ _NOISE = re.compile(r"^(\[\w{3} \w{3} +\d+ [\d:]+ \d{4}\]|Select jobs to execute
 
 class JobClock:
     """The time each job of a Snakemake run took, from Snakemake's own output: a ``[timestamp]`` line, then a job's
-    ``rule NAME:`` and ``jobid: N`` when it starts, and ``Finished jobid: N (Rule: NAME)`` when it ends (one-second
-    resolution). ``seconds()``: ``{rule: seconds summed over its jobs}``, what the build log keeps to say where a
-    build's time went."""
+    ``rule NAME:``, ``jobid: N`` and ``wildcards: ...`` when it starts, and ``Finished jobid: N (Rule: NAME)`` when it
+    ends (one-second resolution). ``seconds()``: ``{rule: seconds summed over its jobs}``, what the build log keeps to
+    say where a build's time went; ``jobs()``: each job's rule, wildcards and seconds, what a chapter's cost is summed
+    from (:func:`companion.chapters.cost.chapter_cost`). The same lines are in Snakemake's own log
+    (``.snakemake/log/*.snakemake.log``), which :func:`read_snakemake_log` reads."""
 
     _STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]\s*$")
     _START = re.compile(r"^\s+jobid: (\d+)\s*$")
+    _WILDCARDS = re.compile(r"^\s+wildcards: (.*)$")
     _END = re.compile(r"^Finished jobid: (\d+) \(Rule: (\w+)\)")
 
     def __init__(self) -> None:
         self.now: float | None = None
         self.rule: str | None = None
+        self.last: str | None = None
         self.started: dict[str, tuple[str, float]] = {}
+        self.wildcards: dict[str, dict[str, str]] = {}
         self.spent: dict[str, float] = {}
+        self.finished: list[dict] = []
 
     def line(self, line: str) -> None:
         if stamp := self._STAMP.match(line):
             self.now = time.mktime(time.strptime(" ".join(stamp.group(1).split()), "%a %b %d %H:%M:%S %Y"))
         elif job := _JOB.match(line):
-            self.rule = job.group(1)
+            self.rule, self.last = job.group(1), None
         elif (start := self._START.match(line)) and self.rule is not None and self.now is not None:
             self.started[start.group(1)] = (self.rule, self.now)
-            self.rule = None
+            self.rule, self.last = None, start.group(1)
+        elif (wild := self._WILDCARDS.match(line)) and self.last is not None:
+            pairs = (p.split("=", 1) for p in wild.group(1).split(", ") if "=" in p)
+            self.wildcards[self.last] = {k.strip(): v.strip() for k, v in pairs}
+            self.last = None
         elif (end := self._END.match(line)) and end.group(1) in self.started and self.now is not None:
             rule, began = self.started.pop(end.group(1))
             self.spent[rule] = self.spent.get(rule, 0.0) + self.now - began
+            if rule != "all":
+                self.finished.append({"rule": rule, "wildcards": self.wildcards.pop(end.group(1), {}),
+                                      "seconds": round(self.now - began, 1)})
 
     def seconds(self) -> dict[str, float]:
         return {rule: round(s, 1) for rule, s in sorted(self.spent.items(), key=lambda kv: -kv[1]) if rule != "all"}
+
+    def jobs(self) -> list[dict]:
+        """Each finished job (``all`` left out), in the order they finished: ``{"rule", "wildcards", "seconds"}``."""
+        return list(self.finished)
+
+
+def read_snakemake_log(path: Path) -> JobClock:
+    """A :class:`JobClock` fed Snakemake's own log of a run (``.snakemake/log/<date>.snakemake.log``): each job's
+    time for a build whose build-log entry predates ``job_times``."""
+    clock = JobClock()
+    with open(path) as fh:
+        for line in fh:
+            clock.line(line)
+    return clock
+
+
+class OtherLoad:
+    """The cores other processes kept busy while the build ran, on average (Linux ``/proc/stat``): the machine's
+    busy time less the build's own (this process and its children: Snakemake and its jobs, once waited for), over
+    the wall time; and the 1-minute load average at the start and the end. ``None`` where the system has neither.
+    A build is only as comparable as this figure (the benchmarks' harness measures the same)."""
+
+    def __init__(self) -> None:
+        self.start = self._read()
+        self.load0 = self._loadavg()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as fh:
+                vals = [int(x) for x in fh.readline().split()[1:9]]
+            tick = os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError):
+            return None
+        t = os.times()
+        busy = (sum(vals) - vals[3] - vals[4]) / tick  # all but idle and iowait
+        return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
+
+    @staticmethod
+    def _loadavg() -> float | None:
+        try:
+            return round(os.getloadavg()[0], 2)
+        except OSError:
+            return None
+
+    def stop(self) -> dict:
+        """``{"other_cores": ..., "load_average": [start, end]}`` (a value None where it could not be read)."""
+        end, load1 = self._read(), self._loadavg()
+        cores = None
+        if self.start is not None and end is not None and end[2] > self.start[2]:
+            cores = round(max(0.0, ((end[0] - self.start[0]) - (end[1] - self.start[1])) / (end[2] - self.start[2])), 2)
+        return {"other_cores": cores,
+                "load_average": [self.load0, load1] if self.load0 is not None and load1 is not None else None}
+
+
+def cpu_model() -> str:
+    """The machine's CPU as ``/proc/cpuinfo`` names it (else what :mod:`platform` says)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            found = re.search(r"^model name\s*:\s*(.+)$", fh.read(), re.M)
+        if found:
+            return found.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 class _Console:
@@ -117,6 +201,7 @@ def build(scale: str, output: Path | None = None, profile: str = "default", extr
                "--directory", str(steps.ROOT), "--profile", str(profile_dir), "--config", *settings, *(extra or [])]
     steps.log_line(f"scale={scale}, profile={profile}: snakemake " + " ".join(command[3:]))
     started = time.time()
+    load = OtherLoad()
     jobs: dict[str, int] = {}
     noop = False
     console = _Console(verbose or any(a in ("-n", "--dry-run", "--dryrun") for a in extra or []))
@@ -135,6 +220,7 @@ def build(scale: str, output: Path | None = None, profile: str = "default", extr
         except KeyboardInterrupt:  # Snakemake got the same SIGINT: let it stop its jobs cleanly
             returncode = proc.wait()
     wall = time.time() - started
+    measured = load.stop()
     if not dry:
         executed = jobs.get("execute_notebook", 0)
         notebooks = len(list(steps.NOTEBOOKS.glob("*.ipynb")))
@@ -142,7 +228,8 @@ def build(scale: str, output: Path | None = None, profile: str = "default", extr
         jobs.pop("all", None)
         entry = {"scale": scale, "profile": profile, "kind": kind, "returncode": returncode,
                  "wall_time_s": round(wall, 1), "jobs": jobs, "job_seconds": clock.seconds(),
-                 "cores": os.cpu_count(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+                 "job_times": clock.jobs(), "cores": os.cpu_count(), "machine": cpu_model(), **measured,
+                 "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a") as f:
             f.write(json.dumps(entry) + "\n")

@@ -9,8 +9,10 @@ MathJax file, the package versions, whether npm is missing).
   with their hashes) is written next to it. A failing notebook raises :class:`NotebookFailed`, naming the notebook
   and the cell.
 - :func:`publish`: copy an executed notebook into ``book/generated/`` with a provenance section appended.
-- :func:`write_timings`: ``book/generated/timings.md``, the execution times and whole-book build times measured by
-  the builds themselves (``_build/build-log.jsonl``, written by :mod:`tools.book.driver`).
+- :func:`write_timings`: ``book/generated/timings.md``: the last cold build of each scale from the committed record
+  ``book/cold-builds.json`` (:mod:`companion.chapters.cost`; :func:`record_cold_build` writes it from a build log),
+  each chapter's cost in it, and this checkout's execution times and whole-book build times measured by the builds
+  themselves (``_build/build-log.jsonl``, written by :mod:`tools.book.driver`).
 - :func:`mathjax`: MathJax 3 from the npm registry into ``_build/vendor`` (once), so the book works offline.
 - :func:`jupyter_book`: ``jupyter-book build . -W`` with execution off; prints a summary and the warnings.
 
@@ -32,6 +34,7 @@ from importlib import metadata
 from pathlib import Path
 
 from companion.atomic import write_atomically
+from companion.chapters import cost
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALES = ("smoke", "cpu", "full")
@@ -282,15 +285,12 @@ def read_build_log(path: Path = BUILD_LOG) -> list[dict]:
 
 
 def format_minutes(seconds: float) -> str:
-    """``"42 s"`` below two minutes, else ``"3 min 05 s"``."""
-    return f"{seconds:.0f} s" if seconds < 120 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+    """``"42 s"`` below two minutes, ``"3 min 05 s"`` below an hour, else ``"1 h 26 min"``
+    (:func:`companion.chapters.cost.format_duration`)."""
+    return cost.format_duration(seconds)
 
 
-def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG) -> str:
-    """Markdown: each notebook's execution time per scale (from its provenance) and the whole-book builds measured
-    by :func:`tools.book.driver.build` (the last cold build, every notebook executed, and the last no-op rebuild,
-    per scale)."""
-    root = executed_root or ROOT / "_build" / "executed"
+def _notebook_times(root: Path) -> str:
     rows = []
     for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
         cells = []
@@ -300,7 +300,47 @@ def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG
                          else "not run here")
         rows.append(f"| `{notebook.name}` | " + " | ".join(cells) + " |")
     header = "| notebook | " + " | ".join(SCALES) + " |\n| --- |" + " ---: |" * len(SCALES) + "\n"
-    text = (header + "\n".join(rows) + "\n") if rows else "No notebooks yet.\n"
+    return (header + "\n".join(rows) + "\n") if rows else "No notebooks yet.\n"
+
+
+def chapter_costs_markdown(record: dict[str, dict]) -> str:
+    """Per recorded scale whose entry has each job's time: every chapter's cost in that build
+    (:func:`companion.chapters.cost.chapter_cost`: the jobs making what it reads, and its notebook)."""
+    text = ""
+    for scale in SCALES:
+        entry = record.get(scale)
+        if not entry or not entry.get("job_times"):
+            continue
+        rows = []
+        for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
+            c = cost.chapter_cost(notebook.stem, scale, record=record)
+            parts = ", ".join(f"{name} {format_minutes(sec)} ({n})" for name, (n, sec) in c.by_rule.items())
+            rows.append(f"| `{notebook.name}` | {format_minutes(c.seconds)} | {parts} |")
+        text += (f"\nWhat each chapter cost in the last cold `{scale}` build: the job time of the jobs that make what "
+                 "it reads (training runs, evaluations, studies; `notebook_results` in `config/config.yaml`) and of "
+                 "its own notebook. The chapters share the grid's runs, so a run counts in every chapter that reads "
+                 "it and the rows do not add up to the build.\n\n"
+                 "| chapter | job time | by rule (jobs) |\n| --- | ---: | --- |\n" + "\n".join(rows) + "\n")
+    return text
+
+
+def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG, record: Path = cost.RECORD) -> str:
+    """Markdown for the timings page: the last cold build of each scale from the committed record
+    (``book/cold-builds.json``: date, machine, load, wall time, job time by rule, each chapter's cost), then this
+    checkout's own measurements: each notebook's execution time per scale (from its provenance) and the whole-book
+    builds logged by :func:`tools.book.driver.build` (the last cold build, every notebook executed, and the last
+    no-op rebuild, per scale)."""
+    root = executed_root or ROOT / "_build" / "executed"
+    committed = cost.read_record(record)
+    text = ("### The last cold build of each scale\n\n"
+            "A cold build executes every notebook and builds the book from nothing (`make book`, at a scale). Each "
+            "scale's last one is committed in `book/cold-builds.json`, recorded from its build's log by "
+            "`python -m tools.book record-cold-build`, so a fresh clone states them too; a loaded machine (other "
+            "work beside the build) makes every time longer than on an idle one.\n\n"
+            + cost.cold_builds_markdown(committed) + chapter_costs_markdown(committed)
+            + "\n### This checkout's builds\n\n"
+            "Each notebook's execution time, from the provenance of the notebooks executed in this checkout (a "
+            "scale it has not run shows \"not run here\"):\n\n" + _notebook_times(root))
     builds, spent = [], []
     log = [e for e in read_build_log(build_log) if e.get("returncode") == 0]
     for scale in SCALES:
@@ -315,11 +355,13 @@ def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG
                 if kind == "cold" and e.get("job_seconds"):
                     spent.append(job_time_sentence(e))
     if builds:
-        text += ("\nWhole-book builds (`make book`), timed by the build itself (`python -m tools.book build`, "
-                 "logged in `_build/build-log.jsonl`); the build that made this page is logged after the page was "
-                 "written, so these are the builds before it:\n\n"
+        text += ("\nWhole-book builds (`make book`) in this checkout, timed by the build itself (`python -m tools.book "
+                 "build`, logged in `_build/build-log.jsonl`); the build that made this page is logged after the page "
+                 "was written, so these are the builds before it:\n\n"
                  "| scale | build | wall time | jobs run | finished |\n| --- | --- | ---: | --- | --- |\n"
                  + "\n".join(builds) + "\n")
+    else:
+        text += "\nNo whole-book build is logged in this checkout before the one that wrote this page.\n"
     if spent:
         text += "\nWhere those cold builds' time went:\n\n" + "\n".join(f"- {line}" for line in spent) + "\n"
     return text
@@ -332,8 +374,47 @@ def job_time_sentence(entry: dict) -> str:
     total, wall, cores = sum(spent.values()), entry["wall_time_s"], entry.get("cores")
     parts = ", ".join(f"{rule} {format_minutes(s)}" for rule, s in spent.items() if s >= 1)
     busy = (f"; {total / wall:.2f} of its {cores} cores busy on average" if cores and wall > 0 else "")
+    if entry.get("other_cores") is not None:
+        busy += f", and other processes {entry['other_cores']:.2f} more"
     return (f"`{entry['scale']}`, finished {entry['finished']}: jobs took {format_minutes(total)} in all "
             f"({parts}) in {format_minutes(wall)} of wall time{busy}.")
+
+
+def record_cold_build(log: Path, load: str, scale: str | None = None, note: str | None = None,
+                      other_cores: float | None = None, machine: str | None = None,
+                      total_wall_s: float | None = None, snakemake_log: Path | None = None,
+                      record: Path | None = None) -> dict:
+    """Record a build log's last successful cold build (of ``scale``) in the committed record
+    (``python -m tools.book record-cold-build``; :func:`companion.chapters.cost.record_cold_build` writes it).
+
+    Args:
+        log: the build log (``_build/build-log.jsonl`` of the checkout that built).
+        load: ``idle`` or ``loaded``.
+        scale: the scale to record (None: the log's last cold build, whatever its scale).
+        note: what to say of the load or the build.
+        other_cores: the cores other processes kept busy, measured outside the driver (the log's own wins).
+        machine: the machine's CPU, where the log does not name it.
+        total_wall_s: the whole command's wall time, environment included, measured outside the driver.
+        snakemake_log: Snakemake's own log of the build, for each job's time where the log entry has none.
+        record: the record (default ``book/cold-builds.json``).
+
+    Returns:
+        The entry as recorded.
+
+    Raises:
+        ValueError: the log has no successful cold build (of ``scale``), or a bad ``load``.
+        OSError: the log cannot be read.
+    """
+    if not Path(log).exists():
+        raise OSError(f"no build log at {log}: a build (python -m tools.book build) writes it")
+    entry = cost.last_cold_build(read_build_log(Path(log)), scale)
+    job_times = None
+    if not entry.get("job_times") and snakemake_log is not None:
+        from .driver import read_snakemake_log
+
+        job_times = read_snakemake_log(Path(snakemake_log)).jobs()
+    return cost.record_cold_build(entry, load, path=record or cost.RECORD, note=note, other_cores=other_cores,
+                                  machine=machine, total_wall_s=total_wall_s, job_times=job_times)
 
 
 def write_timings(generated: Path = GENERATED) -> Path:

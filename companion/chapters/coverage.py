@@ -1,4 +1,10 @@
-"""Which of the paper's figures and tables the book regenerates, at each scale, as it is.
+"""Which of the paper's figures and tables the book regenerates, at each scale, counted as a reader counts them.
+
+A label at a scale falls in one of the categories of :data:`CATEGORIES`: regenerated as the paper ran it (its own toy
+problems at every scale, its setups at ``full``), regenerated on an analogue setup (other models and data, below
+``full``), a configuration table restated (the setups chapter's Tables 2-4), a figure that redraws another figure's
+data (an appendix figure whose setups at this scale are those of the figure it extends, or two labels drawn as one
+image), not at this scale, or wired but not executed by this build.
 
 :data:`CHAPTER_OF` names the chapter (``notebooks/<stem>.ipynb``) wired to regenerate each of the paper's 23 labelled
 figures and tables. What that chapter *produces* for a label at a scale is not typed here: :func:`produced` reads it
@@ -56,6 +62,22 @@ _E2_METHOD = {"fig:curves-pt": ("pt",), "fig:curves-lora": ("lora",), "fig:mlp-c
               "tab:test": ("pt", "lora")}
 # Appendix figures that re-plot another figure's measurement (E1) for more setups.
 _SAME_DATA = {"fig:lora_gamma": "fig:sample_gamma", "fig:pt_gamma": "fig:sample_gamma"}
+# The setups of the paper's own table, where the chapter shows more: the paper's Table 1 averages its 15 GLUE and
+# CIFAR100 setups (prompt tuning and LoRA); the chapter's rows add its MLPs, read against the MLP's own table.
+_PAPER_METHOD = {"tab:sum-test": ("pt", "lora")}
+# Chapters that restate the paper's configuration (its setups, data and licences) rather than a result.
+CONFIGURATION_CHAPTERS = ("setups",)
+# A label's category at a scale (Status.kind -> the words a reader counts; "same" counts as a redraw).
+CATEGORIES = {
+    "paper": "regenerated as the paper ran it",
+    "analogue": "regenerated on an analogue setup (other model and data)",
+    "config": "a configuration table restated",
+    "redraw": "a figure that redraws another figure's data",
+    "absent": "not at this scale",
+    "wired": "wired, but its chapter was not executed",
+}
+_CATEGORY_OF = {"paper": "paper", "analogue": "analogue", "config": "config", "redraw": "redraw", "same": "redraw",
+                "absent": "absent", "wired": "wired"}
 # The committed README claims execution only where the repository's own builds execute: CI builds smoke, `make book`
 # builds cpu; a full build's provenance lives in _build/ and is never committed.
 README_EXECUTED = frozenset((scale, stem) for scale in ("smoke", "cpu") for stem in CHAPTERS)
@@ -73,9 +95,11 @@ class Output:
 
 @dataclass(frozen=True)
 class Status:
-    """A label at a scale: ``kind`` is ``regenerated``, ``same`` (as ``same_as``), ``absent`` (no analogue at this
-    scale) or ``wired`` (produced by the chapter at this scale, but no build's provenance says it ran); ``text`` the
-    words of the coverage table's cell."""
+    """A label at a scale: ``kind`` is ``paper`` (regenerated as the paper ran it), ``analogue`` (on other models and
+    data), ``config`` (a configuration table restated), ``redraw`` (the data of ``same_as``, drawn again), ``same``
+    (the same image as ``same_as``), ``absent`` (nothing at this scale) or ``wired`` (produced by the chapter at this
+    scale, but no build's provenance says it ran); ``text`` the words of the coverage table's cell. Its category for
+    the counts is :func:`category`."""
 
     kind: str
     chapter: str | None
@@ -123,22 +147,45 @@ def produced(label: str, scale: str) -> Output | None:
     return Output(chapter, label, ())
 
 
-def _analogue(label: str, out: Output, scale: str) -> str:
-    """What differs from the paper's figure at ``scale``: the setups shown, and for how many of the paper's."""
+def _method(setup: str, scale: str) -> str:
+    from companion.experiments.setups import resolve
+
+    return resolve(setup, scale).method
+
+
+def paper_setups(label: str) -> tuple[str, ...]:
+    """The setups the paper's own figure or table shows (empty: its own problem or table)."""
+    setups = produced(label, "full").setups
+    methods = _PAPER_METHOD.get(label)
+    return tuple(s for s in setups if methods is None or _method(s, "full") in methods)
+
+
+def _regenerated(label: str, out: Output, scale: str) -> tuple[str, str, str | None]:
+    """``(kind, cell text, same_as)`` of a label its chapter ran at ``scale``: as the paper ran it, a configuration
+    table, a redraw of another figure's data or an analogue (naming its setups and for how many of the paper's)."""
     if not out.setups:
-        return "the paper's own problem or table, the same at every scale"
-    paper = produced(label, "full").setups
+        if out.chapter in CONFIGURATION_CHAPTERS:
+            return "config", "a configuration table restated (the paper's, the same at every scale)", None
+        return "paper", "regenerated as the paper ran it (the paper's own problem, the same at every scale)", None
     if scale == "full":
-        return "the paper's setups"
-    text = f"{scale} analogue on {', '.join(out.setups)}"
-    if len(out.setups) < len(paper):
-        text += f", standing for {len(out.setups)} of the paper's {len(paper)} setups"
+        return "paper", "regenerated as the paper ran it (the paper's setups)", None
+    paper = paper_setups(label)
+    methods = _PAPER_METHOD.get(label)
+    standing = [s for s in out.setups if methods is None or _method(s, scale) in methods]
+    extra = [s for s in out.setups if s not in standing]
+    if len(standing) < len(paper):
+        stands = f"{', '.join(standing)}, standing for {len(standing)} of the paper's {len(paper)} setups"
     else:
-        text += f" for the paper's {', '.join(paper)}"
+        stands = f"{', '.join(standing)} for the paper's {', '.join(paper)}"
+    if extra:
+        stands += (f"; and {', '.join(extra)}, which the paper's {cite(label)} does not have (the chapter reads "
+                   f"{'it' if len(extra) == 1 else 'them'} against {cite('tab:test-mlp')})")
     base = _SAME_DATA.get(label)
     if base and set(out.setups) <= set(produced(base, scale).setups):
-        text += f"; its curves are those of {cite(base)} for {'that setup' if len(out.setups) == 1 else 'those'}"
-    return text
+        one = "that setup" if len(out.setups) == 1 else "those setups"
+        return ("redraw", f"redraws {cite(base)}'s data: its curves for {stands}, are those of {cite(base)} for "
+                          f"{one}", base)
+    return "analogue", f"regenerated on a {scale} analogue: {stands}", None
 
 
 def status(label: str, scale: str, executed: frozenset[tuple[str, str]] | set[tuple[str, str]]) -> Status:
@@ -150,8 +197,9 @@ def status(label: str, scale: str, executed: frozenset[tuple[str, str]] | set[tu
         executed: the chapters executed at each scale (:func:`executed_chapters`, or :data:`README_EXECUTED`).
 
     Returns:
-        ``absent`` when the chapter has no analogue at ``scale``; ``same`` when an earlier label (paper order) is the
-        same image or table at ``scale``; else ``regenerated`` if the chapter ran at ``scale``, ``wired`` if not.
+        ``absent`` when the chapter has nothing for it at ``scale``; ``same`` when an earlier label (paper order) is
+        the same image or table at ``scale``; ``wired`` if the chapter did not run at ``scale``; else ``paper``,
+        ``config``, ``redraw`` or ``analogue`` (:func:`_regenerated`).
 
     Raises:
         KeyError, ValueError: as :func:`produced`.
@@ -167,7 +215,13 @@ def status(label: str, scale: str, executed: frozenset[tuple[str, str]] | set[tu
             return Status("same", out.chapter, f"same figure as {cite(earlier)} at this scale", earlier)
     if (scale, out.chapter) not in executed:
         return Status("wired", out.chapter, f"wired for {scale}, not executed")
-    return Status("regenerated", out.chapter, f"regenerated ({_analogue(label, out, scale)})")
+    kind, text, same_as = _regenerated(label, out, scale)
+    return Status(kind, out.chapter, text, same_as)
+
+
+def category(kind: str) -> str:
+    """The category a status ``kind`` counts in (:data:`CATEGORIES`; ``same`` counts as ``redraw``)."""
+    return _CATEGORY_OF[kind]
 
 
 def executed_chapters(root: Path) -> frozenset[tuple[str, str]]:
@@ -200,10 +254,10 @@ def book_state(root: Path) -> tuple[str | None, frozenset[tuple[str, str]]]:
 
 
 def counts(scale: str, executed) -> dict[str, list[str]]:
-    """The labels of each status kind at ``scale`` (``regenerated`` counts distinct figures and tables)."""
-    out: dict[str, list[str]] = {"regenerated": [], "same": [], "absent": [], "wired": []}
+    """The labels of each category of :data:`CATEGORIES` at ``scale``, in the paper's order (each label once)."""
+    out: dict[str, list[str]] = {c: [] for c in CATEGORIES}
     for label in paper_figures_and_tables():
-        out[status(label, scale, executed).kind].append(label)
+        out[category(status(label, scale, executed).kind)].append(label)
     return out
 
 
@@ -237,32 +291,54 @@ def _cites(keys: list[str]) -> str:
     return ", ".join(cite(k) for k in keys)
 
 
+def _redraws(scale: str, executed, labels: list[str]) -> str:
+    """``Fig. 6 and Fig. 7 redraw Fig. 2's data; Fig. 9 is drawn as Fig. 8`` for the redraw category's labels."""
+    by_base: dict[str, list[str]] = {}
+    same = []
+    for label in labels:
+        s = status(label, scale, executed)
+        if s.kind == "same":
+            same.append(f"{cite(label)} is drawn as {cite(s.same_as)}")
+        else:
+            by_base.setdefault(s.same_as, []).append(label)
+    parts = [f"{' and '.join(cite(x) for x in xs)} {'redraws' if len(xs) == 1 else 'redraw'} {cite(base)}'s data"
+             for base, xs in by_base.items()] + same
+    return ", ".join(parts)
+
+
+def _number(n: int, category_: str) -> str:
+    """``"2 regenerated as the paper ran them"``: a category's count and its words (plural where it reads so)."""
+    words = {"paper": ("regenerated as the paper ran it", "regenerated as the paper ran them"),
+             "analogue": ("regenerated on an analogue setup (other model and data)",
+                          "regenerated on analogue setups (other models and data)"),
+             "config": ("a configuration table restated", "configuration tables restated"),
+             "redraw": ("a figure that redraws another figure's data", "figures that redraw another figure's data"),
+             "absent": ("not at this scale", "not at this scale"),
+             "wired": ("wired, but its chapter was not executed", "wired, but their chapters were not executed")}
+    one, many = words[category_]
+    return f"{n} {one if n == 1 else many}"
+
+
 def coverage_sentence(scale: str | None, executed, where: str = "the scale this book was built at") -> str:
-    """The introduction's and the README's count: distinct figures and tables regenerated at ``scale`` (the scale
-    built, described as ``where``; None: no chapter published), what else is there, and the other scales."""
+    """The introduction's and the README's count, as a reader counts: of the paper's labelled figures and tables,
+    how many at ``scale`` (the scale built, described as ``where``; None: no chapter published) fall in each category
+    of :data:`CATEGORIES`, naming them, then the other scales' counts."""
     total = len(paper_figures_and_tables())
     if scale is None:
         return f"No chapter of this book has been executed yet, so none of the paper's {total} labelled figures and " \
                "tables is regenerated here."
     c = counts(scale, executed)
-    parts = [f"At the {scale} scale ({where}), {len(c['regenerated'])} of the paper's {total} labelled figures "
-             "and tables are regenerated" + (" (as analogues on this scale's setups where the paper trains T5, ViT or "
-                                             "its CIFAR MLP)" if scale != "full" else "")]
-    if c["same"]:
-        parts.append(f"{len(c['same'])} are the same figure as another at this scale ({_cites(c['same'])})")
-    if c["absent"]:
-        parts.append(f"{len(c['absent'])} {'has' if len(c['absent']) == 1 else 'have'} no {scale} analogue "
-                     f"({_cites(c['absent'])})")
-    if c["wired"]:
-        shown = "all" if len(c["wired"]) == total else _cites(c["wired"])
-        parts.append(f"{len(c['wired'])} are wired but their chapter was not executed ({shown})")
+    named = {"paper": lambda xs: _cites(xs) + (", the paper's own problems" if scale != "full" else ""),
+             "analogue": _cites, "config": _cites, "redraw": lambda xs: _redraws(scale, executed, xs),
+             "absent": _cites, "wired": lambda xs: "all" if len(xs) == total else _cites(xs)}
+    parts = [f"{_number(len(xs), k)}: {named[k](xs)}" for k, xs in c.items() if xs]
     others = []
     for other in SCALES:
         if other != scale:
             o = counts(other, executed)
-            others.append(f"{other}: {len(o['regenerated'])} regenerated"
-                          + (f", {len(o['wired'])} wired but not executed" if o["wired"] else ""))
-    return "; ".join(parts) + ". Other scales (" + "; ".join(others) + ")."
+            others.append(f"at {other}, " + ", ".join(_number(len(xs), k) for k, xs in o.items() if xs))
+    return (f"Of the paper's {total} labelled figures and tables, at the {scale} scale ({where}): "
+            + "; ".join(parts) + ". Other scales: " + "; ".join(others) + ".")
 
 
 def coverage_markdown(executed, links: bool = False) -> str:
@@ -288,10 +364,10 @@ README_END = "<!-- /coverage -->"
 
 def chapter_map(scale: str, executed) -> str:
     """The README's map: one row per chapter, the paper's figures and tables it regenerates in one column, a mark on
-    each label that is, at ``scale``, another label's figure (1) or has no analogue (2), and the footnote saying so
-    (the per-scale table is the book's coverage page)."""
+    each label that is, at ``scale``, another label's figure (1), has no analogue (2) or redraws another figure's
+    data (3), and the footnote saying so (the per-scale table is the book's coverage page)."""
     rows = ["| chapter | the paper's figures and tables |", "| --- | --- |"]
-    same, absent = [], []
+    same, absent, redraw = [], [], []
     for stem in CHAPTERS:
         cells = []
         for label in (k for k in paper_figures_and_tables() if CHAPTER_OF[k] == stem):
@@ -303,6 +379,9 @@ def chapter_map(scale: str, executed) -> str:
             elif s.kind == "absent":
                 absent.append(cite(label))
                 mark = "²"
+            elif s.kind == "redraw":
+                redraw.append(label)
+                mark = "³"
             cells.append(cite(label) + mark)
         if cells:
             rows.append(f"| [{CHAPTERS[stem]}](notebooks/{stem}.ipynb) | {', '.join(cells)} |")
@@ -311,6 +390,8 @@ def chapter_map(scale: str, executed) -> str:
         notes.append(f"¹ At the {scale} scale " + ", ".join(same) + ".")
     if absent:
         notes.append(f"² No {scale} analogue: {', '.join(absent)}.")
+    if redraw:
+        notes.append(f"³ At the {scale} scale {_redraws(scale, executed, redraw)} (the same setup's curves).")
     return "\n".join(rows) + "\n\n" + " ".join(notes) + "\n"
 
 

@@ -206,3 +206,4 @@ def test_the_chapter_map_marks_what_the_cpu_scale_draws_differently():
     assert "| chapter | the paper's figures and tables |" in block and "| smoke |" not in block
     assert "Fig. 9¹" in block and "Fig. 11¹" in block and "Fig. 10²" in block
     assert "Fig. 9 is drawn as Fig. 8" in block and "No cpu analogue: Fig. 10." in block
+    assert "Fig. 6³" in block and "Fig. 7³" in block and "Fig. 6 and Fig. 7 redraw Fig. 2's data" in block

@@ -60,3 +60,30 @@ def test_robustness_rule():
     assert v["wf_low_reading"].startswith("the exact GGN fails there too")
     only_ief = {**bad, ("ggn", 1e-8, 0.9): [0.6, 0.6]}
     assert plots.robustness(_results(only_ief), 0.9)["wf_low_reading"].startswith("the exact GGN does not fail")
+
+
+def test_ggn_comparison_applies_the_rule_against_the_exact_ggn_and_says_what_it_means():
+    acc = {}
+    for sp, ggn, ief in ((0.5, [0.95, 0.95], [0.95, 0.95]),  # level
+                         (0.9, [0.60, 0.62], [0.70, 0.72]),  # iEF ahead by 10 points, sds ~1.4 + 1.4
+                         (0.95, [0.30, 0.30], [0.50, 0.50])):  # iEF ahead by 20 points
+        acc[("ggn", 1e-3, sp)] = ggn
+        acc[("ief", 1e-4, sp)] = ief
+        acc[("ef", 1e-2, sp)] = [0.2, 0.2]
+        acc[("magnitude", np.nan, sp)] = [0.4, 0.4]
+    chosen = {"ggn": 1e-3, "ief": 1e-4, "ef": 1e-2}
+    g = plots.ggn_comparison(_results(acc), chosen)
+    assert g["wf_ggn_verdict"] == "iEF-WoodFisher beats the exact GGN here"
+    assert (g["wf_ggn_ahead"], g["wf_ggn_behind"], g["wf_ggn_level"]) == ("90 %, 95 %", "none", "50 %")
+    assert g["wf_ggn_gap"] == ("at 95 % sparsity iEF-WoodFisher (λ = 0.0001) keeps 50.0 ± 0.0 % test accuracy and the "
+                               "exact GGN (λ = 0.001) 30.0 ± 0.0 %, a difference of +20.0 points")
+    assert g["wf_ggn_reading"].startswith("So here the approximation prunes better than the curvature it approximates")
+    assert g["wf_ggn_rule"] == plots.RULE_GGN
+    mirror = _results(acc).replace({"method": {"ggn": "ief", "ief": "ggn"}})
+    flipped = plots.ggn_comparison(mirror, {"ggn": 1e-4, "ief": 1e-3, "ef": 1e-2})
+    assert flipped["wf_ggn_verdict"] == "the exact GGN beats iEF-WoodFisher here"
+    assert flipped["wf_ggn_reading"].startswith("That is what one expects of an approximation")
+    level = {k: v for k, v in acc.items() if k[2] == 0.5}
+    assert plots.ggn_comparison(_results(level), chosen)["wf_ggn_verdict"] == "neither beats the other here"
+    without = _results({k: v for k, v in acc.items() if k[0] != "ggn"})
+    assert plots.ggn_comparison(without, chosen)["wf_ggn_verdict"] == "not run"

@@ -1,15 +1,14 @@
 """The practical optimisers' rules (beyond the paper): what momentum and weight decay do for iEF, and
 whether ieKFAC improves on K-FAC and eKFAC as an optimiser. Decided over seeds as E2's rankings
-(:func:`~.core.pair_over_seeds`: every seed in favour holds, every seed against does not, else inconclusive)."""
+(:func:`~.core.pair_over_seeds`: the paired 95 % interval of the per-seed differences on one side of 0 or the
+other, else inconclusive)."""
 from __future__ import annotations
 
-from .core import MIN_SEEDS, Rule
-from .training import _ranking
+from .core import Rule
+from .training import DECIDED_OVER_SEEDS, WHY_OVER_SEEDS, _ranking
 
-OVER_SEEDS = (f"Each pair is decided over seeds: it holds when every seed (at least {MIN_SEEDS}) is in favour, does "
-              "not hold when every seed is against, and is inconclusive otherwise.")
-_WHY = OVER_SEEDS + " Sign agreement over every seed needs no assumption on the spread; with three seeds a pair " \
-    "that agrees by chance has probability 1/4 (either sign)."
+OVER_SEEDS = DECIDED_OVER_SEEDS
+_WHY = OVER_SEEDS + " " + WHY_OVER_SEEDS
 
 
 def _momentum_vs_ief(present: list[str]) -> list[tuple[str, str]]:
@@ -27,28 +26,28 @@ def _iekfac_first(present: list[str]) -> list[tuple[str, str]]:
 PRACTICAL_RULES_LIST = (
     Rule("practical_momentum_loss", "the exact iEF's lack of momentum and weight decay affects its optimisation "
          "performance on certain setups", "sec:app-limitations",
-         "iEF with momentum and weight decay (iEF+M) helps training where its final training loss is below iEF's on "
-         "every seed, and does not where it is above on every seed.", _WHY,
+         "iEF with momentum and weight decay (iEF+M) helps training where its final training loss is decided below "
+         "iEF's, and does not where it is decided above.", _WHY,
          _ranking(_momentum_vs_ief, "final_train_loss")),
     Rule("practical_momentum_test", "LoRA's stronger reliance on regularisation and momentum is why iEF only ties "
          "AdamW there", "sec:opt-exp",
-         "iEF+M generalises better than iEF where its test score is above iEF's on every seed, and does not where "
-         "it is below on every seed.", _WHY,
+         "iEF+M generalises better than iEF where its test score is decided above iEF's, and does not where "
+         "it is decided below.", _WHY,
          _ranking(_momentum_vs_ief, "test_score", higher_better=True)),
     Rule("practical_momentum_vs_baseline", "with momentum and weight decay integrated, iEF would be a stronger "
          "optimiser than the well-tuned baselines", "sec:opt-exp",
          "iEF+M beats the setup's baseline (AdamW, Adafactor or Adam) where its test score is above the baseline's "
-         "on every seed, and does not where it is below on every seed.", _WHY,
+         "(decided), and does not where it is decided below.", _WHY,
          _ranking(_momentum_vs_baseline, "test_score", higher_better=True)),
     Rule("practical_iekfac_loss", "ieKFAC has the potential of further improving existing K-FAC-based methods",
          "sec:app-iEF-eNGDopt",
          "As optimisers, ieKFAC improves on K-FAC and eKFAC where its final training loss is below each of theirs "
-         "on every seed (both pairs hold), and does not where either pair does not hold.", _WHY,
+         "(decided; both pairs hold), and does not where either pair does not hold.", _WHY,
          _ranking(_iekfac_first, "final_train_loss")),
     Rule("practical_iekfac_test", "ieKFAC has the potential of further improving existing K-FAC-based methods",
          "sec:app-iEF-eNGDopt",
-         "On test, ieKFAC improves on K-FAC and eKFAC where its test score is above each of theirs on every seed "
-         "(both pairs hold), and does not where either pair does not hold.", _WHY,
+         "On test, ieKFAC improves on K-FAC and eKFAC where its test score is above each of theirs "
+         "(decided; both pairs hold), and does not where either pair does not hold.", _WHY,
          _ranking(_iekfac_first, "test_score", higher_better=True)),
 )
 PRACTICAL_RULES = tuple(r.name for r in PRACTICAL_RULES_LIST)

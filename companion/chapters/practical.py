@@ -46,7 +46,8 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
         runs_dir: the runs folder, read when ``results_dir`` has no tables or lacks some of the chapter's runs
             (``None``: the tables only, as the chapter reads them).
         setups: default every E2 setup of the scale.
-        seeds: default the paper's three (at smoke, the seeds the runs have).
+        seeds: the same seeds for every setup; default each setup's seeds in the scale's grid (at smoke, the seeds
+            the runs have).
 
     Returns:
         A :class:`PracticalGrid` (its ``missing`` lists the runs found nowhere).
@@ -57,7 +58,8 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
     grid = load_e2(scale, results_dir, runs_dir or "runs", list(setups) if setups else None,
                    list(seeds) if seeds is not None else None)
     opts = {s: practical_optimizers(s, scale) for s in grid.setups}
-    expected = [(s, o, k) for s in grid.setups for o in opts[s] for k in grid.seeds]
+    expected = [(s, o, k) for s in grid.setups for o in opts[s] for k in grid.seeds_by_setup[s]]
+    chosen = [(s, k) for s in grid.setups for k in grid.seeds_by_setup[s]]
 
     def absent(table: pd.DataFrame) -> list[tuple[str, str, int]]:
         have = set(zip(table.setup, table.optimizer, table.seed))
@@ -67,10 +69,11 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
     missing = absent(table)
     if missing and runs_dir is not None and (Path(runs_dir) / scale).is_dir():  # runs finished after the tables: read them from the runs
         runs_table, runs_curves = collect(runs_dir, scale)
-        runs_table = runs_table[runs_table.setup.isin(grid.setups) & runs_table.seed.isin(grid.seeds)]
+        runs_table = runs_table[pd.MultiIndex.from_arrays([runs_table.setup, runs_table.seed.astype(int)]).isin(chosen)]
         if len(absent(runs_table)) < len(missing):
             table = runs_table
-            curves = runs_curves[runs_curves.setup.isin(grid.setups) & runs_curves.seed.isin(grid.seeds)]
+            curves = runs_curves[pd.MultiIndex.from_arrays([runs_curves.setup, runs_curves.seed.astype(int)])
+                                 .isin(chosen)]
             missing, source = absent(table), f"the runs in {Path(runs_dir) / scale} (aggregated here)"
     keep = pd.Series(False, index=table.index)
     for s, os_ in opts.items():

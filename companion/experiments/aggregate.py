@@ -19,7 +19,7 @@ points over training, each the mean of the batches since the previous point).
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -206,10 +206,11 @@ class E2Grid:
     table: pd.DataFrame
     curves: pd.DataFrame
     setups: list[str]
-    seeds: list[int]
+    seeds: list[int]  # every seed of any chosen setup
     expected: list[tuple[str, str, int]]
     missing: list[tuple[str, str, int]]
     source: str
+    seeds_by_setup: dict[str, list[int]] = field(default_factory=dict)  # each setup's seeds
 
 
 def _tables_exist(results_dir: Path) -> bool:
@@ -225,7 +226,9 @@ def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | P
         results_dir: the workflow's aggregated tables, read when both exist (default ``results/<scale>``).
         runs_dir: the runs, aggregated here when ``results_dir`` has no tables.
         setups: default every E2 setup of the scale.
-        seeds: default the paper's three seeds (at smoke scale, the seeds the runs have).
+        seeds: the same seeds for every setup; default each setup's seeds in the scale's grid
+            (:func:`.setups.scale_grid`: the paper's three, ten for digits at cpu; at smoke scale the seeds the runs
+            have).
 
     Returns:
         An :class:`E2Grid`: the chosen setups' and seeds' rows and curves, the expected and the missing runs, and
@@ -235,14 +238,14 @@ def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | P
         ValueError: an unknown ``scale`` (names the accepted ones).
         FileNotFoundError: neither tables nor finished runs exist (names the commands that make them).
     """
-    from .setups import E2_SEEDS, SCALES, e2_optimizers, e2_setups
+    from .setups import SCALES, e2_optimizers, e2_setups, scale_grid
 
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     results_dir = Path(results_dir or f"results/{scale}")
-    seeds_given = seeds is not None
-    seeds = list(E2_SEEDS if seeds is None else seeds)
     setups = list(e2_setups(scale) if setups is None else setups)
+    grid = scale_grid(scale)
+    by_setup = {s: list(seeds) if seeds is not None else list(grid.seeds_of(s)) for s in setups}
     if _tables_exist(results_dir):
         table, curves = read_tables(results_dir)
         source = f"the aggregated tables in {results_dir}"
@@ -255,11 +258,15 @@ def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | P
                 f"{scale} --runs {runs_dir} --out {results_dir}`")
         table, curves = collect(runs_dir, scale)
         source = f"the runs in {Path(runs_dir) / scale} (aggregated here)"
-    if scale == "smoke" and not seeds_given:  # the smoke grid's seeds (the workflow's smoke grid has two)
-        seeds = sorted(int(k) for k in table.seed.unique())
-    expected = [(s, o, k) for s in setups for o in e2_optimizers(s) for k in seeds]
-    table = table[table.setup.isin(setups) & table.seed.isin(seeds)]
-    curves = curves[curves.setup.isin(setups) & curves.seed.isin(seeds)]
+    if scale == "smoke" and seeds is None:  # the smoke grid's seeds (the workflow's smoke grid has two)
+        by_setup = {s: sorted(int(k) for k in table.seed.unique()) for s in setups}
+    expected = [(s, o, k) for s in setups for o in e2_optimizers(s) for k in by_setup[s]]
+    chosen = set((s, k) for s in setups for k in by_setup[s])
+    table = table[pd.MultiIndex.from_arrays([table.setup, table.seed.astype(int)]).isin(list(chosen))]
+    curves = curves[pd.MultiIndex.from_arrays([curves.setup, curves.seed.astype(int)]).isin(list(chosen))]
     have = set(zip(table.setup, table.optimizer, table.seed))
-    return E2Grid(table=table, curves=curves, setups=[s for s in setups if s in set(table.setup)], seeds=seeds,
-                  expected=expected, missing=[e for e in expected if e not in have], source=source)
+    present = [s for s in setups if s in set(table.setup)]
+    return E2Grid(table=table, curves=curves, setups=present,
+                  seeds=sorted({k for s in setups for k in by_setup[s]}), expected=expected,
+                  missing=[e for e in expected if e not in have], source=source,
+                  seeds_by_setup={s: by_setup[s] for s in present})

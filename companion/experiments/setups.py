@@ -493,6 +493,12 @@ E2_OPTIMIZERS: dict[str, tuple[str, ...]] = {
 # evaluates the checkpoints of its runs: AdamW for LoRA, Adafactor for prompt tuning, Adam for the MLP.
 BASELINE: dict[str, str] = {method: optimizers[0] for method, optimizers in E2_OPTIMIZERS.items()}
 E2_SEEDS = (0, 1, 2)  # the paper's three seeds (mean +- sd over them)
+# Setups that get more seeds than their scale's default, per scale: a verdict over seeds is decided by a paired
+# interval that narrows with more seeds (companion.experiments.verdicts), and where runs cost seconds the book buys
+# the evidence (digits: ten seeds, the chapter E2 budget states what that cost).
+MORE_SEEDS: dict[str, dict[str, tuple[int, ...]]] = {
+    "cpu": {"digits-mlp": tuple(range(10))},
+}
 # The run chapter "Training runs" (notebooks/train.ipynb) shows by default, per scale: (setup, optimiser, seed), a run
 # of the grid. The workflow makes this run an input of the chapter and passes it the runs folder, so the chapter's
 # `train` call finds the run finished and reads it instead of training it a second time.
@@ -505,19 +511,25 @@ TRAIN_CHAPTER_RUN: dict[str, tuple[str, str, int]] = {
 
 @dataclass(frozen=True)
 class ScaleGrid:
-    """The training runs of one scale: every ``setups`` x optimiser x ``seeds``, the optimisers being the setup's
+    """The training runs of one scale: every ``setups`` x optimiser x seed, the optimisers being the setup's
     E2 optimisers (:data:`E2_OPTIMIZERS`) and, with ``practical``, the beyond-the-paper optimisers its table defines
     (:data:`PRACTICAL_OPTIMIZERS`: ``ief-momentum`` for every method, the K-FAC family where every trainable parameter
-    is an ``nn.Linear``; ``notebooks/practical.ipynb``)."""
+    is an ``nn.Linear``; ``notebooks/practical.ipynb``). A setup's seeds are ``setup_seeds[setup]`` where given
+    (:data:`MORE_SEEDS`), else ``seeds`` (:meth:`seeds_of`)."""
 
     setups: tuple[str, ...]
     seeds: tuple[int, ...]
     practical: bool
+    setup_seeds: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def seeds_of(self, name: str) -> tuple[int, ...]:
+        """The seeds setup ``name`` is trained with in this grid."""
+        return tuple(self.setup_seeds.get(name, self.seeds))
 
 
 GRIDS: dict[str, ScaleGrid] = {
     "full": ScaleGrid(PAPER_SETUPS, E2_SEEDS, practical=False),  # practical rates are searched at cpu only (their cost)
-    "cpu": ScaleGrid(CPU_SETUPS, E2_SEEDS, practical=True),
+    "cpu": ScaleGrid(CPU_SETUPS, E2_SEEDS, practical=True, setup_seeds=dict(MORE_SEEDS["cpu"])),
     "smoke": ScaleGrid(CPU_SETUPS, (0, 1), practical=True),
 }
 
@@ -601,7 +613,8 @@ def scale_grid(scale: str, *, setups: Sequence[str] | None = None, seeds: Sequen
     Args:
         scale: ``full``, ``cpu`` or ``smoke``.
         setups: replaces the scale's setups; each must exist at ``scale``.
-        seeds: replaces the scale's seeds (non-negative integers).
+        seeds: replaces the scale's seeds for every setup (non-negative integers; a setup's own seeds,
+            :data:`MORE_SEEDS`, are dropped).
         practical: replaces whether the practical optimisers run.
 
     Returns:
@@ -624,7 +637,7 @@ def scale_grid(scale: str, *, setups: Sequence[str] | None = None, seeds: Sequen
         bad = [k for k in seeds if isinstance(k, bool) or not isinstance(k, int) or k < 0]
         if bad or not seeds:
             raise ValueError(f"seeds must be a non-empty list of non-negative integers, got {list(seeds)!r}")
-        grid = dataclasses.replace(grid, seeds=tuple(seeds))
+        grid = dataclasses.replace(grid, seeds=tuple(seeds), setup_seeds={})  # the same seeds for every setup
     if practical is not None:
         if not isinstance(practical, bool):
             raise ValueError(f"practical must be true or false, got {practical!r}")
@@ -645,7 +658,7 @@ def grid_runs(scale: str, grid: ScaleGrid | None = None) -> list[tuple[str, str,
     order setup, optimiser, seed: the workflow's ``train`` jobs."""
     grid = grid or scale_grid(scale)
     return [(name, opt, seed) for name in grid.setups for opt in grid_optimizers(name, scale, grid)
-            for seed in grid.seeds]
+            for seed in grid.seeds_of(name)]
 
 
 def practical_optimizers(name: str, scale: str) -> list[str]:

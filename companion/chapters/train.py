@@ -244,13 +244,35 @@ def results_table(records: dict) -> pd.DataFrame:
     }).set_index(["setup", "optimizer"])
 
 
+def e2_only(results: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, list[str]]]:
+    """One rule, one answer: the seed-0 results among each setup's E2 optimisers (chapter E2's: its baseline, SGD, EF,
+    SF and iEF), which the seed-0 verdicts rank also where the search ran more, and ``{setup: [the others]}``, which
+    the table shows and the page names."""
+    from ..experiments.setups import e2_optimizers
+
+    def names(setup: str) -> set[str] | None:
+        try:
+            return {LABELS.get(k, k) for k in e2_optimizers(setup)}
+        except ValueError:  # not a setup of the registry: it has no E2 grid to restrict to
+            return None
+
+    e2_names = {s: names(s) for s in results.index.get_level_values("setup")}
+    extra: dict[str, list[str]] = {}
+    for s, o in results.index:
+        if e2_names[s] is not None and o not in e2_names[s]:
+            extra.setdefault(s, []).append(o)
+    return results[[e2_names[s] is None or o in e2_names[s] for s, o in results.index]], extra
+
+
 def e2_observations(results: pd.DataFrame) -> pd.DataFrame:
     """Per setup, iEF's rank by final train loss and by test score among the optimisers of the seed-0 results (1 =
-    lowest loss / best test), the best of each, and the verdicts of the seed-0 rules of
-    :mod:`companion.experiments.verdicts` (``seed0_lowest_loss``, ``seed0_best_test``)."""
+    lowest loss / best test; every optimiser the search ran), the best of each, and the verdicts of the seed-0 rules
+    of :mod:`companion.experiments.verdicts` (``seed0_lowest_loss``, ``seed0_best_test``) among the setup's E2
+    optimisers (:func:`e2_only`)."""
     from ..experiments.verdicts import RULES
 
-    verdicts = {name: {v.subject: v.verdict for v in RULES[name].evaluate(results)}
+    same, _ = e2_only(results)
+    verdicts = {name: {v.subject: v.verdict for v in RULES[name].evaluate(same)}
                 for name in ("seed0_lowest_loss", "seed0_best_test")}
     rows = []
     for setup, r in results.groupby(level="setup"):
@@ -262,24 +284,29 @@ def e2_observations(results: pd.DataFrame) -> pd.DataFrame:
             "setup": setup, "optimisers": len(r), "iEF rank by train loss": rank_loss,
             "lowest train loss": f"{loss.idxmin()} ({loss.min():.3g})", "iEF rank by test": rank_test,
             "best test": f"{test.idxmax()} ({test.max():.1f}%)" if len(test) else "n/a",
-            "iEF lowest loss (seed 0)": verdicts["seed0_lowest_loss"].get(setup),
-            "iEF best test (seed 0)": verdicts["seed0_best_test"].get(setup),
+            "iEF lowest loss among E2's (seed 0)": verdicts["seed0_lowest_loss"].get(setup),
+            "iEF best test among E2's (seed 0)": verdicts["seed0_best_test"].get(setup),
         })
     return pd.DataFrame(rows).set_index("setup")
 
 
 def e2_statements(results: pd.DataFrame, obs: pd.DataFrame, e2_table: pd.DataFrame | None = None) -> dict[str, str]:
     """What the chapter glues of the seed-0 check: each seed-0 rule (``rule_<name>``) and its verdict per setup
-    (``v_<name>``), iEF's ranks, and ``e2_disagreement``: where chapter E2's verdicts over seeds (the same claims
-    decided on ``e2_table``, the workflow's ``e2_runs.csv``) differ from seed 0's among the same optimisers (the E2
-    grid's; the search has more), or that they are not available."""
+    (``v_<name>``) among each setup's E2 optimisers (``seed0_scope`` names the search's others, which the table
+    shows but the verdicts leave out), iEF's ranks, and ``e2_disagreement``: where chapter E2's verdicts over seeds
+    (the same claims decided on ``e2_table``, the workflow's ``e2_runs.csv``) differ from seed 0's, or that they are
+    not available."""
     from ..experiments.setups import e2_optimizers
     from ..experiments.verdicts import RULES, disagreements, summary
 
-    out = {}
+    same, extra = e2_only(results)
+    out = {"seed0_scope": ("among each setup's E2 optimisers (its baseline, SGD, EF, SF and iEF), as chapter E2 "
+                           "decides them; " + ("the search also ran " + "; ".join(
+                               f"{', '.join(o)} on {s}" for s, o in extra.items()) + ", ranked in the table above "
+                               "but not in these verdicts" if extra else "the search ran no other optimiser"))}
     for name in ("seed0_lowest_loss", "seed0_best_test"):
         out[f"rule_{name}"] = RULES[name].statement + " " + RULES[name].why
-        out[f"v_{name}"] = summary(RULES[name].evaluate(results))
+        out[f"v_{name}"] = summary(RULES[name].evaluate(same))
     for key, column in (("e2_ief_loss_ranks", "iEF rank by train loss"), ("e2_ief_test_ranks", "iEF rank by test")):
         out[key] = "; ".join(f"{s}: {'n/a' if pd.isna(r) else int(r)} of {n}"
                              for s, r, n in zip(obs.index, obs[column], obs["optimisers"]))
@@ -290,8 +317,6 @@ def e2_statements(results: pd.DataFrame, obs: pd.DataFrame, e2_table: pd.DataFra
                                   "not compared here.")
         return out
     opts = {s: list(e2_optimizers(s)) for s in dict.fromkeys(e2_table.setup)}
-    # the same claim over the same optimisers: seed 0 among the E2 grid's optimisers only (the search has more)
-    same = results[[LABELS.get(o, o) in {LABELS[k] for k in opts.get(s, [])} for s, o in results.index]]
     differ = []
     for seed0_rule, e2_rule, what in (("seed0_lowest_loss", "e2_ief_lowest", "iEF lowest training loss"),
                                       ("seed0_best_test", "e2_ief_best_test", "iEF best test score")):

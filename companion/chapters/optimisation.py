@@ -277,7 +277,7 @@ def e2_findings(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str]
         rule = RULES[name]
         args = (table, curves, opts) + ((method,) if name == "e2_ief_vs_baseline" else ())
         out[f"rule_{name}"] = rule.statement + " " + rule.why
-        out[f"v_{name}"] = summary(rule.evaluate(*args))
+        out[f"v_{name}"] = summary(rule.evaluate(*args), scale=_scale_of(table))
     mean_loss = table.groupby(["setup", "optimizer"])["final_train_loss"].mean()
     out["e2_obs1_rankings"] = "; ".join(
         f"{s}: " + " < ".join(f"{label(o)} ({mean_loss[(s, o)]:.3g})" for o in
@@ -301,17 +301,23 @@ def e2_findings(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str]
 
 
 def _rise_text(values: Sequence[float]) -> str:
-    finite = [v for v in values if np.isfinite(v)]
-    text = f"{np.mean(finite):.3g}×" if finite else "diverged"
+    finite = [v for v in values if np.isfinite(v) and v > 0]
+    text = f"{float(np.exp(np.mean(np.log(finite)))):.3g}×" if finite else "diverged"
     return text + (f" ({len(values) - len(finite)} diverged)" if finite and len(finite) < len(values) else "")
+
+
+def _scale_of(table: pd.DataFrame) -> str | None:
+    return str(table["scale"].iloc[0]) if "scale" in table.columns and len(table) else None
 
 
 def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
                method: dict[str, str] | None = None) -> pd.DataFrame:
     """The E2 rankings decided over seeds (:mod:`companion.experiments.verdicts`): one row per setup, claim and pair with
-    the per-seed differences (signed so that negative is in favour of the claim; losses as they are, loss rises as
-    factors, test scores in percentage points), the sign agreement and the pair's verdict. The pairs of
-    ``e2_ief_lowest`` are the loss ranking's pairs with iEF, shown once, under the ranking."""
+    the per-seed differences (signed so that negative is in favour of the claim; final losses and loss climbs as log
+    ratios, test scores in percentage points), how many seeds are in favour, the mean difference with its 95 %
+    interval (for a test score widened by the test set's resolution), the pair's verdict and, for an undecided pair,
+    what would decide it. The pairs of ``e2_ief_lowest`` are the loss ranking's pairs with iEF, shown once, under the
+    ranking."""
     from ..experiments.verdicts import E2_RULES, RULES
 
     opts = {s: list(opts[s]) for s in setups}
@@ -320,28 +326,58 @@ def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
         args = (table, curves, opts) + ((method,) if name == "e2_ief_vs_baseline" else ())
         for v in RULES[name].evaluate(*args):
             for p in v.pairs:
-                scale = 100 if p.metric == "test_score" else 1
+                unit = 100 if p.metric == "test_score" else 1
+                interval = ("sign test (a diverged run)" if np.isnan(p.mean) else
+                            f"{unit * p.mean:+.3g} ({unit * p.low:+.3g} to {unit * p.high:+.3g})")
                 rows.append({"setup": p.setup, "claim": name.removeprefix("e2_").replace("_", " "), "pair": p.pair,
                              "per-seed differences": ", ".join(
-                                 "n/a" if np.isnan(d) else f"{scale * d:+.3g}" for d in p.diffs.values()),
-                             "seeds": ", ".join(map(str, p.diffs)), "sign agreement": p.agreement,
-                             "verdict": p.verdict})
+                                 "n/a" if np.isnan(d) else f"{unit * d:+.3g}" for d in p.diffs.values()),
+                             "seeds": ", ".join(map(str, p.diffs)),
+                             "in favour": p.agreement.split(";")[0],
+                             "mean (95 % interval)": interval, "verdict": p.verdict,
+                             "would be decided by": p.needs or ""})
     if not rows:
         raise ValueError("no E2 runs to decide a ranking on")
     return pd.DataFrame(rows).set_index(["setup", "claim", "pair"])
 
 
 def budget_glue(table: pd.DataFrame, pairs: pd.DataFrame) -> dict[str, str]:
-    """What the chapter says about the runs' length: ``e2_budget`` (updates per run and seeds, per setup, from the
-    runs table) and ``e2_pairs_decided`` (how many of :func:`seed_table`'s pairs the seeds decide, and how many they
-    leave inconclusive)."""
+    """What the chapter says about the runs' length and what the seeds decide: ``e2_budget`` (updates per run and
+    seeds, per setup, from the runs table), ``e2_pairs_decided`` (how many of :func:`seed_table`'s pairs the seeds
+    decide, and how many they leave undecided) and ``e2_needs`` (per setup, the most seeds an undecided pair needs
+    at its observed mean and spread, and the pairs no number of seeds decides, with a seed's job time of the setup's
+    E2 optimisers from the runs' own wall times)."""
     per = table.groupby("setup").agg(steps=("steps", "max"), seeds=("seed", "nunique"))
     verdicts = pairs["verdict"].value_counts()
     decided = int(verdicts.get("holds", 0) + verdicts.get("does not hold", 0))
+    scale = _scale_of(table) or "this scale"
+    needs = []
+    open_ = pairs.reset_index()
+    open_ = open_[open_["would be decided by"] != ""]
+    for setup, rows in open_.groupby("setup", sort=False):
+        counts = [int(t.split()[1]) for t in rows["would be decided by"] if t.startswith("needs ")
+                  and t.split()[1].isdigit()]
+        never = int(sum(t.startswith("no number") for t in rows["would be decided by"]))
+        runs = table[table.setup == setup]
+        seed_minutes = float(runs.groupby("seed")["wall_time_s"].sum().mean()) / 60 if "wall_time_s" in runs else None
+        parts = []
+        if counts:
+            parts.append(f"{len(counts)} undecided pairs need up to {max(counts)} seeds (median {int(np.median(counts))})"
+                         + (f", {max(counts) * seed_minutes:.0f} min of one core at {seed_minutes:.1f} min per seed"
+                            if seed_minutes else ""))
+        if never:
+            parts.append(f"{never} no number of seeds decides (the test set's resolution, or a tie)")
+        needs.append(f"{setup}: " + "; ".join(parts))
+    from ..experiments.verdicts import n_test_examples
+
+    sizes = {s: n_test_examples(s, scale) for s in per.index} if scale != "this scale" else {}
+    resolution = "; ".join(f"{100 / n:.2g} points on {s}'s {n} test examples" for s, n in sizes.items() if n)
     return {"e2_budget": "; ".join(f"{s}: {int(r.steps)} updates, {int(r.seeds)} seeds" for s, r in per.iterrows()),
+            "e2_test_resolution": resolution or "unknown here (no test set size at this scale)",
             "e2_pairs_decided": f"{decided} of {len(pairs)} pairs ({int(verdicts.get('holds', 0))} hold, "
                                 f"{int(verdicts.get('does not hold', 0))} do not); "
-                                f"{int(verdicts.get('inconclusive', 0))} inconclusive"}
+                                f"{int(verdicts.get('inconclusive', 0))} undecided at {scale}",
+            "e2_needs": "; ".join(needs) if needs else "every pair is decided"}
 
 
 def method_tables(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],

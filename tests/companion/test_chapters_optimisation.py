@@ -103,7 +103,7 @@ def test_e2_glue_states_the_rules_and_names_the_failing_pairs():
     assert glued["rule_e2_loss_ranking"].startswith("Every ordered pair of the ranking")
     table, curves, opts = _grid(ef_rises=False)
     glued = e2_findings(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"})
-    assert glued["v_e2_ef_unstable"].startswith("does not hold for tweets-minilm-lora (EF's loss rise 1× is not the "
+    assert glued["v_e2_ef_unstable"].startswith("does not hold for tweets-minilm-lora (EF's loss climb 1× is not the "
                                                 "largest: SGD 1.")
 
 
@@ -112,11 +112,12 @@ def test_seed_table_has_every_pair_with_its_seeds():
 
     table, curves, opts = _grid()
     pairs = seed_table(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"}).reset_index()
-    assert list(pairs.columns) == ["setup", "claim", "pair", "per-seed differences", "seeds", "sign agreement",
-                                   "verdict"]
-    row = pairs[pairs.pair == "iEF < AdamW"].iloc[0]
-    assert row["per-seed differences"] == "-0.1, -0.1, -0.1" and row["seeds"] == "0, 1, 2"
-    assert row["sign agreement"] == "3 of 3 seeds in favour, 0 against" and row["verdict"] == "holds"
+    assert list(pairs.columns) == ["setup", "claim", "pair", "per-seed differences", "seeds", "in favour",
+                                   "mean (95 % interval)", "verdict", "would be decided by"]
+    row = pairs[pairs.pair == "iEF < AdamW"].iloc[0]  # final losses as log ratios: log(0.1 / 0.2) = -0.693
+    assert row["per-seed differences"] == "-0.693, -0.647, -0.606" and row["seeds"] == "0, 1, 2"
+    assert row["in favour"] == "3 of 3 seeds in favour, 0 against" and row["verdict"] == "holds"
+    assert row["mean (95 % interval)"].startswith("-0.649 (") and row["would be decided by"] == ""
     assert (pairs.claim == "loss ranking").sum() == 10
     on_par = pairs[pairs.pair == "iEF on par with AdamW (test)"].iloc[0]
     assert on_par["per-seed differences"] == "+0, -0.2, -0.4"
@@ -139,9 +140,9 @@ def test_every_glue_key_of_the_e2_chapter_is_computed():
 
     pairs = seed_table(table, curves, ["tweets-minilm-lora"], opts)
     computed = (set(e2_findings(table, curves, ["tweets-minilm-lora"], opts)) | {"e2_runs", "e2_scale"}
-                | set(SPIKE_KEYS) | set(budget_glue(table, pairs)))
+                | set(SPIKE_KEYS) | set(budget_glue(table, pairs)) | {"e2_cost"})
     budget = budget_glue(table, pairs)
-    assert budget["e2_pairs_decided"].endswith(f"{(pairs.verdict == 'inconclusive').sum()} inconclusive")
+    assert budget["e2_pairs_decided"].endswith(f"{(pairs.verdict == 'inconclusive').sum()} undecided at this scale")
     assert budget["e2_pairs_decided"].startswith(f"{(pairs.verdict != 'inconclusive').sum()} of {len(pairs)} pairs")
     assert keys <= computed, keys - computed
     for name in re.findall(r"\{glue:text\}`v_([a-z0-9_]+)`", text):

@@ -373,21 +373,21 @@ def ef_imbalance_glue(records) -> str:
                      f"EF decided worse than SGD at {worse} of {len(ks)} stages")
     worse = [imb[k] for k in keys if geo[k][1] > 0]
     better = [imb[k] for k in keys if geo[k][1] < 0]
+    count = (f"over all {len(keys)} stages of the setups, EF is decided worse than SGD at {len(worse)}, better at "
+             f"{len(better)} and undecided at {len(keys) - len(worse) - len(better)}")
     if not worse:
-        verdict = (f"EF is decided worse than SGD at no stage of this build, whose largest imbalance is "
-                   f"{max(imb[k] for k in keys):.3g}")
+        verdict = f"{count}; the largest imbalance of this build is {max(imb[k] for k in keys):.3g}"
     elif not better:
-        verdict = (f"EF is decided worse than SGD at every stage decided either way (imbalance from "
-                   f"{min(worse):.3g})")
+        verdict = f"{count}; EF is decided worse from an imbalance of {min(worse):.3g}"
     elif max(better) < min(worse):
-        verdict = (f"over all setups and stages, EF is decided worse than SGD only at stages whose imbalance is at "
+        verdict = (f"{count}: it is decided worse only at stages whose imbalance is at "
                    f"least {min(worse):.3g}, and decided better at stages whose imbalance is at most "
                    f"{max(better):.3g}: the imbalance separates the two, as the paper's account (the "
                    "inversely-scaled projection grows with the imbalance) predicts, and a setup whose imbalance stays "
                    "small is one where EF is not worse than SGD")
     else:
-        verdict = (f"the imbalance alone does not separate them: EF is decided worse than SGD at an imbalance as low "
-                   f"as {min(worse):.3g} and decided better at one as high as {max(better):.3g}")
+        verdict = (f"{count}; the imbalance alone does not separate them: EF is decided worse than SGD at an "
+                   f"imbalance as low as {min(worse):.3g} and decided better at one as high as {max(better):.3g}")
     return "; ".join(parts) + ". " + verdict[0].upper() + verdict[1:] + "."
 
 
@@ -417,7 +417,8 @@ def damping_cost_glue(records) -> str:
     text = "Cost of the near-zero damping (γ at the smallest damping over γ at the method's own best), over the " \
            "sweep stages: " + "; ".join(parts) + ". "
     text += (f"The paper's contrast (EF and SF need their damping, iEF does not) is decided at every sweep stage of "
-             f"{', '.join(seen)}. " if seen else "The paper's contrast is decided at every sweep stage of no setup. ")
+             f"{', '.join(seen)}. " if seen else "No setup has the paper's contrast (EF and SF need their damping, iEF "
+             "does not) decided at every sweep stage. ")
     text += (f"Decided as flat as iEF (their cost over iEF's below ×{TENTH_DECADE:.2f}): {'; '.join(flat)}: there that "
              "method needs no damping either, so the sweep cannot show iEF's advantage over it, and the claim is not "
              "counted as holding." if flat else "Neither EF nor SF is decided as flat as iEF at any sweep stage.")

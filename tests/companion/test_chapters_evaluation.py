@@ -237,13 +237,15 @@ def test_ef_against_sgd_is_discussed_with_the_imbalance():
     text = ef_imbalance_glue(_e1_only({"tweets": small, "digits": large}))
     assert text.startswith("tweets: imbalance 1.1 at 0 % to 4 at 100 % (largest 4), EF/SGD 0.399 to 0.698, EF decided "
                            "worse than SGD at 0 of 3 stages; digits: imbalance 1.5 at 0 % to 500 at 100 %")
-    assert ("EF is decided worse than SGD only at stages whose imbalance is at least 50, and decided better at stages "
-            "whose imbalance is at most 4: the imbalance separates the two") in text
+    assert ("Over all 6 stages of the setups, EF is decided worse than SGD at 2, better at 4 and undecided at 0: it is "
+            "decided worse only at stages whose imbalance is at least 50, and decided better at stages whose "
+            "imbalance is at most 4: the imbalance separates the two") in text
     text = ef_imbalance_glue(_e1_only({"tweets": {**small, 25: (1.2, 3.0)}, "digits": large}))
-    assert "The imbalance alone does not separate them: EF is decided worse than SGD at an imbalance as low as 1.2 " \
+    assert "the imbalance alone does not separate them: EF is decided worse than SGD at an imbalance as low as 1.2 " \
            "and decided better at one as high as 4." in text
     none = ef_imbalance_glue(_e1_only({"tweets": small}))
-    assert none.endswith("EF is decided worse than SGD at no stage of this build, whose largest imbalance is 4.")
+    assert none.endswith("Over all 3 stages of the setups, EF is decided worse than SGD at 0, better at 3 and "
+                         "undecided at 0; the largest imbalance of this build is 4.")
 
 
 def test_the_damping_glue_names_flat_methods_and_bests_at_the_grid_edge():

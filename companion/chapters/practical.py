@@ -9,7 +9,7 @@ grid's ``practical`` runs (``GRIDS[scale].practical`` in :mod:`companion.experim
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -32,6 +32,7 @@ class PracticalGrid:
     opts: dict[str, list[str]]
     missing: list[tuple[str, str, int]]
     source: str
+    seeds_by_setup: dict[str, list[int]] = field(default_factory=dict)
 
 
 def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: str | Path | None = "runs",
@@ -82,7 +83,7 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
     curves = curves[curves.set_index(["setup", "optimizer"]).index.isin(
         list(zip(table.setup, table.optimizer)))]
     return PracticalGrid(table.reset_index(drop=True), curves.reset_index(drop=True), grid.setups, grid.seeds, opts,
-                         missing, source)
+                         missing, source, dict(grid.seeds_by_setup))
 
 
 def results_table(table: pd.DataFrame, opts: dict[str, list[str]]) -> pd.DataFrame:
@@ -197,11 +198,17 @@ def practical_glue(table: pd.DataFrame, opts: dict[str, list[str]], costs: pd.Da
     from ..experiments.verdicts import RULES, summary
     from ..experiments.verdicts.practical import PRACTICAL_RULES
 
+    from ..experiments.verdicts import n_test_examples
+
     out = {"pr_over_seeds": RULES[PRACTICAL_RULES[0]].why}  # one way of deciding, for every rule
+    scale = str(table["scale"].iloc[0]) if "scale" in table.columns and len(table) else None
+    sizes = {s: n_test_examples(s, scale) for s in opts} if scale else {}
+    out["pr_resolution"] = "; ".join(f"one test example of {s} is {100 / n:.2g} points of its {n}"
+                                     for s, n in sizes.items() if n) or "the test sets' sizes are not known here"
     for name in PRACTICAL_RULES:
         rule = RULES[name]
         out[f"rule_{name}"] = rule.statement
-        out[f"v_{name}"] = summary(rule.evaluate(table, None, opts))
+        out[f"v_{name}"] = summary(rule.evaluate(table, None, opts), scale=scale)
     if costs is not None:
         for setup, c in costs.groupby("setup", sort=False):
             base = label(c.baseline.iloc[0])

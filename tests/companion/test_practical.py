@@ -129,7 +129,10 @@ def test_practical_notebook_smoke(tmp_path):
     for name in ("curves_momentum.png", "curves_kfac.png"):
         assert (figures / name).stat().st_size > 10_000
     assert not unresolved_glue(nb)
-    assert glued_text(nb, "v_practical_momentum_loss").startswith("inconclusive for ")  # two seeds decide nothing
+    # two seeds: an interval with one degree of freedom (t = 12.7) leaves a pair undecided unless both seeds agree
+    # closely; the verdict then names the seeds that would decide it at this scale
+    assert glued_text(nb, "v_practical_momentum_loss").startswith(("undecidable at smoke for ", "holds for ",
+                                                                   "does not hold for "))
     assert "ieKFAC" in glued_text(nb, "cost_tweets-minilm-lora")
     # code folded but for the parameters cell and the cell that teaches the API; stored without outputs
     tags = [c.metadata.get("tags", []) for c in nb.cells if c.cell_type == "code"]

@@ -1,7 +1,8 @@
 """Command line: ``python -m companion describe ...`` and ``python -m companion train ...`` (see :mod:`companion.experiments`).
 
 Exit codes: 0 done (or skipped: finished), 2 bad input or an unreadable run file (an ``error:`` line naming the value
-or the file, nothing written), 1 missing data or weights, 75 the run is being run by another process (try again
+or the file, nothing written; every number an option takes is checked when the arguments are parsed, see the
+argument types below), 1 missing data or weights, 75 the run is being run by another process (try again
 later, or pass ``--wait-lock``), 128 + N stopped by signal N (SIGINT, SIGTERM or SIGHUP; ``resume.pt`` saved), 130
 stopped at once (a second signal).
 """
@@ -9,10 +10,117 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 from typing import Any
 
 EXIT_LOCKED = 75  # EX_TEMPFAIL: another process owns the run folder; try again later
+SEED_LIMIT = 2 ** 32  # numpy's legacy seeding (runner) takes 0 <= seed < 2**32
+
+
+# ------------------------------------------------------------------------------------------- argument types
+# argparse ``type=`` functions: a bad value stops the parse with the usage line and one line
+# ``error: argument --OPT: invalid value 'V': <what is accepted> expected`` (exit 2), before anything is imported,
+# created or written.
+def _reject(text: str, accepted: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(f"invalid value {text!r}: {accepted} expected")
+
+
+def _integer(text: str, low: int, high: int | None, accepted: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise _reject(text, accepted) from None
+    if value < low or (high is not None and value > high):
+        raise _reject(text, accepted)
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1 (counts: batches, repeats, CG iterations, dampings)."""
+    return _integer(text, 1, None, "an integer >= 1")
+
+
+def run_seed(text: str) -> int:
+    """A run's seed: a whole number 0 .. 2**32 - 1 (what numpy's seeding takes)."""
+    return _integer(text, 0, SEED_LIMIT - 1, f"an integer from 0 to {SEED_LIMIT - 1}")
+
+
+def percent(text: str) -> int:
+    """A stage: a whole percentage of training, 0 .. 100."""
+    return _integer(text, 0, 100, "an integer percentage from 0 to 100")
+
+
+def percents(text: str) -> list[int]:
+    """Comma-separated stages, e.g. ``0,50,100`` (at least one; each 0 .. 100)."""
+    accepted = "comma-separated integer percentages from 0 to 100 (e.g. 0,50,100)"
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise _reject(text, accepted)
+    try:
+        return [percent(p) for p in parts]
+    except argparse.ArgumentTypeError:
+        raise _reject(text, accepted) from None
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a learning rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise _reject(text, "a finite number > 0") from None
+    if not (math.isfinite(value) and value > 0):
+        raise _reject(text, "a finite number > 0")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (checkpoint and log intervals: 0 or less would act at every update, nan or
+    inf never)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise _reject(text, "a finite number of seconds > 0") from None
+    if not (math.isfinite(value) and value > 0):
+        raise _reject(text, "a finite number of seconds > 0")
+    return value
+
+
+def folder(text: str) -> str:
+    """A folder to write into, existing or new: neither it nor any existing folder above it may be a file."""
+    path = Path(text)
+    for above in (path, *path.parents):
+        if above.exists() or above.is_symlink():
+            if not above.is_dir():
+                what = "an existing file" if above == path else f"under the file {str(above)!r}"
+                raise argparse.ArgumentTypeError(f"invalid value {text!r}: {what}; a folder (existing or new) "
+                                                 "expected")
+            break
+    return text
+
+
+def setting(text: str) -> str:
+    """``KEY=VALUE`` with VALUE JSON (or plain text); a JSON NaN or Infinity anywhere in VALUE is refused."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise _reject(text, "KEY=VALUE (a setup field, VALUE as JSON)")
+
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return text  # plain text, as _value reads it
+
+    def finite(x: Any) -> bool:
+        if isinstance(x, float):
+            return math.isfinite(x)
+        if isinstance(x, list):
+            return all(map(finite, x))
+        return all(map(finite, x.values())) if isinstance(x, dict) else True
+
+    if not finite(parsed):
+        raise _reject(text, "KEY=VALUE with finite numbers (no NaN or Infinity)")
+    return text
 
 
 def _value(text: str) -> Any:
@@ -52,13 +160,13 @@ def parser() -> argparse.ArgumentParser:
     a = sub.add_parser("aggregate", help="gather finished runs into DIR/e2_runs.csv and DIR/e2_curves.csv (E2)")
     a.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
     a.add_argument("--runs", required=True, metavar="RUNS", help="the runs folder (RUNS/<scale>/<setup>/...)")
-    a.add_argument("--out", required=True, metavar="DIR", help="where the two CSV files go")
+    a.add_argument("--out", required=True, type=folder, metavar="DIR", help="where the two CSV files go")
     c = sub.add_parser("step-costs", help="seconds per update of the practical comparison's optimisers, measured "
                        "side by side, to a CSV (chapter practical.ipynb, 'Cost per update')")
     c.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
     c.add_argument("--setup", action="append", default=[], metavar="S",
                    help="time this setup (repeatable; default: every setup of the scale's grid)")
-    c.add_argument("--repeats", type=int, default=5, metavar="N",
+    c.add_argument("--repeats", type=positive_int, default=5, metavar="N",
                    help=f"timed updates per optimiser after one warm-up (an MLP's: {MLP_REPEAT_FACTOR} N; default 5)")
     c.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     c.add_argument("--out", required=True, metavar="OUT.csv", help="the table (written atomically)")
@@ -69,8 +177,9 @@ def parser() -> argparse.ArgumentParser:
                    "the cpu baseline)")
     w.add_argument("--runs", default="runs", metavar="RUNS",
                    help="the runs folder: the baseline run is read there (trained there first if missing)")
-    w.add_argument("--seed", type=int, default=0, help="the baseline run's seed and the draws' seed")
-    w.add_argument("--out", required=True, metavar="DIR", help="where the tables go (each written atomically)")
+    w.add_argument("--seed", type=run_seed, default=0, help="the baseline run's seed and the draws' seed")
+    w.add_argument("--out", required=True, type=folder, metavar="DIR",
+                   help="where the tables go (each written atomically)")
     k = sub.add_parser("early-spike", help="iEF's first update on the MLP from scratch redone for the E2 runs' "
                        "seeds and rates, to a CSV (chapter optimisation.ipynb)")
     k.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
@@ -84,31 +193,31 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", default="runs", metavar="RUNS", help="the runs folder: the baseline runs' checkpoints")
     b.add_argument("--results", required=True, metavar="DIR",
                    help="the evaluation tables DIR/eval/<setup>.csv (python -m companion evaluate)")
-    b.add_argument("--seed", type=int, default=None, help="the evaluated runs' seed (default: the grid's evaluation "
-                   "seed)")
-    b.add_argument("--stage", type=int, default=None, help="the stage checkpoint, percent of training (default: the "
-                   "chapter's, 50)")
+    b.add_argument("--seed", type=run_seed, default=None,
+                   help="the evaluated runs' seed (default: the grid's evaluation seed)")
+    b.add_argument("--stage", type=percent, default=None,
+                   help="the stage checkpoint, percent of training (default: the chapter's, 50)")
     b.add_argument("--out", required=True, metavar="OUT.csv", help="the table; its glue goes to OUT.json (each "
                    "written atomically)")
     for q in (d, t, r):
         q.add_argument("--setup", required=True, metavar="S", help="one of: " + ", ".join(SETUPS))
         q.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
-        q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+        q.add_argument("--set", action="append", default=[], type=setting, metavar="KEY=VALUE",
                        help="override a field of the resolved setup (VALUE is JSON), e.g. epochs=1")
     d.add_argument("--random-weights", action="store_true", help="build the architecture from its config (no download)")
     d.add_argument("--json", action="store_true", help="print JSON")
     t.add_argument("--optimizer", required=True, metavar="O", help="one of: " + ", ".join(OPTIMIZERS))
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=run_seed, default=0)
     t.add_argument("--out", default="runs", help="runs go to OUT/<scale>/<setup>/<optimizer>/seed-<K>/")
-    t.add_argument("--lr", type=float, default=None, help="override the learning rate")
+    t.add_argument("--lr", type=positive_float, default=None, help="override the learning rate")
     t.add_argument("--schedule", default=None, metavar="NAME",
                    help="override the schedule: constant | normalised-linear (ief, ef, sf) | multistep")
     t.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    t.add_argument("--checkpoint-every", type=float, default=120.0, metavar="SECONDS",
+    t.add_argument("--checkpoint-every", type=positive_seconds, default=120.0, metavar="SECONDS",
                    help="write resume.pt at least this often (default 120)")
     t.add_argument("--no-progress", action="store_true",
                    help="no tqdm progress bars: a progress line at every validation and every --log-every seconds")
-    t.add_argument("--log-every", type=float, default=300.0, metavar="SECONDS",
+    t.add_argument("--log-every", type=positive_seconds, default=300.0, metavar="SECONDS",
                    help="with --no-progress, a progress line at least this often (default 300)")
     for q in (t, r):
         q.add_argument("--wait-lock", action="store_true",
@@ -116,7 +225,7 @@ def parser() -> argparse.ArgumentParser:
                        "stopping with exit code 75; then resume it, or skip it if it finished")
     r.add_argument("--optimizer", action="append", default=[], metavar="O",
                    help="search only these optimisers (repeatable; default: every optimiser of the setup)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=run_seed, default=0)
     r.add_argument("--out", default="runs", help="trial runs go to OUT/lr-search/lr=<lr>/...; the record to "
                    "OUT/lr-search/<scale>-<setup>.json")
     r.add_argument("--record", default=None, metavar="PATH", help="also write the record here")
@@ -131,20 +240,21 @@ def _add_evaluate_parser(sub: Any) -> None:
     e = sub.add_parser("evaluate", help="gamma indicators (alg:eval) of the baseline run's checkpoints, to a CSV")
     e.add_argument("--setup", required=True, metavar="S")
     e.add_argument("--scale", required=True, metavar="X")
-    e.add_argument("--seed", type=int, default=None,
+    e.add_argument("--seed", type=run_seed, default=None,
                    help="the run's seed (default: the grid's evaluation seed, companion.experiments.setups.EVALUATION_SEED)")
     e.add_argument("--runs", default="runs", metavar="RUNS_DIR", help="where the runs are (python -m companion train --out)")
     e.add_argument("--out", required=True, metavar="OUT.csv")
-    e.add_argument("--batches", type=int, default=None, metavar="N",
+    e.add_argument("--batches", type=positive_int, default=None, metavar="N",
                    help="batches per checkpoint (default by scale: companion.experiments.setups.EVALUATION_KNOBS)")
-    e.add_argument("--batch-size", type=int, default=None, metavar="M", help="default: 160 at full, else the setup's")
-    e.add_argument("--cg-iterations", type=int, default=None, metavar="K",
+    e.add_argument("--batch-size", type=positive_int, default=None, metavar="M",
+                   help="default: 160 at full, else the setup's")
+    e.add_argument("--cg-iterations", type=positive_int, default=None, metavar="K",
                    help="Hessian-free CG steps of the reference (default by scale)")
-    e.add_argument("--sweep-dampings", type=int, default=None, metavar="K",
+    e.add_argument("--sweep-dampings", type=positive_int, default=None, metavar="K",
                    help="E3: K dampings log-spaced over 1e-10 .. 1e2 (default by scale)")
     e.add_argument("--no-sweep", action="store_true",
                    help="skip the E3 damping sweep (default: the sweep where the scale's knobs give the setup E3)")
-    e.add_argument("--stages", default=None, metavar="P[,P...]",
+    e.add_argument("--stages", type=percents, default=None, metavar="P[,P...]",
                    help="only these stages (percent of training): their cached parts OUT.parts/stage-PPP.csv are "
                         "computed and OUT is not written (the workflow's one job per checkpoint)")
 
@@ -155,13 +265,7 @@ def _evaluate_command(args: argparse.Namespace) -> int:
 
     try:
         grid = None if args.sweep_dampings is None else sweep_grid(args.sweep_dampings)
-        stages = None
-        if args.stages is not None:
-            try:
-                stages = [int(p) for p in args.stages.split(",") if p.strip()]
-            except ValueError:
-                raise ValueError(f"--stages: comma-separated percentages expected (e.g. 0,50,100), "
-                                 f"got {args.stages!r}") from None
+        stages = args.stages  # parsed and checked by percents()
         seed = EVALUATION_SEED if args.seed is None else args.seed
         path = evaluate_run(args.setup, args.scale, seed, args.runs, args.out, batches=args.batches,
                             batch_size=args.batch_size, cg_iterations=args.cg_iterations, sweep_dampings=grid,
@@ -174,7 +278,10 @@ def _evaluate_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as stop:  # a bad argument (usage and an error: line printed: 2) or --help (0)
+        return stop.code if isinstance(stop.code, int) else 0
     if args.command == "assets":
         from .experiments.asset_folder import run_command
 

@@ -181,7 +181,7 @@ def test_cli(runs, tmp_path, capsys):
     assert main(["evaluate", "--setup", SETUP, "--scale", SCALE, "--runs", str(tmp_path), "--out", str(out)]) == 1
     assert main(["evaluate", "--setup", SETUP, "--scale", SCALE, "--runs", str(runs), "--out", str(out),
                  "--stages", "fifty"]) == 2
-    assert "--stages: comma-separated percentages expected (e.g. 0,50,100), got 'fifty'" in capsys.readouterr().err
+    assert "argument --stages: invalid value 'fifty': comma-separated integer percentages" in capsys.readouterr().err
 
 
 def test_baselines_are_the_papers():

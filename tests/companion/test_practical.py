@@ -96,7 +96,7 @@ def test_practical_step_costs_time_the_chapters_optimisers_on_every_setup(tmp_pa
     assert list(pd.read_csv(out).optimizer) == practical_optimizers("digits-mlp", "smoke")
     bad = subprocess.run([sys.executable, "-m", "companion", "step-costs", "--scale", "smoke", "--repeats", "0", "--out",
                           str(tmp_path / "bad.csv")], capture_output=True, text=True)
-    assert bad.returncode == 2 and "repeats must be a positive integer" in bad.stderr
+    assert bad.returncode == 2 and "argument --repeats: invalid value '0': an integer >= 1 expected" in bad.stderr
     assert not (tmp_path / "bad.csv").exists()
 
 

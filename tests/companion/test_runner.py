@@ -210,7 +210,6 @@ def fast_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra,shown", [
-    (["--lr", "-1"], "got -1.0"), (["--lr", "nan"], "got nan"), (["--lr", "0"], "got 0.0"),
     (["--set", "batch_size=0"], "batch_size must be a positive integer, got 0"),
     (["--set", "batch_size=-4"], "got -4"), (["--set", "epochs=0"], "epochs must be a positive integer, got 0"),
     (["--set", "epochs=1.5"], "got 1.5"), (["--set", "eval_every=0"], "eval_every"),
@@ -499,7 +498,7 @@ def test_a_line_every_log_every_seconds_between_validations(tmp_path, capsys):
     assert [int(x.split(": step ")[1].split("/")[0]) for x in lines] == list(range(1, summary["steps"] + 1))
     assert main(["train", "--setup", "digits-mlp", "--optimizer", "ief", "--scale", "smoke", "--out",
                  str(tmp_path / "bad"), "--log-every", "0"]) == 2
-    assert "log_every_s must be a number of seconds > 0, got 0.0" in capsys.readouterr().err
+    assert "argument --log-every: invalid value '0': a finite number of seconds > 0 expected" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
 
 

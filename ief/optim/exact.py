@@ -17,7 +17,15 @@ then calls ``optimizer.step()`` (overriding ``Trainer.training_step`` alone does
 so the batch never reaches the optimiser; write the loop above, or use :class:`ief.hf.IEFTrainer`, whose
 ``training_step`` hands the batch to the optimiser. ``lr`` and ``damping`` live in ``param_groups`` so
 torch LR schedulers work, and ``state_dict()`` / ``load_state_dict()`` round-trip the step counter, the momentum
-buffers (and SF's ``generator`` state).
+buffers (and SF's ``generator`` state). The state is the optimiser's: ``state_dict()["ief_optimizer"]`` records the
+class and the settings that change the method (``normalize``, ``loss``, ``reduction``; K-FAC's kind), and
+``load_state_dict`` refuses another method's state (e.g. IEF's into EF, which would run with IEF's saved
+``normalize`` and ``damping``) or a torch optimiser's (``ForeignStateError``, a ``ValueError`` naming both); a state
+saved before the class was recorded loads when its ``normalize`` matches.
+
+One process: the updates are not exact across processes yet, so the constructor refuses (``ValueError``) a
+``torch.nn.parallel.DistributedDataParallel`` model or an initialised ``torch.distributed`` of world size > 1 (each
+replica would solve its own batch's Gram system and drift apart silently).
 
 Momentum and weight decay (``momentum``, ``dampening``, ``weight_decay``; all 0 by default, which is the paper's
 exact update bit for bit): heavy-ball momentum on the batch's preconditioned step and AdamW's decoupled weight
@@ -144,6 +152,48 @@ def _looks_unshifted(inputs: Inputs, targets: torch.Tensor) -> bool:
     return bool(kept.any()) and bool((targets[kept] == ids.to(targets.device)[kept]).all())
 
 
+def _refuse_distributed(name: str, model: torch.nn.Module) -> None:
+    """``ValueError`` for a ``DistributedDataParallel`` model or an initialised process group of world size > 1:
+    every process would solve its own batch's Gram system and step on it, and the replicas drift apart silently
+    (two gloo replicas: 1.13 apart in parameters after 3 steps), because the updates are not exact across processes
+    yet."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError(f"{name} does not step across processes: model is a torch.nn.parallel."
+                         f"DistributedDataParallel wrapper, whose replicas would each solve their own batch's Gram "
+                         f"system and drift apart silently; pass the model itself (model.module) in a single process")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"{name} does not step across processes: torch.distributed is initialised with world size "
+                         f"{dist.get_world_size()}, and each process would solve its own batch's Gram system and "
+                         f"drift apart silently; run it in a single process (world size 1)")
+
+
+STATE_KEY = "ief_optimizer"  # state_dict()'s record of the optimiser that saved it
+
+
+class ForeignStateError(ValueError):
+    """``load_state_dict`` was given another optimiser's state (another ief method or settings, or a torch
+    optimiser's); the message names both. A ``ValueError``."""
+
+
+def _describe(identity: dict) -> str:
+    """``EF(normalize=True, loss='mse', reduction='sum')`` from a :meth:`PreconditionedOptimizer._identity`."""
+    settings = ", ".join(f"{key}={value!r}" for key, value in identity.items() if key != "class")
+    return f"{identity['class']}({settings})"
+
+
+def _foreign_groups(groups: Any) -> str | None:
+    """The keys of a state's ``param_groups`` that show it is not an ief optimiser's (``None`` when they are)."""
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        return "no param_groups"
+    missing = [key for key in ("damping", "normalize") if key not in groups[0]]
+    if not missing:
+        return None
+    others = sorted(key for key in groups[0] if key not in ("params", "lr", "weight_decay", "initial_lr"))
+    return f"param_groups without {' or '.join(map(repr, missing))}" + (
+        f" but with {', '.join(map(repr, others[:6]))}" if others else "")
+
+
 class PreconditionedOptimizer(torch.optim.Optimizer):
     """Shared machinery of :class:`IEF`, :class:`EF`, :class:`SF` and :class:`ief.optim.KFAC`: validation,
     schedule, finite checks and the in-place update; a subclass provides ``_direction``."""
@@ -172,6 +222,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if not isinstance(model, torch.nn.Module):
             raise ValueError(
                 f"model must be a torch.nn.Module (the optimiser runs its forward), got {type(model).__name__}")
+        _refuse_distributed(type(self).__name__, model)
         lr = _check_positive("lr", lr)
         if damping is None:  # the defaults of the module docstring
             damping = DEFAULT_DAMPING[_check_reduction(reduction)]
@@ -217,6 +268,74 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for key in ("momentum", "dampening", "weight_decay"):
                 group.setdefault(key, 0.0)
+
+    def _identity(self) -> dict:
+        """The class and the constructor settings that change the method, as :meth:`state_dict` records them."""
+        loss = self.loss if isinstance(self.loss, str) else getattr(self.loss, "name", type(self.loss).__name__)
+        return {"class": type(self).__name__, "normalize": bool(self.param_groups[0]["normalize"]), "loss": loss,
+                "reduction": self.reduction}
+
+    def _check_origin(self, state_dict: Any) -> None:
+        """Refuse (:class:`ForeignStateError`) a state saved by another method or settings, or by a torch optimiser.
+
+        A state saved before the class was recorded (no ``"ief_optimizer"`` entry) loads when its ``param_groups``
+        are an ief optimiser's with this one's ``normalize``, the settings it holds (IEF and EF(normalize=False)
+        cannot be told apart there)."""
+        mine = self._identity()
+        if not isinstance(state_dict, dict):
+            raise ForeignStateError(f"{_describe(mine)}.load_state_dict takes a dict from state_dict(), got "
+                                    f"{type(state_dict).__name__}")
+        saved = state_dict.get(STATE_KEY)
+        if saved is None:
+            foreign = _foreign_groups(state_dict.get("param_groups"))
+            if foreign is not None:
+                raise ForeignStateError(
+                    f"this state_dict is not an ief optimiser's ({foreign}: e.g. torch.optim.AdamW(...).state_dict()) "
+                    f"and cannot be loaded into {_describe(mine)}; start {mine['class']} fresh (do not load it)")
+            saved_normalize = bool(state_dict["param_groups"][0]["normalize"])
+            if saved_normalize != mine["normalize"]:
+                raise ForeignStateError(
+                    f"this state_dict records no optimiser class (saved before ief recorded it) and was saved with "
+                    f"normalize={saved_normalize}, but this optimiser is {_describe(mine)}: load it into the "
+                    f"optimiser that saved it (constructed with normalize={saved_normalize}), or start "
+                    f"{mine['class']} fresh")
+            return
+        if dict(saved) != mine:
+            raise ForeignStateError(f"this state_dict is {_describe(dict(saved))}'s and cannot be loaded into "
+                                    f"{_describe(mine)} (another method or settings: loading it would run with the "
+                                    f"saved lr, damping and normalize); construct {_describe(dict(saved))} to "
+                                    f"resume it, or start {mine['class']} fresh")
+
+    def state_dict(self) -> dict:
+        """torch's optimiser state plus ``"ief_optimizer"`` (the class and the settings that change the method, so
+        that another optimiser refuses it) and, with ``generator=``, ``"generator_state"``.
+
+        Returns:
+            The state, for :meth:`load_state_dict`.
+        """
+        state = super().state_dict()
+        state[STATE_KEY] = self._identity()
+        return self._store_generator(state)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`'s output: the step counter, momentum buffers, ``param_groups`` values (and the
+        generator's state).
+
+        Args:
+            state_dict: the output of this class's :meth:`state_dict` with the same settings (or one saved before
+                the class was recorded, whose ``normalize`` matches).
+
+        Raises:
+            ForeignStateError: (a ``ValueError``) the state is another method's or settings' (e.g. ``IEF``'s into
+                ``EF``), or a torch optimiser's (e.g. ``torch.optim.AdamW``'s); the message names both.
+            ValueError: it holds a generator's state and this optimiser has no generator.
+        """
+        self._check_origin(state_dict)
+        state_dict = dict(state_dict)
+        state_dict.pop(STATE_KEY, None)
+        generator_state = self._pop_generator_state(state_dict)
+        super().load_state_dict(state_dict)
+        self._restore_generator(generator_state)
 
     def _store_generator(self, state: dict) -> dict:
         """``state`` with the label generator's state under ``"generator_state"`` (SF and KFAC with ``generator=``):
@@ -481,7 +600,8 @@ class IEF(PreconditionedOptimizer):
             ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
             ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``, ``dampening``
             outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``, ``total_steps`` not a
-            positive integer, an unknown ``reduction``, ``check`` or ``form``.
+            positive integer, an unknown ``reduction``, ``check`` or ``form``; a ``DistributedDataParallel`` model
+            or an initialised ``torch.distributed`` of world size > 1 (the update is not exact across processes).
 
     Example::
 
@@ -544,7 +664,8 @@ class EF(PreconditionedOptimizer):
             ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
             ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``, ``dampening``
             outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``, ``total_steps`` not a
-            positive integer, an unknown ``reduction``, ``check`` or ``form``.
+            positive integer, an unknown ``reduction``, ``check`` or ``form``; a ``DistributedDataParallel`` model
+            or an initialised ``torch.distributed`` of world size > 1 (the update is not exact across processes).
     """
 
     method = "ef"
@@ -601,8 +722,10 @@ class SF(PreconditionedOptimizer):
             ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
             ``> 0``, a negative or non-finite ``damping`` (SF: ``damping > 0``), ``momentum`` outside ``[0, 1)``,
             ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``,
-            ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``.
-        ValueError: from ``load_state_dict``, a state holding a generator's state loaded into an ``SF`` without one.
+            ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``; a
+            ``DistributedDataParallel`` model or an initialised ``torch.distributed`` of world size > 1.
+        ValueError: from ``load_state_dict``, a state holding a generator's state loaded into an ``SF`` without one,
+            or another optimiser's state (``ForeignStateError``).
     """
 
     _needs_positive_damping = True
@@ -630,14 +753,3 @@ class SF(PreconditionedOptimizer):
             raise FloatingPointError("non-finite gradient")
         return losses, sf_solve(as_rows(sampled), grad, group["damping"])
 
-    def state_dict(self) -> dict:
-        """The torch optimiser state plus, with ``generator=``, the generator's state (so that a resumed run
-        draws the same labels as an uninterrupted one)."""
-        return self._store_generator(super().state_dict())
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`'s output (``ValueError`` if it holds a generator state and this SF has none)."""
-        state_dict = dict(state_dict)
-        generator_state = self._pop_generator_state(state_dict)
-        super().load_state_dict(state_dict)
-        self._restore_generator(generator_state)

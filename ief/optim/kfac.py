@@ -36,7 +36,8 @@ different token counts, for which the token-mean conversion of ``lr`` and ``damp
 
 ``state_dict()`` holds, besides torch's state (step counter, momentum buffers), the running factors, their last
 eigendecompositions and, with ``generator=``, the generator's state: a run split by save and load equals the unsplit
-run bit for bit.
+run bit for bit. It records the kind and settings (``"ief_optimizer"``, as the exact optimisers'), and
+``load_state_dict`` refuses another kind's, an exact optimiser's or a torch optimiser's state, naming both.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from ..kfac import (KINDS, block_diagonal_direction, check_approx, check_kind, c
                     kronecker_factor_sets)
 from ..losses import Loss
 from ..model_call import all_finite
-from .exact import PreconditionedOptimizer
+from .exact import ForeignStateError, PreconditionedOptimizer, _describe
 
 
 def _check_factor_decay(value: Any) -> float:
@@ -105,7 +106,8 @@ class KFAC(PreconditionedOptimizer):
 
     Raises:
         ValueError: a bad argument (named with its value and the accepted values), ``reduction`` other than
-            ``"sum"``, or a trainable parameter outside any ``nn.Linear`` (named).
+            ``"sum"``, a trainable parameter outside any ``nn.Linear`` (named), or a ``DistributedDataParallel``
+            model or initialised ``torch.distributed`` of world size > 1 (the update is not exact across processes).
     """
 
     method = "kfac"
@@ -161,32 +163,52 @@ class KFAC(PreconditionedOptimizer):
         self.factors.update(self._pending or {})
         self._pending = None
 
+    def _identity(self) -> dict:
+        """The exact optimisers' record plus the kind and the approximation (:meth:`state_dict`)."""
+        return dict(super()._identity(), kind=self.kind, approx=self.approx)
+
     def state_dict(self) -> dict:
-        """torch's state plus ``"kfac"``: the kind, the running factors and their eigendecompositions (and, with
-        ``generator=``, ``"generator_state"``)."""
+        """torch's state plus ``"ief_optimizer"`` (the class, kind, approximation and settings that change the
+        method), ``"kfac"`` (the kind, the running factors and their eigendecompositions) and, with ``generator=``,
+        ``"generator_state"``.
+
+        Returns:
+            The state, for :meth:`load_state_dict`.
+        """
         state = super().state_dict()
         state["kfac"] = {"kind": self.kind, "approx": self.approx,
                          "factors": {name: {"G": e["G"].clone(), "A": e["A"].clone(),
                                             "eigen": tuple(t.clone() for t in e["eigen"])}
                                      for name, e in self.factors.items()}}
-        return self._store_generator(state)
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`'s output (``ValueError`` if it is another kind's or lacks the factors)."""
+        """Restore :meth:`state_dict`'s output.
+
+        Args:
+            state_dict: the output of :meth:`state_dict` of a KFAC of the same kind and settings (one saved before
+                the class was recorded is checked by its ``"kfac"`` entry).
+
+        Raises:
+            ForeignStateError: (a ``ValueError``) another optimiser's state (an exact ief optimiser's, another
+                kind's or settings', a torch optimiser's); the message names both.
+            ValueError: it holds a generator's state and this KFAC has no generator.
+        """
+        self._check_origin(state_dict)
         state_dict = dict(state_dict)
         saved = state_dict.pop("kfac", None)
         if saved is None:
-            raise ValueError("this state_dict has no 'kfac' entry (running factors): it is not a KFAC optimiser's")
+            raise ForeignStateError(f"this state_dict has no 'kfac' entry (running factors), so it is not a KFAC "
+                                    f"optimiser's and cannot be loaded into {_describe(self._identity())}; start it "
+                                    f"fresh")
         if saved["kind"] != self.kind or saved["approx"] != self.approx:
-            raise ValueError(f"this state_dict is a KFAC(kind={saved['kind']!r}, approx={saved['approx']!r})'s, this "
-                             f"optimiser is KFAC(kind={self.kind!r}, approx={self.approx!r})")
-        generator_state = self._pop_generator_state(state_dict)
+            raise ForeignStateError(f"this state_dict is a KFAC(kind={saved['kind']!r}, approx={saved['approx']!r})'s, "
+                                    f"this optimiser is KFAC(kind={self.kind!r}, approx={self.approx!r}); construct "
+                                    f"that kind to resume it, or start this one fresh")
         super().load_state_dict(state_dict)
         device = self._all_params()[0].device  # a state loaded with map_location="cpu" (transformers.Trainer does)
         self.factors = {name: {"G": e["G"].to(device, copy=True), "A": e["A"].to(device, copy=True),
                                "eigen": tuple(t.to(device, copy=True) for t in e["eigen"])}
                         for name, e in saved["factors"].items()}
-        self._restore_generator(generator_state)
-
 
 __all__ = ["KFAC", "KINDS"]

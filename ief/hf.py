@@ -29,7 +29,11 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
 - **Logged loss.** ``loss`` in the logs is ``L / K`` of the update's batch *before* the update: ``L = sum_n l_n``
   (``eqn:prob_loss``) and ``K`` its counted targets (positions other than ``-100``), i.e. the mean cross-entropy
   per counted target, which is the model's own ``outputs.loss`` on that batch and the scale of ``eval_loss``
-  (whatever the optimiser's ``reduction``). ``grad_norm`` is not logged: there is no ``.grad``.
+  (whatever the optimiser's ``reduction``). With ``loss="mse"`` it is ``2 L / K``, the mean squared error of the
+  model's ``outputs.loss``: the update keeps the package's per-sample loss ``l_n = 1/2 ||z_n - y_n||^2``, only the
+  reported value is doubled. ``grad_norm`` is not logged: there is no ``.grad``.
+- **Regression.** A one-output head (``num_labels=1``) takes Hugging Face's float labels ``[M]``; they are
+  reshaped to the logits' ``[M, 1]`` for ``loss="mse"`` (pass ``optimizer_kwargs={"loss": "mse"}``).
 - **Gradient accumulation.** ``gradient_accumulation_steps = G > 1`` gives the exact direction of the union batch:
   the ``G`` micro-batches of one update are concatenated and the optimiser takes one step on them (so the
   per-sample machinery holds ``G`` times the batch: accumulation saves no memory here). Micro-batches whose tensors
@@ -48,7 +52,9 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
 - ``SF`` and ``kind="kfac"`` draw labels from a ``torch.Generator`` seeded with ``TrainingArguments.seed`` (unless
   ``optimizer_kwargs`` gives one), whose state is in the optimiser's ``state_dict``; a checkpoint therefore holds
   the step counter, momentum buffers, K-FAC running factors and eigendecompositions and the generator, and a
-  resumed run equals the uninterrupted one.
+  resumed run equals the uninterrupted one. A checkpoint of another optimiser (another ``optimizer=`` or
+  settings that change the method, or a plain ``transformers.Trainer``'s AdamW) is refused on resume with a
+  ``ValueError`` naming both and how to start fresh, instead of running with the loaded values.
 """
 from __future__ import annotations
 
@@ -61,7 +67,7 @@ import torch
 import transformers
 
 from .losses import IGNORE_INDEX, causal_lm_targets, count_targets
-from .optim.exact import EF, IEF, MISSING, SF
+from .optim.exact import EF, IEF, MISSING, SF, ForeignStateError
 from .optim.kfac import KFAC
 from .jacobian import per_sample_prompts
 
@@ -377,7 +383,8 @@ class IEFTrainer(transformers.Trainer):
 
         Returns:
             The value the Trainer accumulates for its ``loss`` log: ``L / K`` of the update's (union) batch before
-            the update on the update's last micro-batch, ``0`` on the others.
+            the update on the update's last micro-batch (``2 L / K`` with ``loss="mse"``: the model's mean squared
+            error), ``0`` on the others.
 
         Raises:
             ValueError: no ``labels``, micro-batches that cannot be joined, or a bad value the optimiser refuses.
@@ -390,11 +397,48 @@ class IEFTrainer(transformers.Trainer):
         batch = _join(self._micro_batches)
         self._micro_batches = []
         step_inputs, targets = split_batch(self.ief_optimizer.model, batch, causal_lm=self.causal_lm)
+        targets = self._regression_targets(targets)
         loss = self.ief_optimizer.step(step_inputs, targets)
         if self.ief_optimizer.reduction == "sum":
             counted = count_targets(targets)
             loss = loss / counted if counted else torch.zeros_like(loss)
+        if self._loss_name() == "mse":  # l_n = 1/2 ||z - y||^2 (the update's); the model's loss: the mean of (z - y)^2
+            loss = loss * 2
         return loss.detach().to(self.args.device)
+
+    def _loss_name(self) -> str | None:
+        loss = self.ief_optimizer.loss
+        return loss if isinstance(loss, str) else getattr(loss, "name", None)
+
+    def _regression_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Hugging Face's regression labels ``[M]`` of a one-output head (``num_labels=1``) as ``[M, 1]``, the shape
+        of its logits, which ``loss="mse"`` takes (the model's own loss squeezes both)."""
+        config = getattr(_base_model(self.ief_optimizer.model), "config", None)
+        if (self._loss_name() == "mse" and isinstance(targets, torch.Tensor) and targets.dim() == 1
+                and targets.is_floating_point() and getattr(config, "num_labels", None) == 1):
+            return targets.unsqueeze(-1)
+        return targets
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """``transformers.Trainer``'s loading of ``optimizer.pt`` and ``scheduler.pt``, with a checkpoint of another
+        optimiser (another ief method or settings, or a plain ``Trainer``'s AdamW) refused in one sentence.
+
+        Args:
+            checkpoint: the checkpoint folder (``None``: nothing to load).
+
+        Raises:
+            ValueError: the checkpoint's ``optimizer.pt`` holds another optimiser's state; the message names both and
+                how to start this optimiser fresh.
+        """
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except ForeignStateError as err:
+            raise ValueError(
+                f"checkpoint {checkpoint} holds another optimiser's state, not this IEFTrainer's "
+                f"optimizer={self.optimizer_name!r} ({err}); to start {self.optimizer_name!r} fresh from the "
+                f"checkpoint's weights, load the model from the checkpoint and call train() without "
+                f"resume_from_checkpoint (or delete its optimizer.pt to keep its step count)") \
+                from None
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> None:
         """No clipping (there is no ``.grad``; ``max_grad_norm`` is ignored with a warning at construction)."""

@@ -456,3 +456,64 @@ def test_kfac_resume_on_a_gpu_equals_the_uninterrupted_run(tmp_path):
     resumed = trainer("split", save_strategy="steps", save_steps=2)
     resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / "checkpoint-2"))
     assert rel(flat(resumed.model), flat(whole.model)) < 1e-10  # (CUDA kernels need not be bitwise reproducible)
+
+
+# --------------------------------------------------------------------------- a checkpoint of another optimiser
+def test_resuming_a_checkpoint_of_another_optimiser_is_refused_naming_it(tmp_path):
+    """An optimizer="ief" checkpoint resumed with optimizer="ef" (before: EF ran with iEF's saved normalize=False
+    and damping, step norm 13.0 where 0.5 was asked) and a plain transformers.Trainer's AdamW checkpoint (before:
+    torch's "different number of parameter groups") are refused: the checkpoint holds another optimiser, and how to
+    start fresh."""
+    rows = datasets.Dataset.from_dict(classification_rows(n=8))
+    args = arguments(tmp_path / "ief", max_steps=2, save_strategy="steps", save_steps=2)
+    IEFTrainer(bert_lora(), args, train_dataset=rows, optimizer="ief").train()
+    checkpoint = tmp_path / "ief" / "out" / "checkpoint-2"
+    other = IEFTrainer(bert_lora(), arguments(tmp_path / "ef", max_steps=4), train_dataset=rows, optimizer="ef",
+                       optimizer_kwargs={"damping": 1e-2})
+    with pytest.raises(ValueError, match=r"checkpoint .*checkpoint-2 holds another optimiser's state, not this "
+                                         r"IEFTrainer's optimizer='ef' \(this state_dict is IEF\(normalize=False.*"
+                                         r"into EF\(normalize=True.*train\(\) without resume_from_checkpoint"):
+        other.train(resume_from_checkpoint=str(checkpoint))
+
+    plain_args = arguments(tmp_path / "adamw", max_steps=2, save_strategy="steps", save_steps=2, learning_rate=1e-3)
+    transformers.Trainer(bert_lora(), plain_args, train_dataset=rows).train()
+    adamw = tmp_path / "adamw" / "out" / "checkpoint-2"
+    trainer = IEFTrainer(bert_lora(), arguments(tmp_path / "resume", max_steps=4), train_dataset=rows)
+    with pytest.raises(ValueError, match=r"holds another optimiser's state, not this IEFTrainer's optimizer='ief' "
+                                         r"\(this state_dict is not an ief optimiser's .*'betas'.*AdamW"):
+        trainer.train(resume_from_checkpoint=str(adamw))
+
+
+# ------------------------------------------------------------------------------------------------- regression
+def bert_regression(seed: int = 0) -> torch.nn.Module:
+    """A tiny float64 BERT with a one-output regression head (num_labels=1, problem_type="regression")."""
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=16, max_position_embeddings=16, num_labels=1,
+                                  problem_type="regression", hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(seed)
+    return transformers.BertForSequenceClassification(cfg).double()
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_regression_logs_the_models_mean_squared_error_and_takes_hf_labels(tmp_path, reduction):
+    """Hugging Face regression labels [M] (refused before: "targets shape (8,) does not match logits shape (8, 1)")
+    train a num_labels=1 head with loss="mse"; the logged loss is the model's outputs.loss on the batch before the
+    step (before: half of it, l_n = 1/2 ||z - y||^2), and the update is the hand step with [M, 1] targets."""
+    g = torch.Generator().manual_seed(4)
+    rows = {"input_ids": torch.randint(1, VOCAB, (8, 6), generator=g).tolist(),
+            "labels": torch.randn(8, generator=g, dtype=torch.float64).tolist()}
+    model = bert_regression()
+    kwargs = {"loss": "mse", "damping": 1e-3, "reduction": reduction}
+    trainer = IEFTrainer(model, arguments(tmp_path, max_steps=1, learning_rate=0.05, per_device_train_batch_size=8),
+                         train_dataset=datasets.Dataset.from_dict(rows), optimizer="ief", optimizer_kwargs=kwargs)
+    out = trainer.train()
+    hand = bert_regression()
+    ids, labels = torch.tensor(rows["input_ids"]), torch.tensor(rows["labels"], dtype=torch.float64)
+    with torch.no_grad():
+        expected = float(hand(input_ids=ids, labels=labels).loss)
+    ief.optim.IEF(hand, lr=0.05, **kwargs).step({"input_ids": ids}, labels[:, None])
+    assert logged(trainer) == pytest.approx([expected], rel=1e-6)
+    assert out.training_loss == pytest.approx(expected, rel=1e-6)
+    assert rel(flat(model), flat(hand)) < 1e-6
+    assert rel(flat(model), flat(bert_regression())) > 1e-3  # it moved

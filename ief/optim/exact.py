@@ -172,8 +172,11 @@ STATE_KEY = "ief_optimizer"  # state_dict()'s record of the optimiser that saved
 
 
 class ForeignStateError(ValueError):
-    """``load_state_dict`` was given another optimiser's state (another ief method or settings, or a torch
-    optimiser's); the message names both. A ``ValueError``."""
+    """Another optimiser's state (another ief method or settings, or a torch optimiser's, e.g. AdamW's), refused
+    before anything loads; the message names both. A ``ValueError``.
+
+    Raised by ``load_state_dict`` of :class:`IEF`, :class:`EF`, :class:`SF` and :class:`ief.optim.KFAC`
+    (:class:`ief.hf.IEFTrainer` turns it into a ``ValueError`` naming the checkpoint on resume)."""
 
 
 def _describe(identity: dict) -> str:

@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 
 import ief
 import ief.optim
-from ief.optim.exact import STATE_KEY, ForeignStateError
+from ief.optim import ForeignStateError
+from ief.optim.exact import STATE_KEY
 
 
 @pytest.fixture(autouse=True)

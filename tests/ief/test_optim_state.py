@@ -178,3 +178,25 @@ def test_world_size_one_still_steps(tmp_path):
         assert not torch.equal(flat(model), before)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_kfac_state_saved_before_the_class_was_recorded_is_checked_by_its_kind():
+    model, (x, y) = mlp(), batch()
+    opt = BUILD["ekfac"](model)
+    opt.step(x, y)
+    legacy = copy.deepcopy(opt.state_dict())
+    del legacy[STATE_KEY]
+    resumed_model = copy.deepcopy(model)
+    resumed = BUILD["ekfac"](resumed_model)
+    resumed.load_state_dict(legacy)
+    x2, y2 = batch(seed=2)
+    opt.step(x2, y2)
+    resumed.step(x2, y2)
+    assert torch.equal(flat(resumed_model), flat(model))
+    with pytest.raises(ForeignStateError, match=r"KFAC\(kind='ekfac', approx='expand'\)'s, this optimiser is "
+                                                r"KFAC\(kind='iekfac'"):
+        ief.optim.KFAC(mlp(), "iekfac", 0.1, 1.0).load_state_dict(legacy)
+    exact_legacy = ief.optim.IEF(mlp()).state_dict()
+    del exact_legacy[STATE_KEY]
+    with pytest.raises(ForeignStateError, match=r"no 'kfac' entry .*not a KFAC optimiser's"):
+        ief.optim.KFAC(mlp(), "ekfac", 0.1, 1.0).load_state_dict(exact_legacy)

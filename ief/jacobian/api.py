@@ -32,6 +32,38 @@ from .guard import (_check_mode, _refuse_nonfinite, _refuse_sample_mixing, check
 from .loop import _warn_slow_path
 
 
+_F = torch.nn.functional
+_DROPOUTS = {_F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout, _F.feature_alpha_dropout,
+             torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
+
+
+class _Quiet(torch.overrides.TorchFunctionMode):
+    """Dropout switched off (every functional dropout returns its input, attention runs with ``dropout_p=0``): the
+    sample-axis proof's forwards, which must compute the same function twice (:meth:`PerSampleCapture.prove_axes`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is _F.scaled_dot_product_attention:
+            if len(args) > 4:  # dropout_p is its fifth argument
+                args = (*args[:4], 0.0, *args[5:])
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
+
+
+def _reversed(inputs, m: int):
+    """The batch in reverse sample order (every tensor whose leading dimension is ``m``, flipped), for the proof."""
+    if isinstance(inputs, dict):
+        return {k: _reversed(v, m) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_reversed(v, m) for v in inputs)
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 1 and inputs.shape[0] == m:
+        return inputs.flip(0)
+    return inputs
+
+
 @dataclass
 class PerSample:
     """Per-sample quantities at one point (``eqn:prob_loss``), returned by :func:`per_sample`.
@@ -112,23 +144,26 @@ class _HookedForward:
         if batch_size(self.logits) != m:
             raise ValueError(f"the model returned logits of shape {tuple(self.logits.shape)} for {m} targets")
 
+        def run_on(batch, rows: int, quiet: bool = False):  # a side forward: RNG and buffers left as they were
+            buffers = [(b, b.clone()) for b in model.buffers()]  # e.g. batch-norm running statistics
+            try:
+                with torch.random.fork_rng(devices=self.forward._devices), torch.enable_grad(), kernels(), \
+                        non_reentrant_checkpointing(model), _Quiet() if quiet else contextlib.nullcontext():
+                    logits = call_model(model, batch)
+            finally:  # restored through .data: no version bump for the batch forward's saved tensors
+                for b, saved in buffers:
+                    if not torch.equal(b, saved):
+                        b.data.copy_(saved)
+            if tuple(logits.shape) != (rows, *self.logits.shape[1:]):
+                raise ValueError(f"the probe's logits have shape {tuple(logits.shape)}")
+
         def probe() -> tuple | str:  # the hooked calls' input shapes when the first sample runs alone
-            def run():
-                buffers = [(b, b.clone()) for b in model.buffers()]  # e.g. batch-norm running statistics
-                try:
-                    with torch.random.fork_rng(devices=self.forward._devices), torch.enable_grad(), kernels(), \
-                            non_reentrant_checkpointing(model):
-                        logits = call_model(model, take_first(inputs, m))
-                finally:  # restored through .data: no version bump for the batch forward's saved tensors
-                    for b, saved in buffers:
-                        if not torch.equal(b, saved):
-                            b.data.copy_(saved)
-                if tuple(logits.shape) != (1, *self.logits.shape[1:]):
-                    raise ValueError("the inputs were not cut to one sample")
+            return self.capture.probe_shapes(lambda: run_on(take_first(inputs, m), 1))
 
-            return self.capture.probe_shapes(run)
+        def prove(reverse: bool, quiet: bool) -> tuple | str:  # the hooked calls' inputs, the batch (reversed)
+            return self.capture.call_inputs(lambda: run_on(_reversed(inputs, m) if reverse else inputs, m, quiet))
 
-        self.capture.establish_axes(m, model, inputs, probe)
+        self.capture.establish_axes(m, model, inputs, probe, prove)
         names = param_names(model, self.params)
         self.capture.names = names
         self.capture.demote_outside_uses(self.forward.reached, names)

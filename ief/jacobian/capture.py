@@ -6,7 +6,13 @@ hooked, and how, is their :class:`~ief.jacobian.rules.registry.LayerRule`'s (:fu
 
 The sample axis of every hooked call is established, never guessed from a size: a probe forward of the batch's first
 sample alone shows which dimension of each call's input shrinks from ``M`` to 1 while every other dimension stays
-put (:meth:`PerSampleCapture.establish_axes`, cached per model and shape signature).
+put (the candidate), and a proof forward of the batch in reverse sample order must give every call the batch call's
+input reversed along that dimension (:meth:`PerSampleCapture.establish_axes`, cached per model and shape signature).
+The size test alone is fooled by a layer called on rows gathered from the flattened batch (a mixture of experts's
+expert on its routed tokens, ``hidden.reshape(-1, d)[idx]``: ``k`` routed tokens, ``k = M`` in the batch and 1 for
+sample 0 alone); reversing the samples does not reverse such rows (unless every sample routes exactly one token,
+when the rows are the samples), so the call has no sample axis and its module's parameters take the exact
+per-sample loop.
 """
 from __future__ import annotations
 
@@ -49,6 +55,23 @@ def _use_shapes(uses: dict) -> tuple:
 def _uses_from(shapes: tuple) -> dict:
     """The inverse of :func:`_use_shapes` (shapes only, no gradients)."""
     return {key: [Use(*u) for u in us] for key, us in shapes}
+
+
+def _same(probe: torch.Tensor | None, ref: torch.Tensor | None) -> bool:
+    """Whether a proof forward's call input equals the batch call's (reversed) input: equal shapes, equal integers,
+    floats equal up to ``sqrt(eps)`` of the reference's largest entry (a reordered batch may round differently)."""
+    if probe is None or ref is None or probe.shape != ref.shape or probe.dtype != ref.dtype:
+        return False
+    if not probe.is_floating_point() and not probe.is_complex():
+        return torch.equal(probe, ref)
+    if probe.numel() == 0:
+        return True
+    tol = torch.finfo(probe.dtype).eps ** 0.5 if probe.is_floating_point() else 1e-6
+    finite = torch.isfinite(ref)
+    scale = float(ref[finite].abs().max()) if bool(finite.any()) else 0.0
+    close = (probe - ref).abs() <= tol * max(scale, 1e-30)
+    # a non-finite entry (an inf or NaN input, refused later naming its sample) must be the same non-finite entry
+    return bool((close | (probe == ref) | (probe.isnan() & ref.isnan())).all())
 
 
 def _sample_axis(full: tuple | None, probe: tuple | None, m: int, features: int) -> int | None:
@@ -285,8 +308,80 @@ class PerSampleCapture:
             self.probe_uses = (_use_shapes(tracker.uses), frozenset(tracker.unsupported))
         return tuple(tuple(seen[k]) for k in range(len(self.modules)))
 
-    def establish_axes(self, m: int, model: torch.nn.Module, inputs, probe: Callable[[], tuple | str]) -> None:
-        """Give every call its sample axis (probed or cached); modules with a call without one fall back."""
+    def call_inputs(self, run: Callable[[], object]) -> tuple | str:
+        """The hooked calls' first inputs (copies) per module, in call order, during ``run()`` (a proof forward), or
+        why it failed; calls as the batch forward records them (gradients on, output requiring grad)."""
+        seen: dict[int, list] = {k: [] for k in range(len(self.modules))}
+
+        def hook_for(k):
+            def hook(module, args, output):
+                if isinstance(output, tuple) and self.modules[k][1]._recording_hook is not None:
+                    output = output[0]
+                if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                    seen[k].append(None if x is None else x.detach().clone())
+
+            return hook
+
+        handles = [module.register_forward_hook(hook_for(k)) for k, (module, *_) in enumerate(self.modules)]
+        try:
+            run()
+        except Exception as err:
+            return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        finally:
+            for h in handles:
+                h.remove()
+        return tuple(tuple(seen[k]) for k in range(len(self.modules)))
+
+    def prove_axes(self, axes: tuple, m: int, prove: Callable[[bool, bool], tuple | str]) -> tuple[tuple, dict]:
+        """``(axes, why)``: the candidate axes (from the sizes) kept where proven, ``None`` where not, and why not
+        (``(k, j) -> reason``).
+
+        A candidate ``d`` of call ``j`` of module ``k`` is proven when a forward of the batch in reverse sample order
+        gives that call the batch call's input reversed along ``d`` (:func:`_same`). ``prove(reverse, quiet)`` runs the
+        batch (in reverse sample order with ``reverse``; with dropout switched off with ``quiet``) and returns
+        :meth:`call_inputs`. The batch forward's own records are
+        the reference first; the calls that fail against them (dropout drew other masks, an input changed in place
+        after the call) are tried again between two quiet forwards, the batch and its reverse, whose calls must also
+        have the batch forward's shapes."""
+        cands = [(k, j, a) for k, calls in enumerate(axes) for j, a in enumerate(calls) if a is not None]
+        if not cands:
+            return axes, {}
+
+        def check(rev, ref, todo):
+            if isinstance(rev, str):
+                return {c: f"the proof forward (the batch in reverse order) failed: {rev}" for c in todo}
+            bad = {}
+            for k, j, a in todo:
+                x = ref(k, j)
+                if len(rev[k]) != len(self.records[k]) or x is None or not _same(rev[k][j], x.flip(a)):
+                    bad[(k, j, a)] = (f"the batch run in reverse sample order does not reverse its input along "
+                                      f"dimension {a} (rows gathered over the flattened batch, e.g. a mixture of "
+                                      "experts's routed tokens: no sample axis)")
+            return bad
+
+        bad = check(prove(True, False), lambda k, j: self.records[k][j][0], cands)
+        if bad:
+            base = prove(False, True)
+            if isinstance(base, str):
+                pass
+            else:
+                def ref(k, j):
+                    x, real = base[k][j] if j < len(base[k]) else None, self.records[k][j][0]
+                    ok = x is not None and real is not None and len(base[k]) == len(self.records[k]) \
+                        and x.shape == real.shape
+                    return x if ok else None
+
+                bad = check(prove(True, True), ref, list(bad))
+        out = [list(calls) for calls in axes]
+        for k, j, _ in bad:
+            out[k][j] = None
+        return tuple(tuple(calls) for calls in out), {(k, j): why for (k, j, _), why in bad.items()}
+
+    def establish_axes(self, m: int, model: torch.nn.Module, inputs, probe: Callable[[], tuple | str],
+                       prove: Callable[[bool, bool], tuple | str] | None = None) -> None:
+        """Give every call its sample axis (probed and proven, or cached); modules with a call without one fall back
+        (``prove``: see :meth:`prove_axes`; without it, the sizes alone decide)."""
         if not self.modules and self.tracker is None:
             return
         if m == 1:  # the whole call is sample 0's; a [N, C, *] layer's own batch dimension N must be that sample
@@ -314,12 +409,15 @@ class PerSampleCapture:
                 )
                 for k, calls in enumerate(full)
             )
-            cached = cache[key] = (axes, shrunk if failed else None, None if failed else self.probe_uses)
+            unproven = {}
+            if prove is not None and not failed:
+                axes, unproven = self.prove_axes(axes, m, prove)
+            cached = cache[key] = (axes, shrunk if failed else None, None if failed else self.probe_uses, unproven)
             while len(cache) > _AXIS_CACHE_SIZE:
                 cache.popitem(last=False)
         else:
             cache.move_to_end(key)
-        axes, probe_error, probe_uses = cached
+        axes, probe_error, probe_uses, unproven = cached
         shared = {}  # the watched tensors whose every use is broadcast over the batch, with an established axis
         if uses is not None and probe_uses is not None:
             shared = establish(self.tracker.uses, _uses_from(probe_uses[0]), self.tracker.unsupported | probe_uses[1],
@@ -338,8 +436,11 @@ class PerSampleCapture:
                     rec[2] = axis
                 continue
             shapes = sorted({str(shape) for shape, axis in zip(full[k], axes[k]) if axis is None})
+            why = [unproven[(k, j)] for j in range(len(axes[k])) if (k, j) in unproven]
             if probe_error is not None:
                 reasons[k] = f"the one-sample probe forward that finds the sample axis failed: {probe_error}"
+            elif why:
+                reasons[k] = f"{type(entry[0]).__name__} input shapes {', '.join(shapes)}: {why[0]}"
             else:
                 reasons[k] = (
                     f"{type(entry[0]).__name__} input shapes {', '.join(shapes)} have no dimension that is the {m} "

@@ -40,7 +40,7 @@ from torch.autograd import forward_ad
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from .model_call import ReplayableForward
+from .model_call import ReplayableForward, call_model, non_reentrant_checkpointing
 
 JVP_METHODS = ("forward", "double_backward")
 
@@ -214,6 +214,79 @@ class LeanTangents(TorchFunctionMode):
 
 
 
+class _Rebinds(TorchFunctionMode):
+    """Notes what a forward does to tensors in place of their identity: ``t.data = ...`` (``Module.to`` / ``float``
+    / ``half`` inside a forward: ``_apply`` sets ``param.data``) and ``t.set_(...)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        owner = getattr(func, "__self__", None)
+        if getattr(func, "__name__", "") == "__set__" and getattr(owner, "__name__", "") == "data":
+            self.seen.append("assigns a tensor's .data (e.g. a module's .to(dtype) inside its forward)")
+        elif func is torch.Tensor.set_:
+            self.seen.append("calls Tensor.set_")
+        return func(*args, **(kwargs or {}))
+
+
+# Models whose forward rebinds parameters or tensor storage (see forward_mode_hazard): None when it does not.
+_HAZARDS: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
+
+
+def forward_mode_hazard(forward: ReplayableForward) -> str | None:
+    """Why forward-mode AD must not run this model's forward, or ``None``: one plain forward (no gradients, RNG left
+    as it was; once per model) watched for what forward mode and ``torch.func`` cannot take and do not always refuse
+    with an exception: an assignment to a tensor's ``.data`` or a ``set_`` (a module that re-casts itself with
+    ``.to(dtype)`` inside its forward: HF SwitchTransformers' router does, and the dual forward then dies with a
+    segmentation fault in ``unpack_dual``, a ``torch.func.jvp`` with an internal assert), or a parameter, buffer or
+    submodule of the model rebound during the forward. Such models take double backward (reverse mode only)."""
+    model = forward.model
+    if model in _HAZARDS:
+        return _HAZARDS[model]
+
+    def state():
+        return {(name, kind, key): id(value) for name, module in model.named_modules()
+                for kind, table in (("parameter", module._parameters), ("buffer", module._buffers),
+                                    ("submodule", module._modules)) for key, value in table.items()}
+
+    before = state()
+    watch = _Rebinds()
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    try:
+        # the model called directly, not the replayable forward: its first call must stay the one that draws
+        with torch.random.fork_rng(devices=forward._devices), torch.no_grad(), differentiable_kernels(), \
+                non_reentrant_checkpointing(model), watch:
+            call_model(model, forward.inputs)
+    finally:
+        for b, saved in buffers:  # e.g. batch-norm running statistics: as they were
+            if not torch.equal(b, saved):
+                b.data.copy_(saved)
+    after = state()
+    moved = sorted({f"{kind} {name + '.' if name else ''}{key}" for (name, kind, key), i in before.items()
+                    if after.get((name, kind, key)) != i} | {f"{kind} {name + '.' if name else ''}{key} (new)"
+                                                              for (name, kind, key) in after.keys() - before.keys()})
+    why = None
+    if watch.seen:
+        why = f"its forward {watch.seen[0]}"
+    elif moved:
+        why = f"its forward rebinds {', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}"
+    _HAZARDS[model] = why
+    return why
+
+
+def _refuse_hazards(forward: ReplayableForward) -> None:
+    """:class:`ForwardModeUnsupported` (before any dual tensor exists) where :func:`forward_mode_hazard` finds one."""
+    why = forward_mode_hazard(forward)
+    if why is not None:
+        raise ForwardModeUnsupported(
+            f"forward-mode AD is not run on this {type(forward.model).__name__}: {why}, which forward mode cannot "
+            "take (PyTorch can crash the process on it rather than raise). Use method='double_backward' "
+            "(FisherOperator, hessian_free), which needs reverse mode only; fisher_vp's default method='auto', "
+            "gamma and check='exact' switch to it by themselves")
+
+
 def dual_forward(
     forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str], tangents: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -325,6 +398,7 @@ def logits_and_jvp(
     grad_mode = torch.is_grad_enabled()
     with differentiable_kernels(), torch.inference_mode(False), torch.set_grad_enabled(grad_mode):
         if method == "forward":
+            _refuse_hazards(forward)
             try:
                 primal, tangent = dual_forward(forward, params, names, tangents)
             except NotImplementedError as err:
@@ -379,6 +453,8 @@ def batched_tangent_jvps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`batched_jvps` with the ``K`` tangents given per parameter, ``tangents[i]`` shaped ``[K, *params[i].shape]``
     in the parameter's dtype (no ``[K, P]`` matrix)."""
+
+    _refuse_hazards(forward)
 
     def logits(*primals: torch.Tensor) -> torch.Tensor:
         with LeanTangents():

@@ -37,14 +37,33 @@ _DROPOUTS = {_F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_drop
              torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
 
 
+def _fill(value):
+    def fill(t, *args, **kwargs):
+        return t.fill_(value(*args, **kwargs) if callable(value) else value)
+
+    return fill
+
+
+# in-place draws, each filled with a constant instead (uniform: the middle of its range, normal: its mean)
+_DRAWS = {torch.Tensor.uniform_: _fill(lambda a=0.0, b=1.0, **_: (a + b) / 2),
+          torch.Tensor.normal_: _fill(lambda mean=0.0, std=1.0, **_: mean),
+          torch.Tensor.bernoulli_: _fill(1.0), torch.Tensor.exponential_: _fill(1.0)}
+
+
 class _Quiet(torch.overrides.TorchFunctionMode):
-    """Dropout switched off (every functional dropout returns its input, attention runs with ``dropout_p=0``): the
-    sample-axis proof's forwards, which must compute the same function twice (:meth:`PerSampleCapture.prove_axes`)."""
+    """Randomness switched off: every functional dropout returns its input, attention runs with ``dropout_p=0``, an
+    in-place draw (``uniform_``, ``normal_``, ``bernoulli_``, ``exponential_``: e.g. a router's jitter noise) fills its
+    tensor with a constant. The sample-axis proof's forwards, which must compute the same function twice, the second
+    time on the batch in reverse order (:meth:`PerSampleCapture.prove_axes`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _DROPOUTS:
             return args[0] if args else kwargs["input"]
+        if func in _DRAWS:
+            kwargs.pop("generator", None)
+            with torch.no_grad():
+                return _DRAWS[func](*args, **kwargs)
         if func is _F.scaled_dot_product_attention:
             if len(args) > 4:  # dropout_p is its fifth argument
                 args = (*args[:4], 0.0, *args[5:])

@@ -90,6 +90,13 @@ def _sample_axis(full: tuple | None, probe: tuple | None, m: int, features: int)
 # The established axes, per model and shape signature (a handful of signatures per model: the last ones used).
 _AXIS_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weakref.WeakKeyDictionary()
 _AXIS_CACHE_SIZE = 256
+# The hooked modules whose calls once failed the sample-axis proof, per model (their ids, with the reason): a layer
+# called on rows gathered over the batch is not proven again at another shape signature, where a batch that routes
+# exactly one row per sample would pass the proof. A model with such a module routes by its data: its other calls are
+# proven on every batch (no cached axes), since a batch routing one row per sample to another expert would pass the
+# proof and be cached for later batches of the same shapes routed otherwise. (A model whose first batches route one
+# row per sample everywhere is not known to route yet: that residual case is what check="exact" on every step sees.)
+_GATHERED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 # The sets of slow-path parameters already reported, per model (a SlowPathWarning once per model and set).
 _WARNED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
 
@@ -333,7 +340,8 @@ class PerSampleCapture:
                 h.remove()
         return tuple(tuple(seen[k]) for k in range(len(self.modules)))
 
-    def prove_axes(self, axes: tuple, m: int, prove: Callable[[bool, bool], tuple | str]) -> tuple[tuple, dict]:
+    def prove_axes(self, axes: tuple, m: int, prove: Callable[[bool, bool], tuple | str],
+                   gathered: dict | None = None) -> tuple[tuple, dict]:
         """``(axes, why)``: the candidate axes (from the sizes) kept where proven, ``None`` where not, and why not
         (``(k, j) -> reason``).
 
@@ -343,9 +351,18 @@ class PerSampleCapture:
         :meth:`call_inputs`. The batch forward's own records are
         the reference first; the calls that fail against them (dropout drew other masks, an input changed in place
         after the call) are tried again between two quiet forwards, the batch and its reverse, whose calls must also
-        have the batch forward's shapes."""
-        cands = [(k, j, a) for k, calls in enumerate(axes) for j, a in enumerate(calls) if a is not None]
-        if not cands:
+        have the batch forward's shapes. ``gathered``: ``id(module) -> reason`` of the modules that failed once (not
+        proven again), updated with those failing now."""
+        gathered = {} if gathered is None else gathered
+        known = {}
+        for k, calls in enumerate(axes):
+            why = gathered.get(id(self.modules[k][0]))
+            for j, a in enumerate(calls):
+                if a is not None and why is not None:
+                    known[(k, j, a)] = f"{why}, seen on an earlier batch"
+        cands = [(k, j, a) for k, calls in enumerate(axes) for j, a in enumerate(calls)
+                 if a is not None and (k, j, a) not in known]
+        if not cands and not known:
             return axes, {}
 
         def check(rev, ref, todo):
@@ -360,7 +377,7 @@ class PerSampleCapture:
                                       "experts's routed tokens: no sample axis)")
             return bad
 
-        bad = check(prove(True, False), lambda k, j: self.records[k][j][0], cands)
+        bad = check(prove(True, False), lambda k, j: self.records[k][j][0], cands) if cands else {}
         if bad:
             base = prove(False, True)
             if isinstance(base, str):
@@ -373,6 +390,10 @@ class PerSampleCapture:
                     return x if ok else None
 
                 bad = check(prove(True, True), ref, list(bad))
+        for (k, _, _), why in bad.items():
+            if not why.startswith("the proof forward"):  # failed to run: no evidence of a gather
+                gathered.setdefault(id(self.modules[k][0]), why)
+        bad.update(known)
         out = [list(calls) for calls in axes]
         for k, j, _ in bad:
             out[k][j] = None
@@ -398,6 +419,8 @@ class PerSampleCapture:
         key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full, uses)
         cache = _AXIS_CACHE.setdefault(model, OrderedDict())
         cached = cache.get(key)
+        if cached is not None and _GATHERED.get(model):  # routing depends on the data: every batch is proven
+            cached = None
         if cached is None:
             shrunk = probe()
             failed = isinstance(shrunk, str)
@@ -411,7 +434,7 @@ class PerSampleCapture:
             )
             unproven = {}
             if prove is not None and not failed:
-                axes, unproven = self.prove_axes(axes, m, prove)
+                axes, unproven = self.prove_axes(axes, m, prove, _GATHERED.setdefault(model, {}))
             cached = cache[key] = (axes, shrunk if failed else None, None if failed else self.probe_uses, unproven)
             while len(cache) > _AXIS_CACHE_SIZE:
                 cache.popitem(last=False)

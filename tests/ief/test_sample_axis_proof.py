@@ -81,3 +81,50 @@ def test_exact_check_passes_on_gathered_tokens():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SlowPathWarning)
         ief.per_sample(model, x, y, check="exact")
+
+
+def _routed(routes, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(len(routes), len(routes[0]), D, generator=gen, dtype=dtype)
+    x[..., 0] = torch.tensor(routes, dtype=dtype)
+    return x
+
+
+def test_a_model_that_routes_is_not_trusted_on_a_lucky_batch():
+    """After a batch that shows the gather, a batch of other shapes that routes exactly one token per sample to
+    expert 1 (the proof passes there, the hooked rows would be right for it) does not make expert 1 hooked for a
+    later batch of the same shapes routed otherwise (expert 1: 1 + 2 + 1 + 0 tokens)."""
+    torch.manual_seed(0)
+    model = GatherMoE().double()
+    x, y = _batch()
+    lucky = _routed([[0, 1, 0], [1, 0, 0], [0, 0, 1], [0, 1, 0]])
+    uneven = _routed([[0, 1, 0], [1, 1, 0], [0, 0, 1], [0, 0, 0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowPathWarning)
+        for batch in (x, lucky, uneven):
+            got = ief.per_sample(model, batch, y, check=True)
+            _, ref, _ = oracle.per_sample(model, batch, y)
+            assert (got.jacobian - ref).norm() / ref.norm() < 1e-10
+
+
+class NoisyMoE(GatherMoE):
+    """:class:`GatherMoE` in training: dropout and a router-style ``uniform_`` jitter on the features (not on the
+    routing feature)."""
+
+    def forward(self, x):
+        rest = torch.nn.functional.dropout(x[..., 1:], 0.2, self.training)
+        rest = rest * torch.empty_like(rest).uniform_(0.9, 1.1)
+        return super().forward(torch.cat([x[..., :1], rest], dim=-1))
+
+
+def test_dropout_and_jitter_do_not_demote_layers_with_a_sample_axis():
+    """In training mode (dropout, a jitter drawn with ``uniform_``) the proof's forwards run without randomness: the
+    layers with a sample axis stay hooked, only the experts take the loop."""
+    torch.manual_seed(0)
+    model = NoisyMoE().double().train()
+    x, y = _batch()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ief.per_sample(model, x, y, check=True)
+    slow = " ".join(str(w.message) for w in seen if issubclass(w.category, SlowPathWarning))
+    assert "experts.0.weight" in slow and "inp.weight" not in slow and "head.weight" not in slow, slow

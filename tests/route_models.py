@@ -16,7 +16,10 @@ every target position is ignored, so its per-sample gradient is zero and ``J J^T
 - ``cnn``: two zero-padded ``Conv2d`` (hooked, unfolded) and a reflect-padded one (exact per-sample loop), a head;
 - ``gru``: an ``nn.GRU`` (exact per-sample loop) with per-position logits and ignored positions;
 - ``token-table``: a trainable ``nn.Embedding`` the batch uses only partly (the factored forms keep its used rows),
-  a position table shared by every sample, a repeated sample and per-position logits.
+  a position table shared by every sample, a repeated sample and per-position logits;
+- ``llama``, ``qwen2-tied``: full fine-tuning of tiny ``LlamaForCausalLM`` (train mode, untied head) and
+  ``Qwen2ForCausalLM`` (eval mode, ``tie_word_embeddings=True``) from configs, right-padded with an attention mask,
+  per-position next-token targets (RMS norms: their rule; Qwen2's tied table and head: the per-sample loop).
 """
 from __future__ import annotations
 
@@ -267,6 +270,61 @@ def token_table() -> Case:
     return Case("token-table", model, tokens, y)
 
 
+def _causal_batch(m: int, t: int, vocab: int, seed: int):
+    """Token ids with right padding of 0, 1 or 2 positions and the matching attention mask; per-position targets
+    (the next id; padded positions ignored, sample 2 every position ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (m, t + 1), generator=g)
+    mask = torch.ones(m, t, dtype=torch.long)
+    targets = ids[:, 1:].clone()
+    ids = ids[:, :-1].contiguous()
+    for n in range(m):
+        pad = n % 3
+        if pad:
+            ids[n, -pad:] = 0
+            mask[n, -pad:] = 0
+            targets[n, -pad:] = IGNORE
+    targets[2] = IGNORE  # every position of sample 2 ignored
+    return {"input_ids": ids, "attention_mask": mask}, targets
+
+
+def _causal_lm(name: str, config, m: int = 4, t: int = 5, train: bool = False) -> Case:
+    """A full fine-tuning causal LM from a tiny config (built offline), eager attention, per-position logits."""
+    import transformers
+
+    torch.manual_seed(0)
+    cls = getattr(transformers, type(config).__name__.replace("Config", "ForCausalLM"))
+    model = cls(config)
+    with torch.no_grad():  # RMS norm weights start at 1: move them so that their gradients are generic
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.add_(0.2 * torch.randn_like(p))
+    model.train(train)
+    inputs, targets = _causal_batch(m, t, config.vocab_size, seed=0)
+    return Case(name, model, inputs, targets)
+
+
+def _tiny_decoder_config(kind: str, **overrides):
+    import transformers
+
+    cfg = dict(vocab_size=24, hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=1, max_position_embeddings=16, attn_implementation="eager", pad_token_id=0)
+    cfg.update(overrides)
+    return getattr(transformers, kind)(**cfg)
+
+
+def llama() -> Case:
+    """``LlamaForCausalLM`` (tiny config: hidden 8, one layer, grouped-query attention, untied head), train mode (no
+    dropout in it: the same function), every parameter trainable: RMS norms hooked by their rule."""
+    return _causal_lm("llama", _tiny_decoder_config("LlamaConfig", tie_word_embeddings=False), train=True)
+
+
+def qwen2_tied() -> Case:
+    """``Qwen2ForCausalLM`` (tiny config, tied input and output embeddings, q/k/v biases), eval mode, every parameter
+    trainable."""
+    return _causal_lm("qwen2-tied", _tiny_decoder_config("Qwen2Config", tie_word_embeddings=True))
+
+
 MODELS = {
     m.name: m
     for m in (
@@ -279,6 +337,8 @@ MODELS = {
         RouteModel("cnn", cnn, classifier=True, kfac_params=("head",)),
         RouteModel("gru", gru, classifier=False, kfac_params=("head",)),
         RouteModel("token-table", token_table, classifier=False, kfac_params=("head",)),
+        RouteModel("llama", llama, classifier=False, kfac_params=("lm_head",)),
+        RouteModel("qwen2-tied", qwen2_tied, classifier=False, kfac_params=()),
     )
 }
 

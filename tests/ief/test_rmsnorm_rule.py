@@ -1,0 +1,170 @@
+"""The Hugging Face RMS norm rule (:mod:`ief.jacobian.rules.rmsnorm`): exact per-sample gradients of the norms'
+weights against the dense float64 per-sample autograd oracle (and the exact per-sample loop), dense and factored forms,
+float32 and float64, eval and train mode; no slow path left for full fine-tuning of Llama / Mistral / Qwen2 / Gemma
+with untied heads (Gemma's scaled embedding frozen: it has no rule); modules that cannot be verified stay on the loop."""
+from __future__ import annotations
+
+import copy
+import types
+import warnings
+
+import pytest
+import torch
+
+import ief
+import oracle
+import route_models as rm
+from ief.jacobian.rules import rmsnorm, rule_for
+from tiny_models import Case
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "gemma": ("GemmaConfig", {"head_dim": 4}),
+}
+
+
+def _case(kind: str, dtype: torch.dtype, train: bool, tie: bool = False) -> Case:
+    cls, extra = CONFIGS[kind]
+    config = rm._tiny_decoder_config(cls, tie_word_embeddings=tie, **extra)
+    c = rm._causal_lm(kind, config, train=train)
+    if kind == "gemma" and not tie:  # its scaled embedding (an nn.Embedding subclass) has no rule: frozen here
+        c.model.model.embed_tokens.weight.requires_grad_(False)
+    c.model.to(dtype)
+    return c
+
+
+def _oracle(c: Case) -> torch.Tensor:
+    model64 = copy.deepcopy(c.model).to(torch.float64)
+    return oracle.per_sample(model64, c.inputs, c.targets, c.loss)[1].to(torch.float64)
+
+
+def _dense(result) -> torch.Tensor:
+    jac = result.jacobian
+    return (jac.materialize() if hasattr(jac, "materialize") else jac).to(torch.float64)
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("form", ["dense", "ghost", "rows", "auto"])
+def test_full_fine_tuning_is_exact_without_the_loop(kind, dtype, train, form):
+    c = _case(kind, dtype, train)
+    norms = [m for m in c.model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(rule_for(m) is not None for m in norms)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ief.SlowPathWarning)  # every parameter hooked: the norms by their rule
+        result = ief.per_sample(c.model, c.inputs, c.targets, check="exact", form=form)
+    ref = _oracle(c)
+    # float64 models' norms compute in float32 (their upcast) in the oracle and the rule alike
+    assert _rel(_dense(result), ref) < (1e-5 if dtype == torch.float32 else 1e-10)
+    names = [n for n, p in c.model.named_parameters() if p.requires_grad]
+    sizes = [p.numel() for p in c.model.parameters() if p.requires_grad]
+    cols = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    got = _dense(result)
+    for i, name in enumerate(names):
+        if "norm" in name:  # the norms' blocks alone, each against the oracle
+            block, want = got[:, cols[i]:cols[i + 1]], ref[:, cols[i]:cols[i + 1]]
+            assert _rel(block, want) < (1e-5 if dtype == torch.float32 else 1e-10), name
+
+
+def test_the_rule_equals_the_per_sample_loop_bit_for_bit_in_float64():
+    """The rule against the library's own per-sample loop (the rule unregistered) on the same model."""
+    c = _case("llama", torch.float64, train=False)
+    fast = ief.per_sample(c.model, c.inputs, c.targets, check=False).jacobian
+    saved = dict(ief.jacobian.rules.registry._BY_NAME)
+    try:
+        for key in [k for k in saved if k.endswith("RMSNorm")]:
+            del ief.jacobian.rules.registry._BY_NAME[key]
+        with pytest.warns(ief.SlowPathWarning, match="norm"):
+            slow = ief.per_sample(copy.deepcopy(c.model), c.inputs, c.targets, check=False).jacobian
+    finally:
+        ief.jacobian.rules.registry._BY_NAME.clear()
+        ief.jacobian.rules.registry._BY_NAME.update(saved)
+    assert _rel(fast, slow) < 1e-12
+
+
+def test_a_low_precision_model_casts_as_the_module_does():
+    """bfloat16 weights and input: ``x_hat`` in float32, cast to bfloat16, times the weight (Llama); Gemma's product in
+    float32 cast back. The rule's rows equal autograd's per-sample gradients of the very module."""
+    torch.manual_seed(0)
+    for kind in ("llama", "gemma"):
+        module = _case(kind, torch.float32, train=False).model.model.norm.to(torch.bfloat16)
+        with torch.no_grad():
+            module.weight.add_(0.1 * torch.randn_like(module.weight))
+        x = torch.randn(3, 5, 8, dtype=torch.bfloat16)
+        g = torch.randn(3, 5, 8, dtype=torch.bfloat16)
+        want = torch.stack([torch.autograd.grad(module(x[n:n + 1]), module.weight, g[n:n + 1])[0] for n in range(3)])
+        dest = torch.empty(3, 8, dtype=torch.bfloat16)
+        rule_for(module).grads(module, x, g, {"weight": dest}, accumulate=False)
+        assert _rel(dest.double(), want.double()) < 1e-2, kind  # bfloat16 sums in another order
+
+
+def test_tied_embeddings_still_take_the_loop_for_the_table_only():
+    """Qwen2 with tied input/output embeddings: the norms are hooked, only the tied table takes the loop; exact."""
+    c = _case("qwen2", torch.float64, train=False, tie=True)
+    with pytest.warns(ief.SlowPathWarning) as record:
+        result = ief.per_sample(c.model, c.inputs, c.targets, check="exact")
+    text = " ".join(str(w.message) for w in record)
+    assert "1 of" in text and "norm" not in text.split("Hooked layers")[0]
+    assert _rel(_dense(result), _oracle(c)) < 1e-10
+
+
+def _llama_norm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm(8, eps=1e-6)
+
+
+def test_what_cannot_be_verified_stays_on_the_loop():
+    norm = _llama_norm()
+    assert rule_for(norm) is not None
+    # a subclass (its forward may differ) is not its registered type
+    sub = type("MyRMSNorm", (type(norm),), {})(8)
+    assert rule_for(sub) is None
+    # a forward replaced on the instance (a hub kernel, a patch)
+    patched = _llama_norm()
+    patched.forward = types.MethodType(lambda self, x: self.weight * x, patched)
+    assert rule_for(patched) is None
+    # a class of the same name outside transformers' modelling module
+    fake = type("LlamaRMSNorm", (torch.nn.Module,), {"forward": type(norm).forward, "__module__": "mine"})
+    assert rule_for(fake()) is None
+    # a class of a listed name whose forward reads otherwise (another transformers release): not verified
+    assert rmsnorm._FORWARDS.get("0" * 16) is None
+    other = type("LlamaRMSNorm", (torch.nn.Module,), {
+        "__module__": "transformers.models.llama.modeling_llama",
+        "forward": lambda self, x: self.weight * x,
+    })
+    module = other()
+    module.weight = torch.nn.Parameter(torch.ones(8))
+    module.variance_epsilon = 1e-6
+    assert rule_for(module) is None
+    # no epsilon attribute, or a weight that is not a vector
+    no_eps = _llama_norm()
+    del no_eps.variance_epsilon
+    assert rule_for(no_eps) is None
+    wide = _llama_norm()
+    wide.weight = torch.nn.Parameter(torch.ones(2, 4))
+    assert rule_for(wide) is None
+
+
+def test_every_listed_class_is_verified_or_absent():
+    """The listed classes of this transformers release all carry one of the verified forwards (a listed name whose
+    forward changed would silently fall to the loop: this says so)."""
+    import importlib
+
+    for name, family in {**rmsnorm._LLAMA_STYLE, **rmsnorm._GEMMA_STYLE}.items():
+        try:
+            cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+        except (ImportError, AttributeError):
+            continue
+        form = rmsnorm._FORWARDS.get(rmsnorm._fingerprint(cls))
+        assert form is not None, name
+        assert form[0] == ("llama" if name in rmsnorm._LLAMA_STYLE else "gemma"), name

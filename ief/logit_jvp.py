@@ -21,6 +21,12 @@ in for the missing tangent of a frozen operand (a LayerNorm weight, a mask, a sc
 Python reference decompositions. Every other operation keeps PyTorch's rule; where one has none, PyTorch raises and
 :class:`ForwardModeUnsupported` names the module (never a silently wrong tangent).
 
+Some forwards forward mode cannot take without an exception: a module that re-casts itself inside its forward
+(``self.classifier = self.classifier.to(dtype)``, HF SwitchTransformers' router) assigns ``param.data``, and the dual
+forward then dies with a segmentation fault. :func:`forward_mode_hazard` looks for that (and for rebound parameters,
+buffers and submodules) in one plain forward per model before any dual tensor exists; such a model raises
+:class:`ForwardModeUnsupported`, and the callers that switch by themselves take double backward.
+
 Every pass runs inside :func:`differentiable_kernels`: scaled-dot-product attention restricted to the MATH kernel
 (forward-mode AD has no rule for the fused CPU kernels, and double backward through them fails once a padding mask is
 passed), torch's fused inference fast path of ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` switched off

@@ -59,14 +59,15 @@ def _uses_from(shapes: tuple) -> dict:
 
 def _same(probe: torch.Tensor | None, ref: torch.Tensor | None) -> bool:
     """Whether a proof forward's call input equals the batch call's (reversed) input: equal shapes, equal integers,
-    floats equal up to ``sqrt(eps)`` of the reference's largest entry (a reordered batch may round differently)."""
+    floats equal up to ``max(sqrt(eps), 1e-3)`` of the reference's largest entry (a reordered batch may round
+    differently, TF32 products more than float32's ``sqrt(eps)``; rows gathered from other samples differ by far more)."""
     if probe is None or ref is None or probe.shape != ref.shape or probe.dtype != ref.dtype:
         return False
     if not probe.is_floating_point() and not probe.is_complex():
         return torch.equal(probe, ref)
     if probe.numel() == 0:
         return True
-    tol = torch.finfo(probe.dtype).eps ** 0.5 if probe.is_floating_point() else 1e-6
+    tol = max(torch.finfo(probe.dtype).eps ** 0.5, 1e-3) if probe.is_floating_point() else 1e-3
     finite = torch.isfinite(ref)
     scale = float(ref[finite].abs().max()) if bool(finite.any()) else 0.0
     close = (probe - ref).abs() <= tol * max(scale, 1e-30)

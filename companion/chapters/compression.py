@@ -190,20 +190,25 @@ def _compare(s: pd.DataFrame, a: str, b: str) -> tuple[list[float], list[float],
     return ahead, behind, level
 
 
-def ggn_comparison(results: pd.DataFrame, chosen: dict[str, float]) -> dict[str, str]:
+def ggn_comparison(results: pd.DataFrame, chosen: dict[str, float],
+                   costs: pd.DataFrame | None = None) -> dict[str, str]:
     """iEF-WoodFisher against the exact GGN, the curvature it approximates (:data:`RULE_GGN`): the verdict, the
-    sparsities either way, the largest difference with its numbers, and what the result means.
+    sparsities either way, the largest difference with its numbers, the two curvatures' scales, and what the result
+    means.
 
     Args:
         results: the study's rows (``pruning_results.csv``).
         chosen: each curvature's damping (:func:`chosen_dampings`).
+        costs: the study's costs (``pruning_costs.csv``), for each curvature's mean diagonal entry; None: not stated.
 
     Returns:
         Glue keys ``wf_ggn_rule``, ``wf_ggn_verdict``, ``wf_ggn_ahead``, ``wf_ggn_behind``, ``wf_ggn_level``,
-        ``wf_ggn_gap`` and ``wf_ggn_reading``; every value ``"not run"`` but the rule where the study has no GGN.
+        ``wf_ggn_gap``, ``wf_ggn_scale`` and ``wf_ggn_reading``; every value ``"not run"`` but the rule where the
+        study has no GGN.
     """
     s = summary(results, chosen).set_index(["sparsity", "method"])
-    keys = ("wf_ggn_verdict", "wf_ggn_ahead", "wf_ggn_behind", "wf_ggn_level", "wf_ggn_gap", "wf_ggn_reading")
+    keys = ("wf_ggn_verdict", "wf_ggn_ahead", "wf_ggn_behind", "wf_ggn_level", "wf_ggn_gap", "wf_ggn_scale",
+            "wf_ggn_reading")
     if "ggn" not in {m for _, m in s.index}:
         return {"wf_ggn_rule": RULE_GGN, **{k: "not run" for k in keys}}
     ahead, behind, level = _compare(s, "ief", "ggn")
@@ -222,31 +227,51 @@ def ggn_comparison(results: pd.DataFrame, chosen: dict[str, float]) -> dict[str,
                       f"{100 * np.nan_to_num(s.loc[(widest, m)].acc_sd):.1f} %")
     gap = (f"at {pct(widest)} sparsity iEF-WoodFisher (λ = {chosen['ief']:g}) keeps {cell('ief')} test accuracy and "
            f"the exact GGN (λ = {chosen['ggn']:g}) {cell('ggn')}, a difference of {100 * gaps[widest]:+.1f} points")
+    scale = "not stated"
+    if costs is not None:
+        diag = costs[costs.method.isin(["ief", "ggn"])].groupby("method").mean_diagonal.mean()
+        if {"ief", "ggn"} <= set(diag.index) and diag["ggn"] > 0:
+            scale = (f"{diag['ief'] / diag['ggn']:.0f} times the exact GGN's ({diag['ief']:.2g} against "
+                     f"{diag['ggn']:.2g})")
     return {"wf_ggn_rule": RULE_GGN, "wf_ggn_verdict": verdict, "wf_ggn_ahead": fmt(ahead),
-            "wf_ggn_behind": fmt(behind), "wf_ggn_level": fmt(level), "wf_ggn_gap": gap,
-            "wf_ggn_reading": _ggn_reading(verdict)}
+            "wf_ggn_behind": fmt(behind), "wf_ggn_level": fmt(level), "wf_ggn_gap": gap, "wf_ggn_scale": scale,
+            "wf_ggn_reading": _ggn_reading(verdict, fmt(ahead), max(ahead) if ahead else None,
+                                           max(gaps) if gaps else None)}
 
 
-def _ggn_reading(verdict: str) -> str:
-    """What the GGN comparison's verdict means, and whether it is what one would expect."""
+_WHY_AHEAD = ("The paper's argument does not predict this, and it does not contradict it either: the paper shows "
+              "that iEF approximates the natural gradient better than EF and SF do, not that the Fisher is the best "
+              "curvature to prune with. OBS reads the curvature as the loss's Hessian in a second-order model around "
+              "the trained weights; that model is local, and one-shot pruning of most of the weights moves far from "
+              "them. In the exact GGN the trained model's many well-fitted examples barely weigh in on which weights "
+              "may go, since their terms have nearly vanished; in iEF they weigh as much as the others. Removing many "
+              "weights at once moves their logits too, beyond where their loss is flat, and a curvature that still "
+              "counts them protects them. This reading is ours, from one small MLP on one data set; the study does "
+              "not test it on its own.")
+
+
+def _ggn_reading(verdict: str, ahead: str, highest_ahead: float | None, highest: float | None) -> str:
+    """What the GGN comparison means, and whether it is expected: ``ahead`` the sparsities where iEF-WoodFisher is
+    ahead of the exact GGN (``"none"``: nowhere), ``highest_ahead`` the highest of them, ``highest`` the study's
+    highest sparsity."""
+    at_top = highest_ahead is not None and highest_ahead == highest
     if verdict.startswith("iEF"):
-        return ("So here the approximation prunes better than the curvature it approximates. The paper's argument "
-                "does not predict this, and the result does not contradict it either: the paper shows that iEF "
-                "approximates the natural gradient better than EF and SF do, not that the Fisher is the best "
-                "curvature to prune with. OBS reads the curvature as the loss's Hessian in a second-order model "
-                "around the trained weights; that model is local, and one-shot pruning of most of the weights moves "
-                "far from them. In the exact GGN the trained model's many well-fitted examples barely weigh in on "
-                "which weights may go, since their terms have nearly vanished; in iEF they weigh as much as the "
-                "others. Removing many weights at once moves their logits too, beyond where their loss is flat, and "
-                "a curvature that still counts them protects them. This reading is ours, from one small MLP on one "
-                "data set; the study does not test it on its own.")
+        return "So here the approximation prunes better than the curvature it approximates. " + _WHY_AHEAD
     if verdict.startswith("the exact GGN"):
-        return ("That is what one expects of an approximation against the curvature it approximates: the exact GGN "
-                "is the Fisher itself, and iEF-WoodFisher's place is between it and EF-WoodFisher (compare the "
-                "verdict against EF above).")
-    return ("Within the spread of the draws, iEF-WoodFisher prunes as well as the exact GGN it approximates here, "
-            "at EF's cost: its rows come from the same per-sample backward pass as EF's, where the exact GGN needs "
-            "one per class (the cost table below).")
+        text = ("That is what one expects of an approximation against the curvature it approximates: the exact GGN "
+                "is the Fisher itself.")
+        if ahead != "none":
+            text += f" iEF-WoodFisher is still ahead at {ahead}."
+        return text
+    text = ("By the rule neither prunes better here, and iEF-WoodFisher does it at EF's cost: its rows come from the "
+            "same per-sample backward pass as EF's, where the exact GGN needs one per class (the cost table below).")
+    if ahead != "none":
+        text += (f" Yet iEF-WoodFisher is ahead of the exact GGN at {ahead}"
+                 + (f", the study's highest sparsity ({100 * highest:g} %, where most weights go at once) among them"
+                    if at_top else "")
+                 + ": at those sparsities the approximation prunes better than the curvature it approximates. "
+                 + _WHY_AHEAD)
+    return text
 
 
 RULE_ROBUST = ("at the sweep sparsity, iEF's robustness to damping carries over if, at every damping of the grid, "

@@ -85,5 +85,16 @@ def test_ggn_comparison_applies_the_rule_against_the_exact_ggn_and_says_what_it_
     assert flipped["wf_ggn_reading"].startswith("That is what one expects of an approximation")
     level = {k: v for k, v in acc.items() if k[2] == 0.5}
     assert plots.ggn_comparison(_results(level), chosen)["wf_ggn_verdict"] == "neither beats the other here"
+    # neither by the rule, but ahead at the highest sparsity: the reading names it and says what it means
+    mixed = {**acc, ("ief", 1e-4, 0.9): [0.55, 0.57]}  # behind by 5 points at 90 %
+    g = plots.ggn_comparison(_results(mixed), chosen)
+    assert (g["wf_ggn_verdict"], g["wf_ggn_ahead"], g["wf_ggn_behind"]) == ("neither beats the other here", "95 %",
+                                                                           "90 %")
+    assert ("Yet iEF-WoodFisher is ahead of the exact GGN at 95 %, the study's highest sparsity (95 %, where most "
+            "weights go at once) among them: at those sparsities the approximation prunes better") in g["wf_ggn_reading"]
+    costs = pd.DataFrame({"method": ["ief", "ggn", "ief", "ggn"], "mean_diagonal": [0.04, 0.0004, 0.02, 0.0002]})
+    assert plots.ggn_comparison(_results(acc), chosen, costs)["wf_ggn_scale"] == (
+        "100 times the exact GGN's (0.03 against 0.0003)")
+    assert plots.ggn_comparison(_results(acc), chosen)["wf_ggn_scale"] == "not stated"
     without = _results({k: v for k, v in acc.items() if k[0] != "ggn"})
     assert plots.ggn_comparison(without, chosen)["wf_ggn_verdict"] == "not run"

@@ -45,7 +45,7 @@ def _fill(value):
 
 
 # in-place draws, each filled with a constant instead (uniform: the middle of its range, normal: its mean)
-_DRAWS = {torch.Tensor.uniform_: _fill(lambda a=0.0, b=1.0, **_: (a + b) / 2),
+_DRAWS = {torch.Tensor.uniform_: _fill(lambda a=0.0, b=1.0, **kw: (kw.get("from", a) + kw.get("to", b)) / 2),
           torch.Tensor.normal_: _fill(lambda mean=0.0, std=1.0, **_: mean),
           torch.Tensor.bernoulli_: _fill(1.0), torch.Tensor.exponential_: _fill(1.0)}
 

@@ -119,12 +119,16 @@ def _check_positive(name: str, value: float) -> float:
     return out
 
 
-def _check_check(check) -> bool | str:
-    """``check`` as accepted by :func:`ief.per_sample`: ``True``, ``False`` or ``"exact"`` (refused at construction
-    rather than at the first step)."""
+def _check_check(check) -> bool | str | int:
+    """``check`` as the optimisers take it: :func:`ief.per_sample`'s ``True``, ``False`` or ``"exact"``, or a whole
+    number ``N >= 1`` of steps: the exact check every ``N`` steps (steps 0, N, 2N, ...), the structural one between
+    (refused at construction rather than at the first step)."""
     if check is True or check is False or (isinstance(check, str) and check == "exact"):
         return check
-    raise ValueError(f"check must be one of {', '.join(map(repr, CHECKS))}, got {check!r}")
+    if isinstance(check, int) and not isinstance(check, bool) and check >= 1:
+        return int(check)
+    raise ValueError(f"check must be one of {', '.join(map(repr, CHECKS))} or a whole number N >= 1 of steps (the "
+                     f"exact check every N steps), got {check!r}")
 
 
 def _check_total_steps(total_steps) -> int | None:
@@ -218,7 +222,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         momentum: float = 0.0,
         dampening: float = 0.0,
         weight_decay: float = 0.0,
-        check: bool = True,
+        check: bool | str | int = True,
         form: str = "auto",
     ):
         self._constructed = False
@@ -530,10 +534,13 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         return losses.sum() if tokens is None else losses.sum() / tokens
 
     def _check_now(self):
-        """The thorough (exact) per-sample check on the first step, the cheap one afterwards."""
-        if self.check and self.steps_taken == 0:
-            return "exact"
-        return self.check
+        """The per-sample check of this step: ``True``: the exact one on the first step, the structural one after;
+        ``"exact"``: exact on every step; ``N``: exact on steps 0, N, 2N, ..., structural between; ``False``: none."""
+        if self.check is True:
+            return "exact" if self.steps_taken == 0 else True
+        if self.check is False or self.check == "exact":
+            return self.check
+        return "exact" if self.steps_taken % self.check == 0 else True
 
     def _per_sample(self, inputs: Inputs, targets: torch.Tensor, group: dict) -> Any:
         """The batch's :class:`ief.jacobian.PerSample`; :func:`ief.per_sample` refuses non-finite losses and rows
@@ -594,7 +601,9 @@ class IEF(PreconditionedOptimizer):
         weight_decay: AdamW's decoupled decay ``theta <- (1 - lr_t wd) theta``, ``>= 0`` with
             ``lr * weight_decay < 1`` (default ``0.0``).
         check: the per-sample guard of :func:`ief.per_sample`: ``True`` (default: the thorough ``"exact"`` check on
-            the first step, the ~free structural one after), ``"exact"`` (every step) or ``False`` (off).
+            the first step, the ~free structural one after), ``"exact"`` (every step), a whole number ``N >= 1``
+            (exact every N steps, structural between: the guarantee throughout at 1/N of its cost) or ``False``
+            (off).
         form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
             ``"dense"``, ``"ghost"`` or ``"rows"``.
 
@@ -658,7 +667,9 @@ class EF(PreconditionedOptimizer):
         weight_decay: AdamW's decoupled decay ``theta <- (1 - lr_t wd) theta``, ``>= 0`` with
             ``lr * weight_decay < 1`` (default ``0.0``).
         check: the per-sample guard of :func:`ief.per_sample`: ``True`` (default: the thorough ``"exact"`` check on
-            the first step, the ~free structural one after), ``"exact"`` (every step) or ``False`` (off).
+            the first step, the ~free structural one after), ``"exact"`` (every step), a whole number ``N >= 1``
+            (exact every N steps, structural between: the guarantee throughout at 1/N of its cost) or ``False``
+            (off).
         form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
             ``"dense"``, ``"ghost"`` or ``"rows"``.
 
@@ -716,7 +727,9 @@ class SF(PreconditionedOptimizer):
         weight_decay: AdamW's decoupled decay ``theta <- (1 - lr_t wd) theta``, ``>= 0`` with
             ``lr * weight_decay < 1`` (default ``0.0``).
         check: the per-sample guard of :func:`ief.per_sample`: ``True`` (default: the thorough ``"exact"`` check on
-            the first step, the ~free structural one after), ``"exact"`` (every step) or ``False`` (off).
+            the first step, the ~free structural one after), ``"exact"`` (every step), a whole number ``N >= 1``
+            (exact every N steps, structural between: the guarantee throughout at 1/N of its cost) or ``False``
+            (off).
         form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
             ``"dense"``, ``"ghost"`` or ``"rows"``.
 

@@ -469,11 +469,12 @@ def test_error_text_is_not_doubled(cls):
     assert text.count("parameters left unchanged") == 1 and text.endswith("parameters left unchanged")
 
 
-@pytest.mark.parametrize("check", ["bogus", "EXACT", 1, 0, "sum", None])
+@pytest.mark.parametrize("check", ["bogus", "EXACT", 0, -2, 2.5, "sum", None])
 @pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
 def test_bad_check_is_refused_by_the_constructor(cls, check):
     c = mlp_case()
-    with pytest.raises(ValueError, match=r"check must be one of True, False, 'exact', got") as info:
+    with pytest.raises(ValueError, match=r"check must be one of True, False, 'exact' or a whole number N >= 1 of "
+                                         r"steps \(the exact check every N steps\), got") as info:
         cls(c.model, check=check)
     assert repr(check) in str(info.value)
 
@@ -813,10 +814,11 @@ def test_a_parameter_subset_is_preconditioned_alone_with_the_given_loss(cls):
 
 
 @pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
-@pytest.mark.parametrize("check", [True, False, "exact"])
+@pytest.mark.parametrize("check", [True, False, "exact", 2, 1])
 def test_the_exact_check_runs_on_the_first_step_and_the_chosen_one_after(cls, check, monkeypatch):
     """``check=True``: the thorough ("exact") per-sample check on the first step, the cheap one afterwards;
-    ``check=False`` never checks; ``"exact"`` always does the thorough one."""
+    ``check=False`` never checks; ``"exact"`` always does the thorough one; ``N``: the thorough one every N steps
+    (0, N, 2N, ...), the cheap one between."""
     exact = importlib.import_module("ief.optim.exact")
     seen = []
     name = "gradient_and_sampled_jacobian" if cls is ief.optim.SF else "per_sample"
@@ -829,10 +831,11 @@ def test_the_exact_check_runs_on_the_first_step_and_the_chosen_one_after(cls, ch
     monkeypatch.setattr(exact, name, spy)
     c = mlp_case()
     opt = cls(c.model, lr=0.01, damping=1e-3, check=check)
-    for _ in range(3):
+    for _ in range(5):
         opt.step(c.inputs, c.targets)
-    first = "exact" if check else False
-    assert seen == [first, check, check]
+    expected = (["exact", True, True, True, True] if check is True else [False] * 5 if check is False else
+                ["exact", True, "exact", True, "exact"] if check == 2 else ["exact"] * 5)  # "exact" and 1
+    assert seen == expected
 
 
 def test_the_dense_form_reuses_one_buffer_for_j_across_steps():

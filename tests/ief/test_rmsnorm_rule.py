@@ -93,10 +93,14 @@ def test_the_rule_equals_the_per_sample_loop_bit_for_bit_in_float64():
 
 def test_a_low_precision_model_casts_as_the_module_does():
     """bfloat16 weights and input: ``x_hat`` in float32, cast to bfloat16, times the weight (Llama); Gemma's product in
-    float32 cast back. The rule's rows equal autograd's per-sample gradients of the very module."""
+    float32 cast back; nn.RMSNorm in float32 inside. The rule's rows equal autograd's per-sample gradients of the very
+    module (to bfloat16's rounding)."""
     torch.manual_seed(0)
-    for kind in ("llama", "gemma"):
-        module = _case(kind, torch.float32, train=False).model.model.norm.to(torch.bfloat16)
+    for kind in ("llama", "gemma", "torch"):
+        if kind == "torch":
+            module = torch.nn.RMSNorm(8).to(torch.bfloat16)
+        else:
+            module = _case(kind, torch.float32, train=False).model.model.norm.to(torch.bfloat16)
         with torch.no_grad():
             module.weight.add_(0.1 * torch.randn_like(module.weight))
         x = torch.randn(3, 5, 8, dtype=torch.bfloat16)
@@ -168,3 +172,47 @@ def test_every_listed_class_is_verified_or_absent():
         form = rmsnorm._FORWARDS.get(rmsnorm._fingerprint(cls))
         assert form is not None, name
         assert form[0] == ("llama" if name in rmsnorm._LLAMA_STYLE else "gemma"), name
+
+
+class TorchRMSNormModel(torch.nn.Module):
+    """Linear -> nn.RMSNorm over the last dimension (eps None: the dtype's) -> Linear -> nn.RMSNorm over the last two
+    (reshaped [.., 2, 3]) -> head, per-position logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 6)
+        self.norm1 = torch.nn.RMSNorm(6)
+        self.mid = torch.nn.Linear(6, 6)
+        self.norm2 = torch.nn.RMSNorm((2, 3), eps=1e-5)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.norm1(self.inp(x))
+        h = self.norm2(torch.tanh(self.mid(h)).unflatten(-1, (2, 3))).flatten(-2)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("form", ["dense", "ghost", "rows", "auto"])
+def test_torch_rmsnorm_is_exact_without_the_loop(dtype, train, form):
+    torch.manual_seed(0)
+    model = TorchRMSNormModel().to(dtype).train(train)
+    with torch.no_grad():
+        for m in (model.norm1, model.norm2):
+            m.weight.add_(0.3 * torch.randn_like(m.weight))
+    x = torch.randn(5, 3, 4, dtype=dtype)
+    y = torch.randint(0, 3, (5, 3))
+    y[1] = -100  # every position of sample 1 ignored
+    y[0, 2] = -100
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ief.SlowPathWarning)
+        result = ief.per_sample(model, x, y, check="exact", form=form)
+    ref = oracle.per_sample(copy.deepcopy(model).double(), x.double(), y)[1].to(torch.float64)
+    assert _rel(_dense(result), ref) < (1e-5 if dtype == torch.float32 else 1e-12)
+
+
+def test_torch_rmsnorm_without_weight_or_of_a_subclass_is_not_hooked():
+    assert rule_for(torch.nn.RMSNorm(4)) is not None
+    assert rule_for(torch.nn.RMSNorm(4, elementwise_affine=False)) is None
+    assert rule_for(type("MyNorm", (torch.nn.RMSNorm,), {})(4)) is None

@@ -2,7 +2,7 @@
 
 Importing this package registers the built-in rules: ``linear`` (``nn.Linear``, HF ``Conv1D``), ``conv``
 (``nn.Conv2d`` / ``nn.Conv1d``), ``embedding`` (``nn.Embedding``), ``norms`` (``nn.LayerNorm``, ``nn.GroupNorm``,
-eval-mode batch norm), ``rmsnorm`` (Hugging Face's RMS norms, verified per class) and ``attention``
+eval-mode batch norm), ``rmsnorm`` (``nn.RMSNorm``, Hugging Face's RMS norms verified per class) and ``attention``
 (``nn.MultiheadAttention``). ``broadcast`` gives rows to tensors used broadcast over the batch (no module of their
 own), ``prompts`` makes peft prompt tuning visible to the hooks.
 Adding a layer rule is one file (a :class:`LayerRule` subclass) plus one :func:`register_rule` call.

@@ -1,4 +1,5 @@
-"""RMS normalisations of Hugging Face's decoder models (Llama, Mistral, Qwen2, ... and Gemma's ``1 + weight``).
+"""RMS normalisations: Hugging Face's decoder models' (Llama, Mistral, Qwen2, ... and Gemma's ``1 + weight``) and
+torch's own ``nn.RMSNorm``.
 
 Their ``forward`` normalises each position of each sample on its own, in float32 whatever the input's dtype::
 
@@ -19,6 +20,10 @@ not swapped for a hub kernel) has exactly the source text of one of the two form
 release writes it (:data:`_FORWARDS`), with a one-dimensional ``weight`` and a number ``variance_epsilon`` /
 ``eps``. Any other module, or a release whose forward reads differently, keeps the exact per-sample loop.
 transformers is never imported here.
+
+``nn.RMSNorm`` (exact type, with its affine weight) is ``F.rms_norm``: ``x_hat = x * rsqrt(mean(x^2) + eps)`` over its
+``normalized_shape`` (the features), ``eps`` the input dtype's machine epsilon when ``None``, computed in float32 for
+half-precision inputs, times the weight: rows ``sum_positions g * x_hat`` again.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import textwrap
 
 import torch
 
-from .registry import LayerRule, register_by_name, write_block
+from .registry import LayerRule, register_by_name, register_rule, write_block
 
 # :func:`_fingerprint` of a verified class -> (form, the attribute holding epsilon); the sources as transformers 5.23
 # writes them (the module docstring's two forms). A release that writes them otherwise keeps the loop until added.
@@ -115,5 +120,33 @@ class HFRMSNormRule(LayerRule):
         rmsnorm_grads(module, x, g, dests, accumulate)
 
 
+def torch_rmsnorm_grads(module: torch.nn.RMSNorm, x: torch.Tensor, g: torch.Tensor, dests, accumulate: bool) -> None:
+    """Sample ``n``'s gradient of ``nn.RMSNorm``'s weight, ``sum_positions g * x_hat`` (``x [M, ..., *shape]``)."""
+    if "weight" not in dests:
+        return
+    shape = tuple(module.normalized_shape)
+    dims = tuple(range(-len(shape), 0))
+    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+    xc = x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
+    x_hat = xc * torch.rsqrt(xc.pow(2).mean(dim=dims, keepdim=True) + eps)
+    rows = (g * x_hat.to(g.dtype)).reshape(x.shape[0], -1, *shape).sum(dim=1)
+    write_block(dests["weight"], rows, accumulate)
+
+
+class TorchRMSNormRule(LayerRule):
+    """``nn.RMSNorm`` with its affine weight; its normalised dimensions are the features."""
+
+    def applies(self, module):
+        return getattr(module, "weight", None) is not None
+
+    def feature_dims(self, module):
+        return len(module.normalized_shape)
+
+    def grads(self, module, x, g, dests, accumulate):
+        torch_rmsnorm_grads(module, x, g, dests, accumulate)
+
+
+if hasattr(torch.nn, "RMSNorm"):
+    register_rule(torch.nn.RMSNorm, TorchRMSNormRule())
 for _name, _family in {**_LLAMA_STYLE, **_GEMMA_STYLE}.items():
     register_by_name(f"transformers.models.{_family}.modeling_{_family}.{_name}", HFRMSNormRule())

@@ -1,7 +1,7 @@
 """The Hugging Face RMS norm rule (:mod:`ief.jacobian.rules.rmsnorm`): exact per-sample gradients of the norms'
 weights against the dense float64 per-sample autograd oracle (and the exact per-sample loop), dense and factored forms,
 float32 and float64, eval and train mode; no slow path left for full fine-tuning of Llama / Mistral / Qwen2 / Gemma
-with untied heads (Gemma's scaled embedding frozen: it has no rule); modules that cannot be verified stay on the loop."""
+with untied heads (Gemma's scaled embedding frozen: it has no rule), T5's layer norms, ``nn.RMSNorm``; modules that cannot be verified stay on the loop."""
 from __future__ import annotations
 
 import copy
@@ -93,12 +93,16 @@ def test_the_rule_equals_the_per_sample_loop_bit_for_bit_in_float64():
 
 def test_a_low_precision_model_casts_as_the_module_does():
     """bfloat16 weights and input: ``x_hat`` in float32, cast to bfloat16, times the weight (Llama); Gemma's product in
-    float32 cast back; nn.RMSNorm in float32 inside. The rule's rows equal autograd's per-sample gradients of the very
+    float32 cast back; nn.RMSNorm in float32 inside; T5's x_hat in float32 cast to the weight's bfloat16. The rule's rows equal autograd's per-sample gradients of the very
     module (to bfloat16's rounding)."""
     torch.manual_seed(0)
-    for kind in ("llama", "gemma", "torch"):
+    for kind in ("llama", "gemma", "torch", "t5"):
         if kind == "torch":
             module = torch.nn.RMSNorm(8).to(torch.bfloat16)
+        elif kind == "t5":
+            from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+            module = T5LayerNorm(8).to(torch.bfloat16)
         else:
             module = _case(kind, torch.float32, train=False).model.model.norm.to(torch.bfloat16)
         with torch.no_grad():
@@ -164,14 +168,41 @@ def test_every_listed_class_is_verified_or_absent():
     forward changed would silently fall to the loop: this says so)."""
     import importlib
 
-    for name, family in {**rmsnorm._LLAMA_STYLE, **rmsnorm._GEMMA_STYLE}.items():
+    for name, family in {**rmsnorm._LLAMA_STYLE, **rmsnorm._GEMMA_STYLE, **rmsnorm._T5_STYLE}.items():
         try:
             cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
         except (ImportError, AttributeError):
             continue
         form = rmsnorm._FORWARDS.get(rmsnorm._fingerprint(cls))
         assert form is not None, name
-        assert form[0] == ("llama" if name in rmsnorm._LLAMA_STYLE else "gemma"), name
+        assert form[0] == rmsnorm._STYLE[name], name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("form", ["dense", "auto"])
+def test_t5_layer_norms_are_hooked_and_exact(dtype, train, form):
+    """Full fine-tuning of a tiny T5: its T5LayerNorms (variance in float32, x_hat in the promoted dtype) take the
+    rule; what still takes the loop is the tied shared table / LM head and the relative attention biases."""
+    from tiny_models import _t5_batch, _t5_config
+
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(_t5_config()).to(dtype).train(train)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    norms = [m for m in model.modules() if type(m).__name__ == "T5LayerNorm"]
+    assert norms and all(rule_for(m) is not None for m in norms)
+    inputs, targets = _t5_batch(3, 0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", ief.SlowPathWarning)
+        result = ief.per_sample(model, inputs, targets, check="exact", form=form)
+    for w in record:
+        if issubclass(w.category, ief.SlowPathWarning):
+            assert "layer_norm" not in str(w.message).split(". Hooked layers")[0], str(w.message)
+    ref = oracle.per_sample(copy.deepcopy(model).double(), inputs, targets)[1].to(torch.float64)
+    assert _rel(_dense(result), ref) < (1e-5 if dtype == torch.float32 else 1e-12)
 
 
 class TorchRMSNormModel(torch.nn.Module):

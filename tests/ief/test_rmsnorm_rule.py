@@ -1,7 +1,8 @@
-"""The Hugging Face RMS norm rule (:mod:`ief.jacobian.rules.rmsnorm`): exact per-sample gradients of the norms'
-weights against the dense float64 per-sample autograd oracle (and the exact per-sample loop), dense and factored forms,
-float32 and float64, eval and train mode; no slow path left for full fine-tuning of Llama / Mistral / Qwen2 / Gemma
-with untied heads (Gemma's scaled embedding frozen: it has no rule), T5's layer norms, ``nn.RMSNorm``; modules that cannot be verified stay on the loop."""
+"""The RMS norm rule (:mod:`ief.jacobian.rules.rmsnorm`) and the scaled word embedding rule
+(:mod:`ief.jacobian.rules.scaled_embedding`): exact per-sample gradients against the dense float64 per-sample autograd
+oracle (and the exact per-sample loop), dense and factored forms, float32 and float64, eval and train mode; no slow
+path left for full fine-tuning of Llama / Mistral / Qwen2 / Gemma with untied heads; T5's layer norms and
+``nn.RMSNorm`` hooked; modules that cannot be verified stay on the loop."""
 from __future__ import annotations
 
 import copy
@@ -31,8 +32,6 @@ def _case(kind: str, dtype: torch.dtype, train: bool, tie: bool = False) -> Case
     cls, extra = CONFIGS[kind]
     config = rm._tiny_decoder_config(cls, tie_word_embeddings=tie, **extra)
     c = rm._causal_lm(kind, config, train=train)
-    if kind == "gemma" and not tie:  # its scaled embedding (an nn.Embedding subclass) has no rule: frozen here
-        c.model.model.embed_tokens.weight.requires_grad_(False)
     c.model.to(dtype)
     return c
 
@@ -247,3 +246,67 @@ def test_torch_rmsnorm_without_weight_or_of_a_subclass_is_not_hooked():
     assert rule_for(torch.nn.RMSNorm(4)) is not None
     assert rule_for(torch.nn.RMSNorm(4, elementwise_affine=False)) is None
     assert rule_for(type("MyNorm", (torch.nn.RMSNorm,), {})(4)) is None
+
+
+# ------------------------------------------------------------------------------------ HF scaled word embeddings
+# (ief.jacobian.rules.scaled_embedding: Gemma's and BART's tables times a fixed scale)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("form", ["dense", "ghost", "rows", "auto"])
+def test_gemma_untied_full_fine_tuning_has_no_loop(dtype, form):
+    """Gemma (untied head) with its scaled embedding trainable: table rows times sqrt(hidden), norms (1 + weight);
+    every parameter hooked, exact against the float64 oracle (the factored forms keep the table's used rows)."""
+    from ief.jacobian.rules.scaled_embedding import ScaledEmbeddingRule
+
+    c = _case("gemma", dtype, train=False)
+    embed = c.model.model.embed_tokens
+    assert isinstance(rule_for(embed), ScaledEmbeddingRule) and float(embed.embed_scale) != 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ief.SlowPathWarning)
+        result = ief.per_sample(c.model, c.inputs, c.targets, check="exact", form=form)
+    assert _rel(_dense(result), _oracle(c)) < (1e-5 if dtype == torch.float32 else 1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_bart_scaled_embedding_rows_equal_autograds(dtype):
+    """BART's ScaledWordEmbedding (a number as scale, padding row): the rule's rows against autograd per sample."""
+    from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
+
+    torch.manual_seed(0)
+    module = BartScaledWordEmbedding(11, 4, padding_idx=1, embed_scale=2.0).to(dtype)
+    assert rule_for(module) is not None
+    ids = torch.randint(0, 11, (3, 5))
+    ids[0, -1] = 1
+    g = torch.randn(3, 5, 4, dtype=dtype)
+    want = torch.stack([torch.autograd.grad(module(ids[n:n + 1]), module.weight, g[n:n + 1])[0] for n in range(3)])
+    dest = torch.empty(3, 44, dtype=dtype)
+    rule_for(module).grads(module, ids, g, {"weight": dest}, accumulate=False)
+    assert torch.equal(dest, want.reshape(3, -1))
+
+
+def test_scaled_embeddings_that_cannot_be_verified_stay_on_the_loop():
+    from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
+
+    from ief.jacobian.rules import scaled_embedding
+
+    module = BartScaledWordEmbedding(11, 4, padding_idx=1, embed_scale=2.0)
+    assert rule_for(module) is not None
+    patched = BartScaledWordEmbedding(11, 4, padding_idx=1, embed_scale=2.0)
+    patched.forward = types.MethodType(lambda self, ids: torch.nn.Embedding.forward(self, ids), patched)
+    assert rule_for(patched) is None
+    tensor_scale = BartScaledWordEmbedding(11, 4, padding_idx=1)
+    tensor_scale.embed_scale = torch.tensor(2.0)  # not the number this form multiplies by
+    assert rule_for(tensor_scale) is None
+    max_norm = BartScaledWordEmbedding(11, 4, padding_idx=1)
+    max_norm.max_norm = 1.0
+    assert rule_for(max_norm) is None
+    assert rule_for(type("BartScaledWordEmbedding", (torch.nn.Embedding,), {
+        "__module__": "transformers.models.bart.modeling_bart",
+        "forward": lambda self, ids: 3 * torch.nn.Embedding.forward(self, ids)})(11, 4)) is None
+    import importlib
+
+    for name, family in scaled_embedding._CLASSES.items():
+        try:
+            cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+        except (ImportError, AttributeError):
+            continue
+        assert scaled_embedding._FORWARDS.get(rmsnorm._fingerprint(cls)) is not None, name

@@ -1,13 +1,14 @@
 """The layer rules, one file per layer family, and their registry (:mod:`ief.jacobian.rules.registry`).
 
 Importing this package registers the built-in rules: ``linear`` (``nn.Linear``, HF ``Conv1D``), ``conv``
-(``nn.Conv2d`` / ``nn.Conv1d``), ``embedding`` (``nn.Embedding``), ``norms`` (``nn.LayerNorm``, ``nn.GroupNorm``,
-eval-mode batch norm), ``rmsnorm`` (``nn.RMSNorm``, Hugging Face's RMS norms verified per class) and ``attention``
-(``nn.MultiheadAttention``). ``broadcast`` gives rows to tensors used broadcast over the batch (no module of their
-own), ``prompts`` makes peft prompt tuning visible to the hooks.
+(``nn.Conv2d`` / ``nn.Conv1d``), ``embedding`` (``nn.Embedding``), ``scaled_embedding`` (Hugging Face's scaled word
+embeddings, verified per class), ``norms`` (``nn.LayerNorm``, ``nn.GroupNorm``, eval-mode batch norm), ``rmsnorm``
+(``nn.RMSNorm``, Hugging Face's RMS norms verified per class) and ``attention`` (``nn.MultiheadAttention``).
+``broadcast`` gives rows to tensors used broadcast over the batch (no module of their own), ``prompts`` makes peft
+prompt tuning visible to the hooks.
 Adding a layer rule is one file (a :class:`LayerRule` subclass) plus one :func:`register_rule` call.
 """
-from . import attention, conv, embedding, linear, norms, rmsnorm  # noqa: F401  (each registers its rules)
+from . import attention, conv, embedding, linear, norms, rmsnorm, scaled_embedding  # noqa: F401  (each registers)
 from .registry import BATCH_FIRST, LayerRule, register_rule, rule_for, unregister_rule, write_block
 
 __all__ = ["BATCH_FIRST", "LayerRule", "register_rule", "rule_for", "unregister_rule", "write_block"]

@@ -3,9 +3,9 @@
 The capture (:mod:`ief.jacobian.capture`) asks :func:`rule_for` about every module of the model; a module whose type
 has a rule that :meth:`LayerRule.applies` to it is hooked, every other module's parameters take the exact per-sample
 loop. Types are matched exactly (``type(module) is cls``, never a subclass, whose ``forward`` may do something else).
-The built-in rules live one family per file beside this one (``linear``, ``conv``, ``embedding``, ``norms``,
-``rmsnorm``, ``attention``) and register themselves when :mod:`ief.jacobian.rules` is imported; a user's own layer type gets one
-with :func:`register_rule`.
+The built-in rules live one family per file beside this one (``linear``, ``conv``, ``embedding``,
+``scaled_embedding``, ``norms``, ``rmsnorm``, ``attention``) and register themselves when :mod:`ief.jacobian.rules`
+is imported; a user's own layer type gets one with :func:`register_rule`.
 """
 from __future__ import annotations
 

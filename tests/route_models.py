@@ -19,7 +19,7 @@ every target position is ignored, so its per-sample gradient is zero and ``J J^T
   a position table shared by every sample, a repeated sample and per-position logits;
 - ``llama``, ``qwen2-tied``: full fine-tuning of tiny ``LlamaForCausalLM`` (train mode, untied head) and
   ``Qwen2ForCausalLM`` (eval mode, ``tie_word_embeddings=True``) from configs, right-padded with an attention mask,
-  per-position next-token targets (RMS norms: their rule; Qwen2's tied table and head: the per-sample loop).
+  per-position next-token targets (RMS norms: their rule; Qwen2's tied table and head: hooked in both modules).
 """
 from __future__ import annotations
 

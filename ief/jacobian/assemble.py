@@ -52,7 +52,10 @@ def _factored_layers(capture: PerSampleCapture, m: int, form: str, dtype: torch.
     ghosts, ghost_modules, bias_rows, tables = [], set(), {}, {}
     if form == "dense":
         return ghosts, ghost_modules, bias_rows, tables
+    tied = {k for ks in capture.shared.values() for k in ks}
     for k, (module, rule, _, owned) in enumerate(capture.modules):
+        if k in tied:  # a tied weight's rows sum several rules' rows: kept dense (capture.fill)
+            continue
         if rule.table and "weight" in owned:
             calls = list(capture.calls(k))
             if calls:

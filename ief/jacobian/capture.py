@@ -137,7 +137,10 @@ class PerSampleCapture:
     call would leak its graph and activations), which such a backward asks for instead so that it reaches every
     hooked call.
     ``stand_ins[i]``: the stand-ins made for parameter ``i`` (one per call), for a backward that needs the whole
-    gradient (:meth:`leaves`). Calls with gradients off run with the real parameters."""
+    gradient (:meth:`leaves`). Calls with gradients off run with the real parameters.
+    ``shared[i]``: the hooked modules holding parameter ``i`` directly (stand-ins only), a tied weight (an embedding
+    table that is also the output head's weight): hooked in each, its rows the sum of their rows (:meth:`fill`), kept
+    dense in the factored forms; one of them demoted demotes them all (:meth:`demote`)."""
 
     def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor], stand_ins: bool = False):
         self.swap = stand_ins
@@ -150,6 +153,10 @@ class PerSampleCapture:
         # (module, rule, trailing feature dims, {parameter name in module: index in params})
         self.modules: list[tuple[torch.nn.Module, LayerRule, int, dict[str, int]]] = []
         covered: set[int] = set()
+        direct: set[int] = set()  # parameters owned by a module's own _parameters (not through owns_submodules)
+        # parameter index -> the hooked modules (k) that use it: a tied weight (an embedding table that is also the
+        # output head's weight) is hooked in every module holding it, and its rows are the sum of their rules' rows
+        self.shared: dict[int, list[int]] = {}
         for module in model.modules():
             rule = rule_for(module)
             if rule is None:
@@ -157,9 +164,21 @@ class PerSampleCapture:
             # e.g. a MultiheadAttention also owns its out_proj's parameters (used inside its call, never as a module)
             owned = {n: index[id(p)] for n, p in module.named_parameters(recurse=rule.owns_submodules)
                      if id(p) in index}
-            if owned and not (set(owned.values()) & covered):
-                self.modules.append((module, rule, rule.feature_dims(module), owned))
-                covered.update(owned.values())
+            if not owned:
+                continue
+            overlap = set(owned.values()) & covered
+            # shared only per-sample (stand-ins in every holder's calls), between modules holding it directly
+            if overlap and not (stand_ins and not rule.owns_submodules and overlap <= direct
+                                and all("." not in n for n in owned)):
+                continue
+            k = len(self.modules)
+            for i in overlap:
+                self.shared.setdefault(i, [next(j for j, e in enumerate(self.modules) if i in e[3].values())])
+                self.shared[i].append(k)
+            self.modules.append((module, rule, rule.feature_dims(module), owned))
+            covered.update(owned.values())
+            if not rule.owns_submodules:
+                direct.update(owned.values())
         self.hooked = covered
         # Broadcast uses (rules.broadcast), per-sample capture with more than one sample only: the trainable
         # parameters outside hooked modules (candidates), those whose every use is broadcast over the batch
@@ -477,6 +496,15 @@ class PerSampleCapture:
         is no longer hooked; its calls' stand-ins stay, so that the loop differentiates every use (:meth:`leaves`)."""
         if not reasons:
             return
+        spread = True  # a tied weight's rows need every holder: one demoted demotes them all (to a fixed point)
+        while spread:
+            spread = False
+            for ks in self.shared.values():
+                why = next((reasons[k] for k in ks if k in reasons), None)
+                for k in ks if why is not None else ():
+                    if k not in reasons:
+                        reasons[k] = f"{why} (its weight is tied to this {type(self.modules[k][0]).__name__})"
+                        spread = True
         kept = []
         for k, entry in enumerate(self.modules):
             if k not in reasons:
@@ -486,13 +514,15 @@ class PerSampleCapture:
                 self.demoted[i] = reasons[k]
             self.hooked -= set(entry[3].values())
         self.modules = [e for _, e in kept]
+        renumber = {old: new for new, (old, _) in enumerate(kept)}
+        self.shared = {i: [renumber[k] for k in ks] for i, ks in self.shared.items() if all(k in renumber for k in ks)}
         self.records = {new: self.records[old] for new, (old, _) in enumerate(kept)}
         self.edges = {new: self.edges[old] for new, (old, _) in enumerate(kept)}
 
     def demote_outside_uses(self, reached: set[int], names: Sequence[str]) -> None:
         """Demote the modules of hooked parameters that the graph reaches outside their hooked calls (``reached``:
-        their own gradient accumulators are in the graph, see :func:`ief.model_call.scan_graph`; e.g. tied weights):
-        their hooked rows would miss that use, the loop's rows are exact."""
+        their own gradient accumulators are in the graph, see :func:`ief.model_call.scan_graph`; e.g. a tied weight
+        also used bare): their hooked rows would miss that use, the loop's rows are exact."""
         reasons = {}
         for k, (module, _, _, owned) in enumerate(self.modules):
             outside = [i for i in owned.values() if i in reached]
@@ -542,11 +572,16 @@ class PerSampleCapture:
         parameters not in it and modules in ``skip`` are left out."""
         columns = {i: self.offsets[i] for i in range(len(self.params))} if columns is None else columns
         written: set[int] = set()
+        tied = {k for ks in self.shared.values() for k in ks}
         for k, (module, rule, _, owned) in enumerate(self.modules):
             dests = {name: jac[:, columns[i] : columns[i] + self.sizes[i]] for name, i in owned.items() if i in columns}
             if k in skip or not dests:
                 continue
-            accumulate = False
+            accumulate = k in tied
+            if accumulate:  # every holder of a tied weight adds its rows to a block zeroed by the first one
+                for name, dest in dests.items():
+                    if owned[name] not in written:
+                        dest.zero_()
             for x, grad in self.calls(k):
                 rule.grads(module, x, grad, dests, accumulate)
                 accumulate = True

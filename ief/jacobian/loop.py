@@ -4,7 +4,9 @@
 Every trainable parameter that is not in a hooked module (a layer type without a rule, a convolution with reflect /
 circular padding, an RNN, an ``nn.MultiheadAttention`` with dropout in training, a bare ``nn.Parameter`` used
 otherwise than broadcast), whose module had a call without an established sample axis, or that is also used outside
-its hooked module (a tied weight) takes this loop: exact, about ``M`` times a gradient for those parameters.
+its hooked modules (e.g. a tied weight also used bare; a weight tied between hooked modules is hooked in each, see
+:class:`~ief.jacobian.capture.PerSampleCapture`) takes this loop: exact, about ``M`` times a gradient for those
+parameters.
 """
 from __future__ import annotations
 
@@ -65,10 +67,12 @@ def _warn_slow_path(model: torch.nn.Module, capture: PerSampleCapture, names: Se
     listed = "; ".join(f"{', '.join(ns)} ({why})" for why, ns in reasons.items())
     warnings.warn(
         f"{len(loop)} of {len(names)} parameter tensors take the per-sample loop of {m} backward passes (exact, but "
-        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, HF Conv1D, nn.Embedding, nn.LayerNorm, "
-        "nn.GroupNorm, nn.Conv1d / nn.Conv2d (zero padding), nn.BatchNorm1d / 2d (eval mode), torch.nn attention (no "
-        "dropout) whose input has a sample dimension, and parameters or embedding outputs only added to or expanded "
-        "over the batch, and layer types given a rule with ief.register_rule; pass params= to precondition only "
+        f"about {m}x a gradient): {listed}. Hooked layers: nn.Linear, HF Conv1D, nn.Embedding, HF scaled word "
+        "embeddings, nn.LayerNorm, nn.GroupNorm, RMS norms (nn.RMSNorm, HF Llama-style and T5 layer norms), "
+        "nn.Conv1d / nn.Conv2d (zero padding), nn.BatchNorm1d / 2d (eval mode), torch.nn attention (no dropout) whose "
+        "input has a sample dimension, a weight tied between such layers (an embedding table that is also the output "
+        "layer's weight), and parameters or embedding outputs only added to or expanded over the batch, and layer "
+        "types given a rule with ief.register_rule; pass params= to precondition only "
         "those. For peft prompt tuning, call ief.per_sample_prompts(model) once after get_peft_model.",
         SlowPathWarning,
         stacklevel=4,

@@ -435,8 +435,8 @@ def test_layer_without_forward_mode_rule_falls_back_or_names_the_module():
 @pytest.mark.filterwarnings("ignore::ief.SlowPathWarning")
 def test_gpt2_with_its_lm_head_tied_to_the_token_table_is_exact():
     """GPT-2's ``lm_head`` is ``wte``'s table (tied): before, refused with a message offering ``check=False``, whose
-    rows were 44 % wrong. Now ``wte`` takes the per-sample loop: the oracle's rows with every check, and the exact
-    iEF direction."""
+    rows were 44 % wrong; then ``wte`` took the per-sample loop. Now the table is hooked in ``wte`` and ``lm_head``
+    both (its rows the sum of theirs): the oracle's rows with every check, and the exact iEF direction."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
 

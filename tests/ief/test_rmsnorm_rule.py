@@ -114,13 +114,15 @@ def test_a_low_precision_model_casts_as_the_module_does():
         assert _rel(dest.double(), want.double()) < 1e-2, kind  # bfloat16 sums in another order
 
 
-def test_tied_embeddings_still_take_the_loop_for_the_table_only():
-    """Qwen2 with tied input/output embeddings: the norms are hooked, only the tied table takes the loop; exact."""
+@pytest.mark.parametrize("form", ["dense", "ghost", "rows", "auto"])
+def test_tied_embeddings_take_no_loop(form):
+    """Qwen2 with tied input/output embeddings: the norms are hooked, and the tied table / head too (its rows the sum
+    of the embedding's and the head's rows); no SlowPathWarning, exact."""
     c = _case("qwen2", torch.float64, train=False, tie=True)
-    with pytest.warns(ief.SlowPathWarning) as record:
-        result = ief.per_sample(c.model, c.inputs, c.targets, check="exact")
-    text = " ".join(str(w.message) for w in record)
-    assert "1 of" in text and "norm" not in text.split("Hooked layers")[0]
+    assert c.model.lm_head.weight is c.model.model.embed_tokens.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ief.SlowPathWarning)
+        result = ief.per_sample(c.model, c.inputs, c.targets, check="exact", form=form)
     assert _rel(_dense(result), _oracle(c)) < 1e-10
 
 
@@ -182,7 +184,8 @@ def test_every_listed_class_is_verified_or_absent():
 @pytest.mark.parametrize("form", ["dense", "auto"])
 def test_t5_layer_norms_are_hooked_and_exact(dtype, train, form):
     """Full fine-tuning of a tiny T5: its T5LayerNorms (variance in float32, x_hat in the promoted dtype) take the
-    rule; what still takes the loop is the tied shared table / LM head and the relative attention biases."""
+    rule, and the shared table tied to the encoder's and decoder's embeddings and the LM head is hooked in all three;
+    what still takes the loop is the relative attention biases alone."""
     from tiny_models import _t5_batch, _t5_config
 
     torch.manual_seed(0)
@@ -199,7 +202,9 @@ def test_t5_layer_norms_are_hooked_and_exact(dtype, train, form):
         result = ief.per_sample(model, inputs, targets, check="exact", form=form)
     for w in record:
         if issubclass(w.category, ief.SlowPathWarning):
-            assert "layer_norm" not in str(w.message).split(". Hooked layers")[0], str(w.message)
+            listed = str(w.message).split(". Hooked layers")[0]
+            assert "layer_norm" not in listed and "shared" not in listed and "lm_head" not in listed, listed
+            assert listed.startswith("2 of "), listed  # the encoder's and decoder's relative attention biases
     ref = oracle.per_sample(copy.deepcopy(model).double(), inputs, targets)[1].to(torch.float64)
     assert _rel(_dense(result), ref) < (1e-5 if dtype == torch.float32 else 1e-12)
 

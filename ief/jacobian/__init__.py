@@ -35,16 +35,17 @@ gradient, the guard and the exact check need nothing else), so that exact EF / i
 
 Every trainable parameter that is not in a hooked module (a convolution with reflect / circular padding, an RNN, an
 ``nn.MultiheadAttention`` with dropout in training, a bare ``nn.Parameter`` used otherwise than broadcast), whose
-module had a call without an established sample axis, or that is also used outside its hooked module (a tied weight,
-see below) falls back to an exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a
+module had a call without an established sample axis, or that is also used outside its hooked modules (a weight tied
+to an unhooked use, see below) falls back to an exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a
 :class:`SlowPathWarning` names those parameters once per model.
 
 The hooks assume what per-sample gradients presuppose: sample ``n``'s slice of a hooked input depends on sample ``n``
 alone (no layer mixes or reorders samples along the sample axis), and that a hooked parameter is used only by its
 module's calls. The latter is made structural: while a hooked module runs its forward, each of its parameters being
 differentiated is replaced by a *stand-in* (``p.detach().requires_grad_()``: a fresh leaf on ``p``'s storage, no
-copy), so autograd reaches ``p`` itself only through uses outside its hooked calls (a tied weight: an
-``nn.Embedding`` table reused by an ``F.linear`` head, GPT-2's ``lm_head``). One walk over the forward's graph
+copy), so autograd reaches ``p`` itself only through uses outside its hooked calls (a weight tied to an unhooked use:
+an ``nn.Embedding`` table reused by an ``F.linear`` head; a table tied to an ``nn.Linear`` head, as GPT-2's
+``lm_head``, is hooked in both and its rows summed). One walk over the forward's graph
 (:func:`ief.model_call.scan_graph`) finds such a ``p`` (its gradient accumulator is in the graph) before the
 backward, and its module's parameters take the loop, whose backward passes differentiate ``p`` and its stand-ins
 together: the rows are then exact whatever ``check``. The guard, on by default, reads what the batch backward gives

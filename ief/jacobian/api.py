@@ -136,7 +136,9 @@ class _HookedForward:
     ``check``: ``True`` (~free: no sample-mixing batch norm, and no hooked parameter used outside its hooked calls
     that the graph search missed, see :func:`check_no_outside_use`), ``"exact"`` (additionally every row against
     exact per-sample directional derivatives, :func:`check_directional_derivatives`: catches a custom layer that
-    mixes samples), or ``False``. Tied weights take the exact loop whatever ``check``.
+    mixes samples), or ``False``. A weight tied between hooked layers (an embedding table and an ``nn.Linear``
+    head) is hooked in each and its rows summed; one also used outside hooked calls takes the exact loop, whatever
+    ``check``.
     """
 
     def __init__(self, model, inputs, targets, params, loss, check):
@@ -258,7 +260,8 @@ def per_sample(
         loss: ``"cross_entropy"`` (default) or ``"mse"``.
         check: ``True`` (default, ~free): refuse batch norm with batch statistics and verify that no hooked
             parameter is used outside its hooked module, so that the rows of ``J`` sum to the batch gradient (see
-            :func:`check_no_outside_use`; tied weights are found before and take the exact loop); ``"exact"``:
+            :func:`check_no_outside_use`; a weight tied between hooked layers is hooked in each, one used outside them
+            is found before and takes the exact loop); ``"exact"``:
             that, and every row against exact per-sample directional derivatives along 8 random tangents (one
             batched forward-mode pass, :func:`check_directional_derivatives`); ``False``: no guard.
         out: optional ``[M, P]`` buffer of the parameters' dtype and device to write ``J`` into (overwritten; used

@@ -9,7 +9,8 @@ class PerSampleGradientMismatch(RuntimeError):
     the default) finds batch norm with batch statistics or a hooked parameter used outside its hooked module, or when
     ``check="exact"`` (the optimisers' first step) finds a row that differs from the exact per-sample directional
     derivatives (a layer that mixes samples). The message names the parameter or the samples. Tied weights are not
-    refused: they take the exact per-sample loop.
+    refused: tied between hooked layers they are hooked in each, tied to an unhooked use they take the exact
+    per-sample loop.
     """
 
 

@@ -31,7 +31,7 @@ def check_no_outside_use(capture: PerSampleCapture, jacobian: torch.Tensor | Fac
     fails when ``||o|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds ``tol * sum_n ||J_n||``),
     ``tol = 50 sqrt(eps)``. Parameters of the per-sample loop are not checked: their rows are gradients of the
     individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
-    the optimisers). A parameter whose outside use is in the forward's graph (tied weights) has already been sent to
+    the optimisers). A parameter whose outside use is in the forward's graph (a weight tied to an unhooked use) has already been sent to
     the loop (:meth:`PerSampleCapture.demote_outside_uses`): this is the safety net behind that search."""
     found = [i for i in sorted(capture.hooked - set(capture.broadcast))
              if autograd[i] is not None and bool(autograd[i].any())]
@@ -51,9 +51,9 @@ def _raise_if_beyond(err: torch.Tensor, scale: torch.Tensor, tol: float, names: 
         bad = [f"{names[k]} (relative error {float(err[k] / scale[k]):.2e})" for k in failing[:5]]
         raise PerSampleGradientMismatch(
             "per-sample gradients do not sum to the batch gradient for: " + ", ".join(bad)
-            + ". A parameter is used outside the module that owns it where the per-sample hooks cannot see it (tied "
-            "weights are found before the backward and take the exact per-sample loop: this use escaped that "
-            "search); pass params= to leave it out."
+            + ". A parameter is used outside the module that owns it where the per-sample hooks cannot see it (a "
+            "weight tied to an unhooked use is found before the backward and takes the exact per-sample loop: this "
+            "use escaped that search); pass params= to leave it out."
         )
 
 

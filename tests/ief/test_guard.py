@@ -127,9 +127,9 @@ def test_the_guard_is_a_safety_net_behind_the_search_and_suggests_no_check_false
         ief.per_sample(model, inputs, y, form=form)
     assert "check=False" not in str(err.value)
     assert str(err.value).endswith(
-        ". A parameter is used outside the module that owns it where the per-sample hooks cannot see it (tied weights "
-        "are found before the backward and take the exact per-sample loop: this use escaped that search); pass "
-        "params= to leave it out.")
+        ". A parameter is used outside the module that owns it where the per-sample hooks cannot see it (a weight "
+        "tied to an unhooked use is found before the backward and takes the exact per-sample loop: this use escaped "
+        "that search); pass params= to leave it out.")
     _assert_real_parameters(model)
 
 

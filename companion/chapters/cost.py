@@ -159,8 +159,23 @@ def record_cold_build(entry: dict, load: str, path: str | Path = RECORD, note: s
     builds = read_record(path)
     builds[out["scale"]] = out
     ordered = {s: builds[s] for s in SCALES if s in builds}
-    write_atomically(path, json.dumps({"about": ABOUT, "builds": ordered}, indent=1) + "\n")
+    write_atomically(path, _dumps(ordered))
     return out
+
+
+def _dumps(builds: dict[str, dict]) -> str:
+    """The record as JSON a reader can scan: one line per field of an entry, one line per job."""
+    lines = ["{", f' "about": {json.dumps(ABOUT)},', ' "builds": {']
+    for i, (scale, entry) in enumerate(builds.items()):
+        fields = []
+        for key, value in entry.items():
+            if key == "job_times":
+                jobs = ",\n".join(f"    {json.dumps(job)}" for job in value)
+                fields.append(f'   "job_times": [\n{jobs}\n   ]')
+            else:
+                fields.append(f"   {json.dumps(key)}: {json.dumps(value)}")
+        lines.append(f"  {json.dumps(scale)}: {{\n" + ",\n".join(fields) + "\n  }" + ("," if i < len(builds) - 1 else ""))
+    return "\n".join(lines + [" }", "}"]) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------- summaries
@@ -412,9 +427,9 @@ def readme_sentence(record: dict[str, dict], scale: str = "cpu") -> str:
     if e.get("load") == "loaded":
         load = "with other work loading the machine" + (
             f" (other processes kept {e['other_cores']:.2f} of its {e.get('cores', '?')} cores busy on average)"
-            if e.get("other_cores") is not None else "") + (f", {e['note']}" if e.get("note") else "")
+            if e.get("other_cores") is not None else "")
     else:
-        load = "otherwise idle" + (f" ({e['note']})" if e.get("note") else "")
+        load = "otherwise idle"
     wall = format_duration(e["wall_time_s"])
     took = (f"{format_duration(e['total_wall_time_s'])} from a fresh clone (the workflow {wall})"
             if e.get("total_wall_time_s") else f"{wall} (the workflow)")

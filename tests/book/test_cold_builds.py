@@ -214,3 +214,25 @@ def test_the_committed_record_reads_and_renders():
     for scale, entry in builds.items():
         assert entry["scale"] == scale and entry["load"] in cost.LOADS and entry["cores"]
     assert "| scale | finished | machine | load |" in cost.cold_builds_markdown(builds)
+
+
+def test_the_readme_states_the_recorded_cold_build():
+    """The README's cost sentence is the record's, as printed (python -m companion.chapters.cost README.md)."""
+    readme = (steps.ROOT / "README.md").read_text()
+    assert cost.readme_block() in readme, "run python -m companion.chapters.cost README.md"
+    record = {"cpu": {**_cold(job_times=JOB_TIMES, other_cores=0.74, machine="Intel Xeon"), "load": "loaded",
+                      "total_wall_time_s": 3575.0}}
+    assert cost.readme_sentence(record) == (
+        "Measured on a 2-core Intel Xeon on 2026-11-28, with other work loading the machine (other processes kept "
+        "0.74 of its 2 cores busy on average): the last cold `make book` recorded (`book/cold-builds.json`) took "
+        "59 min 35 s from a fresh clone (the workflow 1 h 12 min); its jobs took 5 min 24 s in all: train 116 s "
+        "(3 jobs), evaluate 22 s (2 jobs), notebooks 89 s (2 jobs), the other 3 jobs 97 s.")
+    assert cost.readme_sentence({}) == "No cold `cpu` build is recorded yet (`book/cold-builds.json`)."
+
+
+def test_the_record_file_is_written_one_line_per_job(tmp_path):
+    path = tmp_path / "r.json"
+    cost.record_cold_build(_cold(job_times=JOB_TIMES), "idle", path=path)
+    text = path.read_text()
+    assert json.loads(text)["builds"]["cpu"]["job_times"] == JOB_TIMES
+    assert sum('"rule":' in line for line in text.splitlines()) == len(JOB_TIMES)

@@ -166,8 +166,13 @@ def binomial_resolution(accuracy_a: float, accuracy_b: float, examples: int | No
     return math.sqrt((accuracy_a * (1 - accuracy_a) + accuracy_b * (1 - accuracy_b)) / examples)
 
 
+Z975 = 1.96  # the two-sided 95 % normal quantile: the test set's binomial error is known, not estimated
+
+
 def _half_width(sd: float, seeds: int, resolution: float) -> float:
-    return t_quantile(seeds - 1) * math.sqrt(sd ** 2 / seeds + resolution ** 2)
+    """The interval's half-width: the seeds' t half-width (their spread is estimated) and the test set's normal one
+    (its binomial error is known) added in quadrature, as independent errors."""
+    return math.hypot(t_quantile(seeds - 1) * sd / math.sqrt(seeds), Z975 * resolution)
 
 
 def _target(mean: float, band: float | None) -> float:
@@ -194,10 +199,10 @@ def _needs_text(mean: float, sd: float, resolution: float, band: float | None, e
     if k is not None:
         return f"needs {k} seeds"
     target = _target(mean, band)
-    if resolution > 0 and examples and target > 0 and 1.96 * resolution >= target:
+    if resolution > 0 and examples and target > 0 and Z975 * resolution >= target:
         # the resolution scales as 1/sqrt(examples): the size below which it alone already spans the distance
-        more = math.ceil(examples * (1.96 * resolution / target) ** 2)
-        return (f"no number of seeds: the test set's resolution (±{1.96 * resolution * unit:.2g} at 95 %, "
+        more = math.ceil(examples * (Z975 * resolution / target) ** 2)
+        return (f"no number of seeds: the test set's resolution (±{Z975 * resolution * unit:.2g} at 95 %, "
                 f"{examples} examples) is wider than the difference to decide ({target * unit:.2g}); needs more than "
                 f"{more} test examples")
     return "no number of seeds: the mean difference sits on the threshold"
@@ -210,8 +215,9 @@ def pair_over_seeds(setup: str, pair: str, metric: str, diffs: dict[int, float],
     A "better" claim (``band`` None) holds when the 95 % interval of the mean difference lies below 0, does not hold
     when it lies above 0, and is inconclusive when it straddles 0. An "on par" claim (``band`` > 0) holds when the
     interval lies inside (-band, band), does not hold when it lies wholly outside, and is inconclusive otherwise.
-    The interval is the paired Student-t interval over seeds, its standard error widened by ``resolution`` (the test
-    set's, :func:`binomial_resolution`: it does not shrink with seeds). More seeds narrow it, so more evidence decides
+    The interval is the paired Student-t interval over seeds, widened by ``resolution`` (the test set's,
+    :func:`binomial_resolution`: it does not shrink with seeds) at the normal quantile, the two half-widths added in
+    quadrature. More seeds narrow it, so more evidence decides
     more pairs, either way. With a diverged run among the seeds (an infinite difference) the mean is undefined and
     the exact two-sided sign test at :data:`SIGN_LEVEL` decides a "better" claim instead (at least 6 seeds can
     reach it). A missing value (NaN) is left out; fewer than :data:`MIN_SEEDS` usable seeds decide nothing.

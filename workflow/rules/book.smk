@@ -49,10 +49,13 @@ rule publish:
 
 
 rule timings:
-    """book/generated/timings.md: execution times from the notebooks' provenance, build times from the build log."""
+    """book/generated/timings.md: the committed cold builds (book/cold-builds.json, formatted by
+    companion/chapters/cost.py), execution times from the notebooks' provenance, build times from the build log."""
     input:
         provenance=[f"{EXECUTED}/{name}.provenance.json" for name in NOTEBOOKS],
         tool="tools/book/steps.py",
+        cold_builds="book/cold-builds.json",
+        cost="companion/chapters/cost.py",
     output:
         "book/generated/timings.md",
     priority: PRIORITY["normal"]

@@ -153,20 +153,9 @@ RULE_BEATS = ("at each sparsity, iEF-WoodFisher wins if its mean test accuracy o
 def beats_verdict(results: pd.DataFrame, chosen: dict[str, float]) -> dict[str, str]:
     """The rule :data:`RULE_BEATS` applied: the verdict, and the wins / losses / ties by sparsity."""
     s = summary(results, chosen).set_index(["sparsity", "method"])
-    wins, losses, ties = [], [], []
-    sparsities = sorted({i for i, _ in s.index})
-    for sp in sparsities:
-        a, b = s.loc[(sp, "ief")], s.loc[(sp, "ef")]
-        margin = float(np.nan_to_num(a.acc_sd) + np.nan_to_num(b.acc_sd))
-        diff = float(a.acc_mean - b.acc_mean)
-        (wins if diff > margin else losses if diff < -margin else ties).append(f"{100 * sp:g} %")
-    half = len(sparsities) / 2
-    if len(wins) > len(losses) and len(wins) >= half:
-        verdict = "iEF-WoodFisher beats EF-WoodFisher here"
-    elif len(losses) > len(wins) and len(losses) >= half:
-        verdict = "EF-WoodFisher beats iEF-WoodFisher here"
-    else:
-        verdict = "neither beats the other here"
+    ahead, behind, level = _compare(s, "ief", "ef")
+    verdict = _majority(ahead, behind, len(ahead) + len(behind) + len(level), "iEF-WoodFisher", "EF-WoodFisher")
+    wins, losses, ties = ([f"{100 * sp:g} %" for sp in xs] for xs in (ahead, behind, level))
     fmt = lambda xs: ", ".join(xs) if xs else "none"  # noqa: E731
     return {"wf_verdict": verdict, "wf_wins": fmt(wins), "wf_losses": fmt(losses), "wf_ties": fmt(ties),
             "wf_rule": RULE_BEATS}
@@ -188,6 +177,16 @@ def _compare(s: pd.DataFrame, a: str, b: str) -> tuple[list[float], list[float],
         diff = float(x.acc_mean - y.acc_mean)
         (ahead if diff > margin else behind if diff < -margin else level).append(sp)
     return ahead, behind, level
+
+
+def _majority(ahead: list, behind: list, n: int, a: str, b: str) -> str:
+    """The verdict of :data:`RULE_BEATS` and :data:`RULE_GGN`: ``a`` beats ``b`` when it is ahead at more
+    sparsities than behind and at no fewer than half of the ``n``; ``b`` beats ``a`` under the mirror condition."""
+    if len(ahead) > len(behind) and len(ahead) >= n / 2:
+        return f"{a} beats {b} here"
+    if len(behind) > len(ahead) and len(behind) >= n / 2:
+        return f"{b} beats {a} here"
+    return "neither beats the other here"
 
 
 def ggn_comparison(results: pd.DataFrame, chosen: dict[str, float],
@@ -212,13 +211,7 @@ def ggn_comparison(results: pd.DataFrame, chosen: dict[str, float],
     if "ggn" not in {m for _, m in s.index}:
         return {"wf_ggn_rule": RULE_GGN, **{k: "not run" for k in keys}}
     ahead, behind, level = _compare(s, "ief", "ggn")
-    half = (len(ahead) + len(behind) + len(level)) / 2
-    if len(ahead) > len(behind) and len(ahead) >= half:
-        verdict = "iEF-WoodFisher beats the exact GGN here"
-    elif len(behind) > len(ahead) and len(behind) >= half:
-        verdict = "the exact GGN beats iEF-WoodFisher here"
-    else:
-        verdict = "neither beats the other here"
+    verdict = _majority(ahead, behind, len(ahead) + len(behind) + len(level), "iEF-WoodFisher", "the exact GGN")
     pct = lambda sp: f"{100 * sp:g} %"  # noqa: E731
     fmt = lambda xs: ", ".join(pct(x) for x in xs) if xs else "none"  # noqa: E731
     gaps = {sp: float(s.loc[(sp, "ief")].acc_mean - s.loc[(sp, "ggn")].acc_mean) for sp in ahead + behind + level}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("step", "paper_mlp", "conv2d", "evaluation", "damping_sweep", "hf_layers", "fvp")
+BENCHMARKS = ("step", "paper_mlp", "conv2d", "evaluation", "damping_sweep", "hf_layers", "fvp", "gpt2_full")
 COMMANDS = BENCHMARKS + ("report",)
 
 

@@ -274,3 +274,22 @@ def test_the_hf_layers_benchmark_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         hf_layers.main(["--batch", "1"])
     assert exc.value.code == 2 and "--batch and --tokens must be >= 2" in capsys.readouterr().err
+
+
+def test_the_gpt2_full_benchmark_runs_tiny_and_records_both_heads(tmp_path, capsys):
+    """``python -m benchmarks gpt2_full --size tiny`` (the GPU benchmark's code on a CPU) times both heads, takes no
+    loop, names no host sync on a CPU (the debug mode is CUDA's) and writes a valid record with its table."""
+    from benchmarks import gpt2_full
+
+    path = tmp_path / "g.json"
+    assert gpt2_full.main(["--size", "tiny", "--batch", "2", "--tokens", "4", "--repeats", "1", "--warmup", "1",
+                           "--profile-rows", "3", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    harness.validate(doc)
+    assert [r["head"] for r in doc["results"]] == ["tied", "untied"]
+    assert all(r["slow_path"] == [] and r["first_sync"] == "n/a" and len(r["profile"]) == 3 for r in doc["results"])
+    (table,) = doc["tables"]
+    assert [row[0] for row in table["rows"]] == ["tied", "untied"] and all(row[6] > 0 for row in table["rows"])
+    with pytest.raises(SystemExit) as exc:
+        gpt2_full.main(["--heads", "tied,shared"])
+    assert exc.value.code == 2 and "--heads takes a comma-separated subset of tied,untied" in capsys.readouterr().err

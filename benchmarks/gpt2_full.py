@@ -1,0 +1,194 @@
+"""GPT-2 full fine-tuning: an ``IEF`` step against an AdamW step, per-sample J against a backward, with a profile.
+
+Run from the repository root::
+
+    python -m benchmarks gpt2_full --device cuda --json benchmarks/results/gpt2_full-h200.json   # GPT-2 small, M 8, T 128
+    OMP_NUM_THREADS=1 python -m benchmarks gpt2_full --size tiny                                  # the same code on a CPU
+
+The model is ``GPT2LMHeadModel`` from a config with random weights (no download), every parameter trainable, eval mode
+(dropout off), float32; ``--size small`` is GPT-2 small's architecture (768 wide, 12 layers, 12 heads, vocabulary
+50,257: 124M parameters tied, 163M untied), ``--size tiny`` a 2-layer, 64-wide one for a CPU. Both heads are measured:
+``tied`` (the LM head shares the token table, as GPT-2 ships) and ``untied`` (``tie_word_embeddings=False``). The
+targets are next tokens, the last position ignored; the loss is the sum of the token losses (``reduction="sum"``, the
+optimisers' convention). Cases, round-robin (``benchmarks.harness``): ``backward`` (forward, loss, backward: the
+reference of the per-sample rows), ``ief.per_sample(form="auto")`` (the optimisers' form), one ``torch.optim.AdamW``
+step (forward, backward, update: the reference of the step) and one ``ief.optim.IEF`` step (``lr`` 1e-4, default
+damping; its exact check is done in the warm-up). After the timing, on each head: the peak memory each step adds
+(:func:`benchmarks.harness.peak_memory_mib`), one ``IEF`` step under ``torch.profiler`` (the operators with the most
+self time on the device, or on the CPU without one), and on CUDA one steady-state step under
+``torch.cuda.set_sync_debug_mode("error")``: the first host synchronisation it meets, or none.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+import warnings
+
+import torch
+
+import ief
+from benchmarks import harness
+
+SIZES = {
+    "small": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
+    "tiny": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=128),
+}
+HEADS = ("tied", "untied")
+LABELS = {
+    "backward": "plain backward",
+    "per_sample": "`ief.per_sample(form=\"auto\")`",
+    "adamw_step": "AdamW step",
+    "ief_step": "`IEF` step",
+}
+
+
+def build(size: str, head: str, m: int, t: int, seed: int, device: torch.device):
+    """``(model, inputs, targets)``: GPT-2 of ``size`` with a ``head`` (tied or untied) LM head, on ``device``."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.GPT2Config(**SIZES[size], bos_token_id=0, eos_token_id=0, tie_word_embeddings=head == "tied")
+    model = tf.GPT2LMHeadModel(cfg).to(device).eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, cfg.vocab_size, (m, t + 1), generator=gen)
+    targets = ids[:, 1:].clone()
+    targets[:, -1] = ief.IGNORE_INDEX
+    return model, {"input_ids": ids[:, :-1].to(device)}, targets.to(device)
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum",
+                                             ignore_index=ief.IGNORE_INDEX)
+
+
+def cases(model, x: dict, y: torch.Tensor) -> dict:
+    """The four timed calls; the two steps on their own copies of the model."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def backward():
+        for p in params:
+            p.grad = None
+        _loss(model(**x).logits, y).backward()
+
+    adam_model = copy.deepcopy(model)
+    adam = torch.optim.AdamW(adam_model.parameters(), lr=1e-4)
+
+    def adamw_step():
+        adam.zero_grad(set_to_none=True)
+        _loss(adam_model(**x).logits, y).backward()
+        adam.step()
+
+    opt = ief.optim.IEF(copy.deepcopy(model), lr=1e-4)
+    return {
+        "backward": backward,
+        "per_sample": lambda: ief.per_sample(model, x, y, form="auto"),
+        "adamw_step": adamw_step,
+        "ief_step": lambda: opt.step(x, y),
+    }
+
+
+def first_sync(step, device: torch.device) -> str | None:
+    """The first host synchronisation a steady-state call of ``step`` meets (CUDA), ``None`` if it meets none;
+    ``"n/a"`` on a CPU, where the debug mode does not exist."""
+    if device.type != "cuda":
+        return "n/a"
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError as err:
+        return str(err).splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize(device)
+    return None
+
+
+def profile_rows(step, device: torch.device, rows: int) -> list[list]:
+    """``[operator, calls, self ms]`` of the ``rows`` operators with the most self time in one call of ``step``
+    (device time on CUDA, CPU time otherwise)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        harness.synchronize(device)
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr, 0.0), reverse=True)
+    return [[e.key[:60], e.count, getattr(e, attr, 0.0) / 1e3] for e in events[:rows]]
+
+
+def run_head(args, head: str, device: torch.device) -> dict:
+    model, x, y = build(args.size, head, args.batch, args.tokens, args.seed, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    calls = cases(model, x, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calls["per_sample"]()
+    slow = [str(w.message)[:300] for w in caught if type(w.message).__name__ == "SlowPathWarning"]
+    with harness.OtherLoad() as load, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        times = harness.round_robin(calls, args.repeats, args.warmup, device=device)
+        refs = {"backward": None, "per_sample": "backward", "adamw_step": None, "ief_step": "adamw_step"}
+        rows = harness.rows(times, refs, LABELS)
+        memory = {k: harness.peak_memory_mib(calls[k], device) for k in ("adamw_step", "ief_step")}
+        sync = first_sync(calls["ief_step"], device)
+        prof = profile_rows(calls["ief_step"], device, args.profile_rows)
+    print(f"\n{args.size} GPT-2, {head} head: P = {n_params:,}, M = {args.batch}, T = {args.tokens}, "
+          f"loop: {slow[0] if slow else 'none'}", flush=True)
+    for r in rows:
+        print(f"{r['label']:<34} {r['median_ms']:>10.2f} ms  {(r['ratio'] or 1.0):>6.2f}x", flush=True)
+    mib = {k: "n/a" if v is None else f"{v:.1f}" for k, v in memory.items()}
+    print(f"peak MiB added: AdamW {mib['adamw_step']}, IEF {mib['ief_step']}; first host sync of a steady IEF "
+          f"step: {sync}", flush=True)
+    for name, count, ms in prof:
+        print(f"  {name:<60} {count:>6} {ms:>9.3f} ms", flush=True)
+    return dict(head=head, params=n_params, rows=rows, peak_mib=memory, first_sync=sync, profile=prof,
+                slow_path=slow, other_load_cores=load.cores)
+
+
+def summary_tables(results: list[dict]) -> list[dict]:
+    body = []
+    for r in results:
+        by = {row["key"]: row for row in r["rows"]}
+        body.append([r["head"], r["params"], by["backward"]["median_ms"], by["per_sample"]["ratio"],
+                     by["adamw_step"]["median_ms"], by["ief_step"]["median_ms"], by["ief_step"]["ratio"],
+                     r["peak_mib"]["ief_step"], r["peak_mib"]["adamw_step"], r["first_sync"] or "none"])
+    return [harness.table(
+        "GPT-2 full fine-tuning: per-sample J over a backward, the IEF step over an AdamW step",
+        [("head", "s"), ("parameters", ",d"), ("backward ms", ".1f"), ("per-sample J / backward", ".2f"),
+         ("AdamW step ms", ".1f"), ("IEF step ms", ".1f"), ("IEF / AdamW", ".2f"), ("IEF peak MiB", ".0f"),
+         ("AdamW peak MiB", ".0f"), ("first host sync in a steady IEF step", "s")],
+        body)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpt2_full", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    harness.add_common_arguments(p, repeats=7, warmup=1)
+    p.add_argument("--size", choices=tuple(SIZES), default="small", help="GPT-2 architecture (default small)")
+    p.add_argument("--heads", default=",".join(HEADS), help=f"comma-separated subset of {','.join(HEADS)}")
+    p.add_argument("--batch", type=int, default=8, help="M (default 8)")
+    p.add_argument("--tokens", type=int, default=128, help="T (default 128)")
+    p.add_argument("--profile-rows", type=int, default=12)
+    args = p.parse_args(argv)
+    device = harness.check_common(p, args)
+    heads = [h.strip() for h in args.heads.split(",") if h.strip()]
+    bad = [h for h in heads if h not in HEADS]
+    if bad or not heads:
+        p.error(f"--heads takes a comma-separated subset of {','.join(HEADS)}, got {args.heads!r}")
+    if args.batch < 2 or args.tokens < 2:
+        p.error(f"--batch and --tokens must be >= 2, got {args.batch} and {args.tokens}")
+    print(harness.machine_line(harness.machine(device)), flush=True)
+    results = [run_head(args, head, device) for head in heads]
+    loads = [r["other_load_cores"] for r in results if r["other_load_cores"] is not None]
+    doc = harness.record("gpt2_full", argv, device, args, None, results, summary_tables(results), started)
+    doc["other_load_cores"] = max(loads) if loads else None
+    harness.finish(doc, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,6 +23,7 @@ from ..model_call import (
     take_first,
     unwrap_model,
 )
+from ..precision import ForwardFormats, device_type, refuse_float16
 from ..rows import FactoredJacobian, check_form
 from . import assemble
 from .assemble import _batch_gradient, _summed
@@ -139,6 +140,11 @@ class _HookedForward:
     mixes samples), or ``False``. A weight tied between hooked layers (an embedding table and an ``nn.Linear``
     head) is hooked in each and its rows summed; one also used outside hooked calls takes the exact loop, whatever
     ``check``.
+
+    Precision (:mod:`ief.precision`): the forward records the floating formats it ran in (``self.formats``: autocast,
+    module outputs, parameters, logits); float16 is refused (``ValueError``), the checks' tolerances come from the
+    lowest format, and the losses and ``s_iEF`` are computed from the logits upcast to at least float32
+    (:meth:`wide_logits`).
     """
 
     def __init__(self, model, inputs, targets, params, loss, check):
@@ -159,8 +165,11 @@ class _HookedForward:
         # the backward passes (activation checkpointing recomputes the forward inside them: same kernels, same graph).
         kernels = differentiable_kernels if self.mode == "exact" else contextlib.nullcontext
         self.kernels = kernels
-        with self.capture, torch.enable_grad(), kernels():
+        self.formats = ForwardFormats()
+        with self.capture, torch.enable_grad(), kernels(), self.formats.watch(device_type(model)):
             self.logits = self.forward()
+        self.formats.add_model(model, self.logits)
+        refuse_float16(self.formats)
         self.loss.check(self.logits, targets)
         if batch_size(self.logits) != m:
             raise ValueError(f"the model returned logits of shape {tuple(self.logits.shape)} for {m} targets")
@@ -200,7 +209,7 @@ class _HookedForward:
         or row of ``J`` is not finite."""
         logit_grads: list[torch.Tensor] = []  # dL/dz as the batch backward computed it (for the exact check)
         with torch.enable_grad(), self.kernels():
-            losses = self.loss.per_sample(self.logits, targets)
+            losses = self.loss.per_sample(self.wide_logits(), targets)
             _refuse_nonfinite(losses, None)
             handle = self.logits.register_hook(lambda g: logit_grads.append(g) if not logit_grads else None) \
                 if self.mode == "exact" and self.logits.requires_grad else None
@@ -212,10 +221,10 @@ class _HookedForward:
                     handle.remove()
         _refuse_nonfinite(losses, jac)
         if self.mode is not None:
-            check_no_outside_use(self.capture, jac, autograd, self.names)
+            check_no_outside_use(self.capture, jac, autograd, self.names, self.formats.lowest)
         if self.mode == "exact":
             grad_z = logit_grads[0] if logit_grads else self.loss.logit_grad(self.logits.detach(), targets)
-            check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z)
+            check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z, self.formats.lowest)
         # the records are not kept alive; a broadcast parameter's autograd gradient is its whole batch gradient
         offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked - set(self.capture.broadcast))
         return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
@@ -226,16 +235,23 @@ class _HookedForward:
         owners, leaves = self.capture.leaves(self.params, range(len(self.params)))
         n = len(self.params)
         with torch.enable_grad(), self.kernels():
-            losses = self.loss.per_sample(self.logits, targets)
+            losses = self.loss.per_sample(self.wide_logits(), targets)
             _refuse_nonfinite(losses, None)
             grads = torch.autograd.grad(losses.sum(), leaves, retain_graph=retain_graph, allow_unused=True)
         return losses.detach(), flatten(_summed(grads[:n], owners[n:], grads[n:]), self.params)
+
+    def wide_logits(self) -> torch.Tensor:
+        """The logits, upcast to float32 when narrower (differentiably: the backward casts ``dL/dz`` back), so that
+        the losses and ``s_iEF`` are never summed in 16 bits."""
+        if self.logits.is_floating_point() and self.logits.dtype.itemsize < 4:
+            return self.logits.float()
+        return self.logits
 
     def sampled_targets(self, generator: torch.Generator | None) -> torch.Tensor:
         return self.loss.sample_targets(self.logits, self.targets, generator)
 
     def logit_sqnorm(self, targets: torch.Tensor) -> torch.Tensor:
-        return logit_sqnorm(self.loss, self.logits, targets)
+        return logit_sqnorm(self.loss, self.wide_logits(), targets)
 
 
 def per_sample(

@@ -3,7 +3,9 @@
 The guard (``check=True``, ~free) refuses batch norm with batch statistics and reads what the batch backward gives
 each hooked parameter itself, ``o = g - sum_n J_n``: ``None`` by construction (its hooked calls ran with stand-ins)
 unless a use escaped the search for outside uses, when :class:`PerSampleGradientMismatch` names the parameter.
-The exact check (``check="exact"``) compares every row with exact per-sample directional derivatives. Non-finite
+The exact check (``check="exact"``) compares every row with exact per-sample directional derivatives. Both know the
+precision the forward ran in: their tolerances come from the lowest floating format of the forward (bfloat16 under
+autocast or with bfloat16 weights), not from ``J``'s dtype (:mod:`ief.precision`, which derives them). Non-finite
 losses or rows raise ``FloatingPointError`` naming the samples.
 """
 from __future__ import annotations
@@ -15,13 +17,15 @@ import torch
 
 from ..logit_jvp import jvps_any_mode
 from ..model_call import ReplayableForward, all_finite
+from ..precision import SIXTEEN_BIT, describe, mismatch_tolerance, outside_use_tolerance, unit_roundoff
 from ..rows import FactoredJacobian, as_rows
 from .capture import PerSampleCapture
 from .errors import PerSampleGradientMismatch
 
 
 def check_no_outside_use(capture: PerSampleCapture, jacobian: torch.Tensor | FactoredJacobian,
-                         autograd: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
+                         autograd: Sequence[torch.Tensor | None], names: Sequence[str],
+                         forward_format: torch.dtype | None = None) -> None:
     """The guard (``check=True``): raise :class:`PerSampleGradientMismatch` if a hooked parameter is used outside
     its hooked module calls beyond rounding error.
 
@@ -29,7 +33,8 @@ def check_no_outside_use(capture: PerSampleCapture, jacobian: torch.Tensor | Fac
     ``o = autograd[i]``, is exactly the part of the batch gradient that the hooked rows miss: ``o = g - sum_n J_n``.
     ``None`` or zero: the rows are the whole gradient by construction (no gradient is read). Otherwise the block
     fails when ``||o|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds ``tol * sum_n ||J_n||``),
-    ``tol = 50 sqrt(eps)``. Parameters of the per-sample loop are not checked: their rows are gradients of the
+    ``tol = 50 sqrt(eps)`` of ``J``'s dtype (32-bit at least), and at least ``16 u`` of ``forward_format``, the
+    lowest format the forward ran in (:func:`ief.precision.outside_use_tolerance`). Parameters of the per-sample loop are not checked: their rows are gradients of the
     individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
     the optimisers). A parameter whose outside use is in the forward's graph (a weight tied to an unhooked use) has already been sent to
     the loop (:meth:`PerSampleCapture.demote_outside_uses`): this is the safety net behind that search."""
@@ -38,10 +43,10 @@ def check_no_outside_use(capture: PerSampleCapture, jacobian: torch.Tensor | Fac
     if not found:
         return
     err = torch.stack([torch.linalg.vector_norm(autograd[i], dtype=torch.float64) for i in found])
-    eps = torch.finfo(jacobian.dtype)
     rows, offsets = as_rows(jacobian), capture.offsets
     scale = torch.stack([rows.column_norm(offsets[i], offsets[i + 1]) for i in found]) * math.sqrt(jacobian.shape[0])
-    _raise_if_beyond(err, scale + eps.tiny, 50 * math.sqrt(eps.eps), [names[i] for i in found])
+    _raise_if_beyond(err, scale + torch.finfo(jacobian.dtype).tiny,
+                     outside_use_tolerance(forward_format, jacobian.dtype), [names[i] for i in found])
 
 
 def _raise_if_beyond(err: torch.Tensor, scale: torch.Tensor, tol: float, names: Sequence[str]) -> None:
@@ -87,12 +92,23 @@ def _refuse_sample_mixing(model: torch.nn.Module) -> None:
 CHECK_TANGENTS = 8  # random tangents of the exact check
 
 
-def exact_check_tolerance(dtype: torch.dtype) -> float:
-    """The exact check's bound on ``||J_n V - exact_n|| / ||exact_n||``: ``1e4`` units of float32 rounding (1.2e-3)
-    for float32 and float64 parameters alike (models compute parts in float32 whatever their parameters' dtype:
-    T5's layer norm; the exact products of a float64 T5-LoRA differ from its rows by 7.5e-8), ``1e4`` units of the
-    dtype's rounding for wider rounding, at most 0.1 (16-bit dtypes, whose rounding hides smaller errors)."""
-    return min(1e4 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps), 0.1)
+def exact_check_tolerance(dtype: torch.dtype, forward_format: torch.dtype | None = None) -> float:
+    """The exact check's bound on ``||J_n V - exact_n|| / ||exact_n||``, from the lowest precision the forward ran in.
+
+    ``max(1.2e-3, 16 u)`` with ``u`` the unit roundoff of the lower of ``dtype`` and ``forward_format``
+    (:func:`ief.precision.mismatch_tolerance`, whose module derives it): ``1e4`` units of float32 rounding (1.2e-3)
+    for float32 and float64 alike (models compute parts in float32 whatever their parameters' dtype: T5's layer norm;
+    the exact products of a float64 T5-LoRA differ from its rows by 7.5e-8), ``16 u = 0.0625`` when the forward ran
+    in bfloat16 (autocast, bfloat16 weights or logits) or ``J`` is bfloat16.
+
+    Args:
+        dtype: the dtype ``J`` is stored in.
+        forward_format: the lowest floating format the forward ran in (``None``: ``dtype`` alone).
+
+    Returns:
+        The relative tolerance.
+    """
+    return mismatch_tolerance(forward_format, dtype)
 
 
 def _check_tangents(params: Sequence[torch.Tensor], k: int,
@@ -130,7 +146,8 @@ def _hooked_products(jac: torch.Tensor | FactoredJacobian, tangents, offsets: Se
 
 
 def check_directional_derivatives(forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str],
-                                  jac: torch.Tensor | FactoredJacobian, grad_z: torch.Tensor) -> None:
+                                  jac: torch.Tensor | FactoredJacobian, grad_z: torch.Tensor,
+                                  forward_format: torch.dtype | None = None) -> None:
     """The exact check (``check="exact"``): every row ``J_n`` against sample ``n``'s exact directional derivatives.
 
     For ``K`` = :data:`CHECK_TANGENTS` random tangents ``v_k`` (:func:`_check_tangents`: rank one per weight matrix),
@@ -141,6 +158,17 @@ def check_directional_derivatives(forward: ReplayableForward, params: Sequence[t
     :func:`exact_check_tolerance`). Normalised by the size of the products themselves, an error of relative size
     ``r`` in ``J_n`` shows as ``~r`` whatever ``P`` (``exact_nk`` and the error's product both scale like
     ``1/sqrt(P)``), so a 1 % error is caught in float32 and float64 alike (``tol`` 1.2e-3: ten times below it).
+    Under a bfloat16 forward (``forward_format``: autocast, bfloat16 weights) ``tol`` is ``16 u = 0.0625``
+    (:mod:`ief.precision`): a correct bfloat16 ``J`` (errors ~1e-2) passes and a sample-mixing layer (errors of the
+    row's own size) fails; a failure within ``4 tol`` of a 16-bit forward says that rounding may be its cause.
+
+    Args:
+        forward: the replayable forward (the model and its inputs).
+        params: the parameters of ``J``'s columns.
+        names: their names.
+        jac: ``J``, dense or factored.
+        grad_z: ``dL/dz`` as the batch backward computed it.
+        forward_format: the lowest floating format the forward ran in (``None``: ``J``'s dtype alone).
 
     Raises:
         PerSampleGradientMismatch: naming the samples that fail, the worst one and its relative error.
@@ -160,17 +188,30 @@ def check_directional_derivatives(forward: ReplayableForward, params: Sequence[t
     err = (hooked - exact).norm(dim=1)
     scale = torch.maximum(exact.norm(dim=1), hooked.norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
     rel = err / scale
-    tol = exact_check_tolerance(jac.dtype)
+    tol = exact_check_tolerance(jac.dtype, forward_format)
     failing = torch.nonzero(rel > tol).flatten().tolist()
     if failing:
         n = int(rel.argmax())
         raise PerSampleGradientMismatch(
             f"per-sample gradients of samples {failing[:10]}{' ...' if len(failing) > 10 else ''} disagree with their "
-            f"exact directional derivatives (worst: sample {n}, relative error {float(rel[n]):.2e} > {tol:.1e}): a "
-            "layer mixes samples or a hooked layer's leading dimension is not the sample dimension; pass params= to "
-            "leave its parameters out, or make it a module without a per-sample hook (its parameters then take the "
-            "exact per-sample loop)"
+            f"exact directional derivatives (worst: sample {n}, relative error {float(rel[n]):.2e} > {tol:.1e}): "
+            + _likely_cause(float(rel[n]), tol, forward_format, jac.dtype)
         )
+
+
+def _likely_cause(worst: float, tol: float, forward_format: torch.dtype | None, jac_dtype: torch.dtype) -> str:
+    """The exact check's diagnosis: the forward's 16-bit rounding when the worst error is within ``4 tol`` of a
+    16-bit forward, else a layer that mixes samples."""
+    mixing = ("a layer mixes samples or a hooked layer's leading dimension is not the sample dimension; pass params= "
+              "to leave its parameters out, or make it a module without a per-sample hook (its parameters then take "
+              "the exact per-sample loop)")
+    low = forward_format if forward_format in SIXTEEN_BIT else jac_dtype if jac_dtype in SIXTEEN_BIT else None
+    if low is None or worst > 4 * tol:
+        return mixing
+    return (f"the forward ran in {describe(low)} (unit roundoff {unit_roundoff(low):.1e}, tolerance 16 units), and "
+            f"an error this close to the tolerance is likely its rounding in a deep model rather than a wrong row: run "
+            f"the check once in float32 (outside autocast, float32 weights) to tell them apart; otherwise "
+            + mixing)
 
 
 def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian | None) -> None:

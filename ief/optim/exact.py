@@ -77,6 +77,13 @@ Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian
 Gram block and direction come from its layer's inputs and output gradients, or from its per-sample rows where those
 are cheaper, and an embedding table keeps only the rows the batch uses (see ``ief.per_sample``'s ``form``);
 ``form="dense"`` forms ``J`` (reusing one buffer across steps), ``"ghost"`` / ``"rows"`` force one Linear form.
+
+**Precision** (the contract: :mod:`ief.precision`): the step's forward and per-sample backward run in the model's
+precision (bfloat16 weights, or ``torch.autocast(device, torch.bfloat16)`` around ``step``); the losses and ``s_iEF``
+in float32 at least, the Gram matrix in float64, its solve in float64; float32 parameters (adapters on a bfloat16 base)
+are updated in float32, a bfloat16 parameter's update is computed in float32 and rounded once. The exact check's
+tolerance comes from the lowest format the forward ran in (``0.0625`` for bfloat16). float16 is refused
+(``ValueError``: no loss scale).
 """
 from __future__ import annotations
 
@@ -414,16 +421,20 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _apply(self, steps: list[torch.Tensor], size: float) -> None:
-        """``p <- (1 - eta_t wd) p - size * step`` for every parameter, group by group."""
+        """``p <- (1 - eta_t wd) p - size * step`` for every parameter, group by group (a 16-bit parameter's in
+        float32, rounded to its dtype once: :mod:`ief.precision`)."""
         chunks = iter(steps)
         # every factor before any step counter moves (the decay's 1 - t/T reads the counter)
         shrinks = [self._shrink(group) if group["weight_decay"] else 1.0 for group in self.param_groups]
         for group, shrink in zip(self.param_groups, shrinks):
             for p in group["params"]:
                 step = next(chunks)
-                if shrink != 1.0:
-                    p.mul_(shrink)
-                p.add_(step.view(p.shape), alpha=-size)
+                if p.dtype.itemsize < 4:  # a 16-bit parameter: the update in float32, rounded once (ief.precision)
+                    p.copy_(p.float().mul_(shrink).add_(step.view(p.shape).float(), alpha=-size))
+                else:
+                    if shrink != 1.0:
+                        p.mul_(shrink)
+                    p.add_(step.view(p.shape), alpha=-size)
                 self.state[p]["step"] = self.state[p].get("step", 0) + 1
 
     def _update(self, given: dict, group: dict, direction: torch.Tensor, tokens: int | None) -> None:
@@ -574,7 +585,8 @@ class IEF(PreconditionedOptimizer):
 
     Drive it with ``loss = opt.step(inputs, targets)`` in your own loop (no ``backward``, no closure). Cost of a
     step: one forward and one backward (per-sample rows by module hooks), an ``M x M`` Gram matrix and its float64
-    solve; the guard's exact check adds one batched forward-mode pass on the first step.
+    solve; the guard's exact check adds one batched forward-mode pass on the first step. Precision: bfloat16 weights
+    and bfloat16 autocast are supported, float16 refused (:mod:`ief.precision`).
 
     Args:
         model: the ``nn.Module`` whose forward the optimiser runs (a peft model, a Hugging Face model: the package's

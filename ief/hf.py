@@ -38,8 +38,13 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
   the ``G`` micro-batches of one update are concatenated and the optimiser takes one step on them (so the
   per-sample machinery holds ``G`` times the batch: accumulation saves no memory here). Micro-batches whose tensors
   differ beyond the sample dimension (dynamic padding) cannot be joined and raise ``ValueError``.
-- **Refused** with ``ValueError`` at construction: fp16 / bf16 mixed precision (autocast would run the per-sample
-  Gram systems' inputs in half precision, and fp16's GradScaler needs ``.grad`` to unscale), several devices or
+- **Mixed precision.** ``bf16=True`` trains: accelerate wraps the model's ``forward`` in bfloat16 autocast when
+  training starts, and the optimiser's own forward is that ``forward``, so the forward and the per-sample backward
+  run in bfloat16 while the Gram system is accumulated and solved in float64 and float32 parameters are updated in
+  float32 (the contract: :mod:`ief.precision`); the exact check's tolerance follows the bfloat16 forward. Resume and
+  logging are as in float32. A bfloat16 model (or a float32 adapter on a bfloat16 base) trains with or without it.
+- **Refused** with ``ValueError`` at construction: ``fp16=True`` (float16's per-sample gradients underflow without
+  a dynamic loss scale, which ief does not apply: :func:`ief.precision.refuse_float16`), several devices or
   processes, DeepSpeed, FSDP, ``label_smoothing_factor``, ``compute_loss_func``, ``optimizers=`` /
   ``optimizer_cls_and_kwargs=`` and ``label_names`` other than ``["labels"]``.
 - ``max_grad_norm`` (Trainer default 1.0) is **ignored with a warning**: the update is not a gradient step and no
@@ -231,11 +236,11 @@ def _default_learning_rate() -> float:
 
 def _check_args(args: transformers.TrainingArguments) -> None:
     """The ``TrainingArguments`` IEFTrainer refuses (``ValueError``) or ignores (warning)."""
-    if args.fp16 or args.bf16:
+    if args.fp16:
         raise ValueError(
-            f"IEFTrainer does not train with mixed precision (fp16={args.fp16}, bf16={args.bf16}): the ief optimisers "
-            f"run their own forward and per-sample backward in the model's dtype (float32 or float64), and fp16's "
-            f"GradScaler needs .grad tensors, which they do not write; set fp16=False and bf16=False")
+            "IEFTrainer refuses fp16=True: float16 per-sample gradients underflow (below 6e-8) without a dynamic loss "
+            "scale, which the ief optimisers do not apply (their update is not a .grad that GradScaler could unscale); "
+            "use bf16=True (bfloat16 autocast, float32's range) or float32")
     if args.label_smoothing_factor:
         raise ValueError(f"IEFTrainer trains with the optimiser's own loss (cross-entropy by default), so "
                          f"label_smoothing_factor={args.label_smoothing_factor} would change only the evaluation loss; "

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.cpu import cpu_model
+
 SCHEMA = 1
 MIB = 2.0**20
 
@@ -280,17 +282,6 @@ def load_warning(cores: float | None, threads: int, device: torch.device | str =
 
 
 # ------------------------------------------------------------------------------------------------------------ machine
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            m = re.search(r"^model name\s*:\s*(.+)$", fh.read(), re.M)
-        if m:
-            return m.group(1).strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _version(name: str) -> str:
     import importlib.metadata as md
 

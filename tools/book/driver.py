@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.cpu import cpu_model
 
 from . import steps
 
@@ -126,18 +127,6 @@ class OtherLoad:
             cores = round(max(0.0, ((end[0] - self.start[0]) - (end[1] - self.start[1])) / (end[2] - self.start[2])), 2)
         return {"other_cores": cores,
                 "load_average": [self.load0, load1] if self.load0 is not None and load1 is not None else None}
-
-
-def cpu_model() -> str:
-    """The machine's CPU as ``/proc/cpuinfo`` names it (else what :mod:`platform` says)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            found = re.search(r"^model name\s*:\s*(.+)$", fh.read(), re.M)
-        if found:
-            return found.group(1).strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class _Console:

@@ -1,0 +1,355 @@
+"""Low precision as users train (``ief.precision``, issue 35): bfloat16 autocast, a bfloat16 base with float32 LoRA,
+pure bfloat16 parameters, ``IEFTrainer(bf16=True)``; float16 refused.
+
+Oracle: the same function in float64 (``oracle.per_sample``: explicit per-sample autograd loops of a float64 copy
+holding exactly the low-precision model's parameters; a bfloat16 weight is exact in float64). Tolerances, derived from
+bfloat16's unit roundoff ``u = 2^-8`` (``ief.precision``):
+
+- ``TOL_ROW = 16 u = 0.0625``: a row of ``J``, ``s_iEF`` and the losses (``2 sqrt(64) u``: 64 independent roundings
+  on each side). Measured: 0.4 u - 5 u for ``J``, below 0.1 u for ``s`` and the losses (float32 from upcast logits).
+- ``TOL_DIR = (1 + 2 kappa) TOL_ROW = 0.3125`` with ``kappa <= 2``: a direction, ``gamma`` and one step. To first
+  order a relative error ``e`` in ``J`` moves ``d = J^T (J J^T + lambda I)^{-1} w`` by at most ``(1 + 2 kappa) e``,
+  ``kappa`` the condition number of ``J J^T + lambda I``; the tests take ``lambda = lambda_max(J J^T)`` (oracle's),
+  so ``kappa <= 2``. Measured: below 3 u.
+- The solve given the rows: ``4 u`` of the direction's dtype against a float64 dense solve of the same rows (nothing
+  is solved in 16 bits).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+
+import datasets
+import peft
+import pytest
+import torch
+import transformers
+from transformers import TrainerCallback, TrainingArguments
+
+import ief
+import oracle
+from ief.hf import IEFTrainer
+from ief.jacobian import PerSampleGradientMismatch, exact_check_tolerance
+from ief.precision import ForwardFormats, mismatch_tolerance, unit_roundoff
+from route_models import _causal_batch, _tiny_decoder_config, case
+
+U = 2.0 ** -8  # bfloat16's unit roundoff
+TOL_ROW = 16 * U
+KAPPA = 2.0
+TOL_DIR = (1 + 2 * KAPPA) * TOL_ROW
+
+
+def autocast():
+    return torch.autocast("cpu", torch.bfloat16)
+
+
+def _bf16_base_lora():
+    """A tiny LlamaForCausalLM in bfloat16 with peft LoRA (q/v) kept in float32 (peft's default for a bf16 base)."""
+    transformers.logging.set_verbosity_error()
+    cfg = _tiny_decoder_config("LlamaConfig", tie_word_embeddings=False, hidden_size=16, intermediate_size=24)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16),
+                                peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+                if "lora_B" in name:
+                    p.normal_(0, 0.3)
+    inputs, targets = _causal_batch(4, 5, cfg.vocab_size, seed=0)
+    return model, inputs, targets
+
+
+def mode_case(mode: str):
+    """``(model, float64 copy, inputs, float64 inputs, targets, context)`` of one low-precision mode."""
+    if mode in ("autocast-mlp", "autocast-llama"):
+        name = {"autocast-mlp": "digits-mlp", "autocast-llama": "llama"}[mode]
+        c, c64 = case(name, torch.float32), case(name, torch.float64)
+        return copy.deepcopy(c.model), c64.model, c.inputs, c64.inputs, c.targets, autocast
+    if mode == "bf16-base-lora":
+        model, inputs, targets = _bf16_base_lora()
+        return model, copy.deepcopy(model).double(), inputs, inputs, targets, contextlib.nullcontext
+    if mode == "pure-bf16":
+        c = case("llama", torch.float32)
+        model = copy.deepcopy(c.model).to(torch.bfloat16)
+        return model, copy.deepcopy(model).double(), c.inputs, c.inputs, c.targets, contextlib.nullcontext
+    raise ValueError(mode)
+
+
+MODES = ["autocast-mlp", "autocast-llama", "bf16-base-lora", "pure-bf16"]
+
+
+def _row_error(jac: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((jac.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-300)).max())
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+def _oracle(model64, inputs64, targets):
+    losses, jac, sq = oracle.per_sample(model64, inputs64, targets)
+    return losses.double(), jac.detach().double(), sq.detach().double()
+
+
+# ----------------------------------------------------------------------------------------------- the tolerances
+def test_tolerances_follow_the_lowest_format():
+    """``max(1.2e-3, 16 u)``: float32 / float64 keep 1.2e-3, bfloat16 gets 0.0625, float16 7.8e-3; a float32 ``J``
+    of a bfloat16 forward gets bfloat16's."""
+    assert mismatch_tolerance(None, torch.float32) == exact_check_tolerance(torch.float32) == pytest.approx(1.19e-3,
+                                                                                                            rel=1e-2)
+    assert exact_check_tolerance(torch.float64, torch.float32) == exact_check_tolerance(torch.float32)
+    assert exact_check_tolerance(torch.float32, torch.bfloat16) == 16 * unit_roundoff(torch.bfloat16) == 0.0625
+    assert exact_check_tolerance(torch.bfloat16) == 0.0625
+    assert mismatch_tolerance(torch.float16, torch.float32) == 16 * 2.0 ** -11
+
+
+def test_formats_see_autocast_entered_inside_the_forward():
+    """accelerate enters autocast inside ``model.forward`` (float32 logits out): the watch still sees bfloat16."""
+    class Inside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            with autocast():
+                return self.lin(x).float()
+
+    model, formats = Inside(), ForwardFormats()
+    with formats.watch("cpu"):
+        logits = model(torch.randn(4, 3))
+    formats.add_model(model, logits)
+    assert logits.dtype == torch.float32 and formats.lowest == torch.bfloat16
+    plain = ForwardFormats()
+    with plain.watch("cpu"):
+        plain.add_model(model, model.lin(torch.randn(4, 3)))
+    assert plain.lowest == torch.float32
+
+
+# ------------------------------------------------------------------------------- J, s, losses against float64
+@pytest.mark.parametrize("mode", MODES)
+def test_per_sample_matches_the_float64_oracle_with_the_exact_check_on(mode):
+    """``check="exact"`` passes (it refused before: 4.2e-3 - 8.8e-3 against 1.2e-3); every row of ``J``, ``s`` and
+    the losses within ``TOL_ROW`` of the float64 oracle; losses and ``s`` in float32, ``J`` in the parameters'
+    dtype."""
+    model, model64, inputs, inputs64, targets, ctx = mode_case(mode)
+    with ctx():
+        r = ief.per_sample(model, inputs, targets, check="exact", form="dense")
+    losses, jac, sq = _oracle(model64, inputs64, targets)
+    dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
+    assert r.jacobian.dtype == dtype and r.losses.dtype == r.logit_sqnorm.dtype == torch.float32
+    assert _row_error(r.jacobian, jac) < TOL_ROW
+    assert _rel(r.logit_sqnorm, sq) < TOL_ROW and _rel(r.losses, losses) < TOL_ROW
+    with ctx():  # the factored form (the optimisers' default) agrees with the dense rows
+        auto = ief.per_sample(model, inputs, targets, check="exact", form="auto")
+    assert _row_error(auto.jacobian.materialize(), jac) < TOL_ROW
+
+
+# ------------------------------------------------------------------ directions, gamma, one step against float64
+@pytest.mark.parametrize("mode", MODES)
+def test_directions_gamma_and_steps_match_the_float64_oracle(mode):
+    """iEF / EF / SF directions, ``gamma`` and one IEF step (its first: the exact check on) within ``TOL_DIR`` of
+    the float64 oracle's at ``lambda = lambda_max(J J^T)``; EF's and SF's first steps pass the exact check too."""
+    model, model64, inputs, inputs64, targets, ctx = mode_case(mode)
+    _, jac, sq = _oracle(model64, inputs64, targets)
+    gram = jac @ jac.T
+    damping = float(torch.linalg.eigvalsh(gram)[-1])
+    eig = torch.linalg.eigvalsh(gram + damping * torch.eye(len(gram), dtype=torch.float64))
+    assert float(eig[-1] / eig[0]) <= KAPPA * (1 + 1e-9)  # 2 exactly with a zero row (all targets ignored)
+    with ctx():
+        r = ief.per_sample(model, inputs, targets, form="dense")
+        d = ief.ief_direction(r.jacobian, r.logit_sqnorm, damping)
+        g = ief.gamma(model, inputs, targets, d)
+    d0 = ief.ief_direction(jac, sq, damping)
+    assert _rel(d, d0) < TOL_DIR
+    assert _rel(ief.ef_direction(r.jacobian, damping), ief.ef_direction(jac, damping)) < TOL_DIR
+    assert _rel(ief.sf_direction(r.jacobian, r.gradient, damping), ief.sf_direction(jac, jac.sum(0), damping)) \
+        < TOL_DIR
+    assert abs(g - ief.gamma(model64, inputs64, targets, d0)) / ief.gamma(model64, inputs64, targets, d0) < TOL_DIR
+    before = torch.cat([p.detach().double().reshape(-1) for p in model.parameters() if p.requires_grad])
+    with ctx():
+        ief.optim.IEF(model, lr=1.0, damping=damping).step(inputs, targets)
+    after = torch.cat([p.detach().double().reshape(-1) for p in model.parameters() if p.requires_grad])
+    assert _rel(before - after, d0) < TOL_DIR
+    for opt in (ief.optim.EF(copy.deepcopy(model), damping=damping),
+                ief.optim.SF(copy.deepcopy(model), damping=damping, generator=torch.Generator().manual_seed(0))):
+        with ctx():
+            assert torch.isfinite(opt.step(inputs, targets))
+
+
+@pytest.mark.parametrize("mode", ["autocast-llama", "bf16-base-lora"])
+def test_the_gram_system_is_solved_in_float64_from_the_rows(mode):
+    """Given the rows (float32 ``J`` of a bfloat16 forward), the iEF / EF directions equal a float64 dense solve of
+    the same rows to ``4 u`` of float32: the Gram and the solve never run in 16 bits."""
+    model, _, inputs, _, targets, ctx = mode_case(mode)
+    with ctx():
+        r = ief.per_sample(model, inputs, targets, form="dense")
+    jac, s = r.jacobian.double(), r.logit_sqnorm.double()
+    damping = 1e-3 * float((jac * jac).sum())
+    system = jac @ jac.T + damping * torch.eye(len(jac), dtype=torch.float64)
+    for got, rhs in ((ief.ief_direction(r.jacobian, r.logit_sqnorm, damping), s),
+                     (ief.ef_direction(r.jacobian, damping), torch.ones_like(s))):
+        assert got.dtype == torch.float32
+        assert _rel(got, jac.T @ torch.linalg.solve(system, rhs)) < 4 * unit_roundoff(torch.float32)
+
+
+def test_a_bf16_parameter_update_is_computed_in_float32_and_rounded_once():
+    """Pure bfloat16 parameters: ``(1 - eta wd) theta - eta d`` in float32, rounded to bfloat16 once (bit for bit),
+    not rounded after the decay and again after the step."""
+    model, _, inputs, _, targets, _ = mode_case("pure-bf16")
+    lr, wd, damping = 0.5, 0.1, 1e-2
+    r = ief.per_sample(model, inputs, targets, check=False, form="dense")
+    d = ief.ief_direction(r.jacobian, r.logit_sqnorm, damping)
+    assert d.dtype == torch.bfloat16
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = torch.cat([p.detach().float().reshape(-1) for p in params]).mul(1 - lr * wd).add(d.float(), alpha=-lr) \
+        .to(torch.bfloat16)
+    ief.optim.IEF(model, lr=lr, damping=damping, weight_decay=wd, check=False, form="dense").step(inputs, targets)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in params]), expected)
+
+
+# ---------------------------------------------------------------------------------- what the exact check catches
+class _MeanMix(torch.nn.Module):
+    """``Linear -> tanh -> h + mix * h.mean(0) -> Linear`` (samples mixed for ``mix != 0``)."""
+
+    def __init__(self, mix: float, d: int = 16):
+        super().__init__()
+        self.lin, self.head, self.mix = torch.nn.Linear(d, d), torch.nn.Linear(d, 3), mix
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return self.head(h + self.mix * h.mean(0, keepdim=True))
+
+
+def _mean_mix(mix: float, dtype=torch.float32, m: int = 8):
+    torch.manual_seed(0)
+    model = _MeanMix(mix).to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    return model, torch.randn(m, 16, generator=gen).to(dtype), torch.randint(0, 3, (m,), generator=gen)
+
+
+@pytest.mark.parametrize("where", ["autocast", "bf16-weights"])
+def test_a_layer_that_mixes_samples_is_caught_under_bf16(where):
+    """``h + h.mean(0)`` (errors of the row's own size, ~1/sqrt(M)) fails the exact check and IEF's first step under
+    bfloat16, named as a sample-mixing layer; the same model without the mixing passes."""
+    dtype = torch.bfloat16 if where == "bf16-weights" else torch.float32
+    ctx = autocast if where == "autocast" else contextlib.nullcontext
+    for mix, fails in ((1.0, True), (0.0, False)):
+        model, x, y = _mean_mix(mix, dtype)
+        with ctx():
+            if fails:
+                with pytest.raises(PerSampleGradientMismatch, match="mixes samples") as err:
+                    ief.per_sample(model, x, y, check="exact")
+                assert "rounding" not in str(err.value)
+                with pytest.raises(PerSampleGradientMismatch, match="mixes samples"):
+                    ief.optim.IEF(model).step(x, y)
+            else:
+                ief.per_sample(model, x, y, check="exact")
+                ief.optim.IEF(model).step(x, y)
+
+
+def test_a_mismatch_near_the_bf16_tolerance_names_rounding_as_the_likely_cause():
+    """A small mixing (``mix = 0.2``: worst relative error between ``tol`` and ``4 tol`` under bfloat16) is refused
+    with a message saying that bfloat16 rounding is the likely cause and how to tell; the same error in float32 is
+    not blamed on rounding."""
+    model, x, y = _mean_mix(0.2)
+    with autocast(), pytest.raises(PerSampleGradientMismatch) as err:
+        ief.per_sample(model, x, y, check="exact")
+    worst = float(re.search(r"relative error ([0-9.e+-]+)", str(err.value)).group(1))
+    assert 0.0625 < worst < 4 * 0.0625
+    assert "bfloat16" in str(err.value) and "likely its rounding" in str(err.value)
+    with pytest.raises(PerSampleGradientMismatch) as err32:
+        ief.per_sample(model, x, y, check="exact")
+    assert "rounding" not in str(err32.value)
+
+
+def test_batch_norm_with_batch_statistics_is_refused_under_bf16():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3)).train()
+    with autocast(), pytest.raises(PerSampleGradientMismatch, match="batch statistics"):
+        ief.per_sample(model, torch.randn(6, 4), torch.randint(0, 3, (6,)))
+
+
+# -------------------------------------------------------------------------------------------- float16: refused
+@pytest.mark.parametrize("where", ["autocast", "weights"])
+def test_float16_is_refused_in_one_sentence(where):
+    model, x, y = _mean_mix(0.0)
+    if where == "weights":
+        model, x = model.half(), x.half()
+        ctx = contextlib.nullcontext
+    else:
+        ctx = lambda: torch.autocast("cpu", torch.float16)  # noqa: E731
+    with ctx():
+        with pytest.raises(ValueError, match="float16 is refused.*loss scale.*use bfloat16"):
+            ief.per_sample(model, x, y)
+        with pytest.raises(ValueError, match="float16 is refused"):
+            ief.optim.IEF(model).step(x, y)
+
+
+# ------------------------------------------------------------------------------------------ IEFTrainer(bf16=True)
+def _bert_lora():
+    cfg = transformers.BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=16, max_position_embeddings=16, num_labels=3,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(cfg),
+                                peft.LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query", "value"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def _rows(n: int = 16, t: int = 6):
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(1, 20, (n, t), generator=g).tolist(),
+            "labels": torch.randint(0, 3, (n,), generator=g).tolist()}
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == self.step
+        return control
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).clone()
+
+
+def test_trainer_bf16_trains_logs_and_resumes(tmp_path):
+    """``TrainingArguments(bf16=True)``: the optimiser's forward runs under bfloat16 autocast, the first logged loss
+    is the float64 model's mean loss on the first batch to ``TOL_ROW``, and a run stopped at the step-2 checkpoint
+    and resumed equals the uninterrupted one bit for bit."""
+    transformers.logging.set_verbosity_error()
+    rows = _rows()
+
+    def trainer(directory, **extra):
+        args = TrainingArguments(output_dir=str(tmp_path / directory), learning_rate=0.5, max_grad_norm=0.0,
+                                 per_device_train_batch_size=4, logging_steps=1, report_to="none", use_cpu=True,
+                                 disable_tqdm=True, train_sampling_strategy="sequential", seed=0, bf16=True,
+                                 max_steps=4, lr_scheduler_type="linear", **extra)
+        return IEFTrainer(_bert_lora(), args, train_dataset=datasets.Dataset.from_dict(rows), optimizer="ief",
+                          optimizer_kwargs={"momentum": 0.9, "damping": 1e-3})
+
+    whole = trainer("whole", save_strategy="no")
+    seen = []
+    lin = next(m for m in whole.model.modules() if isinstance(m, torch.nn.Linear))
+    lin.register_forward_hook(lambda module, args, out: seen.append((torch.is_autocast_enabled("cpu"), out.dtype)))
+    model64 = copy.deepcopy(whole.model).double()
+    whole.train()
+    assert seen and all(s == (True, torch.bfloat16) for s in seen)
+    losses = [h["loss"] for h in whole.state.log_history if "loss" in h and "train_runtime" not in h]
+    first = {k: torch.tensor(v[:4]) for k, v in rows.items()}
+    reference = float(oracle.per_sample(model64, {"input_ids": first["input_ids"]}, first["labels"])[0].mean())
+    assert len(losses) == 4 and abs(losses[0] - reference) / reference < TOL_ROW
+    split = trainer("split", save_strategy="steps", save_steps=2)
+    split.add_callback(_StopAt(2))
+    split.train()
+    resumed = trainer("split", save_strategy="steps", save_steps=2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    assert torch.equal(_flat(resumed.model), _flat(whole.model))

@@ -16,7 +16,7 @@ opt = ief.optim.IEF(model, lr=1.0, damping=1e-7)            # the exact iEF upda
 for step in range(30):                                      # your loop: no backward(), no zero_grad()
     loss = opt.step(inputs, labels)                         # forward + per-sample backward + update
     if step % 10 == 0:
-        print(f"step {step:2d}  L = {loss.item():.3f}")
+        print(f"step {step:2d}  L = {loss.item():.3f} (summed over 64 tokens; {loss.item() / 64:.3f} per token)")
 
 ps = ief.per_sample(model.eval(), inputs, labels)           # gamma: smaller = closer to the natural gradient
 for name, d in {"SGD": ps.gradient, "iEF": ief.ief_direction(ps.jacobian, ps.logit_sqnorm, 1e-7)}.items():

@@ -79,7 +79,8 @@ def _check_sparsity(sparsity) -> float:
 def _check_damping(damping, fisher: str) -> float:
     if damping is None:
         raise ValueError(f"fisher={fisher!r} needs a damping lambda (a finite number > 0): the curvature of N "
-                         "per-sample rows has rank at most N")
+                         "per-sample rows has rank at most N. No one value suits every model: choose it on held-out "
+                         "data, e.g. with ief.woodfisher.prune_searched(..., validation=batches)")
     return check_damping(damping, allow_zero=False)
 
 
@@ -543,7 +544,109 @@ def prune(
     return model, curvature.prune(sparsity, damping, update=update)
 
 
+DAMPING_GRID = tuple(float(f"1e{k}") for k in range(-8, 3))  # 1e-8 ... 1e2, the compression chapter's grid
+
+
+def validation_loss(model: torch.nn.Module, batches: Iterable[tuple[Inputs, torch.Tensor]],
+                    loss: str | Loss = "cross_entropy") -> float:
+    """The mean per-sample loss of ``model`` over ``batches`` (no gradient; the model in the mode it is in).
+
+    Args:
+        model: the model.
+        batches: ``(inputs, targets)`` pairs.
+        loss: ``"cross_entropy"``, ``"mse"`` or a :class:`ief.losses.Loss`.
+
+    Returns:
+        ``sum_n l_n / N`` over every sample of every batch (``l_n`` summed over a sample's positions).
+
+    Raises:
+        ValueError: no batch, or a batch that is not an ``(inputs, targets)`` pair.
+    """
+    fn = get_loss(loss)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in _batches(batches):
+            per = fn.per_sample(call_model(model, inputs), targets)
+            total += float(per.double().sum())
+            count += per.shape[0]
+    return total / count
+
+
+def prune_searched(
+    model: torch.nn.Module,
+    batches: Iterable[tuple[Inputs, torch.Tensor]],
+    sparsity: float,
+    *,
+    fisher: str,
+    validation: Iterable[tuple[Inputs, torch.Tensor]],
+    dampings: Sequence[float] = DAMPING_GRID,
+    block_size: int | None = None,
+    update: bool = True,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    generator: torch.Generator | None = None,
+    loss: str | Loss = "cross_entropy",
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor], float, dict[float, float]]:
+    """:func:`prune` at the damping that leaves the lowest loss on held-out ``validation`` batches.
+
+    The damping sets how far OBS trusts the curvature, and the best one depends on the curvature's scale (EF's rows
+    carry ``||grad_z l_n||``, iEF's do not) and on the model: no one value suits every case (on the digits MLP at 80 %
+    sparsity, iEF at a fixed ``1e-4`` kept 34 % accuracy, at its validated damping more than magnitude pruning; see the
+    compression chapter). The curvature is computed once (:func:`obs_curvature`), then every candidate damping prunes
+    the same starting weights; the candidate with the lowest :func:`validation_loss` (the smallest damping among
+    equals) is applied to ``model``. Cost: one pass over ``batches`` plus, per candidate, one prune and one pass
+    over ``validation``.
+
+    Args:
+        model: pruned in place at the chosen damping.
+        batches: the ``(inputs, targets)`` pairs the curvature is estimated from.
+        sparsity: the fraction of the pruned weights set to zero, in ``[0, 1]``.
+        fisher: ``"ef"``, ``"ief"``, ``"sf"`` or ``"ggn"``.
+        validation: held-out ``(inputs, targets)`` pairs that choose the damping (not ``batches``).
+        dampings: the candidates, each > 0 (default :data:`DAMPING_GRID`, ``1e-8 ... 1e2``).
+        block_size: as :func:`prune`.
+        update: as :func:`prune`.
+        params: as :func:`prune`.
+        generator: as :func:`prune`.
+        loss: as :func:`prune`.
+
+    Returns:
+        ``(model, masks, damping, losses)``: the pruned model, its masks (name -> bool, ``True`` kept), the chosen
+        damping and every candidate's validation loss.
+
+    Raises:
+        ValueError: ``fisher`` not one of :data:`FISHERS` (magnitude pruning has no damping: use :func:`prune`), no
+            candidate damping, a candidate that is not > 0, and as :func:`prune`.
+    """
+    fisher = _check_choice("fisher", fisher, FISHERS)
+    sparsity = _check_sparsity(sparsity)
+    candidates = [_check_damping(d, fisher) for d in dampings]
+    if not candidates:
+        raise ValueError("dampings must hold at least one candidate damping > 0")
+    validation = _batches(validation)
+    curvature = obs_curvature(model, batches, fisher=fisher, params=params, block_size=block_size,
+                              generator=generator, loss=loss)
+    start = [p.detach().clone() for p in curvature.params]
+    losses: dict[float, float] = {}
+    for damping in sorted(candidates):
+        curvature.prune(sparsity, damping, update=update)
+        losses[damping] = validation_loss(model, validation, loss)
+        _restore(curvature.params, start)
+    finite = {d: v for d, v in losses.items() if v == v and v != float("inf")}
+    if not finite:
+        raise FloatingPointError(f"every candidate damping left a non-finite validation loss: {losses}")
+    best = min(finite, key=lambda d: (finite[d], d))
+    masks = curvature.prune(sparsity, best, update=update)
+    return model, masks, best, losses
+
+
+def _restore(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+
+
 __all__ = [
+    "DAMPING_GRID",
     "FISHERS",
     "METHODS",
     "GGN_MAX_BLOCK",
@@ -556,4 +659,6 @@ __all__ = [
     "obs_saliency",
     "pruned_parameters",
     "prune",
+    "prune_searched",
+    "validation_loss",
 ]

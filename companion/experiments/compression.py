@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ief.woodfisher import FISHERS, magnitude_prune, obs_curvature, obs_saliency, prune
+from ief.woodfisher import DAMPING_GRID, FISHERS, magnitude_prune, obs_curvature, obs_saliency, prune
 
 SETUP = "digits-mlp"
 BASELINE_OPTIMIZER = "adam"
@@ -25,7 +25,7 @@ SETUP_SCALE = {"smoke": "smoke", "cpu": "cpu", "full": "cpu"}
 DEFAULTS = {
     "smoke": dict(samples=32, block_size=128, sparsities=(0.5, 0.7, 0.9), dampings=(1e-6, 1e-3, 1.0)),
     "cpu": dict(samples=512, block_size=256, sparsities=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95),
-                dampings=tuple(float(f"1e{k}") for k in range(-8, 3))),
+                dampings=DAMPING_GRID),
 }
 DEFAULTS["full"] = DEFAULTS["cpu"]
 

@@ -188,7 +188,7 @@ def test_readme_example_runs_and_trains():
 def test_readme_trainer_example_continues_the_quick_start_and_trains(tmp_path):
     """The README's second example (the Trainer) runs after the first, as the text says, and its logged loss falls."""
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert len(blocks) == 2 and "IEFTrainer(" in blocks[1], "the README shows the quick start, then the Trainer"
+    assert len(blocks) == 3 and "IEFTrainer(" in blocks[1], "the README shows the quick start, then the Trainer"
     out = subprocess.run(
         [sys.executable, "-c", blocks[0] + "\n" + blocks[1]], cwd=tmp_path, capture_output=True, text=True,
         timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
@@ -197,6 +197,24 @@ def test_readme_trainer_example_continues_the_quick_start_and_trains(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     logged = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", out.stdout + out.stderr)]
     assert len(logged) == 3 and logged[-1] < logged[0], (out.stdout + out.stderr)[-2000:]
+
+
+def test_readme_pruning_example_runs_after_the_quick_start_and_prunes_at_a_chosen_damping(tmp_path):
+    """The README's third example (pruning, damping chosen on held-out data) runs after the quick start as printed,
+    prunes half of the LoRA weights and names a damping from the grid it searched."""
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    assert len(blocks) == 3 and "prune_searched(" in blocks[2], "the README's third example is the pruning call"
+    check = ("\nimport ief.woodfisher as _wf\n"
+             "_kept = sum(int(m.sum()) for m in masks.values()); _all = sum(m.numel() for m in masks.values())\n"
+             "assert _kept == _all - round(0.5 * _all), (_kept, _all)\n"
+             "assert damping in _wf.DAMPING_GRID, damping\n")
+    out = subprocess.run(
+        [sys.executable, "-c", blocks[0] + "\n" + blocks[2] + check], cwd=tmp_path, capture_output=True, text=True,
+        timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
+                          "OMP_NUM_THREADS": "2", "HOME": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"half of the LoRA weights pruned, at the damping held-out data chose: [0-9.e+-]+", out.stdout)
 
 
 def test_the_chapter_map_marks_what_the_cpu_scale_draws_differently():

@@ -258,3 +258,55 @@ def test_rows_spanning_the_block_at_tiny_damping(fisher):
     for damping in (1e-8, 1e-12):
         inv = torch.linalg.inv(oracle_curvature(case, fisher, 4, damping, batches))
         torch.testing.assert_close(curvature.inverse_diagonal(damping), inv.diagonal(), rtol=1e-6, atol=0)
+
+
+def _brute_validation_loss(model, batches) -> float:
+    """Mean per-sample cross-entropy, an explicit loop over samples (the oracle of ``validation_loss``)."""
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for x, y in batches:
+            for i in range(x.shape[0]):
+                total += float(torch.nn.functional.cross_entropy(model(x[i:i + 1]).double(), y[i:i + 1],
+                                                                 reduction="sum"))
+                n += 1
+    return total / n
+
+
+@pytest.mark.parametrize("fisher", ["ief", "ef"])
+def test_prune_searched_keeps_the_damping_with_the_lowest_held_out_loss(fisher):
+    """Every candidate pruned from the same weights (brute force: a fresh copy and ``prune`` each), the held-out loss
+    of each equal to the search's, and the model left as ``prune`` at the lowest one leaves it."""
+    case = mlp_case()
+    held_out = [(case.inputs[:3] * 0.5 + 0.1, case.targets[:3].flip(0))]
+    dampings = (1e-6, 1e-2, 1.0, 1e2)
+    expected = {}
+    for d in dampings:
+        copy_ = copy.deepcopy(case.model)
+        wf.prune(copy_, _split(case), 0.6, fisher=fisher, damping=d, block_size=BLOCK)
+        expected[d] = _brute_validation_loss(copy_, held_out)
+    model = copy.deepcopy(case.model)
+    _, masks, best, losses = wf.prune_searched(model, _split(case), 0.6, fisher=fisher, validation=held_out,
+                                               dampings=dampings, block_size=BLOCK)
+    assert set(losses) == set(dampings)
+    for d in dampings:
+        assert losses[d] == pytest.approx(expected[d], rel=1e-10)
+    assert best == min(dampings, key=lambda d: (expected[d], d))
+    reference = copy.deepcopy(case.model)
+    _, ref_masks = wf.prune(reference, _split(case), 0.6, fisher=fisher, damping=best, block_size=BLOCK)
+    assert all(torch.equal(masks[k], ref_masks[k]) for k in masks)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert len(set(expected.values())) > 1, "the candidates must differ for the choice to mean anything"
+
+
+def test_prune_searched_refuses_what_has_no_damping_to_choose():
+    case = mlp_case()
+    with pytest.raises(ValueError, match=r"unknown fisher 'magnitude'; accepted: 'ef', 'ief', 'sf', 'ggn'"):
+        wf.prune_searched(case.model, _split(case), 0.5, fisher="magnitude", validation=_split(case))
+    with pytest.raises(ValueError, match=r"at least one candidate"):
+        wf.prune_searched(case.model, _split(case), 0.5, fisher="ief", validation=_split(case), dampings=())
+    with pytest.raises(ValueError, match=r"damping must be a finite number > 0"):
+        wf.prune_searched(case.model, _split(case), 0.5, fisher="ief", validation=_split(case), dampings=(1.0, 0.0))
+    with pytest.raises(ValueError, match=r"batches must hold at least one"):
+        wf.prune_searched(case.model, _split(case), 0.5, fisher="ief", validation=[])
+    with pytest.raises(ValueError, match=r"prune_searched"):
+        wf.prune(case.model, _split(case), 0.5, fisher="ief")

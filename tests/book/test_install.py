@@ -182,8 +182,14 @@ def test_the_library_wheel_holds_ief_alone(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     [wheel] = tmp_path.glob("ief-*.whl")
-    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
-    assert tops == {"ief", f"ief-{PYPROJECT['project']['version']}.dist-info"}, tops
+    names = zipfile.ZipFile(wheel).namelist()
+    version = re.search(r'^__version__ = "([^"]+)"$', (ROOT / "ief" / "__init__.py").read_text(), re.M).group(1)
+    dist_info = f"ief-{version}.dist-info"
+    assert {name.split("/")[0] for name in names} == {"ief", dist_info}, names
+    assert f"{dist_info}/licenses/LICENSE" in names, "the wheel carries the licence"
+    metadata = zipfile.ZipFile(wheel).read(f"{dist_info}/METADATA").decode()
+    assert "License-Expression: MIT" in metadata and "Author: The iEF companion authors" in metadata
+    assert "Project-URL: Paper, https://arxiv.org/abs/2406.06420" in metadata
 
 
 def test_the_library_imports_without_the_companions_packages():

@@ -20,6 +20,9 @@ every target position is ignored, so its per-sample gradient is zero and ``J J^T
 - ``llama``, ``qwen2-tied``: full fine-tuning of tiny ``LlamaForCausalLM`` (train mode, untied head) and
   ``Qwen2ForCausalLM`` (eval mode, ``tie_word_embeddings=True``) from configs, right-padded with an attention mask,
   per-position next-token targets (RMS norms: their rule; Qwen2's tied table and head: hooked in both modules).
+- ``llama-ia3``, ``llama-lora-embedding``: that Llama wrapped by peft (IA3 with a feedforward module, train mode;
+  LoRA on the token embedding and q_proj, adapter dropout 0.1, eval mode): the adapter wrappers' rules
+  (``ief/jacobian/rules/peft_*.py``), adapter tensors only trainable.
 """
 from __future__ import annotations
 
@@ -325,6 +328,36 @@ def qwen2_tied() -> Case:
     return _causal_lm("qwen2-tied", _tiny_decoder_config("Qwen2Config", tie_word_embeddings=True))
 
 
+def _llama_adapter(name: str, config_of: Callable, train: bool = False) -> Case:
+    """The matrix's tiny Llama wrapped by peft (``config_of(peft)``: the adapter's config), every adapter tensor moved
+    off its initial zeros / ones so that its Jacobian is generic."""
+    import peft
+
+    case_ = _causal_lm(name, _tiny_decoder_config("LlamaConfig", tie_word_embeddings=False), train=train)
+    torch.manual_seed(1)
+    case_.model = peft.get_peft_model(case_.model, config_of(peft))
+    with torch.no_grad():
+        for p in case_.model.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn_like(p))
+    case_.model.train(train)
+    return case_
+
+
+def llama_ia3() -> Case:
+    """The tiny Llama with IA3 on q_proj / v_proj (output scaling) and down_proj (feedforward: input scaling), train
+    mode: the IA3 wrapper's rule, no loop."""
+    return _llama_adapter("llama-ia3", lambda peft: peft.IA3Config(
+        target_modules=["q_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]), train=True)
+
+
+def llama_lora_embedding() -> Case:
+    """The tiny Llama with LoRA (rank 2, dropout 0.1: identity in eval mode) on its token embedding
+    (``lora_embedding_A`` / ``_B``) and q_proj."""
+    return _llama_adapter("llama-lora-embedding", lambda peft: peft.LoraConfig(
+        r=2, lora_alpha=4, lora_dropout=0.1, target_modules=["embed_tokens", "q_proj"]))
+
+
 MODELS = {
     m.name: m
     for m in (
@@ -339,6 +372,8 @@ MODELS = {
         RouteModel("token-table", token_table, classifier=False, kfac_params=("head",)),
         RouteModel("llama", llama, classifier=False, kfac_params=("lm_head",)),
         RouteModel("qwen2-tied", qwen2_tied, classifier=False, kfac_params=()),
+        RouteModel("llama-ia3", llama_ia3, classifier=False, kfac_params=()),
+        RouteModel("llama-lora-embedding", llama_lora_embedding, classifier=False, kfac_params=()),
     )
 }
 

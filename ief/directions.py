@@ -48,13 +48,19 @@ def _check_vector(v: torch.Tensor, size: int, name: str, what: str) -> None:
         raise ValueError(f"{name} contains non-finite values")
 
 
-def _as_dtype(direction: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+def unrepresentable(what: str, dtype: torch.dtype) -> str:
+    """The message of a direction that overflowed ``dtype`` (also the optimisers' when their one check finds it)."""
+    return (f"the {what} direction is not representable in {dtype} (its entries exceed the dtype's range): the "
+            "per-sample gradients are too close to zero for this damping; use a larger damping")
+
+
+def _as_dtype(direction: torch.Tensor, dtype: torch.dtype, what: str, check: bool = True) -> torch.Tensor:
+    """``direction`` in ``dtype``; with ``check``, ``FloatingPointError`` (:func:`unrepresentable`) when it is not
+    finite there. ``check=False`` leaves that to the caller (no host round-trip here: the optimisers fold it into
+    their one finiteness check of the step)."""
     out = direction.to(dtype)
-    if not all_finite(out):
-        raise FloatingPointError(
-            f"the {what} direction is not representable in {dtype} (its entries exceed the dtype's range): the "
-            "per-sample gradients are too close to zero for this damping; use a larger damping"
-        )
+    if check and not all_finite(out):
+        raise FloatingPointError(unrepresentable(what, dtype))
     return out
 
 
@@ -77,9 +83,16 @@ def rounding_floor(dtype: torch.dtype, gram_matrix: torch.Tensor) -> float:
     Returns:
         The floor, in the Gram matrix's units.
     """
+    floor = _rounding_floor(dtype, gram_matrix)
+    return floor if isinstance(floor, float) else float(floor)
+
+
+def _rounding_floor(dtype: torch.dtype, gram_matrix: torch.Tensor) -> float | torch.Tensor:
+    """:func:`rounding_floor` without the host round-trip: ``0.0`` (a float) for float64 or an empty Gram, else a
+    0-d float64 tensor on the Gram's device."""
     if dtype == torch.float64 or not gram_matrix.numel():
         return 0.0
-    return (10 * torch.finfo(dtype).eps) ** 2 * float(gram_matrix.diagonal().sum())
+    return (10 * torch.finfo(dtype).eps) ** 2 * gram_matrix.diagonal().sum()
 
 
 def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float, noise_floor: float = 0.0) -> torch.Tensor:
@@ -101,31 +114,36 @@ def solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float, noi
     return _solve_gram(gram_matrix, rhs, check_damping(damping), noise_floor)
 
 
-def _solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float, noise_floor: float) -> torch.Tensor:
-    """:func:`solve_gram` with ``damping`` already checked."""
+def _solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float,
+                noise_floor: float | torch.Tensor) -> torch.Tensor:
+    """:func:`solve_gram` with ``damping`` already checked; ``noise_floor`` may be a 0-d tensor
+    (:func:`_rounding_floor`), which is positive by construction for a narrower ``J`` and sends the solve to ``eigh``
+    with no host round-trip (no Cholesky attempt, no pivot read)."""
     g = gram_matrix.to(torch.float64)
     b = rhs.to(torch.float64)
     m = g.shape[0]
-    eye = torch.eye(m, dtype=torch.float64, device=g.device)
-    scale = float(g.diagonal().max()) if m else 0.0
-    # Cholesky is trusted only when the smallest pivot is well above rounding error of the largest entry.
-    tiny = m * torch.finfo(torch.float64).eps * max(scale, 1e-300)
-    chol, info = torch.linalg.cholesky_ex(g + damping * eye)
-    if noise_floor <= 0.0 and int(info) == 0 and float(chol.diagonal().min()) ** 2 > 1e3 * tiny:
-        column = b.unsqueeze(-1) if b.dim() == 1 else b
-        x = torch.cholesky_solve(column, chol)
-        return x.squeeze(-1) if b.dim() == 1 else x
+    # eigenvalues below rounding error of the largest entry are not trusted (the same bound for Cholesky's pivots)
+    tiny = m * torch.finfo(torch.float64).eps * (g.diagonal().amax().clamp_min(1e-300) if m else
+                                                 torch.tensor(1e-300, dtype=torch.float64, device=g.device))
+    if isinstance(noise_floor, float) and noise_floor <= 0.0:
+        # Cholesky is trusted only when the smallest pivot is well above rounding error of the largest entry
+        eye = torch.eye(m, dtype=torch.float64, device=g.device)
+        chol, info = torch.linalg.cholesky_ex(g + damping * eye)
+        if int(info) == 0 and float(chol.diagonal().min()) ** 2 > 1e3 * float(tiny):
+            column = b.unsqueeze(-1) if b.dim() == 1 else b
+            x = torch.cholesky_solve(column, chol)
+            return x.squeeze(-1) if b.dim() == 1 else x
     evals, evecs = torch.linalg.eigh(g)
     shifted = evals.clamp_min(0) + damping
-    keep = (shifted > max(tiny, 0.0) * 1e3) & (evals > noise_floor)
+    keep = (shifted > tiny * 1e3) & (evals > noise_floor)
     inv = torch.where(keep, 1.0 / torch.where(keep, shifted, torch.ones_like(shifted)), torch.zeros_like(shifted))
     coeff = evecs.T @ b
     coeff = coeff * (inv if b.dim() == 1 else inv.unsqueeze(-1))
     return evecs @ coeff
 
 
-def _woodbury(rows: Rows, weights: torch.Tensor, damping: float, what: str) -> torch.Tensor:
-    """``J^T (J J^T + lambda I)^{-1} weights`` in the Jacobian's dtype.
+def _woodbury(rows: Rows, weights: torch.Tensor, damping: float, what: str, check: bool = True) -> torch.Tensor:
+    """``J^T (J J^T + lambda I)^{-1} weights`` in the Jacobian's dtype (``check``: see :func:`_as_dtype`).
 
     Computed on ``J' = J / c`` with ``c = max|J|`` where the Gram matrix would otherwise overflow or underflow
     (``c = 1`` in the ordinary range): ``J^T (J J^T + lambda I)^{-1} w = (1/c) J'^T (J' J'^T + lambda/c^2 I)^{-1} w``.
@@ -136,14 +154,14 @@ def _woodbury(rows: Rows, weights: torch.Tensor, damping: float, what: str) -> t
     weights = weights.to(torch.float64)
     scaled_damping = damping / c / c
     if math.isinf(scaled_damping):  # lambda swamps J J^T: (J J^T + lambda I)^{-1} = I / lambda to float64 precision
-        return _as_dtype(rows.combine_rows(weights, final=True).div_(damping), rows.dtype, what)
+        return _as_dtype(rows.combine_rows(weights, final=True).div_(damping), rows.dtype, what, check)
     g = rows.gram(c)
-    coeff = _solve_gram(g, weights, scaled_damping, rounding_floor(rows.dtype, g))
+    coeff = _solve_gram(g, weights, scaled_damping, _rounding_floor(rows.dtype, g))
     direction = rows.combine_rows(coeff, c, final=True)
-    return _as_dtype(direction if c == 1.0 else direction.div_(c), rows.dtype, what)
+    return _as_dtype(direction if c == 1.0 else direction.div_(c), rows.dtype, what, check)
 
 
-def ief_solve(rows: Rows, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:
+def ief_solve(rows: Rows, logit_sqnorm: torch.Tensor, damping: float, check: bool = True) -> torch.Tensor:
     """:func:`ief_direction` of checked input: finite ``rows``, ``logit_sqnorm`` ``[M]`` finite, ``damping`` from
     :func:`ief.losses.check_damping`.
 
@@ -151,34 +169,37 @@ def ief_solve(rows: Rows, logit_sqnorm: torch.Tensor, damping: float) -> torch.T
         rows: ``J`` (:func:`ief.rows.as_rows`).
         logit_sqnorm: ``[M]`` ``s_iEF`` (``eqn:s_ief``).
         damping: ``lambda >= 0``.
+        check: raise when the direction is not finite in ``rows.dtype`` (default); ``False`` returns it as it is,
+            for a caller that checks it itself (the optimisers: one host round-trip for the whole step).
 
     Returns:
         The iEF direction ``[P]`` in ``rows.dtype`` (``eqn:iEF_lsq``).
 
     Raises:
-        FloatingPointError: the direction is not representable in ``rows.dtype``.
+        FloatingPointError: (``check``) the direction is not representable in ``rows.dtype``.
     """
-    return _woodbury(rows, logit_sqnorm, damping, "iEF")
+    return _woodbury(rows, logit_sqnorm, damping, "iEF", check)
 
 
-def ef_solve(rows: Rows, damping: float) -> torch.Tensor:
+def ef_solve(rows: Rows, damping: float, check: bool = True) -> torch.Tensor:
     """:func:`ef_direction` of checked input: finite ``rows``, ``damping`` from :func:`ief.losses.check_damping`.
 
     Args:
         rows: ``J`` (:func:`ief.rows.as_rows`).
         damping: ``lambda >= 0``.
+        check: as :func:`ief_solve`.
 
     Returns:
         The EF direction ``[P]`` in ``rows.dtype`` (``eqn:EF_lsq``).
 
     Raises:
-        FloatingPointError: the direction is not representable in ``rows.dtype``.
+        FloatingPointError: (``check``) the direction is not representable in ``rows.dtype``.
     """
     ones = torch.ones(rows.shape[0], dtype=torch.float64, device=rows.device)
-    return _woodbury(rows, ones, damping, "EF")
+    return _woodbury(rows, ones, damping, "EF", check)
 
 
-def sf_solve(rows: Rows, grad: torch.Tensor, damping: float) -> torch.Tensor:
+def sf_solve(rows: Rows, grad: torch.Tensor, damping: float, check: bool = True) -> torch.Tensor:
     """:func:`sf_direction` of checked input (the formula and its rounding are described there): finite ``rows``,
     ``grad`` a finite floating ``[P]``, ``damping`` from :func:`ief.losses.check_damping` with ``allow_zero=False``.
 
@@ -186,34 +207,35 @@ def sf_solve(rows: Rows, grad: torch.Tensor, damping: float) -> torch.Tensor:
         rows: the sampled Jacobian ``A`` (:func:`ief.rows.as_rows`).
         grad: ``[P]`` the batch gradient ``g``.
         damping: ``lambda > 0``.
+        check: as :func:`ief_solve`.
 
     Returns:
         The SF direction ``[P]`` in ``rows.dtype`` (``eqn:SF-smw``).
 
     Raises:
-        FloatingPointError: the direction is not representable in ``rows.dtype``.
+        FloatingPointError: (``check``) the direction is not representable in ``rows.dtype``.
     """
     # With A' = A / c and lambda' = lambda / c^2: (A^T A + lambda I)^{-1} g = (A'^T A' + lambda' I)^{-1} g / c^2.
     a, g = rows, grad.to(torch.float64)
     c = a.gram_scale()
     scaled_damping = damping / c / c if c > 0 else math.inf
     if math.isinf(scaled_damping):  # lambda swamps A^T A (or A = 0): the direction is g / lambda
-        return _as_dtype(g / damping, a.dtype, "SF")
+        return _as_dtype(g / damping, a.dtype, "SF", check)
     ag = a.times(g, c)
     g_a = a.gram(c)
     evals, evecs = torch.linalg.eigh(g_a)
     m = evals.shape[0]
-    tiny = m * torch.finfo(torch.float64).eps * max(float(g_a.diagonal().max()), 1e-300)
-    keep = evals > max(1e3 * tiny, rounding_floor(a.dtype, g_a))
+    tiny = m * torch.finfo(torch.float64).eps * g_a.diagonal().amax().clamp_min(1e-300)
+    keep = (evals > 1e3 * tiny) & (evals > _rounding_floor(a.dtype, g_a))
     e = torch.where(keep, evals, torch.ones_like(evals))
     qag = torch.where(keep, evecs.T @ ag, torch.zeros_like(evals))
     in_range = a.combine_rows(evecs @ (qag / (e * (e + scaled_damping))), c)  # A'^T Q diag(1/(e(e+l'))) Q^T A' g
     g_perp = g - a.combine_rows(evecs @ (qag / e), c)
     eps = max(torch.finfo(a.dtype).eps, torch.finfo(grad.dtype).eps)
-    if float(g_perp.norm()) <= 10 * eps * float(g.norm()):
-        g_perp.zero_()
+    # a g_perp within g's rounding is taken as 0 (on the device: no host round-trip)
+    g_perp = g_perp * (g_perp.norm() > 10 * eps * g.norm())
     direction = g_perp.div_(damping).add_(in_range.div_(c * c))
-    return _as_dtype(direction, a.dtype, "SF")
+    return _as_dtype(direction, a.dtype, "SF", check)
 
 
 def ief_direction(jacobian: torch.Tensor | Rows, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:

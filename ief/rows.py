@@ -15,12 +15,13 @@ five products, all in float64: the Gram matrix ``J J^T`` (:meth:`Rows.gram`), ``
 from __future__ import annotations
 
 import abc
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from .model_call import all_finite, column_chunks, large_empty
+from .model_call import column_chunks, large_empty
 
 FORMS = ("dense", "auto", "ghost", "rows")
 
@@ -98,6 +99,12 @@ class Rows(abc.ABC):
     def is_finite(self) -> bool:
         """Whether every entry of ``J`` is finite."""
 
+    def finite_flag(self) -> torch.Tensor:
+        """Whether every entry of ``J`` is finite, as a 0-d bool tensor on :attr:`device`: the forms here compute
+        it with no host round-trip (a caller folds it into its own checks and reads it once); this default reads
+        :meth:`is_finite`."""
+        return torch.tensor(self.is_finite(), device=self.device)
+
     def gram_scale(self) -> float:
         """1, or :meth:`max_abs` when ``J J^T`` would overflow or underflow float64 (entries beyond ~1e+-100): the
         ``scale`` the solves pass to :meth:`gram`, :meth:`combine_rows` and :meth:`times`.
@@ -169,6 +176,16 @@ def _tangent_columns(u: torch.Tensor, w: torch.Tensor | None, lo: int, hi: int) 
     return u[:, idx // w.shape[1]] * w[:, idx % w.shape[1]]
 
 
+def _finite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Whether every entry of every tensor is finite, a 0-d bool tensor on ``device``: one ``aminmax`` per column
+    block (NaN propagates into it, an infinity is an extreme), no tensor-sized temporary and no host round-trip."""
+    extremes = [torch.stack(torch.aminmax(block)) for t in tensors if t.numel() for _, block in
+                column_chunks(t.reshape(t.shape[0], -1) if t.dim() != 2 else t)]
+    if not extremes:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.isfinite(torch.cat(extremes)).all()
+
+
 def _matrix_max_abs(matrix: torch.Tensor) -> float:
     """Largest magnitude in ``matrix`` (NaN if it holds one)."""
     if not matrix.numel():
@@ -193,6 +210,31 @@ def _matrix_combine(matrix: torch.Tensor, coeff: torch.Tensor, scale: float) -> 
     for lo, block in _column_chunks(matrix, scale):
         out[lo : lo + block.shape[1]] = coeff @ block
     return out
+
+
+def _whitened_factors(weighted: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F [O, K]`` and ``W [K, I]`` in ``dtype`` with ``F W = weighted^T a`` (``weighted [K, O]``, ``a [K, I]``
+    float64, ``K = M T <= I``), such that the narrow product ``F W`` errs by ~``eps`` of ``dtype`` times each row's
+    own norm, whatever cancels in the coefficients folded into ``weighted``.
+
+    Why: the direction's block ``(cG)^T A = sum_n c_n G_n^T A_n`` of a Linear weight; near-duplicate samples make
+    the solve's ``c`` large with cancelling entries, and a float32 product of ``(cG)^T`` and ``A`` then errs by
+    ``eps sum_n |c_n| |G_n| |A_n|``, far beyond the result (2e-5 relative against 1e-7 on 8 duplicated pairs,
+    ``tests/ief/test_directions.py``). Whitening ``A`` moves the cancellation into a small float64 factor: with
+    ``A A^T + delta I = L L^T`` (Cholesky, ``[K, K]`` float64, ``delta = K eps64 max diag``: ``A A^T`` is singular for
+    ``K > rank A``), ``W = L^{-1} A`` has rows of norm ``<= 1`` that are orthonormal wherever ``A A^T`` is above
+    ``delta``, and ``(cG)^T A = ((cG)^T L) W`` exactly; the float64 factor ``F = (cG)^T L`` carries every
+    cancellation, and a product with (nearly) orthonormal rows errs by ~``eps ||F_o||``, which is ~``eps`` times the
+    result row's norm. Everything over ``I`` is a triangular solve of ``[K, I]`` (the size of the layer's inputs, not
+    ``[O, I]``), no QR or eigendecomposition over ``I``, and no host round-trip (``cholesky_ex``: its status is not
+    read; ``A A^T + delta I`` is positive definite, and a failure would give NaN, which the caller's finiteness check
+    refuses)."""
+    k = a.shape[0]
+    gram = a @ a.T  # [K, K] float64
+    delta = k * torch.finfo(torch.float64).eps * gram.diagonal().amax().clamp_min(torch.finfo(torch.float64).tiny)
+    chol, _ = torch.linalg.cholesky_ex(torch.diagonal_scatter(gram, gram.diagonal() + delta))
+    white = torch.linalg.solve_triangular(chol, a, upper=False)  # L^{-1} A, [K, I]
+    return (weighted.T @ chol).to(dtype), white.to(dtype)
 
 
 class DenseRows(Rows):
@@ -236,6 +278,11 @@ class DenseRows(Rows):
         if self._max_abs is None:
             self._max_abs = _matrix_max_abs(self.matrix)
         return self._max_abs
+
+    def finite_flag(self) -> torch.Tensor:
+        if self._max_abs is not None:  # the pass of max_abs decided it already
+            return torch.tensor(math.isfinite(self._max_abs), device=self.device)
+        return _finite_flag([self.matrix], self.device)
 
     def is_finite(self) -> bool:
         return math.isfinite(self.max_abs())
@@ -298,7 +345,7 @@ class FactoredJacobian(Rows):
     def __init__(self, m: int, sizes: Sequence[int], ref: torch.Tensor, ghosts: list, dense: torch.Tensor,
                  dense_index: dict[int, int], used_rows: dict[int, tuple[torch.Tensor, int]] | None = None):
         self.sizes = list(sizes)
-        self.offsets = [0, *torch.tensor(self.sizes, dtype=torch.long).cumsum(0).tolist()]
+        self.offsets = [0, *itertools.accumulate(self.sizes)]  # on the host: no round-trip
         self.shape = torch.Size((m, self.offsets[-1]))
         self.dtype, self.device = ref.dtype, ref.device
         self.ghosts = ghosts  # [(parameter index, A [M, T, I], G [M, T, O])]
@@ -306,6 +353,7 @@ class FactoredJacobian(Rows):
         self.dense_index = dense_index  # parameter index -> first column in dense
         self.used_rows = dict(used_rows or {})  # parameter index -> (ids [U], D): a table's used rows only
         self._finite: bool | None = None
+        self._scaled: dict[float, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # scale -> float64 factors
 
     # ---- helpers
     def _dense_columns(self):
@@ -348,7 +396,14 @@ class FactoredJacobian(Rows):
         """``A`` and ``G`` in float64 with ``(G/scale)^T A`` unchanged: ``A / ca`` and ``(G / cg) (ca cg / scale)``
         (``ca, cg = max|A|, max|G|``). The factor ``ca cg / scale`` is formed from mantissas and exponents
         (``math.frexp``), so no intermediate overflows or underflows: with a subnormal ``max|J|`` (~1e-310, then
-        ``scale = max|J|``) ``ca / scale`` alone would be inf, and the Gram NaN."""
+        ``scale = max|J|``) ``ca / scale`` alone would be inf, and the Gram NaN.
+
+        Factors narrower than float64 at ``scale = 1`` (what :meth:`Rows.gram_scale` gives them) are converted as
+        they are, with no pass over them and no host round-trip: their magnitudes lie in ``[1.4e-45, 3.4e38]``, so
+        every product of four of them, summed over ``T^2 <= 1e12`` position pairs, stays in float64's range
+        (``1e-180`` to ``1e166``)."""
+        if scale == 1.0 and a.dtype.itemsize < 8 and g.dtype.itemsize < 8:
+            return a.to(torch.float64), g.to(torch.float64)
         ca, cg = (float(t.abs().max()) if t.numel() else 1.0 for t in (a, g))
         ca, cg = (c if 0.0 < c < math.inf else 1.0 for c in (ca, cg))
         (ma, ea), (mg, eg), (ms, es) = math.frexp(ca), math.frexp(cg), math.frexp(scale)
@@ -363,11 +418,18 @@ class FactoredJacobian(Rows):
         kg = torch.einsum("nto,mso->nmts", g, g)
         return (ka * kg).sum(dim=(2, 3))
 
+    def _scaled_ghosts(self, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every ghost's :meth:`scaled_factors` at ``scale``, converted once and kept for the next product (the
+        Gram and the combination of one solve use the same scale): ``O(M T (I + O))`` float64, no ``[M, P]``."""
+        if scale not in self._scaled:
+            self._scaled = {scale: [self.scaled_factors(a, g, scale) for _, a, g in self.ghosts]}
+        return self._scaled[scale]
+
     # ---- Rows
     def gram(self, scale: float = 1.0) -> torch.Tensor:
         out = _matrix_gram(self.dense, scale)
-        for _, a, g in self.ghosts:
-            out += self._ghost_kernel(*self.scaled_factors(a, g, scale))
+        for a, g in self._scaled_ghosts(scale):
+            out += self._ghost_kernel(a, g)
         return 0.5 * (out + out.T)
 
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
@@ -378,17 +440,12 @@ class FactoredJacobian(Rows):
         part = _matrix_combine(self.dense, coeff, scale)
         for i, lo, dlo, width in self._dense_columns():  # every column is written: here or below
             self._expand(i, out[lo : lo + self.sizes[i]], part[dlo : dlo + width])
-        for i, a, g in self.ghosts:
-            a, g = self.scaled_factors(a, g, scale)
+        for (i, _, _), (a, g) in zip(self.ghosts, self._scaled_ghosts(scale)):
             weighted = (g * coeff[:, None, None]).flatten(0, 1)  # [M T, O]
             a = a.flatten(0, 1)  # [M T, I]
             dest = out[self.offsets[i] : self.offsets[i + 1]].view(weighted.shape[1], a.shape[1])  # [O, I]
             if narrow and a.shape[0] <= a.shape[1]:
-                # The [O, I] product in the model's dtype without cancellation error: A^T = Q R with Q [I, M T]
-                # orthonormal (float64 QR), so (cG)^T A = (cG^T R^T) Q^T; the small factor cG^T R^T is float64
-                # and a product with orthonormal Q^T errs by ~eps * ||row||, whatever cancels in c.
-                q, r = torch.linalg.qr(a.T)
-                torch.mm((weighted.T @ r.T).to(self.dtype), q.T.to(self.dtype), out=dest)
+                torch.mm(*_whitened_factors(weighted, a, self.dtype), out=dest)
             elif narrow:
                 dest.copy_(weighted.T @ a)
             else:
@@ -401,8 +458,7 @@ class FactoredJacobian(Rows):
         for i, lo, dlo, width in self._dense_columns():
             block = self.dense[:, dlo : dlo + width].to(torch.float64)
             out += block @ self._restrict(i, v[lo : lo + self.sizes[i]]) / scale
-        for i, a, g in self.ghosts:
-            a, g = self.scaled_factors(a, g, scale)
+        for (i, _, _), (a, g) in zip(self.ghosts, self._scaled_ghosts(scale)):
             weight = v[self.offsets[i] : self.offsets[i + 1]].reshape(g.shape[-1], a.shape[-1])  # [O, I]
             out += ((a @ weight.T) * g).sum(dim=(1, 2))
         return out
@@ -414,9 +470,12 @@ class FactoredJacobian(Rows):
                 bound = max(bound, float(a.abs().max()) * float(g.abs().max()) * a.shape[1])
         return bound
 
+    def finite_flag(self) -> torch.Tensor:
+        return _finite_flag([self.dense, *(t for _, a, g in self.ghosts for t in (a, g))], self.device)
+
     def is_finite(self) -> bool:
         if self._finite is None:
-            self._finite = all_finite(self.dense) and all(all_finite(a) and all_finite(g) for _, a, g in self.ghosts)
+            self._finite = bool(self.finite_flag())
         return self._finite
 
     # ---- what the batch gradient and the guard need

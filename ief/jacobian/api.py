@@ -209,8 +209,7 @@ class _HookedForward:
         or row of ``J`` is not finite."""
         logit_grads: list[torch.Tensor] = []  # dL/dz as the batch backward computed it (for the exact check)
         with torch.enable_grad(), self.kernels():
-            losses = self.loss.per_sample(self.wide_logits(), targets)
-            _refuse_nonfinite(losses, None)
+            losses = self.loss.per_sample(self.wide_logits(), targets)  # refused below with J if not finite
             handle = self.logits.register_hook(lambda g: logit_grads.append(g) if not logit_grads else None) \
                 if self.mode == "exact" and self.logits.requires_grad else None
             try:

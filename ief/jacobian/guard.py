@@ -215,16 +215,19 @@ def _likely_cause(worst: float, tol: float, forward_format: torch.dtype | None, 
 
 
 def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian | None) -> None:
-    """``FloatingPointError`` naming the samples whose loss (or, given ``jac``, row of ``J``) is not finite."""
+    """``FloatingPointError`` naming the samples whose loss (or, given ``jac``, row of ``J``) is not finite; given
+    ``jac``, the losses are checked too (first), so a caller needs no separate check of the losses."""
     if jac is None:
         if all_finite(losses):
             return
         bad = torch.nonzero(~torch.isfinite(losses.detach())).flatten().tolist()
         what = "loss"
-    else:
+    else:  # the losses and the rows in one host read (a steady optimiser step makes no other here)
         rows = as_rows(jac)
-        if rows.is_finite():
+        if bool(torch.isfinite(losses.detach()).all() & rows.finite_flag()):
             return
+        if not all_finite(losses):
+            _refuse_nonfinite(losses, None)
         bad = torch.nonzero(~rows.finite_rows()).flatten().tolist()
         what = "per-sample gradient"
     raise FloatingPointError(

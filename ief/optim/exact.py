@@ -94,10 +94,10 @@ from typing import Any
 
 import torch
 
-from ..directions import ef_solve, ief_solve, sf_solve
+from ..directions import ef_solve, ief_solve, sf_solve, unrepresentable
 from ..jacobian import CHECKS, gradient_and_sampled_jacobian, per_sample
 from ..losses import IGNORE_INDEX, Loss, check_damping, count_targets
-from ..model_call import Inputs, all_finite
+from ..model_call import Inputs
 from ..rows import FactoredJacobian, as_rows, check_form
 from .convention import to_sum_convention
 from .momentum import (check_dampening, check_group_extras, check_momentum, check_shared, check_weight_decay,
@@ -179,6 +179,15 @@ def _refuse_distributed(name: str, model: torch.nn.Module) -> None:
                          f"drift apart silently; run it in a single process (world size 1)")
 
 
+def _finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """Whether every entry of every tensor is finite, a 0-d bool tensor (no host round-trip: the step reads all
+    its checks at once). One ``aminmax`` per tensor: NaN propagates into it, and an infinity is an extreme."""
+    flags = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors if t.numel()]
+    if not flags:
+        return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    return torch.stack(flags).all() if len(flags) > 1 else flags[0]
+
+
 STATE_KEY = "ief_optimizer"  # state_dict()'s record of the optimiser that saved it
 
 
@@ -255,7 +264,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.loss = loss
         self.check = check
-        self.last_update_norm: float | None = None
+        self._last_update_norm: Any = None  # a float, or a function that reads it (see last_update_norm)
         self._buffer: torch.Tensor | None = None
         self.last_losses: torch.Tensor | None = None
         self.last_tokens: int | None = None  # K of the last batch (reduction="mean")
@@ -427,42 +436,87 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         # every factor before any step counter moves (the decay's 1 - t/T reads the counter)
         shrinks = [self._shrink(group) if group["weight_decay"] else 1.0 for group in self.param_groups]
         for group, shrink in zip(self.param_groups, shrinks):
+            wide, wide_steps = [], []  # updated together: one foreach operator for the group, not one per tensor
             for p in group["params"]:
                 step = next(chunks)
                 if p.dtype.itemsize < 4:  # a 16-bit parameter: the update in float32, rounded once (ief.precision)
                     p.copy_(p.float().mul_(shrink).add_(step.view(p.shape).float(), alpha=-size))
                 else:
-                    if shrink != 1.0:
-                        p.mul_(shrink)
-                    p.add_(step.view(p.shape), alpha=-size)
+                    wide.append(p)
+                    wide_steps.append(step.view(p.shape))
                 self.state[p]["step"] = self.state[p].get("step", 0) + 1
+            if wide:
+                if shrink != 1.0:
+                    torch._foreach_mul_(wide, shrink)
+                torch._foreach_add_(wide, wide_steps, alpha=-size)  # p.add_(step, alpha=-size), each p
 
-    def _update(self, given: dict, group: dict, direction: torch.Tensor, tokens: int | None) -> None:
-        """Apply ``direction`` (checked finite) with the schedule, momentum and weight decay (:mod:`.momentum`).
+    @property
+    def last_update_norm(self) -> float | None:
+        """``eta_t ||b_t||`` of the last step (``None`` before the first): kept on the device by the step and read
+        here, so that a step makes no host round-trip for it (:mod:`ief.optim.momentum`)."""
+        value = self._last_update_norm
+        if callable(value):
+            value = self._last_update_norm = value()
+        return value
+
+    @last_update_norm.setter
+    def last_update_norm(self, value: float | None) -> None:
+        self._last_update_norm = value
+
+    def _update(self, given: dict, group: dict, direction: torch.Tensor, tokens: int | None,
+                checks: list[tuple[torch.Tensor, str]] | None = None, number: int | None = None) -> None:
+        """Apply ``direction`` with the schedule, momentum and weight decay (:mod:`.momentum`), after the step's one
+        host read: every finiteness check of the step (``checks``: ``[(0-d bool tensor, message)]`` in the order
+        they are named; ``direction``'s and the momentum buffers' are added here) and, for a normalised update, the
+        direction's norm are read together (one round-trip), and the first failed check raises
+        ``FloatingPointError`` ("step ``number``: ...; parameters left unchanged") before anything changes.
         ``given``: ``param_groups[0]``; ``group``: its values for this batch (converted with ``reduction="mean"``)."""
+        number = self.steps_taken if number is None else number
         params = self._all_params()
         chunks = list(torch.split(direction, [p.numel() for p in params]))
-        norm = float(direction.norm())
-        if given["momentum"] == 0:  # no buffer: today's update (plus the decay)
-            size = self._step_size(group, norm)
+        norm_t = direction.norm()
+        checks = [*(checks or []), (_finite(direction), self._unfinite_direction_message())]
+        buffers = None
+        if given["momentum"] != 0:
+            factor = 1.0  # c_t: the batch's own factor, inside the buffer
+            if tokens is not None:
+                factor = to_sum_convention(self.method, 1.0, 1.0, tokens, normalized=given["normalize"])[0]
+            if given["normalize"]:  # factor / ||d|| (0 when d = 0), on the device
+                norm64 = norm_t.to(torch.float64)
+                factor = torch.where(norm64 > 0, factor / norm64, torch.zeros_like(norm64))
+            steps = [c.view(p.shape).mul(factor) for p, c in zip(params, chunks)]  # shaped as their parameter
+            buffers = momentum_buffers(self.state, params, steps, given["momentum"], given["dampening"])
+            checks.append((_finite(*buffers), "non-finite momentum buffer"))
+        read = [flag.to(torch.float64) for flag, _ in checks]
+        if given["momentum"] == 0 and group["normalize"]:
+            read.append(norm_t.to(torch.float64))
+        values = torch.stack(read).tolist()  # the step's one host round-trip
+        for ok, (_, message) in zip(values, checks):
+            if not ok:
+                raise FloatingPointError(f"step {number}: {message() if callable(message) else message}; "
+                                         f"parameters left unchanged")
+        if buffers is None:  # no buffer: today's update (plus the decay)
+            norm = values[-1] if group["normalize"] else None
+            size = self._step_size(group, norm if norm is not None else 1.0)
             self._apply(chunks, size)
-            self.last_update_norm = abs(size) * norm
+            self.last_update_norm = (abs(size) * norm if norm is not None else
+                                     lambda: abs(size) * float(norm_t))  # read when asked
             return
-        factor = 1.0  # c_t: the batch's own factor, inside the buffer
-        if tokens is not None:
-            factor = to_sum_convention(self.method, 1.0, 1.0, tokens, normalized=given["normalize"])[0]
-        if given["normalize"]:
-            factor = factor / norm if norm > 0 else 0.0
-        steps = [c.view(p.shape).mul(factor) for p, c in zip(params, chunks)]  # buffers shaped as their parameter
-        buffers = momentum_buffers(self.state, params, steps, given["momentum"], given["dampening"])
-        if not all(all_finite(b) for b in buffers):
-            raise FloatingPointError(f"step {self.steps_taken}: non-finite momentum buffer; parameters left "
-                                     f"unchanged")
         for p, b in zip(params, buffers):
             self.state[p]["momentum_buffer"] = b
         size = self._step_size(dict(given, normalize=False), 1.0)  # eta_t = lr_t (1 - t/T)
         self._apply(buffers, size)
-        self.last_update_norm = abs(size) * math.sqrt(sum(float(b.norm()) ** 2 for b in buffers))
+        norms = torch.stack([b.norm() for b in buffers])
+        self.last_update_norm = lambda: abs(size) * math.sqrt(sum(x ** 2 for x in norms.tolist()))
+
+    def _unfinite_direction_message(self):
+        """What a non-finite direction means: the solve's overflow of the model's dtype (a direction from the
+        Woodbury solves, which return it unchecked to the step) or, from any other ``_direction``, non-finite
+        gradients."""
+        what = getattr(self, "_solved", None)
+        if what is None:
+            return "non-finite gradients or update"
+        return lambda: unrepresentable(*what)
 
     def _tokens(self, targets: torch.Tensor) -> int:
         """``K`` of :func:`ief.count_targets` (class indices other than ``-100``; every entry of a float target)."""
@@ -510,7 +564,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             check_shared(self.param_groups)
         except ValueError as err:
             raise ValueError(f"step {self.steps_taken}: {err}; parameters left unchanged") from None
-        if not self._warned_unshifted and _looks_unshifted(inputs, targets):
+        # the first step only: reading the targets on the host every step would stall a GPU (the same pipeline
+        # feeds the later batches)
+        if not self._warned_unshifted and self.steps_taken == 0 and _looks_unshifted(inputs, targets):
             self._warned_unshifted = True
             warnings.warn(
                 "the targets equal inputs['input_ids'] at every counted position: for a causal LM (GPT-2, Llama, "
@@ -531,16 +587,15 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                                  f"damping; parameters left unchanged")
             group = dict(group, lr=lr, damping=damping)
         number = self.steps_taken
+        self._checks: list[tuple[torch.Tensor, Any]] = []  # the direction's own checks, read with the step's
+        self._solved = None  # (method, dtype) of a direction a Woodbury solve returned unchecked
         try:
             with torch.enable_grad():
                 losses, direction = self._direction(inputs, targets, group)
         except FloatingPointError as err:
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
-        if not torch.isfinite(losses).all():
-            raise FloatingPointError(f"step {number}: non-finite loss {losses.tolist()}; parameters left unchanged")
-        if not all_finite(direction):
-            raise FloatingPointError(f"step {number}: non-finite gradients or update; parameters left unchanged")
-        self._update(given, group, direction, tokens)
+        checks = [(torch.isfinite(losses).all(), lambda: f"non-finite loss {losses.tolist()}"), *self._checks]
+        self._update(given, group, direction, tokens, checks=checks, number=number)
         self.last_losses = losses
         return losses.sum() if tokens is None else losses.sum() / tokens
 
@@ -644,7 +699,9 @@ class IEF(PreconditionedOptimizer):
 
     def _direction(self, inputs, targets, group):
         r = self._per_sample(inputs, targets, group)
-        return r.losses, ief_solve(as_rows(r.jacobian), r.logit_sqnorm, group["damping"])
+        rows = as_rows(r.jacobian)
+        self._solved = ("iEF", rows.dtype)
+        return r.losses, ief_solve(rows, r.logit_sqnorm, group["damping"], check=False)
 
 
 class EF(PreconditionedOptimizer):
@@ -702,7 +759,9 @@ class EF(PreconditionedOptimizer):
 
     def _direction(self, inputs, targets, group):
         r = self._per_sample(inputs, targets, group)
-        return r.losses, ef_solve(as_rows(r.jacobian), group["damping"])
+        rows = as_rows(r.jacobian)
+        self._solved = ("EF", rows.dtype)
+        return r.losses, ef_solve(rows, group["damping"], check=False)
 
 
 class SF(PreconditionedOptimizer):
@@ -777,7 +836,10 @@ class SF(PreconditionedOptimizer):
             self.model, inputs, targets, group["params"], loss=self.loss, generator=self.generator,
             check=self._check_now(), form=self.form,
         )
-        if not all_finite(grad):  # the losses and the sampled rows: refused there when not finite
-            raise FloatingPointError("non-finite gradient")
-        return losses, sf_solve(as_rows(sampled), grad, group["damping"])
+        # the losses and the sampled rows are refused there when not finite; the gradient's check is read with the
+        # step's (a non-finite gradient makes a non-finite direction, which the step then refuses as this)
+        self._checks.append((_finite(grad), "non-finite gradient"))
+        rows = as_rows(sampled)
+        self._solved = ("SF", rows.dtype)
+        return losses, sf_solve(rows, grad, group["damping"], check=False)
 

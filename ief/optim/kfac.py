@@ -49,8 +49,7 @@ import torch
 from ..kfac import (KINDS, block_diagonal_direction, check_approx, check_kind, check_linear_only, kronecker_eigen,
                     kronecker_factor_sets)
 from ..losses import Loss
-from ..model_call import all_finite
-from .exact import ForeignStateError, PreconditionedOptimizer, _describe
+from .exact import ForeignStateError, PreconditionedOptimizer, _describe, _finite
 
 
 def _check_factor_decay(value: Any) -> float:
@@ -148,18 +147,25 @@ class KFAC(PreconditionedOptimizer):
             if old is not None:  # the running average (new tensors: the stored ones stay until the step succeeds)
                 block.G = old["G"] * c + block.G * (1.0 - c)
                 block.A = old["A"] * c + block.A * (1.0 - c)
-            if not (all_finite(block.G) and all_finite(block.A)):
-                raise FloatingPointError(f"non-finite Kronecker factors of layer {block.name!r}")
-            eigen = kronecker_eigen(block.G, block.A) if refresh or old is None else old["eigen"]
+            finite = _finite(block.G, block.A)
+            message = f"non-finite Kronecker factors of layer {block.name!r}"
+            if refresh or old is None:  # read now: an eigendecomposition of a non-finite factor fails
+                if not bool(finite):
+                    raise FloatingPointError(message)
+                eigen = kronecker_eigen(block.G, block.A)
+            else:  # read with the step's other checks, before anything changes (no host round-trip here)
+                self._checks.append((finite, message))
+                eigen = old["eigen"]
             pending[block.name] = {"G": block.G, "A": block.A, "eigen": eigen}
         direction = block_diagonal_direction(blocks, gradient, params, group["damping"], self.kind,
                                              {name: entry["eigen"] for name, entry in pending.items()})
         self._pending = pending
         return losses[0], direction
 
-    def _update(self, given, group, direction, tokens):
-        """The update of :class:`ief.optim.IEF`, then the new running factors are kept (only after it succeeded)."""
-        super()._update(given, group, direction, tokens)
+    def _update(self, given, group, direction, tokens, **checks):
+        """The update of :class:`ief.optim.IEF` (with the step's checks), then the new running factors are kept
+        (only after it succeeded)."""
+        super()._update(given, group, direction, tokens, **checks)
         self.factors.update(self._pending or {})
         self._pending = None
 

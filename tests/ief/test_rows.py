@@ -248,3 +248,36 @@ def test_the_optimiser_reuses_its_buffer_when_the_used_rows_change_from_batch_to
         for p, q in zip(model.parameters(), twin.parameters()):
             assert rel_err(p.detach(), q.detach()) <= 1e-12
     assert widths[1] > widths[0] and widths[2] == widths[1]  # grown once, then reused
+
+
+@pytest.mark.parametrize("noise", [0.0, 1e-3, 1e-2])
+def test_float32_factored_directions_keep_float32_accuracy_when_coefficients_cancel(noise):
+    """Near-duplicate samples (8 pairs ``x``, ``x + noise``) make the solve's coefficients large and cancelling; each
+    Linear weight's block ``(cG)^T A`` is still formed in float32 to a few ulps of the float64 computation on the
+    same ``J`` (``1e-6`` relative), through the whitened inputs of :func:`ief.rows._whitened_factors` (no QR over the
+    input features). A plain float32 product of ``(cG)^T`` and ``A`` is 2e-5 off at ``noise = 1e-3`` (checked
+    below), so this test fails if that accuracy is lost."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Tanh(), torch.nn.Linear(30, 5))
+    x = torch.randn(8, 40)
+    x = torch.cat([x, x + noise * torch.randn(8, 40)])
+    y = torch.randint(0, 5, (8,)).repeat(2)
+    r = ief.per_sample(model, x, y, form="auto")
+    fac = r.jacobian
+    assert len(fac.ghosts) == 2 and fac.dtype == torch.float32  # both weights on the whitened float32 path
+    widened = [(i, a.double(), g.double()) for i, a, g in fac.ghosts]
+    exact = FactoredJacobian(fac.shape[0], fac.sizes, fac.dense.double(), widened, fac.dense.double(),
+                             fac.dense_index)
+    for damping in (1e-7, 0.0):
+        for got, expected in ((ief.ief_direction(fac, r.logit_sqnorm, damping),
+                               ief.ief_direction(exact, r.logit_sqnorm.double(), damping)),
+                              (ief.ef_direction(fac, damping), ief.ef_direction(exact, damping))):
+            assert got.dtype == torch.float32
+            err = float((got.double() - expected).norm() / expected.norm())
+            assert err < 1e-6, (noise, damping, err)
+    if noise == 1e-3:  # what the whitening buys: the plain float32 product of the same coefficients
+        coeff = ief.directions._solve_gram(exact.gram(), torch.ones(16, dtype=torch.float64), 1e-7, 0.0)
+        i, a, g = fac.ghosts[0]
+        plain = ((g.double() * coeff[:, None, None]).flatten(0, 1).T.float() @ a.flatten(0, 1))
+        truth = (g.double() * coeff[:, None, None]).flatten(0, 1).T @ a.flatten(0, 1).double()
+        assert float((plain.double() - truth).norm() / truth.norm()) > 1e-6

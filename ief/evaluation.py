@@ -46,7 +46,7 @@ from .jacobian import per_sample, sampled_jacobian
 from .kfac import check_linear_only, kfac_directions
 from .logit_space import LogitJacobian, logit_route
 from .losses import Loss, check_damping
-from .model_call import Inputs, resolve_params
+from .model_call import Inputs, check_batch, resolve_params
 
 METHODS = ("sgd", "ef", "ief", "sf", "kfac", "ekfac", "iekfac", "hf")
 
@@ -362,7 +362,8 @@ def evaluate(
         if m in ("kfac", "ekfac", "iekfac"):
             check_linear_only(model, params, m)  # fail before the first batch, not after hours
     records: list[dict[str, Any]] = []
-    for b, (inputs, targets) in enumerate(batches):
+    for b, batch in enumerate(batches):
+        inputs, targets = check_batch(batch, b)
         batch_records, _ = evaluate_batch(model, inputs, targets, methods, lam, params=params, loss=loss,
                                           cg_iterations=cg_iterations, generator=batch_generator(seed, b),
                                           logit_space=logit_space, extra={**(extra or {}), "batch": b})

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import functools
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -115,12 +116,21 @@ def scan_graph(tensor: torch.Tensor, watch: Mapping[int, int]) -> set[int]:
     return reached
 
 
+_SAID_EAGER: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # compiled models already told they run eagerly
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The eager module behind ``torch.compile`` (``_orig_mod``) and ``nn.DataParallel`` / DDP (``.module``)."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     while True:
         if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            if model not in _SAID_EAGER:
+                _SAID_EAGER.add(model)
+                warnings.warn(f"the model is a torch.compile'd {type(model._orig_mod).__name__}: ief runs its eager "
+                              "module (model._orig_mod), since per-sample hooks and forward-mode products need the "
+                              "eager graph, so compilation does not speed up ief's passes (said once per model)",
+                              UserWarning, stacklevel=3)
             model = model._orig_mod
         elif isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
             model = model.module
@@ -311,6 +321,35 @@ def extract_logits(output: Any) -> torch.Tensor:
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"the model returned {type(output).__name__}; expected logits or an object with .logits")
     return logits
+
+
+def check_batch(batch: Any, index: int) -> tuple[Inputs, torch.Tensor]:
+    """One element of a ``batches`` iterable as the ``(inputs, targets)`` pair every batched function takes.
+
+    Args:
+        batch: the element.
+        index: its position, named in the error.
+
+    Returns:
+        ``(inputs, targets)``.
+
+    Raises:
+        ValueError: ``batch`` is not a pair, in one sentence saying what it is and what to pass instead (a Hugging
+            Face style mapping with ``labels``; a bare tensor, as when one ``(x, y)`` pair is passed for the batches).
+    """
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    accepted = "batches must be an iterable of (inputs, targets) pairs"
+    if isinstance(batch, Mapping):
+        keys = ", ".join(repr(k) for k in batch)
+        hint = (f"; split it: ({{k: v for k, v in b.items() if k != 'labels'}}, b['labels'])" if "labels" in batch
+                else "")
+        raise ValueError(f"{accepted}; batches[{index}] is a mapping with keys {keys}{hint}")
+    if isinstance(batch, torch.Tensor):
+        raise ValueError(f"{accepted}; batches[{index}] is a tensor of shape {list(batch.shape)} (for one batch "
+                         "(x, y), pass [(x, y)])")
+    size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+    raise ValueError(f"{accepted}; batches[{index}] is a {type(batch).__name__}{size}")
 
 
 def call_model(model: torch.nn.Module, inputs: Inputs) -> torch.Tensor:

@@ -42,7 +42,7 @@ import torch
 from .jacobian import per_sample, sampled_jacobian
 from .directions import rounding_floor
 from .losses import Loss, check_damping, get_loss
-from .model_call import Inputs, call_model, param_names, resolve_params
+from .model_call import Inputs, call_model, check_batch, param_names, resolve_params
 
 FISHERS = ("ef", "ief", "sf", "ggn")
 METHODS = ("magnitude", *FISHERS)
@@ -113,10 +113,7 @@ def _batches(batches) -> list[tuple[Inputs, torch.Tensor]]:
     if not out:
         raise ValueError("batches must hold at least one (inputs, targets) pair: the samples the curvature is "
                          "estimated from")
-    for i, b in enumerate(out):
-        if not isinstance(b, (tuple, list)) or len(b) != 2:
-            raise ValueError(f"batches[{i}] must be an (inputs, targets) pair, got {type(b).__name__}")
-    return out
+    return [check_batch(b, i) for i, b in enumerate(out)]
 
 
 # ---------------------------------------------------------------------------------------------------- rows

@@ -93,3 +93,18 @@ def test_block_diagonal_methods_fail_before_the_first_batch_naming_the_parameter
 
     with pytest.raises(ValueError, match=r"outside any nn.Linear: \['1.weight', '1.bias'\]"):
         ief.evaluate(model, batches(), ["sgd", "ekfac"], 1e-3)
+
+
+@pytest.mark.parametrize("batches, match", [
+    (lambda x, y: [{"x": x, "labels": y}], r"batches\[0\] is a mapping with keys 'x', 'labels'; split it"),
+    (lambda x, y: (x, y), r"batches\[0\] is a tensor of shape \[6, 5\] \(for one batch \(x, y\), pass \[\(x, y\)\]\)"),
+    (lambda x, y: [(x, y, y)], r"batches\[0\] is a tuple of length 3"),
+    (lambda x, y: [(x, y), "x"], r"batches\[1\] is a str"),
+])
+def test_batches_that_are_not_pairs_are_named_in_one_sentence(batches, match):
+    """The natural mistakes (a Hugging Face style dict, one (x, y) pair passed as the batches, a triple) get a
+    sentence saying what batches[i] is and what to pass, not "too many values to unpack" or a complaint about
+    targets."""
+    case = mlp_case()
+    with pytest.raises(ValueError, match=r"batches must be an iterable of \(inputs, targets\) pairs; " + match):
+        ief.evaluate(case.model, batches(case.inputs, case.targets), methods=["ief"])

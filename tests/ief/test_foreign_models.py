@@ -355,7 +355,13 @@ def test_compiled_and_data_parallel_models_are_run_through_their_module(wrapper)
     model, x, y = _case("residual-mlp", "train", torch.float64)
     wrapped = torch.compile(model) if wrapper == "compile" else torch.nn.DataParallel(model)
     plain = ief.per_sample(model, x, y)
-    got = ief.per_sample(wrapped, x, y, check="exact")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ief.per_sample(wrapped, x, y, check="exact")
+        ief.per_sample(wrapped, x, y)
+    said = [str(w.message) for w in caught if "torch.compile'd" in str(w.message)]
+    assert len(said) == (1 if wrapper == "compile" else 0), said  # said once per model, and only for compile
+    assert not said or "runs its eager module (model._orig_mod)" in said[0]
     assert torch.equal(got.jacobian, plain.jacobian)
     v = torch.randn(plain.jacobian.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     assert ief.gamma(wrapped, x, y, v) == ief.gamma(model, x, y, v)

@@ -232,7 +232,7 @@ def test_bad_sparsity_batches_and_ggn_limits(monkeypatch):
             wf.prune(case.model, _split(case), bad, fisher="ief", damping=1.0)
     with pytest.raises(ValueError, match=r"batches must hold at least one"):
         wf.prune(case.model, [], 0.5, fisher="ief", damping=1.0)
-    with pytest.raises(ValueError, match=r"must be an \(inputs, targets\) pair"):
+    with pytest.raises(ValueError, match=r"batches\[0\] is a tensor of shape \[6, 5\] \(for one batch \(x, y\)"):
         wf.prune(case.model, [case.inputs], 0.5, fisher="ief", damping=1.0)
     mse = mse_case(m=6)
     with pytest.raises(ValueError, match=r"loss='mse'; accepted: 'cross_entropy'"):

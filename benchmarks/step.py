@@ -17,6 +17,9 @@ region, after every call that updates them; ``.grad`` is set to ``None`` before 
 - ``per-sample J``: ``ief.per_sample(model, inputs, targets)`` (its own forward + backward); vs plain backward.
 - ``AdamW step``: forward + backward + ``torch.optim.AdamW.step()`` + ``zero_grad()``; vs plain backward.
 - ``iEF step``: ``ief.optim.IEF(model).step(inputs, targets)`` (package defaults, reduction="sum"); vs AdamW step.
+- ``AdamW step (bf16 autocast)`` / ``iEF step (bf16 autocast)``: the same two steps under
+  ``torch.autocast(device, torch.bfloat16)`` (how fine-tuning runs on GPUs; ``ief.precision``), each optimiser its
+  own instance; the iEF one vs the AdamW one.
 - ``FVP (default: forward mode)`` / ``FVP (double backward)``: ``ief.fisher_vp(model, inputs, targets, v)`` with the
   default ``method="auto"`` (forward mode on these models: every layer has a forward-mode rule) /
   ``method="double_backward"``, ``v`` a fixed random vector; vs plain backward. Forward mode: one dual-number forward
@@ -65,8 +68,9 @@ def make_ops(w: Workload, seed: int) -> tuple[list[Op], Callable[[], None], int]
     g = torch.Generator().manual_seed(seed + 1)
     v = torch.randn(n_params, generator=g).to(device)  # probe vector for the FVPs and gamma's direction
     snapshot = [p.detach().clone() for p in params]
-    adamw = torch.optim.AdamW(params, lr=1e-4)
+    adamw, adamw_bf16 = torch.optim.AdamW(params, lr=1e-4), torch.optim.AdamW(params, lr=1e-4)
     ief_opt = ief.optim.IEF(model)  # package defaults (reduction="sum": lr 1, damping 1e-4); timings do not depend on them
+    ief_bf16 = ief.optim.IEF(model)
 
     def reset() -> None:
         with torch.no_grad():
@@ -83,12 +87,20 @@ def make_ops(w: Workload, seed: int) -> tuple[list[Op], Callable[[], None], int]
         with torch.no_grad():
             return logits_of(model, inputs)
 
-    def adamw_step():
-        loss = summed_cross_entropy(logits_of(model, inputs), targets)
+    def adamw_step(opt=adamw):
+        loss = summed_cross_entropy(logits_of(model, inputs).float(), targets)
         loss.backward()
-        adamw.step()
-        adamw.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def adamw_step_bf16():
+        with torch.autocast(device.type, torch.bfloat16):
+            return adamw_step(adamw_bf16)
+
+    def ief_step_bf16():
+        with torch.autocast(device.type, torch.bfloat16):
+            return ief_bf16.step(inputs, targets)
 
     ops = [
         Op("backward", "plain backward", plain_backward, None),
@@ -96,6 +108,8 @@ def make_ops(w: Workload, seed: int) -> tuple[list[Op], Callable[[], None], int]
         Op("per_sample", "per-sample J", lambda: ief.per_sample(model, inputs, targets), "backward"),
         Op("adamw", "AdamW step", adamw_step, "backward"),
         Op("ief", "iEF step", lambda: ief_opt.step(inputs, targets), "adamw"),
+        Op("adamw_bf16", "AdamW step (bf16 autocast)", adamw_step_bf16, "adamw"),
+        Op("ief_bf16", "iEF step (bf16 autocast)", ief_step_bf16, "adamw_bf16"),
         Op("fvp_forward", "FVP (default: forward mode)", lambda: ief.fisher_vp(model, inputs, targets, v), "backward"),
         Op("fvp_double_backward", "FVP (double backward)",
            lambda: ief.fisher_vp(model, inputs, targets, v, method="double_backward"), "backward"),
@@ -180,10 +194,12 @@ def printed_table(result: dict, device: torch.device, memory: bool) -> str:
 
 
 RATIO_COLUMNS = (("per_sample", "per-sample J / backward"), ("ief", "iEF step / AdamW step"),
+                 ("ief_bf16", "iEF bf16 / AdamW bf16"),
                  ("fvp_forward", "FVP / backward (default: forward mode)"),
                  ("fvp_double_backward", "FVP double backward / backward"), ("gamma", "γ / backward"),
                  ("cg10", "10 CG steps / backward"))
 MEMORY_COLUMNS = (("backward", "backward"), ("per_sample", "per-sample J"), ("ief", "iEF step"),
+                  ("adamw_bf16", "AdamW bf16"), ("ief_bf16", "iEF bf16"),
                   ("fvp_forward", "FVP"), ("gamma", "γ"))
 
 

@@ -35,6 +35,11 @@ weight or bias of an ``nn.Linear`` (prompt embeddings, LayerNorm, raw ``Paramete
 ``ValueError`` that names it: pass ``params=`` to restrict the direction (and then ``gamma``) to the linear layers.
 There is no silent fallback, since a mixed preconditioner would not be the block-diagonal method the paper
 evaluates. A linear layer whose leading input dimension is not the sample dimension raises too.
+
+**Calls that reach no loss.** Only calls whose output the graph behind the logits reaches enter the factors (proven
+from the graph: :meth:`ief.jacobian.PerSampleCapture.unreached_calls`). peft DoRA computes its weight norm by calling
+``lora_A`` / ``lora_B`` on an ``[in, in]`` identity and uses the result detached: those calls are no rows of ``A``
+(they would be when ``M`` equals the layer's width) and need no sample dimension.
 """
 from __future__ import annotations
 
@@ -189,8 +194,14 @@ def kronecker_factor_sets(model: torch.nn.Module, inputs: Inputs, targets: torch
     loss_fn.check(logits, targets)
     m = batch_size(logits)
     module_names = {id(mod): n for n, mod in model.named_modules()}
+    unreached = capture.unreached_calls(root=logits)  # e.g. DoRA's identity-matrix calls: in no factor
+
+    def reaching(k: int) -> list:
+        """Layer ``k``'s records of the calls whose output reaches the loss."""
+        return [rec for j, rec in enumerate(capture.records[k]) if (k, j) not in unreached]
+
     for k, (module, *_) in enumerate(capture.modules):
-        shapes = {tuple(rec[0].shape) for rec in capture.records[k]}
+        shapes = {tuple(rec[0].shape) for rec in reaching(k)}
         if any(len(s) < 2 or s[0] != m for s in shapes):
             raise ValueError(
                 f"linear layer {module_names.get(id(module))!r} was called with input shapes {sorted(shapes)}, whose "
@@ -211,7 +222,7 @@ def kronecker_factor_sets(model: torch.nn.Module, inputs: Inputs, targets: torch
         """Layer ``k``'s ``A`` (``None``: never called), computed once and shared by every kind's blocks."""
         if k not in a_factors:
             a_sum = None
-            for x, _, _ in capture.records[k]:
+            for x, _, _ in reaching(k):
                 a = _rows(x, m, approx, "mean")
                 if "bias" in owned:
                     a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype, device=a.device)], dim=1)
@@ -228,7 +239,10 @@ def kronecker_factor_sets(model: torch.nn.Module, inputs: Inputs, targets: torch
         out = []
         for k, (module, *_, owned) in enumerate(capture.modules):
             a_factor, g_sum = input_factor(k, owned), None
-            for _, g, _ in capture.records[k]:
+            for j, (_, g, _) in enumerate(capture.records[k]):
+                if (k, j) in unreached and g is not None:  # the graph said otherwise: no factor is guessed
+                    raise RuntimeError(f"a call of linear layer {module_names.get(id(module))!r} found not to reach "
+                                       "the loss received a gradient")
                 if g is None:  # this call's output did not reach the loss
                     continue
                 gr = _rows(g, m, approx, "sum")

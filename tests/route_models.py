@@ -20,6 +20,8 @@ every target position is ignored, so its per-sample gradient is zero and ``J J^T
 - ``llama``, ``qwen2-tied``: full fine-tuning of tiny ``LlamaForCausalLM`` (train mode, untied head) and
   ``Qwen2ForCausalLM`` (eval mode, ``tie_word_embeddings=True``) from configs, right-padded with an attention mask,
   per-position next-token targets (RMS norms: their rule; Qwen2's tied table and head: hooked in both modules).
+- ``llama-dora``: that Llama (eval mode) with peft DoRA on q_proj / v_proj: ``lora_A`` / ``lora_B`` hooked as linear
+  layers (DoRA's identity-matrix weight-norm calls reach no loss), the magnitudes by their rule.
 - ``llama-ia3``, ``llama-lora-embedding``: that Llama wrapped by peft (IA3 with a feedforward module, train mode;
   LoRA on the token embedding and q_proj, adapter dropout 0.1, eval mode): the adapter wrappers' rules
   (``ief/jacobian/rules/peft_*.py``), adapter tensors only trainable.
@@ -328,6 +330,25 @@ def qwen2_tied() -> Case:
     return _causal_lm("qwen2-tied", _tiny_decoder_config("Qwen2Config", tie_word_embeddings=True))
 
 
+def llama_dora() -> Case:
+    """The tiny Llama (eval mode) with peft DoRA (rank 2, adapter dropout 0.1: identity in eval mode) on q_proj /
+    v_proj, the adapter tensors (A, B, magnitudes) only trainable, moved off their initial values. No K-FAC route:
+    this file's K-FAC block oracle puts every call in ``A``, DoRA's identity-matrix calls included, which K-FAC
+    leaves out (they reach no loss); tests/ief/test_kfac.py checks DoRA's factors."""
+    import peft
+
+    case_ = _causal_lm("llama-dora", _tiny_decoder_config("LlamaConfig", tie_word_embeddings=False))
+    torch.manual_seed(2)
+    case_.model = peft.get_peft_model(case_.model, peft.LoraConfig(
+        r=2, lora_alpha=4, lora_dropout=0.1, target_modules=["q_proj", "v_proj"], use_dora=True))
+    with torch.no_grad():
+        for p in case_.model.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn_like(p))
+    case_.model.eval()
+    return case_
+
+
 def _llama_adapter(name: str, config_of: Callable, train: bool = False) -> Case:
     """The matrix's tiny Llama wrapped by peft (``config_of(peft)``: the adapter's config), every adapter tensor moved
     off its initial zeros / ones so that its Jacobian is generic."""
@@ -372,6 +393,7 @@ MODELS = {
         RouteModel("token-table", token_table, classifier=False, kfac_params=("head",)),
         RouteModel("llama", llama, classifier=False, kfac_params=("lm_head",)),
         RouteModel("qwen2-tied", qwen2_tied, classifier=False, kfac_params=()),
+        RouteModel("llama-dora", llama_dora, classifier=False, kfac_params=()),
         RouteModel("llama-ia3", llama_ia3, classifier=False, kfac_params=()),
         RouteModel("llama-lora-embedding", llama_lora_embedding, classifier=False, kfac_params=()),
     )

@@ -13,6 +13,12 @@ expert on its routed tokens, ``hidden.reshape(-1, d)[idx]``: ``k`` routed tokens
 sample 0 alone); reversing the samples does not reverse such rows (unless every sample routes exactly one token,
 when the rows are the samples), so the call has no sample axis and its module's parameters take the exact
 per-sample loop.
+
+A call whose output does not reach the loss (peft DoRA's weight-norm call of ``lora_A`` / ``lora_B`` on an identity
+matrix, used only detached; any side call) contributes nothing to any sample's gradient, so it needs no sample axis:
+the autograd graph behind the logits is walked, and a call whose output's gradient node is not in it is marked
+:data:`UNREACHED` instead of demoting its module (:meth:`PerSampleCapture.unreached_calls`); should such a call
+receive a gradient after all, its rows are refused, never dropped (:meth:`PerSampleCapture.calls`).
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ..model_call import shapes_of
+from ..model_call import extract_logits, shapes_of
+from .errors import PerSampleGradientMismatch
 from .rules import LayerRule, rule_for
 from .rules.broadcast import Use, UseTracker, check_sums, establish, per_sample_rows
 from .rules.registry import BATCH_FIRST, WHOLE_CALL
@@ -46,6 +53,43 @@ class _BroadcastCall:
 
     def __init__(self, uses: list):
         self.uses = uses
+
+
+class _Unreached:
+    """The "axis" of a call whose output the graph behind the logits does not reach (:data:`UNREACHED`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNREACHED"
+
+
+UNREACHED = _Unreached()
+
+
+def reached_nodes(roots: Iterable, targets: Iterable) -> set:
+    """The autograd nodes among ``targets`` that the graphs behind the nodes ``roots`` reach (one walk, stopped
+    early once every target is found).
+
+    Args:
+        roots: autograd nodes (``tensor.grad_fn``; ``None`` entries are skipped).
+        targets: the nodes looked for (e.g. the ``node`` of a call's output gradient edge).
+
+    Returns:
+        The subset of ``targets`` found.
+    """
+    wanted, found = set(targets), set()
+    stack = [r for r in dict.fromkeys(roots) if r is not None]
+    seen = set(stack)
+    while stack and len(found) < len(wanted):
+        node = stack.pop()
+        if node in wanted:
+            found.add(node)
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return found
 
 
 def _use_shapes(uses: dict) -> tuple:
@@ -145,6 +189,8 @@ class PerSampleCapture:
 
     def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor], stand_ins: bool = False):
         self.swap = stand_ins
+        self.model = model
+        self.roots: list = []  # the gradient nodes of the logits of the model's calls in the capture
         self.stand_ins: dict[int, list[torch.Tensor]] = {}
         self._originals: dict[tuple[int, str], tuple[torch.nn.Module, torch.Tensor]] = {}
         self.params = list(params)
@@ -202,6 +248,8 @@ class PerSampleCapture:
         self.broadcast.clear()
         self.embedding_candidates.clear()
         self.tracker = None
+        self.roots = []
+        self.handles.append(self.model.register_forward_hook(self._keep_root))
         if self.swap and self.batch_size > 1 and (
                 self.bare or any(rule.table for _, rule, *_ in self.modules)):
             self.tracker = UseTracker()
@@ -261,9 +309,16 @@ class PerSampleCapture:
         if entry is not None:
             entry[0]._parameters[name] = entry[1]
 
+    def _keep_root(self, module, args, output) -> None:
+        """Forward hook of the model itself: keeps its logits' gradient node, the root of the graph the loss is
+        differentiated through (:meth:`unreached_calls`); an output without logits keeps none (nothing is proven)."""
+        try:
+            logits = extract_logits(output)
+        except ValueError:
+            return
+        self.roots.append(logits.grad_fn)
+
     def _forward_hook(self, k: int):
-        if not self.swap:
-            return recording_hook(self.records[k], slots=3)  # [input, output grad, sample axis]
         calls, edges = self.records[k], self.edges[k]
         record = recording_hook(calls, slots=3)  # [input, output grad, sample axis]
         table = self.modules[k][1].table
@@ -273,13 +328,43 @@ class PerSampleCapture:
             record(module, args, output)
             if len(calls) > n:
                 edges.append(torch.autograd.graph.get_gradient_edge(output))
+                if not self.swap:
+                    return
                 x = calls[-1][0]
                 if self.tracker is not None and table and x is not None and (
-                        x.dim() == 0 or x.shape[0] == 1 or self.batch_size not in x.shape):
-                    self.embedding_candidates.add((k, n))  # ids shared by all samples (e.g. [1, T] positions)
+                        x.dim() == 0 or x.shape[0] != self.batch_size or self.batch_size in x.shape[1:]):
+                    # ids perhaps shared by all samples ([1, T] positions, T5's [T, T] buckets, T = M included)
+                    self.embedding_candidates.add((k, n))
                     self.tracker.watch(output, ("call", k, n))
 
         return hook
+
+    def unreached_calls(self, calls: Iterable[tuple[int, int]] | None = None,
+                        root: torch.Tensor | None = None) -> set[tuple[int, int]]:
+        """The recorded calls ``(k, j)`` (module ``k``'s call ``j``) whose output the autograd graph behind the logits
+        does not reach: no sample's loss depends on them (e.g. peft DoRA's identity-matrix calls of ``lora_A`` /
+        ``lora_B``, whose result is used detached).
+
+        Proven from the graph alone: a call is unreached when its output's gradient node is not among the nodes of
+        the graph behind the root. Nothing is proven (an empty set) without a root with a gradient node (the model's
+        output had no logits), and for a module whose calls did not record exactly one output edge each.
+
+        Args:
+            calls: the calls to decide (default: every recorded call).
+            root: the logits the loss is computed from (default: those of the model's calls in the capture,
+                :meth:`_keep_root`).
+
+        Returns:
+            The unreached calls among ``calls``.
+        """
+        roots = self.roots if root is None else [root.grad_fn]
+        if not any(r is not None for r in roots):
+            return set()
+        if calls is None:
+            calls = [(k, j) for k in self.records for j in range(len(self.records[k]))]
+        nodes = {(k, j): self.edges[k][j].node for k, j in calls if len(self.edges[k]) == len(self.records[k])}
+        found = reached_nodes(roots, nodes.values())
+        return {kj for kj, node in nodes.items() if node not in found}
 
     def output_edges(self) -> list:
         """The gradient edges of the hooked calls' outputs (modules with an established sample axis)."""
@@ -362,7 +447,8 @@ class PerSampleCapture:
         return tuple(tuple(seen[k]) for k in range(len(self.modules)))
 
     def prove_axes(self, axes: tuple, m: int, prove: Callable[[bool, bool], tuple | str],
-                   gathered: dict | None = None) -> tuple[tuple, dict]:
+                   gathered: dict | None = None,
+                   unreached: Callable[[int, int], bool] | None = None) -> tuple[tuple, dict]:
         """``(axes, why)``: the candidate axes (from the sizes) kept where proven, ``None`` where not, and why not
         (``(k, j) -> reason``).
 
@@ -373,7 +459,8 @@ class PerSampleCapture:
         the reference first; the calls that fail against them (dropout drew other masks, an input changed in place
         after the call) are tried again between two quiet forwards, the batch and its reverse, whose calls must also
         have the batch forward's shapes. ``gathered``: ``id(module) -> reason`` of the modules that failed once (not
-        proven again), updated with those failing now."""
+        proven again), updated with those failing now, unless the failing call is one that ``unreached(k, j)`` says
+        does not reach the loss (it is no evidence of a gather: it needs no axis at all)."""
         gathered = {} if gathered is None else gathered
         known = {}
         for k, calls in enumerate(axes):
@@ -411,7 +498,9 @@ class PerSampleCapture:
                     return x if ok else None
 
                 bad = check(prove(True, True), ref, list(bad))
-        for (k, _, _), why in bad.items():
+        for (k, j, _), why in bad.items():
+            if unreached is not None and unreached(k, j):
+                continue
             if not why.startswith("the proof forward"):  # failed to run: no evidence of a gather
                 gathered.setdefault(id(self.modules[k][0]), why)
         bad.update(known)
@@ -423,7 +512,9 @@ class PerSampleCapture:
     def establish_axes(self, m: int, model: torch.nn.Module, inputs, probe: Callable[[], tuple | str],
                        prove: Callable[[bool, bool], tuple | str] | None = None) -> None:
         """Give every call its sample axis (probed and proven, or cached); modules with a call without one fall back
-        (``prove``: see :meth:`prove_axes`; without it, the sizes alone decide)."""
+        (``prove``: see :meth:`prove_axes`; without it, the sizes alone decide), unless that call's output does not
+        reach the loss (:meth:`unreached_calls`, decided for this forward's graph, never cached): it is marked
+        :data:`UNREACHED` and needs no axis."""
         if not self.modules and self.tracker is None:
             return
         if m == 1:  # the whole call is sample 0's; a [N, C, *] layer's own batch dimension N must be that sample
@@ -436,6 +527,13 @@ class PerSampleCapture:
             self.demote(reasons)
             return
         full = self.call_shapes()
+        dead: list[set] = []
+
+        def unreached(k: int, j: int) -> bool:  # one walk of the graph, on first need
+            if not dead:
+                dead.append(self.unreached_calls())
+            return (k, j) in dead[0]
+
         uses = None if self.tracker is None else (_use_shapes(self.tracker.uses), frozenset(self.tracker.unsupported))
         key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full, uses)
         cache = _AXIS_CACHE.setdefault(model, OrderedDict())
@@ -455,7 +553,7 @@ class PerSampleCapture:
             )
             unproven = {}
             if prove is not None and not failed:
-                axes, unproven = self.prove_axes(axes, m, prove, _GATHERED.setdefault(model, {}))
+                axes, unproven = self.prove_axes(axes, m, prove, _GATHERED.setdefault(model, {}), unreached)
             cached = cache[key] = (axes, shrunk if failed else None, None if failed else self.probe_uses, unproven)
             while len(cache) > _AXIS_CACHE_SIZE:
                 cache.popitem(last=False)
@@ -475,6 +573,7 @@ class PerSampleCapture:
             call_axes = [_BroadcastCall(shared[("call", k, j)]) if axis is None and ("call", k, j) in shared else axis
                          for j, axis in enumerate(axes[k])]
             call_axes = [entry[1]._keep_axis(entry[0], axis) for axis in call_axes]  # attention: its own batch
+            call_axes = [UNREACHED if axis is None and unreached(k, j) else axis for j, axis in enumerate(call_axes)]
             if all(axis is not None for axis in call_axes):
                 for rec, axis in zip(self.records[k], call_axes):
                     rec[2] = axis
@@ -546,7 +645,15 @@ class PerSampleCapture:
 
     def calls(self, k: int):
         """``(input, output gradient)`` of module ``k``'s calls that reached the loss, sample axis first."""
-        for x, grad, axis, *rest in self.records[k]:
+        for j, (x, grad, axis, *rest) in enumerate(self.records[k]):
+            if axis is UNREACHED:  # proven not to reach the loss: a gradient here would be rows left out
+                if grad is not None or (len(rest) > 1 and rest[1] is not None):
+                    raise PerSampleGradientMismatch(
+                        f"call {j} of {type(self.modules[k][0]).__name__} was found not to reach the loss (its "
+                        "output's gradient node is not in the graph behind the logits), yet its output received a "
+                        "gradient: its per-sample rows cannot be given; differentiate the loss of the logits the "
+                        "model returned")
+                continue
             if rest and rest[0] is not None:  # a MultiheadAttention call: replayed from its whole input
                 if grad is not None or rest[1] is not None:
                     yield (rest[0], axis), (grad, rest[1])

@@ -341,12 +341,12 @@ class SharedTwice(torch.nn.Module):
 def _oracle_shared_twice(model, x, y, damping):
     """eKFAC factors and direction of :class:`SharedTwice` by an explicit loop over samples: for ``shared``,
     ``A = (1/M) sum_n sum_calls [a, 1][a, 1]^T`` and ``G = sum_n sum_calls g g^T`` over the calls whose output reaches
-    the loss (``g = dl_n / d(call output)``); for ``head`` the usual single-call factors; ``idle``: ``A`` of its
-    input, ``G = 0``; ``spare`` (no block): zero direction, as ``idle``'s (zero gradient)."""
+    the loss (``g = dl_n / d(call output)``; a call whose output reaches no loss is in neither factor); for ``head``
+    the usual single-call factors; ``idle`` (its only call reaches no loss) and ``spare`` (never called): no block,
+    zero direction (zero gradient)."""
     m = x.shape[0]
     one = torch.ones(1)
     A_s, G_s, A_h, G_h = torch.zeros(4, 4), torch.zeros(3, 3), torch.zeros(4, 4), torch.zeros(4, 4)
-    A_i = torch.zeros(4, 4)
     params = [model.shared.weight, model.shared.bias, model.head.weight, model.head.bias]
     grads = [torch.zeros_like(p) for p in params]
     for n in range(m):
@@ -357,16 +357,15 @@ def _oracle_shared_twice(model, x, y, damping):
         for k, g in enumerate(torch.autograd.grad(l_n, params)):
             grads[k] += g
         for (a, _), g in zip(calls, g_calls):
-            at = torch.cat([a[0].detach(), one])
-            A_s += torch.outer(at, at) / m
             if g is not None:
+                at = torch.cat([a[0].detach(), one])
+                A_s += torch.outer(at, at) / m
                 G_s += torch.outer(g[0], g[0])
-        vt, xt = torch.cat([v[0].detach(), one]), torch.cat([x[n], one])
+        vt = torch.cat([v[0].detach(), one])
         A_h += torch.outer(vt, vt) / m
-        A_i += torch.outer(xt, xt) / m
         G_h += torch.outer(g_head[0], g_head[0])
-    blocks = [(G_s, A_s, grads[0], grads[1]), (torch.zeros(2, 2), A_i, None, None), (G_h, A_h, grads[2], grads[3])]
-    shared, head = _oracle_direction([blocks[0]], damping), _oracle_direction([blocks[2]], damping)
+    blocks = [(G_s, A_s, grads[0], grads[1]), (G_h, A_h, grads[2], grads[3])]
+    shared, head = _oracle_direction([blocks[0]], damping), _oracle_direction([blocks[1]], damping)
     return blocks, torch.cat([torch.zeros(8), shared, torch.zeros(8), head])
 
 
@@ -374,14 +373,15 @@ def _oracle_shared_twice(model, x, y, damping):
 @pytest.mark.parametrize("damping", [1e-3, 0.5])
 def test_linear_called_twice_per_forward_against_a_per_sample_loop(discard_first, damping):
     """A Linear called twice per forward contributes both calls to ``A`` and both calls' output gradients to ``G``
-    (a call whose output is discarded adds to ``A`` only); a trainable Linear that is never called gets a zero
-    direction and the layers after it are unaffected. Factors and direction against :func:`_oracle_shared_twice`."""
+    (a call whose output is discarded adds to neither); a trainable Linear that is never called, or whose only call
+    reaches no loss, gets no block and a zero direction, and the layers after it are unaffected. Factors and
+    direction against :func:`_oracle_shared_twice`."""
     torch.manual_seed(5)
     model = SharedTwice(discard_first)
     x, y = torch.randn(6, 3), torch.randint(0, 4, (6,))
     blocks_expected, d_expected = _oracle_shared_twice(model, x, y, damping)
     blocks, _, _ = kronecker_factors(model, x, y, "ekfac")
-    assert [b.name for b in blocks] == ["shared", "idle", "head"]
+    assert [b.name for b in blocks] == ["shared", "head"]
     for block, (G, A, _, _) in zip(blocks, blocks_expected):
         torch.testing.assert_close(block.G, G, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(block.A, A, rtol=1e-12, atol=1e-14)
@@ -391,9 +391,9 @@ def test_linear_called_twice_per_forward_against_a_per_sample_loop(discard_first
 
 
 def test_float64_model_under_a_float32_default_dtype():
-    """The factors and the solve are float64 whatever ``torch.get_default_dtype()`` is: a float64 model (with a
-    layer whose output is discarded, so its ``G`` is made, not accumulated) under a float32 default matches the
-    dense oracle to float64 accuracy."""
+    """The factors and the solve are float64 whatever ``torch.get_default_dtype()`` is: a float64 model (with calls
+    whose output is discarded, which enter no factor) under a float32 default matches the dense oracle to float64
+    accuracy."""
     torch.manual_seed(5)
     model = SharedTwice(discard_first=True)
     x, y = torch.randn(6, 3), torch.randint(0, 4, (6,))
@@ -576,3 +576,69 @@ def test_cuda_direction_equals_the_cpu_one():
     d = ief.kfac_direction(model.cuda(), x.cuda(), y.cuda(), "ekfac", 1e-3)
     assert d.device.type == "cuda"
     torch.testing.assert_close(d.cpu(), expected, rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------------------------------------ peft DoRA: calls that reach no loss
+def _dora_bert(m: int, width: int = 16):
+    """A tiny BERT classifier with peft DoRA (r 4) on query/value, its batch (``m`` samples, 5 tokens)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    base = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=30, hidden_size=width, num_hidden_layers=1, num_attention_heads=2, intermediate_size=2 * width,
+        max_position_embeddings=16, num_labels=3, attn_implementation="eager", hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+    model = peft.get_peft_model(base, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
+                                                      target_modules=["query", "value"], use_dora=True)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 30, (m, 5), generator=g)
+    return model, {"input_ids": ids}, torch.randint(0, 3, (m,), generator=g)
+
+
+def _oracle_lora_factors(model, inputs, targets, layers):
+    """eKFAC factors of the ``layers`` (name -> nn.Linear, no bias) by explicit per-sample passes: every call of a
+    layer on sample ``n`` alone whose output reaches ``l_n`` adds ``a^T a / (T M)`` to ``A`` and ``g^T g`` to ``G``
+    (``g = dl_n / d(call output)``); a call whose output reaches no loss adds to neither."""
+    m = targets.shape[0]
+    factors = {name: [0.0, 0.0] for name in layers}
+    for n in range(m):
+        calls = []
+        hooks = [mod.register_forward_hook(lambda mod_, args, out, name=name: calls.append((name, args[0], out)))
+                 for name, mod in layers.items()]
+        try:
+            z = model(**{k: v[n : n + 1] for k, v in inputs.items()}).logits
+        finally:
+            for h in hooks:
+                h.remove()
+        l_n = torch.nn.functional.cross_entropy(z, targets[n : n + 1], reduction="sum")
+        grads = torch.autograd.grad(l_n, [out for _, _, out in calls], allow_unused=True)
+        for (name, x, _), g in zip(calls, grads):
+            if g is None:
+                continue
+            a, g = x.detach().reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+            factors[name][0] = factors[name][0] + a.T @ a / (a.shape[0] * m)
+            factors[name][1] = factors[name][1] + g.T @ g
+    return factors
+
+
+@pytest.mark.parametrize("m", [16, 5], ids=["M=width", "M!=width"])
+def test_dora_identity_calls_enter_no_factor(m):
+    """peft DoRA calls ``lora_A`` / ``lora_B`` on an ``[in, in]`` identity for its weight norm and uses the result
+    detached: those calls reach no loss, so they are in neither factor, also when ``M`` equals the layer's width
+    (where their input looks like a batch); with another ``M`` they are no reason to refuse the layer. Factors
+    against :func:`_oracle_lora_factors`."""
+    model, inputs, targets = _dora_bert(m)
+    layers = {name: mod for name, mod in model.named_modules()
+              if type(mod) is torch.nn.Linear and (".lora_A." in name or ".lora_B." in name)}
+    params = [mod.weight for mod in layers.values()]
+    expected = _oracle_lora_factors(model, inputs, targets, layers)
+    blocks, _, _ = kronecker_factors(model, inputs, targets, "ekfac", params)
+    assert [b.name for b in blocks] == list(layers)
+    for block in blocks:
+        a_expected, g_expected = expected[block.name]
+        torch.testing.assert_close(block.A, a_expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(block.G, g_expected, rtol=1e-10, atol=1e-12)

@@ -10,6 +10,7 @@ Adding a layer rule is one file (a :class:`LayerRule` subclass) plus one :func:`
 """
 from . import attention, conv, embedding, linear, norms, rmsnorm, scaled_embedding  # noqa: F401  (each registers)
 from . import peft_adalora, peft_ia3, peft_loha, peft_lokr, peft_lora_embedding, peft_vera  # noqa: F401
+from . import peft_dora  # noqa: F401  (peft DoRA's magnitude vector, registered by class name)
 from .registry import BATCH_FIRST, LayerRule, register_rule, rule_for, unregister_rule, write_block
 
 __all__ = ["BATCH_FIRST", "LayerRule", "register_rule", "rule_for", "unregister_rule", "write_block"]

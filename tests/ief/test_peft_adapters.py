@@ -141,3 +141,124 @@ def test_every_adapter_column_is_exact(kind):
     for name, block in _blocks(c.model, jac).items():
         scale = float(want[name].abs().max())
         assert scale > 0 and (block - want[name]).abs().max() <= 1e-11 * scale, name
+
+
+# ------------------------------------------------------------------------------------ what keeps the exact loop
+@pytest.mark.parametrize("kind", ["adalora", "vera"])
+def test_adapter_dropout_is_covered_in_eval_and_left_to_the_loop_in_training(kind):
+    """Adapter dropout (p = 0.1): identity in eval mode (the rule, exact), a mask drawn inside the wrapper in training
+    (not recorded: the wrapper's parameters take the loop, and the warning names them)."""
+    c = adapter_case(kind, torch.float64, train=False, dropout=0.1)
+    assert all(rule_for(w) is not None for w in _wrappers(c.model, kind))
+    result, slow = _per_sample(c, check=False)
+    assert not slow and _rel(_dense(result.jacobian), _oracle(c)) < TOL[torch.float64]
+    c.model.train()
+    assert all(rule_for(w) is None for w in _wrappers(c.model, kind))
+    _, slow = _per_sample(c, check=False)
+    assert slow and ("lora_E" if kind == "adalora" else "vera_lambda_d") in slow[0]
+
+
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+def test_merged_or_disabled_adapters_and_trainable_base_layers_keep_the_loop(kind):
+    c = adapter_case(kind, torch.float64)
+    wrappers = _wrappers(c.model, kind)
+    with c.model.disable_adapter():
+        assert all(rule_for(w) is None for w in wrappers)
+    merged = copy.deepcopy(c.model)
+    merged.merge_adapter()
+    assert all(rule_for(w) is None for w in _wrappers(merged, kind))
+    base = wrappers[0].get_base_layer()
+    base.weight.requires_grad_(True)  # full fine-tuning of that layer too: its wrapper's parameters take the loop
+    assert rule_for(wrappers[0]) is None and all(rule_for(w) is not None for w in wrappers[1:])
+    result, slow = _per_sample(c, check=False)
+    assert slow and _rel(_dense(result.jacobian), _oracle(c)) < TOL[torch.float64]
+
+
+def _second_adapter(kind: str, model: torch.nn.Module) -> None:
+    """Add adapter ``"other"`` of ``kind`` (moved off its initial values)."""
+    model.add_adapter("other", adapter_config(kind))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".other" in name:
+                p.add_(0.3 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("kind", ["ia3", "loha", "lokr", "vera", "lora-embedding"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_several_active_adapters_and_trainable_inactive_ones(kind, dtype):
+    """Two active adapters (IA3 multiplies their vectors, the others add their terms), then one active and the other
+    inactive but trainable (its rows are zero): exact without the loop."""
+    c = adapter_case(kind, dtype)
+    _second_adapter(kind, c.model)
+    c.model.base_model.set_adapter(["default", "other"])
+    for p in c.model.parameters():
+        p.requires_grad_(".default" in _name(c.model, p) or ".other" in _name(c.model, p))
+    assert all(rule_for(w) is not None for w in _wrappers(c.model, kind))
+    result, slow = _per_sample(c, check=False)
+    assert not slow, slow
+    assert _rel(_dense(result.jacobian), _oracle(c)) < TOL[dtype]
+    c.model.base_model.set_adapter("default")
+    for p in c.model.parameters():  # set_adapter froze "other": trainable again, unused by the forward
+        p.requires_grad_(".default" in _name(c.model, p) or ".other" in _name(c.model, p))
+    result, slow = _per_sample(c, check=False)
+    ref = _oracle(c)
+    assert not slow, slow
+    other = [b for n, b in _blocks(c.model, ref).items() if ".other" in n]
+    assert other and all(not b.any() for b in other)
+    assert _rel(_dense(result.jacobian), ref) < TOL[dtype]
+
+
+def _name(model: torch.nn.Module, p: torch.Tensor) -> str:
+    return next(n for n, q in model.named_parameters() if q is p)
+
+
+class _MixedBatch(torch.nn.Module):
+    """A peft model called with ``adapter_names`` (peft's mixed-adapter batches), every sample on ``"default"``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        names = ["default"] * input_ids.shape[0]
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, adapter_names=names).logits
+
+
+def test_a_call_with_adapter_names_takes_the_loop():
+    """LoRA on the embedding called with ``adapter_names`` (samples may be routed to different adapters): the wrapper's
+    call is not trusted, its parameters take the loop (exact: equal to the rule's rows without ``adapter_names``)."""
+    c = adapter_case("lora-embedding", torch.float64)
+    plain, slow = _per_sample(c, check=False)
+    assert not slow
+    mixed = Case("mixed", _MixedBatch(c.model), c.inputs, c.targets)
+    result, slow = _per_sample(mixed, check=False)
+    assert slow and "lora_embedding_A" in slow[0]
+    torch.testing.assert_close(result.jacobian, plain.jacobian, rtol=1e-12, atol=1e-14)
+
+
+# ------------------------------------------------------------------------------ fan_in_fan_out (GPT-2's Conv1D)
+@pytest.mark.parametrize("kind", ["ia3", "vera"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_gpt2_conv1d_base_layers(kind, dtype):
+    """GPT-2's ``Conv1D`` base layers (``fan_in_fan_out=True``): IA3 recomputes their output / input gradient in their
+    ``[in, out]`` layout; VeRA's term does not read the base layer."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    if kind == "ia3":
+        adapter = peft.IA3Config(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"],
+                                 fan_in_fan_out=True)
+    else:
+        adapter = peft.VeraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), adapter)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn_like(p))
+    model.to(dtype).eval()
+    inputs, targets = rm._causal_batch(4, 5, 40, seed=1)
+    c = Case(kind, model, inputs, targets)
+    assert all(rule_for(w) is not None for w in _wrappers(model, kind))
+    result, slow = _per_sample(c, form="auto", check=False)
+    assert not slow, slow
+    assert _rel(_dense(result.jacobian), _oracle(c)) < TOL[dtype]

@@ -237,7 +237,12 @@ def parser() -> argparse.ArgumentParser:
 
 def _add_evaluate_parser(sub: Any) -> None:
     """``python -m companion evaluate``: E1 / block-diagonal / E3 records of a setup's baseline run (companion.experiments.evaluate_runs)."""
-    e = sub.add_parser("evaluate", help="gamma indicators (alg:eval) of the baseline run's checkpoints, to a CSV")
+    e = sub.add_parser(
+        "evaluate", help="gamma indicators (alg:eval) of the baseline run's checkpoints, to a CSV",
+        description="Evaluate EF, iEF, SF, K-FAC and the others (alg:eval) at the checkpoints of the setup's BASELINE "
+                    "run, as the paper does (sec:exp): the first-order optimiser of the setup's method, AdamW for "
+                    "LoRA, Adafactor for prompt tuning, Adam for the MLP (companion.experiments.setups.BASELINE). "
+                    "It reads that run, not one of --optimizer ief/ef/sf: train the baseline first.")
     e.add_argument("--setup", required=True, metavar="S")
     e.add_argument("--scale", required=True, metavar="X")
     e.add_argument("--seed", type=run_seed, default=None,

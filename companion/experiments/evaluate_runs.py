@@ -203,9 +203,11 @@ def evaluate_run(
     optimizer = BASELINE[cfg.method]
     root = run_dir(runs_dir, scale, setup, optimizer, seed)
     if not (root / "config.json").exists():
-        raise FileNotFoundError(f"no {optimizer} run of {setup} [{scale}] seed {seed} under {runs_dir} ({root}); "
-                                f"train it first: python -m companion train --setup {setup} --scale {scale} "
-                                f"--optimizer {optimizer} --seed {seed} --out {runs_dir}")
+        raise FileNotFoundError(f"no {optimizer} run of {setup} [{scale}] seed {seed} under {runs_dir} ({root}): "
+                                f"the evaluation reads the checkpoints of the setup's baseline optimiser, {optimizer} "
+                                f"(as the paper evaluates the approximations along a baseline's trajectory), not "
+                                f"those of an ief/ef/sf run; train it first: python -m companion train --setup "
+                                f"{setup} --scale {scale} --optimizer {optimizer} --seed {seed} --out {runs_dir}")
     cfg = resolve(setup, scale, recorded_overrides(root, setup, scale))  # the run as trained (its --set included)
     knobs = evaluation_knobs(setup, scale)
     n_batches = batches if batches is not None else knobs["batches"]

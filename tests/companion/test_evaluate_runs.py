@@ -161,9 +161,16 @@ def test_one_job_per_stage_then_assembly_equals_one_job(runs, tmp_path, monkeypa
         er.evaluate_run(SETUP, SCALE, 0, runs, out, batches=1, stages=[37], progress=False)
 
 
-def test_missing_run_says_how_to_train_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m companion train --setup digits-mlp --scale smoke --optimizer adam"):
+def test_missing_run_says_which_optimiser_is_read_and_how_to_train_it(tmp_path, capsys):
+    train = "python -m companion train --setup digits-mlp --scale smoke --optimizer adam"
+    with pytest.raises(FileNotFoundError, match=train) as err:
         er.evaluate_run(SETUP, SCALE, 0, tmp_path / "nothing", tmp_path / "x.csv")
+    assert "the checkpoints of the setup's baseline optimiser, adam" in str(err.value)
+    assert "not those of an ief/ef/sf run" in str(err.value)
+    from companion.__main__ import main
+
+    assert main(["evaluate", "--help"]) == 0
+    assert "BASELINE run" in " ".join(capsys.readouterr().out.split())
 
 
 def test_cli(runs, tmp_path, capsys):

@@ -60,7 +60,7 @@ class LoraEmbeddingRule(PeftAdapterRule):
             block = blocks["lora_embedding_A"].unflatten(1, tuple(a.shape))  # [M, r, V], written in place
             if not accumulate:
                 block.zero_()
-            block.scatter_add_(2, ids.unsqueeze(1).expand(-1, a.shape[0], -1), k)
+            block.scatter_add_(2, ids.unsqueeze(1).expand(-1, a.shape[0], -1), k.to(block.dtype))  # autocast: k bf16
 
 
 register_by_name("peft.tuners.lora.layer.Embedding", LoraEmbeddingRule(features=0))

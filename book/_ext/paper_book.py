@@ -3,8 +3,8 @@
 - ``{paper}`eqn:iEF_lsq``` renders as the paper's reader knows it, "Eq. (8)" (from ``companion/paper/labels.json``, made
   once from the LaTeX by ``python -m tools.paper_labels``); the raw key is kept only as the hover title. An unknown or
   unnumbered label is a build error (the book builds with ``-W``).
-- ``{coverage}`summary``` and ``{fullcost}`SETUP OPTIMIZER``` put the coverage sentence and a full-scale run's cost
-  (steps, the paper's reported hours) into prose, from code, never typed.
+- ``{coverage}`summary``` puts the coverage sentence into prose, from code, never typed. (A full-scale run's cost is
+  a generated block of the page's Markdown, ``companion.chapters.cost.fullcost_blocks``, so that GitHub shows it too.)
 - ``{coverage-table}`` (a directive) writes the coverage table from the registry :mod:`companion.chapters.coverage` at build
   time, for the scale of the published chapters and the provenance records of this build, with each chapter linked:
   the page and the README cannot drift from the code.
@@ -54,18 +54,6 @@ def coverage_role(name, rawtext, text, lineno, inliner, options=None, content=No
     return [nodes.Text(coverage_sentence(scale, executed))], []
 
 
-def fullcost_role(name, rawtext, text, lineno, inliner, options=None, content=None):
-    """``{fullcost}`sst2-t5-lora ief``` -> the full-scale run's update steps and the paper's reported hours."""
-    from companion.experiments.cost import cost_summary
-
-    try:
-        setup, optimizer = text.split()
-        return [nodes.Text(cost_summary(setup, optimizer))], []
-    except (ValueError, KeyError) as err:
-        msg = inliner.reporter.error(f"{{fullcost}}: {err} (expected 'SETUP OPTIMIZER')", line=lineno)
-        return [inliner.problematic(rawtext, rawtext, msg)], [msg]
-
-
 class CoverageTable(Directive):
     """The paper's figures and tables, each with its status at each scale (regenerated, same figure as another,
     no analogue, wired but not executed), from the registry and this build's provenance records."""
@@ -112,7 +100,6 @@ def _drop_injected_parameters(app, doctree) -> None:
 def setup(app):
     app.add_role("paper", paper_role)
     app.add_role("coverage", coverage_role)
-    app.add_role("fullcost", fullcost_role)
     app.add_directive("coverage-table", CoverageTable)
     app.add_directive("benchmark-tables", BenchmarkTables)
     app.connect("doctree-read", _drop_injected_parameters)

@@ -19,6 +19,7 @@ import the setups' registry when called.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -452,14 +453,38 @@ def readme_block(record: dict[str, dict] | None = None) -> str:
     return README_START + readme_sentence(read_record() if record is None else record) + README_END
 
 
+FULLCOST_START = "<!-- fullcost: {setup} {optimizer}, by python -m companion.chapters.cost -->"
+FULLCOST_END = "<!-- /fullcost -->"
+_FULLCOST = re.compile(r"<!-- fullcost: (\S+) (\S+), by python -m companion\.chapters\.cost -->.*?<!-- /fullcost -->",
+                       re.S)
+
+
+def fullcost_blocks(text: str) -> str:
+    """``text`` with every full-scale cost block (``<!-- fullcost: SETUP OPTIMIZER, ... -->...<!-- /fullcost -->``)
+    holding :func:`companion.experiments.cost.cost_summary` of its run: the sentence a GPU user wants, readable where
+    the page is read as plain Markdown (GitHub) as well as in the book."""
+    from companion.experiments.cost import cost_summary
+
+    def fill(match: re.Match) -> str:
+        setup, optimizer = match.group(1), match.group(2)
+        return (FULLCOST_START.format(setup=setup, optimizer=optimizer) + cost_summary(setup, optimizer)
+                + FULLCOST_END)
+
+    return _FULLCOST.sub(fill, text)
+
+
 def update_readme(path: str | Path) -> None:
-    """Rewrite the README's cold-build statement from the record (``python -m companion.chapters.cost README.md``)."""
+    """Rewrite the generated statements of a Markdown file (``python -m companion.chapters.cost README.md
+    book/intro.md``): the README's cold-build statement from the record, and any full-scale cost block."""
     text = Path(path).read_text()
-    start, end = text.index(README_START), text.index(README_END) + len(README_END)
-    write_atomically(path, text[:start] + readme_block() + text[end:])
+    if README_START in text:
+        start, end = text.index(README_START), text.index(README_END) + len(README_END)
+        text = text[:start] + readme_block() + text[end:]
+    write_atomically(path, fullcost_blocks(text))
 
 
 if __name__ == "__main__":
     import sys
 
-    update_readme(sys.argv[1] if len(sys.argv) > 1 else "README.md")
+    for target in sys.argv[1:] or ["README.md"]:
+        update_readme(target)

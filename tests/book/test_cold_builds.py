@@ -236,3 +236,19 @@ def test_the_record_file_is_written_one_line_per_job(tmp_path):
     text = path.read_text()
     assert json.loads(text)["builds"]["cpu"]["job_times"] == JOB_TIMES
     assert sum('"rule":' in line for line in text.splitlines()) == len(JOB_TIMES)
+
+
+def test_the_intro_states_the_full_runs_cost_in_plain_markdown(tmp_path):
+    """The GPU rerun recipe's cost is text in the page (GitHub shows it, not a raw role), equal to what the code says
+    (python -m companion.chapters.cost README.md book/intro.md), and the updater fills a stale block."""
+    from companion.experiments.cost import cost_summary
+
+    intro = (steps.ROOT / "book" / "intro.md").read_text()
+    assert "{fullcost}" not in intro
+    assert cost.fullcost_blocks(intro) == intro, "run python -m companion.chapters.cost README.md book/intro.md"
+    assert f"sst2-t5-lora ief, by python -m companion.chapters.cost -->{cost_summary('sst2-t5-lora', 'ief')}" in intro
+    page = tmp_path / "page.md"
+    page.write_text("A <!-- fullcost: sst2-t5-lora ief, by python -m companion.chapters.cost -->old<!-- /fullcost -->.")
+    cost.update_readme(page)
+    assert page.read_text() == ("A <!-- fullcost: sst2-t5-lora ief, by python -m companion.chapters.cost -->"
+                                f"{cost_summary('sst2-t5-lora', 'ief')}<!-- /fullcost -->.")

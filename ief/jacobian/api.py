@@ -23,7 +23,7 @@ from ..model_call import (
     take_first,
     unwrap_model,
 )
-from ..precision import ForwardFormats, device_type, refuse_float16
+from ..precision import ForwardFormats, device_type, mark_rounding, refuse_float16
 from ..rows import FactoredJacobian, check_form
 from . import assemble
 from .assemble import _batch_gradient, _summed
@@ -219,6 +219,7 @@ class _HookedForward:
                 if handle is not None:
                     handle.remove()
         _refuse_nonfinite(losses, jac)
+        mark_rounding(jac, self.formats.lowest)  # the solves' rounding floor follows the forward (ief.precision)
         if self.mode is not None:
             check_no_outside_use(self.capture, jac, autograd, self.names, self.formats.lowest)
         if self.mode == "exact":

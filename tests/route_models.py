@@ -22,6 +22,9 @@ every target position is ignored, so its per-sample gradient is zero and ``J J^T
   per-position next-token targets (RMS norms: their rule; Qwen2's tied table and head: hooked in both modules).
 - ``llama-dora``: that Llama (eval mode) with peft DoRA on q_proj / v_proj: ``lora_A`` / ``lora_B`` hooked as linear
   layers (DoRA's identity-matrix weight-norm calls reach no loss), the magnitudes by their rule.
+- ``t5-full``: full fine-tuning of a tiny ``T5ForConditionalGeneration`` (two layers each side, SDPA attention, tied
+  table and head, padded inputs and labels): T5 layer norms by their rule, the relative attention biases (an
+  ``[T, T]`` bucket table permuted to ``[1, H, T, T]`` and shared by both layers) by their broadcast uses.
 - ``llama-ia3``, ``llama-lora-embedding``: that Llama wrapped by peft (IA3 with a feedforward module, train mode;
   LoRA on the token embedding and q_proj, adapter dropout 0.1, eval mode): the adapter wrappers' rules
   (``ief/jacobian/rules/peft_*.py``), adapter tensors only trainable.
@@ -349,6 +352,23 @@ def llama_dora() -> Case:
     return case_
 
 
+def t5_full() -> Case:
+    """``T5ForConditionalGeneration`` (tiny config, two encoder and two decoder layers, default SDPA attention, tied
+    table and head), eval mode, every parameter trainable, layer norms moved off 1; the T5 batch of the matrix."""
+    from transformers import T5ForConditionalGeneration
+
+    from tiny_models import _t5_batch, _t5_config
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(_t5_config(num_layers=2, num_decoder_layers=2)).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "layer_norm" in pname:
+                p.add_(0.2 * torch.randn_like(p))
+    inputs, labels = _t5_batch(4, 0)
+    return _all_ignored(Case("t5-full", model, inputs, labels), 2)
+
+
 def _llama_adapter(name: str, config_of: Callable, train: bool = False) -> Case:
     """The matrix's tiny Llama wrapped by peft (``config_of(peft)``: the adapter's config), every adapter tensor moved
     off its initial zeros / ones so that its Jacobian is generic."""
@@ -394,6 +414,7 @@ MODELS = {
         RouteModel("llama", llama, classifier=False, kfac_params=("lm_head",)),
         RouteModel("qwen2-tied", qwen2_tied, classifier=False, kfac_params=()),
         RouteModel("llama-dora", llama_dora, classifier=False, kfac_params=()),
+        RouteModel("t5-full", t5_full, classifier=False, kfac_params=()),
         RouteModel("llama-ia3", llama_ia3, classifier=False, kfac_params=()),
         RouteModel("llama-lora-embedding", llama_lora_embedding, classifier=False, kfac_params=()),
     )

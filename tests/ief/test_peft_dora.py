@@ -253,3 +253,66 @@ def test_a_gradient_into_a_call_found_unreached_is_refused():
     torch.autograd.grad(loss, params + capture.output_edges(), allow_unused=True)
     with pytest.raises(PerSampleGradientMismatch, match="not to reach the loss"):
         list(capture.calls(0))
+
+
+class SmallConvNet(torch.nn.Module):
+    """Conv2d (zero padding) -> tanh -> flatten -> Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+        self.head = torch.nn.Linear(3 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(1))
+
+
+def test_embedding_and_conv_dora_magnitudes_take_the_exact_loop():
+    """DoRA's embedding and convolution variants (other classes, other forms) have no rule: their magnitudes take
+    the exact per-sample loop, named in the warning, while a linear DoRA layer of the same model stays hooked."""
+    c = rm._causal_lm("llama-dora-embedding", rm._tiny_decoder_config("LlamaConfig", tie_word_embeddings=False))
+    model = peft.get_peft_model(c.model, peft.LoraConfig(r=2, lora_alpha=4, use_dora=True,
+                                                         target_modules=["embed_tokens", "q_proj"]))
+    _generic(model)
+    model = model.double().eval()
+    out, slow = _per_sample(model, c.inputs, c.targets)
+    assert len(slow) == 1 and "embed_tokens.lora_magnitude_vector" in slow[0]
+    assert "q_proj.lora_magnitude_vector" not in slow[0]
+    assert _rel(out.jacobian, _oracle(model, c.inputs, c.targets)) < RTOL[torch.float64]
+
+    torch.manual_seed(0)
+    conv = peft.get_peft_model(SmallConvNet(), peft.LoraConfig(r=2, lora_alpha=4, use_dora=True,
+                                                               target_modules=["conv"]))
+    _generic(conv)
+    conv = conv.double().eval()
+    x, y = torch.randn(4, 2, 4, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 1])
+    out, slow = _per_sample(conv, x, y)
+    assert len(slow) == 1 and "conv.lora_magnitude_vector" in slow[0]
+    assert _rel(out.jacobian, _oracle(conv, x, y)) < RTOL[torch.float64]
+
+
+class GatheredSide(torch.nn.Module):
+    """A hooked ``Linear`` also called on rows gathered over the flattened batch (the first ``M`` of ``M T``: a
+    candidate sample axis that the reversed-batch proof refutes) whose result is not used."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):  # [M, T, 4]
+        self.lin(x.reshape(-1, 4)[: x.shape[0]])
+        return self.head(torch.tanh(self.lin(x))).sum(dim=1)
+
+
+def test_an_unreached_call_that_fails_the_proof_is_no_evidence_of_a_gather():
+    """The gathered side call fails the sample-axis proof but reaches no loss: it does not mark its module as one
+    that gathers rows, so the module stays hooked on later batches too (no loop), rows exact each time."""
+    torch.manual_seed(0)
+    model = GatheredSide().double()
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(4, 3, 4, dtype=torch.float64, generator=g), torch.randint(0, 3, (4,), generator=g)
+        out, slow = _per_sample(model, x, y)
+        assert not slow, slow
+        assert _rel(out.jacobian, _oracle(model, x, y)) < RTOL[torch.float64]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("step", "paper_mlp", "conv2d", "evaluation", "damping_sweep", "hf_layers", "fvp", "gpt2_full")
+BENCHMARKS = ("step", "paper_mlp", "conv2d", "evaluation", "damping_sweep", "hf_layers", "fvp", "gpt2_full",
+              "slow_paths")
 COMMANDS = BENCHMARKS + ("report",)
 
 

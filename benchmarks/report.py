@@ -22,7 +22,8 @@ from typing import Any
 from benchmarks.harness import machine_line, validate
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("step", "fvp", "paper_mlp", "conv2d", "hf_layers", "evaluation", "damping_sweep")  # sections in this order, then the rest
+ORDER = ("step", "fvp", "paper_mlp", "conv2d", "hf_layers", "slow_paths", "evaluation",
+         "damping_sweep")  # sections in this order, then the rest
 START = ("<!-- benchmarks: generated from benchmarks/results/*.json by "
          "python -m benchmarks.report benchmarks/README.md; tests/companion/test_benchmarks_report.py keeps it equal -->")
 END = "<!-- /benchmarks -->"
@@ -30,6 +31,7 @@ HEADINGS = {
     "step": "The op-cost table",
     "fvp": "The Fisher-vector product against its floor",
     "hf_layers": "Full-parameter Hugging Face models: per-sample gradients and one IEF step",
+    "slow_paths": "Issue 34's slow paths: per-sample gradients on the models people fine-tune",
     "paper_mlp": "The paper's MLP, one optimiser step",
     "conv2d": "Per-sample gradients of a CNN",
     "evaluation": "The evaluation, per checkpoint",

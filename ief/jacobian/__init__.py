@@ -14,8 +14,9 @@ parameters. Layers with hooks: ``nn.Linear`` (LoRA A/B, heads, MLPs), HF ``Conv1
 the output positions, see :mod:`~ief.jacobian.rules.conv`) and ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode
 (running statistics: a per-channel affine map). Bare
 parameters and embedding calls that every sample shares (ViT's ``cls_token`` and ``position_embeddings``, position
-embeddings fed ``[1, T]`` ids) have rows too when their only uses add them to, or expand them over, the batch
-(:mod:`ief.jacobian.rules.broadcast`).
+embeddings fed ``[1, T]`` ids, T5's relative attention biases fed ``[T, T]`` bucket ids) have rows too when their
+only uses add them to, expand them over, or mask them onto the batch (an attention mask), directly or after views,
+casts and shared masks (:mod:`ief.jacobian.rules.broadcast`).
 
 The sample axis of every hooked call is established, never guessed from a size: a probe forward of the batch's first
 sample alone (every input tensor cut to one sample along its leading dimension; hooks that only record shapes; the

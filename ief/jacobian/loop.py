@@ -71,7 +71,8 @@ def _warn_slow_path(model: torch.nn.Module, capture: PerSampleCapture, names: Se
         "embeddings, nn.LayerNorm, nn.GroupNorm, RMS norms (nn.RMSNorm, HF Llama-style and T5 layer norms), "
         "nn.Conv1d / nn.Conv2d (zero padding), nn.BatchNorm1d / 2d (eval mode), torch.nn attention (no dropout) whose "
         "input has a sample dimension, a weight tied between such layers (an embedding table that is also the output "
-        "layer's weight), and parameters or embedding outputs only added to or expanded over the batch, and layer "
+        "layer's weight), and parameters or embedding outputs only added to or expanded over the batch or given as "
+        "its attention mask (after views, casts or a shared mask, as T5's relative attention biases), and layer "
         "types given a rule with ief.register_rule; pass params= to precondition only "
         "those. For peft prompt tuning, call ief.per_sample_prompts(model) once after get_peft_model.",
         SlowPathWarning,

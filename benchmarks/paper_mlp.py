@@ -22,6 +22,14 @@ Reported: median and inter-quartile range per case, and the median over rounds o
 step (robust to a shared machine's slow phases). ``ief-dense`` (seconds per step, 2.7 GB) is timed only in its memory
 run.
 
+Host round-trips and operators (issue 38): after the timed rounds, one more steady-state step of each timed case is
+counted with :mod:`benchmarks.host_syncs` (a ``TorchFunctionMode`` for the reads of a tensor's value by the host,
+``bool``/``float``/``item``/``tolist``/``cpu``/``nonzero``/..., each a stall on a GPU, and a ``TorchDispatchMode``
+for the aten operators dispatched, each a kernel launch on a GPU; Adam's CPU step reads its step counters, which on
+a GPU live on the host). With ``--device cuda`` each timed case also runs one steady step inside
+``torch.cuda.set_sync_debug_mode("error")`` and the first synchronising call is reported (``first sync``; none: the
+step never waited for the device).
+
 Peak memory: each case in its own subprocess: the resident-set high-water mark
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) after ``--warmup + --memory-steps`` steps minus the resident set just
 before the first step (model, batch and one no-grad forward in place): what the steps added at their peak, the
@@ -38,7 +46,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks import harness
+from benchmarks import harness, host_syncs
 
 CASES = ("adam", "ief-auto", "ief-auto-nocheck", "ief-dense")
 LABELS = {
@@ -150,6 +158,8 @@ def main(argv=None) -> None:
         timed = [c for c in cases if c != "ief-dense"]  # dense: seconds per step and 2.7 GB: its memory run's times
         steps = {c: _build(c, args.batch, 0, args.device)[1] for c in timed}
         times = harness.round_robin(steps, args.repeats, args.warmup, device=device)
+        counted = {c: host_syncs.count_call(steps[c]) for c in timed}  # one more steady step each
+        syncs = {c: (host_syncs.first_cuda_sync(steps[c]) if device.type == "cuda" else None) for c in timed}
     params = memory["adam"]["params"]
     rows = harness.rows(times, {c: (None if c == "adam" else "adam") for c in timed}, LABELS)
     for c in cases:
@@ -160,23 +170,36 @@ def main(argv=None) -> None:
                              times_ms=[1e3 * x for x in t]))
     for r in rows:
         r["extra_peak_mib"] = memory[r["key"]]["extra_peak_mib"]
+        counts = counted.get(r["key"])
+        r["round_trips"] = counts.round_trips if counts else None
+        r["operators"] = counts.operators if counts else None
+        r["round_trip_kinds"] = counts.kinds if counts else None
+        r["first_sync"] = syncs.get(r["key"])
     rows.sort(key=lambda r: cases.index(r["key"]))
     print(f"\npaper MLP 3072-2048-2048-10, {params:,} parameters, batch {args.batch}, float32, {device}, "
           f"{args.threads} thread(s), {args.repeats} round-robin rounds")
-    print(f"{'case':<17} {'median ms':>10} {'IQR ms':>9} {'vs adam':>8} {'extra peak MiB':>15}")
+    print(f"{'case':<17} {'median ms':>10} {'IQR ms':>9} {'vs adam':>8} {'extra peak MiB':>15} {'round-trips':>12} "
+          f"{'operators':>10}")
     for r in rows:
         ratio = r["ratio"] if r["ratio"] is not None else (r["ratio_of_medians"] if r["reference"] else 1.0)
-        print(f"{r['key']:<17} {r['median_ms']:>10.1f} {r['iqr_ms']:>9.1f} {ratio:>7.2f}x {r['extra_peak_mib']:>15.0f}")
+        trips, ops = ("n/a" if r[k] is None else r[k] for k in ("round_trips", "operators"))
+        print(f"{r['key']:<17} {r['median_ms']:>10.1f} {r['iqr_ms']:>9.1f} {ratio:>7.2f}x {r['extra_peak_mib']:>15.0f} "
+              f"{trips:>12} {ops:>10}")
+    if device.type == "cuda":
+        for r in rows:
+            if r["key"] in syncs:
+                print(f"first sync of a steady {r['key']} step: {syncs[r['key']] or 'none'}")
     table = harness.table(
         f"One step on the paper's MLP (3072-2048-2048-10 ReLU, {params:,} parameters, batch {args.batch})",
         [("step", "s"), ("median ms", ",.0f"), ("IQR ms", ",.0f"), ("vs Adam step", ".2f"),
-         ("extra peak memory (MiB)", ",.0f")],
+         ("extra peak memory (MiB)", ",.0f"), ("host round-trips", "d"), ("operators", ",d")],
         [[r["label"], r["median_ms"], r["iqr_ms"],
           1.0 if r["reference"] is None else (r["ratio"] if r["ratio"] is not None else r["ratio_of_medians"]),
-          r["extra_peak_mib"]] for r in rows],
+          r["extra_peak_mib"], r["round_trips"], r["operators"]] for r in rows],
         note="vs Adam step: median of within-round ratios (ratio of medians for a case timed only in its memory "
              "subprocess, e.g. form=\"dense\"); extra peak memory: high-water mark added by the steps (CPU: resident set; "
-             "CUDA: the allocator's peak), one subprocess per case.")
+             "CUDA: the allocator's peak), one subprocess per case; host round-trips and operators: one steady step "
+             "counted (benchmarks/host_syncs.py: reads of a tensor's value by the host, dispatched aten operators).")
     doc = harness.record("paper_mlp", argv, device, args, load, dict(params=params, batch=args.batch, rows=rows,
                                                                     memory=memory), [table], started)
     harness.finish(doc, args.json)

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 import ief
-from benchmarks import harness
+from benchmarks import harness, host_syncs
 from benchmarks.workloads import (MODELS, T5_SIZES, Workload, build_minilm_lora, build_mlp, build_t5_lora, logits_of,
                                   summed_cross_entropy)
 
@@ -138,7 +138,30 @@ def measure(w: Workload, device: torch.device, repeats: int, warmup: int, seed: 
     rows = harness.rows(times, {op.key: op.reference for op in ops}, {op.key: op.label for op in ops})
     for row in rows:
         row.update(mem[row["key"]])
-    return dict(model=w.name, description=w.description, trainable_params=n_params, rows=rows)
+    return dict(model=w.name, description=w.description, trainable_params=n_params, rows=rows,
+                counts=count_steps(ops, reset, device))
+
+
+COUNTED = ("adamw", "ief", "adamw_bf16", "ief_bf16")  # the steps whose round-trips and operators are counted
+
+
+def count_steps(ops: list[Op], reset: Callable[[], None], device: torch.device) -> dict[str, dict]:
+    """Host round-trips and dispatched operators of one steady-state call of each step in :data:`COUNTED`
+    (:mod:`benchmarks.host_syncs`; after the timed rounds, so the optimisers' first-step checks are done), and on
+    CUDA the first synchronising call of one more steady call (``torch.cuda.set_sync_debug_mode("error")``;
+    ``None``: none, or not on CUDA)."""
+    out = {}
+    for op in ops:
+        if op.key not in COUNTED:
+            continue
+        reset()
+        counts = host_syncs.count_call(op.fn)
+        reset()
+        first = host_syncs.first_cuda_sync(op.fn) if device.type == "cuda" else None
+        out[op.key] = dict(round_trips=counts.round_trips, operators=counts.operators, kinds=counts.kinds,
+                           where=[f"{kind}: {frames}" for kind, frames in counts.where], first_sync=first)
+    reset()
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------- profiling
@@ -203,6 +226,11 @@ MEMORY_COLUMNS = (("backward", "backward"), ("per_sample", "per-sample J"), ("ie
                   ("fvp_forward", "FVP"), ("gamma", "γ"))
 
 
+def _first_sync(message: str | None) -> str | None:
+    """The first line of a first-sync error (``None`` stays ``None``)."""
+    return None if message is None else message.strip().splitlines()[0][:120]
+
+
 def model_label(name: str, t5_size: str) -> str:
     return {"mlp": "MLP 784-256-256-10, all trainable", "t5-lora": f"T5 ({t5_size} config) + LoRA r=8",
             "minilm-lora": "all-MiniLM-L6-v2 + LoRA r=8 + head"}[name]
@@ -220,6 +248,21 @@ def summary_tables(results: list[dict], memory: bool) -> list[dict]:
         "Cost of one operation against a plain gradient (median of within-round ratios)",
         [("model (trainable P)", "s"), ("backward ms", ".1f"), *[(h, ".2f") for _, h in RATIO_COLUMNS]],
         ratio_body)]
+    counted = [r for r in results if r.get("counts", {}).get("ief") and r["counts"].get("adamw")]
+    if counted:
+        tables.append(harness.table(
+            "Host round-trips and dispatched operators of one steady-state step (benchmarks/host_syncs.py)",
+            [("model", "s"), ("AdamW round-trips", "d"), ("iEF round-trips", "d"), ("AdamW operators", ",d"),
+             ("iEF operators", ",d"), ("iEF / AdamW operators", ".2f"), ("iEF: first CUDA sync", "s")],
+            [[r["label"], r["counts"]["adamw"]["round_trips"], r["counts"]["ief"]["round_trips"],
+              r["counts"]["adamw"]["operators"], r["counts"]["ief"]["operators"],
+              r["counts"]["ief"]["operators"] / r["counts"]["adamw"]["operators"],
+              _first_sync(r["counts"]["ief"]["first_sync"])] for r in counted],
+            note="round-trips: reads of a tensor's value by the host (bool, float, item, tolist, cpu, nonzero, "
+                 "numpy; each a stall on a GPU; AdamW's CPU step reads its step counters); operators: aten "
+                 "operators dispatched, forward and backward (each at least one kernel launch on a GPU); first "
+                 "CUDA sync: the first synchronising call of a steady iEF step under "
+                 "torch.cuda.set_sync_debug_mode('error') (n/a: not on CUDA)."))
     if memory:
         tables.append(harness.table(
             "Peak tensor memory added by one call (MiB)",
@@ -282,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             result["other_load_cores"] = model_load.cores
             results.append(result)
             print("\n" + printed_table(result, device, memory=not args.no_memory), flush=True)
+            for key, c in result["counts"].items():
+                print(f"- {key}: {c['round_trips']} host round-trips {c['kinds']}, {c['operators']:,} operators"
+                      + ("" if device.type != "cuda" else f"; first CUDA sync: {c['first_sync'] or 'none'}"),
+                      flush=True)
             busy = "n/a" if model_load.cores is None else f"{model_load.cores:.2f}"
             print(f"\n({name}: {result['seconds']:.0f} s; other processes kept {busy} CPU cores busy meanwhile)",
                   flush=True)

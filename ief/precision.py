@@ -24,7 +24,9 @@ exact optimisers :class:`ief.optim.IEF` / ``EF`` / ``SF`` and :class:`ief.hf.IEF
   :class:`~ief.rows.FactoredJacobian`): a copy of ``J`` (``.clone()``, ``.to()``) does not carry it.
 - *The update*: the direction is returned in ``J``'s dtype; a float32 parameter (a float32 adapter on a bfloat16 base,
   a float32 model under autocast) is updated in float32; a 16-bit parameter's update
-  ``(1 - eta wd) theta - eta d`` is computed in float32 and rounded to the parameter's dtype once.
+  ``(1 - eta wd) theta - eta d`` is computed in float32 and rounded to the parameter's dtype once. The update clears
+  autocast's cache of bfloat16 weight casts (``torch.clear_autocast_cache``), so steps in a loop inside one
+  ``torch.autocast`` region each run their forward with the updated weights.
 
 **Supported or refused, one sentence each**:
 

@@ -179,11 +179,11 @@ def _tangent_columns(u: torch.Tensor, w: torch.Tensor | None, lo: int, hi: int) 
 def _finite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Whether every entry of every tensor is finite, a 0-d bool tensor on ``device``: one ``aminmax`` per column
     block (NaN propagates into it, an infinity is an extreme), no tensor-sized temporary and no host round-trip."""
-    extremes = [torch.stack(torch.aminmax(block)) for t in tensors if t.numel() for _, block in
-                column_chunks(t.reshape(t.shape[0], -1) if t.dim() != 2 else t)]
+    extremes = [x for t in tensors if t.numel() for _, block in
+                column_chunks(t.reshape(t.shape[0], -1) if t.dim() != 2 else t) for x in torch.aminmax(block)]
     if not extremes:
         return torch.ones((), dtype=torch.bool, device=device)
-    return torch.isfinite(torch.cat(extremes)).all()
+    return torch.isfinite(torch.stack(extremes)).all()
 
 
 def _matrix_max_abs(matrix: torch.Tensor) -> float:
@@ -221,7 +221,7 @@ def _whitened_factors(weighted: torch.Tensor, a: torch.Tensor, dtype: torch.dtyp
     the solve's ``c`` large with cancelling entries, and a float32 product of ``(cG)^T`` and ``A`` then errs by
     ``eps sum_n |c_n| |G_n| |A_n|``, far beyond the result (2e-5 relative against 1e-7 on 8 duplicated pairs,
     ``tests/ief/test_directions.py``). Whitening ``A`` moves the cancellation into a small float64 factor: with
-    ``A A^T + delta I = L L^T`` (Cholesky, ``[K, K]`` float64, ``delta = K eps64 max diag``: ``A A^T`` is singular for
+    ``A A^T + delta I = L L^T`` (Cholesky, ``[K, K]`` float64, ``delta = K eps64 tr(A A^T)``: ``A A^T`` is singular for
     ``K > rank A``), ``W = L^{-1} A`` has rows of norm ``<= 1`` that are orthonormal wherever ``A A^T`` is above
     ``delta``, and ``(cG)^T A = ((cG)^T L) W`` exactly; the float64 factor ``F = (cG)^T L`` carries every
     cancellation, and a product with (nearly) orthonormal rows errs by ~``eps ||F_o||``, which is ~``eps`` times the
@@ -231,8 +231,10 @@ def _whitened_factors(weighted: torch.Tensor, a: torch.Tensor, dtype: torch.dtyp
     refuses)."""
     k = a.shape[0]
     gram = a @ a.T  # [K, K] float64
-    delta = k * torch.finfo(torch.float64).eps * gram.diagonal().amax().clamp_min(torch.finfo(torch.float64).tiny)
-    chol, _ = torch.linalg.cholesky_ex(torch.diagonal_scatter(gram, gram.diagonal() + delta))
+    # delta from the trace (>= the largest diagonal entry, <= K times it), the smallest normal for an all-zero A
+    gram.diagonal().add_(torch.trace(gram).mul_(k * torch.finfo(torch.float64).eps)
+                         .clamp_min_(torch.finfo(torch.float64).tiny))
+    chol, _ = torch.linalg.cholesky_ex(gram)
     white = torch.linalg.solve_triangular(chol, a, upper=False)  # L^{-1} A, [K, I]
     return (weighted.T @ chol).to(dtype), white.to(dtype)
 

@@ -182,10 +182,10 @@ def _refuse_distributed(name: str, model: torch.nn.Module) -> None:
 def _finite(*tensors: torch.Tensor) -> torch.Tensor:
     """Whether every entry of every tensor is finite, a 0-d bool tensor (no host round-trip: the step reads all
     its checks at once). One ``aminmax`` per tensor: NaN propagates into it, and an infinity is an extreme."""
-    flags = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors if t.numel()]
-    if not flags:
+    extremes = [x for t in tensors if t.numel() for x in torch.aminmax(t)]
+    if not extremes:
         return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
-    return torch.stack(flags).all() if len(flags) > 1 else flags[0]
+    return torch.isfinite(torch.stack(extremes)).all()
 
 
 STATE_KEY = "ief_optimizer"  # state_dict()'s record of the optimiser that saved it
@@ -449,6 +449,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 if shrink != 1.0:
                     torch._foreach_mul_(wide, shrink)
                 torch._foreach_add_(wide, wide_steps, alpha=-size)  # p.add_(step, alpha=-size), each p
+        # autocast caches each parameter's bfloat16 cast until its outermost region exits: steps in a loop inside one
+        # torch.autocast would otherwise run every later forward with the first step's weights (ief.precision)
+        torch.clear_autocast_cache()
 
     @property
     def last_update_norm(self) -> float | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import warnings
 
 import datasets
 import peft
@@ -34,6 +35,7 @@ from ief.jacobian import PerSampleGradientMismatch, exact_check_tolerance
 from ief.precision import ForwardFormats, mark_rounding, mismatch_tolerance, unit_roundoff
 import route_models as rm
 from route_models import _causal_batch, _tiny_decoder_config, case
+from tiny_models import Case
 
 U = 2.0 ** -8  # bfloat16's unit roundoff
 TOL_ROW = 16 * U
@@ -401,3 +403,46 @@ def test_a_singular_gram_of_a_bf16_forward_is_solved_at_bf16s_rounding_floor(for
     assert _rel(before - torch.cat([p.detach().double().reshape(-1) for p in model.parameters()]), d0) < TOL_DIR
     mark_rounding(r.jacobian, None)
     assert _rel(ief.ief_direction(r.jacobian, r.logit_sqnorm, damping), d0) > 1.0
+
+
+# --------------------------------------------------------------------------- steps in a loop inside one autocast region
+class _Matmul(torch.nn.Module):
+    """``tanh(x @ W)``: a custom module without a per-sample rule (its weight takes the per-sample loop)."""
+
+    def __init__(self, i: int, o: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(i, o) / i ** 0.5)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight)
+
+
+@pytest.mark.parametrize("kind", ["ief", "kfac"])
+def test_steps_in_one_autocast_region_use_the_updated_weights(kind):
+    """``with torch.autocast(...): for ...: opt.step(...)``: autocast caches each parameter's bfloat16 cast until the
+    region exits, so without clearing it after the update every later forward ran with the first step's weights (the
+    second step returned the first step's loss and took the same update). Three steps in one region equal three
+    steps each in its own region, bit for bit."""
+    c = case("digits-mlp", torch.float32)
+    if kind == "ief":  # a weight used by a matmul outside any hooked module (the per-sample loop's): cast and cached
+        torch.manual_seed(0)
+        c = Case("loop", torch.nn.Sequential(_Matmul(c.inputs.shape[1], 6), torch.nn.Linear(6, 10)), c.inputs,
+                 c.targets)
+
+    def optimiser(model):
+        if kind == "ief":
+            return ief.optim.IEF(model)
+        return ief.optim.KFAC(model, "kfac", 0.1, damping=0.1, generator=torch.Generator().manual_seed(0))
+
+    one, own = copy.deepcopy(c.model), copy.deepcopy(c.model)
+    opt_one, opt_own = optimiser(one), optimiser(own)
+    with autocast(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ief.SlowPathWarning)
+        together = [float(opt_one.step(c.inputs, c.targets)) for _ in range(3)]
+    apart = []
+    for _ in range(3):
+        with autocast(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", ief.SlowPathWarning)
+            apart.append(float(opt_own.step(c.inputs, c.targets)))
+    assert together == apart and together[1] < together[0]
+    assert all(torch.equal(a, b) for a, b in zip(one.parameters(), own.parameters()))

@@ -452,9 +452,6 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         # autocast caches each parameter's bfloat16 cast until its outermost region exits: steps in a loop inside one
         # torch.autocast would otherwise run every later forward with the first step's weights (ief.precision)
         torch.clear_autocast_cache()
-        # autocast caches each parameter's bfloat16 cast until its outermost region exits: steps in a loop inside one
-        # torch.autocast would otherwise run every later forward with the first step's weights (ief.precision)
-        torch.clear_autocast_cache()
 
     @property
     def last_update_norm(self) -> float | None:

@@ -262,3 +262,44 @@ def test_gpt2_conv1d_base_layers(kind, dtype):
     result, slow = _per_sample(c, form="auto", check=False)
     assert not slow, slow
     assert _rel(_dense(result.jacobian), _oracle(c)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("kind", ["adalora", "loha", "lokr"])
+def test_a_subset_of_the_adapter_tensors(kind):
+    """``params=`` one factor per wrapper (the rule fills only the blocks asked for): the oracle's columns of it."""
+    c = adapter_case(kind, torch.float64)
+    ref = _blocks(c.model, _oracle(c))
+    wanted = {"adalora": "lora_E", "loha": "hada_w2_b", "lokr": "lokr_w2_a"}[kind]
+    names = [n for n in ref if f".{wanted}." in n]
+    params = [p for n, p in c.model.named_parameters() if n in names]
+    assert names and len(params) == len(names)
+    jac = _dense(ief.per_sample(c.model, c.inputs, c.targets, params=params, check=False).jacobian)
+    assert _rel(jac, torch.cat([ref[n] for n in names], dim=1)) < TOL[torch.float64]
+
+
+class _SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 3, 3)
+        self.head = torch.nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(x).flatten(1))
+
+
+@pytest.mark.parametrize("kind", ["ia3", "loha"])
+def test_convolution_wrappers_keep_the_loop(kind):
+    """Adapters on ``nn.Conv2d`` (``ia3.layer.Conv2d``, ``loha.layer.Conv2d``) have no rule: the loop, exact."""
+    torch.manual_seed(0)
+    adapter = (peft.IA3Config(target_modules=["conv"], feedforward_modules=[]) if kind == "ia3"
+               else peft.LoHaConfig(r=2, alpha=4, target_modules=["conv"]))
+    model = peft.get_peft_model(_SmallCNN(), adapter).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn_like(p))
+    c = Case(kind, model, torch.randn(4, 2, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 1]))
+    assert rule_for(model.base_model.model.conv) is None
+    result, slow = _per_sample(c, check=False)
+    assert slow and ("ia3_l" if kind == "ia3" else "hada_w1_a") in slow[0]
+    assert _rel(_dense(result.jacobian), _oracle(c)) < TOL[torch.float64]

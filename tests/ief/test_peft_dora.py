@@ -39,7 +39,7 @@ class FixedMask(torch.nn.Module):
         self.mask = mask
 
     def forward(self, x):
-        return x * self.mask.to(x.dtype)
+        return x * self.mask.to(x)
 
 
 def _generic(model: torch.nn.Module) -> None:

@@ -64,7 +64,7 @@ if [ -d .before/ief ]; then
 fi
 # 3. Llama-style decoder + LoRA under bf16 autocast against AdamW under bf16 autocast (issue 35), if present
 if [ -f benchmarks/llama_lora.py ]; then
-  part llama_lora 200 $PY -m benchmarks llama_lora --device "$DEVICE" $L --json "$OUT/llama_lora-$CARD.json"
+  part llama_lora 200 $PY -m benchmarks.llama_lora --device "$DEVICE" $L --json "$OUT/llama_lora-$CARD.json"
 fi
 # 4. the paper's MLP and T5 + LoRA steps (issue 38's first two rows), now and before
 part paper_mlp 150 $PY -m benchmarks paper_mlp --device "$DEVICE" $M --json "$OUT/paper_mlp-$CARD.json"

@@ -263,6 +263,8 @@ class PerSampleCapture:
             if rule._recording_hook is not None and self.swap:  # a rule that records whole calls (attention)
                 hook = rule._recording_hook(self.records[k], self.edges[k])
                 self.handles.append(module.register_forward_hook(hook, prepend=True, with_kwargs=True))
+                inner = getattr(rule, "_inner_hooks", None)  # hooks inside the call (a peft wrapper's adapter dropout)
+                self.handles.extend(inner(module, hook) if inner is not None else ())
             else:
                 self.handles.append(module.register_forward_hook(self._forward_hook(k), prepend=True))
             if self.swap:  # last of the pre-hooks, first of the hooks: other hooks see the real parameters

@@ -1,8 +1,9 @@
 """peft adapters beyond LoRA on linear layers (:mod:`ief.jacobian.rules.peft_ia3`, ``peft_adalora``, ``peft_loha``,
 ``peft_lokr``, ``peft_vera``, ``peft_lora_embedding``): their wrappers' rules give exact per-sample gradients (against
-the dense float64 per-sample autograd oracle, dense and factored forms, float32 and float64, eval and train mode)
-without the per-sample loop; the configurations a rule does not cover (adapter dropout in training, merged or
-disabled adapters, a trainable base layer, convolutions, mixed-adapter batches) keep the exact loop."""
+the dense float64 per-sample autograd oracle, dense and factored forms, float32 and float64, eval and train mode,
+AdaLoRA's and VeRA's adapter dropout in training against the exact loop on the same masks) without the per-sample
+loop; the configurations a rule does not cover (merged or disabled adapters, a trainable base layer, convolutions,
+mixed-adapter batches, several active adapters with dropout) keep the exact loop."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +15,7 @@ import torch
 import ief
 import oracle
 import route_models as rm
-from ief.jacobian.rules import rule_for
+from ief.jacobian.rules import registry, rule_for
 from tiny_models import Case
 
 transformers = pytest.importorskip("transformers")
@@ -144,18 +145,42 @@ def test_every_adapter_column_is_exact(kind):
 
 
 # ------------------------------------------------------------------------------------ what keeps the exact loop
+def _without_rule(kind: str, run):
+    """``run()`` with the wrapper type of ``kind`` unregistered (its parameters take the exact loop)."""
+    saved = registry._BY_NAME.pop(WRAPPERS[kind])
+    try:
+        return run()
+    finally:
+        registry._BY_NAME[WRAPPERS[kind]] = saved
+
+
 @pytest.mark.parametrize("kind", ["adalora", "vera"])
-def test_adapter_dropout_is_covered_in_eval_and_left_to_the_loop_in_training(kind):
-    """Adapter dropout (p = 0.1): identity in eval mode (the rule, exact), a mask drawn inside the wrapper in training
-    (not recorded: the wrapper's parameters take the loop, and the warning names them)."""
-    c = adapter_case(kind, torch.float64, train=False, dropout=0.1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_adapter_dropout_in_training_is_recorded(kind, dtype):
+    """Adapter dropout (p = 0.1) in training: the dropout's output is recorded for the rule, whose rows equal the
+    exact loop's on the same masks (the oracle's separate forwards would draw other masks); in eval mode the rule
+    against the oracle. Two active AdaLoRA adapters with dropout: the loop."""
+    c = adapter_case(kind, dtype, train=True, dropout=0.1)
     assert all(rule_for(w) is not None for w in _wrappers(c.model, kind))
+
+    def run(c=c):
+        torch.manual_seed(7)
+        return _per_sample(Case(kind, copy.deepcopy(c.model), c.inputs, c.targets), check=False)
+
+    (fast, slow), (loop, slow_loop) = run(), _without_rule(kind, run)
+    assert not slow and slow_loop
+    assert _rel(_dense(fast.jacobian), _dense(loop.jacobian)) < (1e-6 if dtype == torch.float32 else 1e-13)
+    dropped = _dense(fast.jacobian) - _dense(_per_sample(c, check=False)[0].jacobian)  # other masks: other rows
+    assert float(dropped.norm()) > 1e-3 * float(_dense(fast.jacobian).norm())
+    c.model.eval()
     result, slow = _per_sample(c, check=False)
-    assert not slow and _rel(_dense(result.jacobian), _oracle(c)) < TOL[torch.float64]
-    c.model.train()
-    assert all(rule_for(w) is None for w in _wrappers(c.model, kind))
-    _, slow = _per_sample(c, check=False)
-    assert slow and ("lora_E" if kind == "adalora" else "vera_lambda_d") in slow[0]
+    assert not slow and _rel(_dense(result.jacobian), _oracle(c)) < TOL[dtype]
+    if kind == "adalora":  # AdaLoRA trains one adapter: the other one in inference mode
+        c.model.train()
+        c.model.add_adapter("other", peft.AdaLoraConfig(init_r=3, target_r=2, total_step=10, lora_dropout=0.1,
+                                                        target_modules=["q_proj", "v_proj"], inference_mode=True))
+        c.model.base_model.set_adapter(["default", "other"])
+        assert all(rule_for(w) is None for w in _wrappers(c.model, kind))
 
 
 @pytest.mark.parametrize("kind", list(WRAPPERS))

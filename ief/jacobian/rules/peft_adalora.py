@@ -1,18 +1,18 @@
 """peft AdaLoRA on linear layers (``peft.tuners.adalora.layer.SVDLinear``): per-sample gradients of ``P``, ``Lambda``
 and ``Q`` (``lora_B``, ``lora_E``, ``lora_A``).
 
-The wrapper adds ``c * (u (A * E)^T) B^T`` to the base output, ``u`` the input after the adapter's dropout
-(identity here: see :mod:`.peft_common`), ``c = scaling / (ranknum + 1e-5)``. With ``h = u A^T`` (``[T, r]``) and
-``k = c g B`` (``[T, r]``), sample ``n``'s gradients are ``c sum_t g_t (h_t * E)^T`` (``B``, ``[out, r]``),
-``sum_t (k_t * E) u_t^T`` (``A``, ``[r, in]``) and ``sum_t k_t * h_t`` (``E``, ``[r, 1]``): two batched matmuls,
-never the ``[out, in]`` update. ``ranknum`` must stay frozen (it is a ``requires_grad=False`` parameter). AdaLoRA on
-convolutions (``SVDConv2d``) stays on the exact per-sample loop.
+The wrapper adds ``c * (u (A * E)^T) B^T`` to the base output, ``u`` the input after the adapter's dropout (its
+output recorded in training: see :mod:`.peft_common`), ``c = scaling / (ranknum + 1e-5)``. With ``h = u A^T``
+(``[T, r]``) and ``k = c g B`` (``[T, r]``), sample ``n``'s gradients are ``c sum_t g_t (h_t * E)^T`` (``B``,
+``[out, r]``), ``sum_t (k_t * E) u_t^T`` (``A``, ``[r, in]``) and ``sum_t k_t * h_t`` (``E``, ``[r, 1]``): two batched
+matmuls, never the ``[out, in]`` update. ``ranknum`` must stay frozen (it is a ``requires_grad=False`` parameter).
+AdaLoRA on convolutions (``SVDConv2d``) stays on the exact per-sample loop.
 """
 from __future__ import annotations
 
 import torch
 
-from .peft_common import PeftAdapterRule, dropout_is_identity, flat_positions, rows_of
+from .peft_common import PeftAdapterRule, flat_positions, rows_of
 from .registry import register_by_name
 
 
@@ -20,9 +20,7 @@ class AdaLoraLinearRule(PeftAdapterRule):
     """``adalora.layer.SVDLinear``: rows of ``lora_A``, ``lora_E``, ``lora_B`` (see the module docstring)."""
 
     adapter_dicts = ("lora_A", "lora_B", "lora_E")
-
-    def adapter_applies(self, module, adapter):
-        return dropout_is_identity(module, module.lora_dropout[adapter])
+    dropout_dict = "lora_dropout"  # x: the dropped input (recorded in training)
 
     def adapter_grads(self, module, adapter, active, x, g, blocks, accumulate):
         dtype = next(iter(blocks.values())).dtype

@@ -9,10 +9,11 @@ gradients in closed form from the wrapper's call: its input ``x`` and the gradie
 A rule applies only where that form is exact, otherwise the wrapper's parameters take the exact per-sample loop:
 adapters neither merged nor disabled, every active adapter present once, no trainable parameter in the wrapper but
 the adapter tensors the rule fills (a trainable base layer: the loop), no dropout that draws a mask inside the
-wrapper (eval mode, ``p = 0`` or ``nn.Identity``: the dropped input is not recorded, so training with adapter
-dropout keeps the loop), and no call with peft's ``adapter_names`` (mixed-adapter batches: such a call is recorded
-without an input, so it has no sample axis and its wrapper is demoted to the loop). Inactive adapters' entries get
-zero rows (their forward does not use them).
+wrapper unless the rule records the dropped input (:attr:`PeftAdapterRule.dropout_dict`: AdaLoRA and VeRA, one
+active adapter: a forward hook on its ``nn.Dropout`` keeps the dropout's output, which the call's record holds in
+place of the wrapper's input; the sample-axis proof then compares dropout-free forwards), and no call with peft's
+``adapter_names`` (mixed-adapter batches: such a call is recorded without an input, so it has no sample axis and its
+wrapper is demoted to the loop). Inactive adapters' entries get zero rows (their forward does not use them).
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ class PeftAdapterRule(LayerRule):
 
     owns_submodules = True
     adapter_dicts: tuple[str, ...] = ()  # the wrapper's ParameterDicts whose entries this rule fills
+    # the wrapper's ModuleDict of adapter dropouts, for a rule that needs only the dropped input (then recorded)
+    dropout_dict: str | None = None
 
     def applies(self, module: torch.nn.Module) -> bool:
         """Whether the closed form is exact for ``module`` (see the module docstring), and :meth:`adapter_applies`
@@ -73,7 +76,19 @@ class PeftAdapterRule(LayerRule):
             if p.requires_grad and name.split(".")[0] not in self.adapter_dicts:
                 return False  # a trainable base layer (or ranknum): the loop
         present = [a for a in active if self.has_adapter(module, a)]
-        return all(self.adapter_applies(module, a) for a in present)
+        if not all(self.adapter_applies(module, a) for a in present):
+            return False
+        dropping = self._dropping(module)
+        return not dropping or (self.dropout_dict is not None and len(present) == 1
+                                and all(type(d) is torch.nn.Dropout for d in dropping))
+
+    def _dropping(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """The active adapters' dropout submodules that draw a mask (``[]`` without :attr:`dropout_dict`)."""
+        if self.dropout_dict is None:
+            return []
+        dropouts = getattr(module, self.dropout_dict)
+        active = [a for a in module.active_adapters if self.has_adapter(module, a)]
+        return [dropouts[a] for a in active if a in dropouts and not dropout_is_identity(module, dropouts[a])]
 
     def has_adapter(self, module: torch.nn.Module, adapter: str) -> bool:
         """Whether the wrapper's forward uses ``adapter`` when it is active (peft skips unknown names).
@@ -155,11 +170,13 @@ class PeftAdapterRule(LayerRule):
     @staticmethod
     def _recording_hook(calls: list, edges: list):
         """Records ``[x, dL/d output, axis]`` per call like the capture's own hook, and its output's gradient edge;
-        a call with peft's ``adapter_names`` (samples routed to different adapters) is recorded without an input, so
-        it gets no sample axis and the wrapper takes the exact loop."""
+        ``x`` is the adapter dropout's output of that call where :meth:`_inner_hooks` kept one. A call with peft's
+        ``adapter_names`` (samples routed to different adapters), or whose dropout did not run exactly once, is
+        recorded without an input, so it gets no sample axis and the wrapper takes the exact loop."""
         from ..capture import recording_hook  # the capture imports the rules: imported when a capture runs
 
         record = recording_hook(calls, slots=3)
+        dropped: list[torch.Tensor] = []  # filled by the dropout's hook during the call (see _inner_hooks)
 
         def hook(module, args, kwargs, output):
             n = len(calls)
@@ -168,8 +185,31 @@ class PeftAdapterRule(LayerRule):
                 edges.append(torch.autograd.graph.get_gradient_edge(output))
                 if kwargs.get("adapter_names") is not None:
                     calls[-1][0] = None
+                elif dropped:  # the dropout ran once (else no input: no sample axis, the loop)
+                    one = len(dropped) == 1 and calls[-1][0] is not None and dropped[0].shape == calls[-1][0].shape
+                    calls[-1][0] = dropped[0] if one else None
+            dropped.clear()
 
+        hook.dropped = dropped
         return hook
+
+    def _inner_hooks(self, module: torch.nn.Module, hook) -> list:
+        """Forward hooks on the adapter dropouts that draw a mask: each call's dropped input goes to ``hook``'s
+        record of the wrapper's call (called by the capture after registering :meth:`_recording_hook`'s hook).
+
+        Args:
+            module: the wrapper.
+            hook: the wrapper's recording hook (its ``dropped`` list receives the dropout's output).
+
+        Returns:
+            The hooks' handles (the capture removes them on exit).
+        """
+
+        def keep(dropout, args, output):
+            if torch.is_grad_enabled() and isinstance(output, torch.Tensor):
+                hook.dropped.append(output.detach())
+
+        return [d.register_forward_hook(keep) for d in self._dropping(module)]
 
 
 def rows_of(blocks: dict[str, torch.Tensor], name: str, value: torch.Tensor, accumulate: bool) -> None:

@@ -2,15 +2,15 @@
 ``vera_lambda_b`` and ``vera_lambda_d``.
 
 The wrapper adds ``lambda_b * ((lambda_d * (u A^T)) B^T)`` to the base output, ``u`` the input after the adapter's
-dropout (identity here: see :mod:`.peft_common`), ``A [r, in]`` and ``B [out, r]`` slices of the frozen matrices
-shared by every layer (buffers, never differentiated). With ``h = u A^T`` and ``z = (lambda_d * h) B^T``, sample
-``n``'s gradients are ``sum_t g_t * z_t`` (``lambda_b``) and ``sum_t ((g_t * lambda_b) B) * h_t`` (``lambda_d``).
-Only without a quantization backend (its base results are cloned and cast). VeRA on other layer types stays on the
-exact per-sample loop.
+dropout (its output recorded in training: see :mod:`.peft_common`), ``A [r, in]`` and ``B [out, r]`` slices of the
+frozen matrices shared by every layer (buffers, never differentiated). With ``h = u A^T`` and
+``z = (lambda_d * h) B^T``, sample ``n``'s gradients are ``sum_t g_t * z_t`` (``lambda_b``) and
+``sum_t ((g_t * lambda_b) B) * h_t`` (``lambda_d``). Only without a quantization backend (its base results are cloned
+and cast). VeRA on other layer types stays on the exact per-sample loop.
 """
 from __future__ import annotations
 
-from .peft_common import PeftAdapterRule, dropout_is_identity, flat_positions, rows_of
+from .peft_common import PeftAdapterRule, flat_positions, rows_of
 from .registry import register_by_name
 
 
@@ -18,12 +18,13 @@ class VeraLinearRule(PeftAdapterRule):
     """``vera.layer.Linear``: rows of ``vera_lambda_b`` and ``vera_lambda_d`` (see the module docstring)."""
 
     adapter_dicts = ("vera_lambda_d", "vera_lambda_b")
+    dropout_dict = "vera_dropout"  # x: the dropped input (recorded in training)
 
     def applies(self, module):
         return getattr(module, "quantization_backend", None) is None and super().applies(module)
 
     def adapter_applies(self, module, adapter):
-        return adapter in module.vera_lambda_b and dropout_is_identity(module, module.vera_dropout[adapter])
+        return adapter in module.vera_lambda_b
 
     def adapter_grads(self, module, adapter, active, x, g, blocks, accumulate):
         dtype = next(iter(blocks.values())).dtype

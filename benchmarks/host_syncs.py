@@ -8,7 +8,10 @@ operator is at least one kernel launch. Both can be counted on the CPU, where no
   ``Tensor.to("cpu")`` of a tensor not already there ... as the method of the same name), with the stack of the first
   few so that a test failure says where they come from;
 - :class:`OperatorCounter`: a ``TorchDispatchMode`` that counts every aten operator dispatched (after autograd, so the
-  backward's operators count too);
+  backward's operators count too), and apart the operators that synchronise inside a CUDA kernel call although no
+  Python code reads a value (:data:`IMPLICIT_SYNCS`: ``linalg.eigh``'s and ``linalg.cholesky``'s error checks read
+  their ``info`` on the host, ``nonzero``-based ops size their output from the device, indexing with a boolean
+  mask), which the function mode cannot see;
 - :func:`count_call`: both around one call, as a :class:`Counts`.
 
 ``steady_counts`` builds the steady state of an optimiser step (warm-up calls first: the exact per-sample check of
@@ -97,19 +100,42 @@ class RoundTripCounter(TorchFunctionMode):
         return sum(self.counts.values())
 
 
+# aten operators whose CUDA implementation reads a device value on the host (their error checks, or an output
+# whose size depends on the data); ``aten._local_scalar_dense`` (item/float/bool) is the function mode's already
+IMPLICIT_SYNCS = frozenset({
+    "aten._linalg_eigh.default", "aten.linalg_eigh.default", "aten._linalg_check_errors.default",
+    "aten.linalg_cholesky.default", "aten._linalg_svd.default", "aten.linalg_inv_ex.default",
+    "aten.nonzero.default", "aten.masked_select.default", "aten._unique2.default", "aten.unique_dim.default",
+    "aten.unique_consecutive.default", "aten.repeat_interleave.Tensor",
+})
+
+
+def _boolean_index(func, args) -> bool:
+    """``aten.index`` with a boolean mask among its indices (its output size is the mask's count: a sync)."""
+    if str(func) != "aten.index.Tensor" or len(args) < 2:
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+
+
 class OperatorCounter(TorchDispatchMode):
-    """Counts the aten operators dispatched while it is active (forward and backward alike).
+    """Counts the aten operators dispatched while it is active (forward and backward alike), and those that
+    synchronise inside their CUDA implementation (:data:`IMPLICIT_SYNCS`, boolean-mask indexing).
 
     Attributes:
         counts: operator name (``aten.mm.default``) -> number.
+        implicit_syncs: operator name -> number, of the synchronising ones.
     """
 
     def __init__(self):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
+        self.implicit_syncs: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
+        name = str(func)
+        self.counts[name] += 1
+        if name in IMPLICIT_SYNCS or _boolean_index(func, args):
+            self.implicit_syncs[name] += 1
         return func(*args, **(kwargs or {}))
 
     @property
@@ -128,6 +154,7 @@ class Counts:
         kinds: round-trips by kind.
         where: ``[(kind, frames)]`` of the first round-trips.
         by_operator: operators by name.
+        implicit_syncs: the operators that synchronise inside their CUDA call (by name): not in ``round_trips``.
     """
 
     round_trips: int
@@ -135,6 +162,7 @@ class Counts:
     kinds: dict = field(default_factory=dict)
     where: list = field(default_factory=list)
     by_operator: dict = field(default_factory=dict)
+    implicit_syncs: dict = field(default_factory=dict)
 
 
 def count_call(fn: Callable[[], Any]) -> Counts:
@@ -149,7 +177,8 @@ def count_call(fn: Callable[[], Any]) -> Counts:
     trips, ops = RoundTripCounter(), OperatorCounter()
     with trips, ops:
         fn()
-    return Counts(trips.total, ops.total, dict(trips.counts), list(trips.stacks), dict(ops.counts))
+    return Counts(trips.total, ops.total, dict(trips.counts), list(trips.stacks), dict(ops.counts),
+                  dict(ops.implicit_syncs))
 
 
 def steady_counts(fn: Callable[[], Any], warmup: int = 3) -> Counts:

@@ -126,8 +126,9 @@ class CrossEntropy:
         """``softmax(z) - onehot(y)`` at kept positions, 0 at ignored ones."""
         probs = torch.softmax(logits, dim=-1)
         keep = targets != IGNORE_INDEX
-        onehot = torch.zeros_like(probs)
-        onehot[keep] = torch.nn.functional.one_hot(targets[keep].long(), logits.shape[-1]).to(probs.dtype)
+        # the one-hot rows by a scatter at every position (an ignored one's row is masked below): no boolean-mask
+        # indexing, whose output size a GPU would have to send to the host
+        onehot = torch.zeros_like(probs).scatter_(-1, targets.long().clamp_min(0).unsqueeze(-1), 1.0)
         return (probs - onehot) * keep.unsqueeze(-1).to(probs.dtype)
 
     def hessian_vp(self, logits: torch.Tensor, targets: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,14 @@ a scheduler, ``load_state_dict`` or the user can write any value into ``param_gr
 accepted (a zero update: warm-up schedulers start at 0, as torch's optimisers allow), a negative or non-finite
 ``lr`` or a bad ``damping`` raises ``ValueError`` naming the group, the key and the value, with the parameters and
 the step counter untouched. A non-finite loss, gradient or update raises ``FloatingPointError`` ("step N: ...;
-parameters left unchanged"), also before any parameter changes.
+parameters left unchanged"), also before any parameter changes, in the step that met it (not a step later).
+
+Host round-trips (what stalls a GPU): these checks are computed on the device and read together, so a steady step
+(after step 0's exact per-sample check) reads the device twice: the per-sample guard's finiteness of the losses and
+rows, and the step's own checks (the direction, SF's gradient, the momentum buffers, K-FAC's running factors
+between refreshes) with, for a normalised update, the direction's norm. ``last_update_norm`` is kept on the device
+and read when asked. (A float32 ``J``'s Gram solve is an ``eigh``, whose CUDA error check also waits for the device;
+``benchmarks/host_syncs.py`` counts both kinds.)
 
 Schedules: ``normalize=True`` rescales each update to norm ``lr`` ("normalised update"), and ``total_steps=T``
 multiplies the step size by ``1 - t/T`` (linear decay to 0). The paper trains EF and SF with both

@@ -200,11 +200,14 @@ def run_case(case: str, args, before, device) -> dict:
 
 
 def _looped(res: dict, key: str) -> str | None:
+    """``"k of n"`` and the kinds of the looped tensors (their names' last part that is not ``weight``, ``bias``,
+    ``default`` or a number: ``lora_A``, ``relative_attention_bias``), ``None`` if that version did not run."""
     names = res["loops"].get(key)
     if names is None:
         return None
-    shown = ", ".join(n.removeprefix("base_model.model.") for n in names[:2])
-    return f"{len(names)} of {res['tensors']}" + (f" ({shown}{', ...' if len(names) > 2 else ''})" if names else "")
+    kinds = dict.fromkeys(next((part for part in reversed(n.split(".")) if part not in ("weight", "bias", "default")
+                                and not part.isdigit()), n) for n in names)
+    return f"{len(names)} of {res['tensors']}" + (f" ({', '.join(kinds)})" if names else "")
 
 
 def tables(results: list[dict], tokens: int, before: str) -> list[dict]:
@@ -224,7 +227,7 @@ def tables(results: list[dict], tokens: int, before: str) -> list[dict]:
         columns, body,
         note=f"Ratios: medians of within-round ratios, one process, each case's calls round-robin; 'before' is `ief` "
              f"at {before} (before issue 34's rules). Goal: at M = 16, at most 2x a backward and no tensor looped "
-             "(looped tensors: the SlowPathWarning's, the first two named, all in the JSON). \"issue 34's "
+             "(looped tensors: the SlowPathWarning's, by kind; their names in the JSON). \"issue 34's "
              "figure\": the issue's own measurement (another run; context, not side by side).")]
 
 

@@ -28,7 +28,6 @@ import torch
 
 from .losses import check_damping
 from .model_call import all_finite
-from .precision import rounding_dtype
 from .rows import Rows, as_rows
 
 
@@ -75,11 +74,11 @@ def rounding_floor(dtype: torch.dtype, gram_matrix: torch.Tensor) -> float:
     values ~``eps ||J||``. A damped solve weights them by ``1 / lambda``: at ``lambda = 1e-8`` the float32 iEF direction
     came out 10x too long, at ``1e-6`` 10 % off (against the same model in float64). :func:`solve_gram` drops them, as
     ``torch.linalg.pinv`` drops singular values below its tolerance. 0 for float64: ``J``'s rounding is then far below
-    the float64 Gram's own, which :func:`solve_gram` already handles. The solves take ``dtype`` from
-    :func:`ief.precision.rounding_dtype`: a float32 ``J`` of a bfloat16 forward carries bfloat16's rounding.
+    the float64 Gram's own, which :func:`solve_gram` already handles. The solves take ``J``'s dtype, also for a
+    float32 ``J`` of a bfloat16 forward (:mod:`ief.precision` says why).
 
     Args:
-        dtype: the dtype ``J`` was computed in (the forward's lowest format when narrower).
+        dtype: the dtype ``J`` is stored in.
         gram_matrix: ``[M, M]`` ``J J^T`` (any common scaling of ``J``).
 
     Returns:
@@ -158,7 +157,7 @@ def _woodbury(rows: Rows, weights: torch.Tensor, damping: float, what: str, chec
     if math.isinf(scaled_damping):  # lambda swamps J J^T: (J J^T + lambda I)^{-1} = I / lambda to float64 precision
         return _as_dtype(rows.combine_rows(weights, final=True).div_(damping), rows.dtype, what, check)
     g = rows.gram(c)
-    coeff = _solve_gram(g, weights, scaled_damping, _rounding_floor(rounding_dtype(rows), g))
+    coeff = _solve_gram(g, weights, scaled_damping, _rounding_floor(rows.dtype, g))
     direction = rows.combine_rows(coeff, c, final=True)
     return _as_dtype(direction if c == 1.0 else direction.div_(c), rows.dtype, what, check)
 
@@ -228,12 +227,12 @@ def sf_solve(rows: Rows, grad: torch.Tensor, damping: float, check: bool = True)
     evals, evecs = torch.linalg.eigh(g_a)
     m = evals.shape[0]
     tiny = m * torch.finfo(torch.float64).eps * g_a.diagonal().amax().clamp_min(1e-300)
-    keep = (evals > 1e3 * tiny) & (evals > _rounding_floor(rounding_dtype(a), g_a))
+    keep = (evals > 1e3 * tiny) & (evals > _rounding_floor(a.dtype, g_a))
     e = torch.where(keep, evals, torch.ones_like(evals))
     qag = torch.where(keep, evecs.T @ ag, torch.zeros_like(evals))
     in_range = a.combine_rows(evecs @ (qag / (e * (e + scaled_damping))), c)  # A'^T Q diag(1/(e(e+l'))) Q^T A' g
     g_perp = g - a.combine_rows(evecs @ (qag / e), c)
-    eps = max(torch.finfo(rounding_dtype(a)).eps, torch.finfo(rounding_dtype(grad)).eps)  # a bf16 forward's: bf16
+    eps = max(torch.finfo(a.dtype).eps, torch.finfo(grad.dtype).eps)
     # a g_perp within g's rounding is taken as 0 (on the device: no host round-trip)
     g_perp = g_perp * (g_perp.norm() > 10 * eps * g.norm())
     direction = g_perp.div_(damping).add_(in_range.div_(c * c))

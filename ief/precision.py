@@ -17,11 +17,13 @@ exact optimisers :class:`ief.optim.IEF` / ``EF`` / ``SF`` and :class:`ief.hf.IEF
   (:mod:`ief.rows`).
 - *Solved in float64*: the damped Gram system (:mod:`ief.directions`; ``torch.linalg`` refuses 16-bit solves, and a
   16-bit Gram would break its small eigenvalues). Its eigenvalues below ``J``'s own rounding are dropped
-  (:func:`ief.directions.rounding_floor`), at the rounding of the forward's lowest format: a float32 ``J`` of a
-  bfloat16 forward is marked (:func:`mark_rounding`, read by :func:`rounding_dtype`), so its floor is bfloat16's
-  (with float32's, a singular ``J J^T`` at ``lambda = 1e-8 tr`` gave iEF directions 433 times too long; with
-  bfloat16's, 0.5 % from the float64 oracle). The mark is an attribute of the returned ``J`` (tensor or
-  :class:`~ief.rows.FactoredJacobian`): a copy of ``J`` (``.clone()``, ``.to()``) does not carry it.
+  (:func:`ief.directions.rounding_floor`) at the rounding of ``J``'s dtype, also for a float32 ``J`` of a bfloat16
+  forward: bfloat16's floor (``(10 eps)^2 tr(J J^T)``, ``6e-3 tr``) dropped real eigenvalues (minilm-lora's at
+  ``3e-7 tr``, which the bfloat16 ``J`` has within 20 % of the float64 oracle's) and stalled its training at its
+  first loss, where float32's trains. The price: a Gram matrix singular in exact arithmetic (``P < M``) gets
+  spurious eigenvalues from bfloat16's rounding (``linear-p15-m32``: up to ``2.4e-7 tr``), so its directions err
+  by about ``1e-4 tr / lambda`` (1 % at ``lambda = 1e-2 tr``, 88 % at ``1e-4 tr``): such a problem needs a damping
+  above the forward's rounding.
 - *The update*: the direction is returned in ``J``'s dtype; a float32 parameter (a float32 adapter on a bfloat16 base,
   a float32 model under autocast) is updated in float32; a 16-bit parameter's update
   ``(1 - eta wd) theta - eta d`` is computed in float32 and rounded to the parameter's dtype once. The update clears
@@ -37,6 +39,9 @@ exact optimisers :class:`ief.optim.IEF` / ``EF`` / ``SF`` and :class:`ief.hf.IEF
 - float16 (float16 parameters, or autocast to float16, ``IEFTrainer(fp16=True)``): refused with ``ValueError``
   (:func:`refuse_float16`), because float16's per-sample gradients underflow (below 6e-8, and lose precision below
   6.1e-5) without a dynamic loss scale, which ief does not apply; use bfloat16.
+- Outside this contract: :class:`ief.optim.KFAC` steps under bfloat16 autocast (its update clears autocast's cache as
+  the exact optimisers' does), but its capture records no formats, so float16 is not refused there;
+  :mod:`ief.woodfisher` keeps ``J``'s dtype for its rounding floor.
 
 **Checks that know the precision.** :class:`ForwardFormats` records, during the forward, the floating formats it ran
 in: the autocast dtype whenever autocast is enabled for the model's device (at the call and inside every module call),
@@ -226,7 +231,9 @@ ROUNDING_ATTRIBUTE = "_ief_rounding_dtype"
 
 def mark_rounding(jacobian, forward_format: torch.dtype | None) -> None:
     """Record on ``J`` (a tensor or a :class:`~ief.rows.FactoredJacobian`) the forward's lowest format when it is
-    narrower than ``J``'s dtype (cleared otherwise: the optimisers reuse one buffer across steps).
+    narrower than ``J``'s dtype (cleared otherwise: the optimisers reuse one buffer across steps). :func:`ief.per_sample`
+    marks every ``J`` it returns; the mark says what rounding ``J`` carries (the solves' floor keeps ``J``'s dtype:
+    module docstring). A copy of ``J`` (``.clone()``, ``.to()``) does not carry it.
 
     Args:
         jacobian: the per-sample Jacobian as :func:`ief.per_sample` returns it.

@@ -219,7 +219,7 @@ class _HookedForward:
                 if handle is not None:
                     handle.remove()
         _refuse_nonfinite(losses, jac)
-        mark_rounding(jac, self.formats.lowest)  # the solves' rounding floor follows the forward (ief.precision)
+        mark_rounding(jac, self.formats.lowest)  # the rounding J carries (ief.precision)
         if self.mode is not None:
             check_no_outside_use(self.capture, jac, autograd, self.names, self.formats.lowest)
         if self.mode == "exact":

@@ -32,7 +32,7 @@ import ief
 import oracle
 from ief.hf import IEFTrainer
 from ief.jacobian import PerSampleGradientMismatch, exact_check_tolerance
-from ief.precision import ForwardFormats, mark_rounding, mismatch_tolerance, unit_roundoff
+from ief.precision import ForwardFormats, mismatch_tolerance, unit_roundoff
 import route_models as rm
 from route_models import _causal_batch, _tiny_decoder_config, case
 from tiny_models import Case
@@ -378,31 +378,51 @@ def test_route_models_under_bf16_autocast(name):
     assert _rel(got, jac) < TOL_ROW and _rel(r.logit_sqnorm, sq.detach().double()) < TOL_ROW
 
 
-# ------------------------------------------------------------------------------ the solves' floor follows the forward
-@pytest.mark.parametrize("form", ["dense", "auto"])
-def test_a_singular_gram_of_a_bf16_forward_is_solved_at_bf16s_rounding_floor(form):
-    """``P < M`` (``linear-p15-m32``: ``J J^T`` singular) under bfloat16 autocast at ``lambda = 1e-8 tr(J J^T)``:
-    the float32 ``J`` carries bfloat16's rounding (``ief.precision.mark_rounding``), so the solves drop the Gram's
-    eigenvalues below bfloat16's floor: the iEF / EF / SF directions and one IEF step within ``TOL_DIR`` of the
-    float64 oracle (measured 0.3 % - 0.5 %); with float32's floor (the mark removed) the iEF direction was 433 times
-    too long."""
+# -------------------------------------------------------------------- training under autocast, and the solves' floor
+@pytest.mark.parametrize("name", ["digits-mlp", "minilm-lora", "llama", "t5-lora"])
+def test_training_under_bf16_autocast_tracks_float32(name):
+    """20 IEF steps (``lr 0.5``, ``damping 1e-3``) on one batch under bfloat16 autocast end within 10 % of the first
+    loss of the float32 run's last loss (measured: 0.04 % - 6 %). With bfloat16's rounding floor in the solves
+    instead of float32's, minilm-lora stalled at 5.32 (float32: 0.79; ``ief.precision``)."""
+    c = case(name, torch.float32)
+    last = {}
+    for mode in ("float32", "bfloat16"):
+        model = copy.deepcopy(c.model)
+        opt = ief.optim.IEF(model, lr=0.5, damping=1e-3)
+        losses = []
+        for _ in range(20):
+            with torch.autocast("cpu", torch.bfloat16, enabled=mode == "bfloat16"):
+                losses.append(float(opt.step(c.inputs, c.targets)))
+        last[mode] = losses[-1]
+        first = losses[0]
+    assert last["float32"] < 0.6 * first  # float32 trains (t5-lora: 18.3 -> 9.2), so tracking it says something
+    assert abs(last["bfloat16"] - last["float32"]) < 0.1 * first
+
+
+def test_a_singular_gram_under_bf16_needs_a_damping_above_the_forwards_rounding():
+    """``P < M`` (``linear-p15-m32``: ``J J^T`` singular in exact arithmetic) under bfloat16 autocast: bfloat16's
+    rounding gives the Gram spurious eigenvalues (up to ``2.4e-7 tr``), which the solves keep (their floor is
+    float32's, ``ief.precision``): at ``lambda = 1e-2 tr`` the iEF / EF / SF directions and one IEF step are within
+    ``TOL_DIR`` of the float64 oracle (measured 1.1 %), at ``1e-4 tr`` they are not (measured 88 % - 93 %), as the
+    contract states."""
     c, c64 = case("linear-p15-m32", torch.float32), case("linear-p15-m32", torch.float64)
     _, jac, sq = _oracle(c64.model, c64.inputs, c64.targets)
-    damping = 1e-8 * float((jac * jac).sum())
     model = copy.deepcopy(c.model)
     with autocast():
-        r = ief.per_sample(model, c.inputs, c.targets, form=form)
-    d0 = ief.ief_direction(jac, sq, damping)
-    assert _rel(ief.ief_direction(r.jacobian, r.logit_sqnorm, damping), d0) < TOL_DIR
-    assert _rel(ief.ef_direction(r.jacobian, damping), ief.ef_direction(jac, damping)) < TOL_DIR
-    assert _rel(ief.sf_direction(r.jacobian, r.gradient, damping), ief.sf_direction(jac, jac.sum(0), damping)) \
-        < TOL_DIR
+        r = ief.per_sample(model, c.inputs, c.targets, form="dense")
+    trace = float((jac * jac).sum())
+    for scale, within in ((1e-2, True), (1e-4, False)):
+        damping = scale * trace
+        errors = [_rel(ief.ief_direction(r.jacobian, r.logit_sqnorm, damping), ief.ief_direction(jac, sq, damping)),
+                  _rel(ief.ef_direction(r.jacobian, damping), ief.ef_direction(jac, damping)),
+                  _rel(ief.sf_direction(r.jacobian, r.gradient, damping), ief.sf_direction(jac, jac.sum(0), damping))]
+        assert all((e < TOL_DIR) == within for e in errors), (scale, errors)
+    damping = 1e-2 * trace
     before = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
     with autocast():
-        ief.optim.IEF(model, lr=1.0, damping=damping, form=form).step(c.inputs, c.targets)
-    assert _rel(before - torch.cat([p.detach().double().reshape(-1) for p in model.parameters()]), d0) < TOL_DIR
-    mark_rounding(r.jacobian, None)
-    assert _rel(ief.ief_direction(r.jacobian, r.logit_sqnorm, damping), d0) > 1.0
+        ief.optim.IEF(model, lr=1.0, damping=damping).step(c.inputs, c.targets)
+    after = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+    assert _rel(before - after, ief.ief_direction(jac, sq, damping)) < TOL_DIR
 
 
 # --------------------------------------------------------------------------- steps in a loop inside one autocast region

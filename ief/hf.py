@@ -53,7 +53,8 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
   already sees the updated parameters; the scheduler then steps as usual. The model is in train mode (dropout on,
   every pass of one ief step replaying the same masks). ``trainer.ief_optimizer`` is the optimiser itself
   (``trainer.optimizer`` is accelerate's wrapper once training has started).
-- peft prompt tuning: the model is patched with :func:`ief.per_sample_prompts` (identical values, one backward).
+- peft prompt tuning and p-tuning: the model is patched with :func:`ief.per_sample_prompts` (identical values, one
+  backward).
 - ``SF`` and ``kind="kfac"`` draw labels from a ``torch.Generator`` seeded with ``TrainingArguments.seed`` (unless
   ``optimizer_kwargs`` gives one), whose state is in the optimiser's ``state_dict``; a checkpoint therefore holds
   the step counter, momentum buffers, K-FAC running factors and eigendecompositions and the generator, and a
@@ -340,7 +341,7 @@ class IEFTrainer(transformers.Trainer):
             return self.optimizer
         model = self.model if model is None else model
         config = getattr(model, "active_peft_config", None)
-        if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1] == "PROMPT_TUNING":
+        if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1] in ("PROMPT_TUNING", "P_TUNING"):
             per_sample_prompts(model)  # identical values; the hooks see every sample's prompt gradient
         kwargs = dict(self.optimizer_kwargs)
         if self.optimizer_name in _SAMPLING and "generator" not in kwargs:

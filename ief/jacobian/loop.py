@@ -76,7 +76,7 @@ def _warn_slow_path(model: torch.nn.Module, capture: PerSampleCapture, names: Se
         "layer's weight), and parameters or embedding outputs only added to or expanded over the batch or given as "
         "its attention mask (after views, casts or a shared mask, as T5's relative attention biases), and layer "
         "types given a rule with ief.register_rule; pass params= to precondition only "
-        "those. For peft prompt tuning, call ief.per_sample_prompts(model) once after get_peft_model.",
+        "those. For peft prompt tuning or p-tuning, call ief.per_sample_prompts(model) once after get_peft_model.",
         SlowPathWarning,
         stacklevel=4,
     )

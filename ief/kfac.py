@@ -297,8 +297,10 @@ def _eigen_solve(eigen: tuple[torch.Tensor, ...], grad: torch.Tensor, damping: f
     eg, U, ea, V = eigen
     prod = eg.clamp_min(0).unsqueeze(1) * ea.clamp_min(0).unsqueeze(0)  # [out, k]
     shifted = prod + damping
-    scale = float(prod.max()) if prod.numel() else 0.0
-    tiny = max(prod.shape) * torch.finfo(torch.float64).eps * max(scale, 1e-300)
+    if not prod.numel():
+        return U @ (U.T @ grad @ V) @ V.T  # an empty block: nothing to solve
+    # on the device: no host read of the largest product
+    tiny = max(prod.shape) * torch.finfo(torch.float64).eps * prod.amax().clamp_min(1e-300)
     keep = shifted > 1e3 * tiny
     inv = torch.where(keep, 1.0 / torch.where(keep, shifted, torch.ones_like(shifted)), torch.zeros_like(shifted))
     return U @ ((U.T @ grad @ V) * inv) @ V.T
@@ -379,7 +381,8 @@ def kfac_directions(
 
 def block_diagonal_direction(blocks: list[KroneckerBlock], gradient: torch.Tensor, params: list[torch.Tensor],
                              damping: float, kind: str,
-                             eigens: dict[str, tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor:
+                             eigens: dict[str, tuple[torch.Tensor, ...]] | None = None,
+                             check: bool = True) -> torch.Tensor:
     """The damped block-diagonal solve ``(G (x) A + lambda I)^{-1} grad`` of every layer, back in the parameter
     order of ``params`` (``sec:app-iEF-eNGDopt``).
 
@@ -390,12 +393,14 @@ def block_diagonal_direction(blocks: list[KroneckerBlock], gradient: torch.Tenso
         damping: a checked ``lambda >= 0`` (:func:`ief.losses.check_damping`).
         kind: the kind, for the error message.
         eigens: ``{block name: kronecker_eigen(...)}``, replacing the blocks' own eigendecompositions where given.
+        check: raise when the direction is not finite in ``gradient``'s dtype (default); ``False`` leaves that to
+            the caller (:class:`ief.optim.KFAC` reads it with the step's other checks: no host round-trip here).
 
     Returns:
         The direction ``[P]`` in ``gradient``'s dtype.
 
     Raises:
-        FloatingPointError: the direction is not representable in that dtype.
+        FloatingPointError: (``check``) the direction is not representable in that dtype.
     """
     offsets = [0]
     for p in params:
@@ -419,7 +424,7 @@ def block_diagonal_direction(blocks: list[KroneckerBlock], gradient: torch.Tenso
             i = block.index["bias"]
             direction[offsets[i] : offsets[i + 1]] = solved[:, -1]
     out = direction.to(gradient.dtype)
-    if not torch.isfinite(out).all():
+    if check and not torch.isfinite(out).all():
         raise FloatingPointError(
             f"the {kind} direction is not representable in {gradient.dtype}; use a larger damping"
         )

@@ -98,13 +98,15 @@ class CrossEntropy:
         probability 0, exactly as ``torch.nn.functional.cross_entropy`` treats them.
         """
         bad = torch.isnan(logits) | torch.isposinf(logits)
+        empty = torch.isneginf(logits).all(dim=-1)
+        if not bool(bad.any() | empty.any()):  # one host read; which check failed is told below
+            return
         if bool(bad.any()):
             at = _first_index(bad)
             raise FloatingPointError(
                 f"logits hold {float(logits.detach()[at])} at index {at} (shape {tuple(logits.shape)}): NaN and +inf "
                 "logits have no softmax; -inf (a masked class) is the only non-finite value accepted"
             )
-        empty = torch.isneginf(logits).all(dim=-1)
         if bool(empty.any()):
             at = _first_index(empty)
             raise FloatingPointError(

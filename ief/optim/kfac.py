@@ -158,7 +158,8 @@ class KFAC(PreconditionedOptimizer):
                 eigen = old["eigen"]
             pending[block.name] = {"G": block.G, "A": block.A, "eigen": eigen}
         direction = block_diagonal_direction(blocks, gradient, params, group["damping"], self.kind,
-                                             {name: entry["eigen"] for name, entry in pending.items()})
+                                             {name: entry["eigen"] for name, entry in pending.items()},
+                                             check=False)  # the step reads it with its other checks
         self._pending = pending
         return losses[0], direction
 

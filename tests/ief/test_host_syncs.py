@@ -94,6 +94,29 @@ def test_a_steady_step_is_within_the_budgets(model, cls):
     assert step.implicit_syncs == {"aten._linalg_eigh.default": 1, "aten.index.Tensor": 2}, step.implicit_syncs
 
 
+@pytest.mark.parametrize("model", ["mlp", "t5-lora"])
+def test_sf_within_the_round_trip_budget(model):
+    """SF (normalised) reads 4 times beyond the forward's own: the batch gradient's losses, the sampled labels'
+    logits (one read for NaN/+inf and all -inf positions), the guard's losses and rows, the step's checks and norm;
+    its extra backward keeps its operators under twice iEF's budget."""
+    w = _workload(model)
+    adamw = _adamw_counts(w)
+    step = _step_counts(ief.optim.SF(w.model), w)
+    assert step.round_trips <= _forward_trips(w) + 4, (step.kinds, step.where)
+    assert step.round_trips <= adamw.round_trips + 2
+    assert step.operators <= 4 * adamw.operators, (step.operators, adamw.operators)
+
+
+def test_kfac_between_refreshes_reads_once():
+    """K-FAC between its inverse refreshes: the running factors' finiteness and the direction's are read with the
+    step's one read (a refresh step also reads the factors before their eigendecomposition)."""
+    w = _workload("mlp")
+    linear = [p for m in w.model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()]
+    opt = ief.optim.KFAC(w.model, "iekfac", lr=0.1, damping=1e-3, params=linear, inverse_every=10)
+    step = _step_counts(opt, w)  # steps 0-2 warm up, step 3 counted: no refresh
+    assert step.round_trips <= 1, (step.kinds, step.where)
+
+
 def test_momentum_and_weight_decay_add_no_round_trip():
     """Heavy-ball buffers and the decoupled decay on the device: their finiteness is read with the step's checks."""
     w = _workload("mlp")

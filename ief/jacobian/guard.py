@@ -10,8 +10,10 @@ losses or rows raise ``FloatingPointError`` naming the samples.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -34,8 +36,8 @@ def check_no_outside_use(capture: PerSampleCapture, jacobian: torch.Tensor | Fac
     ``None`` or zero: the rows are the whole gradient by construction (no gradient is read). Otherwise the block
     fails when ``||o|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds ``tol * sum_n ||J_n||``),
     ``tol = 50 sqrt(eps)`` of ``J``'s dtype (32-bit at least), and at least ``16 u`` of ``forward_format``, the
-    lowest format the forward ran in (:func:`ief.precision.outside_use_tolerance`). Parameters of the per-sample loop are not checked: their rows are gradients of the
-    individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
+    lowest format the forward ran in (:func:`ief.precision.outside_use_tolerance`). Parameters of the per-sample
+    loop are not checked: their rows are gradients of the individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
     the optimisers). A parameter whose outside use is in the forward's graph (a weight tied to an unhooked use) has already been sent to
     the loop (:meth:`PerSampleCapture.demote_outside_uses`): this is the safety net behind that search."""
     found = [i for i in sorted(capture.hooked - set(capture.broadcast))
@@ -214,6 +216,27 @@ def _likely_cause(worst: float, tol: float, forward_format: torch.dtype | None, 
             + mixing)
 
 
+_DEFERRED: contextvars.ContextVar[list | None] = contextvars.ContextVar("ief_deferred_finiteness", default=None)
+
+
+@contextlib.contextmanager
+def deferred_finiteness() -> Iterator[list[tuple[torch.Tensor, Callable[[], None]]]]:
+    """Inside it, the check of the losses and rows that :func:`ief.per_sample` makes after its backward is not read
+    on the host: it is appended to the yielded list as ``(0-d bool tensor: all finite, function that raises the
+    check's FloatingPointError)``, for a caller that reads it with its own checks (the optimisers: one host read per
+    step) and must call the function when the flag is false, before it uses anything computed from the rows.
+
+    Returns:
+        A context manager yielding that list.
+    """
+    pending: list = []
+    token = _DEFERRED.set(pending)
+    try:
+        yield pending
+    finally:
+        _DEFERRED.reset(token)
+
+
 def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian | None) -> None:
     """``FloatingPointError`` naming the samples whose loss (or, given ``jac``, row of ``J``) is not finite; given
     ``jac``, the losses are checked too (first), so a caller needs no separate check of the losses."""
@@ -224,7 +247,12 @@ def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian
         what = "loss"
     else:  # the losses and the rows in one host read (a steady optimiser step makes no other here)
         rows = as_rows(jac)
-        if bool(torch.isfinite(losses.detach()).all() & rows.finite_flag()):
+        finite = torch.isfinite(losses.detach()).all() & rows.finite_flag()
+        pending = _DEFERRED.get()
+        if pending is not None:  # read by the caller with its own checks (deferred_finiteness)
+            pending.append((finite, lambda: _refuse_nonfinite(losses, rows if bool(finite) is False else None)))
+            return
+        if bool(finite):
             return
         if not all_finite(losses):
             _refuse_nonfinite(losses, None)

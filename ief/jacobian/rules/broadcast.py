@@ -339,7 +339,7 @@ def _pull_back(link: Use, cotangent: torch.Tensor) -> torch.Tensor:
     (linear in the input: its value does not matter), vmapped over the samples."""
     dtype, device = link.source
     _, vjp = torch.func.vjp(link.replay, torch.zeros(link.shape, dtype=dtype, device=device))
-    return torch.func.vmap(vjp)(cotangent.to(device))[0]
+    return torch.func.vmap(vjp)(cotangent)[0]  # the cotangent is on the result's device, as a gradient of it
 
 
 def per_sample_rows(uses: Sequence[Use], m: int, numel: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -93,8 +93,10 @@ class _Replay:
 
     def __init__(self, func, args: tuple, kwargs: dict, slot):
         self.func, self.slot = func, slot
-        self.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        self.kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        self.args = tuple(None if i == slot else a.detach() if isinstance(a, torch.Tensor) else a
+                          for i, a in enumerate(args))
+        self.kwargs = {k: None if k == slot else v.detach() if isinstance(v, torch.Tensor) else v
+                       for k, v in kwargs.items()}
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         args, kwargs = list(self.args), dict(self.kwargs)

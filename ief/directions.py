@@ -120,7 +120,9 @@ def _solve_gram(gram_matrix: torch.Tensor, rhs: torch.Tensor, damping: float,
     """:func:`solve_gram` with ``damping`` already checked; ``noise_floor`` may be a 0-d tensor
     (:func:`_rounding_floor`), which is positive by construction for a narrower ``J`` and sends the solve to ``eigh``
     with no host round-trip (no Cholesky attempt, no pivot read)."""
-    g = gram_matrix.to(torch.float64)
+    # a non-finite Gram (rows whose finiteness the optimiser reads with its step's checks, after the solve) is
+    # solved as zero, so that eigh does not fail on it; the caller refuses the step (identity for a finite Gram)
+    g = torch.nan_to_num(gram_matrix.to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
     b = rhs.to(torch.float64)
     m = g.shape[0]
     # eigenvalues below rounding error of the largest entry are not trusted (the same bound for Cholesky's pivots)
@@ -223,7 +225,7 @@ def sf_solve(rows: Rows, grad: torch.Tensor, damping: float, check: bool = True)
     if math.isinf(scaled_damping):  # lambda swamps A^T A (or A = 0): the direction is g / lambda
         return _as_dtype(g / damping, a.dtype, "SF", check)
     ag = a.times(g, c)
-    g_a = a.gram(c)
+    g_a = torch.nan_to_num(a.gram(c), nan=0.0, posinf=0.0, neginf=0.0)  # as _solve_gram: eigh must not fail on it
     evals, evecs = torch.linalg.eigh(g_a)
     m = evals.shape[0]
     tiny = m * torch.finfo(torch.float64).eps * g_a.diagonal().amax().clamp_min(1e-300)

@@ -216,6 +216,15 @@ def _likely_cause(worst: float, tol: float, forward_format: torch.dtype | None, 
             + mixing)
 
 
+def _refuse_now(losses: torch.Tensor, rows) -> None:
+    """:func:`_refuse_nonfinite` of losses and rows, read now whatever the context (a deferred check's raise)."""
+    token = _DEFERRED.set(None)
+    try:
+        _refuse_nonfinite(losses, rows)
+    finally:
+        _DEFERRED.reset(token)
+
+
 _DEFERRED: contextvars.ContextVar[list | None] = contextvars.ContextVar("ief_deferred_finiteness", default=None)
 
 
@@ -250,7 +259,7 @@ def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian
         finite = torch.isfinite(losses.detach()).all() & rows.finite_flag()
         pending = _DEFERRED.get()
         if pending is not None:  # read by the caller with its own checks (deferred_finiteness)
-            pending.append((finite, lambda: _refuse_nonfinite(losses, rows if bool(finite) is False else None)))
+            pending.append((finite, lambda: _refuse_now(losses, rows)))
             return
         if bool(finite):
             return

@@ -57,10 +57,10 @@ the step counter untouched. A non-finite loss, gradient or update raises ``Float
 parameters left unchanged"), also before any parameter changes, in the step that met it (not a step later).
 
 Host round-trips (what stalls a GPU): these checks are computed on the device and read together, so a steady step
-(after step 0's exact per-sample check) reads the device twice: the per-sample guard's finiteness of the losses and
-rows, and the step's own checks (the direction, SF's gradient, the momentum buffers, K-FAC's running factors
-between refreshes) with, for a normalised update, the direction's norm. ``last_update_norm`` is kept on the device
-and read when asked. (A float32 ``J``'s Gram solve is an ``eigh``, whose CUDA error check also waits for the device;
+(after step 0's exact per-sample check, which reads the guard's finiteness at once) reads the device once: the
+per-sample guard's finiteness of the losses and rows, the direction's, SF's gradient's, the momentum buffers', K-FAC's
+running factors' between refreshes, with, for a normalised update, the direction's norm; the first that fails is
+named. ``last_update_norm`` is kept on the device and read when asked. (A float32 ``J``'s Gram solve is an ``eigh``, whose CUDA error check also waits for the device;
 ``benchmarks/host_syncs.py`` counts both kinds.)
 
 Schedules: ``normalize=True`` rescales each update to norm ``lr`` ("normalised update"), and ``total_steps=T``
@@ -94,6 +94,7 @@ tolerance comes from the lowest format the forward ran in (``0.0625`` for bfloat
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Iterable
@@ -103,6 +104,7 @@ import torch
 
 from ..directions import ef_solve, ief_solve, sf_solve, unrepresentable
 from ..jacobian import CHECKS, gradient_and_sampled_jacobian, per_sample
+from ..jacobian.guard import deferred_finiteness
 from ..losses import IGNORE_INDEX, Loss, check_damping, count_targets
 from ..model_call import Inputs
 from ..rows import FactoredJacobian, as_rows, check_form
@@ -184,6 +186,15 @@ def _refuse_distributed(name: str, model: torch.nn.Module) -> None:
         raise ValueError(f"{name} does not step across processes: torch.distributed is initialised with world size "
                          f"{dist.get_world_size()}, and each process would solve its own batch's Gram system and "
                          f"drift apart silently; run it in a single process (world size 1)")
+
+
+def _raised_message(refuse) -> str:
+    """The message of the ``FloatingPointError`` that ``refuse()`` raises (a deferred check's diagnosis)."""
+    try:
+        refuse()
+    except FloatingPointError as err:
+        return str(err)
+    return "non-finite per-sample losses or gradients"
 
 
 def _finite(*tensors: torch.Tensor) -> torch.Tensor:
@@ -604,7 +615,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 losses, direction = self._direction(inputs, targets, group)
         except FloatingPointError as err:
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
-        checks = [(torch.isfinite(losses).all(), lambda: f"non-finite loss {losses.tolist()}"), *self._checks]
+        # in the order they were met: the per-sample guard's (naming the samples), the direction's own, the losses
+        checks = [*self._checks, (torch.isfinite(losses).all(), lambda: f"non-finite loss {losses.tolist()}")]
         self._update(given, group, direction, tokens, checks=checks, number=number)
         self.last_losses = losses
         return losses.sum() if tokens is None else losses.sum() / tokens
@@ -618,11 +630,23 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             return self.check
         return "exact" if self.steps_taken % self.check == 0 else True
 
+    def _guarded(self, compute):
+        """``compute()`` (a call of the per-sample machinery) with its check of the losses and rows read with the
+        step's checks (:func:`ief.jacobian.guard.deferred_finiteness`: no host read of its own) on a step without
+        the exact per-sample check; on an exact-check step it is read at once, before the check compares rows."""
+        if self._check_now() == "exact":
+            return compute()
+        with deferred_finiteness() as pending:
+            out = compute()
+        self._checks.extend((flag, functools.partial(_raised_message, refuse)) for flag, refuse in pending)
+        return out
+
     def _per_sample(self, inputs: Inputs, targets: torch.Tensor, group: dict) -> Any:
         """The batch's :class:`ief.jacobian.PerSample`; :func:`ief.per_sample` refuses non-finite losses and rows
-        (``FloatingPointError`` naming the samples), so the solves take them as checked."""
-        result = per_sample(self.model, inputs, targets, group["params"], loss=self.loss, check=self._check_now(),
-                            out=self._buffer, form=self.form)
+        (``FloatingPointError`` naming the samples; read with the step's other checks, :meth:`_guarded`), so the
+        solves take them as checked."""
+        result = self._guarded(lambda: per_sample(self.model, inputs, targets, group["params"], loss=self.loss,
+                                                  check=self._check_now(), out=self._buffer, form=self.form))
         # reused next step (same batch size): no fresh allocation of J (or of its materialised column blocks); a
         # factored J may use the first columns of a wider buffer (an embedding table's used rows vary by batch)
         factored = isinstance(result.jacobian, FactoredJacobian)
@@ -842,10 +866,10 @@ class SF(PreconditionedOptimizer):
         self.generator = generator
 
     def _direction(self, inputs, targets, group):
-        losses, grad, sampled = gradient_and_sampled_jacobian(
+        losses, grad, sampled = self._guarded(lambda: gradient_and_sampled_jacobian(
             self.model, inputs, targets, group["params"], loss=self.loss, generator=self.generator,
             check=self._check_now(), form=self.form,
-        )
+        ))
         # the losses and the sampled rows are refused there when not finite; the gradient's check is read with the
         # step's (a non-finite gradient makes a non-finite direction, which the step then refuses as this)
         self._checks.append((_finite(grad), "non-finite gradient"))

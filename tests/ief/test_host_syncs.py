@@ -126,8 +126,9 @@ def test_momentum_and_weight_decay_add_no_round_trip():
 
 @pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
 def test_a_non_finite_batch_still_raises_in_the_steady_state(cls):
-    """The checks are read once per step, not skipped: after warm-up steps a batch with an inf input raises
-    ``FloatingPointError`` naming that step, and the parameters and step counter are as they were."""
+    """The checks are read once per step, not skipped: after warm-up steps a batch with an inf input (tanh keeps the
+    losses finite, the rows are NaN) raises the per-sample guard's ``FloatingPointError`` naming that step and the
+    sample, and the parameters and step counter are as they were."""
     w = _workload("mlp")
     opt = cls(w.model)
     for _ in range(3):
@@ -135,7 +136,8 @@ def test_a_non_finite_batch_still_raises_in_the_steady_state(cls):
     before = [p.detach().clone() for p in w.model.parameters()]
     bad = w.inputs.clone()
     bad[5, 3] = math.inf
-    with pytest.raises(FloatingPointError, match=r"^step 3: .*parameters left unchanged"):
+    with pytest.raises(FloatingPointError,
+                       match=r"^step 3: non-finite per-sample gradient for samples \[5\] .*parameters left unchanged$"):
         opt.step(bad, w.targets)
     assert all(torch.equal(p, q) for p, q in zip(w.model.parameters(), before)) and opt.steps_taken == 3
 

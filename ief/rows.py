@@ -23,6 +23,8 @@ import torch
 
 from .model_call import column_chunks, large_empty
 
+COLUMN_BYTES = 8 << 20  # a float64 block of the direction formed at once (8 MiB), where it cannot be narrow
+
 FORMS = ("dense", "auto", "ghost", "rows")
 
 
@@ -448,8 +450,10 @@ class FactoredJacobian(Rows):
             dest = out[self.offsets[i] : self.offsets[i + 1]].view(weighted.shape[1], a.shape[1])  # [O, I]
             if narrow and a.shape[0] <= a.shape[1]:
                 torch.mm(*_whitened_factors(weighted, a, self.dtype), out=dest)
-            elif narrow:
-                dest.copy_(weighted.T @ a)
+            elif narrow:  # K = M T > I: float64 products, a bounded block of output rows at a time (no [O, I] float64)
+                rows = max(1, COLUMN_BYTES // (8 * a.shape[1]))
+                for lo in range(0, dest.shape[0], rows):
+                    dest[lo : lo + rows].copy_(weighted[:, lo : lo + rows].T @ a)
             else:
                 torch.mm(weighted.T, a, out=dest)
         return out

@@ -281,3 +281,16 @@ def test_float32_factored_directions_keep_float32_accuracy_when_coefficients_can
         plain = ((g.double() * coeff[:, None, None]).flatten(0, 1).T.float() @ a.flatten(0, 1))
         truth = (g.double() * coeff[:, None, None]).flatten(0, 1).T @ a.flatten(0, 1).double()
         assert float((plain.double() - truth).norm() / truth.norm()) > 1e-6
+
+
+def test_float32_factored_direction_blocks_over_output_rows_are_the_whole_product(monkeypatch):
+    """A Linear weight with more positions than input features (``M T > I``) forms its float32 block of the
+    direction from float64 products a bounded block of output rows at a time: one row per block gives the very
+    values of one block for all of them."""
+    c = sequence_case(m=4, t=5, dtype=torch.float32)
+    r = ief.per_sample(c.model, c.inputs, c.targets, form="ghost")
+    fac = r.jacobian
+    assert any(a.shape[0] * a.shape[1] > a.shape[2] for _, a, _ in fac.ghosts)  # the M T > I branch is taken
+    whole = ief.ief_direction(fac, r.logit_sqnorm, 1e-3)
+    monkeypatch.setattr(ief.rows, "COLUMN_BYTES", 1)
+    assert torch.equal(ief.ief_direction(fac, r.logit_sqnorm, 1e-3), whole)

@@ -1,0 +1,243 @@
+"""The per-sample rows of a batch split across processes (``torch.distributed``), as one ``J`` of the union batch.
+
+Data-parallel training gives each of ``R`` processes (ranks) its own ``M_r`` samples. The exact EF / iEF / SF update
+of the union batch (``M = sum_r M_r`` samples, concatenated in rank order) couples every pair of samples through the
+Gram matrix ``J J^T``, whose blocks ``J_r J_s^T`` need rows of two ranks; it needs no approximation
+(``sec:app-iEF-impl``'s Woodbury form):
+
+- the Gram matrix: every rank forms the whole ``[M, M]`` float64 Gram from column chunks of every rank's rows,
+  all-gathered (``dist.all_gather``, each rank's rows padded to the largest ``M_r``), so that every rank holds the same
+  bits and solves the same small system (no broadcast of the solution is needed: a replicated solve);
+- ``s``, the losses and anything else per sample: all-gathered and concatenated;
+- the direction ``J^T w = sum_r J_r^T w_r``: each rank combines its own rows with its slice of ``w``, and one
+  all-reduce (sum) of ``P`` float64 numbers gives every rank the same direction;
+- scalars that must agree (finiteness, ``max|J|``, token counts): all-reduced.
+
+Communication per step, with ``P`` parameters and ``b`` bytes per entry of ``J`` (4 for float32): the Gram's column
+chunks, ``M_max R P b`` bytes received by each rank (``M_max`` the largest ``M_r``), and the direction's all-reduce of
+``8 P`` bytes (a ring all-reduce sends about ``2 x 8 P``); DDP's own gradient all-reduce is ``~2 x 4 P`` for float32
+gradients. The Gram's all-gather is therefore about ``M b / 8`` times DDP's traffic: the price of the exact coupled
+update, small for adapters (``P`` of LoRA) and the dominant cost for full fine-tuning at large ``M``.
+
+Faults: a rank whose local work fails (a non-finite loss, a refused per-sample check, a bad value) must not leave the
+others waiting in a collective: :func:`agree` runs the local work, all-reduces a failure flag, and then raises the
+same error on every rank, naming the rank and its message. A rank that dies or hangs outright is caught by the
+process group's own timeout (``torch.distributed.init_process_group(timeout=...)``; gloo's and NCCL's defaults are
+30 and 10 minutes), after which every collective here raises.
+
+Every collective runs in the group's device: gloo takes CPU tensors, NCCL CUDA ones (the rows' device must match).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .precision import ROUNDING_ATTRIBUTE, rounding_dtype, unit_roundoff
+from .rows import Rows
+
+T = TypeVar("T")
+GRAM_CHUNK = 1 << 16  # columns per all-gathered chunk of the rows (M_max R x GRAM_CHUNK entries in flight)
+
+
+def world_size(group: Any) -> int:
+    """The number of processes in ``group`` (1 when ``torch.distributed`` is not initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def resolve_group(model: torch.nn.Module, process_group: Any, name: str) -> Any:
+    """The process group an optimiser steps across: ``process_group`` if given, else a ``DistributedDataParallel``
+    model's own group, else none (one process).
+
+    Args:
+        model: the model as given to the optimiser (maybe DDP-wrapped).
+        process_group: ``None``, or a group of an initialised ``torch.distributed``
+            (``torch.distributed.group.WORLD`` for every process).
+        name: the optimiser's class name, for the error.
+
+    Returns:
+        The group, or ``None`` for a single process (no group, or a group of one process).
+
+    Raises:
+        ValueError: ``process_group`` given while ``torch.distributed`` is not initialised; or no group resolved while
+            an initialised default group has several processes (each process would step on its own batch's
+            direction, a different method, and the replicas would drift apart silently).
+    """
+    initialised = dist.is_available() and dist.is_initialized()
+    if process_group is not None and not initialised:
+        raise ValueError(f"{name}: process_group was given but torch.distributed is not initialised "
+                         "(call torch.distributed.init_process_group first, as torchrun's scripts do)")
+    group = process_group
+    if group is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        group = model.process_group
+    if group is None:
+        if initialised and dist.get_world_size() > 1:
+            raise ValueError(
+                f"{name}: torch.distributed is initialised with world size {dist.get_world_size()} but the optimiser "
+                f"was given no process group: each process would solve its own batch's Gram system and the replicas "
+                f"would drift apart silently; pass process_group=torch.distributed.group.WORLD (the exact step over "
+                f"the union of the ranks' batches) or wrap the model in DistributedDataParallel")
+        return None
+    return group if world_size(group) > 1 else None
+
+
+class RankFailure(RuntimeError):
+    """Raised on every rank when one rank's local work failed (see :func:`agree`); the first failing rank's error
+    is named in the message, and re-raised there with its own type."""
+
+
+def agree(group: Any, device: torch.device, work: Callable[[], T]) -> T:
+    """Run ``work`` on this rank and make every rank of ``group`` fail together when any rank's ``work`` raised.
+
+    Args:
+        group: the process group (``None``: no collective, ``work``'s own behaviour).
+        device: where the group's collectives take tensors (CPU for gloo).
+        work: the rank's local computation.
+
+    Returns:
+        ``work``'s result, when it succeeded on every rank.
+
+    Raises:
+        The failing rank's own exception on that rank; on the other ranks a :class:`RankFailure` (or the same type,
+        for the library's own ``FloatingPointError`` / ``ValueError`` / per-sample mismatch) naming the rank and its
+        message: no rank is left waiting in a later collective.
+    """
+    if group is None:
+        return work()
+    failure: BaseException | None = None
+    result: Any = None
+    try:
+        result = work()
+    except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+        failure = err
+    flag = torch.tensor([0.0 if failure is None else 1.0], dtype=torch.float64, device=device)
+    dist.all_reduce(flag, group=group)
+    if float(flag) == 0.0:
+        return result
+    messages: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(messages, None if failure is None else (type(failure).__name__, str(failure)), group=group)
+    if failure is not None:
+        raise failure
+    rank, (kind, message) = next((r, m) for r, m in enumerate(messages) if m is not None)
+    text = f"rank {rank} failed ({kind}): {message}"
+    if kind in ("FloatingPointError", "ValueError"):
+        raise {"FloatingPointError": FloatingPointError, "ValueError": ValueError}[kind](text)
+    raise RankFailure(text)
+
+
+def _padded(local: torch.Tensor, size: int) -> torch.Tensor:
+    if local.shape[0] == size:
+        return local.contiguous()
+    pad = local.new_zeros((size - local.shape[0], *local.shape[1:]))
+    return torch.cat([local, pad])
+
+
+def all_gather_rows(local: torch.Tensor, sizes: Sequence[int], group: Any) -> torch.Tensor:
+    """The ranks' ``[M_r, ...]`` tensors concatenated in rank order, ``[M, ...]``, on every rank.
+
+    Args:
+        local: this rank's rows (first dimension ``sizes[rank]``).
+        sizes: every rank's ``M_r`` (:func:`batch_sizes`).
+        group: the process group.
+
+    Returns:
+        ``[sum(sizes), ...]``, identical on every rank.
+    """
+    largest = max(sizes)
+    parts = [local.new_empty((largest, *local.shape[1:])) for _ in sizes]
+    dist.all_gather(parts, _padded(local, largest), group=group)
+    return torch.cat([part[:m] for part, m in zip(parts, sizes)])
+
+
+def batch_sizes(m: int, group: Any, device: torch.device) -> list[int]:
+    """Every rank's ``M_r``, in rank order (one small all-gather and a host read)."""
+    mine = torch.tensor([m], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return [int(x) for x in torch.cat(parts).tolist()]
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
+    """``tensor`` reduced over the group in place (default: sum), returned."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return tensor
+
+
+class DistributedRows(Rows):
+    """The union batch's ``J [M, P]`` from this rank's rows ``J_r`` (any :class:`~ief.rows.Rows`), for the Gram solves
+    of :mod:`ief.directions`: every method returns what :class:`~ief.rows.DenseRows` of the concatenated rows would,
+    identically on every rank (see the module docstring for the collectives and their traffic).
+
+    Args:
+        local: this rank's rows.
+        group: the process group (of more than one process).
+        sizes: every rank's ``M_r`` (:func:`batch_sizes`).
+
+    Raises:
+        ValueError: ``sizes`` does not hold this rank's ``M_r``.
+    """
+
+    def __init__(self, local: Rows, group: Any, sizes: Sequence[int]):
+        rank = dist.get_rank(group)
+        if sizes[rank] != local.shape[0]:
+            raise ValueError(f"sizes[{rank}] = {sizes[rank]} but this rank's rows have {local.shape[0]}")
+        self.local, self.group, self.sizes = local, group, list(sizes)
+        self.offset = sum(self.sizes[:rank])
+        self.shape = torch.Size((sum(self.sizes), local.shape[1]))
+        self.dtype, self.device = local.dtype, local.device
+        # the coarsest rounding any rank's forward carried (the same model and autocast give the same everywhere)
+        own = rounding_dtype(local)
+        u = torch.tensor([unit_roundoff(own)], dtype=torch.float64, device=self.device)
+        all_reduce(u, group, dist.ReduceOp.MAX)
+        coarsest = own if float(u) == unit_roundoff(own) else next(
+            d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64) if unit_roundoff(d) == float(u))
+        setattr(self, ROUNDING_ATTRIBUTE, coarsest if coarsest != self.dtype else None)
+
+    def _local_dense(self) -> torch.Tensor:
+        local = self.local
+        return local.materialize() if hasattr(local, "materialize") else local.matrix
+
+    def _slice(self, coeff: torch.Tensor) -> torch.Tensor:
+        return coeff[self.offset:self.offset + self.local.shape[0]]
+
+    def gram(self, scale: float = 1.0) -> torch.Tensor:
+        """``(J/scale)(J/scale)^T`` of the union batch, ``[M, M]`` float64, the same bits on every rank."""
+        dense = self._local_dense()
+        out = torch.zeros(self.shape[0], self.shape[0], dtype=torch.float64, device=self.device)
+        for lo in range(0, max(self.shape[1], 1), GRAM_CHUNK):
+            chunk = all_gather_rows(dense[:, lo:lo + GRAM_CHUNK], self.sizes, self.group).to(torch.float64)
+            if scale != 1.0:
+                chunk = chunk / scale
+            out.addmm_(chunk, chunk.T)
+        return (out + out.T) / 2
+
+    def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
+        """``(J/scale)^T coeff``, ``[P]`` float64: this rank's rows with its slice of ``coeff``, summed over ranks."""
+        part = self.local.combine_rows(self._slice(coeff), scale).to(torch.float64)
+        return all_reduce(part.contiguous(), self.group)
+
+    def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """``(J/scale) v``, ``[M]`` float64: this rank's products, all-gathered."""
+        return all_gather_rows(self.local.times(v, scale).to(torch.float64), self.sizes, self.group)
+
+    def max_abs(self) -> float:
+        """The largest of the ranks' :meth:`~ief.rows.Rows.max_abs`."""
+        value = torch.tensor([self.local.max_abs()], dtype=torch.float64, device=self.device)
+        return float(all_reduce(value, self.group, dist.ReduceOp.MAX))
+
+    def is_finite(self) -> bool:
+        return bool(self.finite_flag())
+
+    def finite_flag(self) -> torch.Tensor:
+        """Whether every rank's rows are finite (0-d bool, the same on every rank)."""
+        flag = self.local.finite_flag().to(torch.float64).reshape(1)
+        return all_reduce(flag, self.group, dist.ReduceOp.MIN)[0] > 0
+
+    def row_sum(self) -> torch.Tensor:
+        """``J^T 1`` of the union batch, in :attr:`dtype` (summed in float64 over ranks)."""
+        return all_reduce(self.local.row_sum().to(torch.float64), self.group).to(self.dtype)
+

@@ -83,11 +83,11 @@ class CrossEntropy:
                 "for cross_entropy, targets must have the logits' shape without the last (class) dimension"
             )
         num_classes = logits.shape[-1]
-        kept = targets[targets != IGNORE_INDEX]
-        bad = kept[(kept < 0) | (kept >= num_classes)]
-        if bad.numel():
+        # one host read (no boolean-mask selection unless one is out of range: a selection's size is a GPU sync)
+        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= num_classes))
+        if bool(bad.any()):
             raise ValueError(
-                f"class index {int(bad[0])} out of range: targets must lie in [0, {num_classes - 1}] "
+                f"class index {int(targets[bad][0])} out of range: targets must lie in [0, {num_classes - 1}] "
                 f"or be {IGNORE_INDEX} (ignored position)"
             )
 

@@ -3,9 +3,11 @@ until a GPU drains its queue) and dispatched aten operators (each at least one k
 on the same model (forward, backward, ``step``, ``zero_grad``), with :mod:`benchmarks.host_syncs`.
 
 Budgets: a steady IEF / EF step (after the warm-up steps: step 0's exact check, first-shape caches) makes at most
-2 round-trips more than AdamW's step, and 1 beyond the model's own forward (the step's one read of every check: the
-per-sample guard's finiteness of the losses and rows, the direction's, and for a normalised update the norm; T5's
-forward makes 2 of its own, AdamW's CPU step reads its step counters); it dispatches at most
+2 round-trips more than AdamW's step, and 2 beyond the model's own forward (the loss's range check of the targets,
+which must precede the loss, and the step's one read of every other check: the per-sample guard's finiteness of the
+losses and rows, the direction's, and for a normalised update the norm; T5's forward makes 2 of its own, AdamW's CPU
+step reads its step counters); the only operator that synchronises inside its CUDA call is the float32 Gram's
+``eigh`` (its error check); it dispatches at most
 3 times AdamW's operators. Models: the benchmarks' 3-layer MLP (784-256-256-10, M 64) and tiny T5 + LoRA (M 16).
 """
 from __future__ import annotations
@@ -86,23 +88,24 @@ def test_a_steady_step_is_within_the_budgets(model, cls):
     step = _step_counts(cls(w.model), w)
     where = "\n".join(f"{kind}: {frames}" for kind, frames in step.where)
     own = _forward_trips(w)
-    assert step.round_trips <= own + 1, f"{step.round_trips} round-trips ({step.kinds}), the forward's {own}:\n{where}"
+    assert step.round_trips <= own + 2, f"{step.round_trips} round-trips ({step.kinds}), the forward's {own}:\n{where}"
     assert step.round_trips <= adamw.round_trips + 2
     assert step.operators <= 3 * adamw.operators, (step.operators, adamw.operators)
-    # syncs inside CUDA calls that remain (what a GPU's sync debug mode will also name): the float32 Gram's eigh
-    # (its error check reads info) and the loss's range check of the targets (two boolean-mask selections)
-    assert step.implicit_syncs == {"aten._linalg_eigh.default": 1, "aten.index.Tensor": 2}, step.implicit_syncs
+    # the sync inside a CUDA call that remains (what a GPU's sync debug mode will also name): the float32 Gram's eigh
+    # (its error check reads info)
+    assert step.implicit_syncs == {"aten._linalg_eigh.default": 1}, step.implicit_syncs
 
 
 @pytest.mark.parametrize("model", ["mlp", "t5-lora"])
 def test_sf_within_the_round_trip_budget(model):
-    """SF (normalised) reads 3 times beyond the forward's own: the batch gradient's losses, the sampled labels'
-    logits (one read for NaN/+inf and all -inf positions, before they are sampled from), and the step's checks (the
-    guard's losses and sampled rows among them) with the norm; its extra backward costs operators."""
+    """SF (normalised) reads 4 times beyond the forward's own: the targets' range, the batch gradient's losses, the
+    sampled labels' logits (one read for NaN/+inf and all -inf positions, before they are sampled from), and the
+    step's checks (the guard's losses and sampled rows among them) with the norm; its extra backward costs
+    operators."""
     w = _workload(model)
     adamw = _adamw_counts(w)
     step = _step_counts(ief.optim.SF(w.model), w)
-    assert step.round_trips <= _forward_trips(w) + 3, (step.kinds, step.where)
+    assert step.round_trips <= _forward_trips(w) + 4, (step.kinds, step.where)
     assert step.round_trips <= adamw.round_trips + 2
     assert step.operators <= 4 * adamw.operators, (step.operators, adamw.operators)
 
@@ -114,14 +117,14 @@ def test_kfac_between_refreshes_reads_once():
     linear = [p for m in w.model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()]
     opt = ief.optim.KFAC(w.model, "iekfac", lr=0.1, damping=1e-3, params=linear, inverse_every=10)
     step = _step_counts(opt, w)  # steps 0-2 warm up, step 3 counted: no refresh
-    assert step.round_trips <= 1, (step.kinds, step.where)
+    assert step.round_trips <= 2, (step.kinds, step.where)  # the targets' range check and the step's read
 
 
 def test_momentum_and_weight_decay_add_no_round_trip():
     """Heavy-ball buffers and the decoupled decay on the device: their finiteness is read with the step's checks."""
     w = _workload("mlp")
     step = _step_counts(ief.optim.IEF(w.model, momentum=0.9, weight_decay=0.01), w)
-    assert step.round_trips <= 1, (step.kinds, step.where)
+    assert step.round_trips <= 2, (step.kinds, step.where)
 
 
 @pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)

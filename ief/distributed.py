@@ -153,6 +153,13 @@ def all_gather_rows(local: torch.Tensor, sizes: Sequence[int], group: Any) -> to
     return torch.cat([part[:m] for part, m in zip(parts, sizes)])
 
 
+def collective_device(group: Any) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the current CUDA device for NCCL, else the CPU (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def batch_sizes(m: int, group: Any, device: torch.device) -> list[int]:
     """Every rank's ``M_r``, in rank order (one small all-gather and a host read)."""
     mine = torch.tensor([m], dtype=torch.int64, device=device)

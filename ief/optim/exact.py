@@ -23,9 +23,16 @@ class and the settings that change the method (``normalize``, ``loss``, ``reduct
 ``normalize`` and ``damping``) or a torch optimiser's (``ForeignStateError``, a ``ValueError`` naming both); a state
 saved before the class was recorded loads when its ``normalize`` matches.
 
-One process: the updates are not exact across processes yet, so the constructor refuses (``ValueError``) a
-``torch.nn.parallel.DistributedDataParallel`` model or an initialised ``torch.distributed`` of world size > 1 (each
-replica would solve its own batch's Gram system and drift apart silently).
+Several processes (data parallel: torchrun, accelerate, DDP): ``IEF``, ``EF`` and ``SF`` take ``process_group=``
+(default: the group of a ``torch.nn.parallel.DistributedDataParallel`` model, else one process) and then step exactly
+as one process stepping on the union of the ranks' batches, concatenated in rank order (:mod:`ief.distributed`: the
+union's Gram on every rank, one replicated float64 solve, one all-reduce of the direction; the token count of
+``reduction="mean"`` and the returned loss are the union's; momentum and weight decay replicated). The model's own DDP
+gradient all-reduce never runs (the optimiser runs the wrapped module). A failure on one rank (a non-finite loss, a
+refused check) raises on every rank. SF draws each rank's labels with that rank's ``generator``: the union-batch
+equivalence holds given the same labels (seed each rank's generator, e.g. ``seed + rank``, for reproducible runs).
+Without a group, an initialised ``torch.distributed`` of world size > 1 is refused (each replica would solve its own
+batch's Gram system and drift apart silently), and ``KFAC`` refuses several processes outright.
 
 Momentum and weight decay (``momentum``, ``dampening``, ``weight_decay``; all 0 by default, which is the paper's
 exact update bit for bit): heavy-ball momentum on the batch's preconditioned step and AdamW's decoupled weight
@@ -104,6 +111,8 @@ from typing import Any
 import torch
 
 from ..directions import ef_solve, ief_solve, sf_solve, unrepresentable
+from ..distributed import (DistributedRows, agree, all_gather_rows, all_reduce, batch_sizes, collective_device,
+                           resolve_group)
 from ..jacobian import CHECKS, gradient_and_sampled_jacobian, per_sample
 from ..jacobian.guard import deferred_finiteness
 from ..losses import IGNORE_INDEX, Loss, check_damping, count_targets
@@ -173,22 +182,6 @@ def _looks_unshifted(inputs: Inputs, targets: torch.Tensor) -> bool:
     return bool(kept.any()) and bool((targets[kept] == ids.to(targets.device)[kept]).all())
 
 
-def _refuse_distributed(name: str, model: torch.nn.Module) -> None:
-    """``ValueError`` for a ``DistributedDataParallel`` model or an initialised process group of world size > 1:
-    every process would solve its own batch's Gram system and step on it, and the replicas drift apart silently
-    (two gloo replicas: 1.13 apart in parameters after 3 steps), because the updates are not exact across processes
-    yet."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ValueError(f"{name} does not step across processes: model is a torch.nn.parallel."
-                         f"DistributedDataParallel wrapper, whose replicas would each solve their own batch's Gram "
-                         f"system and drift apart silently; pass the model itself (model.module) in a single process")
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(f"{name} does not step across processes: torch.distributed is initialised with world size "
-                         f"{dist.get_world_size()}, and each process would solve its own batch's Gram system and "
-                         f"drift apart silently; run it in a single process (world size 1)")
-
-
 def _raised_message(refuse) -> str:
     """The message of the ``FloatingPointError`` that ``refuse()`` raises (a deferred check's diagnosis)."""
     try:
@@ -241,6 +234,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     schedule, finite checks and the in-place update; a subclass provides ``_direction``."""
 
     _needs_positive_damping = False
+    _across_processes = True  # the step is exact over the union of the ranks' batches (ief.distributed)
     method = ""  # "ief" / "ef" / "sf": the rule that converts a token-mean rate (reduction="mean")
 
     def __init__(
@@ -259,12 +253,22 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         check: bool | str | int = True,
         form: str = "auto",
+        process_group: Any = None,
     ):
         self._constructed = False
         if not isinstance(model, torch.nn.Module):
             raise ValueError(
                 f"model must be a torch.nn.Module (the optimiser runs its forward), got {type(model).__name__}")
-        _refuse_distributed(type(self).__name__, model)
+        try:
+            self._group = resolve_group(model, process_group, type(self).__name__)
+        except ValueError:
+            if self._across_processes:
+                raise
+            self._group = "refused"
+        if self._group is not None and not self._across_processes:
+            raise ValueError(f"{type(self).__name__} does not step across processes yet (its running factors would be "
+                             f"each rank's own, and the replicas would drift apart): run it in one process (world "
+                             f"size 1), or use IEF, EF or SF, which take process_group=")
         lr = _check_positive("lr", lr)
         if damping is None:  # the defaults of the module docstring
             damping = DEFAULT_DAMPING[_check_reduction(reduction)]
@@ -541,8 +545,12 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         return lambda: unrepresentable(*what)
 
     def _tokens(self, targets: torch.Tensor) -> int:
-        """``K`` of :func:`ief.count_targets` (class indices other than ``-100``; every entry of a float target)."""
+        """``K`` of :func:`ief.count_targets` (class indices other than ``-100``; every entry of a float target), of
+        the union batch across processes (a rank whose targets are all ignored counts 0)."""
         k = count_targets(targets)
+        if self._group is not None:
+            counted = torch.tensor([k], dtype=torch.int64, device=collective_device(self._group))
+            k = int(all_reduce(counted, self._group))
         if k < 1:
             raise ValueError("reduction='mean': the batch has no counted target (every target is -100), so the mean "
                              "loss is undefined; parameters left unchanged")
@@ -642,12 +650,41 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._checks.extend((flag, functools.partial(_raised_message, refuse)) for flag, refuse in pending)
         return out
 
+    def _local(self, compute):
+        """This rank's own per-sample work (:meth:`_guarded` in one process). Across processes its checks are read
+        at once and :func:`ief.distributed.agree` makes a failure on any rank raise on every rank, before the
+        collectives of the solve (no rank is left waiting in one)."""
+        if self._group is None:
+            return self._guarded(compute)
+        return agree(self._group, collective_device(self._group), compute)
+
+    def _union_rows(self, jacobian: Any) -> Any:
+        """The rows the solves take: this process's, or the union batch's across processes (the ranks' sizes are
+        exchanged here, once per step, for :meth:`_union_vector`)."""
+        rows = as_rows(jacobian)
+        if self._group is None:
+            return rows
+        self._sizes = batch_sizes(rows.shape[0], self._group, collective_device(self._group))
+        return DistributedRows(rows, self._group, self._sizes)
+
+    def _union_vector(self, local: torch.Tensor) -> torch.Tensor:
+        """A per-sample vector of this rank (losses, ``s``), or the union batch's, concatenated in rank order."""
+        if self._group is None:
+            return local
+        return all_gather_rows(local, self._sizes, self._group)
+
+    def _union_sum(self, local: torch.Tensor) -> torch.Tensor:
+        """A sum over this rank's samples (the batch gradient), or over the union batch's (summed in float64)."""
+        if self._group is None:
+            return local
+        return all_reduce(local.to(torch.float64), self._group).to(local.dtype)
+
     def _per_sample(self, inputs: Inputs, targets: torch.Tensor, group: dict) -> Any:
         """The batch's :class:`ief.jacobian.PerSample`; :func:`ief.per_sample` refuses non-finite losses and rows
         (``FloatingPointError`` naming the samples; read with the step's other checks, :meth:`_guarded`), so the
         solves take them as checked."""
-        result = self._guarded(lambda: per_sample(self.model, inputs, targets, group["params"], loss=self.loss,
-                                                  check=self._check_now(), out=self._buffer, form=self.form))
+        result = self._local(lambda: per_sample(self.model, inputs, targets, group["params"], loss=self.loss,
+                                                check=self._check_now(), out=self._buffer, form=self.form))
         # reused next step (same batch size): no fresh allocation of J (or of its materialised column blocks); a
         # factored J may use the first columns of a wider buffer (an embedding table's used rows vary by batch)
         factored = isinstance(result.jacobian, FactoredJacobian)
@@ -708,14 +745,16 @@ class IEF(PreconditionedOptimizer):
             (off).
         form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
             ``"dense"``, ``"ghost"`` or ``"rows"``.
+        process_group: step across the processes of this ``torch.distributed`` group, exactly as one process on the
+            union batch (module docstring); default: a ``DistributedDataParallel`` model's group, else none.
 
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
             ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
             ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``, ``dampening``
             outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``, ``total_steps`` not a
-            positive integer, an unknown ``reduction``, ``check`` or ``form``; a ``DistributedDataParallel`` model
-            or an initialised ``torch.distributed`` of world size > 1 (the update is not exact across processes).
+            positive integer, an unknown ``reduction``, ``check`` or ``form``; an initialised ``torch.distributed``
+            of world size > 1 with neither ``process_group`` nor a ``DistributedDataParallel`` model.
 
     Example::
 
@@ -734,9 +773,10 @@ class IEF(PreconditionedOptimizer):
 
     def _direction(self, inputs, targets, group):
         r = self._per_sample(inputs, targets, group)
-        rows = as_rows(r.jacobian)
+        rows = self._union_rows(r.jacobian)
         self._solved = ("iEF", rows.dtype)
-        return r.losses, ief_solve(rows, r.logit_sqnorm, group["damping"], check=False)
+        direction = ief_solve(rows, self._union_vector(r.logit_sqnorm), group["damping"], check=False)
+        return self._union_vector(r.losses), direction
 
 
 class EF(PreconditionedOptimizer):
@@ -776,14 +816,16 @@ class EF(PreconditionedOptimizer):
             (off).
         form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
             ``"dense"``, ``"ghost"`` or ``"rows"``.
+        process_group: step across the processes of this ``torch.distributed`` group, exactly as one process on the
+            union batch (module docstring); default: a ``DistributedDataParallel`` model's group, else none.
 
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
             ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
             ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``, ``dampening``
             outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``, ``total_steps`` not a
-            positive integer, an unknown ``reduction``, ``check`` or ``form``; a ``DistributedDataParallel`` model
-            or an initialised ``torch.distributed`` of world size > 1 (the update is not exact across processes).
+            positive integer, an unknown ``reduction``, ``check`` or ``form``; an initialised ``torch.distributed``
+            of world size > 1 with neither ``process_group`` nor a ``DistributedDataParallel`` model.
     """
 
     method = "ef"
@@ -794,9 +836,9 @@ class EF(PreconditionedOptimizer):
 
     def _direction(self, inputs, targets, group):
         r = self._per_sample(inputs, targets, group)
-        rows = as_rows(r.jacobian)
+        rows = self._union_rows(r.jacobian)
         self._solved = ("EF", rows.dtype)
-        return r.losses, ef_solve(rows, group["damping"], check=False)
+        return self._union_vector(r.losses), ef_solve(rows, group["damping"], check=False)
 
 
 class SF(PreconditionedOptimizer):
@@ -838,14 +880,17 @@ class SF(PreconditionedOptimizer):
             (off).
         form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
             ``"dense"``, ``"ghost"`` or ``"rows"``.
+        process_group: step across the processes of this ``torch.distributed`` group, exactly as one process on the
+            union batch (module docstring); default: a ``DistributedDataParallel`` model's group, else none.
 
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
             ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
             ``> 0``, a negative or non-finite ``damping`` (SF: ``damping > 0``), ``momentum`` outside ``[0, 1)``,
             ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``,
-            ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``; a
-            ``DistributedDataParallel`` model or an initialised ``torch.distributed`` of world size > 1.
+            ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``; an initialised
+            ``torch.distributed`` of world size > 1 with neither ``process_group`` nor a ``DistributedDataParallel``
+            model.
         ValueError: from ``load_state_dict``, a state holding a generator's state loaded into an ``SF`` without one,
             or another optimiser's state (``ForeignStateError``).
     """
@@ -867,14 +912,15 @@ class SF(PreconditionedOptimizer):
         self.generator = generator
 
     def _direction(self, inputs, targets, group):
-        losses, grad, sampled = self._guarded(lambda: gradient_and_sampled_jacobian(
+        losses, grad, sampled = self._local(lambda: gradient_and_sampled_jacobian(
             self.model, inputs, targets, group["params"], loss=self.loss, generator=self.generator,
             check=self._check_now(), form=self.form,
         ))
         # the losses and the sampled rows are refused there when not finite; the gradient's check is read with the
         # step's (a non-finite gradient makes a non-finite direction, which the step then refuses as this)
+        grad = self._union_sum(grad)
         self._checks.append((_finite(grad), "non-finite gradient"))
-        rows = as_rows(sampled)
+        rows = self._union_rows(sampled)
         self._solved = ("SF", rows.dtype)
-        return losses, sf_solve(rows, grad, group["damping"], check=False)
+        return self._union_vector(losses), sf_solve(rows, grad, group["damping"], check=False)
 

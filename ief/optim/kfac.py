@@ -102,14 +102,18 @@ class KFAC(PreconditionedOptimizer):
         weight_decay: decoupled weight decay ``>= 0`` (default ``0.0``), as :class:`ief.optim.IEF`.
         check: not taken (the exact optimisers' per-sample guard, default ``True`` there): a ``ValueError``.
         form: not taken (the exact optimisers' Jacobian form, default ``"auto"`` there): a ``ValueError``.
+        process_group: not taken yet (default ``None``; the exact optimisers step across processes): a group of
+            several processes is a ``ValueError``.
 
     Raises:
         ValueError: a bad argument (named with its value and the accepted values), ``reduction`` other than
-            ``"sum"``, a trainable parameter outside any ``nn.Linear`` (named), or a ``DistributedDataParallel``
-            model or initialised ``torch.distributed`` of world size > 1 (the update is not exact across processes).
+            ``"sum"``, a trainable parameter outside any ``nn.Linear`` (named), or several processes (a
+            ``process_group``, a ``DistributedDataParallel`` model or an initialised ``torch.distributed`` of world
+            size > 1: its running factors would be each rank's own; the exact optimisers step across processes).
     """
 
     method = "kfac"
+    _across_processes = False  # its running factors would be each rank's own (refused with a process group)
 
     def __init__(self, model: torch.nn.Module, kind: str, lr: float, damping: float, *,
                  factor_decay: float = 0.95, inverse_every: int = 10, approx: str = "expand",

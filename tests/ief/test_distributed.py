@@ -127,3 +127,138 @@ def test_one_process_runs_the_work_itself():
     assert agree(None, torch.device("cpu"), lambda: 5) == 5
     with pytest.raises(KeyError):
         agree(None, torch.device("cpu"), lambda: {}["x"])
+
+
+# ------------------------------------------------------------------ the optimisers over a data-parallel batch
+class _ArgmaxSampled(__import__("ief").losses.CrossEntropy):
+    """Cross-entropy whose SF labels are the logits' argmax: a draw that does not depend on which process holds the
+    sample, so that SF's union-batch equivalence tests the algebra (the labels of the RNG are per rank)."""
+
+    def sample_targets(self, logits, targets, generator=None):
+        out = logits.argmax(-1)
+        return torch.where(targets == -100, targets, out) if targets.dtype == out.dtype else out
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+
+
+def _batches(sizes: list[int], steps: int, ignored_rank: int | None) -> list[list[tuple]]:
+    """Per step, per rank: (inputs [M_r, 4, 5], targets [M_r, 4] with -100 masks; a rank whose targets are all
+    ignored where asked)."""
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        per_rank = []
+        for r, m in enumerate(sizes):
+            x = torch.randn(m, 4, 5, generator=gen, dtype=torch.float64)
+            y = torch.randint(0, 3, (m, 4), generator=gen)
+            y[torch.rand(m, 4, generator=gen) < 0.3] = -100
+            if r == ignored_rank:
+                y[:] = -100
+            per_rank.append((x, y))
+        out.append(per_rank)
+    return out
+
+
+OPTIMISERS = {
+    "ief": lambda model, **kw: __import__("ief").optim.IEF(model, lr=0.5, damping=1e-3, **kw),
+    "ief-mean-momentum-wd": lambda model, **kw: __import__("ief").optim.IEF(
+        model, lr=0.3, damping=1e-4, reduction="mean", momentum=0.9, weight_decay=0.01, **kw),
+    "ef": lambda model, **kw: __import__("ief").optim.EF(model, lr=0.05, damping=1e-3, momentum=0.5, **kw),
+    "sf": lambda model, **kw: __import__("ief").optim.SF(model, lr=0.05, damping=1e-2, loss=_ArgmaxSampled(),
+                                                        weight_decay=0.1, **kw),
+}
+
+
+def _train_on_rank(rank: int, name: str, sizes: list[int], steps: int, ignored_rank, ddp: bool) -> dict:
+    model = _model()
+    kwargs = {} if ddp else dict(process_group=dist.group.WORLD)
+    opt = OPTIMISERS[name](torch.nn.parallel.DistributedDataParallel(model) if ddp else model, **kwargs)
+    losses = []
+    for per_rank in _batches(sizes, steps, ignored_rank):
+        x, y = per_rank[rank]
+        losses.append(float(opt.step(x, y)))
+    return dict(params=[p.detach().clone() for p in model.parameters()], losses=losses)
+
+
+def _train_union(name: str, sizes: list[int], steps: int, ignored_rank) -> dict:
+    model = _model()
+    opt = OPTIMISERS[name](model)
+    losses = []
+    for per_rank in _batches(sizes, steps, ignored_rank):
+        x = torch.cat([b[0] for b in per_rank])
+        y = torch.cat([b[1] for b in per_rank])
+        losses.append(float(opt.step(x, y)))
+    return dict(params=[p.detach().clone() for p in model.parameters()], losses=losses)
+
+
+@pytest.mark.parametrize("name, sizes, ignored_rank, ddp", [
+    ("ief", [3, 5], None, False),
+    ("ief-mean-momentum-wd", [4, 1, 6], 1, False),
+    ("ef", [2, 6], None, True),
+    ("sf", [5, 3, 2], 2, False),
+], ids=["ief-2", "ief-mean-3-ignored-rank", "ef-2-ddp", "sf-3-ignored-rank"])
+def test_a_step_across_processes_is_one_process_on_the_union_batch(name, sizes, ignored_rank, ddp, tmp_path):
+    """Three steps on R gloo processes (uneven batches, masked positions, a rank whose targets are all ignored, a DDP
+    model whose group is taken) leave every rank's parameters bit-identical, and equal to one process stepping on
+    the ranks' batches concatenated in rank order (1e-12 relative, float64); the returned losses are the union's."""
+    results = _spawn(_train_on_rank, len(sizes), tmp_path, name, sizes, 3, ignored_rank, ddp)
+    union = _train_union(name, sizes, 3, ignored_rank)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(other["params"], results[0]["params"]))
+        assert other["losses"] == results[0]["losses"]
+    for got, want in zip(results[0]["params"], union["params"]):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), (got - want).abs().max()
+    assert results[0]["losses"] == pytest.approx(union["losses"], rel=1e-12)
+    moved = sum(float((p - q.detach()).abs().sum()) for p, q in zip(union["params"], _model().parameters()))
+    assert moved > 1e-3, "the steps must move the parameters for the comparison to mean anything"
+
+
+def _nan_on_rank_one(rank: int) -> dict:
+    model = _model()
+    opt = __import__("ief").optim.IEF(model, lr=0.5, damping=1e-3, process_group=dist.group.WORLD)
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    if rank == 1:
+        x[1, 0, 0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step(x, torch.zeros(3, 4, dtype=torch.long))
+    except Exception as err:  # noqa: BLE001
+        kind, message = type(err).__name__, str(err)
+    else:
+        kind = message = None
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return dict(kind=kind, message=message, unchanged=unchanged)
+
+
+def test_a_nan_on_one_rank_ends_every_rank_with_the_same_error(tmp_path):
+    results = _spawn(_nan_on_rank_one, 2, tmp_path)
+    assert [r["kind"] for r in results] == ["FloatingPointError", "FloatingPointError"], results
+    assert results[0]["message"].startswith("step 0: rank 1 failed (FloatingPointError): ")
+    assert "non-finite" in results[1]["message"]
+    assert all(r["unchanged"] for r in results)
+
+
+def _refusals_on_rank(rank: int) -> dict:
+    import ief
+
+    out = {}
+    for name, build in (("plain", lambda: ief.optim.IEF(_model())),
+                        ("kfac", lambda: ief.optim.KFAC(_model(), "kfac", lr=0.1, damping=1e-2,
+                                                        process_group=dist.group.WORLD))):
+        try:
+            build()
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_what_cannot_step_across_processes_is_refused_on_every_rank(tmp_path):
+    results = _spawn(_refusals_on_rank, 2, tmp_path)
+    assert results[0] == results[1]
+    assert results[0]["plain"].startswith("IEF: torch.distributed is initialised with world size 2 but the optimiser "
+                                          "was given no process group")
+    assert "pass process_group=torch.distributed.group.WORLD" in results[0]["plain"]
+    assert results[0]["kfac"].startswith("KFAC does not step across processes yet")

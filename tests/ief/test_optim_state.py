@@ -5,8 +5,10 @@
   both, before anything changes. Seen before: ``EF(lr=0.5, damping=1e-2).load_state_dict(IEF_state)`` silently ran
   IEF's ``normalize=False, damping=1e-3`` (step norm 13.0 where 0.5 was asked). A round trip into the same class
   still gives the next step bit for bit; a state saved before the class was recorded still loads into its class.
-- An optimiser built on a ``DistributedDataParallel`` model, or while ``torch.distributed`` runs with world size
-  > 1, raises the same ``ValueError`` on every rank (two gloo replicas drifted 1.13 apart in 3 steps, silently).
+- While ``torch.distributed`` runs with world size > 1, an optimiser given neither a process group nor a
+  ``DistributedDataParallel`` model (whose group it takes) raises the same ``ValueError`` on every rank (two gloo
+  replicas drifted 1.13 apart in 3 steps, silently), and K-FAC, which does not step across processes yet, refuses
+  with its reason; the exact step across processes is tested in ``tests/ief/test_distributed.py``.
 """
 from __future__ import annotations
 
@@ -160,13 +162,14 @@ def test_every_rank_of_a_two_process_group_refuses_with_the_same_sentence(tmp_pa
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert ranks[0] == ranks[1]
     ief_msg, ef_msg, kfac_msg, ddp_msg = ranks[0]
-    assert ief_msg == ("IEF does not step across processes: torch.distributed is initialised with world size 2, and "
-                       "each process would solve its own batch's Gram system and drift apart silently; run it in a "
-                       "single process (world size 1)")
-    assert ef_msg.startswith("EF does not step across processes: torch.distributed is initialised with world size 2")
-    assert kfac_msg.startswith("KFAC does not step across processes")
-    assert ddp_msg.startswith("IEF does not step across processes: model is a torch.nn.parallel."
-                              "DistributedDataParallel wrapper")
+    assert ief_msg == ("IEF: torch.distributed is initialised with world size 2 but the optimiser was given no "
+                       "process group: each process would solve its own batch's Gram system and the replicas would "
+                       "drift apart silently; pass process_group=torch.distributed.group.WORLD (the exact step over "
+                       "the union of the ranks' batches) or wrap the model in DistributedDataParallel")
+    assert ef_msg.startswith("EF: torch.distributed is initialised with world size 2 but the optimiser was given no "
+                             "process group")
+    assert kfac_msg.startswith("KFAC does not step across processes yet (its running factors would be each rank's")
+    assert ddp_msg == "constructed"  # a DDP model's own group: the exact step over the union batch
 
 
 def test_world_size_one_still_steps(tmp_path):

@@ -225,3 +225,18 @@ def test_the_chapter_map_marks_what_the_cpu_scale_draws_differently():
     assert "Fig. 9¹" in block and "Fig. 11¹" in block and "Fig. 10²" in block
     assert "Fig. 9 is drawn as Fig. 8" in block and "No cpu analogue: Fig. 10." in block
     assert "Fig. 6³" in block and "Fig. 7³" in block and "Fig. 6 and Fig. 7 redraw Fig. 2's data" in block
+
+
+def test_readme_torchrun_example_runs_as_printed_and_the_replicas_agree(tmp_path):
+    """The README's several-processes line runs as printed (torchrun is torch's ``torch.distributed.run``), on two CPU
+    processes: the union batch's loss falls and the replicas end bit-identical."""
+    command = re.search(r"`(torchrun --nproc_per_node 2 examples/distributed\.py)`", README)
+    assert command, "the README names the torchrun example"
+    argv = shlex.split(command.group(1))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv[1:]], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
+                                                      "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    losses = [float(x) for x in re.findall(r"L = ([0-9.]+) over 32 samples on 2 processes", done.stdout)]
+    assert len(losses) == 5 and losses[-1] < losses[0], done.stdout
+    assert "replicas identical: True" in done.stdout

@@ -43,9 +43,15 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
   run in bfloat16 while the Gram system is accumulated and solved in float64 and float32 parameters are updated in
   float32 (the contract: :mod:`ief.precision`); the exact check's tolerance follows the bfloat16 forward. Resume and
   logging are as in float32. A bfloat16 model (or a float32 adapter on a bfloat16 base) trains with or without it.
+- **Several processes** (torchrun, ``accelerate launch``: DDP, one device per process): the optimiser takes the
+  process group and steps exactly as one process on the union of the ranks' batches (:mod:`ief.distributed`); with
+  sequential sampling, 2 processes at ``per_device_train_batch_size=4`` train as one process at 8. The logged loss is
+  the union batch's; checkpoints resume on the same number of processes; SF's labels are drawn per process
+  (generator seeded ``seed + process_index``). K-FAC kinds refuse several processes.
 - **Refused** with ``ValueError`` at construction: ``fp16=True`` (float16's per-sample gradients underflow without
-  a dynamic loss scale, which ief does not apply: :func:`ief.precision.refuse_float16`), several devices or
-  processes, DeepSpeed, FSDP, ``label_smoothing_factor``, ``compute_loss_func``, ``optimizers=`` /
+  a dynamic loss scale, which ief does not apply: :func:`ief.precision.refuse_float16`), several devices in one
+  process (``DataParallel``), DeepSpeed and FSDP (sharded parameters would need a sharded Gram solve),
+  ``label_smoothing_factor``, ``compute_loss_func``, ``optimizers=`` /
   ``optimizer_cls_and_kwargs=`` and ``label_names`` other than ``["labels"]``.
 - ``max_grad_norm`` (Trainer default 1.0) is **ignored with a warning**: the update is not a gradient step and no
   ``.grad`` exists to clip (clipping the direction instead would change the method). Pass ``max_grad_norm=0``.
@@ -317,11 +323,20 @@ class IEFTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         if given.get("args") is None:
             _check_args(self.args)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled or self.args.world_size > 1 or self.args.n_gpu > 1:
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
-                f"IEFTrainer runs on one device in one process (world_size={self.args.world_size}, n_gpu="
-                f"{self.args.n_gpu}, deepspeed={self.is_deepspeed_enabled}, fsdp={self.is_fsdp_enabled}): the ief "
-                f"optimisers solve one Gram system over the whole batch; set CUDA_VISIBLE_DEVICES to one device")
+                f"IEFTrainer does not run under {'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'}: the ief "
+                f"optimisers need every trainable parameter whole on each process (sharded parameters and optimiser "
+                f"states would need a sharded Gram solve); use data parallelism (torchrun / accelerate with DDP), "
+                f"which IEFTrainer steps exactly across processes")
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                f"IEFTrainer runs one device per process (n_gpu={self.args.n_gpu}: torch.nn.DataParallel in one "
+                f"process); launch one process per GPU instead (torchrun --nproc_per_node N or accelerate launch), "
+                f"which IEFTrainer steps exactly across processes")
+        if self.optimizer_name in KFAC_KINDS and self.args.world_size > 1:
+            raise ValueError(f"optimizer={self.optimizer_name!r} does not step across processes yet (world_size="
+                             f"{self.args.world_size}); use 'ief', 'ef' or 'sf', or one process")
         if self.model is not None and self.model_init is None:
             self.create_optimizer()  # bad optimizer_kwargs fail here, not at train()
 
@@ -344,8 +359,11 @@ class IEFTrainer(transformers.Trainer):
         if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1] in ("PROMPT_TUNING", "P_TUNING"):
             per_sample_prompts(model)  # identical values; the hooks see every sample's prompt gradient
         kwargs = dict(self.optimizer_kwargs)
-        if self.optimizer_name in _SAMPLING and "generator" not in kwargs:
-            kwargs["generator"] = torch.Generator(device=self.args.device).manual_seed(self.args.seed)
+        if self.optimizer_name in _SAMPLING and "generator" not in kwargs:  # each process its own draws
+            seed = self.args.seed + (self.args.process_index if self.args.world_size > 1 else 0)
+            kwargs["generator"] = torch.Generator(device=self.args.device).manual_seed(seed)
+        if self.args.world_size > 1 and "process_group" not in kwargs:  # the exact step over every rank's batch
+            kwargs["process_group"] = torch.distributed.group.WORLD
         if "params" not in kwargs and self.args.weight_decay:
             decayed = set(self.get_decay_parameter_names(model))
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -405,8 +423,12 @@ class IEFTrainer(transformers.Trainer):
         step_inputs, targets = split_batch(self.ief_optimizer.model, batch, causal_lm=self.causal_lm)
         targets = self._regression_targets(targets)
         loss = self.ief_optimizer.step(step_inputs, targets)
-        if self.ief_optimizer.reduction == "sum":
+        if self.ief_optimizer.reduction == "sum":  # the union batch's loss over the union batch's count
             counted = count_targets(targets)
+            if self.args.world_size > 1:
+                total = torch.tensor([counted], dtype=torch.int64, device=loss.device)
+                torch.distributed.all_reduce(total)
+                counted = int(total)
             loss = loss / counted if counted else torch.zeros_like(loss)
         if self._loss_name() == "mse":  # l_n = 1/2 ||z - y||^2 (the update's); the model's loss: the mean of (z - y)^2
             loss = loss * 2

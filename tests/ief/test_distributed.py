@@ -262,3 +262,94 @@ def test_what_cannot_step_across_processes_is_refused_on_every_rank(tmp_path):
                                           "was given no process group")
     assert "pass process_group=torch.distributed.group.WORLD" in results[0]["plain"]
     assert results[0]["kfac"].startswith("KFAC does not step across processes yet")
+
+
+# ------------------------------------------------------------------------------- IEFTrainer under two processes
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer_on_rank(rank: int, world: int, port: int, folder: str, steps: int, stop_at, resume) -> dict:
+    """An IEFTrainer run as torchrun would start it (the environment names the rank, world and address)."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    import datasets
+    from transformers import TrainerCallback, TrainingArguments
+
+    from ief.hf import IEFTrainer
+    from test_hf import bert_lora, classification_rows
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if stop_at is not None and state.global_step >= stop_at:
+                control.should_training_stop = True
+
+    args = TrainingArguments(output_dir=folder, learning_rate=0.5, max_grad_norm=0.0, per_device_train_batch_size=4,
+                             logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
+                             train_sampling_strategy="sequential", max_steps=steps, ddp_backend="gloo",
+                             save_strategy="steps", save_steps=2, lr_scheduler_type="linear")
+    trainer = IEFTrainer(bert_lora(), args, train_dataset=datasets.Dataset.from_dict(classification_rows()),
+                         optimizer="ief", optimizer_kwargs=dict(damping=1e-3, momentum=0.5), callbacks=[Stop()])
+    trainer.train(resume_from_checkpoint=resume)
+    params = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters() if p.requires_grad]).clone()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    out = dict(params=params, losses=losses, step=trainer.state.global_step)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return out
+
+
+def _trainer_entry(rank: int, world: int, port: int, folder: str, out: str, steps, stop_at, resume) -> None:
+    torch.set_num_threads(1)
+    result = _trainer_on_rank(rank, world, port, folder, steps, stop_at, resume)
+    Path(out).joinpath(f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_trainer(world: int, tmp_path: Path, name: str, steps: int, stop_at=None, resume=None) -> list[dict]:
+    out = tmp_path / f"{name}-results"
+    out.mkdir(parents=True)
+    mp.spawn(_trainer_entry, args=(world, _free_port(), str(tmp_path / "run"), str(out), steps, stop_at, resume),
+             nprocs=world, join=True, start_method="spawn")
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def test_the_trainer_on_two_processes_is_the_union_batch_and_resumes(tmp_path):
+    """IEFTrainer under DDP (two gloo processes, sequential data: rank r takes every other batch of 4) takes the
+    exact step of the union batch of 8: its parameters and logged losses equal a one-process run with batches of 8
+    (float32 rounding), the ranks agree bit for bit, and stopping at the step-2 checkpoint then resuming on two
+    processes gives the uninterrupted run."""
+    import datasets
+    from transformers import TrainingArguments
+
+    from ief.hf import IEFTrainer
+    from test_hf import bert_lora, classification_rows
+
+    whole = _run_trainer(2, tmp_path / "whole", "whole", 4)
+    assert torch.equal(whole[0]["params"], whole[1]["params"]) and whole[0]["losses"] == whole[1]["losses"]
+    assert whole[0]["step"] == 4
+    args = TrainingArguments(output_dir=str(tmp_path / "one"), learning_rate=0.5, max_grad_norm=0.0,
+                             per_device_train_batch_size=8, logging_steps=1, report_to="none", use_cpu=True,
+                             disable_tqdm=True, seed=0, train_sampling_strategy="sequential", max_steps=4,
+                             save_strategy="no", lr_scheduler_type="linear")
+    one = IEFTrainer(bert_lora(), args, train_dataset=datasets.Dataset.from_dict(classification_rows()),
+                     optimizer="ief", optimizer_kwargs=dict(damping=1e-3, momentum=0.5))
+    one.train()
+    flat = torch.cat([p.detach().reshape(-1) for p in one.model.parameters() if p.requires_grad])
+    assert float((whole[0]["params"] - flat).norm() / flat.norm()) < 1e-5
+    losses = [h["loss"] for h in one.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert whole[0]["losses"] == pytest.approx(losses, rel=1e-4)
+    split = tmp_path / "split"
+    first = _run_trainer(2, split, "first", 4, stop_at=2)
+    assert first[0]["step"] == 2
+    resumed = _run_trainer(2, split, "resumed", 4, resume=str(split / "run" / "checkpoint-2"))
+    assert resumed[0]["step"] == 4
+    assert torch.equal(resumed[0]["params"], whole[0]["params"]) and torch.equal(resumed[1]["params"],
+                                                                                 whole[1]["params"])

@@ -256,9 +256,24 @@ def flatten(tensors: Iterable[torch.Tensor | None], params: Sequence[torch.Tenso
 COLUMN_CHUNK = 1 << 16  # columns of an [M, P] matrix processed at a time by column-wise reductions
 
 
-def column_chunks(matrix: torch.Tensor, chunk: int = COLUMN_CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
+DEVICE_CHUNK_ENTRIES = 1 << 24  # entries of one block on a GPU: 128 MiB in float64, a few kernel launches per block
+
+
+def column_chunk(matrix: torch.Tensor) -> int:
+    """Columns per block of :func:`column_chunks`: :data:`COLUMN_CHUNK` on a CPU (blocks that stay in its caches),
+    and on a GPU blocks of about :data:`DEVICE_CHUNK_ENTRIES` entries, since there each block costs kernel launches
+    (GPT-2 small's ``[8, 124M]`` J took ~1,900 blocks of 65,536 columns, each a float64 copy, a product and a
+    finiteness check: ~5,700 launches a step) while memory bandwidth, not cache, bounds the work."""
+    if matrix.device.type == "cpu":
+        return COLUMN_CHUNK
+    return max(COLUMN_CHUNK, DEVICE_CHUNK_ENTRIES // max(1, matrix.shape[0]))
+
+
+def column_chunks(matrix: torch.Tensor, chunk: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """``(start, matrix[:, start:start+chunk])`` blocks: column-wise reductions over a row-major ``[M, P]`` matrix are
-    far faster by blocks (a dim-0 reduction over all of it is strided, and a temporary of its size page-faults)."""
+    far faster by blocks (a dim-0 reduction over all of it is strided, and a temporary of its size page-faults);
+    ``chunk`` defaults to :func:`column_chunk` of the matrix's device."""
+    chunk = column_chunk(matrix) if chunk is None else chunk
     for lo in range(0, matrix.shape[1], chunk):
         yield lo, matrix[:, lo : lo + chunk]
 

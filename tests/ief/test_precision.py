@@ -21,7 +21,6 @@ import copy
 import re
 import warnings
 
-import datasets
 import peft
 import pytest
 import torch
@@ -335,6 +334,8 @@ def test_trainer_bf16_trains_logs_and_resumes(tmp_path):
                                  per_device_train_batch_size=4, logging_steps=1, report_to="none", use_cpu=True,
                                  disable_tqdm=True, train_sampling_strategy="sequential", seed=0, bf16=True,
                                  max_steps=4, lr_scheduler_type="linear", **extra)
+        import datasets  # here, not at import: the module's other tests run where datasets is not installed
+
         return IEFTrainer(_bert_lora(), args, train_dataset=datasets.Dataset.from_dict(rows), optimizer="ief",
                           optimizer_kwargs={"momentum": 0.9, "damping": 1e-3})
 

@@ -110,6 +110,7 @@ from typing import Any
 
 import torch
 
+from ..arguments import suggest_keywords
 from ..directions import ef_solve, ief_solve, sf_solve, unrepresentable
 from ..distributed import (DistributedRows, agree, all_gather_rows, all_reduce, batch_sizes, collective_device,
                            resolve_group)
@@ -124,7 +125,14 @@ from .momentum import (check_dampening, check_group_extras, check_momentum, chec
 
 REDUCTIONS = ("sum", "mean")
 DEFAULT_DAMPING = {"sum": 1e-4, "mean": 1e-7}  # see "Defaults" above
-MISSING: Any = object()  # step()'s default batch: no batch given (also ief.hf's)
+class _NoBatch:
+    """step()'s default batch: no batch given (``help(IEF.step)`` shows it as ``<required>``)."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+MISSING: Any = _NoBatch()  # step()'s default batch: no batch given (also ief.hf's)
 
 
 def _how_to_step(name: str) -> str:
@@ -765,11 +773,30 @@ class IEF(PreconditionedOptimizer):
 
     method = "ief"
 
-    def __init__(self, model: torch.nn.Module, lr: float | None = None, damping: float | None = None,
-                 **kwargs: Any):
+    @suggest_keywords
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lr: float | None = None,
+        damping: float | None = None,
+        *,
+        params: Iterable[torch.nn.Parameter] | None = None,
+        loss: str | Loss = "cross_entropy",
+        reduction: str = "sum",
+        normalize: bool = False,
+        total_steps: int | None = None,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        check: bool | str | int = True,
+        form: str = "auto",
+        process_group: Any = None,
+    ):
         if lr is None:
-            lr = 100.0 if kwargs.get("reduction", "sum") == "mean" else 1.0
-        super().__init__(model, lr, damping, **kwargs)
+            lr = 100.0 if reduction == "mean" else 1.0
+        super().__init__(model, lr, damping, params=params, loss=loss, reduction=reduction, normalize=normalize,
+                         total_steps=total_steps, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                         check=check, form=form, process_group=process_group)
 
     def _direction(self, inputs, targets, group):
         r = self._per_sample(inputs, targets, group)
@@ -830,9 +857,28 @@ class EF(PreconditionedOptimizer):
 
     method = "ef"
 
-    def __init__(self, model: torch.nn.Module, lr: float = 0.01, damping: float | None = None, *,
-                 normalize: bool = True, **kwargs: Any):
-        super().__init__(model, lr, damping, normalize=normalize, **kwargs)
+    @suggest_keywords
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lr: float = 0.01,
+        damping: float | None = None,
+        *,
+        params: Iterable[torch.nn.Parameter] | None = None,
+        loss: str | Loss = "cross_entropy",
+        reduction: str = "sum",
+        normalize: bool = True,
+        total_steps: int | None = None,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        check: bool | str | int = True,
+        form: str = "auto",
+        process_group: Any = None,
+    ):
+        super().__init__(model, lr, damping, params=params, loss=loss, reduction=reduction, normalize=normalize,
+                         total_steps=total_steps, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                         check=check, form=form, process_group=process_group)
 
     def _direction(self, inputs, targets, group):
         r = self._per_sample(inputs, targets, group)
@@ -898,17 +944,29 @@ class SF(PreconditionedOptimizer):
     _needs_positive_damping = True
     method = "sf"
 
+    @suggest_keywords
     def __init__(
         self,
         model: torch.nn.Module,
         lr: float = 0.01,
         damping: float | None = None,
         *,
-        normalize: bool = True,
         generator: torch.Generator | None = None,
-        **kwargs: Any,
+        params: Iterable[torch.nn.Parameter] | None = None,
+        loss: str | Loss = "cross_entropy",
+        reduction: str = "sum",
+        normalize: bool = True,
+        total_steps: int | None = None,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        check: bool | str | int = True,
+        form: str = "auto",
+        process_group: Any = None,
     ):
-        super().__init__(model, lr, damping, normalize=normalize, **kwargs)
+        super().__init__(model, lr, damping, params=params, loss=loss, reduction=reduction, normalize=normalize,
+                         total_steps=total_steps, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                         check=check, form=form, process_group=process_group)
         self.generator = generator
 
     def _direction(self, inputs, targets, group):

@@ -74,10 +74,9 @@ def suggest_keywords(function: F) -> F:
         if not takes_any:
             unknown = [k for k in kwargs if k not in signature.parameters]
             if unknown:
-                owner = function.__qualname__.split(".")[0] if function.__name__ == "__init__" else \
-                    function.__qualname__
-                if function.__name__ == "__init__" and args:
-                    owner = type(args[0]).__name__
+                owner = function.__qualname__.rsplit("<locals>.", 1)[-1]  # "fit", "IEF.step"
+                if function.__name__ == "__init__":
+                    owner = type(args[0]).__name__ if args else owner.rsplit(".", 1)[0]
                 raise TypeError(unknown_keyword_message(owner, signature, unknown[0]))
         return function(*args, **kwargs)
 

@@ -125,6 +125,9 @@ from .momentum import (check_dampening, check_group_extras, check_momentum, chec
 
 REDUCTIONS = ("sum", "mean")
 DEFAULT_DAMPING = {"sum": 1e-4, "mean": 1e-7}  # see "Defaults" above
+DIVERGENCE_FACTOR = 100.0  # the growth of the mean loss over its lowest at which a step warns (orders of magnitude)
+
+
 class _NoBatch:
     """step()'s default batch: no batch given (``help(IEF.step)`` shows it as ``<required>``)."""
 
@@ -498,7 +501,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._last_update_norm = value
 
     def _update(self, given: dict, group: dict, direction: torch.Tensor, tokens: int | None,
-                checks: list[tuple[torch.Tensor, str]] | None = None, number: int | None = None) -> None:
+                checks: list[tuple[torch.Tensor, str]] | None = None, number: int | None = None,
+                watched: torch.Tensor | None = None) -> None:
         """Apply ``direction`` with the schedule, momentum and weight decay (:mod:`.momentum`), after the step's one
         host read: every finiteness check of the step (``checks``: ``[(0-d bool tensor, message)]`` in the order
         they are named; ``direction``'s and the momentum buffers' are added here) and, for a normalised update, the
@@ -522,6 +526,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             buffers = momentum_buffers(self.state, params, steps, given["momentum"], given["dampening"])
             checks.append((_finite(*buffers), "non-finite momentum buffer"))
         read = [flag.to(torch.float64) for flag, _ in checks]
+        if watched is not None:  # the divergence watch: the batch's mean loss, read with the checks
+            read.append(watched.detach().to(torch.float64).reshape(()))
         if given["momentum"] == 0 and group["normalize"]:
             read.append(norm_t.to(torch.float64))
         values = torch.stack(read).tolist()  # the step's one host round-trip
@@ -529,6 +535,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             if not ok:
                 raise FloatingPointError(f"step {number}: {message() if callable(message) else message}; "
                                          f"parameters left unchanged")
+        if watched is not None:
+            self._watch_divergence(values[len(checks)], number, given["lr"])
         if buffers is None:  # no buffer: today's update (plus the decay)
             norm = values[-1] if group["normalize"] else None
             size = self._step_size(group, norm if norm is not None else 1.0)
@@ -542,6 +550,25 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._apply(buffers, size)
         norms = torch.stack([b.norm() for b in buffers])
         self.last_update_norm = lambda: abs(size) * math.sqrt(sum(x ** 2 for x in norms.tolist()))
+
+    def _watch_divergence(self, mean_loss: float, number: int, lr: float) -> None:
+        """Warn once (``UserWarning``) when the mean per-sample loss has grown by :data:`DIVERGENCE_FACTOR` over the
+        lowest this optimiser has seen: a rate too large for the method's linear model of the loss (iEF's first
+        step asks each sample's loss to fall by ``lr * s_n``, more than the loss itself once ``lr`` is large). The
+        loss is read with the step's checks, so the watch costs no host round-trip of its own."""
+        if not math.isfinite(mean_loss):
+            return
+        lowest = getattr(self, "_lowest_loss", None)
+        if lowest is None or mean_loss < lowest[0]:
+            self._lowest_loss = (mean_loss, number)
+            return
+        if not getattr(self, "_warned_divergence", False) and mean_loss > DIVERGENCE_FACTOR * max(lowest[0], 1e-12):
+            self._warned_divergence = True
+            warnings.warn(
+                f"{type(self).__name__}: the mean per-sample loss grew from {lowest[0]:.4g} (step {lowest[1]}) to "
+                f"{mean_loss:.4g} (step {number}) with lr={lr:g}: the updates are overshooting; try a rate about 10x "
+                f"smaller (lr={lr / 10:g}), a larger damping, or normalize=True with total_steps (said once)",
+                UserWarning, stacklevel=4)
 
     def _unfinite_direction_message(self):
         """What a non-finite direction means: the solve's overflow of the model's dtype (a direction from the
@@ -634,7 +661,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
         # in the order they were met: the per-sample guard's (naming the samples), the direction's own, the losses
         checks = [*self._checks, (torch.isfinite(losses).all(), lambda: f"non-finite loss {losses.tolist()}")]
-        self._update(given, group, direction, tokens, checks=checks, number=number)
+        self._update(given, group, direction, tokens, checks=checks, number=number, watched=losses.mean())
         self.last_losses = losses
         return losses.sum() if tokens is None else losses.sum() / tokens
 

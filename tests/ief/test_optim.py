@@ -1108,3 +1108,25 @@ def test_sf_refuses_a_non_finite_gradient_naming_the_step(monkeypatch):
     c = mlp_case()
     with pytest.raises(FloatingPointError, match=r"^step 0: non-finite gradient; parameters left unchanged$"):
         ief.optim.SF(c.model, damping=1e-3).step(c.inputs, c.targets)
+
+
+def test_a_diverging_run_is_warned_about_once_naming_the_rate_and_what_to_try():
+    """iEF at lr 300 on a small MLP overshoots (mean loss 1.16 -> 1,461 in one step): one UserWarning names the growth,
+    the rate and a 10x smaller one; a run at lr 1 is not warned about; the loss it watches is read with the step's
+    own checks (tests/ief/test_host_syncs.py holds the round-trip budget)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    x, y = torch.randn(32, 5), torch.randint(0, 3, (32,))
+    calm = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = ief.optim.IEF(model, lr=300.0)
+        for _ in range(4):
+            opt.step(x, y)
+        ief.optim.IEF(calm, lr=1.0).step(x, y)
+    said = [str(w.message) for w in caught if "overshooting" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith("IEF: the mean per-sample loss grew from 1.158 (step 0) to ")
+    assert "with lr=300: the updates are overshooting; try a rate about 10x smaller (lr=30)" in said[0]

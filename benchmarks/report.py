@@ -36,6 +36,7 @@ HEADINGS = {
     "conv2d": "Per-sample gradients of a CNN",
     "evaluation": "The evaluation, per checkpoint",
     "damping_sweep": "The damping sweep",
+    "distributed": "The exact iEF step across processes against DDP + AdamW",
 }
 
 

@@ -293,3 +293,61 @@ def test_the_gpt2_full_benchmark_runs_tiny_and_records_both_heads(tmp_path, caps
     with pytest.raises(SystemExit) as exc:
         gpt2_full.main(["--heads", "tied,shared"])
     assert exc.value.code == 2 and "--heads takes a comma-separated subset of tied,untied" in capsys.readouterr().err
+
+
+def _distributed_record(tmp_path, *argv: str) -> dict:
+    from benchmarks import distributed
+
+    path = tmp_path / "d.json"
+    assert distributed.main([*argv, "--batch", "2", "--tokens", "4", "--repeats", "1", "--warmup", "1",
+                             "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    harness.validate(doc)
+    return doc
+
+
+def test_the_distributed_benchmark_runs_one_gloo_process(tmp_path):
+    """``python -m benchmarks distributed --world 1`` (the code path ``--device cuda --world 1`` runs with NCCL): both
+    models timed, IEF calls no collective with one process (its formula 0), DDP's bytes are 4 P."""
+    doc = _distributed_record(tmp_path, "--world", "1")
+    assert [r["model"] for r in doc["results"]["models"]] == ["mlp", "bert-lora"]
+    for res in doc["results"]["models"]:
+        assert res["bytes_per_rank"] == [{"ief": {"sent": 0, "received": 0, "calls": 0},
+                                          "ddp": {"sent": 0, "received": 0, "calls": 0}}]
+        assert res["formula"] == dict(gram=0, direction=0, ief=0, ddp=4 * res["params"])
+        assert all(r["median_ms"] > 0 for r in res["rows"])
+    (table,) = doc["tables"]
+    assert [row[0] for row in table["rows"]] == ["mlp", "bert-lora"] and table["rows"][1][1] == 8450
+
+
+def test_the_distributed_benchmark_counts_what_two_processes_send(tmp_path):
+    """Two gloo processes: each rank's counted bytes are the module docstring's formula M_max R P b + 8 P plus the
+    few bytes of the batch sizes, s and the losses (under 1 KiB), and the same on both ranks; DDP's reducer is not
+    seen by the wrappers (its 4 P is the formula's)."""
+    doc = _distributed_record(tmp_path, "--world", "2", "--models", "mlp")
+    (res,) = doc["results"]["models"]
+    params = 784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+    assert res["params"] == params and res["formula"]["ief"] == 2 * 2 * params * 4 + 8 * params
+    first, second = res["bytes_per_rank"]
+    assert first == second and first["ddp"]["calls"] == 0
+    assert 0 <= first["ief"]["received"] - res["formula"]["ief"] < 1024
+    assert first["ief"]["sent"] >= 2 * params * 4 + 8 * params  # its rows' chunks and its part of the direction
+
+
+def test_the_distributed_benchmark_counts_collective_payloads(tmp_path):
+    """The wrappers count an all_gather's input as sent and its gathered list as received, an all_reduce's tensor
+    both ways, and put the originals back."""
+    from benchmarks import distributed
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        original = dist.all_gather
+        with distributed.counting_collectives(1) as counts:
+            out = [torch.empty(3, 5)]
+            dist.all_gather(out, torch.ones(3, 5))
+            dist.all_reduce(torch.ones(7, dtype=torch.float64))
+        assert counts == {"sent": 60 + 56, "received": 60 + 56, "calls": 2}
+        assert dist.all_gather is original
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,332 @@
+"""The exact iEF step across processes against DDP + AdamW: time per step, and the bytes each process moves.
+
+Run from the repository root::
+
+    OMP_NUM_THREADS=1 python -m benchmarks distributed                  # 2 gloo processes on the CPU, one thread each
+    python -m benchmarks distributed --device cuda --world 1           # the NCCL code path on one GPU
+
+``--world`` processes are spawned (``torch.multiprocessing``, ``file://`` rendezvous in a temporary folder; gloo on
+the CPU, NCCL with ``--device cuda``, rank ``r`` on ``cuda:r``). Every rank builds the same model (same seed) and its
+own ``--batch`` samples (seed ``seed + 1 + rank``). Cases, timed round-robin on every rank in the same order
+(:mod:`benchmarks.harness`); a round's time is the slowest rank's (a step ends for all ranks together):
+
+- ``ief``: one ``ief.optim.IEF(model, process_group=WORLD)`` step: exactly one process's step on the union batch
+  (:mod:`ief.distributed`: the Gram from all-gathered column chunks of the rows, one all-reduce of the direction);
+- ``ddp``: ``DistributedDataParallel`` + ``AdamW``: ``zero_grad``, forward, ``backward`` (with DDP's bucketed gradient
+  all-reduce) and the AdamW step, on the same local batch, the loss the summed cross-entropy (as IEF's).
+
+Models: ``mlp`` (``benchmarks.workloads``' 784-256-256-10 tanh MLP, every parameter trainable) and ``bert-lora`` (a
+``BertForSequenceClassification`` from a config, hidden 128, 2 layers, 4 heads, vocabulary 1,000, ``--tokens``
+tokens, random weights, with peft LoRA r=8 on query/value and the classifier trainable; eval mode, so dropout is off
+in both cases).
+
+Bytes: every ``torch.distributed`` collective a step calls through ``torch.distributed.<name>`` (``all_gather``,
+``all_reduce``, ``all_gather_object``, ``broadcast``) is wrapped for one further step and its payload counted per rank:
+``all_gather`` sends its input tensor and receives the gathered list (every rank's part, its own included, as the
+formula of :mod:`ief.distributed` counts it); ``all_reduce`` sends and receives its tensor (the payload; a ring
+all-reduce moves about ``2 (R - 1) / R`` of it each way); ``all_gather_object`` the pickled objects. DDP's gradient
+all-reduce runs inside its C++ reducer, out of the wrappers' sight: its bytes are the size of its buckets, the sum of
+the trainable gradients' bytes (``4 P`` in float32), sent and received (``broadcast_buffers=False``: the models'
+buffers are constants). Beside them, :mod:`ief.distributed`'s formula: ``M_max R P b`` (the Gram's chunks, ``b = 4``
+for float32 rows) plus ``8 P`` (the direction's float64 all-reduce).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import importlib
+import pickle
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import ief
+from benchmarks import harness
+from benchmarks.workloads import _quiet_transformers, build_mlp, logits_of
+
+MODELS = ("mlp", "bert-lora")
+COUNTED = ("all_gather", "all_reduce", "all_gather_object", "broadcast")
+LABELS = {"ief": "`IEF(process_group=WORLD)` step", "ddp": "DDP + AdamW step"}
+
+
+# ------------------------------------------------------------------------------------------------------------ models
+def build(name: str, batch: int, tokens: int, seed: int, rank: int, device: torch.device
+          ) -> tuple[torch.nn.Module, Any, torch.Tensor, str]:
+    """``(model, inputs, targets, description)``: the same model on every rank, the rank's own batch.
+
+    Args:
+        name: ``"mlp"`` or ``"bert-lora"``.
+        batch: the rank's number of samples.
+        tokens: tokens per sentence (``bert-lora``).
+        seed: the model's seed; the rank's data use ``seed + 1 + rank``.
+        rank: this process's rank.
+        device: where the model and batch live.
+
+    Returns:
+        The float32 model, its inputs (a tensor or a dict of keyword arguments), class targets ``[batch]`` and one
+        line describing it.
+
+    Raises:
+        ValueError: an unknown model name.
+    """
+    data = torch.Generator().manual_seed(seed + 1 + rank)
+    if name == "mlp":
+        w = build_mlp(1, device, seed)  # the model of seed ``seed``; the rank's batch below
+        x = torch.randn(batch, 784, generator=data).to(device)
+        return w.model, x, torch.randint(0, 10, (batch,), generator=data).to(device), w.description
+    if name == "bert-lora":
+        import peft
+        import transformers as tf
+
+        _quiet_transformers()
+        torch.manual_seed(seed)
+        config = tf.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=512, max_position_embeddings=max(64, tokens), num_labels=2)
+        model = peft.get_peft_model(tf.BertForSequenceClassification(config), peft.LoraConfig(
+            task_type="SEQ_CLS", r=8, lora_alpha=16, target_modules=["query", "value"]))
+        with torch.no_grad():  # LoRA B off its zero initialisation, as after some training
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:
+                    p.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed + 2))
+        ids = torch.randint(5, 1000, (batch, tokens), generator=data)
+        inputs = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
+        desc = (f"BERT from a config (hidden 128, 2 layers, 4 heads, vocab 1000, {tokens} tokens, random weights) "
+                f"+ peft LoRA r=8 on query,value, classifier trainable; eval mode")
+        return model.to(device).eval(), inputs, torch.randint(0, 2, (batch,), generator=data).to(device), desc
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# ------------------------------------------------------------------------------------------------------------- bytes
+def _nbytes(tensors: Any) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
+
+
+def _payload(name: str, args: tuple, kwargs: dict, world: int) -> tuple[int, int]:
+    """``(sent, received)`` payload bytes of one collective call on this rank (see the module docstring)."""
+    if name == "all_gather":
+        output = args[0] if args else kwargs["tensor_list"]
+        tensor = args[1] if len(args) > 1 else kwargs["tensor"]
+        return _nbytes(tensor), _nbytes(output)
+    if name == "all_reduce":
+        tensor = args[0] if args else kwargs["tensor"]
+        return _nbytes(tensor), _nbytes(tensor)
+    if name == "broadcast":
+        tensor = args[0] if args else kwargs["tensor"]
+        return _nbytes(tensor), _nbytes(tensor)
+    if name == "all_gather_object":
+        output = args[0] if args else kwargs["object_list"]
+        obj = args[1] if len(args) > 1 else kwargs["obj"]
+        return len(pickle.dumps(obj)), sum(len(pickle.dumps(o)) for o in output)
+    raise ValueError(f"no payload rule for {name!r}")
+
+
+@contextmanager
+def counting_collectives(world: int) -> Iterator[dict[str, int]]:
+    """Count the payload bytes of the collectives called as ``torch.distributed.<name>`` inside the block.
+
+    Args:
+        world: the number of processes.
+
+    Yields:
+        ``{"sent": bytes, "received": bytes, "calls": n}``, filled as the block runs (this rank's figures).
+    """
+    counts = {"sent": 0, "received": 0, "calls": 0}
+    originals = {name: getattr(dist, name) for name in COUNTED}
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            result = fn(*args, **kwargs)  # all_gather_object fills its list: count after the call
+            sent, received = _payload(name, args, kwargs, world)
+            counts["sent"] += sent
+            counts["received"] += received
+            counts["calls"] += 1
+            return result
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def formula_bytes(params: int, m_max: int, world: int, entry_bytes: int = 4) -> dict[str, int]:
+    """:mod:`ief.distributed`'s communication per step and DDP's, per rank, in bytes.
+
+    Args:
+        params: trainable parameters ``P``.
+        m_max: the largest local batch.
+        world: the number of processes ``R``.
+        entry_bytes: bytes per entry of ``J`` (4 for float32).
+
+    Returns:
+        ``gram`` (``M_max R P b``), ``direction`` (``8 P``), ``ief`` (their sum) and ``ddp`` (``4 P``); with one
+        process ``IEF`` calls no collective (a group of one is no group), so its entries are 0.
+    """
+    gram, direction = m_max * world * params * entry_bytes, 8 * params
+    if world == 1:
+        gram = direction = 0
+    return dict(gram=gram, direction=direction, ief=gram + direction, ddp=4 * params)
+
+
+# ------------------------------------------------------------------------------------------------------------- ranks
+def cases_of(name: str, args: argparse.Namespace, rank: int, device: torch.device) -> tuple[dict, dict]:
+    """The two cases of one model on this rank, and what describes it."""
+    model, inputs, targets, desc = build(name, args.batch, args.tokens, args.seed, rank, device)
+    ddp_model = copy.deepcopy(model)
+    opt = ief.optim.IEF(model, lr=args.lr, damping=args.damping, process_group=dist.group.WORLD)
+    with warnings.catch_warnings():  # broadcast_buffers=False: no sync of the (constant) buffers, at init or after
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            ddp_model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    adamw = torch.optim.AdamW(trainable(ddp_model), lr=1e-4)
+
+    def ddp_step():
+        adamw.zero_grad(set_to_none=True)
+        logits = logits_of(ddp, inputs)
+        loss = F.cross_entropy(logits, targets, reduction="sum")
+        loss.backward()
+        adamw.step()
+        return loss.detach()
+
+    info = dict(model=name, description=desc, params=sum(p.numel() for p in trainable(model)))
+    return {"ief": lambda: opt.step(inputs, targets), "ddp": ddp_step}, info
+
+
+def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """Every model's timings (per round, the slowest rank's) and this rank's bytes, on an initialised group."""
+    world = dist.get_world_size()
+    results = []
+    for name in args.models:
+        cases, info = cases_of(name, args, rank, device)
+        with harness.OtherLoad() as load:
+            times = harness.round_robin(cases, args.repeats, args.warmup, device=device)
+        bytes_by_case = {}
+        for key, fn in cases.items():
+            with counting_collectives(world) as counts:
+                harness.time_call(fn, device)
+            bytes_by_case[key] = dict(counts)
+        every = [None] * world
+        dist.all_gather_object(every, dict(times=times, bytes=bytes_by_case, load=load.cores))
+        slowest = {k: [max(r["times"][k][i] for r in every) for i in range(args.repeats)] for k in cases}
+        rows = harness.rows(slowest, {"ief": "ddp", "ddp": None}, LABELS)
+        results.append(dict(info, world=world, batch=args.batch, rows=rows,
+                            bytes_per_rank=[r["bytes"] for r in every], other_load_cores=every[0]["load"],
+                            formula=formula_bytes(info["params"], args.batch, world)))
+    return results
+
+
+def _entry(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
+    """One spawned process: its group, its models, rank 0's results pickled to ``out``."""
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=args.world)
+    try:
+        results = run_rank(rank, args, device)
+        if rank == 0:
+            Path(out).write_bytes(pickle.dumps(results))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(args: argparse.Namespace) -> list[dict]:
+    """Run :func:`run_rank` on ``args.world`` processes; rank 0's results."""
+    entry = importlib.import_module("benchmarks.distributed")._entry  # importable by the children under any __main__
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "results.pkl")
+        mp.spawn(entry, args=(args, str(Path(folder) / "store"), out), nprocs=args.world, join=True,
+                 start_method="spawn")
+        return pickle.loads(Path(out).read_bytes())
+
+
+# -------------------------------------------------------------------------------------------------------------- main
+MIB = 2.0**20
+
+
+def table(results: list[dict], args: argparse.Namespace, device: str) -> dict:
+    """The summary table: time per step, and the bytes per rank beside the formula and DDP's."""
+    body = []
+    for res in results:
+        by_key = {r["key"]: r for r in res["rows"]}
+        worst = {k: max(b[k]["received"] for b in res["bytes_per_rank"]) for k in ("ief", "ddp")}
+        sent = max(b["ief"]["sent"] for b in res["bytes_per_rank"])
+        ddp = res["formula"]["ddp"] + worst["ddp"]  # the reducer's buckets, plus any collective seen (none expected)
+        body.append([res["model"], res["params"], f"{res['world']} x {res['batch']}", by_key["ief"]["median_ms"],
+                     by_key["ddp"]["median_ms"], by_key["ief"]["ratio"], sent / MIB, worst["ief"] / MIB,
+                     res["formula"]["ief"] / MIB, ddp / MIB, worst["ief"] / ddp])
+    return harness.table(
+        f"The exact iEF step across {args.world} processes against DDP + AdamW ({device}, one thread each)",
+        [("model", "s"), ("P", ",d"), ("ranks x M_r", "s"), ("IEF ms", ".1f"), ("DDP + AdamW ms", ".1f"),
+         ("IEF / DDP time", ".2f"), ("IEF sent MiB", ".3f"), ("IEF received MiB", ".3f"),
+         ("formula M_max R P b + 8P, MiB", ".3f"), ("DDP all-reduce MiB", ".3f"), ("IEF / DDP bytes", ".1f")], body,
+        note="Per rank and step. Times: median over rounds of the slowest rank's; the ratio is the median of "
+             "within-round ratios. IEF's bytes: the payload of the torch.distributed collectives its step calls "
+             "(wrapped), received counting every rank's part of an all-gather (as the formula does); DDP's: its "
+             "bucketed gradient all-reduce, the trainable gradients' bytes (4P), sent and received, which the "
+             "wrappers cannot see inside the reducer. A ring all-reduce moves about 2(R-1)/R of its payload.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.distributed", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    harness.add_common_arguments(p, repeats=21, warmup=2)
+    p.add_argument("--world", type=int, default=2, help="processes (default 2; with --device cuda, one GPU each)")
+    p.add_argument("--batch", type=int, default=16, help="samples per process M_r (default 16)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens per sentence of bert-lora (default 32)")
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--lr", type=float, default=1e-3, help="IEF's learning rate (default 1e-3)")
+    p.add_argument("--damping", type=float, default=1e-3, help="IEF's damping (default 1e-3)")
+    args = p.parse_args(argv)
+    device = harness.check_common(p, args)
+    if args.world < 1 or args.batch < 1 or args.tokens < 1:
+        p.error(f"--world, --batch and --tokens must be >= 1, got {args.world}, {args.batch}, {args.tokens}")
+    if device.type == "cuda" and args.world > torch.cuda.device_count():
+        p.error(f"--device cuda --world {args.world}: only {torch.cuda.device_count()} GPU(s) visible")
+    print(harness.machine_line(harness.machine(device)), flush=True)
+    with harness.OtherLoad() as load:
+        results = spawn(args)
+    for res in results:
+        print(f"\n{res['model']}: {res['description']}; P = {res['params']:,}; {res['world']} x {res['batch']} "
+              f"samples", flush=True)
+        for r in res["rows"]:
+            print(f"  {r['label']:<36} {r['median_ms']:>9.2f} ms (IQR {r['iqr_ms']:.2f})"
+                  + (f"  {r['ratio']:.2f}x" if r["ratio"] else ""))
+        for rank, b in enumerate(res["bytes_per_rank"]):
+            print(f"  rank {rank}: IEF sent {b['ief']['sent']:,} B, received {b['ief']['received']:,} B in "
+                  f"{b['ief']['calls']} collectives; DDP's collectives seen {b['ddp']['calls']}")
+        f = res["formula"]
+        print(f"  formula: Gram {f['gram']:,} B + direction {f['direction']:,} B = {f['ief']:,} B; "
+              f"DDP all-reduce {f['ddp']:,} B", flush=True)
+    doc = harness.record("distributed", argv, device, args, load, dict(models=results),
+                         [table(results, args, device.type)], started)
+    harness.finish(doc, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

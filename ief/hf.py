@@ -46,8 +46,9 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
 - **Several processes** (torchrun, ``accelerate launch``: DDP, one device per process): the optimiser takes the
   process group and steps exactly as one process on the union of the ranks' batches (:mod:`ief.distributed`); with
   sequential sampling, 2 processes at ``per_device_train_batch_size=4`` train as one process at 8. The logged loss is
-  the union batch's; checkpoints resume on the same number of processes; SF's labels are drawn per process
-  (generator seeded ``seed + process_index``). K-FAC kinds refuse several processes.
+  the union batch's; checkpoints resume on the same number of processes; SF's and ``kind="kfac"``'s labels are drawn
+  per process (generator seeded ``seed + process_index``); K-FAC's factors are the union batch's
+  (:class:`ief.optim.KFAC`).
 - **Refused** with ``ValueError`` at construction: ``fp16=True`` (float16's per-sample gradients underflow without
   a dynamic loss scale, which ief does not apply: :func:`ief.precision.refuse_float16`), several devices in one
   process (``DataParallel``), DeepSpeed and FSDP (sharded parameters would need a sharded Gram solve),
@@ -334,9 +335,6 @@ class IEFTrainer(transformers.Trainer):
                 f"IEFTrainer runs one device per process (n_gpu={self.args.n_gpu}: torch.nn.DataParallel in one "
                 f"process); launch one process per GPU instead (torchrun --nproc_per_node N or accelerate launch), "
                 f"which IEFTrainer steps exactly across processes")
-        if self.optimizer_name in KFAC_KINDS and self.args.world_size > 1:
-            raise ValueError(f"optimizer={self.optimizer_name!r} does not step across processes yet (world_size="
-                             f"{self.args.world_size}); use 'ief', 'ef' or 'sf', or one process")
         if self.model is not None and self.model_init is None:
             self.create_optimizer()  # bad optimizer_kwargs fail here, not at train()
 

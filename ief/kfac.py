@@ -111,6 +111,22 @@ class _LinearHooks(PerSampleCapture):
             )
 
 
+def data_parallel_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside ``torch.nn.DataParallel`` / ``DistributedDataParallel`` wrappers (``model`` itself
+    otherwise): K-FAC runs its forward and backward, since DDP's own forward would arm a gradient all-reduce that
+    the factors' ``autograd.grad`` never triggers (:class:`ief.optim.KFAC` reduces the factors itself).
+
+    Args:
+        model: the model as given.
+
+    Returns:
+        The innermost data-parallel wrapper's ``.module``, or ``model``.
+    """
+    while isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        model = model.module
+    return model
+
+
 def check_linear_only(model: torch.nn.Module, params: Iterable[torch.nn.Parameter] | None = None,
                       kind: str = "kfac") -> None:
     """Raise the ``ValueError`` of :func:`kfac_direction` up front if a parameter is not an ``nn.Linear``'s.
@@ -129,6 +145,7 @@ def check_linear_only(model: torch.nn.Module, params: Iterable[torch.nn.Paramete
     Raises:
         ValueError: a parameter that is not an ``nn.Linear``'s weight or bias (named), or an unknown ``kind``.
     """
+    model = data_parallel_module(model)
     params = resolve_params(model, params)
     _LinearHooks(model, params, param_names(model, params), kind)
 
@@ -166,7 +183,8 @@ def kronecker_factor_sets(model: torch.nn.Module, inputs: Inputs, targets: torch
     are shared by eKFAC and ieKFAC; KFAC adds one backward for the sampled labels.
 
     Args:
-        model: returns logits, as :func:`kronecker_factors`.
+        model: returns logits, as :func:`kronecker_factors` (a ``DistributedDataParallel`` model: its module,
+            :func:`data_parallel_module`; the layers are named as in that module).
         inputs: the batch's inputs.
         targets: its targets.
         kinds: checked kinds (:func:`check_kind`), each at most once.
@@ -185,6 +203,7 @@ def kronecker_factor_sets(model: torch.nn.Module, inputs: Inputs, targets: torch
         ValueError: a parameter outside an ``nn.Linear`` or a bad batch, named.
     """
     loss_fn = get_loss(loss)
+    model = data_parallel_module(model)
     params = resolve_params(model, params)
     names = param_names(model, params)
     capture = _LinearHooks(model, params, names, "/".join(kinds))

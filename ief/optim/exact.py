@@ -32,7 +32,8 @@ gradient all-reduce never runs (the optimiser runs the wrapped module). A failur
 refused check) raises on every rank. SF draws each rank's labels with that rank's ``generator``: the union-batch
 equivalence holds given the same labels (seed each rank's generator, e.g. ``seed + rank``, for reproducible runs).
 Without a group, an initialised ``torch.distributed`` of world size > 1 is refused (each replica would solve its own
-batch's Gram system and drift apart silently), and ``KFAC`` refuses several processes outright.
+batch's Gram system and drift apart silently). ``KFAC`` takes ``process_group=`` too (the union batch's factors:
+:mod:`ief.optim.kfac`).
 
 Momentum and weight decay (``momentum``, ``dampening``, ``weight_decay``; all 0 by default, which is the paper's
 exact update bit for bit): heavy-ball momentum on the batch's preconditioned step and AdamW's decoupled weight

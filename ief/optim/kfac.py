@@ -34,6 +34,28 @@ Only ``reduction="sum"`` (``L = sum_n l_n``, ``eqn:prob_loss``) is offered: the 
 different token counts, for which the token-mean conversion of ``lr`` and ``damping`` per batch
 (:mod:`ief.optim.convention`) has not been derived.
 
+**Several processes** (data parallel: torchrun, accelerate, DDP): with ``process_group=`` (default: a
+``DistributedDataParallel`` model's group, whose own module runs: DDP's gradient all-reduce never runs) a step is
+exactly one process's on the union of the ranks' batches, concatenated in rank order. Each rank forms its batch's
+``G_r``, ``A_r``, gradient and per-sample losses (its own forward and backward; a failure there raises on every rank,
+:func:`ief.distributed.agree`); then one all-reduce of float64 numbers sums ``G`` (a sum over rows), ``M_r A_r``
+(``A`` is a mean over samples: divided by the union's ``M`` after) and the gradient, and the losses are all-gathered.
+ieKFAC's ``1/s_n`` weights the rows of sample ``n`` inside its own rank's ``G_r``, so nothing per sample crosses
+ranks; this ``"ekfac"`` is the empirical K-FAC (no eigenbasis statistics). Every rank then holds the same bits of the
+union's factors, running averages and eigendecompositions (computed on every rank from the same factors: a
+replicated ``eigh``, as :mod:`ief.distributed`'s replicated Gram solve), and of the direction; momentum and weight
+decay are replicated. ``kind="kfac"`` draws each rank's labels with that rank's ``generator`` (``IEFTrainer`` seeds it
+``seed + process_index``): the step is the union batch's for labels drawn sample by sample with the generator of the
+rank holding the sample, not one generator's draw over the union batch. Communication per step: the sample counts
+and a checksum of the factors' layers and shapes (all-gathered, ``16 R`` bytes; ranks whose layers differ raise a
+``ValueError`` on every rank), the losses (``R M_max`` values, each rank's padded to the largest ``M_r``), one
+failure flag (:func:`ief.distributed.agree`), and one all-reduce of ``8 (P + sum(O^2 + k^2))`` bytes over the linear
+layers (``O`` outputs, ``k`` inputs, ``+1`` with a bias): a ring all-reduce sends about twice that, against DDP's
+``~2 x 4 P`` for float32 gradients. The gradient alone is 2x DDP's (float64); a layer's factors hold ``O^2 + k^2``
+numbers against its weight's ``O k``: 2x for a square layer, ``d / r`` times for a LoRA pair of rank ``r`` on width
+``d`` (each adapter's wide side is a ``d x d`` factor). The factors are reduced every step (the running average
+needs each batch's), not only on refresh steps.
+
 ``state_dict()`` holds, besides torch's state (step counter, momentum buffers), the running factors, their last
 eigendecompositions and, with ``generator=``, the generator's state: a run split by save and load equals the unsplit
 run bit for bit. It records the kind and settings (``"ief_optimizer"``, as the exact optimisers'), and
@@ -41,13 +63,16 @@ run bit for bit. It records the kind and settings (``"ief_optimizer"``, as the e
 """
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..kfac import (KINDS, block_diagonal_direction, check_approx, check_kind, check_linear_only, kronecker_eigen,
-                    kronecker_factor_sets)
+from ..distributed import all_gather_rows, all_reduce, collective_device, world_size
+from ..kfac import (KINDS, KroneckerBlock, block_diagonal_direction, check_approx, check_kind, check_linear_only,
+                    kronecker_eigen, kronecker_factor_sets)
 from ..losses import Loss
 from .exact import ForeignStateError, PreconditionedOptimizer, _describe, _finite
 
@@ -102,18 +127,22 @@ class KFAC(PreconditionedOptimizer):
         weight_decay: decoupled weight decay ``>= 0`` (default ``0.0``), as :class:`ief.optim.IEF`.
         check: not taken (the exact optimisers' per-sample guard, default ``True`` there): a ``ValueError``.
         form: not taken (the exact optimisers' Jacobian form, default ``"auto"`` there): a ``ValueError``.
-        process_group: not taken yet (default ``None``; the exact optimisers step across processes): a group of
-            several processes is a ``ValueError``.
+        process_group: step across the processes of this ``torch.distributed`` group, exactly as one process on the
+            union batch (the factors, gradient and losses of every rank's batch; module docstring); default: a
+            ``DistributedDataParallel`` model's group, else none.
 
     Raises:
         ValueError: a bad argument (named with its value and the accepted values), ``reduction`` other than
-            ``"sum"``, a trainable parameter outside any ``nn.Linear`` (named), or several processes (a
-            ``process_group``, a ``DistributedDataParallel`` model or an initialised ``torch.distributed`` of world
-            size > 1: its running factors would be each rank's own; the exact optimisers step across processes).
+            ``"sum"``, a trainable parameter outside any ``nn.Linear`` (named), or an initialised
+            ``torch.distributed`` of world size > 1 with neither ``process_group`` nor a ``DistributedDataParallel``
+            model (each rank's running factors would be its own batch's and the replicas would drift apart).
+            From ``step`` across processes, on every rank: one rank's local failure (:func:`ief.distributed.agree`:
+            that rank's own error there, the same type naming the rank elsewhere), or ranks whose linear layers or
+            factor shapes differ.
     """
 
     method = "kfac"
-    _across_processes = False  # its running factors would be each rank's own (refused with a process group)
+    _across_processes = True  # the union batch's factors, gradient and losses (module docstring)
 
     def __init__(self, model: torch.nn.Module, kind: str, lr: float, damping: float, *,
                  factor_decay: float = 0.95, inverse_every: int = 10, approx: str = "expand",
@@ -139,10 +168,10 @@ class KFAC(PreconditionedOptimizer):
 
     def _direction(self, inputs, targets, group):
         losses: list[torch.Tensor] = []
-        blocks, gradient, params = kronecker_factor_sets(self.model, inputs, targets, [self.kind], group["params"],
-                                                         generator=self.generator, loss=self.loss,
-                                                         approx=self.approx, losses_out=losses)
-        blocks = blocks[self.kind]
+        blocks, gradient, params = self._local(lambda: kronecker_factor_sets(
+            self.model, inputs, targets, [self.kind], group["params"], generator=self.generator, loss=self.loss,
+            approx=self.approx, losses_out=losses))
+        blocks, gradient, batch_losses = self._union_factors(blocks[self.kind], gradient, losses[0])
         refresh = self.steps_taken % self.inverse_every == 0
         c = self.factor_decay
         pending = {}
@@ -165,7 +194,51 @@ class KFAC(PreconditionedOptimizer):
                                              {name: entry["eigen"] for name, entry in pending.items()},
                                              check=False)  # the step reads it with its other checks
         self._pending = pending
-        return losses[0], direction
+        return batch_losses, direction
+
+    def _union_factors(self, blocks: list[KroneckerBlock], gradient: torch.Tensor, losses: torch.Tensor,
+                       ) -> tuple[list[KroneckerBlock], torch.Tensor, torch.Tensor]:
+        """This rank's factors, gradient and per-sample losses, or the union batch's across processes (module
+        docstring): one all-gather of every rank's sample count and factor layout, one all-reduce (float64) of the
+        gradient, every ``G`` and every ``M_r A_r``, ``A`` divided by the union's ``M``, the losses all-gathered;
+        the same bits on every rank.
+
+        Args:
+            blocks: this rank's blocks (:func:`ief.kfac.kronecker_factor_sets`), ``A`` the mean over its samples.
+            gradient: this rank's ``grad L [P]``.
+            losses: this rank's per-sample losses ``[M_r]``.
+
+        Returns:
+            ``(blocks, gradient, losses)`` of the union batch (this rank's own in one process).
+
+        Raises:
+            ValueError: on every rank, when the ranks' linear layers or factor shapes differ (a layer called on one
+                rank's batch and not on another's): their factors cannot be summed.
+        """
+        if self._group is None:
+            return blocks, gradient, losses
+        device = collective_device(self._group)
+        layout = [(block.name, tuple(block.G.shape), tuple(block.A.shape)) for block in blocks]
+        mine = torch.tensor([[losses.shape[0], zlib.crc32(repr(layout).encode())]], dtype=torch.int64, device=device)
+        table = all_gather_rows(mine, [1] * world_size(self._group), self._group).tolist()
+        sizes = [m for m, _ in table]
+        if len({signature for _, signature in table}) > 1:  # the same table on every rank: every rank raises
+            raise ValueError(f"the ranks' K-FAC factors differ in their layers or shapes (a linear layer called on "
+                             f"one rank's batch and not on another's, or inputs of other widths); this rank's: "
+                             f"{layout}")
+        m = sizes[dist.get_rank(self._group)]
+        parts = [gradient.to(torch.float64).reshape(-1)]
+        for block in blocks:
+            parts += [block.G.reshape(-1), (block.A * m).reshape(-1)]  # A is the mean over this rank's samples
+        union = all_reduce(torch.cat(parts).to(device), self._group).to(gradient.device)
+        pieces = iter(torch.split(union, [part.numel() for part in parts]))
+        union_gradient = next(pieces).to(gradient.dtype)
+        total = sum(sizes)
+        summed = []
+        for block in blocks:
+            G, A = next(pieces).view(block.G.shape), next(pieces).view(block.A.shape) / total
+            summed.append(KroneckerBlock(block.name, G, A, block.index))
+        return summed, union_gradient, all_gather_rows(losses.to(device), sizes, self._group).to(losses.device)
 
     def _update(self, given, group, direction, tokens, **checks):
         """The update of :class:`ief.optim.IEF` (with the step's checks), then the new running factors are kept

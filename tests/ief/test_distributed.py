@@ -252,6 +252,8 @@ def _refusals_on_rank(rank: int) -> dict:
             build()
         except ValueError as err:
             out[name] = str(err)
+        else:
+            out[name] = "constructed"
     return out
 
 
@@ -261,7 +263,7 @@ def test_what_cannot_step_across_processes_is_refused_on_every_rank(tmp_path):
     assert results[0]["plain"].startswith("IEF: torch.distributed is initialised with world size 2 but the optimiser "
                                           "was given no process group")
     assert "pass process_group=torch.distributed.group.WORLD" in results[0]["plain"]
-    assert results[0]["kfac"].startswith("KFAC does not step across processes yet")
+    assert results[0]["kfac"] == "constructed"  # K-FAC steps across processes with a group (the union's factors)
 
 
 # ------------------------------------------------------------------------------- IEFTrainer under two processes
@@ -353,3 +355,158 @@ def test_the_trainer_on_two_processes_is_the_union_batch_and_resumes(tmp_path):
     assert resumed[0]["step"] == 4
     assert torch.equal(resumed[0]["params"], whole[0]["params"]) and torch.equal(resumed[1]["params"],
                                                                                  whole[1]["params"])
+
+
+# ------------------------------------------------------------------------ K-FAC over a data-parallel batch
+KFAC_OPTIMISERS = {
+    "kfac-momentum-wd": lambda model, **kw: __import__("ief").optim.KFAC(
+        model, "kfac", lr=0.05, damping=0.5, factor_decay=0.9, inverse_every=2, loss=_ArgmaxSampled(),
+        momentum=0.5, weight_decay=0.01, **kw),
+    "ekfac-momentum": lambda model, **kw: __import__("ief").optim.KFAC(
+        model, "ekfac", lr=0.05, damping=0.5, factor_decay=0.8, inverse_every=2, momentum=0.9, dampening=0.5, **kw),
+    "iekfac-wd": lambda model, **kw: __import__("ief").optim.KFAC(
+        model, "iekfac", lr=0.05, damping=0.5, factor_decay=0.9, inverse_every=2, weight_decay=0.05, **kw),
+    "iekfac-reduce-momentum": lambda model, **kw: __import__("ief").optim.KFAC(
+        model, "iekfac", lr=0.05, damping=0.5, factor_decay=0.5, inverse_every=2, approx="reduce", momentum=0.5,
+        **kw),
+}
+OPTIMISERS.update(KFAC_OPTIMISERS)
+
+
+@pytest.mark.parametrize("name, sizes, ignored_rank, ddp", [
+    ("kfac-momentum-wd", [3, 5], None, False),
+    ("kfac-momentum-wd", [4, 1, 6], 1, False),
+    ("ekfac-momentum", [2, 6], 0, True),
+    ("ekfac-momentum", [5, 3, 2], None, False),
+    ("iekfac-wd", [3, 5], 1, False),
+    ("iekfac-reduce-momentum", [5, 3, 2], 2, True),
+], ids=["kfac-2", "kfac-3-ignored-rank", "ekfac-2-ddp-ignored-rank", "ekfac-3", "iekfac-2-ignored-rank",
+        "iekfac-reduce-3-ddp-ignored-rank"])
+def test_a_kfac_step_across_processes_is_one_process_on_the_union_batch(name, sizes, ignored_rank, ddp, tmp_path):
+    """Four K-FAC steps (running factors, eigendecompositions refreshed on steps 0 and 2 and reused on 1 and 3) on R
+    gloo processes (uneven batches, masked positions, a rank whose targets are all ignored, a DDP model whose group
+    is taken) leave every rank's parameters and running factors bit-identical, and equal to one process stepping on
+    the ranks' batches concatenated in rank order (1e-12 relative, float64); the returned losses are the union's."""
+    results = _spawn(_train_kfac_on_rank, len(sizes), tmp_path, name, sizes, 4, ignored_rank, ddp)
+    union = _train_kfac_union(name, sizes, 4, ignored_rank)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(other["params"], results[0]["params"]))
+        assert other["losses"] == results[0]["losses"]
+        for layer, factors in results[0]["factors"].items():
+            assert all(torch.equal(a, b) for a, b in zip(other["factors"][layer], factors)), layer
+    for got, want in zip(results[0]["params"], union["params"]):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), (got - want).abs().max()
+    assert results[0]["factors"].keys() == union["factors"].keys()
+    for layer, factors in union["factors"].items():  # G and A of the union batch, and their eigenvalues
+        for got, want in zip(results[0]["factors"][layer], factors):
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), layer
+    assert results[0]["losses"] == pytest.approx(union["losses"], rel=1e-12)
+    moved = sum(float((p - q.detach()).abs().sum()) for p, q in zip(union["params"], _model().parameters()))
+    assert moved > 1e-3, "the steps must move the parameters for the comparison to mean anything"
+
+
+def _factors(opt) -> dict:
+    """Every layer's running ``(G, A, e_G, e_A)`` (the eigenvectors' signs are the solver's: compared through the
+    parameters they give)."""
+    return {name: (e["G"].clone(), e["A"].clone(), e["eigen"][0].clone(), e["eigen"][2].clone())
+            for name, e in opt.factors.items()}
+
+
+def _train_kfac_on_rank(rank: int, name: str, sizes: list[int], steps: int, ignored_rank, ddp: bool) -> dict:
+    model = _model()
+    kwargs = {} if ddp else dict(process_group=dist.group.WORLD)
+    opt = OPTIMISERS[name](torch.nn.parallel.DistributedDataParallel(model) if ddp else model, **kwargs)
+    losses = [float(opt.step(*per_rank[rank])) for per_rank in _batches(sizes, steps, ignored_rank)]
+    return dict(params=[p.detach().clone() for p in model.parameters()], losses=losses, factors=_factors(opt))
+
+
+def _train_kfac_union(name: str, sizes: list[int], steps: int, ignored_rank) -> dict:
+    model = _model()
+    opt = OPTIMISERS[name](model)
+    losses = [float(opt.step(torch.cat([b[0] for b in per_rank]), torch.cat([b[1] for b in per_rank])))
+              for per_rank in _batches(sizes, steps, ignored_rank)]
+    return dict(params=[p.detach().clone() for p in model.parameters()], losses=losses, factors=_factors(opt))
+
+
+class _RankDraws(__import__("ief").losses.CrossEntropy):
+    """Cross-entropy whose sampled labels for the union batch are drawn as the ranks draw theirs: the first ``M_0``
+    samples' with rank 0's generator, the next ``M_1`` with rank 1's, ... (each rank's own draw on its own batch)."""
+
+    def __init__(self, sizes: list[int], generators: list[torch.Generator]):
+        self.sizes, self.generators = sizes, generators
+
+    def sample_targets(self, logits, targets, generator=None):
+        parts = zip(logits.split(self.sizes), targets.split(self.sizes), self.generators)
+        return torch.cat([super(_RankDraws, self).sample_targets(z, y, g) for z, y, g in parts])
+
+
+def _kfac_seeded_on_rank(rank: int, sizes: list[int], steps: int) -> dict:
+    import ief
+
+    model = _model()
+    opt = ief.optim.KFAC(model, "kfac", lr=0.05, damping=0.5, factor_decay=0.9, inverse_every=2,
+                         generator=torch.Generator().manual_seed(100 + rank), process_group=dist.group.WORLD)
+    for per_rank in _batches(sizes, steps, None):
+        opt.step(*per_rank[rank])
+    return dict(params=[p.detach().clone() for p in model.parameters()])
+
+
+def test_kfac_draws_each_ranks_labels_with_that_ranks_generator(tmp_path):
+    """kind='kfac' with a real RNG: each rank draws its own samples' labels with its own generator (seeded
+    100 + rank here), the factors are summed, so the replicas stay bit-identical and equal one process whose labels
+    for each rank's samples come from that rank's generator (1e-12)."""
+    import ief
+
+    sizes = [3, 5]
+    results = _spawn(_kfac_seeded_on_rank, 2, tmp_path, sizes, 3)
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    model = _model()
+    draws = _RankDraws(sizes, [torch.Generator().manual_seed(100 + r) for r in range(2)])
+    opt = ief.optim.KFAC(model, "kfac", lr=0.05, damping=0.5, factor_decay=0.9, inverse_every=2, loss=draws)
+    for per_rank in _batches(sizes, 3, None):
+        opt.step(torch.cat([b[0] for b in per_rank]), torch.cat([b[1] for b in per_rank]))
+    for got, want in zip(results[0]["params"], model.parameters()):
+        want = want.detach()
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), (got - want).abs().max()
+
+
+def _kfac_failures_on_rank(rank: int) -> dict:
+    import ief
+
+    model = _model()
+    opt = ief.optim.KFAC(model, "iekfac", lr=0.05, damping=0.5, inverse_every=2, process_group=dist.group.WORLD)
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(2 + rank, 4, 5, generator=gen, dtype=torch.float64),
+                torch.randint(0, 3, (2 + rank, 4), generator=gen)) for _ in range(3)]
+    before = [p.detach().clone() for p in model.parameters()]
+    out = {}
+    for what, broken in (("nan", 1), ("target", 0)):
+        x, y = batches[0][0].clone(), batches[0][1].clone()
+        if rank == broken and what == "nan":
+            x[1, 0, 0] = float("nan")
+        if rank == broken and what == "target":
+            y[0, 0] = 7  # no class 7 among 3
+        try:
+            opt.step(x, y)
+        except Exception as err:  # noqa: BLE001 - what each rank saw
+            out[what] = (type(err).__name__, str(err))
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.factors
+    for x, y in batches[1:]:  # the ranks still step together: no collective was left unpaired
+        opt.step(x, y)
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_a_kfac_failure_on_one_rank_ends_every_rank_with_the_same_error(tmp_path):
+    """A NaN input on rank 1 (non-finite union factors) and a target out of range on rank 0 (its own check, shared by
+    agree) raise on both ranks before anything changes (parameters and running factors); later steps still pair up
+    and keep the replicas bit-identical."""
+    results = _spawn(_kfac_failures_on_rank, 2, tmp_path)
+    assert [r["nan"][0] for r in results] == ["FloatingPointError", "FloatingPointError"], results
+    assert results[0]["nan"] == results[1]["nan"] and "non-finite" in results[0]["nan"][1]
+    assert results[0]["nan"][1].startswith("step 0: ")
+    assert [r["target"][0] for r in results] == ["ValueError", "ValueError"], results
+    assert results[1]["target"][1].startswith("rank 0 failed (ValueError): ")
+    assert results[0]["target"][1] in results[1]["target"][1]
+    assert all(r["unchanged"] for r in results)
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))

@@ -254,3 +254,25 @@ def test_non_finite_batch_leaves_parameters_and_factors_untouched():
     assert torch.equal(flat(case.model), params) and opt.steps_taken == 1
     assert all(torch.equal(opt.factors[k]["G"], factors[k]["G"]) and torch.equal(opt.factors[k]["A"], factors[k]["A"])
                for k in factors)
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac", "iekfac"])
+def test_a_ddp_model_in_one_process_steps_as_its_module(kind, tmp_path):
+    """A DistributedDataParallel model in a one-process gloo group: K-FAC runs its module (DDP's own forward would
+    arm a gradient all-reduce that the factors' autograd.grad never runs) with no process group (world size 1), and
+    steps bit for bit as on the bare model, its factors named as the module's layers."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        bare, wrapped = mlp_case(m=7).model, mlp_case(m=7).model
+        ddp = torch.nn.parallel.DistributedDataParallel(wrapped)
+        opts = [ief.optim.KFAC(model, kind, lr=0.1, damping=1.0, factor_decay=0.5, inverse_every=2,
+                               generator=torch.Generator().manual_seed(3), momentum=0.5)
+                for model in (bare, ddp)]
+        assert opts[1]._group is None
+        for x, y in batches(3):
+            assert torch.equal(opts[0].step(x, y), opts[1].step(x, y))
+        assert torch.equal(flat(wrapped), flat(bare)) and opts[1].factors.keys() == opts[0].factors.keys()
+    finally:
+        dist.destroy_process_group()

@@ -7,8 +7,8 @@
   still gives the next step bit for bit; a state saved before the class was recorded still loads into its class.
 - While ``torch.distributed`` runs with world size > 1, an optimiser given neither a process group nor a
   ``DistributedDataParallel`` model (whose group it takes) raises the same ``ValueError`` on every rank (two gloo
-  replicas drifted 1.13 apart in 3 steps, silently), and K-FAC, which does not step across processes yet, refuses
-  with its reason; the exact step across processes is tested in ``tests/ief/test_distributed.py``.
+  replicas drifted 1.13 apart in 3 steps, silently), K-FAC included; the exact step across processes is tested in
+  ``tests/ief/test_distributed.py``.
 """
 from __future__ import annotations
 
@@ -168,7 +168,8 @@ def test_every_rank_of_a_two_process_group_refuses_with_the_same_sentence(tmp_pa
                        "the union of the ranks' batches) or wrap the model in DistributedDataParallel")
     assert ef_msg.startswith("EF: torch.distributed is initialised with world size 2 but the optimiser was given no "
                              "process group")
-    assert kfac_msg.startswith("KFAC does not step across processes yet (its running factors would be each rank's")
+    assert kfac_msg.startswith("KFAC: torch.distributed is initialised with world size 2 but the optimiser was given "
+                               "no process group")  # K-FAC steps across processes with one (test_distributed.py)
     assert ddp_msg == "constructed"  # a DDP model's own group: the exact step over the union batch
 
 

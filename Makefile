@@ -109,6 +109,7 @@ bench: $(ENV_READY)
 		--json $(BENCH_RESULTS)/evaluation-tweets-minilm-lora-cpu.json
 	$(BENCH).paper_mlp --cases adam,ief-auto,ief-auto-nocheck --repeats 9 --warmup 1 --memory-steps 2 \
 		--json $(BENCH_RESULTS)/paper_mlp-cpu.json
+	$(BENCH).distributed --json $(BENCH_RESULTS)/distributed-cpu.json
 	$(PYTHON) -m benchmarks.report benchmarks/README.md
 
 # Mutation testing (tools/mutation/run.py): mutmut is installed apart from the project's environment, one worker,

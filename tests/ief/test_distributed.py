@@ -510,3 +510,57 @@ def test_a_kfac_failure_on_one_rank_ends_every_rank_with_the_same_error(tmp_path
     assert results[0]["target"][1] in results[1]["target"][1]
     assert all(r["unchanged"] for r in results)
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+
+
+# ------------------------------------------------------------------------- IEFTrainer with K-FAC, two processes
+KFAC_TRAINER = dict(learning_rate=0.05, optimizer="ekfac",
+                    optimizer_kwargs=dict(damping=0.1, factor_decay=0.5, inverse_every=2, momentum=0.5))
+
+
+def _kfac_trainer(folder: str, batch: int, steps: int, use_cpu_ddp: bool):
+    import datasets
+    from transformers import TrainingArguments
+
+    from ief.hf import IEFTrainer
+    from test_hf import bert_lora, classification_rows
+
+    extra = dict(ddp_backend="gloo") if use_cpu_ddp else {}
+    args = TrainingArguments(output_dir=folder, learning_rate=KFAC_TRAINER["learning_rate"], max_grad_norm=0.0,
+                             per_device_train_batch_size=batch, logging_steps=1, report_to="none", use_cpu=True,
+                             disable_tqdm=True, seed=0, train_sampling_strategy="sequential", max_steps=steps,
+                             save_strategy="no", **extra)
+    trainer = IEFTrainer(bert_lora(), args, train_dataset=datasets.Dataset.from_dict(classification_rows()),
+                         optimizer=KFAC_TRAINER["optimizer"], optimizer_kwargs=KFAC_TRAINER["optimizer_kwargs"])
+    trainer.train()
+    params = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters() if p.requires_grad]).clone()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    return params, losses
+
+
+def _kfac_trainer_entry(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    params, losses = _kfac_trainer(folder, 4, 3, use_cpu_ddp=True)
+    Path(out).joinpath(f"rank{rank}.pkl").write_bytes(pickle.dumps(dict(params=params, losses=losses)))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_the_trainer_with_kfac_on_two_processes_is_the_union_batch(tmp_path):
+    """IEFTrainer(optimizer='ekfac') under DDP (two gloo processes at 4 samples, sequential data) takes the union
+    batch's K-FAC step: the ranks agree bit for bit, and parameters and logged losses equal one process at 8 samples
+    (float32 rounding), over 3 steps that cross an eigendecomposition refresh."""
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_kfac_trainer_entry, args=(2, _free_port(), str(tmp_path / "run"), str(out)), nprocs=2, join=True,
+             start_method="spawn")
+    ranks = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"]) and ranks[0]["losses"] == ranks[1]["losses"]
+    params, losses = _kfac_trainer(str(tmp_path / "one"), 8, 3, use_cpu_ddp=False)
+    assert float((ranks[0]["params"] - params).norm() / params.norm()) < 1e-5
+    assert ranks[0]["losses"] == pytest.approx(losses, rel=1e-4)
+    assert len(losses) == 3 and losses[-1] != losses[0]

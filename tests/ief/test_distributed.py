@@ -564,3 +564,40 @@ def test_the_trainer_with_kfac_on_two_processes_is_the_union_batch(tmp_path):
     assert float((ranks[0]["params"] - params).norm() / params.norm()) < 1e-5
     assert ranks[0]["losses"] == pytest.approx(losses, rel=1e-4)
     assert len(losses) == 3 and losses[-1] != losses[0]
+
+
+class _SkipsOnOddBatches(torch.nn.Module):
+    """An MLP whose middle linear layer runs only on batches of an even number of samples: ranks with batches of
+    other parities call different layers, so their K-FAC factors cannot be summed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.middle, self.outer = (torch.nn.Linear(5, 7), torch.nn.Linear(7, 7), torch.nn.Linear(7, 3))
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x))
+        return self.outer(torch.tanh(self.middle(h)) if x.shape[0] % 2 == 0 else h)
+
+
+def _kfac_layers_differ_on_rank(rank: int) -> dict:
+    import ief
+
+    model = _SkipsOnOddBatches().double()
+    opt = ief.optim.KFAC(model, "ekfac", lr=0.05, damping=0.5, process_group=dist.group.WORLD)
+    x = torch.randn(2 + rank, 4, 5, dtype=torch.float64)
+    try:
+        opt.step(x, torch.zeros(2 + rank, 4, dtype=torch.long))
+    except ValueError as err:
+        return dict(kind="ValueError", message=str(err))
+    return dict(kind=None)
+
+
+def test_ranks_whose_kfac_layers_differ_raise_on_every_rank(tmp_path):
+    """Rank 0 (2 samples) calls the middle layer, rank 1 (3 samples) does not: every rank raises the ValueError
+    naming its own layers instead of summing factors of different layers (or waiting in an all-reduce of another
+    length)."""
+    results = _spawn(_kfac_layers_differ_on_rank, 2, tmp_path)
+    assert [r["kind"] for r in results] == ["ValueError", "ValueError"], results
+    assert all(r["message"].startswith("the ranks' K-FAC factors differ in their layers or shapes") for r in results)
+    assert "'middle'" in results[0]["message"] and "'middle'" not in results[1]["message"]

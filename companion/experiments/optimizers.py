@@ -20,6 +20,10 @@ Every step reports the same quantity, the mean cross-entropy per counted target 
 optimisers compare (for one-token targets it is the mean per-sample loss). :func:`train_step` takes it from the
 optimiser, which knows its own ``reduction``: ``L / K`` as returned with ``"mean"``, ``L`` divided by ``K`` once with
 ``"sum"``.
+
+Across processes (``torchrun``, :mod:`.processes`): the exact optimisers take ``process_group=`` and step on the union
+of the ranks' batches; the torch optimisers' loss is each rank's summed cross-entropy over the union's ``K``, their
+gradients summed over the ranks; the reported loss is the union batch's ``L / K``.
 """
 from __future__ import annotations
 
@@ -30,7 +34,9 @@ import torch
 
 from ief import IGNORE_INDEX, call_model, count_targets
 from ief.optim import EF, IEF, KFAC, SF
+from . import processes
 from .convention import CONVENTIONS, REDUCTION
+from .processes import Processes
 from .setups import OptimizerConfig
 
 EXACT = ("ief", "ef", "sf")
@@ -49,9 +55,12 @@ def _reduction(name: str, cfg: OptimizerConfig) -> str:
     return REDUCTION[convention]
 
 
-def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: int
+def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: int, process_group: Any = None
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
-    """``(optimizer, epoch scheduler or None)``; the scheduler, if any, is stepped at the end of every epoch."""
+    """``(optimizer, epoch scheduler or None)``; the scheduler, if any, is stepped at the end of every epoch.
+
+    ``process_group`` (several processes): given to the exact optimisers (``ief``, ``ef``, ``sf``, ``ief-momentum``);
+    the torch optimisers sum their gradients in :func:`train_step`."""
     params = [p for p in model.parameters() if p.requires_grad]
     name = cfg.name
     if name in EXACT:
@@ -60,11 +69,12 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: in
             normalised = cfg.schedule == "normalised-linear"
             kwargs.update(normalize=normalised, total_steps=total_steps if normalised else None)
         classes = {"ief": IEF, "ef": EF, "sf": SF}
-        opt: torch.optim.Optimizer = classes[name](model, reduction=_reduction(name, cfg), **kwargs)
+        opt: torch.optim.Optimizer = classes[name](model, reduction=_reduction(name, cfg), process_group=process_group,
+                                                   **kwargs)
     elif name == "ief-momentum":
         opt = IEF(model, lr=cfg.lr, damping=cfg.damping, momentum=float(cfg.options["momentum"]),
                   dampening=float(cfg.options.get("dampening", 0.0)), weight_decay=cfg.weight_decay,
-                  reduction=_reduction(name, cfg))
+                  reduction=_reduction(name, cfg), process_group=process_group)
     elif name in KFAC_KINDS:
         if cfg.options.get("convention", "sum") != "sum":
             raise ValueError(f"{name} runs in the sum convention only (ief.optim.KFAC), got options "
@@ -92,17 +102,32 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: in
     return opt, scheduler
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Any, targets: torch.Tensor) -> float:
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Any, targets: torch.Tensor,
+               procs: Processes | None = None) -> float:
     """One update; returns the batch's mean cross-entropy per counted target token, ``L / K`` with
     ``K = ief.count_targets(targets)``, whatever the optimiser: an :mod:`ief.optim` optimiser's own loss (``L / K``
     with ``reduction="mean"``, ``L`` divided by ``K`` once with ``"sum"``), torch's mean cross-entropy for the others.
+    With ``procs`` (several processes) the batch is the union of the ranks' batches, ``L`` and ``K`` the union's.
     Raises :class:`Diverged`."""
     if isinstance(opt, (IEF, EF, SF, KFAC)):  # they run the forward and backward themselves
         try:
-            value = float(opt.step(inputs, targets))
+            value = float(opt.step(inputs, targets))  # across processes: the union batch's loss on every rank
         except FloatingPointError as err:
             raise Diverged(str(err)) from err
-        loss = value if opt.reduction == "mean" else value / count_targets(targets)
+        loss = value if opt.reduction == "mean" else value / processes.total(float(count_targets(targets)), procs)
+    elif procs is not None:
+        logits = call_model(model, inputs)
+        local = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+            reduction="sum")
+        count = processes.total(float(count_targets(targets)), procs)
+        loss = processes.total(float(local.detach()), procs) / count  # the same on every rank: they agree on it
+        if not math.isfinite(loss):
+            raise Diverged(f"non-finite loss {loss}")
+        opt.zero_grad(set_to_none=True)
+        (local / count).backward()
+        processes.union_gradients([p for g in opt.param_groups for p in g["params"]], procs)
+        opt.step()
     else:
         logits = call_model(model, inputs)
         value = torch.nn.functional.cross_entropy(

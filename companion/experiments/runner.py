@@ -61,7 +61,7 @@ import torch
 # not found), and the chapters import this package to read its tables, so that warning showed on a book page.
 from tqdm import tqdm
 
-from . import store
+from . import processes, store
 from .data import FULL_SIZES, Data, load_data
 from .metrics import score, split_metrics, write_glue_predictions
 from .models import build_model, count_parameters
@@ -352,13 +352,20 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
     dev = resolve_device(device)
     root = run_dir(out, scale, setup, optimizer, seed)
     record = _run_record(cfg, ocfg, seed)
+    procs = processes.from_environment(dev)  # torchrun: several processes, one run (rank 0 writes)
+    dev = procs.device if procs is not None else dev
     with contextlib.ExitStack() as owner:
-        try:
-            owner.enter_context(store.lock(root, wait=wait_lock))
-        except OSError as err:
-            raise ValueError(f"cannot write the run folder {root} (out={str(out)!r}): "
-                             f"{err.strerror or err}") from None
-        store.remove_stale_temporaries(root)
+        owner.callback(processes.close, procs)
+
+        def take_folder() -> None:
+            try:
+                owner.enter_context(store.lock(root, wait=wait_lock))
+            except OSError as err:
+                raise ValueError(f"cannot write the run folder {root} (out={str(out)!r}): "
+                                 f"{err.strerror or err}") from None
+            store.remove_stale_temporaries(root)
+
+        processes.first_rank(procs, take_folder)
         if (root / "config.json").exists():
             saved = _read_config(root / "config.json")
             if _comparable({k: saved.get(k) for k in record}) != _comparable(record):
@@ -375,7 +382,7 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
                 return summary
         log = _ProgressLog(f"{setup}/{optimizer}/seed-{seed} [{scale}]", verbose, progress, log_every_s)
         summary = TrainingLoop(cfg, ocfg, record, root, setup, optimizer, seed, scale, dev, progress,
-                               checkpoint_every_s, log).run()
+                               checkpoint_every_s, log, procs).run()
         if verbose:
             print(format_summary(summary))
         return summary
@@ -518,8 +525,10 @@ class TrainingLoop:
 
     def __init__(self, cfg: SetupConfig, ocfg: Any, record: dict[str, Any], root: Path, setup: str, optimizer: str,
                  seed: int, scale: str, dev: torch.device, progress: bool, checkpoint_every_s: float,
-                 log: _ProgressLog):
+                 log: _ProgressLog, procs: processes.Processes | None = None):
         self.cfg, self.root, self.dev, self.progress, self.log = cfg, root, dev, progress, log
+        self.procs = procs
+        self.writer = procs is None or procs.writer
         self.setup, self.optimizer, self.seed, self.scale = setup, optimizer, seed, scale
         self.checkpoint_every_s = checkpoint_every_s
         seed_everything(seed)
@@ -531,9 +540,12 @@ class TrainingLoop:
         self.spe = math.ceil(self.n / cfg.batch_size)  # steps per epoch
         self.total = cfg.epochs * self.spe
         self.eval_every = cfg.eval_every or self.spe
-        self.opt, self.scheduler = make_optimizer(self.model, ocfg, self.total)
+        self.opt, self.scheduler = make_optimizer(self.model, ocfg, self.total,
+                                                  None if procs is None else procs.group)
         self.parameter_counts = count_parameters(self.model)
-        store.write_json(root / "config.json", {**record, "device": str(dev), "versions": package_versions()})
+        if self.writer:
+            store.write_json(root / "config.json", {**record, "device": str(dev), "versions": package_versions(),
+                                                    **({} if procs is None else {"processes": procs.world})})
         # stage checkpoint file -> the update after which it is written
         self.stages = {store.stage_name(f): round(f * self.total) for f in cfg.stage_fractions}
         self.state: dict[str, Any] = {"done": 0, "post_pending": False, "training_done": False, "losses": [],
@@ -548,9 +560,16 @@ class TrainingLoop:
     def _stopping(self) -> bool:
         return self.signals.pending is not None
 
+    def _abort_evaluation(self) -> bool:
+        """Whether an evaluation stops between batches: on a stop signal, with one process only (several processes
+        agree on stopping at updates, :func:`.processes.any_rank`; each would stop an evaluation elsewhere)."""
+        return self.procs is None and self._stopping()
+
     def save_resume(self) -> None:
-        """``resume.pt`` (the previous one kept as ``resume.prev.pt``) and ``train_loss.csv``."""
+        """``resume.pt`` (the previous one kept as ``resume.prev.pt``) and ``train_loss.csv`` (rank 0 only)."""
         state, root = self.state, self.root
+        if not self.writer:
+            return
         state["wall"] = self.wall0 + time.time() - self.t0
         store.write_text(root / "train_loss.csv", store.loss_csv(state["losses"], self.spe))
         if (root / "resume.pt").exists():
@@ -567,7 +586,7 @@ class TrainingLoop:
             done: the updates applied (0: the initial model).
         """
         for name, at in self.stages.items():
-            if at == done:
+            if at == done and self.writer:
                 store.write_torch(self.root / "checkpoints" / name, store.trainable_state(self.model))
 
     def validate(self, done: int) -> None:
@@ -584,14 +603,16 @@ class TrainingLoop:
         if state["evals"] and state["evals"][-1]["step"] == done:
             return
         results = evaluate(self.model, self.task, self.data.validation, self.dev, self.cfg.eval_batch_size,
-                           abort=self._stopping, progress=self.progress)
+                           abort=self._abort_evaluation, progress=self.progress)
         metrics = metrics_of(self.cfg.task, results)
         entry = {"step": done, "epoch": done / self.spe, "metrics": metrics, "score": score(metrics)}
         state["evals"].append(entry)
-        store.write_text(self.root / "validation.jsonl", store.evals_jsonl(state["evals"]))
+        if self.writer:
+            store.write_text(self.root / "validation.jsonl", store.evals_jsonl(state["evals"]))
         if state["best"] is None or entry["score"] > state["best"]["score"]:
             state["best"] = entry
-            store.write_torch(self.root / "checkpoints" / "best.pt", store.trainable_state(self.model))
+            if self.writer:
+                store.write_torch(self.root / "checkpoints" / "best.pt", store.trainable_state(self.model))
 
     def after_update(self, done: int) -> None:
         """What follows update ``done``: validation when due, the progress line, the stage and epoch checkpoints and
@@ -606,8 +627,9 @@ class TrainingLoop:
         self.log.step(self.state, self.total, self.spe, due)
         self.write_stages(done)
         if done % self.spe == 0:
-            store.write_torch(self.root / "checkpoints" / f"epoch-{done // self.spe:03d}.pt",
-                              store.trainable_state(self.model))
+            if self.writer:
+                store.write_torch(self.root / "checkpoints" / f"epoch-{done // self.spe:03d}.pt",
+                                  store.trainable_state(self.model))
             if self.scheduler is not None:
                 self.scheduler.step()
         self.state["post_pending"] = False
@@ -617,7 +639,7 @@ class TrainingLoop:
         if epoch != self._order_epoch:
             self._order, self._order_epoch = epoch_order(self.seed, epoch, self.n), epoch
         bs = self.cfg.batch_size
-        return [self.data.train[int(i)] for i in self._order[b * bs : (b + 1) * bs]]
+        return processes.shard([self.data.train[int(i)] for i in self._order[b * bs : (b + 1) * bs]], self.procs)
 
     def update(self, bar: Any) -> bool:
         """One update on the next batch of the epoch's order, then ``resume.pt`` when one is due.
@@ -635,7 +657,7 @@ class TrainingLoop:
         step = state["done"]
         inputs, targets = self.task.collate(self._batch(step))
         try:
-            loss = train_step(self.model, self.opt, to_device(inputs, self.dev), targets.to(self.dev))
+            loss = train_step(self.model, self.opt, to_device(inputs, self.dev), targets.to(self.dev), self.procs)
         except Diverged as err:  # training ends; the update was not applied
             state["diverged"] = {"step": step + 1, "reason": str(err)}
             return False
@@ -643,11 +665,12 @@ class TrainingLoop:
         state["done"], state["post_pending"] = step + 1, True
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        if self._stopping() or time.time() - self.last_save >= self.checkpoint_every_s:
+        stopping = processes.any_rank(self._stopping(), self.procs)  # every rank stops after the same update
+        if stopping or time.time() - self.last_save >= self.checkpoint_every_s:
             self.save_resume()
             self.last_save = time.time()
-        if self._stopping():
-            raise RunInterrupted(self.signals.pending, f"after step {state['done']}")
+        if stopping:
+            raise RunInterrupted(self.signals.pending or signal.SIGTERM, f"after step {state['done']}")
         return True
 
     def train_to_end(self) -> None:
@@ -679,13 +702,14 @@ class TrainingLoop:
         Returns:
             :func:`evaluate`'s predictions on the test split(s).
         """
+        processes.barrier(self.procs)  # rank 0's last best.pt is written before any rank reads it
         best, root = self.state["best"], self.root
         same_step = [root / "checkpoints" / f"epoch-{best['step'] // self.spe:03d}.pt"] \
             if best["step"] % self.spe == 0 else []
         same_step += [root / "checkpoints" / name for name, at in self.stages.items() if at == best["step"]]
         _load_best(root, self.model, self.state, same_step)
         return evaluate(self.model, self.task, self.data.test, self.dev, self.cfg.eval_batch_size,
-                        abort=self._stopping, progress=self.progress)
+                        abort=self._abort_evaluation, progress=self.progress)
 
     def run(self) -> dict[str, Any]:
         """Train (or resume) to the end, then test the best-validation parameters.
@@ -718,7 +742,7 @@ class TrainingLoop:
         """
         cfg, root, state = self.cfg, self.root, self.state
         predictions = []
-        if cfg.task in GLUE_TASKS:
+        if cfg.task in GLUE_TASKS and self.writer:  # the other ranks return rank 0's summary
             for split, r in results.items():
                 path = write_glue_predictions(cfg.task, split, r["idx"], r["pred"], root / "predictions")
                 predictions.append(str(path.relative_to(root)))
@@ -738,10 +762,12 @@ class TrainingLoop:
                        if at <= state["done"]},
             "wall_time_s": self.wall0 + time.time() - self.t0,
         }
-        store.write_text(root / "train_loss.csv", store.loss_csv(losses, self.spe))
-        store.write_json(root / "summary.json", summary)
-        (root / "resume.pt").unlink(missing_ok=True)
-        (root / "resume.prev.pt").unlink(missing_ok=True)
+        if self.writer:
+            store.write_text(root / "train_loss.csv", store.loss_csv(losses, self.spe))
+            store.write_json(root / "summary.json", summary)
+            (root / "resume.pt").unlink(missing_ok=True)
+            (root / "resume.prev.pt").unlink(missing_ok=True)
+        processes.barrier(self.procs)  # every rank returns rank 0's summary.json
         return store.read_json(root / "summary.json")  # as a re-invocation would return it
 
 

@@ -1,0 +1,82 @@
+"""``torchrun -m companion train`` (companion.experiments.processes): a run on 2 gloo processes takes the one-process
+run's updates (each rank half of every batch), validates and tests to the same numbers, and only rank 0 writes.
+
+iEF and a mean loss are invariant to repeating the batch, so equal numbers alone would not show that each rank took
+its own half: the ranks' parts of every batch are recorded too."""
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from companion.experiments import processes, store, train
+
+SETUP = "digits-mlp"  # no dropout: the union batch's updates are the one-process updates, to float32 rounding
+
+
+def _numbers(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k != "wall_time_s"}
+
+
+def _run_on_rank(rank: int, world: int, store_file: str, optimizer: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    split, seen = processes.shard, []
+
+    def recording_shard(items, procs):  # which part of each update's batch this rank stepped on
+        part = split(items, procs)
+        seen.append((len(items), [i for i, item in enumerate(items) if any(item is p for p in part)]))
+        return part
+
+    processes.shard = recording_shard
+    try:
+        summary = train(SETUP, optimizer, 0, "smoke", out, device="cpu", progress=False, verbose=False)
+        Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps((summary, seen)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("optimizer", ["ief", "adam"])
+def test_two_processes_train_as_one_on_the_union_batch(optimizer, tmp_path):
+    one = train(SETUP, optimizer, 0, "smoke", tmp_path / "one", device="cpu", progress=False, verbose=False)
+    two_out = tmp_path / "two"
+    two_out.mkdir()
+    mp.spawn(_run_on_rank, args=(2, str(tmp_path / "store"), optimizer, str(two_out)), nprocs=2, join=True,
+             start_method="spawn")
+    (summary0, seen0), (summary1, seen1) = [pickle.loads((two_out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    assert summary0 == summary1  # every rank returns rank 0's summary.json
+    summaries = [summary0]
+    assert len(seen0) == len(seen1) == one["steps"]  # each update: rank 0 the first half of the batch, rank 1 the rest
+    assert all(a == (8, [0, 1, 2, 3]) and b == (8, [4, 5, 6, 7]) for a, b in zip(seen0, seen1))
+    got, want = _numbers(summaries[0]), _numbers(one)
+    assert got["final_train_loss"] == pytest.approx(want["final_train_loss"], rel=1e-4)
+    assert {k: v for k, v in got.items() if k != "final_train_loss"} == \
+        {k: v for k, v in want.items() if k != "final_train_loss"}
+    root_one = tmp_path / "one" / "smoke" / SETUP / optimizer / "seed-0"
+    store_root = two_out / "smoke" / SETUP / optimizer / "seed-0"
+    files = sorted(str(p.relative_to(store_root)) for p in store_root.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(root_one)) for p in root_one.rglob("*") if p.is_file())
+    assert json.loads((store_root / "config.json").read_text())["processes"] == 2
+    losses = [[float(x) for x in line.split(",")[1:]] for line in (store_root / "train_loss.csv").read_text()
+              .splitlines()[1:]]
+    reference = [[float(x) for x in line.split(",")[1:]] for line in (root_one / "train_loss.csv").read_text()
+                 .splitlines()[1:]]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-6)
+    best, best_one = (store.read_torch(r / "checkpoints" / "best.pt") for r in (store_root, root_one))
+    for name, value in best_one.items():
+        assert torch.allclose(best[name], value, rtol=1e-4, atol=1e-5 * float(value.abs().max())), name
+
+
+@pytest.mark.parametrize("size, world, parts", [(8, 2, [4, 4]), (7, 3, [3, 2, 2]), (2, 3, [1, 1, 0])])
+def test_shard_splits_a_batch_in_rank_order(size, world, parts):
+    items = list(range(size))
+    shards = [processes.shard(items, processes.Processes(r, world, None, torch.device("cpu"), False))
+              for r in range(world)]
+    assert [len(s) for s in shards] == parts and sum(shards, []) == items
+    assert processes.shard(items, None) == items

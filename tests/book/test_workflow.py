@@ -398,3 +398,25 @@ def test_interrupted_grid_resumes_and_a_rebuild_runs_nothing(tmp_path):
     assert "Nothing to be done" in again.stdout + again.stderr
     assert _summaries(runs) == after
     assert took <= 30, f"a no-op rebuild took {took:.0f} s"
+
+
+def test_a_training_job_can_have_several_gpus_through_torchrun(tmp_path):
+    """config gpus_per_train_job=N: the train rule runs the runner under torchrun on N processes of one node and the
+    SLURM profile asks for N GPUs and N CPUs; the default is the plain command with one GPU; a bad N is refused."""
+    def plan(*config: str) -> list[str]:
+        done = _snakemake("-n", "-p", "--profile", "workflow/profiles/slurm", "--config", "scale=smoke",
+                          "setups=[digits-mlp]", "seeds=[0]", f"runs={tmp_path}/runs", *config, "--", "runs")
+        assert done.returncode == 0, done.stdout + done.stderr
+        blocks = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout) if b.startswith("rule train:")]
+        assert blocks, done.stdout
+        return blocks
+
+    for block in plan():
+        assert re.search(r"\bgpu=1\b", block) and re.search(r"\bcpus_per_task=1\b", block), block
+        assert re.search(r"\S+python\S* -m companion train ", block) and "torch.distributed.run" not in block, block
+    for block in plan("gpus_per_train_job=4"):
+        assert re.search(r"\bgpu=4\b", block) and re.search(r"\bcpus_per_task=4\b", block), block
+        assert " -m torch.distributed.run --standalone --nproc_per_node 4 -m companion train --setup digits-mlp " \
+            in block, block
+    done = _snakemake("-n", "--cores", "1", "--config", "scale=smoke", "gpus_per_train_job=0")
+    assert done.returncode != 0 and "gpus_per_train_job must be an integer >= 1, got 0" in done.stdout + done.stderr

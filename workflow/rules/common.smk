@@ -219,6 +219,25 @@ def train_priority(wildcards) -> int:
     return PRIORITY["normal"] if REGISTRY.resolve(wildcards.setup, SCALE).family != "mlp" else PRIORITY["short"]
 
 
+# -------------------------------------------------------------------------------------------- several GPUs
+def _gpus_per_train_job() -> int:
+    """config gpus_per_train_job (default 1): the GPUs (and processes) of one training job, checked."""
+    value = _override("gpus_per_train_job")
+    value = 1 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise WorkflowError(f"gpus_per_train_job must be an integer >= 1, got {config.get('gpus_per_train_job')!r}")
+    return value
+
+
+# N > 1: the runner under torchrun on N processes of one node (companion.experiments.processes: each process takes
+# its part of every batch, IEF/EF/SF step exactly as one process on the union batch, rank 0 writes the run folder),
+# and the job asks SLURM for N GPUs and N CPUs. --standalone: a rendezvous of its own on the node, so that two jobs
+# that share a node do not meet.
+GPUS_PER_TRAIN_JOB = _gpus_per_train_job()
+TRAIN_LAUNCHER = (PYTHON if GPUS_PER_TRAIN_JOB == 1 else
+                  f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node {GPUS_PER_TRAIN_JOB}")
+
+
 # -------------------------------------------------------------------------------------------- SLURM limits
 def train_minutes(wildcards) -> int:
     """A training job's time limit (config slurm_time): estimated from the registry's update steps at full scale."""

@@ -4,7 +4,8 @@ The output is the run's summary.json only: the runner writes it last and atomica
 an unfinished run that the same command resumes (resume.pt), and Snakemake never deletes the folder. The runner's
 lock on the run folder makes a duplicated job (a SLURM requeue, two workflows at once) safe. A run depends on the code
 it runs (CORE_CODE: the core and the experiments code, not the chapters' back-ends): after a change there Snakemake
-removes summary.json and the runner trains the run again from step 0 (a finished run keeps no resume.pt).
+removes summary.json and the runner trains the run again from step 0 (a finished run keeps no resume.pt). With
+config gpus_per_train_job N > 1 a job runs the runner on N processes of one node (torchrun) and asks for N GPUs.
 """
 
 
@@ -20,6 +21,8 @@ rule train:
     priority: train_priority
     resources:
         runtime=train_minutes,
+        gpu=GPUS_PER_TRAIN_JOB,  # config gpus_per_train_job: N > 1 runs the runner under torchrun (common.smk)
+        cpus_per_task=GPUS_PER_TRAIN_JOB,
     shell:
-        "{PYTHON} -m companion train --setup {wildcards.setup} --optimizer {wildcards.optimizer} --seed {wildcards.seed} "
+        "{TRAIN_LAUNCHER} -m companion train --setup {wildcards.setup} --optimizer {wildcards.optimizer} --seed {wildcards.seed} "
         "--scale {wildcards.scale} --out {RUNS} --no-progress > {log} 2>&1"

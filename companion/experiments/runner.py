@@ -354,6 +354,8 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
     record = _run_record(cfg, ocfg, seed)
     procs = processes.from_environment(dev)  # torchrun: several processes, one run (rank 0 writes)
     dev = procs.device if procs is not None else dev
+    if procs is not None and not procs.writer:  # one log and one bar: rank 0's
+        verbose = progress = False
     with contextlib.ExitStack() as owner:
         owner.callback(processes.close, procs)
 

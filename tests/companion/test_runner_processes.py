@@ -80,3 +80,26 @@ def test_shard_splits_a_batch_in_rank_order(size, world, parts):
               for r in range(world)]
     assert [len(s) for s in shards] == parts and sum(shards, []) == items
     assert processes.shard(items, None) == items
+
+
+def test_torchrun_runs_the_command_line_on_two_processes(tmp_path):
+    """The workflow's command with gpus_per_train_job=2 (``python -m torch.distributed.run --standalone
+    --nproc_per_node 2 -m companion train ...``): the group comes from torchrun's environment, one log, and the
+    one-process run's summary."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["-m", "companion", "train", "--setup", SETUP, "--optimizer", "ief", "--seed", "0", "--scale", "smoke",
+            "--device", "cpu", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           *args, "--out", str(tmp_path / "two")], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("final_train_loss=") == 1, done.stdout  # rank 0 alone prints
+    one = train(SETUP, "ief", 0, "smoke", tmp_path / "one", device="cpu", progress=False, verbose=False)
+    two = store.read_json(tmp_path / "two" / "smoke" / SETUP / "ief" / "seed-0" / "summary.json")
+    assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-4)
+    assert two["best_validation"] == one["best_validation"] and two["test"] == one["test"]

@@ -21,8 +21,8 @@ optimisers compare (for one-token targets it is the mean per-sample loss). :func
 optimiser, which knows its own ``reduction``: ``L / K`` as returned with ``"mean"``, ``L`` divided by ``K`` once with
 ``"sum"``.
 
-Across processes (``torchrun``, :mod:`.processes`): the exact optimisers take ``process_group=`` and step on the union
-of the ranks' batches; the torch optimisers' loss is each rank's summed cross-entropy over the union's ``K``, their
+Across processes (``torchrun``, :mod:`.processes`): the :mod:`ief.optim` optimisers take ``process_group=`` and step
+on the union of the ranks' batches; the torch optimisers' loss is each rank's summed cross-entropy over the union's ``K``, their
 gradients summed over the ranks; the reported loss is the union batch's ``L / K``.
 """
 from __future__ import annotations
@@ -59,8 +59,8 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: in
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
     """``(optimizer, epoch scheduler or None)``; the scheduler, if any, is stepped at the end of every epoch.
 
-    ``process_group`` (several processes): given to the exact optimisers (``ief``, ``ef``, ``sf``, ``ief-momentum``);
-    the torch optimisers sum their gradients in :func:`train_step`."""
+    ``process_group`` (several processes): given to the :mod:`ief.optim` optimisers (``ief``, ``ef``, ``sf``,
+    ``ief-momentum``, the K-FAC kinds); the torch optimisers sum their gradients in :func:`train_step`."""
     params = [p for p in model.parameters() if p.requires_grad]
     name = cfg.name
     if name in EXACT:
@@ -81,7 +81,8 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: in
                              f"convention={cfg.options['convention']!r}")
         opt = KFAC(model, name, lr=cfg.lr, damping=cfg.damping,
                    factor_decay=float(cfg.options.get("factor_decay", 0.95)),
-                   inverse_every=int(cfg.options.get("inverse_every", 10)), weight_decay=cfg.weight_decay)
+                   inverse_every=int(cfg.options.get("inverse_every", 10)), weight_decay=cfg.weight_decay,
+                   process_group=process_group)
     elif name == "adamw":
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     elif name == "adam":

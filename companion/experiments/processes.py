@@ -6,16 +6,16 @@ Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) every process runs th
 - the batch of each update (the epoch order's next ``batch_size`` examples) is split in rank order into contiguous
   parts (:func:`shard`; the first ``M mod R`` ranks take one example more), so that the ranks' batches concatenated in
   rank order are the one-process batch;
-- ``ief``, ``ef``, ``sf`` and ``ief-momentum`` take the world group (``process_group=``): :mod:`ief.optim`'s exact step
-  on the union batch; AdamW, Adam, SGD and Adafactor step on the union batch's mean cross-entropy (each rank's summed
-  loss over the union's target count, the gradients all-reduced: :func:`union_gradients`); the K-FAC kinds are
-  refused by ``ief.optim.KFAC`` itself, in one sentence, when it cannot step across processes;
+- ``ief``, ``ef``, ``sf``, ``ief-momentum`` and the K-FAC kinds take the world group (``process_group=``):
+  :mod:`ief.optim`'s step on the union batch; AdamW, Adam, SGD and Adafactor step on the union batch's mean
+  cross-entropy (each rank's summed loss over the union's target count, the gradients all-reduced:
+  :func:`union_gradients`);
 - the replicas stay identical, so every rank validates and tests on the whole split itself (the same numbers, no
   collective), and only rank 0 takes the run folder's lock and writes its files (:attr:`Processes.writer`);
 - a stop signal (SIGTERM, SIGINT, SIGHUP) is agreed at every update (:func:`any_rank`), so every rank stops after the
   same update and rank 0 saves ``resume.pt``; an evaluation is not aborted half-way (each rank would stop elsewhere).
 
-With dropout or SF's sampled labels, each rank draws its own random numbers (the same seed on every rank, so the
+With dropout, SF's or K-FAC's sampled labels, each rank draws its own random numbers (the same seed on every rank, so the
 masks of rank ``r``'s samples are not those one process would draw): the same method, not the same bits. A
 process that dies or hangs is caught by the process group's timeout (gloo 30 min, NCCL 10 min by default).
 """

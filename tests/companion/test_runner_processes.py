@@ -42,7 +42,7 @@ def _run_on_rank(rank: int, world: int, store_file: str, optimizer: str, out: st
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("optimizer", ["ief", "adam"])
+@pytest.mark.parametrize("optimizer", ["ief", "iekfac", "adam"])
 def test_two_processes_train_as_one_on_the_union_batch(optimizer, tmp_path):
     one = train(SETUP, optimizer, 0, "smoke", tmp_path / "one", device="cpu", progress=False, verbose=False)
     two_out = tmp_path / "two"

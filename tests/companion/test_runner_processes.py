@@ -103,3 +103,46 @@ def test_torchrun_runs_the_command_line_on_two_processes(tmp_path):
     two = store.read_json(tmp_path / "two" / "smoke" / SETUP / "ief" / "seed-0" / "summary.json")
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-4)
     assert two["best_validation"] == one["best_validation"] and two["test"] == one["test"]
+
+
+def _stopped_on_one_rank_then_resumed(rank: int, world: int, store_file: str, out: str) -> None:
+    import datetime
+
+    from companion.experiments import runner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # a rank left waiting fails the test, not hangs
+    original = runner.TrainingLoop._stopping
+    runner.TrainingLoop._stopping = lambda self: rank == 1 and self.state["done"] == 3  # a signal on rank 1 only
+    try:
+        try:
+            train(SETUP, "ief", 0, "smoke", out, device="cpu", progress=False, verbose=False)
+            stopped = None
+        except runner.RunInterrupted as err:
+            stopped = str(err)
+        runner.TrainingLoop._stopping = original
+        dist.barrier()  # rank 0 has written resume.pt
+        resume = store.read_torch(Path(out, "smoke", SETUP, "ief", "seed-0", "resume.pt"))["state"]["done"]
+        dist.barrier()
+        summary = train(SETUP, "ief", 0, "smoke", out, device="cpu", progress=False, verbose=False)
+        Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps((stopped, resume, summary)))
+        dist.barrier()
+    finally:
+        runner.TrainingLoop._stopping = original
+        dist.destroy_process_group()
+
+
+def test_a_stop_on_one_rank_stops_every_rank_and_the_run_resumes_on_two(tmp_path):
+    """A stop signal seen by rank 1 alone stops both ranks after the same update (agreed), rank 0 saves resume.pt
+    there, and the same command on two processes resumes to the uninterrupted run's summary."""
+    one = train(SETUP, "ief", 0, "smoke", tmp_path / "one", device="cpu", progress=False, verbose=False)
+    out = tmp_path / "two"
+    out.mkdir()
+    mp.spawn(_stopped_on_one_rank_then_resumed, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True,
+             start_method="spawn")
+    results = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    for stopped, resume, summary in results:
+        assert stopped is not None and "after step 3" in stopped and resume == 3
+        assert summary["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-4)
+        assert _numbers({**summary, "final_train_loss": None}) == _numbers({**one, "final_train_loss": None})

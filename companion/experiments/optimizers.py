@@ -22,8 +22,8 @@ optimiser, which knows its own ``reduction``: ``L / K`` as returned with ``"mean
 ``"sum"``.
 
 Across processes (``torchrun``, :mod:`.processes`): the :mod:`ief.optim` optimisers take ``process_group=`` and step
-on the union of the ranks' batches; the torch optimisers' loss is each rank's summed cross-entropy over the union's ``K``, their
-gradients summed over the ranks; the reported loss is the union batch's ``L / K``.
+on the union of the ranks' batches; the torch optimisers' loss is each rank's summed cross-entropy over the union's
+``K``, their gradients summed over the ranks; the reported loss is the union batch's ``L / K``.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) every process runs th
 - a stop signal (SIGTERM, SIGINT, SIGHUP) is agreed at every update (:func:`any_rank`), so every rank stops after the
   same update and rank 0 saves ``resume.pt``; an evaluation is not aborted half-way (each rank would stop elsewhere).
 
-With dropout, SF's or K-FAC's sampled labels, each rank draws its own random numbers (the same seed on every rank, so the
-masks of rank ``r``'s samples are not those one process would draw): the same method, not the same bits. A
+With dropout, SF's or K-FAC's sampled labels, each rank draws its own random numbers (the same seed on every rank,
+so the masks of rank ``r``'s samples are not those one process would draw): the same method, not the same bits. A
 process that dies or hangs is caught by the process group's timeout (gloo 30 min, NCCL 10 min by default).
 """
 from __future__ import annotations

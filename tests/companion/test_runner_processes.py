@@ -146,3 +146,34 @@ def test_a_stop_on_one_rank_stops_every_rank_and_the_run_resumes_on_two(tmp_path
         assert stopped is not None and "after step 3" in stopped and resume == 3
         assert summary["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-4)
         assert _numbers({**summary, "final_train_loss": None}) == _numbers({**one, "final_train_loss": None})
+
+
+def _train_and_report(rank: int, world: int, store_file: str, out: str) -> None:
+    import datetime
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        try:
+            train(SETUP, "ief", 0, "smoke", out, device="cpu", progress=False, verbose=False)
+            outcome = "trained"
+        except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+            outcome = f"{type(err).__name__}: {err}"
+        Path(out, f"rank{rank}.txt").write_text(outcome)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_run_locked_elsewhere_is_refused_on_every_rank(tmp_path):
+    """Rank 0 alone takes the run folder's lock; when another process holds it, rank 0 raises RunLocked (Locked) and
+    rank 1 a RuntimeError with its message (no rank left waiting in a collective)."""
+    out = tmp_path / "runs"
+    root = out / "smoke" / SETUP / "ief" / "seed-0"
+    with store.lock(root):
+        mp.spawn(_train_and_report, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True,
+                 start_method="spawn")
+    first, second = ((out / f"rank{r}.txt").read_text() for r in range(2))
+    assert first.startswith("Locked: ") and "this run is already running" in first, first
+    assert second == f"RuntimeError: rank 0 failed: {first}"

@@ -14,6 +14,8 @@ own ``--batch`` samples (seed ``seed + 1 + rank``). Cases, timed round-robin on 
   (:mod:`ief.distributed`: the Gram from all-gathered column chunks of the rows, one all-reduce of the direction);
 - ``ddp``: ``DistributedDataParallel`` + ``AdamW``: ``zero_grad``, forward, ``backward`` (with DDP's bucketed gradient
   all-reduce) and the AdamW step, on the same local batch, the loss the summed cross-entropy (as IEF's).
+- ``ief_one``: one ``IEF`` step of one process on the union batch (every rank's batch concatenated; a group of one
+  process, so no communication): the same update, what the exact step across processes costs beside it.
 
 Models: ``mlp`` (``benchmarks.workloads``' 784-256-256-10 tanh MLP, every parameter trainable) and ``bert-lora`` (a
 ``BertForSequenceClassification`` from a config, hidden 128, 2 layers, 4 heads, vocabulary 1,000, ``--tokens``
@@ -57,7 +59,8 @@ from benchmarks.workloads import _quiet_transformers, build_mlp, logits_of
 
 MODELS = ("mlp", "bert-lora")
 COUNTED = ("all_gather", "all_reduce", "all_gather_object", "broadcast")
-LABELS = {"ief": "`IEF(process_group=WORLD)` step", "ddp": "DDP + AdamW step"}
+LABELS = {"ief": "`IEF(process_group=WORLD)` step", "ddp": "DDP + AdamW step",
+          "ief_one": "`IEF` step, one process on the union batch"}
 
 
 # ------------------------------------------------------------------------------------------------------------ models
@@ -190,11 +193,24 @@ def formula_bytes(params: int, m_max: int, world: int, entry_bytes: int = 4) -> 
 
 
 # ------------------------------------------------------------------------------------------------------------- ranks
+def union_batch(name: str, args: argparse.Namespace, world: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+    """Every rank's batch concatenated in rank order: the batch one process would step on."""
+    parts = [build(name, args.batch, args.tokens, args.seed, r, device)[1:3] for r in range(world)]
+    targets = torch.cat([t for _, t in parts])
+    if isinstance(parts[0][0], dict):
+        return {k: torch.cat([x[k] for x, _ in parts]) for k in parts[0][0]}, targets
+    return torch.cat([x for x, _ in parts]), targets
+
+
 def cases_of(name: str, args: argparse.Namespace, rank: int, device: torch.device) -> tuple[dict, dict]:
-    """The two cases of one model on this rank, and what describes it."""
+    """The three cases of one model on this rank, and what describes it."""
     model, inputs, targets, desc = build(name, args.batch, args.tokens, args.seed, rank, device)
-    ddp_model = copy.deepcopy(model)
+    ddp_model, one_model = copy.deepcopy(model), copy.deepcopy(model)
     opt = ief.optim.IEF(model, lr=args.lr, damping=args.damping, process_group=dist.group.WORLD)
+    world = dist.get_world_size()
+    alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group, in the same order
+    one = ief.optim.IEF(one_model, lr=args.lr, damping=args.damping, process_group=alone[rank])  # a group of one
+    union_inputs, union_targets = union_batch(name, args, world, device)
     with warnings.catch_warnings():  # broadcast_buffers=False: no sync of the (constant) buffers, at init or after
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -210,7 +226,8 @@ def cases_of(name: str, args: argparse.Namespace, rank: int, device: torch.devic
         return loss.detach()
 
     info = dict(model=name, description=desc, params=sum(p.numel() for p in trainable(model)))
-    return {"ief": lambda: opt.step(inputs, targets), "ddp": ddp_step}, info
+    return {"ief": lambda: opt.step(inputs, targets), "ddp": ddp_step,
+            "ief_one": lambda: one.step(union_inputs, union_targets)}, info
 
 
 def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -229,7 +246,7 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
         every = [None] * world
         dist.all_gather_object(every, dict(times=times, bytes=bytes_by_case, load=load.cores))
         slowest = {k: [max(r["times"][k][i] for r in every) for i in range(args.repeats)] for k in cases}
-        rows = harness.rows(slowest, {"ief": "ddp", "ddp": None}, LABELS)
+        rows = harness.rows(slowest, {"ief": "ddp", "ddp": None, "ief_one": "ddp"}, LABELS)
         results.append(dict(info, world=world, batch=args.batch, rows=rows,
                             bytes_per_rank=[r["bytes"] for r in every], other_load_cores=every[0]["load"],
                             formula=formula_bytes(info["params"], args.batch, world)))
@@ -272,19 +289,23 @@ def table(results: list[dict], args: argparse.Namespace, device: str) -> dict:
     body = []
     for res in results:
         by_key = {r["key"]: r for r in res["rows"]}
-        worst = {k: max(b[k]["received"] for b in res["bytes_per_rank"]) for k in ("ief", "ddp")}
+        worst = {k: max(b[k]["received"] for b in res["bytes_per_rank"]) for k in ("ief", "ddp", "ief_one")}
         sent = max(b["ief"]["sent"] for b in res["bytes_per_rank"])
         ddp = res["formula"]["ddp"] + worst["ddp"]  # the reducer's buckets, plus any collective seen (none expected)
         body.append([res["model"], res["params"], f"{res['world']} x {res['batch']}", by_key["ief"]["median_ms"],
-                     by_key["ddp"]["median_ms"], by_key["ief"]["ratio"], sent / MIB, worst["ief"] / MIB,
+                     by_key["ddp"]["median_ms"], by_key["ief"]["ratio"], by_key["ief_one"]["median_ms"],
+                     sent / MIB, worst["ief"] / MIB,
                      res["formula"]["ief"] / MIB, ddp / MIB, worst["ief"] / ddp])
     return harness.table(
         f"The exact iEF step across {args.world} processes against DDP + AdamW ({device}, one thread each)",
         [("model", "s"), ("P", ",d"), ("ranks x M_r", "s"), ("IEF ms", ".1f"), ("DDP + AdamW ms", ".1f"),
-         ("IEF / DDP time", ".2f"), ("IEF sent MiB", ".3f"), ("IEF received MiB", ".3f"),
+         ("IEF / DDP time", ".2f"), ("IEF, one process on the union batch, ms", ".1f"), ("IEF sent MiB", ".3f"),
+         ("IEF received MiB", ".3f"),
          ("formula M_max R P b + 8P, MiB", ".3f"), ("DDP all-reduce MiB", ".3f"), ("IEF / DDP bytes", ".1f")], body,
         note="Per rank and step. Times: median over rounds of the slowest rank's; the ratio is the median of "
-             "within-round ratios. IEF's bytes: the payload of the torch.distributed collectives its step calls "
+             "within-round ratios. 'One process on the union batch': every rank steps alone (a group of one) on "
+             "the concatenated batches, the same update without communication, the ranks at once (one core "
+             "each). IEF's bytes: the payload of the torch.distributed collectives its step calls "
              "(wrapped), received counting every rank's part of an all-gather (as the formula does); DDP's: its "
              "bucketed gradient all-reduce, the trainable gradients' bytes (4P), sent and received, which the "
              "wrappers cannot see inside the reducer. A ring all-reduce moves about 2(R-1)/R of its payload.")

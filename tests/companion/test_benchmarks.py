@@ -312,8 +312,7 @@ def test_the_distributed_benchmark_runs_one_gloo_process(tmp_path):
     doc = _distributed_record(tmp_path, "--world", "1")
     assert [r["model"] for r in doc["results"]["models"]] == ["mlp", "bert-lora"]
     for res in doc["results"]["models"]:
-        assert res["bytes_per_rank"] == [{"ief": {"sent": 0, "received": 0, "calls": 0},
-                                          "ddp": {"sent": 0, "received": 0, "calls": 0}}]
+        assert res["bytes_per_rank"] == [{k: {"sent": 0, "received": 0, "calls": 0} for k in ("ief", "ddp", "ief_one")}]
         assert res["formula"] == dict(gram=0, direction=0, ief=0, ddp=4 * res["params"])
         assert all(r["median_ms"] > 0 for r in res["rows"])
     (table,) = doc["tables"]
@@ -329,7 +328,7 @@ def test_the_distributed_benchmark_counts_what_two_processes_send(tmp_path):
     params = 784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
     assert res["params"] == params and res["formula"]["ief"] == 2 * 2 * params * 4 + 8 * params
     first, second = res["bytes_per_rank"]
-    assert first == second and first["ddp"]["calls"] == 0
+    assert first == second and first["ddp"]["calls"] == 0 == first["ief_one"]["calls"]  # a group of one: no traffic
     assert 0 <= first["ief"]["received"] - res["formula"]["ief"] < 1024
     assert first["ief"]["sent"] >= 2 * params * 4 + 8 * params  # its rows' chunks and its part of the direction
 

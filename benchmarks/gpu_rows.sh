@@ -55,7 +55,7 @@ fi
 
 # 1. the CUDA tests (skipped on a machine without a GPU)
 part tests 150 $PY -m pytest -q -p no:cacheprovider -x tests/ief/test_gpu.py \
-  $(ls tests/ief/test_precision.py tests/ief/test_host_syncs.py 2>/dev/null) -k "cuda or gpu"
+  $(ls tests/ief/test_precision.py tests/companion/test_host_syncs.py 2>/dev/null) -k "cuda or gpu"
 # 2. GPT-2 full fine-tuning (issue 38's largest gap), now and before
 part gpt2_full 240 $PY -m benchmarks gpt2_full --device "$DEVICE" $G --json "$OUT/gpt2_full-$CARD.json"
 if [ -d .before/ief ]; then

@@ -15,7 +15,7 @@ operator is at least one kernel launch. Both can be counted on the CPU, where no
 - :func:`count_call`: both around one call, as a :class:`Counts`.
 
 ``steady_counts`` builds the steady state of an optimiser step (warm-up calls first: the exact per-sample check of
-step 0, first-shape caches) and counts one more call. Used by ``tests/ief/test_host_syncs.py`` and by
+step 0, first-shape caches) and counts one more call. Used by ``tests/companion/test_host_syncs.py`` and by
 ``python -m benchmarks step`` / ``paper_mlp``.
 """
 from __future__ import annotations

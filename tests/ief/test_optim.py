@@ -1113,7 +1113,7 @@ def test_sf_refuses_a_non_finite_gradient_naming_the_step(monkeypatch):
 def test_a_diverging_run_is_warned_about_once_naming_the_rate_and_what_to_try():
     """iEF at lr 300 on a small MLP overshoots (mean loss 1.16 -> 1,461 in one step): one UserWarning names the growth,
     the rate and a 10x smaller one; a run at lr 1 is not warned about; the loss it watches is read with the step's
-    own checks (tests/ief/test_host_syncs.py holds the round-trip budget)."""
+    own checks (tests/companion/test_host_syncs.py holds the round-trip budget)."""
     import warnings
 
     torch.manual_seed(0)

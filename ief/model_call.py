@@ -95,24 +95,37 @@ def non_reentrant_checkpointing(model: torch.nn.Module) -> Iterator[None]:
             module._gradient_checkpointing_func = func
 
 
-def scan_graph(tensor: torch.Tensor, watch: Mapping[int, int]) -> set[int]:
-    """The values of ``watch`` (``id`` of a leaf tensor -> index) whose leaves the autograd graph behind ``tensor``
-    reaches (their gradient accumulators are in it): one walk over the graph's nodes."""
-    reached: set[int] = set()
-    root = tensor.grad_fn
-    if root is None or not watch:
-        return reached
-    seen, stack = {root}, [root]
+def graph_nodes(roots: Iterable) -> Iterator:
+    """Every autograd node the graphs behind ``roots`` reach, each once (depth first; ``None`` roots skipped).
+
+    Args:
+        roots: autograd nodes (``tensor.grad_fn``).
+
+    Returns:
+        An iterator over the nodes; a caller may stop early.
+    """
+    stack = [r for r in dict.fromkeys(roots) if r is not None]
+    seen = set(stack)
     while stack:
         node = stack.pop()
-        if type(node).__name__ == "AccumulateGrad":
-            index = watch.get(id(node.variable))
-            if index is not None:
-                reached.add(index)
+        yield node
         for child, _ in node.next_functions:
             if child is not None and child not in seen:
                 seen.add(child)
                 stack.append(child)
+
+
+def scan_graph(tensor: torch.Tensor, watch: Mapping[int, int]) -> set[int]:
+    """The values of ``watch`` (``id`` of a leaf tensor -> index) whose leaves the autograd graph behind ``tensor``
+    reaches (their gradient accumulators are in it): one walk over the graph's nodes."""
+    reached: set[int] = set()
+    if tensor.grad_fn is None or not watch:
+        return reached
+    for node in graph_nodes([tensor.grad_fn]):
+        if type(node).__name__ == "AccumulateGrad":
+            index = watch.get(id(node.variable))
+            if index is not None:
+                reached.add(index)
     return reached
 
 

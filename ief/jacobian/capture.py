@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ..model_call import extract_logits, shapes_of
+from ..model_call import extract_logits, graph_nodes, shapes_of
 from .errors import PerSampleGradientMismatch
 from .rules import LayerRule, rule_for
 from .rules.broadcast import Use, UseTracker, check_sums, establish, per_sample_rows
@@ -79,16 +79,11 @@ def reached_nodes(roots: Iterable, targets: Iterable) -> set:
         The subset of ``targets`` found.
     """
     wanted, found = set(targets), set()
-    stack = [r for r in dict.fromkeys(roots) if r is not None]
-    seen = set(stack)
-    while stack and len(found) < len(wanted):
-        node = stack.pop()
+    for node in graph_nodes(roots):
+        if len(found) == len(wanted):
+            break
         if node in wanted:
             found.add(node)
-        for child, _ in node.next_functions:
-            if child is not None and child not in seen:
-                seen.add(child)
-                stack.append(child)
     return found
 
 

@@ -100,6 +100,19 @@ def folder(text: str) -> str:
     return text
 
 
+def precision(text: str) -> str:
+    """A forward precision: float32, bfloat16 or bf16 (recorded as ``"float32"`` / ``"bfloat16"``); float16 refused
+    with the library's reason (:func:`companion.experiments.precision.check_precision`)."""
+    from .experiments.precision import ACCEPTED, FLOAT16_NAMES, check_precision
+
+    try:
+        return check_precision(text)
+    except ValueError as err:
+        if text.strip().lower() in FLOAT16_NAMES:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        raise _reject(text, ACCEPTED) from None
+
+
 def setting(text: str) -> str:
     """``KEY=VALUE`` with VALUE JSON (or plain text); a JSON NaN or Infinity anywhere in VALUE is refused."""
     key, sep, value = text.partition("=")
@@ -213,6 +226,11 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--schedule", default=None, metavar="NAME",
                    help="override the schedule: constant | normalised-linear (ief, ef, sf) | multistep")
     t.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    t.add_argument("--precision", type=precision, default="float32", metavar="P",
+                   help="the forwards' precision: float32 (default) or bfloat16 / bf16 (every forward, training and "
+                   "evaluation, under torch.autocast to bfloat16; parameters, optimiser states and checkpoints stay "
+                   "float32); a bfloat16 run is recorded as such and goes to OUT/bfloat16/<scale>/...; float16 is "
+                   "refused (ief.precision)")
     t.add_argument("--checkpoint-every", type=positive_seconds, default=120.0, metavar="SECONDS",
                    help="write resume.pt at least this often (default 120)")
     t.add_argument("--no-progress", action="store_true",
@@ -395,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             print(warning, file=sys.stderr, flush=True)
         train(args.setup, args.optimizer, args.seed, args.scale, args.out, lr=args.lr, schedule=args.schedule,
               overrides=overrides, device=args.device, progress=not args.no_progress,
-              checkpoint_every_s=args.checkpoint_every, wait_lock=args.wait_lock, log_every_s=args.log_every)
+              checkpoint_every_s=args.checkpoint_every, wait_lock=args.wait_lock, log_every_s=args.log_every,
+              precision=args.precision)
         return 0
     except RunInterrupted as err:
         print(f"interrupted: {err}", file=sys.stderr)

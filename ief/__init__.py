@@ -35,6 +35,7 @@ from .kfac import check_linear_only, kfac_direction
 from .logit_jvp import ForwardModeUnsupported
 from .losses import IGNORE_INDEX, causal_lm_targets, count_targets, get_loss, logit_sqnorm
 from .model_call import call_model
+from .precision import refuse_float16
 from .jacobian import (LayerRule, PerSample, PerSampleGradientMismatch, SlowPathWarning, per_sample,
                        per_sample_prompts, register_rule, sampled_jacobian, write_block)
 
@@ -76,5 +77,6 @@ __all__ = [
     "call_model",
     "get_loss",
     "logit_sqnorm",
+    "refuse_float16",
     "__version__",
 ]

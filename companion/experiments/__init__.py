@@ -5,9 +5,10 @@
 >>> train("digits-mlp", "ief", seed=0, scale="smoke", out="runs")       # doctest: +SKIP
 
 Command line: ``python -m companion describe --setup S --scale X [--random-weights] [--json]`` and
-``python -m companion train --setup S --optimizer O --seed K --scale X --out DIR``. Modules: :mod:`.setups` (names and
-hyperparameters), :mod:`.data`, :mod:`.models`, :mod:`.tasks` (inputs, targets, predictions), :mod:`.metrics`,
-:mod:`.optimizers`, :mod:`.store` (the run folder) and :mod:`.runner`.
+``python -m companion train --setup S --optimizer O --seed K --scale X --out DIR [--precision bf16]``. Modules:
+:mod:`.setups` (names and hyperparameters), :mod:`.data`, :mod:`.models`, :mod:`.tasks` (inputs, targets,
+predictions), :mod:`.metrics`, :mod:`.optimizers`, :mod:`.precision` (a run's forward precision), :mod:`.store` (the
+run folder) and :mod:`.runner`.
 """
 from .data import MissingResource
 from .runner import RunConflict, RunInterrupted, describe, format_describe, format_summary, run_dir, train

@@ -66,6 +66,7 @@ from .data import FULL_SIZES, Data, load_data
 from .metrics import score, split_metrics, write_glue_predictions
 from .models import build_model, count_parameters
 from .optimizers import Diverged, make_optimizer, train_step
+from .precision import DEFAULT as DEFAULT_PRECISION, check_precision, forward_precision, run_folder
 from .setups import GLUE_TASKS, SetupConfig, optimizer_config, resolve
 from .summaries import final_train_loss, final_window
 from .tasks import make_task, to_device
@@ -119,8 +120,23 @@ class _Signals:
             signal.signal(s, handler)
 
 
-def run_dir(out: str | Path, scale: str, setup: str, optimizer: str, seed: int) -> Path:
-    return Path(out) / scale / setup / optimizer / f"seed-{seed}"
+def run_dir(out: str | Path, scale: str, setup: str, optimizer: str, seed: int, precision: str = DEFAULT_PRECISION
+            ) -> Path:
+    """A run's folder: ``out/<scale>/<setup>/<optimizer>/seed-<seed>``, under ``out/bfloat16/`` for a bfloat16 run
+    (:func:`.precision.run_folder`).
+
+    Args:
+        out: the runs folder.
+        scale: the scale.
+        setup: the setup's name.
+        optimizer: the optimiser's name.
+        seed: the run's seed.
+        precision: ``"float32"`` (default), ``"bfloat16"`` or ``"bf16"`` (:func:`.precision.check_precision`).
+
+    Returns:
+        The folder.
+    """
+    return run_folder(out, precision) / scale / setup / optimizer / f"seed-{seed}"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -180,8 +196,8 @@ def metrics_of(task_name: str, results: dict[str, dict[str, Any]]) -> dict[str, 
     return merged
 
 
-def _run_record(cfg: SetupConfig, opt: Any, seed: int) -> dict[str, Any]:
-    record = {"setup": cfg.to_dict(), "optimizer": dataclasses.asdict(opt), "seed": seed}
+def _run_record(cfg: SetupConfig, opt: Any, seed: int, precision: str = DEFAULT_PRECISION) -> dict[str, Any]:
+    record = {"setup": cfg.to_dict(), "optimizer": dataclasses.asdict(opt), "seed": seed, "precision": precision}
     return json.loads(json.dumps(store.finite_or_none(record)))  # tuples -> lists, as read back from JSON
 
 
@@ -195,6 +211,11 @@ def package_versions() -> dict[str, str]:
             "peft": peft.__version__}
 
 
+def _scale_label(scale: str, precision: str) -> str:
+    """What a run's lines show in brackets: the scale, and the precision when it is not float32 (``smoke, bfloat16``)."""
+    return scale if precision == DEFAULT_PRECISION else f"{scale}, {precision}"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     def fmt(m: dict | None) -> str:
         return "n/a" if not m else " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
@@ -204,7 +225,8 @@ def format_summary(s: dict[str, Any]) -> str:
     window = s.get("final_train_loss_updates")
     over = f" (last {window} of {s['steps']} updates)" if window else " (last 100 updates: an older run)"
     div = f" DIVERGED at step {s['diverged']['step']}" if s.get("diverged") else ""
-    return (f"{s['setup']}/{s['optimizer']}/seed-{s['seed']} [{s['scale']}]: final_train_loss="
+    where = _scale_label(s["scale"], s.get("precision", DEFAULT_PRECISION))
+    return (f"{s['setup']}/{s['optimizer']}/seed-{s['seed']} [{where}]: final_train_loss="
             f"{'n/a' if loss is None else f'{loss:.4f}{over}'} | "
             f"best validation (step {s['best_validation']['step']}): "
             f"{fmt(s['best_validation']['metrics'])} | test: {fmt(s['test'])}{div} | {s['wall_time_s']:.1f}s")
@@ -283,8 +305,10 @@ def _comparable(record: dict[str, Any]) -> dict[str, Any]:
     ``--lr`` equal to the registered rate is no override) and the setup's table of registered optimisers (the run's
     own optimiser, as it ran, is ``optimizer``; a new search's rate for AdamW does not change an SGD run, nor a
     re-registered rate a finished run at an overridden one); a config.json from before ``stage_fractions`` existed
-    takes the default."""
+    takes the default, one from before ``precision`` existed float32 (the only precision then)."""
     out = json.loads(json.dumps(record))
+    if out.get("precision") is None:
+        out["precision"] = DEFAULT_PRECISION
     if isinstance(out.get("optimizer"), dict):
         out["optimizer"].pop("source", None)
     if isinstance(out.get("setup"), dict):
@@ -330,11 +354,14 @@ def recorded_overrides(root: str | Path, setup: str, scale: str) -> dict[str, An
 def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: str | Path = "runs", *,
           lr: float | None = None, schedule: str | None = None, overrides: dict[str, Any] | None = None,
           device: str | None = None, progress: bool = True, checkpoint_every_s: float = 120.0,
-          verbose: bool = True, wait_lock: bool = False, log_every_s: float = 300.0) -> dict[str, Any]:
+          verbose: bool = True, wait_lock: bool = False, log_every_s: float = 300.0,
+          precision: str = DEFAULT_PRECISION) -> dict[str, Any]:
     """Run (or resume, or skip if finished) one training run; returns its summary (see :mod:`.store` for the files).
 
     ``lr`` and ``schedule`` override the optimiser's learning rate and schedule, ``overrides`` fields of the resolved
-    setup (all recorded in ``config.json``). Every argument is checked before anything is written (``ValueError``).
+    setup (all recorded in ``config.json``). ``precision`` (``"float32"``, ``"bfloat16"`` or ``"bf16"``; float16
+    refused) runs every forward under bfloat16 autocast, in its own folder (:mod:`.precision`). Every argument is
+    checked before anything is written (``ValueError``).
     ``verbose`` without ``progress``: a progress line at every validation and at least every ``log_every_s`` seconds.
     Raises :class:`RunLocked` when another process runs this run (``wait_lock=True``: wait for it instead),
     :class:`RunInterrupted` after SIGTERM/SIGINT/SIGHUP (``resume.pt`` saved), :class:`.store.CorruptFile` when a
@@ -349,9 +376,10 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if isinstance(log_every_s, bool) or not isinstance(log_every_s, (int, float)) or not log_every_s > 0:
         raise ValueError(f"log_every_s must be a number of seconds > 0, got {log_every_s!r}")
+    precision = check_precision(precision)
     dev = resolve_device(device)
-    root = run_dir(out, scale, setup, optimizer, seed)
-    record = _run_record(cfg, ocfg, seed)
+    root = run_dir(out, scale, setup, optimizer, seed, precision)
+    record = _run_record(cfg, ocfg, seed, precision)
     procs = processes.from_environment(dev)  # torchrun: several processes, one run (rank 0 writes)
     dev = procs.device if procs is not None else dev
     if procs is not None and not procs.writer:  # one log and one bar: rank 0's
@@ -382,7 +410,8 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
                 if verbose:
                     print(f"skipped (finished): {format_summary(summary)}")
                 return summary
-        log = _ProgressLog(f"{setup}/{optimizer}/seed-{seed} [{scale}]", verbose, progress, log_every_s)
+        log = _ProgressLog(f"{setup}/{optimizer}/seed-{seed} [{_scale_label(scale, precision)}]", verbose, progress,
+                           log_every_s)
         summary = TrainingLoop(cfg, ocfg, record, root, setup, optimizer, seed, scale, dev, progress,
                                checkpoint_every_s, log, procs).run()
         if verbose:
@@ -513,7 +542,7 @@ class TrainingLoop:
     Args:
         cfg: the checked setup (:func:`check_setup`).
         ocfg: the optimiser's configuration.
-        record: what ``config.json`` records of the invocation (:func:`_run_record`).
+        record: what ``config.json`` records of the invocation (:func:`_run_record`), ``precision`` included.
         root: the run folder (:func:`run_dir`).
         setup: the setup's name.
         optimizer: the optimiser's name.
@@ -533,6 +562,7 @@ class TrainingLoop:
         self.writer = procs is None or procs.writer
         self.setup, self.optimizer, self.seed, self.scale = setup, optimizer, seed, scale
         self.checkpoint_every_s = checkpoint_every_s
+        self.precision = record["precision"]
         seed_everything(seed)
         self.data = load_data(cfg)  # missing data or weights fail here, before anything is written
         self.model, preprocessor = build_model(cfg, self.data)
@@ -604,8 +634,9 @@ class TrainingLoop:
         state = self.state
         if state["evals"] and state["evals"][-1]["step"] == done:
             return
-        results = evaluate(self.model, self.task, self.data.validation, self.dev, self.cfg.eval_batch_size,
-                           abort=self._abort_evaluation, progress=self.progress)
+        with forward_precision(self.precision, self.dev):
+            results = evaluate(self.model, self.task, self.data.validation, self.dev, self.cfg.eval_batch_size,
+                               abort=self._abort_evaluation, progress=self.progress)
         metrics = metrics_of(self.cfg.task, results)
         entry = {"step": done, "epoch": done / self.spe, "metrics": metrics, "score": score(metrics)}
         state["evals"].append(entry)
@@ -659,7 +690,8 @@ class TrainingLoop:
         step = state["done"]
         inputs, targets = self.task.collate(self._batch(step))
         try:
-            loss = train_step(self.model, self.opt, to_device(inputs, self.dev), targets.to(self.dev), self.procs)
+            with forward_precision(self.precision, self.dev):
+                loss = train_step(self.model, self.opt, to_device(inputs, self.dev), targets.to(self.dev), self.procs)
         except Diverged as err:  # training ends; the update was not applied
             state["diverged"] = {"step": step + 1, "reason": str(err)}
             return False
@@ -710,8 +742,9 @@ class TrainingLoop:
             if best["step"] % self.spe == 0 else []
         same_step += [root / "checkpoints" / name for name, at in self.stages.items() if at == best["step"]]
         _load_best(root, self.model, self.state, same_step)
-        return evaluate(self.model, self.task, self.data.test, self.dev, self.cfg.eval_batch_size,
-                        abort=self._abort_evaluation, progress=self.progress)
+        with forward_precision(self.precision, self.dev):
+            return evaluate(self.model, self.task, self.data.test, self.dev, self.cfg.eval_batch_size,
+                            abort=self._abort_evaluation, progress=self.progress)
 
     def run(self) -> dict[str, Any]:
         """Train (or resume) to the end, then test the best-validation parameters.
@@ -752,7 +785,7 @@ class TrainingLoop:
         total_params, trainable_params = self.parameter_counts
         summary = {
             "setup": self.setup, "scale": self.scale, "optimizer": self.optimizer, "seed": self.seed,
-            "steps": state["done"], "epochs": cfg.epochs, "steps_per_epoch": self.spe,
+            "precision": self.precision, "steps": state["done"], "epochs": cfg.epochs, "steps_per_epoch": self.spe,
             "final_train_loss": final_train_loss(losses) if losses else None,
             "final_train_loss_updates": final_window(len(losses)) if losses else 0,
             "best_validation": {"step": best["step"], "epoch": best["epoch"], "metrics": best["metrics"],

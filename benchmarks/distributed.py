@@ -333,8 +333,8 @@ def table(results: list[dict], args: argparse.Namespace, device: str) -> dict:
         f"The exact iEF step across {args.world} processes against DDP + AdamW ({device}, one thread each)",
         [("model", "s"), ("P", ",d"), ("ranks x M_r", "s"), ("IEF ms", ".1f"), ("DDP + AdamW ms", ".1f"),
          ("IEF / DDP time", ".2f"), ("IEF, one process on the union batch, ms", ".1f"), ("IEF sent MiB", ".3f"),
-         ("IEF received MiB", ".3f"),
-         ("formula M_max R (P_dense + sum T(I+O)) b + 8P, MiB", ".3f"), ("DDP all-reduce MiB", ".3f"), ("IEF / DDP bytes", ".1f")], body,
+         ("IEF received MiB", ".3f"), ("formula M_max R (P_dense + sum T(I+O)) b + 8P, MiB", ".3f"),
+         ("DDP all-reduce MiB", ".3f"), ("IEF / DDP bytes", ".1f")], body,
         note="Per rank and step. Times: median over rounds of the slowest rank's; the ratio is the median of "
              "within-round ratios. 'One process on the union batch': every rank steps alone (a group of one) on "
              "the concatenated batches, the same update without communication, the ranks at once (one core "

@@ -43,6 +43,7 @@ Every collective runs in the group's device: gloo takes CPU tensors, NCCL CUDA o
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -277,7 +278,8 @@ def gram_plan(layouts: torch.Tensor | None, sizes: Sequence[int], columns: int, 
 class DistributedRows(Rows):
     """The union batch's ``J [M, P]`` from this rank's rows ``J_r`` (any :class:`~ief.rows.Rows`), for the Gram solves
     of :mod:`ief.directions`: every method returns what :class:`~ief.rows.DenseRows` of the concatenated rows would,
-    identically on every rank (see the module docstring for the collectives and their traffic).
+    identically on every rank (see the module docstring for the collectives and their traffic, and :meth:`plan` for
+    which weights the Gram gathers as factors).
 
     Args:
         local: this rank's rows.
@@ -327,7 +329,7 @@ class DistributedRows(Rows):
         plan = self.plan()
         dense = self._local_dense() if plan.factors is None else self._dense_columns(plan)
         out = torch.zeros(self.shape[0], self.shape[0], dtype=torch.float64, device=self.device)
-        for lo in range(0, max(dense.shape[1], 1), GRAM_CHUNK):
+        for lo in range(0, dense.shape[1], GRAM_CHUNK):  # the same number of chunks on every rank (the plan's)
             chunk = all_gather_rows(dense[:, lo:lo + GRAM_CHUNK], self.sizes, self.group).to(torch.float64)
             if scale != 1.0:
                 chunk = chunk / scale
@@ -367,7 +369,7 @@ class DistributedRows(Rows):
                 lo += t * (fan_in + fan_out)
             self._gathered = all_gather_rows(packed, self.sizes, self.group)
         out, lo = [], 0
-        bounds = [0, *torch.tensor(self.sizes).cumsum(0).tolist()]
+        bounds = [0, *itertools.accumulate(self.sizes)]
         for _, t, fan_in, fan_out in plan.factors:
             block = self._gathered[:, lo:lo + t * (fan_in + fan_out)].view(-1, t, fan_in + fan_out)
             lo += t * (fan_in + fan_out)

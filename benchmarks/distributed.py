@@ -11,7 +11,8 @@ own ``--batch`` samples (seed ``seed + 1 + rank``). Cases, timed round-robin on 
 (:mod:`benchmarks.harness`); a round's time is the slowest rank's (a step ends for all ranks together):
 
 - ``ief``: one ``ief.optim.IEF(model, process_group=WORLD)`` step: exactly one process's step on the union batch
-  (:mod:`ief.distributed`: the Gram from all-gathered column chunks of the rows, one all-reduce of the direction);
+  (:mod:`ief.distributed`: the Gram from the all-gathered factors of the Linear weights where they are smaller than
+  their rows, and column chunks of the other rows; one all-reduce of the direction);
 - ``ddp``: ``DistributedDataParallel`` + ``AdamW``: ``zero_grad``, forward, ``backward`` (with DDP's bucketed gradient
   all-reduce) and the AdamW step, on the same local batch, the loss the summed cross-entropy (as IEF's).
 - ``ief_one``: one ``IEF`` step of one process on the union batch (every rank's batch concatenated; a group of one
@@ -29,8 +30,10 @@ formula of :mod:`ief.distributed` counts it); ``all_reduce`` sends and receives 
 all-reduce moves about ``2 (R - 1) / R`` of it each way); ``all_gather_object`` the pickled objects. DDP's gradient
 all-reduce runs inside its C++ reducer, out of the wrappers' sight: its bytes are the size of its buckets, the sum of
 the trainable gradients' bytes (``4 P`` in float32), sent and received (``broadcast_buffers=False``: the models'
-buffers are constants). Beside them, :mod:`ief.distributed`'s formula: ``M_max R P b`` (the Gram's chunks, ``b = 4``
-for float32 rows) plus ``8 P`` (the direction's float64 all-reduce).
+buffers are constants). Beside them, :mod:`ief.distributed`'s formula: the Gram's all-gathers as the step's
+:class:`ief.distributed.GramPlan` counts them, ``M_max R (P_dense + sum_l T_l (I_l + O_l)) b`` (``b = 4`` for float32
+rows; the weights gathered as factors and the plan recorded from the step itself), plus ``8 P`` (the direction's
+float64 all-reduce).
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import ief
+import ief.distributed
 from benchmarks import harness
 from benchmarks.workloads import _quiet_transformers, build_mlp, logits_of
 
@@ -141,6 +145,27 @@ def _payload(name: str, args: tuple, kwargs: dict, world: int) -> tuple[int, int
 
 
 @contextmanager
+def recording_plans() -> Iterator[list]:
+    """Record the :class:`ief.distributed.GramPlan` of every Gram formed across processes inside the block.
+
+    Yields:
+        The list of plans, filled as the block runs.
+    """
+    plans, original = [], ief.distributed.DistributedRows.plan
+
+    @functools.wraps(original)
+    def recorded(rows):
+        plans.append(original(rows))
+        return plans[-1]
+
+    ief.distributed.DistributedRows.plan = recorded
+    try:
+        yield plans
+    finally:
+        ief.distributed.DistributedRows.plan = original
+
+
+@contextmanager
 def counting_collectives(world: int) -> Iterator[dict[str, int]]:
     """Count the payload bytes of the collectives called as ``torch.distributed.<name>`` inside the block.
 
@@ -173,22 +198,20 @@ def counting_collectives(world: int) -> Iterator[dict[str, int]]:
             setattr(dist, name, fn)
 
 
-def formula_bytes(params: int, m_max: int, world: int, entry_bytes: int = 4) -> dict[str, int]:
+def formula_bytes(params: int, plan: Any, world: int) -> dict[str, int]:
     """:mod:`ief.distributed`'s communication per step and DDP's, per rank, in bytes.
 
     Args:
         params: trainable parameters ``P``.
-        m_max: the largest local batch.
+        plan: the step's :class:`ief.distributed.GramPlan` (``None`` with one process).
         world: the number of processes ``R``.
-        entry_bytes: bytes per entry of ``J`` (4 for float32).
 
     Returns:
-        ``gram`` (``M_max R P b``), ``direction`` (``8 P``), ``ief`` (their sum) and ``ddp`` (``4 P``); with one
-        process ``IEF`` calls no collective (a group of one is no group), so its entries are 0.
+        ``gram`` (the plan's ``received_bytes``, ``M_max R (P_dense + sum_l T_l (I_l + O_l)) b``), ``direction``
+        (``8 P``), ``ief`` (their sum) and ``ddp`` (``4 P``); with one process ``IEF`` calls no collective (a group
+        of one is no group), so its entries are 0.
     """
-    gram, direction = m_max * world * params * entry_bytes, 8 * params
-    if world == 1:
-        gram = direction = 0
+    gram, direction = (0, 0) if world == 1 or plan is None else (plan.received_bytes, 8 * params)
     return dict(gram=gram, direction=direction, ief=gram + direction, ddp=4 * params)
 
 
@@ -238,19 +261,29 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
         cases, info = cases_of(name, args, rank, device)
         with harness.OtherLoad() as load:
             times = harness.round_robin(cases, args.repeats, args.warmup, device=device)
-        bytes_by_case = {}
+        bytes_by_case, plan = {}, None
         for key, fn in cases.items():
-            with counting_collectives(world) as counts:
+            with counting_collectives(world) as counts, recording_plans() as plans:
                 harness.time_call(fn, device)
             bytes_by_case[key] = dict(counts)
+            if key == "ief":
+                plan = plans[-1] if plans else None
         every = [None] * world
         dist.all_gather_object(every, dict(times=times, bytes=bytes_by_case, load=load.cores))
         slowest = {k: [max(r["times"][k][i] for r in every) for i in range(args.repeats)] for k in cases}
         rows = harness.rows(slowest, {"ief": "ddp", "ddp": None, "ief_one": "ddp"}, LABELS)
         results.append(dict(info, world=world, batch=args.batch, rows=rows,
                             bytes_per_rank=[r["bytes"] for r in every], other_load_cores=every[0]["load"],
-                            formula=formula_bytes(info["params"], args.batch, world)))
+                            formula=formula_bytes(info["params"], plan, world), plan=_plan_summary(plan)))
     return results
+
+
+def _plan_summary(plan: Any) -> dict | None:
+    """What the step's Gram gathered: the weights as factors ``[index, T, I, O]`` and the dense columns."""
+    if plan is None:
+        return None
+    return dict(factors=None if plan.factors is None else [list(f) for f in plan.factors],
+                dense_columns=plan.dense_width, factor_entries=plan.factor_width)
 
 
 def _entry(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
@@ -300,8 +333,8 @@ def table(results: list[dict], args: argparse.Namespace, device: str) -> dict:
         f"The exact iEF step across {args.world} processes against DDP + AdamW ({device}, one thread each)",
         [("model", "s"), ("P", ",d"), ("ranks x M_r", "s"), ("IEF ms", ".1f"), ("DDP + AdamW ms", ".1f"),
          ("IEF / DDP time", ".2f"), ("IEF, one process on the union batch, ms", ".1f"), ("IEF sent MiB", ".3f"),
-         ("IEF received MiB", ".3f"),
-         ("formula M_max R P b + 8P, MiB", ".3f"), ("DDP all-reduce MiB", ".3f"), ("IEF / DDP bytes", ".1f")], body,
+         ("IEF received MiB", ".3f"), ("formula M_max R (P_dense + sum T(I+O)) b + 8P, MiB", ".3f"),
+         ("DDP all-reduce MiB", ".3f"), ("IEF / DDP bytes", ".1f")], body,
         note="Per rank and step. Times: median over rounds of the slowest rank's; the ratio is the median of "
              "within-round ratios. 'One process on the union batch': every rank steps alone (a group of one) on "
              "the concatenated batches, the same update without communication, the ranks at once (one core "
@@ -342,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{b['ief']['calls']} collectives; DDP's collectives seen {b['ddp']['calls']}")
         f = res["formula"]
         print(f"  formula: Gram {f['gram']:,} B + direction {f['direction']:,} B = {f['ief']:,} B; "
-              f"DDP all-reduce {f['ddp']:,} B", flush=True)
+              f"DDP all-reduce {f['ddp']:,} B; the Gram's plan {res['plan']}", flush=True)
     doc = harness.record("distributed", argv, device, args, load, dict(models=results),
                          [table(results, args, device.type)], started)
     harness.finish(doc, args.json)

@@ -5,19 +5,33 @@ of the union batch (``M = sum_r M_r`` samples, concatenated in rank order) coupl
 Gram matrix ``J J^T``, whose blocks ``J_r J_s^T`` need rows of two ranks; it needs no approximation
 (``sec:app-iEF-impl``'s Woodbury form):
 
-- the Gram matrix: every rank forms the whole ``[M, M]`` float64 Gram from column chunks of every rank's rows,
-  all-gathered (``dist.all_gather``, each rank's rows padded to the largest ``M_r``), so that every rank holds the same
-  bits and solves the same small system (no broadcast of the solution is needed: a replicated solve);
+- the Gram matrix: every rank forms the whole ``[M, M]`` float64 Gram from every rank's rows, all-gathered
+  (``dist.all_gather``, each rank's part padded to the largest ``M_r``), so that every rank holds the same bits and
+  solves the same small system (no broadcast of the solution is needed: a replicated solve). Rows kept as factors
+  (:class:`~ief.rows.FactoredJacobian`: a Linear weight's rows ``J_n = G_n^T A_n``) send, where that is smaller, the
+  factors ``A [M_r, T, I]`` and ``G [M_r, T, O]`` themselves, and every rank forms that layer's block of the Gram with
+  the ghost kernel of one process (:func:`ief.rows.ghost_kernel`); every other column is sent dense, in chunks of
+  :data:`GRAM_CHUNK` columns (:func:`gram_plan`, :meth:`DistributedRows.gram`);
 - ``s``, the losses and anything else per sample: all-gathered and concatenated;
 - the direction ``J^T w = sum_r J_r^T w_r``: each rank combines its own rows with its slice of ``w``, and one
   all-reduce (sum) of ``P`` float64 numbers gives every rank the same direction;
 - scalars that must agree (finiteness, ``max|J|``, token counts): all-reduced.
 
-Communication per step, with ``P`` parameters and ``b`` bytes per entry of ``J`` (4 for float32): the Gram's column
-chunks, ``M_max R P b`` bytes received by each rank (``M_max`` the largest ``M_r``), and the direction's all-reduce of
-``8 P`` bytes (a ring all-reduce sends about ``2 x 8 P``); DDP's own gradient all-reduce is ``~2 x 4 P`` for float32
-gradients. The Gram's all-gather is therefore about ``M b / 8`` times DDP's traffic: the price of the exact coupled
-update, small for adapters (``P`` of LoRA) and the dominant cost for full fine-tuning at large ``M``.
+Communication per step, with ``P`` parameters, ``b`` bytes per entry of ``J`` (4 for float32) and ``M_max`` the
+largest ``M_r``: the Gram's all-gathers, ``M_max R (P_dense + sum_l T_l (I_l + O_l)) b`` bytes received by each rank,
+where the sum runs over the weights gathered as factors (``T_l`` their most positions on any rank) and ``P_dense`` is
+every other column (all ``P`` when some rank's rows are not factored: ``M_max R P b``); two small all-gathers of the
+ranks' layouts (``5`` integers per parameter) before them; and the direction's all-reduce of ``8 P`` bytes (a ring
+all-reduce sends about ``2 x 8 P``). DDP's own gradient all-reduce is ``~2 x 4 P`` for float32 gradients.
+
+The rule (:func:`gram_plan`, the same on every rank, for it reads the all-gathered layouts and never this rank's rows
+alone: ranks at different ``M_r`` may choose different forms, :func:`ief.rows.prefer_ghost`): a weight is gathered as
+factors when every rank keeps it as factors and ``T_max (I + O) <= I O``, its factors per sample no more entries than
+its row; otherwise its block of rows is gathered (a rank holding factors forms ``G_n^T A_n`` for it). An MLP's
+``[256, 784]`` weight sends ``1,040`` numbers per sample instead of ``200,704``; the dense columns (biases,
+LayerNorms, a weight whose factors would be larger, e.g. over many tokens, and an embedding table, sent in its full
+``[V, D]`` layout since the ranks' used rows differ) cost what they did: the Gram's all-gather of dense columns is
+about ``M b / 8`` times DDP's traffic for them, that of factors ``T (I + O) / (I O)`` times less.
 
 Faults: a rank whose local work fails (a non-finite loss, a refused per-sample check, a bad value) must not leave the
 others waiting in a collective: :func:`agree` runs the local work, all-reduces a failure flag, and then raises the
@@ -29,14 +43,16 @@ Every collective runs in the group's device: gloo takes CPU tensors, NCCL CUDA o
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .precision import ROUNDING_ATTRIBUTE, rounding_dtype, unit_roundoff
-from .rows import Rows
+from .rows import FactoredJacobian, Rows, ghost_kernel
 
 T = TypeVar("T")
 GRAM_CHUNK = 1 << 16  # columns per all-gathered chunk of the rows (M_max R x GRAM_CHUNK entries in flight)
@@ -174,10 +190,96 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor
     return tensor
 
 
+@dataclass(frozen=True)
+class GramPlan:
+    """How :meth:`DistributedRows.gram` gathers the rows, the same on every rank (:func:`gram_plan`).
+
+    Attributes:
+        factors: ``(parameter index, T_max, I, O)`` of every weight gathered as its factors (padded to ``T_max``
+            positions); ``None`` when some rank's rows are not a :class:`~ief.rows.FactoredJacobian` (then all of
+            ``J`` is gathered dense).
+        dense: the parameter indices gathered as dense column blocks, in column order (empty when ``factors`` is
+            ``None``: then the whole ``J``).
+        dense_width: the columns gathered dense.
+        factor_width: ``sum T_max (I + O)`` over ``factors``, the packed factors' entries per sample.
+        received_bytes: the Gram's all-gathers' payload received by each rank, ``R M_max (dense_width +
+            factor_width) b`` (every rank's part, its own included).
+    """
+
+    factors: tuple[tuple[int, int, int, int], ...] | None
+    dense: tuple[int, ...]
+    dense_width: int
+    factor_width: int
+    received_bytes: int
+
+
+LAYOUT_FIELDS = 5  # per parameter: (factored, T, I, O, size)
+
+
+def _all_layouts(local: Rows, group: Any, device: torch.device) -> torch.Tensor | None:
+    """Every rank's layout of its rows, ``[R, parameters, LAYOUT_FIELDS]`` int64 (per parameter: 1 and ``T, I, O``
+    for a weight kept as factors ``A [M_r, T, I]``, ``G [M_r, T, O]``, else zeros; and its size), or ``None`` when
+    some rank's rows are not a :class:`~ief.rows.FactoredJacobian` or the ranks' parameter counts differ (two small
+    all-gathers)."""
+    factored = isinstance(local, FactoredJacobian)
+    count = len(local.sizes) if factored else 0
+    header = all_gather_rows(torch.tensor([[int(factored), count]], dtype=torch.int64, device=device),
+                             [1] * world_size(group), group)
+    if not bool(header[:, 0].all()) or bool((header[:, 1] != count).any()):
+        return None
+    mine = torch.zeros(1, count, LAYOUT_FIELDS, dtype=torch.int64)
+    mine[0, :, 4] = torch.tensor(local.sizes, dtype=torch.int64)
+    for i, a, g in local.ghosts:
+        mine[0, i, :4] = torch.tensor([1, a.shape[1], a.shape[2], g.shape[2]])
+    return all_gather_rows(mine.to(device), [1] * world_size(group), group).cpu()
+
+
+def gram_plan(layouts: torch.Tensor | None, sizes: Sequence[int], columns: int, itemsize: int) -> GramPlan:
+    """Which weights the Gram gathers as factors: those every rank keeps as factors and whose factors are fewer
+    entries than their rows, ``T_max (I + O) <= I O`` (per sample; ``T_max`` the most positions of any rank); every
+    other parameter's block is gathered dense. Computed from the all-gathered layouts, so every rank makes the same
+    plan (never from its own rows alone: the ranks' forms may differ, e.g. ``prefer_ghost`` at a different ``M_r``).
+
+    Args:
+        layouts: :func:`_all_layouts`'s ``[R, parameters, 5]``, or ``None`` (all of ``J`` dense).
+        sizes: every rank's ``M_r``.
+        columns: ``P``, the columns of ``J``.
+        itemsize: bytes per entry of ``J``.
+
+    Returns:
+        The :class:`GramPlan`.
+
+    Raises:
+        ValueError: the ranks' parameters differ in size, or a factored weight's ``I, O`` differ between ranks
+            (not the same model), naming the parameter and the values.
+    """
+    gathered = len(sizes) * max(sizes) * itemsize
+    if layouts is None:
+        return GramPlan(None, (), columns, 0, gathered * columns)
+    factors, dense, dense_width, factor_width = [], [], 0, 0
+    for i in range(layouts.shape[1]):
+        kept, positions, fan_in, fan_out, size = layouts[:, i].T.tolist()
+        if len(set(size)) > 1:
+            raise ValueError(f"parameter {i} has {size} entries on the ranks: the ranks must hold the same model")
+        if all(kept) and (len(set(fan_in)) > 1 or len(set(fan_out)) > 1):
+            raise ValueError(f"parameter {i}'s factors have inputs {fan_in} and outputs {fan_out} on the ranks: the "
+                             f"ranks must hold the same model")
+        t = max(positions)
+        if all(kept) and t * (fan_in[0] + fan_out[0]) <= fan_in[0] * fan_out[0]:
+            factors.append((i, t, fan_in[0], fan_out[0]))
+            factor_width += t * (fan_in[0] + fan_out[0])
+        else:
+            dense.append(i)
+            dense_width += size[0]
+    return GramPlan(tuple(factors), tuple(dense), dense_width, factor_width,
+                    gathered * (dense_width + factor_width))
+
+
 class DistributedRows(Rows):
     """The union batch's ``J [M, P]`` from this rank's rows ``J_r`` (any :class:`~ief.rows.Rows`), for the Gram solves
     of :mod:`ief.directions`: every method returns what :class:`~ief.rows.DenseRows` of the concatenated rows would,
-    identically on every rank (see the module docstring for the collectives and their traffic).
+    identically on every rank (see the module docstring for the collectives and their traffic, and :meth:`plan` for
+    which weights the Gram gathers as factors).
 
     Args:
         local: this rank's rows.
@@ -203,6 +305,8 @@ class DistributedRows(Rows):
         coarsest = own if float(u) == unit_roundoff(own) else next(
             d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64) if unit_roundoff(d) == float(u))
         setattr(self, ROUNDING_ATTRIBUTE, coarsest if coarsest != self.dtype else None)
+        self._plan: GramPlan | None = None
+        self._gathered: torch.Tensor | None = None  # the ranks' packed factors, [M, plan.factor_width]
 
     def _local_dense(self) -> torch.Tensor:
         local = self.local
@@ -211,16 +315,68 @@ class DistributedRows(Rows):
     def _slice(self, coeff: torch.Tensor) -> torch.Tensor:
         return coeff[self.offset:self.offset + self.local.shape[0]]
 
+    def plan(self) -> GramPlan:
+        """How :meth:`gram` gathers the rows (:func:`gram_plan` on every rank's layout, exchanged once)."""
+        if self._plan is None:
+            self._plan = gram_plan(_all_layouts(self.local, self.group, self.device), self.sizes, self.shape[1],
+                                   self.dtype.itemsize)
+        return self._plan
+
     def gram(self, scale: float = 1.0) -> torch.Tensor:
-        """``(J/scale)(J/scale)^T`` of the union batch, ``[M, M]`` float64, the same bits on every rank."""
-        dense = self._local_dense()
+        """``(J/scale)(J/scale)^T`` of the union batch, ``[M, M]`` float64, the same bits on every rank: the dense
+        columns' chunks (all of ``J`` for rows that are not factored on every rank) and every factored layer's ghost
+        kernel on its gathered factors (:meth:`plan`)."""
+        plan = self.plan()
+        dense = self._local_dense() if plan.factors is None else self._dense_columns(plan)
         out = torch.zeros(self.shape[0], self.shape[0], dtype=torch.float64, device=self.device)
-        for lo in range(0, max(self.shape[1], 1), GRAM_CHUNK):
+        for lo in range(0, dense.shape[1], GRAM_CHUNK):  # the same number of chunks on every rank (the plan's)
             chunk = all_gather_rows(dense[:, lo:lo + GRAM_CHUNK], self.sizes, self.group).to(torch.float64)
             if scale != 1.0:
                 chunk = chunk / scale
             out.addmm_(chunk, chunk.T)
+        for a, g in self._union_factors(plan, scale):
+            out += ghost_kernel(a, g)
         return (out + out.T) / 2
+
+    def _dense_columns(self, plan: GramPlan) -> torch.Tensor:
+        """This rank's ``[M_r, plan.dense_width]``: the blocks of the parameters the plan sends dense, side by side
+        (a factored weight's rows ``G_n^T A_n`` formed here)."""
+        local = self.local
+        out = torch.empty(local.shape[0], plan.dense_width, dtype=self.dtype, device=self.device)
+        lo = 0
+        for i in plan.dense:
+            local.write_block(i, out[:, lo:lo + local.sizes[i]])
+            lo += local.sizes[i]
+        return out
+
+    def _union_factors(self, plan: GramPlan, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer the plan sends as factors: the union batch's ``A [M, T_max, I]`` and ``G [M, T_max, O]``,
+        float64 at ``scale`` (each rank's part scaled by :meth:`~ief.rows.FactoredJacobian.scaled_factors` on its
+        own, which keeps its rows ``G_n^T A_n / scale``), from one all-gather of every layer's factors, kept for
+        the next :meth:`gram` of this step."""
+        if not plan.factors:
+            return []
+        if self._gathered is None:
+            ghosts = {i: (a, g) for i, a, g in self.local.ghosts}
+            m = self.local.shape[0]
+            packed = torch.zeros(m, plan.factor_width, dtype=self.dtype, device=self.device)
+            lo = 0
+            for i, t, fan_in, fan_out in plan.factors:
+                a, g = ghosts[i]
+                block = packed[:, lo:lo + t * (fan_in + fan_out)].view(m, t, fan_in + fan_out)
+                block[:, :a.shape[1], :fan_in] = a
+                block[:, :g.shape[1], fan_in:] = g
+                lo += t * (fan_in + fan_out)
+            self._gathered = all_gather_rows(packed, self.sizes, self.group)
+        out, lo = [], 0
+        bounds = [0, *itertools.accumulate(self.sizes)]
+        for _, t, fan_in, fan_out in plan.factors:
+            block = self._gathered[:, lo:lo + t * (fan_in + fan_out)].view(-1, t, fan_in + fan_out)
+            lo += t * (fan_in + fan_out)
+            parts = [FactoredJacobian.scaled_factors(block[r0:r1, :, :fan_in], block[r0:r1, :, fan_in:], scale)
+                     for r0, r1 in zip(bounds, bounds[1:])]
+            out.append((torch.cat([a for a, _ in parts]), torch.cat([g for _, g in parts])))
+        return out
 
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
         """``(J/scale)^T coeff``, ``[P]`` float64: this rank's rows with its slice of ``coeff``, summed over ranks."""

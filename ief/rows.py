@@ -241,6 +241,24 @@ def _whitened_factors(weighted: torch.Tensor, a: torch.Tensor, dtype: torch.dtyp
     return (weighted.T @ chol).to(dtype), white.to(dtype)
 
 
+def ghost_kernel(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A factored weight's block of the Gram matrix, ``sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>``, ``[M, M]``
+    (``sec:app-iEF-impl``; ``(A A^T) * (G G^T)`` for ``T = 1``): the rows ``J_n = G_n^T A_n`` are never formed.
+
+    Args:
+        a: the layer's inputs ``[M, T, I]``, float64 (positions that are zero in ``a`` and ``g`` add nothing).
+        g: its output gradients ``[M, T, O]``, float64.
+
+    Returns:
+        ``[M, M]`` float64.
+    """
+    if a.shape[1] == 1:
+        return (a[:, 0] @ a[:, 0].T) * (g[:, 0] @ g[:, 0].T)
+    ka = torch.einsum("nti,msi->nmts", a, a)
+    kg = torch.einsum("nto,mso->nmts", g, g)
+    return (ka * kg).sum(dim=(2, 3))
+
+
 class DenseRows(Rows):
     """An ``[M, P]`` tensor behind the :class:`Rows` interface (the dense adaptor).
 
@@ -414,14 +432,6 @@ class FactoredJacobian(Rows):
         factor = math.ldexp(ma * mg / ms, ea + eg - es)
         return a.to(torch.float64) / ca, g.to(torch.float64) / cg * factor
 
-    def _ghost_kernel(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """``sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>``, ``[M, M]``."""
-        if a.shape[1] == 1:
-            return (a[:, 0] @ a[:, 0].T) * (g[:, 0] @ g[:, 0].T)
-        ka = torch.einsum("nti,msi->nmts", a, a)
-        kg = torch.einsum("nto,mso->nmts", g, g)
-        return (ka * kg).sum(dim=(2, 3))
-
     def _scaled_ghosts(self, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every ghost's :meth:`scaled_factors` at ``scale``, converted once and kept for the next product (the
         Gram and the combination of one solve use the same scale): ``O(M T (I + O))`` float64, no ``[M, P]``."""
@@ -433,7 +443,7 @@ class FactoredJacobian(Rows):
     def gram(self, scale: float = 1.0) -> torch.Tensor:
         out = _matrix_gram(self.dense, scale)
         for a, g in self._scaled_ghosts(scale):
-            out += self._ghost_kernel(a, g)
+            out += ghost_kernel(a, g)
         return 0.5 * (out + out.T)
 
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
@@ -544,9 +554,24 @@ class FactoredJacobian(Rows):
 
     def materialize(self) -> torch.Tensor:
         """The ``[M, P]`` tensor (for tests and small models)."""
-        jac = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        for i, lo, dlo, width in self._dense_columns():
-            self._expand(i, jac[:, lo : lo + self.sizes[i]], self.dense[:, dlo : dlo + width])
-        for i, a, g in self.ghosts:
-            jac[:, self.offsets[i] : self.offsets[i + 1]] = torch.bmm(g.transpose(1, 2), a).flatten(1)
+        jac = torch.empty(self.shape, dtype=self.dtype, device=self.device)  # every column is written below
+        for i in range(len(self.sizes)):
+            self.write_block(i, jac[:, self.offsets[i] : self.offsets[i + 1]])
         return jac
+
+    def write_block(self, i: int, out: torch.Tensor) -> None:
+        """Write parameter ``i``'s columns of ``J`` into ``out`` (``[M, sizes[i]]``, e.g. a column slice of a larger
+        matrix): its materialised block (a table's used rows in place, zeros elsewhere), or ``G_n^T A_n`` of a
+        factored weight.
+
+        Raises:
+            ValueError: ``i`` is not a parameter index of these rows.
+        """
+        if i in self.dense_index:
+            self._expand(i, out, self.dense_block(i))
+            return
+        for j, a, g in self.ghosts:
+            if j == i:
+                out.copy_(torch.bmm(g.transpose(1, 2), a).flatten(1))
+                return
+        raise ValueError(f"parameter index {i} is not one of these rows' {len(self.sizes)} parameters")

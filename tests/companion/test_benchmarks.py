@@ -320,17 +320,21 @@ def test_the_distributed_benchmark_runs_one_gloo_process(tmp_path):
 
 
 def test_the_distributed_benchmark_counts_what_two_processes_send(tmp_path):
-    """Two gloo processes: each rank's counted bytes are the module docstring's formula M_max R P b + 8 P plus the
-    few bytes of the batch sizes, s and the losses (under 1 KiB), and the same on both ranks; DDP's reducer is not
-    seen by the wrappers (its 4 P is the formula's)."""
+    """Two gloo processes: each rank's counted bytes are the module docstring's formula M_max R (P_dense +
+    sum T (I + O)) b + 8 P (the MLP's three weights gathered as factors, T = 1, its biases dense) plus the few bytes
+    of the layouts, the batch sizes, s and the losses (under 1 KiB), and the same on both ranks; DDP's reducer is
+    not seen by the wrappers (its 4 P is the formula's)."""
     doc = _distributed_record(tmp_path, "--world", "2", "--models", "mlp")
     (res,) = doc["results"]["models"]
     params = 784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
-    assert res["params"] == params and res["formula"]["ief"] == 2 * 2 * params * 4 + 8 * params
+    assert res["plan"] == dict(factors=[[0, 1, 784, 256], [2, 1, 256, 256], [4, 1, 256, 10]], dense_columns=522,
+                               factor_entries=1040 + 512 + 266)
+    width = 522 + 1040 + 512 + 266  # per sample, against P = 269,322 for the rows
+    assert res["params"] == params and res["formula"]["ief"] == 2 * 2 * width * 4 + 8 * params
     first, second = res["bytes_per_rank"]
     assert first == second and first["ddp"]["calls"] == 0 == first["ief_one"]["calls"]  # a group of one: no traffic
     assert 0 <= first["ief"]["received"] - res["formula"]["ief"] < 1024
-    assert first["ief"]["sent"] >= 2 * params * 4 + 8 * params  # its rows' chunks and its part of the direction
+    assert first["ief"]["sent"] >= 2 * width * 4 + 8 * params  # its factors and columns, its part of the direction
 
 
 def test_the_distributed_benchmark_counts_collective_payloads(tmp_path):

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ief.directions import ef_solve, ief_solve, sf_solve
-from ief.distributed import DistributedRows, RankFailure, agree, all_gather_rows, batch_sizes
-from ief.rows import DenseRows
+from ief.distributed import DistributedRows, RankFailure, agree, all_gather_rows, batch_sizes, gram_plan
+from ief.rows import DenseRows, FactoredJacobian
 
 P = 11
 
@@ -41,33 +41,76 @@ def _entry(rank: int, fn, world: int, store: str, outs: list[str], args: tuple) 
         dist.destroy_process_group()
 
 
-def _rows_on_rank(rank: int, sizes: list[int]) -> dict:
+def _factored(rank: int, m: int) -> FactoredJacobian:
+    """Rank ``rank``'s ``m`` rows as a FactoredJacobian of six parameters: weight 0 (``[6, 5]``, ``T = 1``) and weight
+    2 (``[8, 8]``, ``T = 3`` on rank 0 and 2 elsewhere: padded) as factors on every rank, cheaper than their rows;
+    weight 3 (``[3, 2]``, ``T = 2``) as factors whose rows are cheaper; weight 4 (``[5, 6]``) as factors on every
+    rank but rank 1, which holds its rows; a bias (parameter 1) and a ``[10, 3]`` table of which each rank keeps its
+    own used rows (parameter 5) in ``dense``."""
+    gen = torch.Generator().manual_seed(100 + rank)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    positions = 3 if rank == 0 else 2
+    ghosts = [(0, r(m, 1, 5), r(m, 1, 6)), (2, r(m, positions, 8), r(m, positions, 8)), (3, r(m, 2, 2), r(m, 2, 3))]
+    ids = torch.randperm(10, generator=gen)[:3 + rank].sort().values
+    blocks = {1: r(m, 6), 5: r(m, ids.numel() * 3)}
+    if rank == 1:
+        blocks[4] = r(m, 30)
+    else:
+        ghosts.append((4, r(m, 2, 6), r(m, 2, 5)))
+    dense_index, lo = {}, 0
+    for i, block in blocks.items():
+        dense_index[i], lo = lo, lo + block.shape[1]
+    return FactoredJacobian(m, [30, 6, 64, 6, 30, 30], torch.empty(0, dtype=torch.float64), ghosts,
+                            torch.cat(list(blocks.values()), dim=1), dense_index, used_rows={5: (ids, 3)})
+
+
+def _local_rows(rank: int, sizes: list[int], kind: str):
+    if kind == "factored":
+        return _factored(rank, sizes[rank])
     union = _union_rows(sizes)
     lo = sum(sizes[:rank])
-    local = DenseRows(union[lo:lo + sizes[rank]])
+    return DenseRows(union[lo:lo + sizes[rank]])
+
+
+def _union_of(sizes: list[int], kind: str) -> DenseRows:
+    if kind == "factored":
+        return DenseRows(torch.cat([_factored(r, m).materialize() for r, m in enumerate(sizes)]))
+    return DenseRows(_union_rows(sizes))
+
+
+def _rows_on_rank(rank: int, sizes: list[int], kind: str) -> dict:
+    local = _local_rows(rank, sizes, kind)
     group = dist.group.WORLD
     assert batch_sizes(sizes[rank], group, torch.device("cpu")) == sizes
     rows = DistributedRows(local, group, sizes)
     gen = torch.Generator().manual_seed(3)
     s = torch.rand(sum(sizes), generator=gen, dtype=torch.float64) + 0.5
-    v = torch.randn(P, generator=gen, dtype=torch.float64)
+    v = torch.randn(rows.shape[1], generator=gen, dtype=torch.float64)
     return dict(
         gram=rows.gram(), gram_scaled=rows.gram(2.0), combine=rows.combine_rows(s), times=rows.times(v),
         max_abs=rows.max_abs(), finite=bool(rows.finite_flag()), row_sum=rows.row_sum(),
         ief=ief_solve(rows, s, 1e-3), ef=ef_solve(rows, 1e-3), sf=sf_solve(rows, v, 1e-2),
-        gathered=all_gather_rows(local.matrix[:, :2], sizes, group),
+        gathered=all_gather_rows(local.materialize()[:, :2], sizes, group), plan=rows.plan(),
     )
 
 
+@pytest.mark.parametrize("kind", ["dense", "factored"])
 @pytest.mark.parametrize("sizes", [[3, 5], [4, 1, 6]], ids=["two-uneven", "three-uneven"])
-def test_distributed_rows_equal_the_concatenated_rows_on_every_rank(sizes, tmp_path):
+def test_distributed_rows_equal_the_concatenated_rows_on_every_rank(sizes, kind, tmp_path):
     """Every quantity the Gram solves use, and the iEF/EF/SF directions themselves, equal DenseRows of the union
-    batch to float64 rounding (1e-12 relative), and are bit-identical across ranks."""
-    results = _spawn(_rows_on_rank, len(sizes), tmp_path, sizes)
-    union = DenseRows(_union_rows(sizes))
+    batch to float64 rounding (1e-12 relative), and are bit-identical across ranks: rows given dense, and factored
+    rows (:func:`_factored`) whose Gram is formed from the gathered factors of the weights every rank keeps as
+    factors and that are cheaper to send than their rows (``T_max (I + O) <= I O``, positions padded to the most of
+    any rank), and from dense columns for the rest (a weight whose rows are cheaper, one that a rank holds as rows,
+    a bias, a table whose used rows differ between ranks)."""
+    results = _spawn(_rows_on_rank, len(sizes), tmp_path, sizes, kind)
+    union = _union_of(sizes, kind)
     gen = torch.Generator().manual_seed(3)
     s = torch.rand(sum(sizes), generator=gen, dtype=torch.float64) + 0.5
-    v = torch.randn(P, generator=gen, dtype=torch.float64)
+    v = torch.randn(union.shape[1], generator=gen, dtype=torch.float64)
     expected = dict(gram=union.gram(), gram_scaled=union.gram(2.0), combine=union.combine_rows(s),
                     times=union.times(v), row_sum=union.row_sum(), ief=ief_solve(union, s, 1e-3),
                     ef=ef_solve(union, 1e-3), sf=sf_solve(union, v, 1e-2), gathered=union.matrix[:, :2])
@@ -76,7 +119,41 @@ def test_distributed_rows_equal_the_concatenated_rows_on_every_rank(sizes, tmp_p
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), key
         for other in results[1:]:
             assert torch.equal(other[key], got), f"{key} differs between ranks"
-    assert all(r["max_abs"] == float(union.matrix.abs().max()) and r["finite"] for r in results)
+    true_max = float(union.matrix.abs().max())
+    if kind == "dense":
+        assert all(r["max_abs"] == true_max and r["finite"] for r in results)
+        assert results[0]["plan"].factors is None and results[0]["plan"].dense_width == P
+    else:  # FactoredJacobian.max_abs is a bound of max|J|: the largest of the ranks' bounds, on every rank
+        bound = max(_factored(r, m).max_abs() for r, m in enumerate(sizes))
+        assert all(r["max_abs"] == bound and r["finite"] for r in results) and true_max <= bound
+        assert results[0]["plan"].factors == ((0, 1, 5, 6), (2, 3, 8, 8))
+        assert results[0]["plan"].dense == (1, 3, 4, 5) and results[0]["plan"].dense_width == 6 + 6 + 30 + 30
+    assert all(r["plan"] == results[0]["plan"] for r in results)
+    width = results[0]["plan"].dense_width + results[0]["plan"].factor_width
+    assert results[0]["plan"].received_bytes == len(sizes) * max(sizes) * width * 8
+
+
+def _layouts(*ranks: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
+    return torch.tensor(ranks, dtype=torch.int64)
+
+
+def test_the_gram_plan_sends_factors_only_where_every_rank_has_them_and_they_are_smaller():
+    """The rule, from the ranks' layouts (factored, T, I, O, size): factors iff every rank keeps the weight as factors
+    and ``T_max (I + O) <= I O`` (equality included); anything else dense; rows that are not factored on some rank
+    are gathered whole; ranks that hold different models are refused with the values."""
+    plan = gram_plan(_layouts([(1, 4, 8, 8, 64), (1, 1, 4, 4, 16), (0, 0, 0, 0, 3)],
+                              [(1, 2, 8, 8, 64), (1, 1, 4, 4, 16), (0, 0, 0, 0, 3)]), [5, 2], 83, 4)
+    assert plan.factors == ((0, 4, 8, 8), (1, 1, 4, 4)) and plan.dense == (2,)
+    assert (plan.factor_width, plan.dense_width, plan.received_bytes) == (64 + 8, 3, 2 * 5 * (64 + 8 + 3) * 4)
+    plan = gram_plan(_layouts([(1, 5, 8, 8, 64), (1, 1, 4, 4, 16)], [(1, 1, 8, 8, 64), (0, 0, 0, 0, 16)]),
+                     [3, 3], 80, 8)
+    assert plan.factors == () and plan.dense == (0, 1) and plan.dense_width == 80  # T_max 5: 80 > 64; rows on rank 1
+    whole = gram_plan(None, [3, 1], 80, 4)
+    assert whole.factors is None and whole.dense_width == 80 and whole.received_bytes == 2 * 3 * 80 * 4
+    with pytest.raises(ValueError, match=r"parameter 0 has \[64, 63\] entries"):
+        gram_plan(_layouts([(1, 1, 8, 8, 64)], [(1, 1, 9, 7, 63)]), [1, 1], 64, 4)
+    with pytest.raises(ValueError, match=r"parameter 0's factors have inputs \[8, 4\] and outputs \[8, 16\]"):
+        gram_plan(_layouts([(1, 1, 8, 8, 64)], [(1, 1, 4, 16, 64)]), [1, 1], 64, 4)
 
 
 def _fail_on_rank_one(rank: int) -> dict:
@@ -139,8 +216,13 @@ class _ArgmaxSampled(__import__("ief").losses.CrossEntropy):
         return torch.where(targets == -100, targets, out) if targets.dtype == out.dtype else out
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
+def _model(seed: int = 0, wide: bool = False) -> torch.nn.Module:
+    """5-7-3 (tanh), or 5-16-16-3 (``wide``): over 4 positions only the middle ``[16, 16]`` weight's factors are fewer
+    entries than its rows (``4 (16 + 16) <= 256``; ``4 (5 + 16) > 80``, ``4 (16 + 3) > 48``)."""
     torch.manual_seed(seed)
+    if wide:
+        return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 3)).double()
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
 
 
@@ -166,25 +248,36 @@ OPTIMISERS = {
     "ief": lambda model, **kw: __import__("ief").optim.IEF(model, lr=0.5, damping=1e-3, **kw),
     "ief-mean-momentum-wd": lambda model, **kw: __import__("ief").optim.IEF(
         model, lr=0.3, damping=1e-4, reduction="mean", momentum=0.9, weight_decay=0.01, **kw),
+    "ief-ghost": lambda model, **kw: __import__("ief").optim.IEF(model, lr=0.5, damping=1e-3, form="ghost", **kw),
     "ef": lambda model, **kw: __import__("ief").optim.EF(model, lr=0.05, damping=1e-3, momentum=0.5, **kw),
     "sf": lambda model, **kw: __import__("ief").optim.SF(model, lr=0.05, damping=1e-2, loss=_ArgmaxSampled(),
                                                         weight_decay=0.1, **kw),
 }
 
 
-def _train_on_rank(rank: int, name: str, sizes: list[int], steps: int, ignored_rank, ddp: bool) -> dict:
-    model = _model()
+def _train_on_rank(rank: int, name: str, sizes: list[int], steps: int, ignored_rank, ddp: bool,
+                   wide: bool = False) -> dict:
+    model = _model(wide=wide)
     kwargs = {} if ddp else dict(process_group=dist.group.WORLD)
     opt = OPTIMISERS[name](torch.nn.parallel.DistributedDataParallel(model) if ddp else model, **kwargs)
+    plans, ghosts, plan = [], set(), DistributedRows.plan
+
+    def recorded(rows):  # which path each Gram took, and what this rank held as factors (this process's class only)
+        plans.append(plan(rows))
+        ghosts.update(i for i, _, _ in getattr(rows.local, "ghosts", ()))
+        return plans[-1]
+
+    DistributedRows.plan = recorded
     losses = []
     for per_rank in _batches(sizes, steps, ignored_rank):
         x, y = per_rank[rank]
         losses.append(float(opt.step(x, y)))
-    return dict(params=[p.detach().clone() for p in model.parameters()], losses=losses)
+    return dict(params=[p.detach().clone() for p in model.parameters()], losses=losses,
+                factors={p.factors for p in plans}, ghosts=ghosts)
 
 
-def _train_union(name: str, sizes: list[int], steps: int, ignored_rank) -> dict:
-    model = _model()
+def _train_union(name: str, sizes: list[int], steps: int, ignored_rank, wide: bool = False) -> dict:
+    model = _model(wide=wide)
     opt = OPTIMISERS[name](model)
     losses = []
     for per_rank in _batches(sizes, steps, ignored_rank):
@@ -194,25 +287,37 @@ def _train_union(name: str, sizes: list[int], steps: int, ignored_rank) -> dict:
     return dict(params=[p.detach().clone() for p in model.parameters()], losses=losses)
 
 
-@pytest.mark.parametrize("name, sizes, ignored_rank, ddp", [
-    ("ief", [3, 5], None, False),
-    ("ief-mean-momentum-wd", [4, 1, 6], 1, False),
-    ("ef", [2, 6], None, True),
-    ("sf", [5, 3, 2], 2, False),
-], ids=["ief-2", "ief-mean-3-ignored-rank", "ef-2-ddp", "sf-3-ignored-rank"])
-def test_a_step_across_processes_is_one_process_on_the_union_batch(name, sizes, ignored_rank, ddp, tmp_path):
+@pytest.mark.parametrize("name, sizes, ignored_rank, ddp, wide, factors", [
+    ("ief", [3, 5], None, False, False, ()),
+    ("ief-mean-momentum-wd", [4, 1, 6], 1, False, False, ()),
+    ("ef", [2, 6], None, True, False, ()),
+    ("sf", [5, 3, 2], 2, False, False, ()),
+    ("ief-ghost", [3, 5], 1, False, True, ((2, 4, 16, 16),)),
+    ("ief", [2, 6], None, False, True, ()),
+], ids=["ief-2", "ief-mean-3-ignored-rank", "ef-2-ddp", "sf-3-ignored-rank", "ief-ghost-2-tokens-ignored-rank",
+        "ief-2-forms-differ"])
+def test_a_step_across_processes_is_one_process_on_the_union_batch(name, sizes, ignored_rank, ddp, wide, factors,
+                                                                   tmp_path, request):
     """Three steps on R gloo processes (uneven batches, masked positions, a rank whose targets are all ignored, a DDP
     model whose group is taken) leave every rank's parameters bit-identical, and equal to one process stepping on
-    the ranks' batches concatenated in rank order (1e-12 relative, float64); the returned losses are the union's."""
-    results = _spawn(_train_on_rank, len(sizes), tmp_path, name, sizes, 3, ignored_rank, ddp)
-    union = _train_union(name, sizes, 3, ignored_rank)
+    the ranks' batches concatenated in rank order (1e-12 relative, float64); the returned losses are the union's.
+
+    Which weights the Gram gathers as factors (the rest as dense columns) is asserted: none for the 5-7-3 model
+    (``form="auto"`` keeps its rows), the middle weight of the 5-16-16-3 one over 4 tokens with ``form="ghost"``
+    (its outer weights' rows are fewer entries than their factors), and none when the ranks' forms differ (at
+    ``M_r = 2`` and ``6`` ``form="auto"`` factors the middle weight on rank 0 only: gathered as rows)."""
+    results = _spawn(_train_on_rank, len(sizes), tmp_path, name, sizes, 3, ignored_rank, ddp, wide)
+    union = _train_union(name, sizes, 3, ignored_rank, wide)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(other["params"], results[0]["params"]))
         assert other["losses"] == results[0]["losses"]
+    assert all(r["factors"] == {factors} for r in results), [r["factors"] for r in results]
+    if request.node.callspec.id == "ief-2-forms-differ":
+        assert [r["ghosts"] for r in results] == [{2}, set()]
     for got, want in zip(results[0]["params"], union["params"]):
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), (got - want).abs().max()
     assert results[0]["losses"] == pytest.approx(union["losses"], rel=1e-12)
-    moved = sum(float((p - q.detach()).abs().sum()) for p, q in zip(union["params"], _model().parameters()))
+    moved = sum(float((p - q.detach()).abs().sum()) for p, q in zip(union["params"], _model(wide=wide).parameters()))
     assert moved > 1e-3, "the steps must move the parameters for the comparison to mean anything"
 
 

@@ -55,22 +55,22 @@ the paper's hyperparameters mean what the paper means; every step converts them 
 ``1/K``, un-normalised EF/SF's by ``K``, normalised updates unchanged, the damping by ``K^2``), and ``step`` returns
 ``L / K``. ``param_groups`` keep the given values (a scheduler acts on them).
 
-Bad values are refused before anything changes: the constructor checks ``lr`` (finite, > 0, or ``"auto"``), ``damping`` (finite,
->= 0; > 0 for SF), ``total_steps``, ``momentum`` (in [0, 1)), ``dampening`` (in [0, 1]), ``weight_decay`` (finite,
->= 0, ``lr * weight_decay < 1``) and ``check``; every ``step`` checks the values it is about to use again, because
-a scheduler, ``load_state_dict`` or the user can write any value into ``param_groups``. There ``lr == 0`` is
-accepted (a zero update: warm-up schedulers start at 0, as torch's optimisers allow), a negative or non-finite
-``lr`` or a bad ``damping`` raises ``ValueError`` naming the group, the key and the value, with the parameters and
-the step counter untouched. A non-finite loss, gradient or update raises ``FloatingPointError`` ("step N: ...;
-parameters left unchanged"), also before any parameter changes, in the step that met it (not a step later).
+Bad values are refused before anything changes: the constructor checks ``lr`` (finite, > 0, or ``"auto"``), ``damping``
+(finite, >= 0; > 0 for SF), ``total_steps``, ``momentum`` (in [0, 1)), ``dampening`` (in [0, 1]), ``weight_decay``
+(finite, >= 0, ``lr * weight_decay < 1``) and ``check``; every ``step`` checks the values it is about to use again,
+because a scheduler, ``load_state_dict`` or the user can write any value into ``param_groups``. There ``lr == 0`` is
+accepted (a zero update: warm-up schedulers start at 0, as torch's optimisers allow), a negative or non-finite ``lr`` or
+a bad ``damping`` raises ``ValueError`` naming the group, the key and the value, with the parameters and the step
+counter untouched. A non-finite loss, gradient or update raises ``FloatingPointError`` ("step N: ...; parameters left
+unchanged"), also before any parameter changes, in the step that met it (not a step later).
 
-Host round-trips (what stalls a GPU): these checks are computed on the device and read together, so a steady step
-(after step 0's exact per-sample check, which reads the guard's finiteness at once) reads the device twice: the
-targets' class range (before the loss, which cannot take an index out of range), then once for every other check:
-the per-sample guard's finiteness of the losses and rows, the direction's, SF's gradient's, the momentum buffers',
-K-FAC's running factors' between refreshes, with, for a normalised update, the direction's norm; the first that
-fails is named. ``last_update_norm`` is kept on the device and read when asked; ``lr="auto"``'s two scalars are read with
-the checks (no read of their own). (A float32 ``J``'s Gram solve is an ``eigh``, whose CUDA error check also waits for the device;
+Host round-trips (what stalls a GPU): these checks are computed on the device and read together, so a steady step (after
+step 0's exact per-sample check, which reads the guard's finiteness at once) reads the device twice: the targets' class
+range (before the loss, which cannot take an index out of range), then once for every other check: the per-sample
+guard's finiteness of the losses and rows, the direction's, SF's gradient's, the momentum buffers', K-FAC's running
+factors' between refreshes, with, for a normalised update, the direction's norm; the first that fails is named.
+``last_update_norm`` is kept on the device and read when asked; ``lr="auto"``'s two scalars are read with the checks (no
+read of their own). (A float32 ``J``'s Gram solve is an ``eigh``, whose CUDA error check also waits for the device;
 ``benchmarks/host_syncs.py`` counts both kinds.)
 
 Schedules: ``normalize=True`` rescales each update to norm ``lr`` ("normalised update"), and ``total_steps=T``
@@ -88,14 +88,14 @@ leaves the Gram system's small eigenvalues unregularised (the sum convention's `
 convention's, so the same ``lambda`` damps ``K^2`` times less): on a tiny BERT-LoRA (random weights, 32 samples)
 one step with ``lr=100, damping=1e-7`` takes the loss ``L`` from 22.2 to 58,192, ``lr=1, damping=1e-7`` to
 78-2,549 (3 batches), ``lr=1, damping=1e-4`` to 12.0-12.9.
-The cpu setups' learning-rate searches chose iEF ``lr=3`` (digits-mlp) and ``lr=0.3`` (tweets-minilm-lora) in the
-sum convention. ``lr="auto"`` (an option, not the default; :mod:`ief.optim.auto_lr`) needs no search: starting at
-iEF's ``1`` (EF/SF: ``0.01``) in the sum convention, every step multiplies the rate by the minimiser of a quadratic
-fitted to the new batch's loss along the previous step (achieved reduction by one extra forward without gradients,
-slope from the step's own gradient), the factor kept in ``[1/2, 2]``; the rate is the same in both conventions (the
-sum convention's; ``last_lr`` reports it in the ``reduction``'s), ``state_dict`` carries it, schedulers cannot drive
-it, and it makes no host round-trip of its own. ``benchmarks/results/auto_lr-cpu.json`` compares it with the default
-and the searched rates.
+The cpu setups' learning-rate searches chose iEF ``lr=3`` (digits-mlp) and ``lr=0.3`` (tweets-minilm-lora) in the sum
+convention. ``lr="auto"`` (an option, not the default; :mod:`ief.optim.auto_lr`) needs no search: starting at iEF's
+``1`` (EF/SF: ``0.01``) in the sum convention, every step multiplies the rate by the minimiser of a quadratic fitted to
+the new batch's loss along the previous step (achieved reduction by one extra forward without gradients, slope from the
+step's own gradient), the factor kept in ``[1/2, 2]`` and the rate at most 10 times its first; the rate is the same in
+both conventions (the sum convention's; ``last_lr`` reports it in the ``reduction``'s), ``state_dict`` carries it,
+schedulers cannot drive it, and it makes no host round-trip of its own. ``benchmarks/results/auto_lr-cpu.json`` compares
+it with the default and the searched rates.
 
 Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's
 Gram block and direction come from its layer's inputs and output gradients, or from its per-sample rows where those
@@ -383,8 +383,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch's optimiser state plus ``"ief_optimizer"`` (the class and the settings that change the method, so
-        that another optimiser refuses it), with ``lr="auto"`` ``"auto_lr"`` (the adapted rate, any pending step
-        settled: one host read) and, with ``generator=``, ``"generator_state"``.
+        that another optimiser refuses it), with ``lr="auto"`` ``"auto_lr"`` (the rate and the last step's change,
+        :mod:`ief.optim.auto_lr`) and, with ``generator=``, ``"generator_state"``.
 
         Returns:
             The state, for :meth:`load_state_dict`.
@@ -397,7 +397,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore :meth:`state_dict`'s output: the step counter, momentum buffers, ``param_groups`` values (and the
-        generator's state).
+        generator's state, ``lr="auto"``'s rate and last change).
 
         Args:
             state_dict: the output of this class's :meth:`state_dict` with the same settings (or one saved before
@@ -550,8 +550,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         direction's norm are read together (one round-trip), and the first failed check raises
         ``FloatingPointError`` ("step ``number``: ...; parameters left unchanged") before anything changes.
         ``given``: ``param_groups[0]``; ``group``: its values for this batch (converted with ``reduction="mean"``).
-        With ``lr="auto"`` the previous step's achieved and predicted reductions are read with the checks and set
-        this step's rate first, and this step's predicted reduction is left on the device (:mod:`.auto_lr`)."""
+        With ``lr="auto"`` the new batch's ``D`` and ``E`` along the previous change (:meth:`_auto_probe`) are read
+        with the checks and set this step's rate first, and the change applied is kept (:mod:`.auto_lr`)."""
         number = self.steps_taken if number is None else number
         params = self._all_params()
         chunks = list(torch.split(direction, [p.numel() for p in params]))
@@ -574,7 +574,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             read.append(watched.detach().to(torch.float64).reshape(()))
         if given["momentum"] == 0 and group["normalize"]:
             read.append(norm_t.to(torch.float64))
-        settled = len(read)  # the previous step's (achieved, predicted) follow, with lr="auto"
+        settled = len(read)  # the new batch's (D, E) along the previous change follow, with lr="auto"
         if auto is not None and auto.pending is not None:
             read.extend(auto.pending.unbind())
         values = torch.stack(read).tolist()  # the step's one host round-trip
@@ -1094,11 +1094,11 @@ class SF(PreconditionedOptimizer):
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
             ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` neither
-            ``"auto"`` nor finite and ``> 0``, a negative or non-finite ``damping`` (SF: ``damping > 0``), ``momentum`` outside ``[0, 1)``,
-            ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``,
-            ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``; an initialised
-            ``torch.distributed`` of world size > 1 with neither ``process_group`` nor a ``DistributedDataParallel``
-            model.
+            ``"auto"`` nor finite and ``> 0``, a negative or non-finite ``damping`` (SF: ``damping > 0``),
+            ``momentum`` outside ``[0, 1)``, ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or
+            ``lr * weight_decay >= 1``, ``total_steps`` not a positive integer, an unknown ``reduction``, ``check``
+            or ``form``; an initialised ``torch.distributed`` of world size > 1 with neither ``process_group`` nor a
+            ``DistributedDataParallel`` model.
         ValueError: from ``load_state_dict``, a state holding a generator's state loaded into an ``SF`` without one,
             or another optimiser's state (``ForeignStateError``).
     """

@@ -60,8 +60,9 @@ def test_the_rate_is_multiplied_by_the_fitted_quadratics_minimiser(gain, curvatu
 def test_a_non_finite_measurement_shrinks_and_the_rate_stays_in_range():
     assert auto_lr.next_rate(0.4, math.inf, 1.0) == 0.2
     assert auto_lr.next_rate(0.4, 1.0, math.nan) == 0.2
-    assert auto_lr.next_rate(auto_lr.RATE_MIN, -1.0, 1.0) == auto_lr.RATE_MIN
-    assert auto_lr.next_rate(auto_lr.RATE_MAX, 1.0, 1.5) == auto_lr.RATE_MAX  # concave, descending: capped
+    assert auto_lr.next_rate(1e-6 * 0.01, -1.0, 1.0, first=0.01) == pytest.approx(1e-8)  # the floor, relative
+    assert auto_lr.next_rate(8.0, 1.0, 1.5) == 10.0  # concave, descending: doubled, then capped at 10 x the first
+    assert auto_lr.next_rate(0.08, 1.0, 1.5, first=0.01) == pytest.approx(0.1)
 
 
 def test_the_cap_candidate_never_binds_below_1_2277_for_cross_entropy():
@@ -69,8 +70,8 @@ def test_the_cap_candidate_never_binds_below_1_2277_for_cross_entropy():
     any prediction (random logits of 2 to 50 classes, including near-saturated ones)."""
     g = torch.Generator().manual_seed(0)
     for classes in (2, 3, 10, 50):
-        logits = torch.randn(4000, classes, generator=g, dtype=torch.float64) * torch.logspace(-2, 1.5, 4000,
-                                                                                             dtype=torch.float64)[:, None]
+        scale = torch.logspace(-2, 1.5, 4000, dtype=torch.float64)[:, None]
+        logits = torch.randn(4000, classes, generator=g, dtype=torch.float64) * scale
         y = torch.randint(0, classes, (4000,), generator=g)
         loss = torch.nn.functional.cross_entropy(logits, y, reduction="none")
         s = (torch.softmax(logits, -1) - torch.nn.functional.one_hot(y, classes)).pow(2).sum(-1)

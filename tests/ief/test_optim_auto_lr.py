@@ -240,3 +240,21 @@ def test_bad_values_are_refused_naming_the_accepted_ones():
     with pytest.raises(ValueError, match=r"\['lr'\] must be a finite number >= 0 or 'auto'.*'autoo'"):
         opt.step(*_batches(1)[0])
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), theta))
+
+
+def test_bfloat16_weights_step_with_the_rule():
+    """A bfloat16 model (ief.precision): the kept change is float32 and the probe puts the parameters back as they
+    were (bit for bit), so the rule's steps match a plain IEF at the rates it chose."""
+    case = mlp_case(dtype=torch.bfloat16)
+    batches = [(x.to(torch.bfloat16), y) for x, y in _batches(3)]
+    twin = copy.deepcopy(case.model)
+    opt = ief.optim.IEF(case.model, lr="auto", damping=1e-3)
+    plain = ief.optim.IEF(twin, lr=1.0, damping=1e-3)
+    for x, y in batches:
+        opt.step(x, y)
+        plain.param_groups[0]["lr"] = opt.last_lr  # the probe ran first: the rate is now the step's
+        plain.step(x, y)
+        assert all(d.dtype == torch.float32 for d in opt._auto.delta)
+    assert len({opt.last_lr, 1.0}) == 2
+    for a, b in zip(case.model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)

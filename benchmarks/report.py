@@ -37,6 +37,7 @@ HEADINGS = {
     "evaluation": "The evaluation, per checkpoint",
     "damping_sweep": "The damping sweep",
     "distributed": "The exact iEF step across processes against DDP + AdamW",
+    "auto_lr": "iEF's step size: the default, lr=\"auto\" and a searched rate (issue 37)",
 }
 
 

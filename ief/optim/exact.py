@@ -55,21 +55,22 @@ the paper's hyperparameters mean what the paper means; every step converts them 
 ``1/K``, un-normalised EF/SF's by ``K``, normalised updates unchanged, the damping by ``K^2``), and ``step`` returns
 ``L / K``. ``param_groups`` keep the given values (a scheduler acts on them).
 
-Bad values are refused before anything changes: the constructor checks ``lr`` (finite, > 0), ``damping`` (finite,
->= 0; > 0 for SF), ``total_steps``, ``momentum`` (in [0, 1)), ``dampening`` (in [0, 1]), ``weight_decay`` (finite,
->= 0, ``lr * weight_decay < 1``) and ``check``; every ``step`` checks the values it is about to use again, because
-a scheduler, ``load_state_dict`` or the user can write any value into ``param_groups``. There ``lr == 0`` is
-accepted (a zero update: warm-up schedulers start at 0, as torch's optimisers allow), a negative or non-finite
-``lr`` or a bad ``damping`` raises ``ValueError`` naming the group, the key and the value, with the parameters and
-the step counter untouched. A non-finite loss, gradient or update raises ``FloatingPointError`` ("step N: ...;
-parameters left unchanged"), also before any parameter changes, in the step that met it (not a step later).
+Bad values are refused before anything changes: the constructor checks ``lr`` (finite, > 0, or ``"auto"``), ``damping``
+(finite, >= 0; > 0 for SF), ``total_steps``, ``momentum`` (in [0, 1)), ``dampening`` (in [0, 1]), ``weight_decay``
+(finite, >= 0, ``lr * weight_decay < 1``) and ``check``; every ``step`` checks the values it is about to use again,
+because a scheduler, ``load_state_dict`` or the user can write any value into ``param_groups``. There ``lr == 0`` is
+accepted (a zero update: warm-up schedulers start at 0, as torch's optimisers allow), a negative or non-finite ``lr`` or
+a bad ``damping`` raises ``ValueError`` naming the group, the key and the value, with the parameters and the step
+counter untouched. A non-finite loss, gradient or update raises ``FloatingPointError`` ("step N: ...; parameters left
+unchanged"), also before any parameter changes, in the step that met it (not a step later).
 
-Host round-trips (what stalls a GPU): these checks are computed on the device and read together, so a steady step
-(after step 0's exact per-sample check, which reads the guard's finiteness at once) reads the device twice: the
-targets' class range (before the loss, which cannot take an index out of range), then once for every other check:
-the per-sample guard's finiteness of the losses and rows, the direction's, SF's gradient's, the momentum buffers',
-K-FAC's running factors' between refreshes, with, for a normalised update, the direction's norm; the first that
-fails is named. ``last_update_norm`` is kept on the device and read when asked. (A float32 ``J``'s Gram solve is an ``eigh``, whose CUDA error check also waits for the device;
+Host round-trips (what stalls a GPU): these checks are computed on the device and read together, so a steady step (after
+step 0's exact per-sample check, which reads the guard's finiteness at once) reads the device twice: the targets' class
+range (before the loss, which cannot take an index out of range), then once for every other check: the per-sample
+guard's finiteness of the losses and rows, the direction's, SF's gradient's, the momentum buffers', K-FAC's running
+factors' between refreshes, with, for a normalised update, the direction's norm; the first that fails is named.
+``last_update_norm`` is kept on the device and read when asked; ``lr="auto"``'s two scalars are read with the checks (no
+read of their own). (A float32 ``J``'s Gram solve is an ``eigh``, whose CUDA error check also waits for the device;
 ``benchmarks/host_syncs.py`` counts both kinds.)
 
 Schedules: ``normalize=True`` rescales each update to norm ``lr`` ("normalised update"), and ``total_steps=T``
@@ -87,7 +88,14 @@ leaves the Gram system's small eigenvalues unregularised (the sum convention's `
 convention's, so the same ``lambda`` damps ``K^2`` times less): on a tiny BERT-LoRA (random weights, 32 samples)
 one step with ``lr=100, damping=1e-7`` takes the loss ``L`` from 22.2 to 58,192, ``lr=1, damping=1e-7`` to
 78-2,549 (3 batches), ``lr=1, damping=1e-4`` to 12.0-12.9.
-The cpu setups' learning-rate searches chose iEF ``lr=1`` in the sum convention.
+The cpu setups' learning-rate searches chose iEF ``lr=3`` (digits-mlp) and ``lr=0.3`` (tweets-minilm-lora) in the sum
+convention. ``lr="auto"`` (an option, not the default; :mod:`ief.optim.auto_lr`) needs no search: starting at iEF's
+``1`` (EF/SF: ``0.01``) in the sum convention, every step multiplies the rate by the minimiser of a quadratic fitted to
+the new batch's loss along the previous step (achieved reduction by one extra forward without gradients, slope from the
+step's own gradient), the factor kept in ``[1/2, 2]`` and the rate at most 10 times its first; the rate is the same in
+both conventions (the sum convention's; ``last_lr`` reports it in the ``reduction``'s), ``state_dict`` carries it,
+schedulers cannot drive it, and it makes no host round-trip of its own. ``benchmarks/results/auto_lr-cpu.json`` compares
+it with the default and the searched rates.
 
 Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's
 Gram block and direction come from its layer's inputs and output gradients, or from its per-sample rows where those
@@ -117,10 +125,11 @@ from ..distributed import (DistributedRows, agree, all_gather_rows, all_reduce, 
                            resolve_group)
 from ..jacobian import CHECKS, gradient_and_sampled_jacobian, per_sample
 from ..jacobian.guard import deferred_finiteness
-from ..losses import IGNORE_INDEX, Loss, check_damping, count_targets
-from ..model_call import Inputs
+from ..losses import IGNORE_INDEX, Loss, check_damping, count_targets, get_loss
+from ..model_call import Inputs, _cuda_devices, call_model
 from ..rows import FactoredJacobian, as_rows, check_form
-from .convention import to_sum_convention
+from .auto_lr import AUTO, INITIAL, AutoRate, check_auto, replayed, rng_states
+from .convention import to_sum_convention, to_token_mean_convention
 from .momentum import (check_dampening, check_group_extras, check_momentum, check_shared, check_weight_decay,
                        momentum_buffers, resolve_groups)
 
@@ -213,6 +222,7 @@ def _finite(*tensors: torch.Tensor) -> torch.Tensor:
 
 
 STATE_KEY = "ief_optimizer"  # state_dict()'s record of the optimiser that saved it
+AUTO_KEY = "auto_lr"  # state_dict()'s adapted rate (lr="auto")
 
 
 class ForeignStateError(ValueError):
@@ -246,6 +256,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     schedule, finite checks and the in-place update; a subclass provides ``_direction``."""
 
     _needs_positive_damping = False
+    _auto_lr = False  # whether lr="auto" (ief.optim.auto_lr) is offered
     _across_processes = True  # the step is exact over the union of the ranks' batches (ief.distributed)
     method = ""  # "ief" / "ef" / "sf": the rule that converts a token-mean rate (reduction="mean")
 
@@ -281,7 +292,13 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__} does not step across processes yet (its running factors would be "
                              f"each rank's own, and the replicas would drift apart): run it in one process (world "
                              f"size 1), or use IEF, EF or SF, which take process_group=")
-        lr = _check_positive("lr", lr)
+        self._auto: AutoRate | None = None
+        if check_auto(lr, type(self).__name__, self._auto_lr):  # the adapted rate (ief.optim.auto_lr)
+            self._auto = AutoRate(INITIAL[self.method])
+        else:
+            lr = _check_positive("lr", lr)
+        self.last_lr: float | None = None  # the rate of the last step, in the reduction's convention
+        self._auto_gradient: Any = None  # () -> (the batch gradient, whether the union's), for lr="auto"
         if damping is None:  # the defaults of the module docstring
             damping = DEFAULT_DAMPING[_check_reduction(reduction)]
         damping = check_damping(damping, allow_zero=not self._needs_positive_damping)
@@ -366,18 +383,21 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch's optimiser state plus ``"ief_optimizer"`` (the class and the settings that change the method, so
-        that another optimiser refuses it) and, with ``generator=``, ``"generator_state"``.
+        that another optimiser refuses it), with ``lr="auto"`` ``"auto_lr"`` (the rate and the last step's change,
+        :mod:`ief.optim.auto_lr`) and, with ``generator=``, ``"generator_state"``.
 
         Returns:
             The state, for :meth:`load_state_dict`.
         """
         state = super().state_dict()
         state[STATE_KEY] = self._identity()
+        if self._auto is not None:
+            state[AUTO_KEY] = self._auto.state()
         return self._store_generator(state)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore :meth:`state_dict`'s output: the step counter, momentum buffers, ``param_groups`` values (and the
-        generator's state).
+        generator's state, ``lr="auto"``'s rate and last change).
 
         Args:
             state_dict: the output of this class's :meth:`state_dict` with the same settings (or one saved before
@@ -392,8 +412,24 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         state_dict.pop(STATE_KEY, None)
         generator_state = self._pop_generator_state(state_dict)
+        auto = state_dict.pop(AUTO_KEY, None)
+        if auto is not None:
+            if not self._auto_lr:
+                raise ForeignStateError(f"this state_dict holds an adapted rate (lr={AUTO!r}), which "
+                                        f"{type(self).__name__} does not take")
+            restored = AutoRate(INITIAL[self.method])
+            restored.load(auto)  # checked before anything loads
+            params = self._all_params()
+            if restored.delta is not None:  # the last step's change, on its parameter's device
+                if len(restored.delta) != len(params) or any(
+                        tuple(d.shape) != tuple(p.shape) for d, p in zip(restored.delta, params)):
+                    raise ValueError("the state_dict's auto_lr delta does not match the parameters' shapes (another "
+                                     "model's state)")
+                restored.delta = [d.to(p.device) for d, p in zip(restored.delta, params)]
         super().load_state_dict(state_dict)
         self._restore_generator(generator_state)
+        if auto is not None:
+            self._auto = restored
 
     def _store_generator(self, state: dict) -> dict:
         """``state`` with the label generator's state under ``"generator_state"`` (SF and KFAC with ``generator=``):
@@ -439,10 +475,11 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         try:
             value = float(lr)
         except (TypeError, ValueError):
-            value = math.nan
-        if isinstance(lr, bool) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{where}['lr'] must be a finite number >= 0 (set by a scheduler, load_state_dict or "
-                             f"by hand), got {lr!r}; parameters left unchanged")
+            value = math.inf if lr == AUTO and self._auto_lr else math.nan
+        if isinstance(lr, bool) or not (math.isfinite(value) or lr == AUTO) or value < 0:
+            offered = f" or {AUTO!r}" if self._auto_lr else ""
+            raise ValueError(f"{where}['lr'] must be a finite number >= 0{offered} (set by a scheduler, "
+                             f"load_state_dict or by hand), got {lr!r}; parameters left unchanged")
         try:
             damping = check_damping(group.get("damping"), allow_zero=not self._needs_positive_damping)
             _check_total_steps(group.get("total_steps"))
@@ -463,13 +500,16 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         """Decoupled weight decay's factor ``1 - eta_t wd`` with the given (scheduled) rate ``eta_t``."""
         return 1.0 - self._step_size(dict(group, normalize=False), 1.0) * group["weight_decay"]
 
+    def _shrinks(self, lr: float) -> list[float]:
+        """Every group's decay factor with the given rate ``lr`` (``param_groups``' own, or the adapted rate), taken
+        before any step counter moves (the decay's ``1 - t/T`` reads it)."""
+        return [self._shrink(dict(group, lr=lr)) if group["weight_decay"] else 1.0 for group in self.param_groups]
+
     @torch.no_grad()
-    def _apply(self, steps: list[torch.Tensor], size: float) -> None:
-        """``p <- (1 - eta_t wd) p - size * step`` for every parameter, group by group (a 16-bit parameter's in
-        float32, rounded to its dtype once: :mod:`ief.precision`)."""
+    def _apply(self, steps: list[torch.Tensor], size: float, shrinks: list[float]) -> None:
+        """``p <- shrink p - size * step`` for every parameter, group by group (a 16-bit parameter's in float32,
+        rounded to its dtype once: :mod:`ief.precision`); ``shrinks``: :meth:`_shrinks`."""
         chunks = iter(steps)
-        # every factor before any step counter moves (the decay's 1 - t/T reads the counter)
-        shrinks = [self._shrink(group) if group["weight_decay"] else 1.0 for group in self.param_groups]
         for group, shrink in zip(self.param_groups, shrinks):
             wide, wide_steps = [], []  # updated together: one foreach operator for the group, not one per tensor
             for p in group["params"]:
@@ -509,7 +549,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         they are named; ``direction``'s and the momentum buffers' are added here) and, for a normalised update, the
         direction's norm are read together (one round-trip), and the first failed check raises
         ``FloatingPointError`` ("step ``number``: ...; parameters left unchanged") before anything changes.
-        ``given``: ``param_groups[0]``; ``group``: its values for this batch (converted with ``reduction="mean"``)."""
+        ``given``: ``param_groups[0]``; ``group``: its values for this batch (converted with ``reduction="mean"``).
+        With ``lr="auto"`` the new batch's ``D`` and ``E`` along the previous change (:meth:`_auto_probe`) are read
+        with the checks and set this step's rate first, and the change applied is kept (:mod:`.auto_lr`)."""
         number = self.steps_taken if number is None else number
         params = self._all_params()
         chunks = list(torch.split(direction, [p.numel() for p in params]))
@@ -526,31 +568,99 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             steps = [c.view(p.shape).mul(factor) for p, c in zip(params, chunks)]  # shaped as their parameter
             buffers = momentum_buffers(self.state, params, steps, given["momentum"], given["dampening"])
             checks.append((_finite(*buffers), "non-finite momentum buffer"))
+        auto = self._auto if given["lr"] == AUTO else None
         read = [flag.to(torch.float64) for flag, _ in checks]
         if watched is not None:  # the divergence watch: the batch's mean loss, read with the checks
             read.append(watched.detach().to(torch.float64).reshape(()))
         if given["momentum"] == 0 and group["normalize"]:
             read.append(norm_t.to(torch.float64))
+        settled = len(read)  # the new batch's (D, E) along the previous change follow, with lr="auto"
+        if auto is not None and auto.pending is not None:
+            read.extend(auto.pending.unbind())
         values = torch.stack(read).tolist()  # the step's one host round-trip
         for ok, (_, message) in zip(values, checks):
             if not ok:
                 raise FloatingPointError(f"step {number}: {message() if callable(message) else message}; "
                                          f"parameters left unchanged")
+        if auto is not None:
+            given, group = self._auto_rates(given, group, tokens,
+                                            auto.settle(values[settled:] if auto.pending is not None else None))
+        self.last_lr = given["lr"]
         if watched is not None:
             self._watch_divergence(values[len(checks)], number, given["lr"])
+        shrinks = self._shrinks(given["lr"])
         if buffers is None:  # no buffer: today's update (plus the decay)
-            norm = values[-1] if group["normalize"] else None
+            norm = values[settled - 1] if group["normalize"] else None
             size = self._step_size(group, norm if norm is not None else 1.0)
-            self._apply(chunks, size)
+            if auto is not None:
+                self._auto_step(chunks, size, shrinks)
+            self._apply(chunks, size, shrinks)
             self.last_update_norm = (abs(size) * norm if norm is not None else
                                      lambda: abs(size) * float(norm_t))  # read when asked
             return
         for p, b in zip(params, buffers):
             self.state[p]["momentum_buffer"] = b
         size = self._step_size(dict(given, normalize=False), 1.0)  # eta_t = lr_t (1 - t/T)
-        self._apply(buffers, size)
+        if auto is not None:
+            self._auto_step(buffers, size, shrinks)
+        self._apply(buffers, size, shrinks)
         norms = torch.stack([b.norm() for b in buffers])
         self.last_update_norm = lambda: abs(size) * math.sqrt(sum(x ** 2 for x in norms.tolist()))
+
+    def _auto_rates(self, given: dict, group: dict, tokens: int | None, rate: float) -> tuple[dict, dict]:
+        """``given`` and ``group`` with the adapted ``rate`` (sum convention; ``given``'s in the ``reduction``'s),
+        kept where every group's decay factor ``1 - lr wd`` stays >= 1/2."""
+        def convert(value: float, to_sum: bool) -> float:
+            if tokens is None:
+                return value
+            return (to_sum_convention if to_sum else to_token_mean_convention)(
+                self.method, value, 1.0, tokens, normalized=group["normalize"])[0]
+
+        lr = convert(rate, to_sum=False)
+        decay = max(g["weight_decay"] for g in self.param_groups)
+        if decay and lr * decay > 0.5:
+            lr = 0.5 / decay
+            rate = self._auto.rate = convert(lr, to_sum=True)
+        return dict(given, lr=lr), dict(group, lr=rate)
+
+    @torch.no_grad()
+    def _auto_step(self, steps: list[torch.Tensor], size: float, shrinks: list[float]) -> None:
+        """Keep the change about to be applied, ``theta_t - theta_{t+1} = size step + (1 - shrink) theta_t`` per
+        parameter, for the next step's probe (:mod:`.auto_lr`)."""
+        delta, chunks = [], iter(steps)
+        for group, shrink in zip(self.param_groups, shrinks):
+            for p in group["params"]:
+                d = next(chunks).view(p.shape).to(torch.float32 if p.dtype.itemsize < 4 else p.dtype) * size
+                if shrink != 1.0:
+                    d.add_(p, alpha=1.0 - shrink)
+                delta.append(d)
+        self._auto.delta = delta
+
+    @torch.no_grad()
+    def _auto_probe(self, inputs: Inputs, targets: torch.Tensor, losses: torch.Tensor, rng: tuple,
+                    devices: list[int]) -> None:
+        """The new batch's loss along the previous step ``delta``: ``D = L(theta_t) - L(theta_{t+1})`` by one forward
+        without gradients at ``theta_t = theta_{t+1} + delta`` (the step's RNG state: its dropout masks), and
+        ``E = grad L(theta_{t+1}) . delta``, both of the union batch, left on the device for the step's read."""
+        gradient, union = self._auto_gradient()
+        params = self._all_params()
+        g = torch.split(gradient.reshape(-1), [p.numel() for p in params])
+        slope = sum(torch.dot(gk.to(torch.float64), d.reshape(-1).to(torch.float64))
+                    for gk, d in zip(g, self._auto.delta))
+        slope = slope if union else self._union_sum(slope)
+        kept = [p.data for p in params]
+        try:
+            for p, d in zip(params, self._auto.delta):
+                p.data = (p.data.to(d.dtype) + d).to(p.dtype)
+            with replayed(rng, devices):
+                logits = call_model(self.model, inputs)
+        finally:
+            for p, data in zip(params, kept):
+                p.data = data
+        torch.clear_autocast_cache()
+        before = self._union_sum(get_loss(self.loss).per_sample(logits, targets).to(torch.float64).sum())
+        achieved = before - losses.detach().to(torch.float64).sum()
+        self._auto.pending = torch.stack([achieved, slope.to(achieved.device)])
 
     def _watch_divergence(self, mean_loss: float, number: int, lr: float) -> None:
         """Warn once (``UserWarning``) when the mean per-sample loss has grown by :data:`DIVERGENCE_FACTOR` over the
@@ -642,11 +752,15 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         given = self.param_groups[0]
         # one joint direction over every group's parameters, with the damping as checked (the groups agree on it)
         group = dict(given, params=self._all_params(), damping=dampings[0])
+        auto = given["lr"] == AUTO  # the rate is set in _update, from the previous steps (ief.optim.auto_lr)
+        if auto and self._auto is None:  # "auto" written into param_groups of an optimiser built with a number
+            self._auto = AutoRate(INITIAL[self.method])
         tokens = None
         if self.reduction == "mean":  # the given (token-mean) rates as this package's (sum) ones for this batch
             tokens = self.last_tokens = self._tokens(targets)
-            lr, damping = to_sum_convention(self.method, group["lr"], group["damping"], tokens,
+            lr, damping = to_sum_convention(self.method, 1.0 if auto else group["lr"], group["damping"], tokens,
                                             normalized=group["normalize"])
+            lr = AUTO if auto else lr
             if not math.isfinite(damping):  # the conversion's K^2 overflowed a checked (finite) damping
                 raise ValueError(f"step {self.steps_taken}: damping {group['damping']!r} for the token mean is "
                                  f"{damping!r} for the sum over this batch's {tokens} tokens (x K^2): use a smaller "
@@ -655,6 +769,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         number = self.steps_taken
         self._checks: list[tuple[torch.Tensor, Any]] = []  # the direction's own checks, read with the step's
         self._solved = None  # (method, dtype) of a direction a Woodbury solve returned unchecked
+        if auto:  # the forward's RNG state, replayed by the measuring forward after the update
+            devices = _cuda_devices(self.model)
+            rng = rng_states(devices)
         try:
             with torch.enable_grad():
                 losses, direction = self._direction(inputs, targets, group)
@@ -662,6 +779,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
         # in the order they were met: the per-sample guard's (naming the samples), the direction's own, the losses
         checks = [*self._checks, (torch.isfinite(losses).all(), lambda: f"non-finite loss {losses.tolist()}")]
+        if auto and self._auto.delta is not None:  # the new batch's loss along the previous step
+            self._auto_probe(inputs, targets, losses, rng, devices)
+        self._auto_gradient = None  # (holds the batch's per-sample results)
         self._update(given, group, direction, tokens, checks=checks, number=number, watched=losses.mean())
         self.last_losses = losses
         return losses.sum() if tokens is None else losses.sum() / tokens
@@ -755,7 +875,9 @@ class IEF(PreconditionedOptimizer):
         model: the ``nn.Module`` whose forward the optimiser runs (a peft model, a Hugging Face model: the package's
             conventions, :mod:`ief`).
         lr: the rate; default ``None``: ``1.0`` with ``reduction="sum"`` (stable: see the module docstring), the
-            paper's LoRA ``100.0`` with ``reduction="mean"`` (``sec:app-optimiser``; prompt tuning: ``50``).
+            paper's LoRA ``100.0`` with ``reduction="mean"`` (``sec:app-optimiser``; prompt tuning: ``50``);
+            ``"auto"``: set every step from the new batch's loss along the previous step, starting at ``1`` (sum
+            convention), one extra forward without gradients a step (:mod:`ief.optim.auto_lr`; ``last_lr``).
         damping: ``lambda >= 0`` in the ``reduction``'s convention; default ``None``: ``1e-4`` (``"sum"``) or the
             paper's ``1e-7`` (``"mean"``; prompt tuning: ``1e-12``).
         params: what to train (default ``None``: every trainable parameter of ``model``): an iterable of parameters,
@@ -786,11 +908,12 @@ class IEF(PreconditionedOptimizer):
 
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
-            ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
-            ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``, ``dampening``
-            outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``, ``total_steps`` not a
-            positive integer, an unknown ``reduction``, ``check`` or ``form``; an initialised ``torch.distributed``
-            of world size > 1 with neither ``process_group`` nor a ``DistributedDataParallel`` model.
+            ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` neither
+            ``"auto"`` nor finite and ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``,
+            ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``,
+            ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``; an initialised
+            ``torch.distributed`` of world size > 1 with neither ``process_group`` nor a
+            ``DistributedDataParallel`` model.
 
     Example::
 
@@ -800,6 +923,7 @@ class IEF(PreconditionedOptimizer):
     """
 
     method = "ief"
+    _auto_lr = True
 
     @suggest_keywords
     def __init__(
@@ -830,6 +954,7 @@ class IEF(PreconditionedOptimizer):
         r = self._per_sample(inputs, targets, group)
         rows = self._union_rows(r.jacobian)
         self._solved = ("iEF", rows.dtype)
+        self._auto_gradient = lambda: (r.gradient, False)  # this rank's (lr="auto": read before J is reused)
         direction = ief_solve(rows, self._union_vector(r.logit_sqnorm), group["damping"], check=False)
         return self._union_vector(r.losses), direction
 
@@ -845,7 +970,10 @@ class EF(PreconditionedOptimizer):
 
     Args:
         model: the ``nn.Module`` whose forward the optimiser runs.
-        lr: the rate (default ``0.01``, the paper's normalised LoRA rate; prompt tuning: ``1``).
+        lr: the rate (default ``0.01``, the paper's normalised LoRA rate; prompt tuning: ``1``); ``"auto"``: set
+            every step from the new batch's loss along the previous step, starting at ``0.01`` (the update's norm
+            with ``normalize=True``), one extra forward without gradients a step (:mod:`ief.optim.auto_lr`; not
+            measured for EF/SF: ``benchmarks/auto_lr.py`` trains iEF).
         damping: ``lambda >= 0``; default ``None``: ``1e-4`` (``reduction="sum"``) or ``1e-7`` (``"mean"``).
         params: what to train (default ``None``: every trainable parameter of ``model``): an iterable of parameters,
             or groups ``[{"params": [...], "weight_decay": w}, ...]`` that differ in ``weight_decay`` only (the
@@ -876,14 +1004,16 @@ class EF(PreconditionedOptimizer):
 
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
-            ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
-            ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``, ``dampening``
-            outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``, ``total_steps`` not a
-            positive integer, an unknown ``reduction``, ``check`` or ``form``; an initialised ``torch.distributed``
-            of world size > 1 with neither ``process_group`` nor a ``DistributedDataParallel`` model.
+            ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` neither
+            ``"auto"`` nor finite and ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``,
+            ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``,
+            ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``; an initialised
+            ``torch.distributed`` of world size > 1 with neither ``process_group`` nor a
+            ``DistributedDataParallel`` model.
     """
 
     method = "ef"
+    _auto_lr = True
 
     @suggest_keywords
     def __init__(
@@ -912,6 +1042,7 @@ class EF(PreconditionedOptimizer):
         r = self._per_sample(inputs, targets, group)
         rows = self._union_rows(r.jacobian)
         self._solved = ("EF", rows.dtype)
+        self._auto_gradient = lambda: (r.gradient, False)  # this rank's (lr="auto": read before J is reused)
         return self._union_vector(r.losses), ef_solve(rows, group["damping"], check=False)
 
 
@@ -926,7 +1057,10 @@ class SF(PreconditionedOptimizer):
 
     Args:
         model: the ``nn.Module`` whose forward the optimiser runs.
-        lr: the rate (default ``0.01``, the paper's normalised LoRA rate; prompt tuning: ``1``).
+        lr: the rate (default ``0.01``, the paper's normalised LoRA rate; prompt tuning: ``1``); ``"auto"``: set
+            every step from the new batch's loss along the previous step, starting at ``0.01`` (the update's norm
+            with ``normalize=True``), one extra forward without gradients a step (:mod:`ief.optim.auto_lr`; not
+            measured for EF/SF: ``benchmarks/auto_lr.py`` trains iEF).
         damping: ``lambda > 0`` (``eqn:SF-smw`` divides by it); default ``None``: ``1e-4`` (``reduction="sum"``)
             or ``1e-7`` (``"mean"``).
         generator: the ``torch.Generator`` the labels are drawn with (default ``None``: the global RNG).
@@ -959,18 +1093,19 @@ class SF(PreconditionedOptimizer):
 
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
-            ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` not finite and
-            ``> 0``, a negative or non-finite ``damping`` (SF: ``damping > 0``), ``momentum`` outside ``[0, 1)``,
-            ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``,
-            ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``; an initialised
-            ``torch.distributed`` of world size > 1 with neither ``process_group`` nor a ``DistributedDataParallel``
-            model.
+            ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` neither
+            ``"auto"`` nor finite and ``> 0``, a negative or non-finite ``damping`` (SF: ``damping > 0``),
+            ``momentum`` outside ``[0, 1)``, ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or
+            ``lr * weight_decay >= 1``, ``total_steps`` not a positive integer, an unknown ``reduction``, ``check``
+            or ``form``; an initialised ``torch.distributed`` of world size > 1 with neither ``process_group`` nor a
+            ``DistributedDataParallel`` model.
         ValueError: from ``load_state_dict``, a state holding a generator's state loaded into an ``SF`` without one,
             or another optimiser's state (``ForeignStateError``).
     """
 
     _needs_positive_damping = True
     method = "sf"
+    _auto_lr = True
 
     @suggest_keywords
     def __init__(
@@ -1008,5 +1143,6 @@ class SF(PreconditionedOptimizer):
         self._checks.append((_finite(grad), "non-finite gradient"))
         rows = self._union_rows(sampled)
         self._solved = ("SF", rows.dtype)
+        self._auto_gradient = lambda: (grad, True)  # the union batch's already (lr="auto")
         return self._union_vector(losses), sf_solve(rows, grad, group["damping"], check=False)
 

@@ -105,11 +105,12 @@ def check_weight_decay(value: Any) -> float:
 
 def check_group_extras(group: dict) -> None:
     """The momentum and weight-decay values of one ``param_groups`` entry (``ValueError`` as the checks above),
-    and the shrink factor ``1 - lr * weight_decay > 0``."""
+    and the shrink factor ``1 - lr * weight_decay > 0`` (with ``lr="auto"`` the step keeps it so:
+    :mod:`ief.optim.auto_lr`)."""
     check_momentum(group.get("momentum"))
     check_dampening(group.get("dampening"))
     wd = check_weight_decay(group.get("weight_decay"))
-    if wd and float(group["lr"]) * wd >= 1.0:
+    if wd and group["lr"] != "auto" and float(group["lr"]) * wd >= 1.0:  # "auto": the rate is kept below 1 / wd
         raise ValueError(f"lr * weight_decay must be < 1 (the per-step shrink factor 1 - lr * weight_decay would be "
                          f"<= 0), got lr={group['lr']!r}, weight_decay={group['weight_decay']!r}")
 

@@ -120,6 +120,17 @@ def test_kfac_between_refreshes_reads_once():
     assert step.round_trips <= 2, (step.kinds, step.where)  # the targets' range check and the step's read
 
 
+def test_auto_lr_adds_no_round_trip():
+    """lr="auto" (ief.optim.auto_lr): its probe forward and the new batch's two scalars are read with the step's one
+    read, so the steady MLP step keeps the budget of 2 (with momentum and weight decay as well)."""
+    w = _workload("mlp")
+    for opt in (ief.optim.IEF(w.model, lr="auto"), ief.optim.IEF(w.model, lr="auto", momentum=0.9,
+                                                                  weight_decay=0.01)):
+        step = _step_counts(opt, w)
+        assert step.round_trips <= 2, (step.kinds, step.where)
+        assert opt._auto.delta is not None  # the probe ran: the step is the rule's, not the plain one
+
+
 def test_momentum_and_weight_decay_add_no_round_trip():
     """Heavy-ball buffers and the decoupled decay on the device: their finiteness is read with the step's checks."""
     w = _workload("mlp")

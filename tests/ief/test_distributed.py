@@ -252,6 +252,11 @@ OPTIMISERS = {
     "ef": lambda model, **kw: __import__("ief").optim.EF(model, lr=0.05, damping=1e-3, momentum=0.5, **kw),
     "sf": lambda model, **kw: __import__("ief").optim.SF(model, lr=0.05, damping=1e-2, loss=_ArgmaxSampled(),
                                                         weight_decay=0.1, **kw),
+    # lr="auto": the new batch's loss and slope along the last change are the union batch's (ief.optim.auto_lr)
+    "ief-auto-mean-momentum-wd": lambda model, **kw: __import__("ief").optim.IEF(
+        model, lr="auto", damping=1e-4, reduction="mean", momentum=0.9, weight_decay=0.01, **kw),
+    "sf-auto": lambda model, **kw: __import__("ief").optim.SF(model, lr="auto", damping=1e-2, loss=_ArgmaxSampled(),
+                                                             **kw),
 }
 
 
@@ -294,8 +299,10 @@ def _train_union(name: str, sizes: list[int], steps: int, ignored_rank, wide: bo
     ("sf", [5, 3, 2], 2, False, False, ()),
     ("ief-ghost", [3, 5], 1, False, True, ((2, 4, 16, 16),)),
     ("ief", [2, 6], None, False, True, ()),
+    ("ief-auto-mean-momentum-wd", [4, 1, 6], 1, False, False, ()),
+    ("sf-auto", [3, 5], None, True, False, ()),
 ], ids=["ief-2", "ief-mean-3-ignored-rank", "ef-2-ddp", "sf-3-ignored-rank", "ief-ghost-2-tokens-ignored-rank",
-        "ief-2-forms-differ"])
+        "ief-2-forms-differ", "ief-auto-mean-3-ignored-rank", "sf-auto-2-ddp"])
 def test_a_step_across_processes_is_one_process_on_the_union_batch(name, sizes, ignored_rank, ddp, wide, factors,
                                                                    tmp_path, request):
     """Three steps on R gloo processes (uneven batches, masked positions, a rank whose targets are all ignored, a DDP

@@ -1053,7 +1053,8 @@ def test_constructor_messages_name_the_argument_and_the_value():
     c = mlp_case()
     for kwargs, text in [
         (dict(lr=-1.0), "lr must be a finite number > 0, got -1.0"),
-        (dict(lr="fast"), "lr must be a real number, got 'fast'"),
+        (dict(lr="fast"), "lr must be a finite number > 0 or 'auto' (the rate set from the loss along the previous "
+                          "step: ief.optim.auto_lr), got 'fast'"),
     ]:
         with pytest.raises(ValueError) as err:
             ief.optim.IEF(c.model, **kwargs)

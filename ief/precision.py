@@ -142,6 +142,9 @@ def refuse_float16(formats) -> None:
     Args:
         formats: the formats the forward ran in (:class:`ForwardFormats`, or any iterable of dtypes).
 
+    Returns:
+        ``None`` when float16 is not among them (the forward's results may be used).
+
     Raises:
         ValueError: float16 is among them; the sentence says why and what to use.
     """

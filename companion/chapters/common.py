@@ -239,7 +239,7 @@ def require_tables(tables, scale: str, command: str) -> list[Path]:
 
 def record_made(path: str | Path) -> str:
     """When, at which commit and by which command a committed record was made: the ``created`` / ``commit`` /
-    ``command`` fields a JSON record carries (``companion.experiments.search``), else "made before records carried their
+    ``command`` fields a JSON record carries (``companion.experiments.search``; a benchmark record's ``date``), else "made before records carried their
     date" and when git last committed the file (:func:`committed_at`); never a guessed date."""
     import json
 
@@ -251,11 +251,12 @@ def record_made(path: str | Path) -> str:
             meta = data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             meta = {}
-    if not meta.get("created"):
+    created = meta.get("created") or meta.get("date")  # the searches' "created", the benchmarks' "date"
+    if not created:
         prefix = "made before records carried their date; " if path.suffix == ".json" else ""
         return f"{prefix}{committed_at(path)}"
     commit = meta.get("commit")
-    made = f"made {meta['created']}" + (f" at commit `{commit[:12]}`" if commit else " outside a git checkout")
+    made = f"made {created}" + (f" at commit `{commit[:12]}`" if commit else " outside a git checkout")
     return made + (f" by `{meta['command']}`" if meta.get("command") else "")
 
 

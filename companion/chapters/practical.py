@@ -215,3 +215,61 @@ def practical_glue(table: pd.DataFrame, opts: dict[str, list[str]], costs: pd.Da
             out[f"cost_{setup}"] = ", ".join(f"{label(o)} {r:.2f}×" for o, r in zip(c.optimizer, c.ratio)
                                              if o != c.baseline.iloc[0]) + f" the time of an {base} update"
     return out
+
+
+NO_SEARCH_RECORD = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "auto_lr-cpu.json"
+_RUN_LABELS = {"default": "default (no search)", "auto": "lr='auto' (no search)", "searched": "searched"}
+
+
+def no_search_table(record: str | Path = NO_SEARCH_RECORD) -> tuple[pd.DataFrame, dict[str, str]]:
+    """The "no search" rows beside the searched ones: iEF with its default rate, with ``lr="auto"``
+    (:mod:`ief.optim.auto_lr`) and with a searched rate, read from the committed record of
+    ``python -m benchmarks auto_lr`` (the same initial model and batches for the three; the chapter reads, it does
+    not train).
+
+    Args:
+        record: the benchmark's JSON record.
+
+    Returns:
+        ``(table, glue)``: one row per case and rate (lr, final training loss, test accuracy, the adapted rate's
+        range), and the glued sentences ``ns_rule`` (the rule, as the benchmark states it before its numbers:
+        ``lr="auto"`` earns the default when on every case its final training loss is at most 1.1 times the
+        searched rate's and no run diverged), ``ns_verdict`` (the cases that pass and fail) and ``ns_cases``.
+
+    Raises:
+        FileNotFoundError: no record (names the command that makes it).
+    """
+    import json
+
+    record = Path(record)
+    if not record.is_file():
+        raise FileNotFoundError(f"no record {record}: `python -m benchmarks auto_lr --json {record}` makes it")
+    cases = json.loads(record.read_text())["results"]["cases"]
+    rows = []
+    for case in cases:
+        for key in ("default", "auto", "searched"):
+            run = case["runs"][key]
+            lr = run["lr"]
+            rate = ("1 (default)" if lr is None else "auto" if lr == "auto" else f"{lr:g}")
+            span = f"{run['rate_min']:.3g} – {run['rate_max']:.3g}" if lr == "auto" and run.get("rate_min") else ""
+            rows.append({"case": case["case"], "rate": _RUN_LABELS[key], "lr": rate,
+                         "final training loss": round(run["final_train_loss"], 4),
+                         "test accuracy": "diverged" if run["diverged"] else f"{run['test_accuracy']:.3f}",
+                         "adapted rate's range": span})
+    passed = [c["case"] for c in cases if c["auto_within_10_percent"]]
+    failed = [c for c in cases if not c["auto_within_10_percent"]]
+    ratio = {c["case"]: c["runs"]["auto"]["final_train_loss"] / c["runs"]["searched"]["final_train_loss"]
+             for c in cases}
+    misses = ", ".join(f"{c['case']} ({ratio[c['case']]:.2g}× the searched rate's loss)" for c in failed)
+    verdict = (f"it does not hold: lr='auto' is within the margin on {', '.join(passed) or 'no case'} but not on "
+               f"{misses}, so the default rate is unchanged" if failed else
+               f"it holds on every case ({', '.join(passed)})")
+    diverged = [f"{c['case']} ({k})" for c in cases for k, r in c["runs"].items() if r["diverged"]]
+    glue = {
+        "ns_rule": "lr='auto' earns the default when, on every case, its final training loss is at most 1.1 times "
+                   "the searched rate's and no run diverged",
+        "ns_cases": "; ".join(f"{c['case']}: {c['note']}" for c in cases),
+        "ns_verdict": verdict,
+        "ns_diverged": ", ".join(diverged) if diverged else "no run diverged",
+    }
+    return pd.DataFrame(rows), glue

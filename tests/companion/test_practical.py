@@ -17,7 +17,7 @@ from companion.experiments.setups import CPU_SETUPS, PRACTICAL_OPTIMIZERS, optim
 from companion.experiments.step_cost import MLP_REPEAT_FACTOR, STEP_COSTS_FILE, practical_step_costs, step_costs
 from companion.experiments.verdicts import FAILS, HOLDS, INCONCLUSIVE, RULES
 from ief.optim import IEF, KFAC
-from companion.chapters.practical import results_table
+from companion.chapters.practical import NO_SEARCH_RECORD, no_search_table, results_table
 
 
 def test_every_cpu_setup_defines_the_practical_optimisers_it_can_run():
@@ -129,6 +129,10 @@ def test_practical_notebook_smoke(tmp_path):
     for name in ("curves_momentum.png", "curves_kfac.png"):
         assert (figures / name).stat().st_size > 10_000
     assert not unresolved_glue(nb)
+    committed, committed_glue = no_search_table()  # the "no search" rows: read from the committed record
+    written = pd.read_csv(figures / "no_search.csv", keep_default_na=False, dtype=str)
+    assert written.equals(committed.astype(str))
+    assert glued_text(nb, "ns_verdict") == committed_glue["ns_verdict"]
     # two seeds: an interval with one degree of freedom (t = 12.7) leaves a pair undecided unless both seeds agree
     # closely; the verdict then names the seeds that would decide it at this scale
     assert glued_text(nb, "v_practical_momentum_loss").startswith(("undecidable at smoke for ", "holds for ",
@@ -147,3 +151,34 @@ def _written(frame: pd.DataFrame, tmp_path) -> str:
     path = tmp_path / "expected.csv"
     frame.to_csv(path)
     return str(path)
+
+
+def _no_search_record(path, auto_losses):
+    """A record shaped as ``python -m benchmarks auto_lr`` writes it: one case per ``auto`` loss, searched loss 1."""
+    import json
+
+    def run(lr, loss):
+        return dict(lr=lr, diverged=None, final_train_loss=loss, test_accuracy=0.5, rate_min=0.1 if lr == "auto"
+                    else lr, rate_max=2.0 if lr == "auto" else lr)
+
+    cases = [dict(case=f"case{i}", note="a note", runs=dict(default=run(None, 3.0), auto=run("auto", loss),
+                                                            searched=run(0.3, 1.0)),
+                  auto_within_10_percent=loss <= 1.1) for i, loss in enumerate(auto_losses)]
+    path.write_text(json.dumps(dict(date="2026-11-28T00:00:00Z", command="python -m benchmarks auto_lr",
+                                    results=dict(cases=cases))))
+    return path
+
+
+def test_the_no_search_rows_and_their_verdict_follow_the_record(tmp_path):
+    """Three rows per case (default, auto, searched) and a verdict that holds only when every case is within the
+    margin; the committed record's says which case fails; a missing record names the command that makes it."""
+    table, glue = no_search_table(_no_search_record(tmp_path / "pass.json", [1.05, 0.9]))
+    assert len(table) == 6 and list(table.rate[:3]) == ["default (no search)", "lr='auto' (no search)", "searched"]
+    assert glue["ns_verdict"] == "it holds on every case (case0, case1)"
+    _, glue = no_search_table(_no_search_record(tmp_path / "fail.json", [1.05, 2.5]))
+    assert glue["ns_verdict"].startswith("it does not hold: lr='auto' is within the margin on case0 but not on "
+                                         "case1 (2.5× the searched rate's loss)")
+    with pytest.raises(FileNotFoundError, match="python -m benchmarks auto_lr"):
+        no_search_table(tmp_path / "none.json")
+    _, committed = no_search_table(NO_SEARCH_RECORD)
+    assert committed["ns_rule"].startswith("lr='auto' earns the default when")

@@ -227,9 +227,6 @@ class KFAC(PreconditionedOptimizer):
         for key, value in (("check", check), ("form", form)):
             if value is not _NOT_TAKEN:
                 raise ValueError(f"KFAC takes no {key!r} (an argument of the exact optimisers' per-sample Jacobian)")
-        if isinstance(lr, str):
-            raise ValueError(f"KFAC's lr must be a finite number > 0 (lr='auto' is the exact optimisers'; for K-FAC "
-                             f"pass kl_clip= to bound each update), got {lr!r}")
         self.kl_clip = _check_kl_clip(kl_clip)
         self.kind = kind
         self.approx = approx

@@ -276,7 +276,7 @@ class IEFTrainer(transformers.Trainer):
         *args: ``transformers.Trainer``'s positional arguments (``model``, ``args``, ...).
         optimizer: one of ``"ief"``, ``"ef"``, ``"sf"`` (:class:`ief.optim.IEF`, ``EF``, ``SF``: ``alg:iEF``,
             ``alg:EF``, ``alg:SF``) or ``"kfac"``, ``"ekfac"``, ``"iekfac"`` (:class:`ief.optim.KFAC` of that kind,
-            ``sec:app-iEF-eNGDopt``; ``damping`` is required in ``optimizer_kwargs``).
+            ``sec:app-iEF-eNGDopt``; ``damping`` defaults to KFAC's, ``1.0``).
         optimizer_kwargs: further keyword arguments of the optimiser (not ``lr``, ``weight_decay``, ``kind`` or
             ``model``: see the module docstring). ``generator`` defaults, for ``"sf"`` and ``"kfac"``, to a
             ``torch.Generator`` on the training device seeded with ``TrainingArguments.seed``.
@@ -301,9 +301,6 @@ class IEFTrainer(transformers.Trainer):
         for key, why in _REFUSED_KWARGS.items():
             if key in optimizer_kwargs:
                 raise ValueError(f"optimizer_kwargs may not contain {key!r}: {why}")
-        if optimizer in KFAC_KINDS and "damping" not in optimizer_kwargs:
-            raise ValueError(f"optimizer={optimizer!r} needs optimizer_kwargs={{'damping': ...}} (ief.optim.KFAC has "
-                             f"no default damping: none has been measured)")
         given = inspect.signature(transformers.Trainer.__init__).bind(self, *args, **kwargs).arguments
         optimizers = given.get("optimizers", (None, None))
         if optimizers is not None and any(o is not None for o in optimizers):

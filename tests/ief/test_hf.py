@@ -385,7 +385,6 @@ def test_bad_optimizer_name_names_the_accepted_ones(tmp_path):
 @pytest.mark.parametrize("given, match", [
     (dict(optimizer_kwargs={"lr": 1.0}), "may not contain 'lr': the rate is TrainingArguments"),
     (dict(optimizer_kwargs={"weight_decay": 0.1}), "may not contain 'weight_decay'"),
-    (dict(optimizer="ekfac"), r"needs optimizer_kwargs=\{'damping'"),
     (dict(optimizers=(None, torch.optim.lr_scheduler.LambdaLR)), "builds its optimiser itself"),
     (dict(compute_loss_func=lambda *a, **k: 0), "does not take compute_loss_func"),
     (dict(optimizer_kwargs={"momentum": 1.5}), r"momentum must be a number in \[0, 1\)"),
@@ -393,6 +392,11 @@ def test_bad_optimizer_name_names_the_accepted_ones(tmp_path):
 def test_refused_arguments(tmp_path, given, match):
     with pytest.raises(ValueError, match=match):
         IEFTrainer(bert_lora(), arguments(tmp_path), **given)
+
+
+def test_a_kfac_kind_takes_kfacs_default_damping(tmp_path):
+    trainer = IEFTrainer(bert_lora(), arguments(tmp_path), optimizer="ekfac")
+    assert trainer.ief_optimizer.param_groups[0]["damping"] == 1.0 and trainer.ief_optimizer.kind == "ekfac"
 
 
 @pytest.mark.parametrize("setting, match", [

@@ -503,12 +503,22 @@ class FactoredJacobian(Rows):
         # final and a narrower model dtype: the direction in that dtype (see Rows.combine_rows), written in place
         narrow = final and self.dtype.itemsize < 8
         out = torch.empty(self.shape[1], dtype=self.dtype if narrow else torch.float64, device=self.device)
-        for lo, dlo, width in self._dense_runs():  # every column is written: here, for the tables or below
+        # every column is written: here, for the tables or below. One run of dense blocks (a transformer's weights in
+        # the rows form): combined straight into its columns of out; runs split by factored weights (an MLP's
+        # biases): one pass over dense into a [P_dense] float64 part, then each run copied (fewer operators)
+        runs, part = list(self._dense_runs()), None
+        if len(runs) == 1:
+            lo, dlo, width = runs[0]
             _matrix_combine(self.dense[:, dlo : dlo + width], coeff, scale, out=out[lo : lo + width])
+        elif self.dense_index:
+            part = _matrix_combine(self.dense, coeff, scale)
+            for lo, dlo, width in runs:
+                out[lo : lo + width].copy_(part[dlo : dlo + width])
         for i in self.used_rows:
             dlo, width = self.dense_index[i], self.dense_width(i)
-            part = _matrix_combine(self.dense[:, dlo : dlo + width], coeff, scale)
-            self._expand(i, out[self.offsets[i] : self.offsets[i + 1]], part)
+            table = part[dlo : dlo + width] if part is not None else \
+                _matrix_combine(self.dense[:, dlo : dlo + width], coeff, scale)
+            self._expand(i, out[self.offsets[i] : self.offsets[i + 1]], table)
         for (i, _, _), (a, g) in zip(self.ghosts, self._scaled_ghosts(scale)):
             weighted = (g * coeff[:, None, None]).flatten(0, 1)  # [M T, O]
             a = a.flatten(0, 1)  # [M T, I]

@@ -380,3 +380,7 @@ def test_factored_dense_blocks_are_combined_by_runs_and_tables_by_their_used_row
     assert rel_err(rows.combine_rows(coeff), expected) <= RTOL[dtype]  # float32: the materialised ghost block rounds
     final = rows.combine_rows(coeff, final=True)
     assert final.dtype == dtype and rel_err(final, expected) <= RTOL[dtype]
+    # one run (the table first, the factored weight last): combined straight into J's columns, the table apart
+    one = FactoredJacobian(m, [6, 3, 5, 5, 12], dense, [(4, a, g)], dense, {0: 0, 1: 4, 2: 7, 3: 12}, {0: (ids, 2)})
+    assert list(one._dense_runs()) == [(6, 4, 13)]
+    assert rel_err(one.combine_rows(coeff), one.materialize().double().T @ coeff) <= RTOL[dtype]

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .model_call import column_chunks, large_empty
+from .model_call import column_chunk, column_chunks, large_empty
 
 COLUMN_BYTES = 8 << 20  # a float64 block of the direction formed at once (8 MiB), where it cannot be narrow
 
@@ -503,13 +503,14 @@ class FactoredJacobian(Rows):
         # final and a narrower model dtype: the direction in that dtype (see Rows.combine_rows), written in place
         narrow = final and self.dtype.itemsize < 8
         out = torch.empty(self.shape[1], dtype=self.dtype if narrow else torch.float64, device=self.device)
-        # every column is written: here, for the tables or below. One run of dense blocks (a transformer's weights in
-        # the rows form): combined straight into its columns of out; runs split by factored weights (an MLP's
-        # biases): one pass over dense into a [P_dense] float64 part, then each run copied (fewer operators)
+        # every column is written: here, for the tables or below. Runs of dense blocks a column block wide or more
+        # (a transformer's weights in the rows form) are combined straight into their columns of out; narrower runs
+        # split by factored weights (an MLP's biases) take one pass over dense into a [P_dense] float64 part, then
+        # each run is copied (a pass per narrow run would add operators, and the part is small)
         runs, part = list(self._dense_runs()), None
-        if len(runs) == 1:
-            lo, dlo, width = runs[0]
-            _matrix_combine(self.dense[:, dlo : dlo + width], coeff, scale, out=out[lo : lo + width])
+        if len(runs) == 1 or all(width >= column_chunk(self.dense) for _, _, width in runs):
+            for lo, dlo, width in runs:
+                _matrix_combine(self.dense[:, dlo : dlo + width], coeff, scale, out=out[lo : lo + width])
         elif self.dense_index:
             part = _matrix_combine(self.dense, coeff, scale)
             for lo, dlo, width in runs:

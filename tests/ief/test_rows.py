@@ -384,3 +384,30 @@ def test_factored_dense_blocks_are_combined_by_runs_and_tables_by_their_used_row
     one = FactoredJacobian(m, [6, 3, 5, 5, 12], dense, [(4, a, g)], dense, {0: 0, 1: 4, 2: 7, 3: 12}, {0: (ids, 2)})
     assert list(one._dense_runs()) == [(6, 4, 13)]
     assert rel_err(one.combine_rows(coeff), one.materialize().double().T @ coeff) <= RTOL[dtype]
+
+
+@pytest.mark.parametrize("block, passes", [(5, [5, 6, 2]), (6, [13])])
+def test_wide_dense_runs_are_combined_straight_into_the_direction(block, passes, monkeypatch):
+    """Runs of dense blocks at least a column block wide (a tied GPT-2: the token table, then the blocks after the
+    position table's used rows) each go straight into the direction, with no ``[P_dense]`` float64 part, the table
+    apart; with a run narrower than a block (an MLP's biases) one pass over the whole ``dense`` serves every run
+    and the table. Both equal the materialised ``J``'s ``J^T c``."""
+    import ief.rows as rows_module
+
+    gen = torch.Generator().manual_seed(8)
+    m = 2
+    monkeypatch.setattr(rows_module, "column_chunk", lambda matrix: block)
+    a, g = torch.randn(m, 1, 2, generator=gen), torch.randn(m, 1, 2, generator=gen)
+    dense = torch.randn(m, 5 + 2 + 6, generator=gen)
+    # J: a block of 5, a [2, 2] table (its row 1 used: 2 columns in dense), a block of 6, a factored [2, 2] weight
+    rows = FactoredJacobian(m, [5, 4, 6, 4], dense, [(3, a, g)], dense, {0: 0, 1: 5, 2: 7},
+                            {1: (torch.tensor([1]), 2)})
+    assert list(rows._dense_runs()) == [(0, 0, 5), (9, 7, 6)]
+    calls = []
+    real = rows_module._matrix_combine
+    monkeypatch.setattr(rows_module, "_matrix_combine",
+                        lambda matrix, *args, **kw: calls.append(matrix.shape[1]) or real(matrix, *args, **kw))
+    coeff = torch.randn(m, generator=gen, dtype=torch.float64)
+    expected = rows.materialize().double().T @ coeff
+    assert rel_err(rows.combine_rows(coeff, final=True), expected) <= RTOL[torch.float32]
+    assert calls == passes

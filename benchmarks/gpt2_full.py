@@ -4,10 +4,15 @@ Run from the repository root::
 
     python -m benchmarks gpt2_full --device cuda --json benchmarks/results/gpt2_full-h200.json   # GPT-2 small, M 8, T 128
     OMP_NUM_THREADS=1 python -m benchmarks gpt2_full --size tiny                                  # the same code on a CPU
+    OMP_NUM_THREADS=1 python -m benchmarks gpt2_full --size mini --tokens 64 --before 7133bdc \
+        --json benchmarks/results/gpt2_full-cpu.json                                             # the CPU proxy
 
 The model is ``GPT2LMHeadModel`` from a config with random weights (no download), every parameter trainable, eval mode
 (dropout off), float32; ``--size small`` is GPT-2 small's architecture (768 wide, 12 layers, 12 heads, vocabulary
-50,257: 124M parameters tied, 163M untied), ``--size tiny`` a 2-layer, 64-wide one for a CPU. Both heads are measured:
+50,257: 124M parameters tied, 163M untied), ``--size mini`` a 4-layer, 256-wide one with an 8,192-word vocabulary
+(5.3M tied, 7.4M untied: the proxy of GPT-2 small on one CPU thread, its Linear weights in the same "rows" form at
+``M = 8``, ``T = 64``, its token table as large a share of ``P``), ``--size tiny`` a 2-layer, 64-wide one (a smoke
+test). Both heads are measured:
 ``tied`` (the LM head shares the token table, as GPT-2 ships) and ``untied`` (``tie_word_embeddings=False``). The
 targets are next tokens, the last position ignored; the loss is the sum of the token losses (``reduction="sum"``, the
 optimisers' convention). Cases, round-robin (``benchmarks.harness``): ``backward`` (forward, loss, backward: the
@@ -16,22 +21,30 @@ step (forward, backward, update: the reference of the step) and one ``ief.optim.
 damping; its exact check is done in the warm-up). After the timing, on each head: the peak memory each step adds
 (:func:`benchmarks.harness.peak_memory_mib`), one ``IEF`` step under ``torch.profiler`` (the operators with the most
 self time on the device, or on the CPU without one), and on CUDA one steady-state step under
-``torch.cuda.set_sync_debug_mode("error")``: the first host synchronisation it meets, or none.
+``torch.cuda.set_sync_debug_mode("error")``: the first host synchronisation it meets, or none; then the steady step's
+time by phase (per-sample J, finiteness, Gram, solve, combination, update: :mod:`benchmarks.phases`) and its host
+round-trips and dispatched operators (:mod:`benchmarks.host_syncs`). ``--before REV`` also times the ``IEF`` step of
+the package as of git revision ``REV`` (``git archive``, imported as ``ief_before``) in the same rounds, with its
+phases and counts: before and after in one run.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import tempfile
 import time
 import warnings
+from typing import Any
 
 import torch
 
 import ief
-from benchmarks import harness
+from benchmarks import harness, host_syncs, phases
+from benchmarks.hf_layers import load_before
 
 SIZES = {
     "small": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
+    "mini": dict(n_embd=256, n_layer=4, n_head=4, vocab_size=8192, n_positions=128),
     "tiny": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=128),
 }
 HEADS = ("tied", "untied")
@@ -40,6 +53,7 @@ LABELS = {
     "per_sample": "`ief.per_sample(form=\"auto\")`",
     "adamw_step": "AdamW step",
     "ief_step": "`IEF` step",
+    "ief_step_before": "`IEF` step before",
 }
 
 
@@ -62,8 +76,9 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                                              ignore_index=ief.IGNORE_INDEX)
 
 
-def cases(model, x: dict, y: torch.Tensor) -> dict:
-    """The four timed calls; the two steps on their own copies of the model."""
+def cases(model, x: dict, y: torch.Tensor, before: Any = None) -> dict:
+    """The four timed calls, and with ``before`` (an older ``ief`` package) its ``IEF`` step; the steps on their own
+    copies of the model."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def backward():
@@ -80,12 +95,16 @@ def cases(model, x: dict, y: torch.Tensor) -> dict:
         adam.step()
 
     opt = ief.optim.IEF(copy.deepcopy(model), lr=1e-4)
-    return {
+    out = {
         "backward": backward,
         "per_sample": lambda: ief.per_sample(model, x, y, form="auto"),
         "adamw_step": adamw_step,
         "ief_step": lambda: opt.step(x, y),
     }
+    if before is not None:
+        old = before.optim.IEF(copy.deepcopy(model), lr=1e-4)
+        out["ief_step_before"] = lambda: old.step(x, y)
+    return out
 
 
 def first_sync(step, device: torch.device) -> str | None:
@@ -119,10 +138,10 @@ def profile_rows(step, device: torch.device, rows: int) -> list[list]:
     return [[e.key[:60], e.count, getattr(e, attr, 0.0) / 1e3] for e in events[:rows]]
 
 
-def run_head(args, head: str, device: torch.device) -> dict:
+def run_head(args, head: str, device: torch.device, before: Any = None) -> dict:
     model, x, y = build(args.size, head, args.batch, args.tokens, args.seed, device)
     n_params = sum(p.numel() for p in model.parameters())
-    calls = cases(model, x, y)
+    calls = cases(model, x, y, before)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         calls["per_sample"]()
@@ -130,11 +149,16 @@ def run_head(args, head: str, device: torch.device) -> dict:
     with harness.OtherLoad() as load, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         times = harness.round_robin(calls, args.repeats, args.warmup, device=device)
-        refs = {"backward": None, "per_sample": "backward", "adamw_step": None, "ief_step": "adamw_step"}
-        rows = harness.rows(times, refs, LABELS)
+        refs = {"backward": None, "per_sample": "backward", "adamw_step": None, "ief_step": "adamw_step",
+                "ief_step_before": "adamw_step"}
+        rows = harness.rows(times, {k: v for k, v in refs.items() if k in calls}, LABELS)
         memory = {k: harness.peak_memory_mib(calls[k], device) for k in ("adamw_step", "ief_step")}
         sync = first_sync(calls["ief_step"], device)
         prof = profile_rows(calls["ief_step"], device, args.profile_rows)
+        steps = {"ief_step": ief, "ief_step_before": before}
+        split = {k: phases.attribute(lib, calls[k], device, args.repeats) for k, lib in steps.items() if k in calls}
+        counts = {k: host_syncs.count_call(calls[k]) for k in steps if k in calls}
+        counted = {k: dict(round_trips=c.round_trips, operators=c.operators) for k, c in counts.items()}
     print(f"\n{args.size} GPT-2, {head} head: P = {n_params:,}, M = {args.batch}, T = {args.tokens}, "
           f"loop: {slow[0] if slow else 'none'}", flush=True)
     for r in rows:
@@ -144,23 +168,39 @@ def run_head(args, head: str, device: torch.device) -> dict:
           f"step: {sync}", flush=True)
     for name, count, ms in prof:
         print(f"  {name:<60} {count:>6} {ms:>9.3f} ms", flush=True)
+    for k, ms in split.items():
+        parts = ", ".join(f"{phase} {value:.1f}" for phase, value in ms.items())
+        print(f"{k} phases (median ms; finite nests in its caller): {parts}; {counted[k]['round_trips']} host "
+              f"round-trips, {counted[k]['operators']} operators", flush=True)
     return dict(head=head, params=n_params, rows=rows, peak_mib=memory, first_sync=sync, profile=prof,
-                slow_path=slow, other_load_cores=load.cores)
+                phases_ms=split, counts=counted, slow_path=slow, other_load_cores=load.cores)
 
 
-def summary_tables(results: list[dict]) -> list[dict]:
-    body = []
+def summary_tables(results: list[dict], before: str | None) -> list[dict]:
+    body, split = [], []
     for r in results:
         by = {row["key"]: row for row in r["rows"]}
         body.append([r["head"], r["params"], by["backward"]["median_ms"], by["per_sample"]["ratio"],
                      by["adamw_step"]["median_ms"], by["ief_step"]["median_ms"], by["ief_step"]["ratio"],
-                     r["peak_mib"]["ief_step"], r["peak_mib"]["adamw_step"], r["first_sync"] or "none"])
+                     by.get("ief_step_before", {}).get("ratio"), r["peak_mib"]["ief_step"],
+                     r["peak_mib"]["adamw_step"], r["first_sync"] or "none"])
+        for key, ms in r["phases_ms"].items():
+            split.append([r["head"], "before" if key == "ief_step_before" else "now",
+                          *(ms[phase] for phase in phases.PHASES), r["counts"][key]["operators"],
+                          r["counts"][key]["round_trips"]])
     return [harness.table(
         "GPT-2 full fine-tuning: per-sample J over a backward, the IEF step over an AdamW step",
         [("head", "s"), ("parameters", ",d"), ("backward ms", ".1f"), ("per-sample J / backward", ".2f"),
-         ("AdamW step ms", ".1f"), ("IEF step ms", ".1f"), ("IEF / AdamW", ".2f"), ("IEF peak MiB", ".0f"),
-         ("AdamW peak MiB", ".0f"), ("first host sync in a steady IEF step", "s")],
-        body)]
+         ("AdamW step ms", ".1f"), ("IEF step ms", ".1f"), ("IEF / AdamW", ".2f"),
+         ("IEF before / AdamW", ".2f"), ("IEF peak MiB", ".0f"), ("AdamW peak MiB", ".0f"),
+         ("first host sync in a steady IEF step", "s")],
+        body, note=f"'before': ief at {before}, loaded from git, timed in the same rounds" if before else ""),
+        harness.table(
+        "GPT-2 full fine-tuning: a steady IEF step by phase (median ms; benchmarks/phases.py)",
+        [("head", "s"), ("ief", "s"), *((phase, ".1f") for phase in phases.PHASES), ("operators", "d"),
+         ("host round-trips", "d")],
+        split, note="finite nests in its caller (per_sample before, update now); other = step - per_sample - gram - "
+                    "solve - combine - update; operators and round-trips: benchmarks/host_syncs.py, one steady step")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="M (default 8)")
     p.add_argument("--tokens", type=int, default=128, help="T (default 128)")
     p.add_argument("--profile-rows", type=int, default=12)
+    p.add_argument("--before", default=None, help="git revision of an older ief whose IEF step is timed alongside "
+                                                  "(loaded with git archive; default none)")
     args = p.parse_args(argv)
     device = harness.check_common(p, args)
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
@@ -182,9 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch < 2 or args.tokens < 2:
         p.error(f"--batch and --tokens must be >= 2, got {args.batch} and {args.tokens}")
     print(harness.machine_line(harness.machine(device)), flush=True)
-    results = [run_head(args, head, device) for head in heads]
+    with tempfile.TemporaryDirectory() as folder:
+        before = load_before(args.before, folder) if args.before else None
+        if args.before and before is None:
+            p.error(f"--before: git archive of {args.before!r} failed")
+        results = [run_head(args, head, device, before) for head in heads]
     loads = [r["other_load_cores"] for r in results if r["other_load_cores"] is not None]
-    doc = harness.record("gpt2_full", argv, device, args, None, results, summary_tables(results), started)
+    doc = harness.record("gpt2_full", argv, device, args, None, results, summary_tables(results, args.before),
+                         started)
     doc["other_load_cores"] = max(loads) if loads else None
     harness.finish(doc, args.json)
     return 0

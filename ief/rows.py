@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .model_call import column_chunks, large_empty
+from .model_call import column_chunk, column_chunks, large_empty
 
 COLUMN_BYTES = 8 << 20  # a float64 block of the direction formed at once (8 MiB), where it cannot be narrow
 
@@ -103,7 +103,8 @@ class Rows(abc.ABC):
 
     def finite_flag(self) -> torch.Tensor:
         """Whether every entry of ``J`` is finite, as a 0-d bool tensor on :attr:`device`: the forms here compute
-        it with no host round-trip (a caller folds it into its own checks and reads it once); this default reads
+        it with no host round-trip (a caller folds it into its own checks and reads it once), from the diagonal of a
+        Gram matrix they already formed where they can (:func:`_gram_finite_flag`); this default reads
         :meth:`is_finite`."""
         return torch.tensor(self.is_finite(), device=self.device)
 
@@ -188,6 +189,23 @@ def _finite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
     return torch.isfinite(torch.stack(extremes)).all()
 
 
+def _gram_finite_flag(gram: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor | None:
+    """Whether ``J`` is finite, read off the diagonal of its float64 Gram matrix ``(J/scale)(J/scale)^T``: a 0-d bool
+    tensor, or ``None`` where the diagonal cannot decide it.
+
+    ``G_nn`` is the float64 sum of the squares of row ``n``'s entries (each product a square of one entry, for the
+    factored weights ``sum_{t,s} <a_t, a_s> <g_t, g_s>`` with the ``t = s`` terms squares too). An infinite entry makes
+    its square infinite and a NaN makes it NaN, and the sum of a non-finite term with anything is non-finite (a square
+    is never ``-inf``; ``inf - inf`` is NaN): a non-finite ``J`` gives a non-finite diagonal. The converse needs that
+    no sum of finite terms overflows, which holds for a ``J`` narrower than float64 at ``scale = 1`` (magnitudes below
+    ~3.4e38: a square below 1.2e77, a factored term below ~1e172, :meth:`FactoredJacobian.scaled_factors`) and only
+    there: a float64 ``J`` of entries near 1e200 has finite rows and an infinite Gram. So the flag is that of the
+    separate pass over ``J`` (:func:`_finite_flag`) without the pass, where it is given."""
+    if scale != 1.0 or dtype.itemsize >= 8 or dtype.is_complex:
+        return None
+    return torch.isfinite(gram.diagonal()).all()
+
+
 def _matrix_max_abs(matrix: torch.Tensor) -> float:
     """Largest magnitude in ``matrix`` (NaN if it holds one)."""
     if not matrix.numel():
@@ -205,12 +223,29 @@ def _matrix_gram(matrix: torch.Tensor, scale: float) -> torch.Tensor:
     return 0.5 * (g + g.T)
 
 
-def _matrix_combine(matrix: torch.Tensor, coeff: torch.Tensor, scale: float) -> torch.Tensor:
-    """``(X/scale)^T coeff`` accumulated in float64, ``[P]`` float64."""
-    coeff = coeff.to(torch.float64)
-    out = torch.empty(matrix.shape[1], dtype=torch.float64, device=matrix.device)
+def _matrix_combine(matrix: torch.Tensor, coeff: torch.Tensor, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(X/scale)^T coeff`` accumulated in float64, written block by block into ``out`` (``[P]``, any floating dtype:
+    each block's float64 sum is rounded to it once, the values of the whole float64 result ``.to(out.dtype)``, with no
+    ``[P]`` float64 temporary); default a new ``[P]`` float64.
+
+    Returns:
+        ``out``.
+    """
+    coeff = coeff.to(torch.float64).unsqueeze(0)  # [1, M]: each block's product as ``coeff @ block`` forms it
+    if out is None:
+        out = torch.empty(matrix.shape[1], dtype=torch.float64, device=matrix.device)
+    wide = None if out.dtype == torch.float64 else torch.empty(0, dtype=torch.float64, device=matrix.device)
     for lo, block in _column_chunks(matrix, scale):
-        out[lo : lo + block.shape[1]] = coeff @ block
+        dest = out[lo : lo + block.shape[1]]
+        if wide is None:
+            torch.mm(coeff, block, out=dest.unsqueeze(0))
+        else:
+            if wide.numel() < block.shape[1]:
+                wide = torch.empty(block.shape[1], dtype=torch.float64, device=matrix.device)
+            part = wide[: block.shape[1]]
+            torch.mm(coeff, block, out=part.unsqueeze(0))
+            dest.copy_(part)
     return out
 
 
@@ -282,12 +317,18 @@ class DenseRows(Rows):
         self.matrix = matrix
         self.shape, self.dtype, self.device = matrix.shape, matrix.dtype, matrix.device
         self._max_abs: float | None = None
+        self._gram_finite: torch.Tensor | None = None  # from the diagonal of the last Gram (_gram_finite_flag)
 
     def gram(self, scale: float = 1.0) -> torch.Tensor:
-        return _matrix_gram(self.matrix, scale)
+        g = _matrix_gram(self.matrix, scale)
+        self._gram_finite = _gram_finite_flag(g, self.dtype, scale)
+        return g
 
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
-        return _matrix_combine(self.matrix, coeff, scale)
+        # final and a narrower dtype: the direction in that dtype (see Rows.combine_rows), no [P] float64 temporary
+        narrow = final and self.dtype.itemsize < 8
+        out = torch.empty(self.shape[1], dtype=self.dtype if narrow else torch.float64, device=self.device)
+        return _matrix_combine(self.matrix, coeff, scale, out=out)
 
     def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         v = v.to(torch.float64)
@@ -304,6 +345,8 @@ class DenseRows(Rows):
     def finite_flag(self) -> torch.Tensor:
         if self._max_abs is not None:  # the pass of max_abs decided it already
             return torch.tensor(math.isfinite(self._max_abs), device=self.device)
+        if self._gram_finite is not None:  # so did the Gram's diagonal
+            return self._gram_finite
         return _finite_flag([self.matrix], self.device)
 
     def is_finite(self) -> bool:
@@ -375,6 +418,7 @@ class FactoredJacobian(Rows):
         self.dense_index = dense_index  # parameter index -> first column in dense
         self.used_rows = dict(used_rows or {})  # parameter index -> (ids [U], D): a table's used rows only
         self._finite: bool | None = None
+        self._gram_finite: torch.Tensor | None = None  # from the diagonal of the last Gram (_gram_finite_flag)
         self._scaled: dict[float, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # scale -> float64 factors
 
     # ---- helpers
@@ -382,6 +426,22 @@ class FactoredJacobian(Rows):
         """``(parameter index, lo in J, lo in dense, its width in dense)`` of the materialised blocks."""
         for i, lo in self.dense_index.items():
             yield i, self.offsets[i], lo, self.dense_width(i)
+
+    def _dense_runs(self) -> Iterator[tuple[int, int, int]]:
+        """``(lo in J, lo in dense, width)`` of the materialised blocks other than the tables' used rows, adjacent
+        blocks (next to each other both in ``J`` and in ``dense``) merged into one run: one product per run."""
+        run = None
+        for i, lo, dlo, width in self._dense_columns():
+            if i in self.used_rows:
+                continue
+            if run is not None and run[0] + run[2] == lo and run[1] + run[2] == dlo:
+                run = (run[0], run[1], run[2] + width)
+                continue
+            if run is not None:
+                yield run
+            run = (lo, dlo, width)
+        if run is not None:
+            yield run
 
     def dense_width(self, i: int) -> int:
         """The columns of parameter ``i``'s block in ``dense``: its size, or ``U D`` for a table's used rows."""
@@ -444,16 +504,32 @@ class FactoredJacobian(Rows):
         out = _matrix_gram(self.dense, scale)
         for a, g in self._scaled_ghosts(scale):
             out += ghost_kernel(a, g)
-        return 0.5 * (out + out.T)
+        out = 0.5 * (out + out.T)
+        self._gram_finite = _gram_finite_flag(out, self.dtype, scale)
+        return out
 
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
         coeff = coeff.to(torch.float64)
         # final and a narrower model dtype: the direction in that dtype (see Rows.combine_rows), written in place
         narrow = final and self.dtype.itemsize < 8
         out = torch.empty(self.shape[1], dtype=self.dtype if narrow else torch.float64, device=self.device)
-        part = _matrix_combine(self.dense, coeff, scale)
-        for i, lo, dlo, width in self._dense_columns():  # every column is written: here or below
-            self._expand(i, out[lo : lo + self.sizes[i]], part[dlo : dlo + width])
+        # every column is written: here, for the tables or below. Runs of dense blocks a column block wide or more
+        # (a transformer's weights in the rows form) are combined straight into their columns of out; narrower runs
+        # split by factored weights (an MLP's biases) take one pass over dense into a [P_dense] float64 part, then
+        # each run is copied (a pass per narrow run would add operators, and the part is small)
+        runs, part = list(self._dense_runs()), None
+        if len(runs) == 1 or all(width >= column_chunk(self.dense) for _, _, width in runs):
+            for lo, dlo, width in runs:
+                _matrix_combine(self.dense[:, dlo : dlo + width], coeff, scale, out=out[lo : lo + width])
+        elif self.dense_index:
+            part = _matrix_combine(self.dense, coeff, scale)
+            for lo, dlo, width in runs:
+                out[lo : lo + width].copy_(part[dlo : dlo + width])
+        for i in self.used_rows:
+            dlo, width = self.dense_index[i], self.dense_width(i)
+            table = part[dlo : dlo + width] if part is not None else \
+                _matrix_combine(self.dense[:, dlo : dlo + width], coeff, scale)
+            self._expand(i, out[self.offsets[i] : self.offsets[i + 1]], table)
         for (i, _, _), (a, g) in zip(self.ghosts, self._scaled_ghosts(scale)):
             weighted = (g * coeff[:, None, None]).flatten(0, 1)  # [M T, O]
             a = a.flatten(0, 1)  # [M T, I]
@@ -487,6 +563,8 @@ class FactoredJacobian(Rows):
         return bound
 
     def finite_flag(self) -> torch.Tensor:
+        if self._gram_finite is not None:  # the Gram's diagonal decided it
+            return self._gram_finite
         return _finite_flag([self.dense, *(t for _, a, g in self.ghosts for t in (a, g))], self.device)
 
     def is_finite(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -20,7 +21,7 @@ import torch
 from ..logit_jvp import jvps_any_mode
 from ..model_call import ReplayableForward, all_finite
 from ..precision import SIXTEEN_BIT, describe, mismatch_tolerance, outside_use_tolerance, unit_roundoff
-from ..rows import FactoredJacobian, as_rows
+from ..rows import DenseRows, FactoredJacobian, Rows, as_rows
 from .capture import PerSampleCapture
 from .errors import PerSampleGradientMismatch
 
@@ -229,11 +230,15 @@ _DEFERRED: contextvars.ContextVar[list | None] = contextvars.ContextVar("ief_def
 
 
 @contextlib.contextmanager
-def deferred_finiteness() -> Iterator[list[tuple[torch.Tensor, Callable[[], None]]]]:
-    """Inside it, the check of the losses and rows that :func:`ief.per_sample` makes after its backward is not read
-    on the host: it is appended to the yielded list as ``(0-d bool tensor: all finite, function that raises the
-    check's FloatingPointError)``, for a caller that reads it with its own checks (the optimisers: one host read per
-    step) and must call the function when the flag is false, before it uses anything computed from the rows.
+def deferred_finiteness() -> Iterator[list[tuple[Callable[..., torch.Tensor], Callable[[], None]]]]:
+    """Inside it, the check of the losses and rows that :func:`ief.per_sample` makes after its backward is neither
+    computed nor read on the host: it is appended to the yielded list as ``(function returning the 0-d bool tensor
+    "all finite", function that raises the check's FloatingPointError)``, for a caller that reads it with its own
+    checks (the optimisers: one host read per step) and must call the second function when the flag is false, before
+    it uses anything computed from the rows. The flag is asked for late, after the caller's products with the rows,
+    given the :class:`ief.rows.Rows` it made them with (:func:`_deferred_flag`): a form that formed its Gram matrix by
+    then reads finiteness off its diagonal (:meth:`ief.rows.Rows.finite_flag`), with no pass over ``J`` of its own
+    (the caller's products must tolerate non-finite rows meanwhile, as the Woodbury solves do).
 
     Returns:
         A context manager yielding that list.
@@ -246,6 +251,23 @@ def deferred_finiteness() -> Iterator[list[tuple[torch.Tensor, Callable[[], None
         _DEFERRED.reset(token)
 
 
+def _deferred_flag(losses: torch.Tensor, rows: Rows, used: Rows | None = None) -> torch.Tensor:
+    """Whether the losses and the rows are finite (0-d bool tensor), asked of ``used`` when it holds the same ``J`` as
+    ``rows`` (the same object, or a :class:`ief.rows.DenseRows` of the same tensor: the wrapper the caller made its
+    Gram with, which may know the answer from it), else of ``rows``.
+
+    Args:
+        losses: ``[M]`` per-sample losses.
+        rows: the rows :func:`ief.per_sample` checked.
+        used: the rows the caller made its products with, or ``None``.
+
+    Returns:
+        A 0-d bool tensor, no host round-trip.
+    """
+    same = used is rows or (isinstance(used, DenseRows) and isinstance(rows, DenseRows) and used.matrix is rows.matrix)
+    return torch.isfinite(losses.detach()).all() & (used if same else rows).finite_flag()
+
+
 def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian | None) -> None:
     """``FloatingPointError`` naming the samples whose loss (or, given ``jac``, row of ``J``) is not finite; given
     ``jac``, the losses are checked too (first), so a caller needs no separate check of the losses."""
@@ -256,11 +278,11 @@ def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian
         what = "loss"
     else:  # the losses and the rows in one host read (a steady optimiser step makes no other here)
         rows = as_rows(jac)
-        finite = torch.isfinite(losses.detach()).all() & rows.finite_flag()
         pending = _DEFERRED.get()
-        if pending is not None:  # read by the caller with its own checks (deferred_finiteness)
-            pending.append((finite, lambda: _refuse_now(losses, rows)))
+        if pending is not None:  # computed and read by the caller with its own checks (deferred_finiteness)
+            pending.append((functools.partial(_deferred_flag, losses, rows), lambda: _refuse_now(losses, rows)))
             return
+        finite = torch.isfinite(losses.detach()).all() & rows.finite_flag()
         if bool(finite):
             return
         if not all_finite(losses):

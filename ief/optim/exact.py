@@ -114,7 +114,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -542,11 +542,11 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._last_update_norm = value
 
     def _update(self, given: dict, group: dict, direction: torch.Tensor, tokens: int | None,
-                checks: list[tuple[torch.Tensor, str]] | None = None, number: int | None = None,
+                checks: list[tuple[torch.Tensor | Callable, Any]] | None = None, number: int | None = None,
                 watched: torch.Tensor | None = None) -> None:
         """Apply ``direction`` with the schedule, momentum and weight decay (:mod:`.momentum`), after the step's one
-        host read: every finiteness check of the step (``checks``: ``[(0-d bool tensor, message)]`` in the order
-        they are named; ``direction``'s and the momentum buffers' are added here) and, for a normalised update, the
+        host read: every finiteness check of the step (``checks``: ``[(0-d bool tensor, or a function returning one,
+        message)]`` in the order they are named; ``direction``'s and the momentum buffers' are added here) and, for a normalised update, the
         direction's norm are read together (one round-trip), and the first failed check raises
         ``FloatingPointError`` ("step ``number``: ...; parameters left unchanged") before anything changes.
         ``given``: ``param_groups[0]``; ``group``: its values for this batch (converted with ``reduction="mean"``).
@@ -569,7 +569,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             buffers = momentum_buffers(self.state, params, steps, given["momentum"], given["dampening"])
             checks.append((_finite(*buffers), "non-finite momentum buffer"))
         auto = self._auto if given["lr"] == AUTO else None
-        read = [flag.to(torch.float64) for flag, _ in checks]
+        # a deferred flag (ief.jacobian.guard.deferred_finiteness) is asked for now, of the rows the solve used
+        read = [(flag(self._rows) if callable(flag) else flag).to(torch.float64) for flag, _ in checks]
         if watched is not None:  # the divergence watch: the batch's mean loss, read with the checks
             read.append(watched.detach().to(torch.float64).reshape(()))
         if given["momentum"] == 0 and group["normalize"]:
@@ -769,6 +770,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         number = self.steps_taken
         self._checks: list[tuple[torch.Tensor, Any]] = []  # the direction's own checks, read with the step's
         self._solved = None  # (method, dtype) of a direction a Woodbury solve returned unchecked
+        self._rows = None  # the rows the solve used (_union_rows), which a deferred finiteness flag is asked of
         if auto:  # the forward's RNG state, replayed by the measuring forward after the update
             devices = _cuda_devices(self.model)
             rng = rng_states(devices)
@@ -819,6 +821,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         exchanged here, once per step, for :meth:`_union_vector`)."""
         rows = as_rows(jacobian)
         if self._group is None:
+            self._rows = rows
             return rows
         self._sizes = batch_sizes(rows.shape[0], self._group, collective_device(self._group))
         return DistributedRows(rows, self._group, self._sizes)

@@ -278,18 +278,28 @@ def test_the_hf_layers_benchmark_refuses_bad_arguments(capsys):
 
 def test_the_gpt2_full_benchmark_runs_tiny_and_records_both_heads(tmp_path, capsys):
     """``python -m benchmarks gpt2_full --size tiny`` (the GPU benchmark's code on a CPU) times both heads, takes no
-    loop, names no host sync on a CPU (the debug mode is CUDA's) and writes a valid record with its table."""
-    from benchmarks import gpt2_full
+    loop, names no host sync on a CPU (the debug mode is CUDA's) and writes a valid record with its tables: the
+    ratios (with ``--before``, the older package's IEF step timed alongside) and the steady step by phase, whose
+    top-level phases and "other" add up to the step, with its host round-trips and operators counted."""
+    from benchmarks import gpt2_full, phases
 
     path = tmp_path / "g.json"
     assert gpt2_full.main(["--size", "tiny", "--batch", "2", "--tokens", "4", "--repeats", "1", "--warmup", "1",
-                           "--profile-rows", "3", "--json", str(path)]) == 0
+                           "--profile-rows", "3", "--before", "HEAD", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     harness.validate(doc)
     assert [r["head"] for r in doc["results"]] == ["tied", "untied"]
     assert all(r["slow_path"] == [] and r["first_sync"] == "n/a" and len(r["profile"]) == 3 for r in doc["results"])
-    (table,) = doc["tables"]
-    assert [row[0] for row in table["rows"]] == ["tied", "untied"] and all(row[6] > 0 for row in table["rows"])
+    table, split = doc["tables"]
+    assert [row[0] for row in table["rows"]] == ["tied", "untied"]
+    assert all(row[6] > 0 and row[7] > 0 for row in table["rows"])
+    assert [row[:2] for row in split["rows"]] == [["tied", "now"], ["tied", "before"], ["untied", "now"],
+                                                  ["untied", "before"]]
+    for r in doc["results"]:
+        for key, ms in r["phases_ms"].items():
+            assert set(ms) == set(phases.PHASES) and ms["per_sample"] > 0 and ms["gram"] > 0
+            assert sum(ms[k] for k in (*phases.TOP_LEVEL, "other")) == pytest.approx(ms["step"], rel=1e-9)  # one step: exact
+            assert r["counts"][key]["operators"] > 0 and r["counts"][key]["round_trips"] >= 1
     with pytest.raises(SystemExit) as exc:
         gpt2_full.main(["--heads", "tied,shared"])
     assert exc.value.code == 2 and "--heads takes a comma-separated subset of tied,untied" in capsys.readouterr().err

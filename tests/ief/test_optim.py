@@ -898,6 +898,44 @@ def test_a_non_finite_row_stops_the_step_naming_the_sample(cls, form, monkeypatc
     assert torch.equal(flat(c.model), before) and opt.steps_taken == 0
 
 
+@pytest.mark.parametrize("where", ["dense", "ghost-a", "ghost-g"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)
+def test_a_non_finite_row_stops_a_steady_step_naming_the_sample(cls, dtype, where, monkeypatch):
+    """The same on a steady step (step 1: the structural check, whose finiteness flag is asked for after the solve):
+    an overflowing entry of ``J`` (a dense block's, a ghost weight's input or output gradient) with finite losses is
+    refused, naming the step and the sample, parameters and counter unchanged. In float32 the flag is read off the
+    Gram's diagonal (``ief.rows._gram_finite_flag``): no separate pass over ``J`` (``_finite_flag``) in a good step."""
+    c = mlp_case(dtype=dtype)
+    form = "dense" if where == "dense" else "ghost"
+    opt = cls(c.model, lr=0.1, damping=1e-3, form=form)
+    opt.step(c.inputs, c.targets)
+    jacobian = importlib.import_module("ief.jacobian.assemble")
+    real, passes = jacobian._backward_jacobian, []
+    rows_module = importlib.import_module("ief.rows")
+    real_pass = rows_module._finite_flag
+    monkeypatch.setattr(rows_module, "_finite_flag", lambda *a: passes.append(1) or real_pass(*a))
+    opt.step(c.inputs, c.targets)  # a good steady step
+    # float64: the dense adaptor's max|J| pass (its Gram scale) decides it, the factors take the separate pass
+    assert passes == ([1] if dtype == torch.float64 and form == "ghost" else []) and opt.steps_taken == 2
+
+    def overflowing(*args, **kwargs):
+        jac, autograd = real(*args, **kwargs)
+        if where == "dense":
+            jac[2, 0] = float("inf")
+        else:
+            _, a, g = jac.ghosts[-1]
+            (a if where == "ghost-a" else g)[2, 0, 1] = float("inf")
+        return jac, autograd
+
+    monkeypatch.setattr(jacobian, "_backward_jacobian", overflowing)
+    before = flat(c.model)
+    with pytest.raises(FloatingPointError, match=r"^step 2: non-finite per-sample gradient for samples \[2\] .*; "
+                                                 r"parameters left unchanged$"):
+        opt.step(c.inputs, c.targets)
+    assert torch.equal(flat(c.model), before) and opt.steps_taken == 2
+
+
 def test_a_token_mean_damping_that_overflows_for_the_sum_is_refused():
     """``reduction="mean"``: the checked damping times ``K^2`` must stay finite (``inf`` would silently give a zero
     step)."""

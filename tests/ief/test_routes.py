@@ -14,7 +14,10 @@ Routes (fast -> reference; "oracle" is the dense float64 brute force of ``tests/
 - ``kfac``: :func:`ief.kfac_direction` for each kind -> the damped solve of ``G (x) A`` with the dense factors built
   by explicit per-sample passes (through their eigendecompositions; at ``lambda = 1`` also the dense solve of the
   Kronecker block itself), ``sec:app-iEF-eNGDopt``;
-- ``optim``: one step of ``ief.optim.IEF`` / ``EF`` / ``SF`` -> the direction functions on the oracle Jacobian.
+- ``optim``: one step of ``ief.optim.IEF`` / ``EF`` / ``SF`` -> the direction functions on the oracle Jacobian;
+- ``steady``: the same step as a steady one takes it (``check=False``, the per-sample finiteness deferred: asked of
+  the rows after the solve, read off the Gram's diagonal for a float32 ``J``; the direction combined straight into
+  the model's dtype) -> the oracle directions, and its finiteness flag -> the pass over ``J`` (``_finite_flag``).
 
 Models: ``route_models.MODELS`` (the cpu setups at smoke size, a P < M linear model, a prompt-only T5, T5-LoRA, a CNN,
 a GRU, a token table the batch uses only partly; a sample with every target ignored in all but the P < M one);
@@ -380,7 +383,7 @@ def route_kfac(chk: Checker, name: str, c, damping: float) -> None:
                       rm.kfac_dense_direction(name, chk.dtype, kind, SEED, damping))
 
 
-def route_optim(chk: Checker, name: str, c, damping: float) -> None:
+def route_optim(chk: Checker, name: str, c, damping: float, check: bool = True) -> None:
     o = rm.dense_oracle(name)
     jac = o.jacobian
     expected = {"IEF": ief.ief_direction(jac, o.logit_sqnorm, damping), "EF": ief.ef_direction(jac, damping)}
@@ -392,13 +395,20 @@ def route_optim(chk: Checker, name: str, c, damping: float) -> None:
         before = torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).clone()
         norm = float(direction.norm())
         if kind == "IEF":  # un-normalised: lr scaled to an update of norm 1 (clear of the parameters' rounding)
-            opt = ief.optim.IEF(model, lr=1.0 / norm, damping=damping, normalize=False)
+            opt = ief.optim.IEF(model, lr=1.0 / norm, damping=damping, normalize=False, check=check)
         elif kind == "EF":  # normalised update of norm lr
-            opt = ief.optim.EF(model, lr=1.0, damping=damping, normalize=True)
+            opt = ief.optim.EF(model, lr=1.0, damping=damping, normalize=True, check=check)
         else:
-            opt = ief.optim.SF(model, lr=1.0, damping=damping, normalize=True,
+            opt = ief.optim.SF(model, lr=1.0, damping=damping, normalize=True, check=check,
                                generator=torch.Generator().manual_seed(SEED))
         loss = opt.step(c.inputs, c.targets)
+        if check is False:  # the steady step's finiteness, asked of the rows after the solve, as the pass over J says
+            rows = opt._rows
+            reference = ief.rows._finite_flag([rows.matrix] if isinstance(rows, ief.rows.DenseRows) else
+                                              [rows.dense, *(t for _, a, g in rows.ghosts for t in (a, g))],
+                                              rows.device)
+            chk.close(f"{kind} step: finiteness asked after the solve vs the pass over J",
+                      float(rows.finite_flag()), float(reference), 0.0)
         after = torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
         chk.close(f"{kind} step: loss vs oracle", loss, o.losses.sum(), 1e-10 if chk.dtype == torch.float64 else 1e-5)
         chk.close(f"{kind} step: update vs lr x direction function", before - after, direction / norm,
@@ -413,6 +423,7 @@ ROUTES = {
     "forms": (route_forms, lambda m: True),
     "kfac": (route_kfac, lambda m: m.kfac_params != ()),
     "optim": (route_optim, lambda m: True),
+    "steady": (lambda chk, name, c, damping: route_optim(chk, name, c, damping, check=False), lambda m: True),
 }
 
 MATRIX = [

@@ -294,3 +294,120 @@ def test_float32_factored_direction_blocks_over_output_rows_are_the_whole_produc
     whole = ief.ief_direction(fac, r.logit_sqnorm, 1e-3)
     monkeypatch.setattr(ief.rows, "COLUMN_BYTES", 1)
     assert torch.equal(ief.ief_direction(fac, r.logit_sqnorm, 1e-3), whole)
+
+
+def _with_bad_entry(rows_kind: str, dtype: torch.dtype, bad: float | None):
+    """A :class:`Rows` of 4 samples in ``dtype``: dense, or factored (one ghost weight with T = 3 positions and one
+    dense block), with ``bad`` (if given) in sample 2's dense entries, its ghost input or its ghost output gradient."""
+    gen = torch.Generator().manual_seed(7)
+    dense = torch.randn(4, 9, generator=gen).to(dtype)
+    a, g = torch.randn(4, 3, 5, generator=gen).to(dtype), torch.randn(4, 3, 2, generator=gen).to(dtype)
+    where = rows_kind.split("-")[-1]
+    if bad is not None:
+        {"dense": dense, "a": a, "g": g}[where].view(4, -1)[2, 1] = bad
+    if rows_kind == "dense-adaptor-dense":
+        return DenseRows(dense)
+    return FactoredJacobian(4, [10, 9], dense, [(0, a, g)], dense, {1: 0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("bad", [None, math.inf, -math.inf, math.nan], ids=str)
+@pytest.mark.parametrize("kind", ["dense-adaptor-dense", "factored-dense", "factored-a", "factored-g"])
+def test_finiteness_read_off_the_gram_diagonal_equals_the_pass_over_j(kind, bad, dtype):
+    """After ``gram()``, ``finite_flag`` of a ``J`` narrower than float64 comes from the Gram's diagonal, with no pass
+    over ``J`` (the steady optimiser step asks for it after its solve); it equals the reference pass
+    (``_finite_flag`` over the entries, or over the factors) for every kind of non-finite entry in every place, and a
+    float64 ``J`` still takes the pass."""
+    rows = _with_bad_entry(kind, dtype, bad)
+    reference = bool(ief.rows._finite_flag([rows.matrix] if isinstance(rows, DenseRows) else
+                                           [rows.dense, *(t for _, a, g in rows.ghosts for t in (a, g))], rows.device))
+    assert reference == (bad is None)
+    rows.gram()
+    from_gram = rows._gram_finite
+    assert (from_gram is None) == (dtype == torch.float64)
+    if from_gram is not None:
+        assert bool(from_gram) == reference
+    assert bool(rows.finite_flag()) == reference
+
+
+def test_finiteness_from_the_gram_is_only_taken_where_the_gram_cannot_overflow():
+    """A finite float64 ``J`` with entries near 1e200 has an infinite Gram diagonal: its finiteness is not read off
+    the Gram (it would say "not finite"), nor from a Gram at a scale other than 1."""
+    big = torch.full((2, 3), 1e200, dtype=torch.float64)
+    rows = DenseRows(big)
+    assert not bool(torch.isfinite(rows.gram()).all())
+    assert rows._gram_finite is None and bool(rows.finite_flag())
+    narrow = DenseRows(torch.ones(2, 3))
+    narrow.gram(3.0)
+    assert narrow._gram_finite is None
+    narrow.gram(1.0)
+    assert narrow._gram_finite is not None and bool(narrow.finite_flag())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_a_final_dense_combination_is_the_float64_one_rounded_once(dtype):
+    """``combine_rows(final=True)`` of a narrower dense ``J`` is written block by block in its dtype, bit for bit the
+    float64 combination ``.to(dtype)`` (no ``[P]`` float64 temporary); float64 is unchanged. Wider than two column
+    blocks, the last one partial; against the float64 oracle ``J^T c``."""
+    from ief.model_call import COLUMN_CHUNK
+
+    gen = torch.Generator().manual_seed(5)
+    j = torch.randn(3, 2 * COLUMN_CHUNK + 77, generator=gen).to(dtype)
+    coeff = torch.randn(3, generator=gen, dtype=torch.float64)
+    rows = DenseRows(j)
+    wide = rows.combine_rows(coeff)
+    final = rows.combine_rows(coeff, final=True)
+    assert wide.dtype == torch.float64 and final.dtype == dtype
+    assert torch.equal(final, wide.to(dtype))
+    assert rel_err(wide, j.double().T @ coeff) <= 1e-14
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_factored_dense_blocks_are_combined_by_runs_and_tables_by_their_used_rows(dtype):
+    """:class:`FactoredJacobian`'s dense blocks are combined in runs of adjacent blocks, a table through its used
+    rows, a ghost weight from its factors: the whole ``J^T c`` (final and not) equals the materialised ``J``'s."""
+    gen = torch.Generator().manual_seed(6)
+    m = 3
+    a, g = torch.randn(m, 2, 4, generator=gen).to(dtype), torch.randn(m, 2, 3, generator=gen).to(dtype)
+    ids = torch.tensor([0, 2])  # a [3, 2] table whose rows 0 and 2 the batch uses
+    # J's columns: ghost weight [3, 4] (12), bias (3), table (6; 4 in dense), LayerNorm weight (5), bias (5)
+    sizes = [12, 3, 6, 5, 5]
+    dense = torch.randn(m, 3 + 4 + 5 + 5, generator=gen).to(dtype)
+    rows = FactoredJacobian(m, sizes, dense, [(0, a, g)], dense, {1: 0, 2: 3, 3: 7, 4: 12}, {2: (ids, 2)})
+    assert list(rows._dense_runs()) == [(12, 0, 3), (21, 7, 10)]
+    coeff = torch.randn(m, generator=gen, dtype=torch.float64)
+    expected = rows.materialize().double().T @ coeff
+    assert rel_err(rows.combine_rows(coeff), expected) <= RTOL[dtype]  # float32: the materialised ghost block rounds
+    final = rows.combine_rows(coeff, final=True)
+    assert final.dtype == dtype and rel_err(final, expected) <= RTOL[dtype]
+    # one run (the table first, the factored weight last): combined straight into J's columns, the table apart
+    one = FactoredJacobian(m, [6, 3, 5, 5, 12], dense, [(4, a, g)], dense, {0: 0, 1: 4, 2: 7, 3: 12}, {0: (ids, 2)})
+    assert list(one._dense_runs()) == [(6, 4, 13)]
+    assert rel_err(one.combine_rows(coeff), one.materialize().double().T @ coeff) <= RTOL[dtype]
+
+
+@pytest.mark.parametrize("block, passes", [(5, [5, 6, 2]), (6, [13])])
+def test_wide_dense_runs_are_combined_straight_into_the_direction(block, passes, monkeypatch):
+    """Runs of dense blocks at least a column block wide (a tied GPT-2: the token table, then the blocks after the
+    position table's used rows) each go straight into the direction, with no ``[P_dense]`` float64 part, the table
+    apart; with a run narrower than a block (an MLP's biases) one pass over the whole ``dense`` serves every run
+    and the table. Both equal the materialised ``J``'s ``J^T c``."""
+    import ief.rows as rows_module
+
+    gen = torch.Generator().manual_seed(8)
+    m = 2
+    monkeypatch.setattr(rows_module, "column_chunk", lambda matrix: block)
+    a, g = torch.randn(m, 1, 2, generator=gen), torch.randn(m, 1, 2, generator=gen)
+    dense = torch.randn(m, 5 + 2 + 6, generator=gen)
+    # J: a block of 5, a [2, 2] table (its row 1 used: 2 columns in dense), a block of 6, a factored [2, 2] weight
+    rows = FactoredJacobian(m, [5, 4, 6, 4], dense, [(3, a, g)], dense, {0: 0, 1: 5, 2: 7},
+                            {1: (torch.tensor([1]), 2)})
+    assert list(rows._dense_runs()) == [(0, 0, 5), (9, 7, 6)]
+    calls = []
+    real = rows_module._matrix_combine
+    monkeypatch.setattr(rows_module, "_matrix_combine",
+                        lambda matrix, *args, **kw: calls.append(matrix.shape[1]) or real(matrix, *args, **kw))
+    coeff = torch.randn(m, generator=gen, dtype=torch.float64)
+    expected = rows.materialize().double().T @ coeff
+    assert rel_err(rows.combine_rows(coeff, final=True), expected) <= RTOL[torch.float32]
+    assert calls == passes

@@ -59,7 +59,14 @@ frozen) dtypes. :func:`lowest_format` is the one with the largest unit roundoff.
     dtype), so float32 and float64 forwards keep it, a bfloat16 forward gets ``0.0625``.
 
 A sample-mixing layer (a layer adding ``x.mean(0)``) errs by a fraction of the row itself (``~1/sqrt(M)``), far above
-``16 u``; an error below the tolerance cannot be told from the forward's rounding in that format.
+``16 u``; an error below the tolerance cannot be told from the forward's rounding in that format. The ``r = 64``
+of the bound is not a property of every model: T5 + LoRA under bfloat16 autocast has rows within 2-5 % of the
+float64 oracle's but check products 7-17 % apart. So under autocast with float32 parameters, a check that fails
+within ``4 tol`` (the band where rounding is the likely cause) is decided by the same check run again with autocast
+disabled, at float32's tolerance (``ief.jacobian.api``): the structure it proves does not depend on the precision,
+the bfloat16 ``J`` is kept, and a mixing layer in that band is then caught at 1.2e-3. With bfloat16 parameters there
+is no float32 forward to run (a float32 copy would double the model's memory): the failure is raised, naming
+rounding as the likely cause and the float32 run that tells them apart.
 """
 from __future__ import annotations
 

@@ -23,11 +23,12 @@ from ..model_call import (
     take_first,
     unwrap_model,
 )
-from ..precision import ForwardFormats, device_type, mark_rounding, refuse_float16
+from ..precision import SIXTEEN_BIT, ForwardFormats, device_type, mark_rounding, refuse_float16
 from ..rows import FactoredJacobian, check_form
 from . import assemble
 from .assemble import _batch_gradient, _summed
 from .capture import PerSampleCapture
+from .errors import PerSampleGradientMismatch
 from .guard import (_check_mode, _refuse_nonfinite, _refuse_sample_mixing, check_directional_derivatives,
                     check_no_outside_use)
 from .loop import _warn_slow_path
@@ -158,6 +159,7 @@ class _HookedForward:
         self.capture = PerSampleCapture(model, self.params, stand_ins=True)
         self.capture.batch_size = m
         self.forward = ReplayableForward(model, inputs)
+        self._given = (model, inputs, params, loss)  # for the exact check's float32 recheck (_recheck_wide)
         # which hooked parameters the graph reaches outside their hooked calls (they ran with stand-ins)
         self.forward.watch = {id(self.params[i]): i for i in self.capture.hooked}
         # The exact check replays this forward with the reference kernels (forward-mode AD needs them); fused kernels
@@ -224,10 +226,52 @@ class _HookedForward:
             check_no_outside_use(self.capture, jac, autograd, self.names, self.formats.lowest)
         if self.mode == "exact":
             grad_z = logit_grads[0] if logit_grads else self.loss.logit_grad(self.logits.detach(), targets)
-            check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z, self.formats.lowest)
+            try:
+                check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z, self.formats.lowest)
+            except PerSampleGradientMismatch as mismatch:
+                self._recheck_wide(mismatch, targets)
         # the records are not kept alive; a broadcast parameter's autograd gradient is its whole batch gradient
         offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked - set(self.capture.broadcast))
         return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
+
+    def _recheck_wide(self, mismatch: PerSampleGradientMismatch, targets: torch.Tensor) -> None:
+        """The exact check of an autocast forward, failed within its rounding band, decided in float32 instead.
+
+        Under bfloat16 autocast both sides of the exact check carry the forward's rounding, and in a deep model
+        (T5 + LoRA: rows within 2-5 % of the float64 oracle's, the check's products 7-17 % apart) they can differ by
+        more than its 16 u tolerance although every row is right. The check is about structure (which sample a
+        row belongs to), which does not depend on the precision: when the 16-bit format came from autocast alone
+        (every floating parameter at least float32) and the worst error is within ``4 tol`` (the band where rounding
+        is the likely cause), the same forward and check run again with autocast disabled, at float32's tolerance
+        (RNG state and buffers left as they were). Its rows pass: the structure is proven and the 16-bit ``J`` is
+        kept. Its rows fail: that float32 mismatch is raised (a layer that mixes samples, now caught below 6 %).
+
+        Args:
+            mismatch: the 16-bit check's error.
+            targets: the targets the check ran with.
+
+        Raises:
+            PerSampleGradientMismatch: ``mismatch`` when the recheck does not apply (16-bit parameters, an error
+                beyond the band, autocast entered inside the model so that the recheck ran in 16 bits again), or the
+                float32 recheck's own.
+        """
+        model, inputs, params, loss = self._given
+        wide_params = all(p.dtype.itemsize >= 4 for p in model.parameters() if p.is_floating_point())
+        worst, tol = getattr(mismatch, "worst", None), getattr(mismatch, "tolerance", None)
+        if self.formats.lowest not in SIXTEEN_BIT or not wide_params or worst is None or worst > 4 * tol:
+            raise mismatch
+        buffers = [(b, b.clone()) for b in model.buffers()]
+        try:
+            with torch.random.fork_rng(devices=self.forward._devices), \
+                    torch.autocast(device_type(model), enabled=False):
+                wide = _HookedForward(model, inputs, targets, params, loss, "exact")
+                if wide.formats.lowest in SIXTEEN_BIT:  # autocast inside the model: no float32 forward to be had
+                    raise mismatch
+                wide.jacobian(targets)
+        finally:
+            for b, saved in buffers:
+                if not torch.equal(b, saved):
+                    b.data.copy_(saved)
 
     def gradient(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(losses, grad)`` only: a plain backward (the hooks' records are not turned into a Jacobian); it asks

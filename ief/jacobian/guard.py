@@ -195,11 +195,13 @@ def check_directional_derivatives(forward: ReplayableForward, params: Sequence[t
     failing = torch.nonzero(rel > tol).flatten().tolist()
     if failing:
         n = int(rel.argmax())
-        raise PerSampleGradientMismatch(
+        mismatch = PerSampleGradientMismatch(
             f"per-sample gradients of samples {failing[:10]}{' ...' if len(failing) > 10 else ''} disagree with their "
             f"exact directional derivatives (worst: sample {n}, relative error {float(rel[n]):.2e} > {tol:.1e}): "
             + _likely_cause(float(rel[n]), tol, forward_format, jac.dtype)
         )
+        mismatch.worst, mismatch.tolerance = float(rel[n]), tol  # for a recheck in float32 (ief.jacobian.api)
+        raise mismatch
 
 
 def _likely_cause(worst: float, tol: float, forward_format: torch.dtype | None, jac_dtype: torch.dtype) -> str:

@@ -110,6 +110,9 @@ bench: $(ENV_READY)
 	$(BENCH).paper_mlp --cases adam,ief-auto,ief-auto-nocheck --repeats 9 --warmup 1 --memory-steps 2 \
 		--json $(BENCH_RESULTS)/paper_mlp-cpu.json
 	$(BENCH).distributed --json $(BENCH_RESULTS)/distributed-cpu.json
+	$(BENCH).slow_paths --json $(BENCH_RESULTS)/slow_paths-cpu.json
+	$(BENCH).gpt2_full --size mini --tokens 64 --repeats 9 --json $(BENCH_RESULTS)/gpt2_full-cpu.json
+	$(BENCH).auto_lr --json $(BENCH_RESULTS)/auto_lr-cpu.json
 	$(PYTHON) -m benchmarks.report benchmarks/README.md
 
 # Mutation testing (tools/mutation/run.py): mutmut is installed apart from the project's environment, one worker,

@@ -32,8 +32,9 @@ all-reduce runs inside its C++ reducer, out of the wrappers' sight: its bytes ar
 the trainable gradients' bytes (``4 P`` in float32), sent and received (``broadcast_buffers=False``: the models'
 buffers are constants). Beside them, :mod:`ief.distributed`'s formula: the Gram's all-gathers as the step's
 :class:`ief.distributed.GramPlan` counts them, ``M_max R (P_dense + sum_l T_l (I_l + O_l)) b`` (``b = 4`` for float32
-rows; the weights gathered as factors and the plan recorded from the step itself), plus ``8 P`` (the direction's
-float64 all-reduce).
+rows; the weights gathered as factors, and an embedding table kept as used rows counted as its union's ``U_union D``
+columns in ``P_dense``, from the plan recorded from the step itself), plus ``8 P`` (the direction's float64
+all-reduce).
 """
 from __future__ import annotations
 

@@ -10,7 +10,11 @@ Gram matrix ``J J^T``, whose blocks ``J_r J_s^T`` need rows of two ranks; it nee
   solves the same small system (no broadcast of the solution is needed: a replicated solve). Rows kept as factors
   (:class:`~ief.rows.FactoredJacobian`: a Linear weight's rows ``J_n = G_n^T A_n``) send, where that is smaller, the
   factors ``A [M_r, T, I]`` and ``G [M_r, T, O]`` themselves, and every rank forms that layer's block of the Gram with
-  the ghost kernel of one process (:func:`ief.rows.ghost_kernel`); every other column is sent dense, in chunks of
+  the ghost kernel of one process (:func:`ief.rows.ghost_kernel`); an embedding table that every rank keeps as
+  the rows its batch used (:attr:`~ief.rows.FactoredJacobian.used_rows`) is sent as the rows of the sorted union of
+  the ranks' used ids, each rank's rows placed at its ids' places in the union and zero elsewhere: a row of the table
+  that no rank used is zero in every row of ``J``, so its columns add nothing to ``J J^T``, and the Gram over the
+  union's ``U D`` columns is that over the whole ``V D``; every other column is sent dense, in chunks of
   :data:`GRAM_CHUNK` columns (:func:`gram_plan`, :meth:`DistributedRows.gram`);
 - ``s``, the losses and anything else per sample: all-gathered and concatenated;
 - the direction ``J^T w = sum_r J_r^T w_r``: each rank combines its own rows with its slice of ``w``, and one
@@ -20,18 +24,23 @@ Gram matrix ``J J^T``, whose blocks ``J_r J_s^T`` need rows of two ranks; it nee
 Communication per step, with ``P`` parameters, ``b`` bytes per entry of ``J`` (4 for float32) and ``M_max`` the
 largest ``M_r``: the Gram's all-gathers, ``M_max R (P_dense + sum_l T_l (I_l + O_l)) b`` bytes received by each rank,
 where the sum runs over the weights gathered as factors (``T_l`` their most positions on any rank) and ``P_dense`` is
-every other column (all ``P`` when some rank's rows are not factored: ``M_max R P b``); two small all-gathers of the
-ranks' layouts (``5`` integers per parameter) before them; and the direction's all-reduce of ``8 P`` bytes (a ring
-all-reduce sends about ``2 x 8 P``). DDP's own gradient all-reduce is ``~2 x 4 P`` for float32 gradients.
+every other column, a table kept as used rows on every rank counted as ``U_union D`` (its union's ids, not its
+``V D``: :attr:`GramPlan.tables`; all ``P`` when some rank's rows are not factored: ``M_max R P b``); two small
+all-gathers of the ranks' layouts (``8`` integers per parameter, and the used ids of their tables, padded to the most
+of any rank) before them; and the direction's all-reduce of ``8 P`` bytes (a ring all-reduce sends about
+``2 x 8 P``). DDP's own gradient all-reduce is ``~2 x 4 P`` for float32 gradients.
 
 The rule (:func:`gram_plan`, the same on every rank, for it reads the all-gathered layouts and never this rank's rows
 alone: ranks at different ``M_r`` may choose different forms, :func:`ief.rows.prefer_ghost`): a weight is gathered as
 factors when every rank keeps it as factors and ``T_max (I + O) <= I O``, its factors per sample no more entries than
-its row; otherwise its block of rows is gathered (a rank holding factors forms ``G_n^T A_n`` for it). An MLP's
-``[256, 784]`` weight sends ``1,040`` numbers per sample instead of ``200,704``; the dense columns (biases,
-LayerNorms, a weight whose factors would be larger, e.g. over many tokens, and an embedding table, sent in its full
-``[V, D]`` layout since the ranks' used rows differ) cost what they did: the Gram's all-gather of dense columns is
-about ``M b / 8`` times DDP's traffic for them, that of factors ``T (I + O) / (I O)`` times less.
+its row; otherwise its block of rows is gathered (a rank holding factors forms ``G_n^T A_n`` for it). An embedding
+table is gathered as the union of the ranks' used rows when every rank keeps it as its used rows, else in its full
+``[V, D]`` layout (a rank whose batch used every row keeps the table whole, and so does every rank for a table tied
+to the output layer, whose every row is in ``J``). An MLP's ``[256, 784]`` weight sends ``1,040`` numbers per sample
+instead of ``200,704``; an untied GPT-2 token table (``50,257 x 768``) ``U_union x 768``, ``U_union`` at most the
+``M T`` tokens of the union batch, instead of ``38.6`` million; the dense columns (biases, LayerNorms, a weight whose
+factors would be larger, e.g. over many tokens, a tied table) cost what they did: the Gram's all-gather of dense
+columns is about ``M b / 8`` times DDP's traffic for them, that of factors ``T (I + O) / (I O)`` times less.
 
 Faults: a rank whose local work fails (a non-finite loss, a refused per-sample check, a bad value) must not leave the
 others waiting in a collective: :func:`agree` runs the local work, all-reduces a failure flag, and then raises the
@@ -45,7 +54,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -200,10 +209,15 @@ class GramPlan:
             ``J`` is gathered dense).
         dense: the parameter indices gathered as dense column blocks, in column order (empty when ``factors`` is
             ``None``: then the whole ``J``).
-        dense_width: the columns gathered dense.
+        dense_width: the columns gathered dense (a table of ``tables`` counted as its ``U_union D``).
         factor_width: ``sum T_max (I + O)`` over ``factors``, the packed factors' entries per sample.
         received_bytes: the Gram's all-gathers' payload received by each rank, ``R M_max (dense_width +
             factor_width) b`` (every rank's part, its own included).
+        tables: ``(parameter index, U_union, D)`` of every embedding table of ``dense`` that every rank keeps as its
+            used rows, gathered as the ``U_union D`` columns of the union of the ranks' used ids (not ``V D``).
+        union_ids: parameter index -> the union's ids (sorted, distinct, ``[U_union]`` int64 on the CPU) of every
+            table of ``tables`` (not compared: ``tables`` holds their counts, and the ids follow from the same
+            all-gathered layouts on every rank).
     """
 
     factors: tuple[tuple[int, int, int, int], ...] | None
@@ -211,54 +225,83 @@ class GramPlan:
     dense_width: int
     factor_width: int
     received_bytes: int
+    tables: tuple[tuple[int, int, int], ...] = ()
+    union_ids: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
-LAYOUT_FIELDS = 5  # per parameter: (factored, T, I, O, size)
+LAYOUT_FIELDS = 8  # per parameter: (factored, T, I, O, size, kept as used rows, U, D)
 
 
-def _all_layouts(local: Rows, group: Any, device: torch.device) -> torch.Tensor | None:
-    """Every rank's layout of its rows, ``[R, parameters, LAYOUT_FIELDS]`` int64 (per parameter: 1 and ``T, I, O``
-    for a weight kept as factors ``A [M_r, T, I]``, ``G [M_r, T, O]``, else zeros; and its size), or ``None`` when
-    some rank's rows are not a :class:`~ief.rows.FactoredJacobian` or the ranks' parameter counts differ (two small
-    all-gathers)."""
+def _all_layouts(local: Rows, group: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every rank's layout of its rows and its tables' used ids (two small all-gathers).
+
+    Returns:
+        ``None`` when some rank's rows are not a :class:`~ief.rows.FactoredJacobian` or the ranks' parameter counts
+        differ; else ``(layouts, ids)``: ``layouts [R, parameters, LAYOUT_FIELDS]`` int64 (per parameter: 1 and
+        ``T, I, O`` for a weight kept as factors ``A [M_r, T, I]``, ``G [M_r, T, O]``, else zeros; its size; 1,
+        ``U`` and ``D`` for a table kept as its ``U`` used rows of width ``D``, else zeros), and ``ids [R, L]``
+        int64, each rank's tables' used ids one table after another in parameter order, padded with zeros to the
+        most of any rank (CPU).
+    """
     factored = isinstance(local, FactoredJacobian)
     count = len(local.sizes) if factored else 0
-    header = all_gather_rows(torch.tensor([[int(factored), count]], dtype=torch.int64, device=device),
+    tables = sorted(local.used_rows.items()) if factored else []
+    ids = torch.cat([torch.zeros(0, dtype=torch.int64), *(used.reshape(-1).cpu() for _, (used, _) in tables)])
+    header = all_gather_rows(torch.tensor([[int(factored), count, ids.numel()]], dtype=torch.int64, device=device),
                              [1] * world_size(group), group)
     if not bool(header[:, 0].all()) or bool((header[:, 1] != count).any()):
         return None
-    mine = torch.zeros(1, count, LAYOUT_FIELDS, dtype=torch.int64)
-    mine[0, :, 4] = torch.tensor(local.sizes, dtype=torch.int64)
+    mine = torch.zeros(count, LAYOUT_FIELDS, dtype=torch.int64)
+    mine[:, 4] = torch.tensor(local.sizes, dtype=torch.int64)
     for i, a, g in local.ghosts:
-        mine[0, i, :4] = torch.tensor([1, a.shape[1], a.shape[2], g.shape[2]])
-    return all_gather_rows(mine.to(device), [1] * world_size(group), group).cpu()
+        mine[i, :4] = torch.tensor([1, a.shape[1], a.shape[2], g.shape[2]])
+    for i, (used, dim) in tables:
+        mine[i, 5:] = torch.tensor([1, used.numel(), dim])
+    longest = int(header[:, 2].max())
+    packed = torch.cat([mine.reshape(-1), ids, ids.new_zeros(longest - ids.numel())]).unsqueeze(0)
+    every = all_gather_rows(packed.to(device), [1] * world_size(group), group).cpu()
+    return every[:, :count * LAYOUT_FIELDS].reshape(-1, count, LAYOUT_FIELDS), every[:, count * LAYOUT_FIELDS:]
 
 
-def gram_plan(layouts: torch.Tensor | None, sizes: Sequence[int], columns: int, itemsize: int) -> GramPlan:
+def _union_ids(i: int, layouts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The sorted union of every rank's used ids of table ``i`` (``[U_union]`` int64): rank ``r``'s lie in
+    ``ids[r]`` after those of its tables of lower index."""
+    counts = layouts[:, :, 6]  # U, zero for a parameter that is not a table kept as used rows
+    starts = counts[:, :i].sum(dim=1).tolist()
+    return torch.unique(torch.cat([ids[r, lo:lo + int(counts[r, i])] for r, lo in enumerate(starts)]))
+
+
+def gram_plan(layouts: torch.Tensor | None, sizes: Sequence[int], columns: int, itemsize: int,
+              ids: torch.Tensor | None = None) -> GramPlan:
     """Which weights the Gram gathers as factors: those every rank keeps as factors and whose factors are fewer
     entries than their rows, ``T_max (I + O) <= I O`` (per sample; ``T_max`` the most positions of any rank); every
-    other parameter's block is gathered dense. Computed from the all-gathered layouts, so every rank makes the same
-    plan (never from its own rows alone: the ranks' forms may differ, e.g. ``prefer_ghost`` at a different ``M_r``).
+    other parameter's block is gathered dense, an embedding table that every rank keeps as its used rows as the
+    ``U_union D`` columns of the sorted union of the ranks' used ids (the rows no rank used are zero in every row of
+    ``J``). Computed from the all-gathered layouts, so every rank makes the same plan (never from its own rows alone:
+    the ranks' forms may differ, e.g. ``prefer_ghost`` at a different ``M_r``).
 
     Args:
-        layouts: :func:`_all_layouts`'s ``[R, parameters, 5]``, or ``None`` (all of ``J`` dense).
+        layouts: :func:`_all_layouts`'s ``[R, parameters, LAYOUT_FIELDS]``, or ``None`` (all of ``J`` dense).
         sizes: every rank's ``M_r``.
         columns: ``P``, the columns of ``J``.
         itemsize: bytes per entry of ``J``.
+        ids: :func:`_all_layouts`'s ``[R, L]`` used ids of the ranks' tables; needed when some table is kept as
+            used rows on every rank.
 
     Returns:
         The :class:`GramPlan`.
 
     Raises:
-        ValueError: the ranks' parameters differ in size, or a factored weight's ``I, O`` differ between ranks
-            (not the same model), naming the parameter and the values.
+        ValueError: the ranks' parameters differ in size, a factored weight's ``I, O`` or a table's row width ``D``
+            differ between ranks (not the same model), naming the parameter and the values; or a table kept as
+            used rows on every rank and no ``ids``.
     """
     gathered = len(sizes) * max(sizes) * itemsize
     if layouts is None:
         return GramPlan(None, (), columns, 0, gathered * columns)
-    factors, dense, dense_width, factor_width = [], [], 0, 0
+    factors, dense, tables, union_ids, dense_width, factor_width = [], [], [], {}, 0, 0
     for i in range(layouts.shape[1]):
-        kept, positions, fan_in, fan_out, size = layouts[:, i].T.tolist()
+        kept, positions, fan_in, fan_out, size, table, _, dim = layouts[:, i].T.tolist()
         if len(set(size)) > 1:
             raise ValueError(f"parameter {i} has {size} entries on the ranks: the ranks must hold the same model")
         if all(kept) and (len(set(fan_in)) > 1 or len(set(fan_out)) > 1):
@@ -268,11 +311,22 @@ def gram_plan(layouts: torch.Tensor | None, sizes: Sequence[int], columns: int, 
         if all(kept) and t * (fan_in[0] + fan_out[0]) <= fan_in[0] * fan_out[0]:
             factors.append((i, t, fan_in[0], fan_out[0]))
             factor_width += t * (fan_in[0] + fan_out[0])
-        else:
-            dense.append(i)
+            continue
+        dense.append(i)
+        if not all(table):
             dense_width += size[0]
+            continue
+        if len(set(dim)) > 1:
+            raise ValueError(f"parameter {i}'s table has rows of {dim} entries on the ranks: the ranks must hold the "
+                             f"same model")
+        if ids is None:
+            raise ValueError(f"parameter {i} is a table kept as used rows on every rank but no ids were given "
+                             f"(ids=None): pass _all_layouts's all-gathered ids")
+        union_ids[i] = _union_ids(i, layouts, ids)
+        tables.append((i, union_ids[i].numel(), dim[0]))
+        dense_width += union_ids[i].numel() * dim[0]
     return GramPlan(tuple(factors), tuple(dense), dense_width, factor_width,
-                    gathered * (dense_width + factor_width))
+                    gathered * (dense_width + factor_width), tuple(tables), union_ids)
 
 
 class DistributedRows(Rows):
@@ -318,8 +372,9 @@ class DistributedRows(Rows):
     def plan(self) -> GramPlan:
         """How :meth:`gram` gathers the rows (:func:`gram_plan` on every rank's layout, exchanged once)."""
         if self._plan is None:
-            self._plan = gram_plan(_all_layouts(self.local, self.group, self.device), self.sizes, self.shape[1],
-                                   self.dtype.itemsize)
+            layouts = _all_layouts(self.local, self.group, self.device)
+            self._plan = gram_plan(None if layouts is None else layouts[0], self.sizes, self.shape[1],
+                                   self.dtype.itemsize, None if layouts is None else layouts[1])
         return self._plan
 
     def gram(self, scale: float = 1.0) -> torch.Tensor:
@@ -340,13 +395,24 @@ class DistributedRows(Rows):
 
     def _dense_columns(self, plan: GramPlan) -> torch.Tensor:
         """This rank's ``[M_r, plan.dense_width]``: the blocks of the parameters the plan sends dense, side by side
-        (a factored weight's rows ``G_n^T A_n`` formed here)."""
+        (a factored weight's rows ``G_n^T A_n`` formed here; a table of ``plan.tables`` as the union's rows, this
+        rank's used rows at their ids' places and zeros at the ids only other ranks used)."""
         local = self.local
         out = torch.empty(local.shape[0], plan.dense_width, dtype=self.dtype, device=self.device)
+        tables = {i: (plan.union_ids[i], dim) for i, _, dim in plan.tables}
         lo = 0
         for i in plan.dense:
-            local.write_block(i, out[:, lo:lo + local.sizes[i]])
-            lo += local.sizes[i]
+            if i not in tables:
+                local.write_block(i, out[:, lo:lo + local.sizes[i]])
+                lo += local.sizes[i]
+                continue
+            union, dim = tables[i]
+            used, _ = local.used_rows[i]
+            rows = out[:, lo:lo + union.numel() * dim].unflatten(1, (-1, dim))  # [M_r, U_union, D]
+            rows.zero_()
+            places = torch.searchsorted(union.to(used.device), used)
+            rows.index_copy_(1, places.to(self.device), local.dense_block(i).unflatten(1, (-1, dim)))
+            lo += union.numel() * dim
         return out
 
     def _union_factors(self, plan: GramPlan, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:

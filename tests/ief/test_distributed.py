@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ief.directions import ef_solve, ief_solve, sf_solve
-from ief.distributed import DistributedRows, RankFailure, agree, all_gather_rows, batch_sizes, gram_plan
+from ief.distributed import (LAYOUT_FIELDS, DistributedRows, RankFailure, agree, all_gather_rows, batch_sizes,
+                              gram_plan)
 from ief.rows import DenseRows, FactoredJacobian
 
 P = 11
@@ -127,14 +128,21 @@ def test_distributed_rows_equal_the_concatenated_rows_on_every_rank(sizes, kind,
         bound = max(_factored(r, m).max_abs() for r, m in enumerate(sizes))
         assert all(r["max_abs"] == bound and r["finite"] for r in results) and true_max <= bound
         assert results[0]["plan"].factors == ((0, 1, 5, 6), (2, 3, 8, 8))
-        assert results[0]["plan"].dense == (1, 3, 4, 5) and results[0]["plan"].dense_width == 6 + 6 + 30 + 30
+        # the [10, 3] table as the union of the ranks' used rows (3 + rank each), not its 10 rows
+        union = torch.unique(torch.cat([_factored(r, m).used_rows[5][0] for r, m in enumerate(sizes)]))
+        assert results[0]["plan"].tables == ((5, union.numel(), 3),) and union.numel() < 10
+        assert all(torch.equal(r["plan"].union_ids[5], union) for r in results)
+        assert results[0]["plan"].dense == (1, 3, 4, 5)
+        assert results[0]["plan"].dense_width == 6 + 6 + 30 + 3 * union.numel()
     assert all(r["plan"] == results[0]["plan"] for r in results)
     width = results[0]["plan"].dense_width + results[0]["plan"].factor_width
     assert results[0]["plan"].received_bytes == len(sizes) * max(sizes) * width * 8
 
 
-def _layouts(*ranks: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
-    return torch.tensor(ranks, dtype=torch.int64)
+def _layouts(*ranks: list[tuple[int, ...]]) -> torch.Tensor:
+    """Every rank's layout, ``(factored, T, I, O, size)`` per parameter, with ``(kept as used rows, U, D)`` appended
+    (zeros when not given)."""
+    return torch.tensor([[(*f, *(0,) * (LAYOUT_FIELDS - len(f))) for f in rank] for rank in ranks], dtype=torch.int64)
 
 
 def test_the_gram_plan_sends_factors_only_where_every_rank_has_them_and_they_are_smaller():
@@ -154,6 +162,27 @@ def test_the_gram_plan_sends_factors_only_where_every_rank_has_them_and_they_are
         gram_plan(_layouts([(1, 1, 8, 8, 64)], [(1, 1, 9, 7, 63)]), [1, 1], 64, 4)
     with pytest.raises(ValueError, match=r"parameter 0's factors have inputs \[8, 4\] and outputs \[8, 16\]"):
         gram_plan(_layouts([(1, 1, 8, 8, 64)], [(1, 1, 4, 16, 64)]), [1, 1], 64, 4)
+
+
+def test_the_gram_plan_gathers_a_table_as_the_union_of_the_ranks_used_rows():
+    """A ``[10, 3]`` table kept as used rows on every rank goes as the sorted union of the ranks' ids (read from each
+    rank's part of the padded ids, after its earlier tables' ids), ``U_union D`` columns in ``dense_width`` and the
+    bytes; one that some rank keeps whole (it used every row) goes as its 30 columns; rows of other widths, or no
+    ids, are refused."""
+    ranks = ([(0, 0, 0, 0, 12, 1, 2, 2), (0, 0, 0, 0, 30, 1, 3, 3)],  # a [6, 2] table, then the [10, 3] table
+             [(0, 0, 0, 0, 12, 1, 1, 2), (0, 0, 0, 0, 30, 1, 2, 3)])
+    ids = torch.tensor([[4, 5, 0, 7, 9], [1, 7, 8, 0, 0]])  # rank 0: {4, 5}, {0, 7, 9}; rank 1: {1}, {7, 8}; padded
+    plan = gram_plan(_layouts(*ranks), [2, 5], 42, 8, ids)
+    assert plan.tables == ((0, 3, 2), (1, 4, 3)) and plan.dense == (0, 1) and plan.factors == ()
+    assert torch.equal(plan.union_ids[0], torch.tensor([1, 4, 5]))
+    assert torch.equal(plan.union_ids[1], torch.tensor([0, 7, 8, 9]))
+    assert (plan.dense_width, plan.received_bytes) == (3 * 2 + 4 * 3, 2 * 5 * (6 + 12) * 8)
+    whole = gram_plan(_layouts(ranks[0], [(0, 0, 0, 0, 12, 1, 1, 2), (0, 0, 0, 0, 30)]), [2, 5], 42, 8, ids)
+    assert whole.tables == ((0, 3, 2),) and whole.dense_width == 6 + 30 and set(whole.union_ids) == {0}
+    with pytest.raises(ValueError, match=r"parameter 1's table has rows of \[3, 5\] entries"):
+        gram_plan(_layouts(ranks[0], [(0, 0, 0, 0, 12, 1, 1, 2), (0, 0, 0, 0, 30, 1, 2, 5)]), [2, 5], 42, 8, ids)
+    with pytest.raises(ValueError, match=r"parameter 0 is a table kept as used rows on every rank but no ids"):
+        gram_plan(_layouts(*ranks), [2, 5], 42, 8)
 
 
 def _fail_on_rank_one(rank: int) -> dict:
@@ -325,6 +354,107 @@ def test_a_step_across_processes_is_one_process_on_the_union_batch(name, sizes, 
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), (got - want).abs().max()
     assert results[0]["losses"] == pytest.approx(union["losses"], rel=1e-12)
     moved = sum(float((p - q.detach()).abs().sum()) for p, q in zip(union["params"], _model(wide=wide).parameters()))
+    assert moved > 1e-3, "the steps must move the parameters for the comparison to mean anything"
+
+
+# the token pools of the ranks' batches: 3 and 4 on ranks 0 and 1, 2 on ranks 0 and 2; 1, 11 and 5, 6 on one rank each
+TABLE_POOLS = ([1, 2, 3, 4], [3, 4, 11], [2, 5, 6, 0])
+
+
+def _table_batches(sizes: list[int], steps: int) -> list[list[tuple]]:
+    """Per step, per rank: tokens ``[M_r, 4]`` drawn from the rank's pool (its first sample holds the whole pool) and
+    targets with -100 masks."""
+    gen = torch.Generator().manual_seed(21)
+    out = []
+    for _ in range(steps):
+        per_rank = []
+        for r, m in enumerate(sizes):
+            pool = torch.tensor(TABLE_POOLS[r])
+            x = pool[torch.randint(0, len(pool), (m, 4), generator=gen)]
+            x[0, :len(pool)] = pool[torch.randperm(len(pool), generator=gen)]
+            y = torch.randint(0, 3, (m, 4), generator=gen)
+            y[torch.rand(m, 4, generator=gen) < 0.3] = -100
+            per_rank.append((x, y))
+        out.append(per_rank)
+    return out
+
+
+class _TableModel(torch.nn.Module):
+    """A ``[12, 3]`` token table (``nn.Embedding``, padding row 0), tanh and a ``[3, 3]`` head: per-position logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(12, 3, padding_idx=0)
+        self.head = torch.nn.Linear(3, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+def _table_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _TableModel().double()
+
+
+def _table_on_rank(rank: int, sizes: list[int], steps: int) -> dict:
+    import ief
+
+    model, group = _table_model(), dist.group.WORLD
+    batches = _table_batches(sizes, steps)
+    local = ief.per_sample(model, *batches[0][rank], form="auto").jacobian
+    rows = DistributedRows(local, group, sizes)
+    gram, first = rows.gram(), rows.plan()
+    opt = ief.optim.IEF(model, lr=0.5, damping=1e-3, process_group=group)
+    plans, plan = [], DistributedRows.plan
+
+    def recorded(rows):
+        plans.append(plan(rows))
+        return plans[-1]
+
+    DistributedRows.plan = recorded
+    losses = [float(opt.step(*per_rank[rank])) for per_rank in batches]
+    return dict(gram=gram, plan=first, used=set(local.used_rows), plans=plans, losses=losses,
+                params=[p.detach().clone() for p in model.parameters()])
+
+
+def test_a_table_whose_ranks_use_different_rows_goes_as_the_union_of_its_used_rows(tmp_path):
+    """An nn.Embedding token table whose three ranks (uneven batches 4, 1, 3) use different ids, some shared, some
+    used by one rank only, and ids no rank uses: every rank keeps it as its used rows, the Gram gathers it as the
+    sorted union of their ids (``U_union D`` columns, not ``V D``), and the Gram and 3 IEF steps equal one process
+    on the union batch (the Gram: the brute-force per-sample loop's ``J J^T``; 1e-12 relative, float64), bit-identical
+    on every rank."""
+    import ief
+    import oracle
+
+    sizes, steps = [4, 1, 3], 3
+    results = _spawn(_table_on_rank, len(sizes), tmp_path, sizes, steps)
+    batches = _table_batches(sizes, steps)
+    model = _table_model()
+    x, y = (torch.cat([b[k] for b in batches[0]]) for k in (0, 1))
+    _, truth, _ = oracle.per_sample(model, x, y)
+    want = truth @ truth.T
+    assert torch.allclose(results[0]["gram"], want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+    opt = ief.optim.IEF(model, lr=0.5, damping=1e-3)
+    losses = [float(opt.step(*(torch.cat([b[k] for b in per_rank]) for k in (0, 1)))) for per_rank in batches]
+    for got, want in zip(results[0]["params"], model.parameters()):
+        want = want.detach()
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), (got - want).abs().max()
+    assert results[0]["losses"] == pytest.approx(losses, rel=1e-12)
+    for other in results[1:]:
+        assert torch.equal(other["gram"], results[0]["gram"]) and other["losses"] == results[0]["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(other["params"], results[0]["params"]))
+        assert other["plans"] == results[0]["plans"] and other["plan"] == results[0]["plan"]
+    assert all(r["used"] == {0} for r in results)  # the table kept as used rows on every rank
+    assert len(results[0]["plans"]) == steps and results[0]["plans"][0] == results[0]["plan"]  # the same batch
+    for k, per_rank in enumerate(batches):  # the token table: the union's rows (8 or 9 ids of 12)
+        union = torch.unique(torch.cat([b[0].flatten() for b in per_rank]))
+        assert union.numel() < 12 and set(union.tolist()) >= {1, 2, 3, 4, 5, 6, 11}
+        plan = results[0]["plans"][k]
+        assert plan.factors == () and plan.dense == (0, 1, 2) and plan.tables == ((0, union.numel(), 3),)
+        assert all(torch.equal(r["plans"][k].union_ids[0], union) for r in results)
+        assert plan.dense_width == 3 * union.numel() + 9 + 3
+        assert plan.received_bytes == len(sizes) * max(sizes) * plan.dense_width * 8
+    moved = sum(float((p - q.detach()).abs().sum()) for p, q in zip(results[0]["params"], _table_model().parameters()))
     assert moved > 1e-3, "the steps must move the parameters for the comparison to mean anything"
 
 

@@ -24,14 +24,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # test_optim's tiny BERT-LoRA
 from test_optim import _bert_loss, _tiny_bert_lora  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _batches(n: int, m: int = 6, seed: int = 1, classes: int = 4):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(m, 5, generator=g, dtype=torch.float64), torch.randint(0, classes, (m,), generator=g))

@@ -256,7 +256,8 @@ def record_made(path: str | Path) -> str:
         prefix = "made before records carried their date; " if path.suffix == ".json" else ""
         return f"{prefix}{committed_at(path)}"
     commit = meta.get("commit")
-    made = f"made {created}" + (f" at commit `{commit[:12]}`" if commit else " outside a git checkout")
+    where = f" at commit `{commit[:12]}`" if commit else " outside a git checkout" if meta.get("created") else ""
+    made = f"made {created}{where}"  # a benchmark record names its date and command, not its commit
     return made + (f" by `{meta['command']}`" if meta.get("command") else "")
 
 

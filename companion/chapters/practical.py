@@ -231,8 +231,8 @@ def no_search_table(record: str | Path = NO_SEARCH_RECORD) -> tuple[pd.DataFrame
         record: the benchmark's JSON record.
 
     Returns:
-        ``(table, glue)``: one row per case and rate (lr, final training loss, test accuracy, the adapted rate's
-        range), and the glued sentences ``ns_rule`` (the rule, as the benchmark states it before its numbers:
+        ``(table, glue)``: one row per case and rate (the index; columns lr, final training loss, test accuracy,
+        the adapted rate's range), and the glued sentences ``ns_rule`` (the rule, as the benchmark states it before its numbers:
         ``lr="auto"`` earns the default when on every case its final training loss is at most 1.1 times the
         searched rate's and no run diverged), ``ns_verdict`` (the cases that pass and fail) and ``ns_cases``.
 
@@ -272,4 +272,4 @@ def no_search_table(record: str | Path = NO_SEARCH_RECORD) -> tuple[pd.DataFrame
         "ns_verdict": verdict,
         "ns_diverged": ", ".join(diverged) if diverged else "no run diverged",
     }
-    return pd.DataFrame(rows), glue
+    return pd.DataFrame(rows).set_index(["case", "rate"]), glue

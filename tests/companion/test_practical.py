@@ -130,7 +130,7 @@ def test_practical_notebook_smoke(tmp_path):
         assert (figures / name).stat().st_size > 10_000
     assert not unresolved_glue(nb)
     committed, committed_glue = no_search_table()  # the "no search" rows: read from the committed record
-    written = pd.read_csv(figures / "no_search.csv", keep_default_na=False, dtype=str)
+    written = pd.read_csv(figures / "no_search.csv", keep_default_na=False, dtype=str, index_col=[0, 1])
     assert written.equals(committed.astype(str))
     assert glued_text(nb, "ns_verdict") == committed_glue["ns_verdict"]
     # two seeds: an interval with one degree of freedom (t = 12.7) leaves a pair undecided unless both seeds agree
@@ -173,7 +173,8 @@ def test_the_no_search_rows_and_their_verdict_follow_the_record(tmp_path):
     """Three rows per case (default, auto, searched) and a verdict that holds only when every case is within the
     margin; the committed record's says which case fails; a missing record names the command that makes it."""
     table, glue = no_search_table(_no_search_record(tmp_path / "pass.json", [1.05, 0.9]))
-    assert len(table) == 6 and list(table.rate[:3]) == ["default (no search)", "lr='auto' (no search)", "searched"]
+    rates = list(table.index.get_level_values("rate")[:3])
+    assert len(table) == 6 and rates == ["default (no search)", "lr='auto' (no search)", "searched"]
     assert glue["ns_verdict"] == "it holds on every case (case0, case1)"
     _, glue = no_search_table(_no_search_record(tmp_path / "fail.json", [1.05, 2.5]))
     assert glue["ns_verdict"].startswith("it does not hold: lr='auto' is within the margin on case0 but not on "

@@ -42,7 +42,11 @@ def _paper_mlp_rows(dtype: torch.dtype):
 @pytest.mark.skipif(not _has_cxx(), reason="inductor needs a C++ compiler")
 @pytest.mark.parametrize("dtype, fullgraph, rtol", [(torch.float32, True, 1e-6), (torch.float64, False, 1e-12)],
                          ids=["float32-one-graph", "float64"])
-def test_the_compiled_solve_of_the_paper_mlp_equals_the_eager_one(dtype, fullgraph, rtol):
+def test_the_compiled_solve_of_the_paper_mlp_equals_the_eager_one(dtype, fullgraph, rtol, tmp_path, monkeypatch):
+    # a cache of the test's own: inductor's shared cache (/tmp/torchinductor_$USER) is not keyed by
+    # ATEN_CPU_CAPABILITY, so kernels compiled for AVX-512 by an earlier run fail to build (at::vec undeclared) in a
+    # run with ATEN_CPU_CAPABILITY=default; with a fresh cache both pass
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     rows, s = _paper_mlp_rows(dtype)
     assert isinstance(rows, ief.rows.FactoredJacobian) and len(rows.ghosts) == 3  # every weight factored (T = 1)
     eager = ief_solve(rows, s, 1e-4, check=False)

@@ -129,9 +129,12 @@ from ..losses import IGNORE_INDEX, Loss, check_damping, count_targets, get_loss
 from ..model_call import Inputs, _cuda_devices, call_model
 from ..rows import FactoredJacobian, as_rows, check_form
 from .auto_lr import AUTO, INITIAL, AutoRate, check_auto, replayed, rng_states
+from . import defaults
 from .convention import to_sum_convention, to_token_mean_convention
+from .defaults import per_target_group
 from .momentum import (check_dampening, check_group_extras, check_momentum, check_shared, check_weight_decay,
                        momentum_buffers, resolve_groups)
+from .stall import StallWatch
 
 REDUCTIONS = ("sum", "mean")
 DEFAULT_DAMPING = {"sum": 1e-4, "mean": 1e-7}  # see "Defaults" above
@@ -321,6 +324,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.last_losses: torch.Tensor | None = None
         self.last_tokens: int | None = None  # K of the last batch (reduction="mean")
         self._warned_unshifted = False
+        self.stall_watch = StallWatch(type(self).__name__)  # warns once when the loss stays put (ief.optim.stall)
+        self._per_target = getattr(self, "_per_target", (False, False))  # IEF's defaults (ief.optim.defaults)
         self._constructed = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -589,6 +594,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.last_lr = given["lr"]
         if watched is not None:
             self._watch_divergence(values[len(checks)], number, given["lr"])
+            self.stall_watch.observe(values[len(checks)], number, self._step_size(dict(given, normalize=False), 1.0))
         shrinks = self._shrinks(given["lr"])
         if buffers is None:  # no buffer: today's update (plus the decay)
             norm = values[settled - 1] if group["normalize"] else None
@@ -757,6 +763,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if auto and self._auto is None:  # "auto" written into param_groups of an optimiser built with a number
             self._auto = AutoRate(INITIAL[self.method])
         tokens = None
+        if any(self._per_target):  # the default rate and damping, set for this batch (ief.optim.defaults)
+            group = per_target_group(group, targets, *self._per_target, type(self).__name__, self.steps_taken,
+                                     self._group)
         if self.reduction == "mean":  # the given (token-mean) rates as this package's (sum) ones for this batch
             tokens = self.last_tokens = self._tokens(targets)
             lr, damping = to_sum_convention(self.method, 1.0 if auto else group["lr"], group["damping"], tokens,
@@ -947,8 +956,12 @@ class IEF(PreconditionedOptimizer):
         form: str = "auto",
         process_group: Any = None,
     ):
+        # reduction="sum": the defaults are set per batch from its targets per sample (ief.optim.defaults)
+        self._per_target = (reduction == "sum" and lr is None, reduction == "sum" and damping is None)
         if lr is None:
-            lr = 100.0 if reduction == "mean" else 1.0
+            lr = 100.0 if reduction == "mean" else defaults.RATE
+        if damping is None and reduction == "sum":
+            damping = defaults.DAMPING
         super().__init__(model, lr, damping, params=params, loss=loss, reduction=reduction, normalize=normalize,
                          total_steps=total_steps, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          check=check, form=form, process_group=process_group)

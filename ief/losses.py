@@ -13,6 +13,7 @@ Everything the curvature code needs about the loss lives here, for the two losse
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Protocol
 
 import torch
@@ -232,14 +233,31 @@ def logit_sqnorm(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> tor
     return _sum_per_sample(grad * grad)
 
 
+def _parses(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_damping(damping: float, *, allow_zero: bool = True) -> float:
-    """Damping must be a finite real >= 0 (> 0 where the formula divides by it)."""
+    """Damping must be a finite real >= 0 (> 0 where the formula divides by it): a Python or NumPy real number.
+
+    A string (``"1e-3"``, e.g. read from a config file) and a bool are refused rather than converted: ``float("1e-3")``
+    would hide a config that was never parsed, and ``True`` would silently be ``1.0``; ``kl_clip`` and the rates are
+    refused alike.
+    """
+    accepted = "a finite number >= 0" if allow_zero else "a finite number > 0"
+    if isinstance(damping, (bool, str, bytes)) or not isinstance(damping, numbers.Real):
+        hint = f" (parse it first: damping={float(damping)!r})" if isinstance(damping, str) and _parses(damping) else ""
+        raise ValueError(f"damping must be {accepted} (a float such as 1e-4), got {damping!r} of type "
+                         f"{type(damping).__name__}{hint}")
     try:
         value = float(damping)
     except (TypeError, ValueError):
         raise ValueError(f"damping must be a real number, got {damping!r}") from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        accepted = "a finite number >= 0" if allow_zero else "a finite number > 0"
         raise ValueError(f"damping must be {accepted}, got {damping!r}")
     return value
 

@@ -135,6 +135,7 @@ from ..model_call import Inputs, _cuda_devices, call_model
 from ..rows import FactoredJacobian, as_rows, check_form
 from .auto_lr import AUTO, INITIAL, AutoRate, check_auto, replayed, rng_states
 from . import defaults
+from .calls import explained_step
 from .convention import to_sum_convention, to_token_mean_convention
 from .defaults import per_target_group
 from .momentum import (check_dampening, check_group_extras, check_momentum, check_shared, check_weight_decay,
@@ -714,6 +715,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                              "loss is undefined; parameters left unchanged")
         return k
 
+    @explained_step  # opt.step(**batch) and a batch still holding 'labels' get their own sentence
     def step(self, inputs: Inputs = MISSING, targets: torch.Tensor = MISSING, *,  # type: ignore[override]
              closure: Any = None) -> torch.Tensor:
         """One update on the batch ``(inputs, targets)``: the forward, the per-sample backward and the update.

@@ -79,11 +79,21 @@ from ..losses import Loss
 from .exact import ForeignStateError, PreconditionedOptimizer, _describe, _finite
 
 
-_NOT_TAKEN = object()  # check= and form= are the exact optimisers' (refused by name when given)
-# Defaults chosen by the cpu learning-rate searches (companion/experiments/lr_search/cpu-*.json, damping 1 fixed):
-# every kind's best rate was 0.01 on digits-mlp (0.03 diverged) and 0.03 on tweets-minilm-lora (0.01 within 6 points)
-DEFAULT_LR = 0.01
-DEFAULT_DAMPING = 1.0
+class _NotTaken:
+    """The default of ``check=`` and ``form=``, the exact optimisers' arguments that KFAC refuses by name."""
+
+    def __repr__(self) -> str:
+        return "<not taken>"
+
+
+_NOT_TAKEN: Any = _NotTaken()
+# The defaults (the class docstring says why): kfac-pytorch's damping and KL bound, under which a large step is
+# scaled to the bound; a tiny BERT-LoRA classifier trained with each kind under them, where the former lr=0.01,
+# damping=1 left its loss at log 3 after 100 steps.
+DEFAULT_KIND = "kfac"
+DEFAULT_LR = 0.1
+DEFAULT_DAMPING = 1e-3
+DEFAULT_KL_CLIP = 1e-3
 
 
 def _check_factor_decay(value: Any) -> float:
@@ -146,22 +156,28 @@ class KFAC(PreconditionedOptimizer):
     Args:
         model: the ``nn.Module`` whose forward the optimiser runs; every trainable parameter (or every one in
             ``params``) must be the weight or bias of an ``nn.Linear``.
-        kind: ``"kfac"`` (labels sampled from the model with ``generator``), ``"ekfac"`` (true labels) or
+        kind: ``"kfac"`` (default: labels sampled from the model with ``generator``), ``"ekfac"`` (true labels) or
             ``"iekfac"`` (true labels, rows of sample ``n`` weighted by ``1/s_n``), as :func:`ief.kfac_direction`.
-        lr: the rate (finite, > 0); default ``None``: ``0.01`` (:data:`DEFAULT_LR`), the cpu learning-rate
-            searches' choice for every kind on digits-mlp (``0.03`` diverged there; tweets-minilm-lora chose
-            ``0.03``, with ``0.01`` within 6 points of validation accuracy), at the default damping. Rates are
-            problem-dependent: on a tiny MLP with 16 samples ``lr=0.1`` diverges with ``damping=1e-2``;
-            ``kl_clip`` bounds every step whatever the rate.
+            The default is K-FAC as Martens and Grosse define it and kfac-pytorch runs it: its factors approximate
+            the Fisher with labels drawn from the model, where true labels give the empirical Fisher's block-diagonal
+            form (``"ekfac"``), whose inversely-scaled updates the paper analyses; ``"iekfac"`` is the paper's
+            proposal, offered "as a starting point for future work" and not run there as an optimiser. (One run
+            each, 100 steps on the BERT-LoRA keyword task of ``benchmarks/default_tasks.py`` under the defaults
+            below: held-out loss 1.099 to 0.024 (kfac), 0.021 (ekfac), 0.036 (iekfac); not a recorded benchmark.)
+        lr: the rate (finite, > 0); default ``None``: ``0.1`` (:data:`DEFAULT_LR`). With the default ``kl_clip``
+            a large step is scaled down to the bound whatever the rate, so the rate matters where steps are small.
+            The former default ``0.01`` with ``damping=1`` (the cpu learning-rate searches' choice on digits-mlp)
+            left a tiny BERT-LoRA classifier's loss at ``log 3`` after 100 steps: that damping swamps the factors
+            of a LoRA adapter (their scale is the adapter's activations and gradients, far below 1).
         damping: ``lambda >= 0`` on the whole Kronecker block, :func:`ief.kfac_direction`'s axis (0: pseudo-inverse);
-            default ``None``: ``1.0`` (:data:`DEFAULT_DAMPING`, the value the cpu setups use in the sum
-            convention; ``1e-3`` took a small MLP's loss from 21 to 4,802 for every kind without ``kl_clip``).
+            default ``None``: ``1e-3`` (:data:`DEFAULT_DAMPING`, kfac-pytorch's default); without ``kl_clip`` it
+            took a small MLP's loss from 21 to 4,802 for every kind, which the clip prevents.
         factor_decay: ``c`` in ``[0, 1)`` of the factors' running average (default ``0.95``; 0: the batch's own
             factors).
         inverse_every: ``T >= 1``: the eigendecompositions are refreshed on steps ``0, T, 2T, ...`` (default ``10``).
         approx: ``"expand"`` (default) or ``"reduce"`` (sequence positions; :mod:`ief.kfac`).
-        kl_clip: ``None`` (default: no clipping) or a bound ``> 0`` on each step's predicted KL divergence
-            ``lr^2 |d . g|`` (:func:`kl_clip_factor`; kfac-pytorch's ``kl_clip``, default ``1e-3`` there): the
+        kl_clip: a bound ``> 0`` on each step's predicted KL divergence (default ``1e-3``, kfac-pytorch's) or
+            ``None`` (no clipping), ``lr^2 |d . g|`` (:func:`kl_clip_factor`; kfac-pytorch's ``kl_clip``): the
             direction is scaled by ``min(1, sqrt(kl_clip / (lr^2 |d . g|)))`` before momentum, so a small damping
             or a large rate cannot take an arbitrarily long step. No effect with ``normalize=True``.
         generator: the RNG of ``kind="kfac"``'s sampled labels (default ``None``: the global RNG).
@@ -198,14 +214,14 @@ class KFAC(PreconditionedOptimizer):
     def __init__(
         self,
         model: torch.nn.Module,
-        kind: str,
+        kind: str = DEFAULT_KIND,
         lr: float | None = None,
         damping: float | None = None,
         *,
         factor_decay: float = 0.95,
         inverse_every: int = 10,
         approx: str = "expand",
-        kl_clip: float | None = None,
+        kl_clip: float | None = DEFAULT_KL_CLIP,
         generator: torch.Generator | None = None,
         params: Iterable | None = None,
         loss: str | Loss = "cross_entropy",

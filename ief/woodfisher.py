@@ -34,6 +34,7 @@ sparsities cost one pass over the data.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -613,6 +614,10 @@ def prune_searched(
     Raises:
         ValueError: ``fisher`` not one of :data:`FISHERS` (magnitude pruning has no damping: use :func:`prune`), no
             candidate damping, a candidate that is not > 0, and as :func:`prune`.
+
+    Warns:
+        UserWarning: the chosen damping is the smallest or the largest candidate (the search did not bracket a
+            minimum: extend ``dampings``).
     """
     fisher = _check_choice("fisher", fisher, FISHERS)
     sparsity = _check_sparsity(sparsity)
@@ -632,8 +637,26 @@ def prune_searched(
     if not finite:
         raise FloatingPointError(f"every candidate damping left a non-finite validation loss: {losses}")
     best = min(finite, key=lambda d: (finite[d], d))
+    _warn_at_grid_edge(best, losses)
     masks = curvature.prune(sparsity, best, update=update)
     return model, masks, best, losses
+
+
+def _warn_at_grid_edge(best: float, losses: dict[float, float]) -> None:
+    """Warn (``UserWarning``) when ``best`` is the smallest or the largest of several candidates: the search did not
+    bracket a minimum, so the best damping may lie beyond the grid (or the loss is flat there and the damping does
+    not matter), and the user should extend it."""
+    grid = sorted(losses)
+    if len(grid) < 2 or best not in (grid[0], grid[-1]):
+        return
+    smallest = best == grid[0]
+    beyond = best / 100 if smallest else best * 100
+    flat = losses[grid[1] if smallest else grid[-2]] == losses[best]
+    warnings.warn(
+        f"prune_searched chose damping={best:g}, the {'smallest' if smallest else 'largest'} of its candidates "
+        f"({grid[0]:g} ... {grid[-1]:g}; validation loss {losses[best]:.6g}"
+        f"{', equal at its neighbour: the loss is flat there' if flat else ''}): the best damping may lie beyond "
+        f"the grid; pass dampings= reaching {beyond:g} to bracket it", UserWarning, stacklevel=3)
 
 
 def _restore(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:

@@ -303,10 +303,11 @@ def _check_args(args: transformers.TrainingArguments, auto_lr: bool = False) -> 
             f"clipping the update instead would change the method; pass max_grad_norm=0 to silence this warning",
             UserWarning, stacklevel=3)
     if auto_lr:
-        if args.lr_scheduler_type not in ("constant", transformers.SchedulerType.CONSTANT) or args.warmup_steps:
+        schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+        if schedule != "constant" or args.warmup_steps:
             warnings.warn(
                 f"optimizer_kwargs={{'lr': 'auto'}}: the optimiser sets its rate every step, so learning_rate and "
-                f"lr_scheduler_type={str(args.lr_scheduler_type)!r} (and any warm-up) are not applied",
+                f"lr_scheduler_type={schedule!r} (and any warm-up) are not applied",
                 UserWarning, stacklevel=3)
     elif args.learning_rate == _default_learning_rate():
         warnings.warn(

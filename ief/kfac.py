@@ -131,8 +131,9 @@ def check_linear_only(model: torch.nn.Module, params: Iterable[torch.nn.Paramete
                       kind: str = "kfac") -> None:
     """Raise the ``ValueError`` of :func:`kfac_direction` up front if a parameter is not an ``nn.Linear``'s.
 
-    K-FAC's factors (``sec:app-kfac``) exist for ``nn.Linear`` weights and biases only; this checks a model before a
-    long run instead of at its first K-FAC direction.
+    K-FAC's factors (Martens and Grosse's; the paper's appendix section "Improving Empirical K-FAC with IEF") exist
+    for ``nn.Linear`` weights and biases only; this checks a model before a long run instead of at its first K-FAC
+    direction.
 
     Args:
         model: the model whose parameters K-FAC would precondition.

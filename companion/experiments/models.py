@@ -25,8 +25,8 @@ import torch
 
 from ief import per_sample_prompts
 
-from .asset_folder import Item, assets_dir, go_offline, local_item
-from .data import Data, MissingResource, hub_locations, use_hub
+from .asset_folder import Item, MissingResource, assets_dir, go_offline, local_item
+from .data import Data, hub_locations, use_hub
 from .setups import GLUE_LABEL_WORDS, SetupConfig
 from .tasks import glue_text
 

@@ -11,7 +11,7 @@ predictions), :mod:`.metrics`, :mod:`.optimizers`, :mod:`.precision` (a run's fo
 run folder), :mod:`.runner` (a run) with :mod:`.run_checks` (its arguments checked), :mod:`.resume` (its checkpoints
 read back) and :mod:`.run_log` (its printed lines), and :mod:`.setup_description` (a setup described).
 """
-from .data import MissingResource
+from .asset_folder import MissingResource
 from .run_log import format_summary
 from .runner import RunConflict, RunInterrupted, run_dir, train
 from .setup_description import describe, format_describe

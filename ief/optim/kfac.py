@@ -80,6 +80,7 @@ from ..kfac import (
     check_approx,
     check_kind,
     check_linear_only,
+    data_parallel_module,
     kronecker_eigen,
     kronecker_factor_sets,
 )
@@ -100,7 +101,8 @@ DEFAULT_DAMPING = 1.0
 
 def _check_factor_decay(value: Any) -> float:
     if isinstance(value, (bool, str)):  # a ValueError, as every bad argument of the constructors
-        raise ValueError(f"factor_decay must be a number in [0, 1) (0: each batch's own factors), got {value!r}")  # noqa: TRY004
+        raise ValueError(  # noqa: TRY004
+            f"factor_decay must be a number in [0, 1) (0: each batch's own factors), got {value!r}")
     try:
         out = float(value)
     except (TypeError, ValueError):
@@ -361,10 +363,35 @@ class KFAC(PreconditionedOptimizer):
             raise ForeignStateError(f"this state_dict is a KFAC(kind={saved['kind']!r}, approx={saved['approx']!r})'s, "
                                     f"this optimiser is KFAC(kind={self.kind!r}, approx={self.approx!r}); construct "
                                     f"that kind to resume it, or start this one fresh")
+        self._check_factors(saved["factors"])
         super().load_state_dict(state_dict)
         device = self._all_params()[0].device  # a state loaded with map_location="cpu" (transformers.Trainer does)
         self.factors = {name: {"G": e["G"].to(device, copy=True), "A": e["A"].to(device, copy=True),
                                "eigen": tuple(t.to(device, copy=True) for t in e["eigen"])}
                         for name, e in saved["factors"].items()}
+
+    def _check_factors(self, factors: dict) -> None:
+        """Refuse running factors that are not this model's (:class:`ForeignStateError` naming the layer): each must
+        belong to an ``nn.Linear`` whose parameters this optimiser trains, with ``G`` of its outputs' width and ``A``
+        of its inputs' (plus one for a trained bias; one alone for a trained bias without its weight)."""
+        modules = dict(data_parallel_module(self.model).named_modules())
+        trained = {id(p) for p in self._all_params()}
+        for name, entry in factors.items():
+            module = modules.get(name)
+            weight = isinstance(module, torch.nn.Linear) and id(module.weight) in trained
+            bias = isinstance(module, torch.nn.Linear) and module.bias is not None and id(module.bias) in trained
+            if not (weight or bias):
+                raise ForeignStateError(f"this state_dict holds running factors of layer {name!r}, which is no linear "
+                                        f"layer this {describe(self._identity())} trains (the state of another "
+                                        f"model's optimiser); start it fresh")
+            width = (module.in_features if weight else 0) + (1 if bias else 0)
+            want = {"G": (module.out_features, module.out_features), "A": (width, width)}
+            for key, shape in want.items():
+                got = tuple(entry[key].shape) if isinstance(entry.get(key), torch.Tensor) else None
+                if got != shape:
+                    raise ForeignStateError(f"this state_dict's running factor {key} of layer {name!r} has shape {got} "
+                                            f"where the layer's is {shape} (the state of another model's optimiser): "
+                                            f"it cannot be loaded into {describe(self._identity())}; start it fresh")
+
 
 __all__ = ["KFAC", "KINDS"]

@@ -309,7 +309,8 @@ def test_prune_searched_says_when_its_choice_is_at_the_grid_edge(monkeypatch):
     for table, said in [({1e-4: 2.0, 1e-2: 1.0, 1.0: 3.0}, None),
                         ({1e-4: 1.0, 1e-2: 2.0, 1.0: 3.0}, r"chose damping=0\.0001, the smallest .* reaching 1e-06"),
                         ({1e-4: 3.0, 1e-2: 2.0, 1.0: 1.0}, r"chose damping=1, the largest .* reaching 100"),
-                        ({1e-4: 1.0, 1e-2: 1.0, 1.0: 1.0}, r"the smallest .* equal at its neighbour: the loss is flat")]:
+                        ({1e-4: 1.0, 1e-2: 1.0, 1.0: 1.0},
+                         r"the smallest .* equal at its neighbour: the loss is flat")]:
         order = iter(sorted(table))
         monkeypatch.setattr(wf, "validation_loss", lambda *a, **k: table[next(order)])
         with warnings.catch_warnings(record=True) as caught:

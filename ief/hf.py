@@ -1,7 +1,7 @@
 """The ief optimisers inside ``transformers.Trainer``: :class:`IEFTrainer` (beyond the paper).
 
-The exact iEF / EF / SF updates (``alg:iEF``, ``alg:EF``, ``alg:SF``) and the K-FAC family
-(``sec:app-iEF-eNGDopt``) need the batch: their ``step(inputs, targets)`` runs the forward and the per-sample
+The exact iEF / EF / SF updates (Algorithm 1, Algorithm 2, Algorithm 3) and the K-FAC family
+(Appendix D.2.2) need the batch: their ``step(inputs, targets)`` runs the forward and the per-sample
 backward itself (:mod:`ief.optim.exact`). ``transformers.Trainer`` instead runs ``loss.backward()`` in
 ``training_step`` and then calls ``optimizer.step()`` without the batch. :class:`IEFTrainer` changes one thing:
 its ``training_step`` hands the batch to the ief optimiser, which takes the whole update there; the Trainer loop's
@@ -30,7 +30,7 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
   gets ``decoder_input_ids`` from its ``prepare_decoder_input_ids_from_labels`` (what it does with ``labels``) and
   the labels unshifted; a classifier's labels are its targets.
 - **Logged loss.** ``loss`` in the logs is ``L / K`` of the update's batch *before* the update: ``L = sum_n l_n``
-  (``eqn:prob_loss``) and ``K`` its counted targets (positions other than ``-100``), i.e. the mean cross-entropy
+  (Eq. (1)) and ``K`` its counted targets (positions other than ``-100``), i.e. the mean cross-entropy
   per counted target, which is the model's own ``outputs.loss`` on that batch and the scale of ``eval_loss``
   (whatever the optimiser's ``reduction``). With ``loss="mse"`` it is ``2 L / K``, the mean squared error of the
   model's ``outputs.loss``: the update keeps the package's per-sample loss ``l_n = 1/2 ||z_n - y_n||^2``, only the
@@ -173,7 +173,7 @@ def split_batch(model: torch.nn.Module, batch: dict[str, Any], *,
     """A Hugging Face training batch (model inputs plus ``labels``) as the ief optimiser's ``(inputs, targets)``.
 
     The targets are scored position by position against the logits the model returns without labels
-    (``eqn:prob_loss``), so that ``sum_n l_n / K`` equals the model's own ``outputs.loss`` on the batch:
+    (Eq. (1)), so that ``sum_n l_n / K`` equals the model's own ``outputs.loss`` on the batch:
 
     - causal LM: ``causal_lm_targets(labels)`` (``targets[:, t] = labels[:, t + 1]``), with ``-100`` for the
       ``V`` virtual tokens of a peft prompt-learning model prepended first (its logits have ``V + T`` positions and
@@ -322,9 +322,9 @@ class IEFTrainer(transformers.Trainer):
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments (``model``, ``args``, ...).
-        optimizer: one of ``"ief"``, ``"ef"``, ``"sf"`` (any case) (:class:`ief.optim.IEF`, ``EF``, ``SF``: ``alg:iEF``,
-            ``alg:EF``, ``alg:SF``) or ``"kfac"``, ``"ekfac"``, ``"iekfac"`` (:class:`ief.optim.KFAC` of that kind,
-            ``sec:app-iEF-eNGDopt``; ``damping`` and ``kl_clip`` default to KFAC's, ``1e-3`` each).
+        optimizer: one of ``"ief"``, ``"ef"``, ``"sf"`` (any case) (:class:`ief.optim.IEF`, ``EF``, ``SF``: Algorithm 1,
+            Algorithm 2, Algorithm 3) or ``"kfac"``, ``"ekfac"``, ``"iekfac"`` (:class:`ief.optim.KFAC` of that kind,
+            Appendix D.2.2; ``damping`` and ``kl_clip`` default to KFAC's, ``1e-3`` each).
         optimizer_kwargs: further keyword arguments of the optimiser (not ``weight_decay``, ``kind`` or ``model``,
             and ``lr`` only as ``"auto"``: see the module docstring; ``{"lr": "auto"}``: the rate adapted every step,
             :mod:`ief.optim.auto_lr`, for ``"ief"``, ``"ef"`` and ``"sf"``; no scheduler then). ``generator``

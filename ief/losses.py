@@ -1,14 +1,14 @@
 """Per-sample losses and their derivatives with respect to the logits.
 
-The paper's loss is the sum of per-sample losses ``L = sum_n l_n`` (``eqn:prob_loss``). A sample may hold several
+The paper's loss is the sum of per-sample losses ``L = sum_n l_n`` (Eq. (1)). A sample may hold several
 output positions (a token sequence): ``l_n`` is then the sum over its non-ignored positions (targets ``-100``).
 
 Everything the curvature code needs about the loss lives here, for the two losses the package supports:
 
 - ``cross_entropy``: softmax + categorical cross-entropy. Its logit-space Hessian per position is
-  ``diag(p) - p p^T``; the Fisher equals the GGN (``sec:app-eval-complexity``).
+  ``diag(p) - p p^T``; the Fisher equals the GGN (Appendix F.1.1).
 - ``mse``: ``l_n = 1/2 ||z_n - y_n||^2``. Its logit-space Hessian is the identity, so its Fisher (unit-variance
-  Gaussian likelihood) is the Gauss-Newton matrix (``sec:app-lls``).
+  Gaussian likelihood) is the Gauss-Newton matrix (Appendix A.2).
 """
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def get_loss(loss: str | Loss) -> Loss:
     """Resolve ``loss="cross_entropy"`` / ``"mse"`` (or pass a :class:`Loss` object through).
 
     Args:
-        loss: ``"cross_entropy"`` (``eqn:prob_loss``), ``"mse"`` (``l_n = 1/2 ||z_n - y_n||^2``) or a ``Loss``.
+        loss: ``"cross_entropy"`` (Eq. (1)), ``"mse"`` (``l_n = 1/2 ||z_n - y_n||^2``) or a ``Loss``.
 
     Returns:
         The ``Loss`` object: its per-sample losses, logit gradients and sampled targets.
@@ -219,7 +219,8 @@ def get_loss(loss: str | Loss) -> Loss:
 
 
 def logit_sqnorm(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``s_iEF`` (``eqn:s_ief``): ``||grad_{z_n} l_n||^2`` summed over the sample's positions, ``[M]``.
+    """``s_iEF`` (the unnumbered equation after the paper's Eq. (8)): ``||grad_{z_n} l_n||^2`` summed over the
+    sample's positions, ``[M]``.
 
     Args:
         loss: the ``Loss`` (:func:`get_loss`).
@@ -296,7 +297,7 @@ def causal_lm_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) ->
 
     A causal LM's logits at position ``t`` predict token ``t + 1``, and Hugging Face's ``*ForCausalLM`` models take
     *unshifted* ``labels`` (usually ``input_ids`` with ``-100`` on padding) and shift them inside their loss. ``ief``
-    computes the loss itself, position by position (``eqn:prob_loss``), so it needs the shifted targets:
+    computes the loss itself, position by position (Eq. (1)), so it needs the shifted targets:
     ``targets[:, t] = labels[:, t + 1]`` and ``-100`` at the last position. Passing the labels unshifted would
     silently train every position to predict its own input token.
 

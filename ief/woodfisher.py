@@ -1,5 +1,5 @@
 """Optimal-brain-surgeon pruning with an EF, iEF, SF or exact (GGN) curvature: WoodFisher, and the iEF-WoodFisher
-that the paper proposes and does not run (``sec:app-iEF-woodfisher``).
+that the paper proposes and does not run (Appendix D.2.3).
 
 OBS (Hassibi & Stork, 1993) prunes weight ``q`` at the cost ``rho_q = w_q^2 / (2 [F^{-1}]_qq)`` (the second-order
 increase of the loss when ``w_q`` is set to zero and the other weights move to compensate), and moves the others by
@@ -8,13 +8,13 @@ Fisher of ``N`` per-sample gradients, damped and inverted by the Woodbury recurs
 ``F_0 = lambda I``, ``F_{n+1} = F_n + (1/N) r_n r_n^T``, i.e. ``F = lambda I + (1/N) sum_n r_n r_n^T``. The row
 ``r_n`` is, per ``fisher=``:
 
-- ``"ef"``: ``grad_theta l_n`` (``eqn:covEF``);
-- ``"ief"``: ``grad_theta l_n / ||grad_{z_n} l_n||`` (``eqn:iEF_mat_persample``; the norm from ``s_iEF`` of
+- ``"ef"``: ``grad_theta l_n`` (Eq. (3));
+- ``"ief"``: ``grad_theta l_n / ||grad_{z_n} l_n||`` (Eq. (41); the norm from ``s_iEF`` of
   :func:`ief.per_sample`);
-- ``"sf"``: the per-sample gradient at a label drawn from the model (``sec:app-sample-fisher``,
+- ``"sf"``: the per-sample gradient at a label drawn from the model (Appendix E,
   :func:`ief.sampled_jacobian`);
 - ``"ggn"``: the exact Fisher (= GGN for softmax cross-entropy), ``(1/N) sum_n sum_c p_n(c) grad log p_n(c) grad
-  log p_n(c)^T`` (``eqn:FIM``): the reference, as a dense matrix per block, for small blocks only.
+  log p_n(c)^T`` (Eq. (2)): the reference, as a dense matrix per block, for small blocks only.
 
 Blocks (``block_size``): WoodFisher's block-diagonal approximation: every pruned parameter tensor, flattened, is cut
 into consecutive blocks of ``block_size`` entries and ``F`` keeps only its diagonal blocks; ``None``: one block over
@@ -167,7 +167,7 @@ def ggn_blocks(
     *,
     loss: str | Loss = "cross_entropy",
 ) -> tuple[list[torch.Tensor], int]:
-    """The exact Fisher's diagonal blocks ``(1/N) sum_n sum_c p_n(c) g_nc[span] g_nc[span]^T`` (``eqn:FIM``; ``g_nc =
+    """The exact Fisher's diagonal blocks ``(1/N) sum_n sum_c p_n(c) g_nc[span] g_nc[span]^T`` (Eq. (2); ``g_nc =
     grad_theta log p_n(c)``, from :func:`ief.per_sample` with every label set to ``c``), dense float64.
 
     Args:
@@ -408,7 +408,7 @@ def obs_curvature(
     Args:
         model: the model at the weights to prune, used in the mode it is in (``eval()`` for pruning).
         batches: ``(inputs, targets)`` pairs, the ``N`` samples of the estimate.
-        fisher: ``"ef"``, ``"ief"`` (``eqn:iEF_mat_persample``), ``"sf"`` or ``"ggn"`` (exact, small blocks).
+        fisher: ``"ef"``, ``"ief"`` (Eq. (41)), ``"sf"`` or ``"ggn"`` (exact, small blocks).
         params: the parameters to prune; default: :func:`pruned_parameters`.
         block_size: the diagonal blocks' size (``None``: one block, the whole matrix).
         generator: SF's label draws.
@@ -448,7 +448,7 @@ def obs_saliency(
     """Per-weight pruning saliencies, name -> float64 tensor shaped like the parameter.
 
     ``fisher="magnitude"``: ``w_q^2`` (no data, no damping). Otherwise OBS's ``rho_q = w_q^2 / (2 [F^{-1}]_qq)`` with
-    ``F = lambda I + (1/N) sum_n r_n r_n^T`` block by block (``sec:app-iEF-woodfisher``; rows and blocks in the
+    ``F = lambda I + (1/N) sum_n r_n r_n^T`` block by block (Appendix D.2.3; rows and blocks in the
     module docstring).
 
     Args:

@@ -281,15 +281,17 @@ def test_the_book_renders_from_the_record_as_the_workflow_runs_it(tmp_path):
     assert after == generated
 
 
-def test_the_launch_buttons_open_the_recorded_notebooks():
+def test_the_launch_buttons_and_the_introductions_links_open_the_recorded_notebooks():
     """On GitHub Actions the book knows its repository and offers Binder and Colab, each opening the chapter's
-    recorded notebook (book/_ext/launch_book.py); elsewhere none (no file of the repository names its URL)."""
+    recorded notebook (book/_ext/record_book.py); elsewhere none (no file of the repository names its URL). The
+    introduction's links to the recorded notebooks are downloads in the book (a link to a notebook outside the
+    table of contents would be a build error)."""
     sys.path.insert(0, str(ROOT / "book" / "_ext"))
     try:
-        import launch_book
+        import record_book
     finally:
         sys.path.pop(0)
-    assert launch_book.RECORDED == str(FOLDER.relative_to(ROOT)) + "/"
+    assert record_book.RECORDED == str(FOLDER.relative_to(ROOT)) + "/"
     assert record.launch_config({}) == {}
     github = {"GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": "someone/ief-companion",
               "GITHUB_REF_NAME": "main"}
@@ -298,9 +300,13 @@ def test_the_launch_buttons_open_the_recorded_notebooks():
     assert options["repository_url"] == "https://github.com/someone/ief-companion"
     assert options["launch_buttons"]["binderhub_url"] == "https://mybinder.org" and options["use_download_button"]
     url = "https://mybinder.org/v2/gh/someone/ief-companion/main?urlpath=tree/book/generated/train.ipynb"
-    assert launch_book.recorded_url(url).endswith("tree/book/recorded/cpu/train.ipynb")
+    assert record_book.recorded_url(url).endswith("tree/book/recorded/cpu/train.ipynb")
     context = {"header_buttons": [{"label": "launch-buttons", "buttons": [{"url": url}]}]}
-    launch_book._point_launch_buttons_at_the_record(None, "book/generated/train", None, context, None)
+    record_book._point_launch_buttons_at_the_record(None, "book/generated/train", None, context, None)
     assert context["header_buttons"][0]["buttons"][0]["url"].endswith("book/recorded/cpu/train.ipynb")
+    intro = record.INTRO.read_text()
+    block = intro[intro.index(record.LINKS_START):intro.index(record.LINKS_END)]
+    links = [line for line in block.splitlines() if line.startswith("- [")]
+    assert links and all("](path:recorded/cpu/" in record_book.downloaded_links(line) for line in links)
     postbuild = (ROOT / "binder" / "postBuild").read_text()
     assert "\nmake env TORCH_INDEX=https://download.pytorch.org/whl/cpu\n" in postbuild  # the project's own install

@@ -126,7 +126,8 @@ def _synthetic(tmp_path: Path, scale: str = "cpu", commit: str = "a" * 40) -> di
     injected.metadata["tags"] = ["injected-parameters"]
     ran.cells.insert(2, injected)
     ran.cells[-1].outputs = [nbformat.v4.new_output("display_data", data={
-        "text/plain": "2", "application/vnd.jupyter.widget-view+json": {"model_id": "x"}})]
+        "text/plain": "2", "application/vnd.jupyter.widget-view+json": {"model_id": "x"}}),
+        nbformat.v4.new_output("stream", name="stderr", text=f"wrote {tmp_path.resolve()}/_build/figures/a.png\n")]
     ran.cells[-1].metadata["papermill"] = {"duration": 0.1}
     ran.metadata["papermill"] = {"parameters": {"scale": scale}, "input_path": "/somewhere/chap.ipynb"}
     ran.metadata["widgets"] = {"state": {}}
@@ -165,6 +166,7 @@ def test_record_writes_the_chapters_their_inputs_manifest_and_links(tmp_path):
     assert "widgets" not in nb.metadata and nb.metadata["papermill"] == {"parameters": {"scale": "cpu"}}
     assert all("papermill" not in c.metadata for c in nb.cells)
     assert "application/vnd.jupyter.widget-view+json" not in nbformat.writes(nb)
+    assert nb.cells[-2].outputs[1]["text"] == "wrote _build/figures/a.png\n"  # the recording checkout's path
     readme = (tmp_path / "README.md").read_text()
     assert "old" not in readme and "- [A chapter](record/cpu/chap.ipynb)" in readme and readme.endswith("more\n")
     assert record.check(folder, notebooks=args["notebooks"], toc=tmp_path / "_toc.yml") == []

@@ -173,8 +173,10 @@ def check(folder: Path | None = None, notebooks: Path = steps.NOTEBOOKS, toc: Pa
 
 
 # ----------------------------------------------------------------------------------------------- recording
-def _strip(nb) -> None:
-    """Drop what is this machine's noise: widget state, per-cell timings, absolute paths."""
+def _strip(nb, root: Path = ROOT) -> None:
+    """Drop what is this machine's noise: widget state, per-cell timings, papermill's absolute paths; a path inside
+    the checkout that an output prints is shown relative to it, as a reader's checkout has it."""
+    prefix = str(Path(root).resolve()) + os.sep
     nb.metadata.pop("widgets", None)
     papermill = nb.metadata.get("papermill")
     if papermill is not None:
@@ -185,6 +187,11 @@ def _strip(nb) -> None:
         for output in cell.get("outputs", []):
             for mime in WIDGET_MIME:
                 output.get("data", {}).pop(mime, None)
+            if isinstance(output.get("text"), str):
+                output["text"] = output["text"].replace(prefix, "")
+            for mime, value in output.get("data", {}).items():
+                if mime.startswith("text/") and isinstance(value, str):
+                    output["data"][mime] = value.replace(prefix, "")
 
 
 def build_cost(log: Path = steps.BUILD_LOG, committed: Path = cost.RECORD) -> dict:
@@ -307,7 +314,7 @@ def record(scale: str = SCALE, executed_root: Path | None = None, folder: Path |
         nb = nbformat.read(executed / f"{name}.ipynb", as_version=4)
         nb.cells.append(nbformat.v4.new_markdown_cell(steps.provenance_markdown(p)))
         nb.cells.insert(1, _note_cell(manifest))
-        _strip(nb)
+        _strip(nb, Path(root))
         nbformat.validate(nb)
         text = nbformat.writes(nb)
         texts[f"{name}.ipynb"] = text if text.endswith("\n") else text + "\n"

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--record", type=Path, default=None, help="the record (default book/cold-builds.json)")
     sub.add_parser("record", help="record the executed chapters of a cpu build in book/recorded/cpu (make record)")
     sub.add_parser("check-record", help="say what makes the record stale or wrong (exit 1 if anything)")
-    f = sub.add_parser("from-record", help="the HTML from the recorded chapters, nothing executed (make book FROM=record)")
+    f = sub.add_parser("from-record",
+                       help="the HTML from the recorded chapters, nothing executed (make book FROM=record)")
     f.add_argument("--output", type=Path, default=None, help="build into OUTPUT/_build/html instead of _build/html")
     sub.add_parser("mathjax", help="install MathJax from npm into _build/vendor (once)")
     j = sub.add_parser("jupyter-book", help="jupyter-book build -W (execution off)")

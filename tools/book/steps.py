@@ -451,8 +451,9 @@ def mathjax() -> None:
     log_line(f"installing MathJax {MATHJAX_VERSION} from the npm registry (once) ...")
     npm_dir = VENDOR / "npm"
     npm_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(npm_dir),
-                    f"mathjax@{MATHJAX_VERSION}"], check=True)
+    # --prefer-offline: a MathJax already in npm's cache (an earlier build, another checkout) installs offline
+    subprocess.run(["npm", "install", "--silent", "--prefer-offline", "--no-audit", "--no-fund", "--prefix",
+                    str(npm_dir), f"mathjax@{MATHJAX_VERSION}"], check=True)
     source = npm_dir / "node_modules" / "mathjax" / "es5"
     destination = MATHJAX_ENTRY.parent
     shutil.rmtree(destination, ignore_errors=True)

@@ -218,7 +218,7 @@ def cost_sentence(manifest: dict) -> str:
     jobs = sum(s for *_, s in cost.job_time_by_rule(c))
     load = (f"; other processes kept {c['other_cores']:.2f} of the {c.get('cores', '?')} cores busy meanwhile"
             if c.get("other_cores") is not None else "")
-    return (f"That build (`make book`, every training run, evaluation and notebook, on a {cost.machine_text(c)}) "
+    return (f"That build (`make book`: every training run, evaluation and notebook; {cost.machine_text(c)}) "
             f"took {cost.format_duration(c['wall_time_s'])} of wall time and {cost.format_duration(jobs)} of job "
             f"time{load}; rebuilding costs about as much, and rendering the book from this record (`make book "
             f"FROM=record`) runs nothing.")
@@ -420,7 +420,7 @@ def timings_markdown(folder: Path | None = None, rendered: bool = False) -> str:
     return (f"### The recorded build\n\n{how}The chapters in `book/recorded/{manifest['scale']}/` ({size:.1f} MiB, "
             f"linked from the introduction and the README) are the `{manifest['scale']}` build of commit "
             f"`{manifest['commit'][:12]}` ({manifest.get('commit_date', '?')[:10]}), executed on "
-            f"{manifest['built']} on a {manifest['machine']['cpu']} with {manifest['machine']['cores']} cores and "
+            f"{manifest['built']} ({manifest['machine']['cpu']}, {manifest['machine']['cores']} cores) and "
             f"recorded on {manifest['recorded']}. {lag} {cost_sentence(manifest)} Its build cost comes from "
             f"{manifest.get('build', {}).get('source', '?')}. After a cpu build, `make record` records it again.\n")
 

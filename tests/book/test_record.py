@@ -161,7 +161,9 @@ def test_record_writes_the_chapters_their_inputs_manifest_and_links(tmp_path):
     assert (folder / "inputs" / "results" / "cpu" / "table.csv").read_text() == "a,b\n1,2\n"
     nb = nbformat.read(folder / "chap.ipynb", as_version=4)
     nbformat.validate(nb)
+    assert nb.cells[0].source == "# A chapter"  # the note right under the title, the claim after it
     assert nb.cells[1].metadata["tags"] == [record.NOTE_TAG] and "1 h 00 min" in nb.cells[1].source
+    assert nb.cells[2].source == "Its claim."
     assert nb.cells[-1].source.startswith("## Provenance")
     assert "widgets" not in nb.metadata and nb.metadata["papermill"] == {"parameters": {"scale": "cpu"}}
     assert all("papermill" not in c.metadata for c in nb.cells)

@@ -240,6 +240,20 @@ def _note_cell(manifest: dict):
     return nbformat.v4.new_markdown_cell(note_markdown(manifest), metadata={"tags": [NOTE_TAG]})
 
 
+def _insert_note(nb, note) -> None:
+    """The note right under the chapter's title: a first Markdown cell that opens with the title and goes on is split
+    after the title's line (its text unchanged), and the note put between."""
+    import nbformat
+
+    first = nb.cells[0] if nb.cells else None
+    if first is not None and first.cell_type == "markdown" and first.source.startswith("# "):
+        title, _, rest = first.source.partition("\n")
+        if rest.strip():
+            first.source = title
+            nb.cells.insert(1, nbformat.v4.new_markdown_cell(rest.lstrip("\n")))
+    nb.cells.insert(1, note)
+
+
 def _chapter_title(nb) -> str:
     for cell in nb.cells:
         if cell.cell_type == "markdown":
@@ -313,7 +327,7 @@ def record(scale: str = SCALE, executed_root: Path | None = None, folder: Path |
         p = provenance[name]
         nb = nbformat.read(executed / f"{name}.ipynb", as_version=4)
         nb.cells.append(nbformat.v4.new_markdown_cell(steps.provenance_markdown(p)))
-        nb.cells.insert(1, _note_cell(manifest))
+        _insert_note(nb, _note_cell(manifest))
         _strip(nb, Path(root))
         nbformat.validate(nb)
         text = nbformat.writes(nb)

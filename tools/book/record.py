@@ -379,8 +379,8 @@ def links_markdown(manifest: dict, prefix: str) -> str:
     order = [n for n in toc_chapters() if n in chapters] + sorted(set(chapters) - set(toc_chapters()))
     items = "\n".join(f"- [{chapters[n]['title'] or n}]({prefix}{chapters[n]['notebook']})" for n in order)
     return (f"The executed chapters, as the `{manifest['scale']}` build of commit `{manifest['commit'][:12]}` ran them "
-            f"on {manifest['built'][:10]} (figures and tables as outputs; opened on the repository's web page without "
-            f"building):\n\n{items}\n")
+            f"on {manifest['built'][:10]} (figures and tables as outputs; each opens on the repository's web page, "
+            f"and downloads from the book):\n\n{items}\n")
 
 
 def links_block(manifest: dict, path: Path, folder: Path | None = None) -> str:

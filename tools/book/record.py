@@ -4,7 +4,8 @@ opens the chapters (on the repository's web page, or the book rendered from them
 - :func:`record` (``python -m tools.book record``, ``make record``): after a ``cpu`` build (``make book``), copy each
   chapter's executed notebook with its provenance section and a note saying which build it is, and the tables it
   read, into the record, with ``manifest.json`` stating the scale, the commit and the dates, the machine and what the
-  build cost; then rewrite the README's and the introduction's links to the recorded chapters. It refuses a build
+  build cost; then rewrite the introduction's list of links to the recorded chapters (the README links each one by
+  its fixed path, ``companion.chapters.coverage.RECORDED``). It refuses a build
   that is not of one clean commit, not of every chapter, or older than a chapter's source notebook.
 - :func:`check` (``python -m tools.book check-record``; ``tests/book/test_record.py``): what makes a record stale
   or wrong: a chapter of ``_toc.yml`` without a recorded notebook, a recorded notebook whose code cells differ from
@@ -16,7 +17,8 @@ opens the chapters (on the repository's web page, or the book rendered from them
 - :func:`timings_markdown`: the timings page's section on the record: its commit, how many commits it is behind the
   checkout, its cost, and whether this book was rendered from it.
 
-Standard library and nbformat only; git is asked for commit dates and counts, and a missing git says so in words.
+The standard library, nbformat and PyYAML; git is asked for commit dates and counts, and where it cannot answer the
+page says so in words.
 """
 from __future__ import annotations
 
@@ -275,7 +277,8 @@ def record(scale: str = SCALE, executed_root: Path | None = None, folder: Path |
         notebooks: the chapters' source notebooks.
         log: the build log, for the build's cost.
         committed: the committed cold builds, for the cost where the log has no cold build.
-        markdown: the files whose links to the recorded chapters are rewritten (default README.md, book/intro.md).
+        markdown: the files whose list of links to the recorded chapters is rewritten, where they hold its markers
+            (default README.md, book/intro.md).
         root: the checkout the provenance's paths of the tables read are relative to.
 
     Returns:

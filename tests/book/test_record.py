@@ -83,10 +83,16 @@ def test_the_record_is_small_and_says_its_size():
 
 
 def test_the_readme_and_the_introduction_link_every_recorded_chapter():
+    """The introduction holds the list :func:`record.links_block` writes (the commit, a link per chapter); the README
+    links each chapter's recorded notebook by its path (its chapter map, ``companion.chapters.coverage.RECORDED``,
+    and its prose)."""
+    from companion.chapters.coverage import RECORDED
+
     manifest = record.read_manifest()
+    assert RECORDED + "/" == str(FOLDER.relative_to(ROOT)) + "/"
+    assert record.links_block(manifest, record.INTRO) in record.INTRO.read_text(), "re-run make record"
     for path in (record.README, record.INTRO):
         text = path.read_text()
-        assert record.links_block(manifest, path) in text, f"{path.name}: re-run make record (or its links changed)"
         for name, chapter in manifest["chapters"].items():
             link = os.path.relpath(FOLDER / chapter["notebook"], path.parent)
             assert f"]({link})" in text, f"{path.name} does not link {link}"

@@ -128,6 +128,7 @@ from ..jacobian.guard import deferred_finiteness
 from ..losses import IGNORE_INDEX, Loss, check_damping, count_targets, get_loss
 from ..model_call import Inputs, _cuda_devices, call_model
 from ..rows import FactoredJacobian, as_rows, check_form
+from ..sharded import default_group, inspect, local_tensor, unsharded_group
 from .auto_lr import AUTO, INITIAL, AutoRate, check_auto, replayed, rng_states
 from .convention import to_sum_convention, to_token_mean_convention
 from .momentum import (check_dampening, check_group_extras, check_momentum, check_shared, check_weight_decay,
@@ -258,6 +259,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     _needs_positive_damping = False
     _auto_lr = False  # whether lr="auto" (ief.optim.auto_lr) is offered
     _across_processes = True  # the step is exact over the union of the ranks' batches (ief.distributed)
+    _fsdp2_refusal: str | None = None  # why the method cannot step on FSDP2 shards (None: it can, ief.sharded)
     method = ""  # "ief" / "ef" / "sf": the rule that converts a token-mean rate (reduction="mean")
 
     def __init__(
@@ -282,6 +284,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if not isinstance(model, torch.nn.Module):
             raise ValueError(
                 f"model must be a torch.nn.Module (the optimiser runs its forward), got {type(model).__name__}")
+        given_group = process_group
+        if process_group is None:  # an FSDP2 model steps across the processes it is sharded over (ief.sharded)
+            process_group = default_group(model)
         try:
             self._group = resolve_group(model, process_group, type(self).__name__)
         except ValueError:
@@ -309,6 +314,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.reduction = _check_reduction(reduction)
         self.form = check_form(form)
         groups = resolve_groups(model, params)
+        self._sharded = inspect(model, [p for g in groups for p in g["params"]], type(self).__name__,
+                                supported=self._fsdp2_refusal, auto_lr=self._auto is not None,
+                                process_group=given_group)
         super().__init__(groups, dict(lr=lr, damping=damping, normalize=bool(normalize), total_steps=total_steps,
                                       momentum=momentum, dampening=dampening, weight_decay=weight_decay))
         for group in self.param_groups:
@@ -512,14 +520,14 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         chunks = iter(steps)
         for group, shrink in zip(self.param_groups, shrinks):
             wide, wide_steps = [], []  # updated together: one foreach operator for the group, not one per tensor
-            for p in group["params"]:
-                step = next(chunks)
+            for param in group["params"]:
+                step, p = next(chunks), local_tensor(param)  # an FSDP2 parameter's local shard (ief.sharded)
                 if p.dtype.itemsize < 4:  # a 16-bit parameter: the update in float32, rounded once (ief.precision)
                     p.copy_(p.float().mul_(shrink).add_(step.view(p.shape).float(), alpha=-size))
                 else:
                     wide.append(p)
                     wide_steps.append(step.view(p.shape))
-                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+                self.state[param]["step"] = self.state[param].get("step", 0) + 1
             if wide:
                 if shrink != 1.0:
                     torch._foreach_mul_(wide, shrink)
@@ -555,6 +563,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         number = self.steps_taken if number is None else number
         params = self._all_params()
         chunks = list(torch.split(direction, [p.numel() for p in params]))
+        if self._sharded is not None:  # each parameter's piece that this rank's shard holds
+            chunks = [self._sharded.local_piece(i, c) for i, c in enumerate(chunks)]
         norm_t = direction.norm()
         checks = [*(checks or []), (_finite(direction), self._unfinite_direction_message())]
         buffers = None
@@ -565,9 +575,12 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             if given["normalize"]:  # factor / ||d|| (0 when d = 0), on the device
                 norm64 = norm_t.to(torch.float64)
                 factor = torch.where(norm64 > 0, factor / norm64, torch.zeros_like(norm64))
-            steps = [c.view(p.shape).mul(factor) for p, c in zip(params, chunks)]  # shaped as their parameter
+            steps = [c.view(local_tensor(p).shape).mul(factor) for p, c in zip(params, chunks)]  # as their shard
             buffers = momentum_buffers(self.state, params, steps, given["momentum"], given["dampening"])
-            checks.append((_finite(*buffers), "non-finite momentum buffer"))
+            finite = _finite(*buffers)
+            if self._sharded is not None:  # every rank's shards of the buffers
+                finite = self._sharded.union_flag(finite)
+            checks.append((finite, "non-finite momentum buffer"))
         auto = self._auto if given["lr"] == AUTO else None
         # a deferred flag (ief.jacobian.guard.deferred_finiteness) is asked for now, of the rows the solve used
         read = [(flag(self._rows) if callable(flag) else flag).to(torch.float64) for flag, _ in checks]
@@ -606,6 +619,10 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             self._auto_step(buffers, size, shrinks)
         self._apply(buffers, size, shrinks)
         norms = torch.stack([b.norm() for b in buffers])
+        if self._sharded is not None:  # the norm of the whole update, over every rank's shards
+            total = self._sharded.union_sqnorm(norms.to(torch.float64).square().sum())
+            self.last_update_norm = lambda: abs(size) * math.sqrt(float(total))
+            return
         self.last_update_norm = lambda: abs(size) * math.sqrt(sum(x ** 2 for x in norms.tolist()))
 
     def _auto_rates(self, given: dict, group: dict, tokens: int | None, rate: float) -> tuple[dict, dict]:
@@ -775,8 +792,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             devices = _cuda_devices(self.model)
             rng = rng_states(devices)
         try:
-            with torch.enable_grad():
-                losses, direction = self._direction(inputs, targets, group)
+            with torch.enable_grad(), unsharded_group(self._sharded, group) as stepped:
+                losses, direction = self._direction(inputs, targets, stepped)
         except FloatingPointError as err:
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
         # in the order they were met: the per-sample guard's (naming the samples), the direction's own, the losses

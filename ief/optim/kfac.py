@@ -193,6 +193,8 @@ class KFAC(PreconditionedOptimizer):
 
     method = "kfac"
     _across_processes = True  # the union batch's factors, gradient and losses (module docstring)
+    _fsdp2_refusal = ("KFAC's Kronecker factors precondition each layer's whole gradient (G^-1 dW A^-1), which no "
+                      "rank holds on FSDP2 shards; use IEF, EF or SF, or KFAC on a replicated (DDP) model")
 
     @suggest_keywords
     def __init__(

@@ -31,8 +31,10 @@ union's Gram on every rank, one replicated float64 solve, one all-reduce of the 
 gradient all-reduce never runs (the optimiser runs the wrapped module). A failure on one rank (a non-finite loss, a
 refused check) raises on every rank. SF draws each rank's labels with that rank's ``generator``: the union-batch
 equivalence holds given the same labels (seed each rank's generator, e.g. ``seed + rank``, for reproducible runs).
-Without a group, an initialised ``torch.distributed`` of world size > 1 is refused (each replica would solve its own
-batch's Gram system and drift apart silently). ``KFAC`` takes ``process_group=`` too (the union batch's factors:
+A model sharded with FSDP2 (``fully_shard``) steps the same way over FSDP2's group, each rank updating its shards
+(:mod:`ief.sharded`, which also names what is refused there); ``last_step_report`` says what every step ran
+(:mod:`ief.optim.report`). Without a group, an initialised ``torch.distributed`` of world size > 1 is refused (each
+replica would solve its own batch's Gram system and drift apart silently). ``KFAC`` takes ``process_group=`` too (the union batch's factors:
 :mod:`ief.optim.kfac`).
 
 Momentum and weight decay (``momentum``, ``dampening``, ``weight_decay``; all 0 by default, which is the paper's
@@ -128,9 +130,11 @@ from ..jacobian.guard import deferred_finiteness
 from ..losses import IGNORE_INDEX, Loss, check_damping, count_targets, get_loss
 from ..model_call import Inputs, _cuda_devices, call_model
 from ..rows import FactoredJacobian, as_rows, check_form
-from ..sharded import default_group, inspect, local_tensor, unsharded_group
+from ..model_call import param_names
+from ..sharded import ROUTE, default_group, inspect, local_tensor, unsharded_group
 from .auto_lr import AUTO, INITIAL, AutoRate, check_auto, replayed, rng_states
 from .convention import to_sum_convention, to_token_mean_convention
+from .report import StepReport, step_report
 from .momentum import (check_dampening, check_group_extras, check_momentum, check_shared, check_weight_decay,
                        momentum_buffers, resolve_groups)
 
@@ -286,7 +290,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 f"model must be a torch.nn.Module (the optimiser runs its forward), got {type(model).__name__}")
         given_group = process_group
         if process_group is None:  # an FSDP2 model steps across the processes it is sharded over (ief.sharded)
-            process_group = default_group(model)
+            process_group = default_group(model, type(self).__name__)
         try:
             self._group = resolve_group(model, process_group, type(self).__name__)
         except ValueError:
@@ -329,6 +333,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.last_losses: torch.Tensor | None = None
         self.last_tokens: int | None = None  # K of the last batch (reduction="mean")
         self._warned_unshifted = False
+        self.last_step_report: StepReport | None = None  # what the last step ran (ief.optim.report)
         self._constructed = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -788,6 +793,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._checks: list[tuple[torch.Tensor, Any]] = []  # the direction's own checks, read with the step's
         self._solved = None  # (method, dtype) of a direction a Woodbury solve returned unchecked
         self._rows = None  # the rows the solve used (_union_rows), which a deferred finiteness flag is asked of
+        self._reported: tuple = (None, None)  # this rank's rows and the union's (DistributedRows), for the report
         if auto:  # the forward's RNG state, replayed by the measuring forward after the update
             devices = _cuda_devices(self.model)
             rng = rng_states(devices)
@@ -803,6 +809,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._auto_gradient = None  # (holds the batch's per-sample results)
         self._update(given, group, direction, tokens, checks=checks, number=number, watched=losses.mean())
         self.last_losses = losses
+        self.last_step_report = self._report(number)
         return losses.sum() if tokens is None else losses.sum() / tokens
 
     def _check_now(self):
@@ -839,9 +846,20 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         rows = as_rows(jacobian)
         if self._group is None:
             self._rows = rows
+            self._reported = (jacobian, None)
             return rows
         self._sizes = batch_sizes(rows.shape[0], self._group, collective_device(self._group))
-        return DistributedRows(rows, self._group, self._sizes)
+        union = DistributedRows(rows, self._group, self._sizes)
+        self._reported = (jacobian, union)
+        return union
+
+    def _report(self, number: int) -> StepReport:
+        """The certificate of the step just taken (:mod:`ief.optim.report`)."""
+        if getattr(self, "_names", None) is None:
+            self._names = param_names(self.model, self._all_params())
+        rows, union = self._reported
+        method = self._solved[0] if getattr(self, "_solved", None) else type(self).__name__
+        return step_report(number, method, rows, self._names, union, None if self._sharded is None else ROUTE)
 
     def _union_vector(self, local: torch.Tensor) -> torch.Tensor:
         """A per-sample vector of this rank (losses, ``s``), or the union batch's, concatenated in rank order."""
@@ -924,7 +942,8 @@ class IEF(PreconditionedOptimizer):
         form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
             ``"dense"``, ``"ghost"`` or ``"rows"``.
         process_group: step across the processes of this ``torch.distributed`` group, exactly as one process on the
-            union batch (module docstring); default: a ``DistributedDataParallel`` model's group, else none.
+            union batch (module docstring); default: a ``DistributedDataParallel`` model's group, an FSDP2 model's
+            (:mod:`ief.sharded`), else none.
 
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
@@ -1020,7 +1039,8 @@ class EF(PreconditionedOptimizer):
         form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
             ``"dense"``, ``"ghost"`` or ``"rows"``.
         process_group: step across the processes of this ``torch.distributed`` group, exactly as one process on the
-            union batch (module docstring); default: a ``DistributedDataParallel`` model's group, else none.
+            union batch (module docstring); default: a ``DistributedDataParallel`` model's group, an FSDP2 model's
+            (:mod:`ief.sharded`), else none.
 
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an
@@ -1109,7 +1129,8 @@ class SF(PreconditionedOptimizer):
         form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
             ``"dense"``, ``"ghost"`` or ``"rows"``.
         process_group: step across the processes of this ``torch.distributed`` group, exactly as one process on the
-            union batch (module docstring); default: a ``DistributedDataParallel`` model's group, else none.
+            union batch (module docstring); default: a ``DistributedDataParallel`` model's group, an FSDP2 model's
+            (:mod:`ief.sharded`), else none.
 
     Raises:
         ValueError: a bad argument, named with its value and the accepted values: a ``model`` that is not an

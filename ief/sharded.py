@@ -1,8 +1,9 @@
 """The exact EF / iEF / SF step on a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``), as one
 process stepping on the union of the ranks' batches.
 
-FSDP2 keeps every parameter as a ``DTensor`` whose local shard is rank ``r``'s slice of its first dimension (``Shard(0)``,
-``torch.chunk``'s split: ``ceil(d0 / R)`` rows a rank, the last ranks' fewer or none); a module's forward all-gathers
+FSDP2 keeps every parameter as a ``DTensor`` whose local shard is rank ``r``'s slice of its first dimension
+(``Shard(0)``, ``torch.chunk``'s split: ``ceil(d0 / R)`` rows a rank, the last ranks' fewer or none); a module's
+forward all-gathers
 its parameters (``unshard``), registers them as plain tensors, and its ``reshard`` puts the shards back. A step here:
 
 1. **Rows, with the parameters unsharded once.** Every FSDP2 module is unsharded (one all-gather per parameter group,
@@ -208,6 +209,16 @@ def _fsdp_records(model: torch.nn.Module, name: str) -> tuple[list, dict[int, An
     return modules, records
 
 
+def _refuse_foreign(model: torch.nn.Module, records: dict[int, Any], name: str) -> None:
+    """Refuse ``DTensor`` parameters that no ``fully_shard`` manages (tensor parallel, ``distribute_tensor``)."""
+    _, dtensor = _fsdp_types()
+    foreign = [p for p in model.parameters() if isinstance(p, dtensor) and id(p) not in records]
+    if foreign:
+        raise _refuse(name, f"it has DTensor parameters that no fully_shard manages (tensor parallel or "
+                            f"distribute_tensor, placements {foreign[0].placements}); only fully_shard's "
+                            f"one-dimensional sharding is supported")
+
+
 def inspect(model: torch.nn.Module, params: Sequence[torch.Tensor], name: str, *, supported: str | None,
             auto_lr: bool, process_group: Any) -> ShardedModel | None:
     """Whether ``model`` is an FSDP2 model, and everything the step cannot do on it refused before any work.
@@ -226,16 +237,10 @@ def inspect(model: torch.nn.Module, params: Sequence[torch.Tensor], name: str, *
     Raises:
         ValueError: one sentence naming what is refused (module docstring).
     """
-    types = _fsdp_types()
-    if types is None:
+    if _fsdp_types() is None:
         return None
-    _, dtensor = types
     modules, records = _fsdp_records(model, name)
-    foreign = [p for p in model.parameters() if isinstance(p, dtensor) and id(p) not in records]
-    if foreign:
-        raise _refuse(name, f"it has DTensor parameters that no fully_shard manages (tensor parallel or "
-                            f"distribute_tensor, placements {foreign[0].placements}); only fully_shard's "
-                            f"one-dimensional sharding is supported")
+    _refuse_foreign(model, records, name)
     if not modules:
         return None
     if supported is not None:
@@ -268,16 +273,23 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def default_group(model: torch.nn.Module) -> Any:
+def default_group(model: torch.nn.Module, name: str) -> Any:
     """The process group FSDP2 shards ``model`` over (its first ``fully_shard``-ed module's), ``None`` for a model
-    without one: an optimiser given no ``process_group`` steps across FSDP2's."""
+    without one: an optimiser given no ``process_group`` steps across FSDP2's. What no group could make right
+    (:func:`inspect`'s refusals of the mesh, offload, mixed precision, ``DTensor`` parameters no ``fully_shard``
+    manages) is refused here already, before the group is resolved.
+
+    Raises:
+        ValueError: as :func:`inspect`, for the model alone.
+    """
     types = _fsdp_types()
     if types is None:
         return None
-    for module in model.modules():
-        if isinstance(module, types[0]):
-            for group in _groups_of(module):
-                return group.mesh_info.mesh.get_group()
+    modules, records = _fsdp_records(model, name)
+    _refuse_foreign(model, records, name)
+    for module in modules:
+        for group in _groups_of(module):
+            return group.mesh_info.mesh.get_group()
     return None
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ief.sharded import ROUTE
 from test_distributed import OPTIMISERS, _spawn
 
 STEPS = 3
@@ -120,7 +121,7 @@ def _train_sharded(rank: int, name: str, methods: list[str], sizes: list[int]) -
         params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
         shards = {n: p.to_local().detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         buffers = [type(b).__name__ for s in opt.state.values() for k, b in s.items() if k == "momentum_buffer"]
-        out[method] = dict(params=params, losses=losses, shards=shards, buffers=buffers)
+        out[method] = dict(params=params, losses=losses, shards=shards, buffers=buffers, report=opt.last_step_report)
     return out
 
 
@@ -164,6 +165,13 @@ def test_a_step_on_an_fsdp2_model_is_one_process_on_the_union_batch(name, method
                 assert torch.equal(shard, torch.chunk(whole, len(sizes))[rank] if rank < len(
                     torch.chunk(whole, len(sizes))) else whole[:0]), (method, n, rank)
             assert set(result[method]["buffers"]) <= {"Tensor"}
+            report = result[method]["report"]  # the certificate: the method, not a fallback, over the union's rows
+            assert (report.step, report.rows, report.ranks, report.across_processes, report.sharding) == (
+                STEPS - 1, sum(sizes), len(sizes), True, ROUTE)
+            assert report.method == {"ief": "iEF", "ef": "EF", "sf": "SF"}[method.split("-")[0]]
+            assert sorted(report.routes) == sorted(n for n in union["params"] if n in first["shards"])
+            looped = {n for n, route in report.routes.items() if route == "looped"}
+            assert looped <= {"transformer.wpe.weight"}, report.routes  # GPT-2's [1, T] positions: as one process
 
 
 # ------------------------------------------------------------------------------------------------ a NaN on one rank

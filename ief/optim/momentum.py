@@ -69,8 +69,8 @@ GROUP_KEYS = ("params", "weight_decay")  # what a params=[{...}] group may set
 
 
 def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or isinstance(value, str):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
+    if isinstance(value, (bool, str)):  # a ValueError, as every bad argument of the constructors
+        raise ValueError(f"{name} must be a real number, got {value!r}")  # noqa: TRY004
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -152,18 +152,3 @@ def resolve_groups(model: torch.nn.Module, params: Iterable | None) -> list[dict
                 raise ValueError(f"params[{index}]: {err}") from None
         groups.append(group)
     return groups
-
-
-@torch.no_grad()
-def momentum_buffers(state: dict, params: list[torch.Tensor], steps: list[torch.Tensor], momentum: float,
-                     dampening: float) -> list[torch.Tensor]:
-    """The new ``momentum_buffer`` of every parameter (``b = u`` first, ``mu b + (1 - tau) u`` after), computed
-    out of place: the caller stores them only once they are all finite."""
-    out = []
-    for p, u in zip(params, steps):
-        old = state[p].get("momentum_buffer")
-        if old is None:
-            out.append(u.clone())
-        else:
-            out.append(old.mul(momentum).add_(u, alpha=1.0 - dampening))
-    return out

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import ief
 import ief.optim
 from ief.optim import ForeignStateError
-from ief.optim.exact import STATE_KEY
+from ief.optim.state import STATE_KEY
 
 
 @pytest.fixture(autouse=True)

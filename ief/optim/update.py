@@ -209,7 +209,12 @@ def preconditioned_update(
 
     Raises:
         FloatingPointError: a check (the caller's, the direction's, a buffer's) failed; nothing changed.
+        ValueError: a ``DTensor`` parameter (FSDP2's, tensor parallel's) without ``sharded``; nothing changed.
     """
+    if sharded is None and any(hasattr(p, "to_local") for p in params):
+        raise ValueError("preconditioned_update was given DTensor parameters (a model sharded with FSDP2 or tensor "
+                         "parallel) without sharded=, and the whole direction cannot be added to their shards; pass "
+                         "sharded=ief.sharded.inspect(...) for an FSDP2 model, or step it with IEF, EF or SF")
     step = int(state.get(params[0], {}).get("step", 0))
     if checks is None:
         checks = StepChecks(step)

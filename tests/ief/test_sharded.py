@@ -231,7 +231,14 @@ def _refusals_on_rank(rank: int) -> dict:
         group = dist.new_group([0])
         return ief.optim.IEF(fully_shard(_mlp()), process_group=group if rank == 0 else dist.group.WORLD)
 
+    def functional_update():
+        model = fully_shard(_mlp())
+        params = list(model.parameters())
+        ief.optim.preconditioned_update(params, torch.zeros(sum(p.numel() for p in params), dtype=torch.float64), {},
+                                        lr=0.1)
+
     cases = {
+        "functional-update": functional_update,
         "kfac": lambda: ief.optim.KFAC(fully_shard(_mlp()), "kfac", lr=0.1, damping=1e-2),
         "auto": lambda: ief.optim.IEF(fully_shard(_mlp()), lr="auto"),
         "partly": partly,
@@ -259,6 +266,9 @@ def test_what_cannot_step_on_fsdp2_shards_is_refused_before_any_work_in_one_sent
                 "tensor-parallel": "no fully_shard manages", "hsdp": "2-dimensional device mesh",
                 "offload": "CPUOffloadPolicy", "mixed-precision": "MixedPrecisionPolicy",
                 "other-group": "pass no process_group"}
+    for result in results:
+        kind, message = result["functional-update"]
+        assert kind == "ValueError" and "DTensor parameters" in message and CRYPTIC not in message, message
     for rank, result in enumerate(results):
         for name, needle in expected.items():
             kind, message = result[name]

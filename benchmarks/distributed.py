@@ -156,8 +156,8 @@ def _payload(name: str, args: tuple, kwargs: dict, world: int) -> tuple[int, int
         return _nbytes(args[1] if len(args) > 1 else kwargs["input_tensor"]), _nbytes(
             args[0] if args else kwargs["output_tensor"])
     if name == "reduce_scatter_single":
-        output = args[0] if args else kwargs["output_tensor"]
-        return _nbytes(args[1] if len(args) > 1 else kwargs["input_tensor"]), world * _nbytes(output)
+        output = args[0] if args else kwargs["output"]
+        return _nbytes(args[1] if len(args) > 1 else kwargs["input"]), world * _nbytes(output)
     if name == "all_gather_object":
         output = args[0] if args else kwargs["object_list"]
         obj = args[1] if len(args) > 1 else kwargs["obj"]

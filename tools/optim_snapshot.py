@@ -102,7 +102,7 @@ def record(snap: Snapshot, key: str, fn: Callable[[], dict]) -> None:
             snap.put(f"{key}/{k}", v)
 
 
-def _configs(O: Any, loss: str, kfac_params: Callable) -> dict[str, Callable]:  # noqa: N803
+def _configs(O: Any, loss: str, kfac_params: Callable) -> dict[str, Callable]:
     """name -> make_opt(model)."""
     c: dict[str, Callable] = {}
     for damping in (0.0, 1e-6, 1e-3, 1.0):
@@ -169,7 +169,7 @@ def _wd_groups(m: torch.nn.Module) -> list[dict]:
 def trajectories(snap: Snapshot, case, tag: str, grid: str = "full", autocast: bool = False) -> None:
     import ief
 
-    O = ief.optim  # noqa: N806
+    O = ief.optim
     kp = (lambda m: None) if case.kfac == "all" else (
         lambda m: [p for n, p in m.named_parameters() if p.requires_grad and set(n.split(".")) & set(case.kfac)])
     configs = _configs(O, case.loss, kp)
@@ -205,7 +205,7 @@ def refusals(snap: Snapshot, case) -> None:
     """What raises, and with which message (a changed message is a difference too)."""
     import ief
 
-    O = ief.optim  # noqa: N806
+    O = ief.optim
     x, y = case.extra_batches[0]
     calls = {
         "lr-neg": lambda: O.IEF(case.model, lr=-1.0),
@@ -249,7 +249,7 @@ def refusals(snap: Snapshot, case) -> None:
 def _dist_cases() -> dict[str, Callable]:
     import ief
 
-    O = ief.optim  # noqa: N806
+    O = ief.optim
     return {
         "ief": lambda m: O.IEF(m, lr=0.5, damping=1e-3, process_group=_world()),
         "ief-dense": lambda m: O.IEF(m, lr=0.5, damping=1e-3, form="dense", process_group=_world()),
@@ -299,7 +299,7 @@ def _on_rank(rank: int, world: int, store: str, out: str) -> None:
             for name, make in _dist_cases().items():
                 key = f"dist/mlp/{dtype_tag}/{name}/rank{rank}"
                 _seed(f"dist/{dtype_tag}/{name}/rank{rank}")
-                record(snap, key, lambda make=make: run_trajectory(case, make))
+                record(snap, key, lambda make=make, case=case: run_trajectory(case, make))
         Path(out).write_bytes(pickle.dumps(snap.values))
         dist.barrier()
     finally:

@@ -88,8 +88,7 @@ class Direction:
             non-finite direction means), or ``None``.
         gradient: for ``lr="auto"``, a function of no argument returning ``(the batch gradient, whether it is the
             union batch's already)``; called before anything reuses ``J``'s buffer.
-        keep: what to keep once the update succeeded (K-FAC's running factors), a function of no argument, or
-            ``None``.
+        keep: what to keep once the update succeeded (K-FAC's running factors), a function of no argument.
     """
 
     losses: torch.Tensor
@@ -99,7 +98,7 @@ class Direction:
     rows: Any = None
     solved: tuple[str, torch.dtype] | None = None
     gradient: Callable[[], tuple[torch.Tensor, bool]] | None = None
-    keep: Callable[[], None] | None = None
+    keep: Callable[[], None] = lambda: None
 
     def direction_message(self) -> Any:
         """What a non-finite direction means: the solve's overflow of the model's dtype, or non-finite gradients."""
@@ -276,12 +275,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._last_update_norm = value
 
     # ------------------------------------------------------------------------------------------------- the step
-    def step(self, inputs: Inputs = MISSING, targets: torch.Tensor = MISSING, *,  # type: ignore[override]
-             closure: Any = None) -> torch.Tensor:
+    def step(self, inputs: Inputs = MISSING, targets: torch.Tensor = MISSING, *, closure: Any = None) -> torch.Tensor:
         """One update on the batch ``(inputs, targets)``: the forward, the per-sample backward and the update.
-
-        Every value it uses from ``param_groups`` is checked first (a scheduler, ``load_state_dict`` or the user may
-        have written it); ``lr = 0`` is a zero update (warm-up schedules start at 0).
 
         Args:
             inputs: what the model takes: a tensor, a tuple, or a dict passed as ``model(**inputs)``.
@@ -290,30 +285,24 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             closure: refused (``TypeError``): the optimiser runs the forward and backward itself.
 
         Returns:
-            The batch loss before the update, a 0-dim tensor: ``L = sum_n l_n``, or ``L / K`` with
-            ``reduction="mean"``.
+            The batch loss before the update, a 0-dim tensor: ``L = sum_n l_n``, or ``L / K`` with ``"mean"``.
 
         Raises:
             TypeError: no batch (``step()``, ``step(closure)``: how these optimisers are driven, in one sentence).
-            ValueError: a bad value in ``param_groups`` (``"step k: param_groups[0]['lr'] must be ..."``), groups
-                that disagree on anything but ``weight_decay``, or ``reduction="mean"`` with no counted target;
-                parameters and step counter untouched.
-            FloatingPointError: the loss, the gradients or the update are not finite (``"step k: ...; parameters
-                left unchanged"``), also before any parameter changes.
+            ValueError: a bad value in ``param_groups`` (checked every step: ``lr = 0`` is a zero update), groups that
+                disagree on more than ``weight_decay``, ``reduction="mean"`` with no counted target; nothing changed.
+            FloatingPointError: a non-finite loss, gradient or update (``"step k: ...; parameters left unchanged"``).
             PerSampleGradientMismatch: the per-sample guard's refusal (see :func:`ief.per_sample`).
 
         Warns:
-            UserWarning: once, when the targets equal ``inputs["input_ids"]`` at every counted position (Hugging
-                Face's unshifted causal-LM ``labels``; pass ``ief.causal_lm_targets(labels)``).
+            UserWarning: once, for targets equal to ``inputs["input_ids"]`` (Hugging Face's unshifted labels).
             SlowPathWarning: once per model, naming parameters whose per-sample gradients take the per-sample loop.
         """
         if targets is MISSING or closure is not None:
             raise TypeError(how_to_step(type(self).__name__))
         given, batch, tokens = self._settings_for(inputs, targets)
         number, auto = self.steps_taken, given["lr"] == AUTO
-        if auto:  # the forward's RNG state, replayed by the measuring forward after the update
-            devices = _cuda_devices(self.model)
-            rng = rng_states(devices)
+        rng = self._rng_states() if auto else None  # the forward's, replayed by the probe after the update
         self._reported = (None, None)
         try:
             with torch.enable_grad(), unsharded_group(self._sharded, batch) as stepped:  # (FSDP2: ief.sharded)
@@ -322,10 +311,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
         checks = self._checks_of(found, number)
         if auto and self._auto.delta is not None:  # the new batch's loss along the previous step
-            self._auto.pending = self._auto_probe(inputs, targets, found, rng, devices)
+            self._auto.pending = self._auto_probe(inputs, targets, found, rng)
         self._update(given, batch, found, tokens, checks)
-        if found.keep is not None:
-            found.keep()
+        found.keep()  # (K-FAC's running factors: kept once the step succeeded)
         self.last_losses = found.losses
         self.last_step_report = self._report(number, found)
         return found.losses.sum() if tokens is None else found.losses.sum() / tokens
@@ -466,9 +454,14 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             rate = self._auto.rate = convert(lr, to_sum=True)
         return lr, rate
 
+    def _rng_states(self) -> tuple[tuple, list[int]]:
+        """The RNG states of the CPU and the model's CUDA devices, and those devices (before the step's forward)."""
+        devices = _cuda_devices(self.model)
+        return rng_states(devices), devices
+
     @torch.no_grad()
-    def _auto_probe(self, inputs: Inputs, targets: torch.Tensor, found: Direction, rng: tuple,
-                    devices: list[int]) -> torch.Tensor:
+    def _auto_probe(self, inputs: Inputs, targets: torch.Tensor, found: Direction,
+                    rng: tuple[tuple, list[int]]) -> torch.Tensor:
         """The new batch's loss along the previous step ``delta``: ``D = L(theta_t) - L(theta_{t+1})`` by one forward
         without gradients at ``theta_t = theta_{t+1} + delta`` (the step's RNG state: its dropout masks), and
         ``E = grad L(theta_{t+1}) . delta``, both of the union batch, as a ``[2]`` float64 tensor left on the device
@@ -483,7 +476,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         try:
             for p, d in zip(params, self._auto.delta):
                 p.data = (p.data.to(d.dtype) + d).to(p.dtype)
-            with replayed(rng, devices):
+            with replayed(*rng):
                 logits = call_model(self.model, inputs)
         finally:
             for p, data in zip(params, kept):

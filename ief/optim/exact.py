@@ -90,7 +90,7 @@ convention are unstable: iEF moves every sample's logits by ``-lr`` times its lo
 paper's Eq. (8), ``J d = s``), so ``lr=100`` moves them 100 times as far as ``lr=1`` does, and ``damping=1e-7``
 leaves the Gram system's small eigenvalues unregularised (the sum convention's ``J J^T`` is ``K^2`` times the mean
 convention's, so the same ``lambda`` damps ``K^2`` times less). The measurements behind these defaults, and the
-companion's searched rates, are in the book's API page ("The optimisers' defaults, measured").
+companion's searched rates, are kept with the benchmarks (``benchmarks/README.md``, "The optimisers' defaults").
 ``lr="auto"`` (an option, not the default; :mod:`ief.optim.auto_lr`) needs no search: starting at iEF's
 ``1`` (EF/SF: ``0.01``) in the sum convention, every step multiplies the rate by the minimiser of a quadratic fitted to
 the new batch's loss along the previous step (achieved reduction by one extra forward without gradients, slope from the

@@ -1,4 +1,5 @@
-"""K-FAC-family optimisers: KFAC, eKFAC and ieKFAC as practical block-diagonal optimisers (``sec:app-iEF-eNGDopt``).
+"""K-FAC-family optimisers: KFAC, eKFAC and ieKFAC as practical block-diagonal optimisers (the paper's Appendix D.2.2,
+"Improving Empirical K-FAC with IEF").
 
 The paper proposes ieKFAC "as a starting point for future work" and only evaluates its direction; :class:`KFAC`
 makes the three block-diagonal directions of :func:`ief.kfac_direction` (``kind="kfac"``: sampled labels,
@@ -30,7 +31,7 @@ gradient step, whose scale a gradient step does not share), and the result would
 method the paper evaluates nor a known optimiser. Pass ``params=`` with the linear layers' parameters (freezing or
 separately optimising the rest); prompt tuning has no linear trainable parameter and is for :class:`ief.optim.IEF`.
 
-Only ``reduction="sum"`` (``L = sum_n l_n``, ``eqn:prob_loss``) is offered: the running factors average batches of
+Only ``reduction="sum"`` (``L = sum_n l_n``, the paper's Eq. (1)) is offered: the running factors average batches of
 different token counts, for which the token-mean conversion of ``lr`` and ``damping`` per batch
 (:mod:`ief.optim.convention`) has not been derived.
 
@@ -80,6 +81,7 @@ from ..kfac import (
     check_approx,
     check_kind,
     check_linear_only,
+    data_parallel_module,
     kronecker_eigen,
     kronecker_factor_sets,
 )
@@ -92,15 +94,16 @@ from .update import scheduled_rate
 
 NOT_TAKEN = {key: f"{key}= is an argument of the exact optimisers' per-sample Jacobian (IEF, EF, SF); KFAC takes none"
              for key in ("check", "form")}
-# Defaults chosen by the cpu learning-rate searches (companion/experiments/lr_search/cpu-*.json, damping 1 fixed):
-# every kind's best rate was 0.01 on digits-mlp (0.03 diverged) and 0.03 on tweets-minilm-lora (0.01 within 6 points)
+# the defaults: a rate and damping that learned on every kind in the companion's cpu learning-rate searches (the
+# measurements: benchmarks/README.md, "The optimisers' defaults")
 DEFAULT_LR = 0.01
 DEFAULT_DAMPING = 1.0
 
 
 def _check_factor_decay(value: Any) -> float:
     if isinstance(value, (bool, str)):  # a ValueError, as every bad argument of the constructors
-        raise ValueError(f"factor_decay must be a number in [0, 1) (0: each batch's own factors), got {value!r}")  # noqa: TRY004
+        raise ValueError(  # noqa: TRY004
+            f"factor_decay must be a number in [0, 1) (0: each batch's own factors), got {value!r}")
     try:
         out = float(value)
     except (TypeError, ValueError):
@@ -154,21 +157,20 @@ def _check_inverse_every(value: Any) -> int:
 @shared_args
 class KFAC(PreconditionedOptimizer):
     """Block-diagonal K-FAC optimiser: ``theta <- theta - lr * (G_t (x) A_t + lambda I)^{-1} grad L`` per linear
-    layer, with running factors and occasional eigendecompositions (module docstring; ``sec:app-iEF-eNGDopt``).
+    layer, with running factors and occasional eigendecompositions (module docstring; the paper's Appendix D.2.2).
 
     Args:
         model: the ``nn.Module`` whose forward the optimiser runs; every trainable parameter (or every one in
             ``params``) must be the weight or bias of an ``nn.Linear``.
         kind: ``"kfac"`` (labels sampled from the model with ``generator``), ``"ekfac"`` (true labels) or
             ``"iekfac"`` (true labels, rows of sample ``n`` weighted by ``1/s_n``), as :func:`ief.kfac_direction`.
-        lr: the rate (finite, > 0); default ``None``: ``0.01`` (:data:`DEFAULT_LR`), the cpu learning-rate
-            searches' choice for every kind on digits-mlp (``0.03`` diverged there; tweets-minilm-lora chose
-            ``0.03``, with ``0.01`` within 6 points of validation accuracy), at the default damping. Rates are
-            problem-dependent: on a tiny MLP with 16 samples ``lr=0.1`` diverges with ``damping=1e-2``;
-            ``kl_clip`` bounds every step whatever the rate.
+        lr: the rate (finite, > 0); default ``None``: ``0.01`` (:data:`DEFAULT_LR`, chosen at the default damping by
+            the companion's learning-rate searches; the measurements: ``benchmarks/README.md``). Rates are
+            problem-dependent (a larger rate or a smaller damping can diverge); ``kl_clip`` bounds every step
+            whatever the rate.
         damping: ``lambda >= 0`` on the whole Kronecker block, :func:`ief.kfac_direction`'s axis (0: pseudo-inverse);
-            default ``None``: ``1.0`` (:data:`DEFAULT_DAMPING`, the value the cpu setups use in the sum
-            convention; ``1e-3`` took a small MLP's loss from 21 to 4,802 for every kind without ``kl_clip``).
+            default ``None``: ``1.0`` (:data:`DEFAULT_DAMPING`, in the sum convention; a damping orders of magnitude
+            smaller lets the small eigenvalues of ``G (x) A`` blow up the step without ``kl_clip``).
         factor_decay: ``c`` in ``[0, 1)`` of the factors' running average (default ``0.95``; 0: the batch's own
             factors).
         inverse_every: ``T >= 1``: the eigendecompositions are refreshed on steps ``0, T, 2T, ...`` (default ``10``).
@@ -363,10 +365,35 @@ class KFAC(PreconditionedOptimizer):
             raise ForeignStateError(f"this state_dict is a KFAC(kind={saved['kind']!r}, approx={saved['approx']!r})'s, "
                                     f"this optimiser is KFAC(kind={self.kind!r}, approx={self.approx!r}); construct "
                                     f"that kind to resume it, or start this one fresh")
+        self._check_factors(saved["factors"])
         super().load_state_dict(state_dict)
         device = self._all_params()[0].device  # a state loaded with map_location="cpu" (transformers.Trainer does)
         self.factors = {name: {"G": e["G"].to(device, copy=True), "A": e["A"].to(device, copy=True),
                                "eigen": tuple(t.to(device, copy=True) for t in e["eigen"])}
                         for name, e in saved["factors"].items()}
+
+    def _check_factors(self, factors: dict) -> None:
+        """Refuse running factors that are not this model's (:class:`ForeignStateError` naming the layer): each must
+        belong to an ``nn.Linear`` whose parameters this optimiser trains, with ``G`` of its outputs' width and ``A``
+        of its inputs' (plus one for a trained bias; one alone for a trained bias without its weight)."""
+        modules = dict(data_parallel_module(self.model).named_modules())
+        trained = {id(p) for p in self._all_params()}
+        for name, entry in factors.items():
+            module = modules.get(name)
+            weight = isinstance(module, torch.nn.Linear) and id(module.weight) in trained
+            bias = isinstance(module, torch.nn.Linear) and module.bias is not None and id(module.bias) in trained
+            if not (weight or bias):
+                raise ForeignStateError(f"this state_dict holds running factors of layer {name!r}, which is no linear "
+                                        f"layer this {describe(self._identity())} trains (the state of another "
+                                        f"model's optimiser); start it fresh")
+            width = (module.in_features if weight else 0) + (1 if bias else 0)
+            want = {"G": (module.out_features, module.out_features), "A": (width, width)}
+            for key, shape in want.items():
+                got = tuple(entry[key].shape) if isinstance(entry.get(key), torch.Tensor) else None
+                if got != shape:
+                    raise ForeignStateError(f"this state_dict's running factor {key} of layer {name!r} has shape {got} "
+                                            f"where the layer's is {shape} (the state of another model's optimiser): "
+                                            f"it cannot be loaded into {describe(self._identity())}; start it fresh")
+
 
 __all__ = ["KFAC", "KINDS"]

@@ -110,31 +110,30 @@ def check_reduction(reduction: Any) -> str:
 
 # The descriptions of the shared settings, for the classes' ``Args:`` sections (:func:`shared_args`).
 ARGS = {
-    "params": """params: what to train (default ``None``: every trainable parameter of ``model``): an iterable of parameters,
-    or groups ``[{"params": [...], "weight_decay": w}, ...]`` that differ in ``weight_decay`` only (the
+    "params": """params: what to train (default ``None``: every trainable parameter of ``model``): an iterable of
+    parameters, or groups ``[{"params": [...], "weight_decay": w}, ...]`` that differ in ``weight_decay`` only (the
     direction is joint; ``add_param_group`` later is a ``ValueError``).""",
-    "loss": """loss: ``"cross_entropy"`` (default; class-index targets, ``-100`` ignored) or ``"mse"`` (float targets shaped
-    like the logits).""",
-    "reduction": """reduction: ``"sum"`` (default: ``lr`` and ``damping`` for ``L = sum_n l_n``) or ``"mean"`` (values for the
-    mean over the batch's ``K`` counted target tokens, Hugging Face's ``outputs.loss`` and the paper's code,
+    "loss": """loss: ``"cross_entropy"`` (default; class-index targets, ``-100`` ignored) or ``"mse"`` (float targets
+    shaped like the logits).""",
+    "reduction": """reduction: ``"sum"`` (default: ``lr`` and ``damping`` for ``L = sum_n l_n``) or ``"mean"`` (values
+    for the mean over the batch's ``K`` counted target tokens, Hugging Face's ``outputs.loss`` and the paper's code,
     converted every step; ``step`` then returns ``L / K``). See :mod:`ief.optim.exact`.""",
-    "total_steps": """total_steps: ``T``: multiply the step size by ``1 - t/T`` (the paper's linear decay to 0); default ``None``
-    (constant).""",
-    "momentum": """momentum: heavy-ball momentum in ``[0, 1)`` on the preconditioned step (default ``0.0``: no buffer, the
-    exact update bit for bit).""",
+    "total_steps": """total_steps: ``T``: multiply the step size by ``1 - t/T`` (the paper's linear decay to 0); default
+    ``None`` (constant).""",
+    "momentum": """momentum: heavy-ball momentum in ``[0, 1)`` on the preconditioned step (default ``0.0``: no buffer,
+    the exact update bit for bit).""",
     "dampening": """dampening: in ``[0, 1]``, the buffer's ``1 - dampening`` weight on the new step (default ``0.0``;
     ``dampening=momentum`` keeps the momentum-free step scale).""",
-    "weight_decay": """weight_decay: AdamW's decoupled decay ``theta <- (1 - lr_t wd) theta``, ``>= 0`` with
-    ``lr * weight_decay < 1`` (default ``0.0``).""",
-    "check": """check: the per-sample guard of :func:`ief.per_sample`: ``True`` (default: the thorough ``"exact"`` check on
-    the first step, the ~free structural one after), ``"exact"`` (every step), a whole number ``N >= 1``
-    (exact every N steps, structural between: the guarantee throughout at 1/N of its cost) or ``False``
-    (off).""",
-    "form": """form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M, P]``),
-    ``"dense"``, ``"ghost"`` or ``"rows"``.""",
-    "process_group": """process_group: step across the processes of this ``torch.distributed`` group, exactly as one process on the
-    union batch (:mod:`ief.optim.exact`); default: a ``DistributedDataParallel`` model's group, an FSDP2 model's
-    (:mod:`ief.sharded`), else none.""",
+    "weight_decay": """weight_decay: AdamW's decoupled decay ``theta <- (1 - lr_t wd) theta``, ``>= 0`` with ``lr *
+    weight_decay < 1`` (default ``0.0``).""",
+    "check": """check: the per-sample guard of :func:`ief.per_sample`: ``True`` (default: the thorough ``"exact"`` check
+    on the first step, the ~free structural one after), ``"exact"`` (every step), a whole number ``N >= 1`` (exact every
+    N steps, structural between: the guarantee throughout at 1/N of its cost) or ``False`` (off).""",
+    "form": """form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M,
+    P]``), ``"dense"``, ``"ghost"`` or ``"rows"``.""",
+    "process_group": """process_group: step across the processes of this ``torch.distributed`` group, exactly as one
+    process on the union batch (:mod:`ief.optim.exact`); default: a ``DistributedDataParallel`` model's group, an
+    FSDP2 model's (:mod:`ief.sharded`), else none.""",
     "generator": """generator: the ``torch.Generator`` the labels are drawn with (default ``None``: the global RNG);
     ``state_dict`` carries its state.""",
 }

@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
+from tiny_models import mlp_case
 from torch.overrides import TorchFunctionMode
 
 import ief
 from ief.optim import preconditioned_update
 from ief.optim.checks import StepChecks
-from tiny_models import mlp_case
 
 SHAPES = [(3, 4), (4,), (2, 3)]
 

@@ -1,8 +1,8 @@
-"""The recorded build (tools/book/record.py, ``book/recorded/cpu/``): every chapter of the book is recorded, at the
-cpu scale, with its source's code cells, as valid notebooks holding their figures, small; the check that says so
-fails on a record whose code differs (shown on a copy); recording refuses a build it cannot vouch for; the book
-renders from the record with the command the publishing workflow (.github/workflows/book.yml) runs, which is read
-from that file and run here as written, so the two cannot drift; the launch buttons open the recorded notebooks.
+"""The recorded build's machinery (tools/book/record.py, ``book/recorded/cpu/``), on a synthetic build: recording
+writes each chapter with its note, inputs and manifest, and refuses a build it cannot vouch for; the check names each
+way a record goes stale (code cells that differ from the source, a missing chapter, another scale); the timings page
+says how many commits the record is behind; the publishing workflow (.github/workflows/book.yml) runs the commands
+the Makefile runs (checked with ``make -n``); the launch buttons open the recorded notebooks.
 """
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def test_the_timings_page_says_how_many_commits_the_record_is_behind(tmp_path):
 def test_the_publishing_workflow_runs_the_commands_the_tests_run():
     """.github/workflows/book.yml: the conventional Jupyter Book deploy to GitHub Pages on each push to main, whose
     run steps are ``make env`` (the install every target runs first: the same recipe, checked with ``make -n``) and
-    ``make book FROM=record`` (run as written by :func:`test_the_book_renders_from_the_record_as_the_workflow_runs_it`),
+    ``make book FROM=record`` (its recipe checked with ``make -n``),
     and whose artifact is where that command writes the book."""
     flow = _workflow()
     assert flow[True]["push"]["branches"] == ["main"]  # YAML 1.1 reads the key `on` as True

@@ -1,4 +1,5 @@
-# One command for the main job (`make book`) and one for the tests (`make test`).
+# One command for the main job (`make book`; `make book FROM=record` renders the recorded chapters) and one for the
+# tests (`make test`).
 # Both create and fill .venv/ (requirements/ci.lock: every package pinned with hashes, CPU torch) when it is missing.
 # Users with their own environment (e.g. conda with a CUDA torch) pass PYTHON=/path/to/python to skip the venv.
 SHELL := /bin/bash
@@ -7,6 +8,10 @@ SCALE ?= cpu
 PROFILE ?= default
 CONFIG ?=
 CHROMIUM ?= /usr/bin/chromium
+# FROM=record: `make book` renders the recorded chapters (book/recorded/cpu/) instead of running the workflow;
+# BOOK_OUTPUT=D puts that book in D/_build/html instead of _build/html (the tests build it aside).
+FROM ?=
+BOOK_OUTPUT ?=
 
 ifeq ($(origin PYTHON), undefined)
 PYTHON := $(VENV)/bin/python
@@ -15,12 +20,16 @@ else
 ENV_READY :=
 endif
 
-.PHONY: help env lock test test-lib test-cluster book bench mutation clean
+.PHONY: help env lock test test-lib test-cluster book record bench mutation clean
 
 help:
 	@echo "make book    run the workflow (workflow/Snakefile): training runs, tables, notebooks and the book in"
 	@echo "             _build/html (SCALE=cpu|smoke|full, default cpu; PROFILE=default|slurm;"
 	@echo "             CONFIG='seeds=[0] runs=/scratch/runs' overrides config/config.yaml)"
+	@echo "make book FROM=record  the book from the recorded chapters (book/recorded/cpu/) in _build/html, in a"
+	@echo "             minute: nothing trained or executed (what CI publishes; BOOK_OUTPUT=D builds in D/_build/html)"
+	@echo "make record  after a cpu build (make book): record its executed chapters and the tables they read in"
+	@echo "             book/recorded/cpu/ (tracked; linked from the README and the book's introduction)"
 	@echo "make test-cluster  start a single-node SLURM on localhost (root) and run the smoke grid through it"
 	@echo "make test    run the test suite (every tier: tests/ief, tests/companion, tests/book), after the smoke book"
 	@echo "make test-lib  the library's tier alone (tests/ief: oracles, routes, guards): the inner loop, minutes"
@@ -93,9 +102,23 @@ $(CHROMIUM):
 	@echo "==> installing Debian's chromium for the browser test (needs root: otherwise install it yourself)"
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
-# The workflow decides what is out of date; an interrupted build resumes where it stopped.
+# The workflow decides what is out of date; an interrupted build resumes where it stopped. FROM=record renders the
+# recorded chapters instead (tools/book/record.py): no training, no notebook executed; .github/workflows/book.yml
+# publishes that book, and tests/book/test_record.py runs the same command.
 book: $(ENV_READY)
+ifeq ($(FROM),record)
+	$(PYTHON) -m tools.book from-record $(if $(BOOK_OUTPUT),--output $(BOOK_OUTPUT))
+else ifeq ($(FROM),)
 	$(PYTHON) -m tools.book build --scale $(SCALE) --profile $(PROFILE) $(foreach c,$(CONFIG),--config '$(c)')
+else
+	@echo "make book: unknown FROM=$(FROM); accepted: FROM=record (the recorded chapters), or none (the workflow)" >&2
+	@exit 2
+endif
+
+# After a cpu build: its executed chapters and the tables they read into book/recorded/cpu/ (tracked), with the
+# commit, the machine and the build's cost; refuses a build older than a chapter's notebook or of uncommitted code.
+record: $(ENV_READY)
+	$(PYTHON) -m tools.book record
 
 # The commands that wrote the committed benchmarks/results/*.json (each record holds its exact command).
 BENCH_RESULTS := benchmarks/results

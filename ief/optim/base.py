@@ -41,6 +41,7 @@ from ..jacobian.guard import deferred_finiteness
 from ..losses import check_damping, count_targets, get_loss
 from ..model_call import Inputs, _cuda_devices, call_model
 from ..rows import as_rows
+from ..sharded import ROUTE, default_group, inspect, unsharded_group
 from . import state as saved
 from .auto_lr import AUTO, INITIAL, AutoRate, check_auto, replayed, rng_states
 from .calls import explained_step
@@ -65,6 +66,7 @@ from .options import (
     how_to_step,
     looks_unshifted,
 )
+from .report import StepReport, step_report
 from .stall import StallWatch
 from .update import preconditioned_update
 
@@ -122,6 +124,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     _needs_positive_damping = False
     _auto_lr = False  # whether lr="auto" (ief.optim.auto_lr) is offered
     _across_processes = True  # the step is exact over the union of the ranks' batches (ief.distributed)
+    _fsdp2_refusal: str | None = None  # why the method cannot step on FSDP2 shards (None: it can, ief.sharded)
     method = ""  # "ief" / "ef" / "sf" / "kfac": the rule that converts a token-mean rate (reduction="mean")
 
     def __init__(self, model: torch.nn.Module, lr: float | str, damping: float | None, settings: Settings):
@@ -129,7 +132,10 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if not isinstance(model, torch.nn.Module):  # a ValueError, as every bad argument of the constructors
             raise ValueError(  # noqa: TRY004
                 f"model must be a torch.nn.Module (the optimiser runs its forward), got {type(model).__name__}")
-        self._group = resolve_group(model, settings.process_group, type(self).__name__)
+        group = settings.process_group
+        if group is None:  # an FSDP2 model steps across the processes it is sharded over (ief.sharded)
+            group = default_group(model, type(self).__name__)
+        self._group = resolve_group(model, group, type(self).__name__)
         self._auto: AutoRate | None = None
         if check_auto(lr, type(self).__name__, self._auto_lr):  # the adapted rate (ief.optim.auto_lr)
             self._auto = AutoRate(INITIAL[self.method])
@@ -144,6 +150,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         weight_decay = check_weight_decay(settings.weight_decay)
         self.reduction = check_reduction(settings.reduction)
         groups = resolve_groups(model, settings.params)
+        self._sharded = inspect(model, [p for g in groups for p in g["params"]], type(self).__name__,
+                                supported=self._fsdp2_refusal, auto_lr=self._auto is not None,
+                                process_group=settings.process_group)
         super().__init__(groups, {"lr": lr, "damping": damping, "normalize": bool(settings.normalize),
                                   "total_steps": total_steps, "momentum": momentum, "dampening": dampening,
                                   "weight_decay": weight_decay})
@@ -159,6 +168,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._warned_divergence = False
         self.stall_watch = StallWatch(type(self).__name__)  # warns once when the loss stays put (ief.optim.stall)
         self._per_target = getattr(self, "_per_target", (False, False))  # IEF's defaults (ief.optim.defaults)
+        self.last_step_report: StepReport | None = None  # what the last step ran (ief.optim.report)
+        self._reported: tuple = (None, None)  # this rank's rows and the union's (_union_rows), for the report
         self._constructed = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -298,9 +309,10 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         given, batch, tokens = self._settings_for(inputs, targets)
         number, auto = self.steps_taken, given["lr"] == AUTO
         rng = self._rng_states() if auto else None  # the forward's, replayed by the probe after the update
+        self._reported = (None, None)
         try:
-            with torch.enable_grad():
-                found = self._direction(inputs, targets, batch)
+            with torch.enable_grad(), unsharded_group(self._sharded, batch) as stepped:  # (FSDP2: ief.sharded)
+                found = self._direction(inputs, targets, stepped)
         except FloatingPointError as err:
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
         checks = self._checks_of(found, number)
@@ -309,6 +321,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._update(given, batch, found, tokens, checks)
         found.keep()  # (K-FAC's running factors: kept once the step succeeded)
         self.last_losses = found.losses
+        self.last_step_report = self._report(number, found)
         return found.losses.sum() if tokens is None else found.losses.sum() / tokens
 
     def _settings_for(self, inputs: Inputs, targets: torch.Tensor) -> tuple[dict, dict, int | None]:
@@ -384,7 +397,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             self._all_params(), found.direction, self.state, lr=rates, momentum=given["momentum"],
             dampening=given["dampening"], weight_decay=decays, normalize=batch["normalize"],
             total_steps=given["total_steps"], batch_factor=factor, checks=checks,
-            direction_message=found.direction_message(), keep_change=auto is not None)
+            direction_message=found.direction_message(), keep_change=auto is not None, sharded=self._sharded)
         if auto is not None:
             auto.delta = update.change
         self.last_update_norm = update.norm
@@ -533,9 +546,19 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         the ranks' sample counts (exchanged here, once per step; :meth:`_union_vector` takes them)."""
         rows = as_rows(jacobian)
         if self._group is None:
+            self._reported = (jacobian, None)
             return rows, None
         sizes = batch_sizes(rows.shape[0], self._group, collective_device(self._group))
-        return DistributedRows(rows, self._group, sizes), sizes
+        union = DistributedRows(rows, self._group, sizes)
+        self._reported = (jacobian, union)
+        return union, sizes
+
+    def _report(self, number: int, found: Direction) -> StepReport:
+        """The certificate of the step just taken (:mod:`ief.optim.report`)."""
+        rows, union = self._reported
+        method = found.solved[0] if found.solved is not None else type(self).__name__
+        return step_report(number, method, rows, self._param_names(), union,
+                           None if self._sharded is None else ROUTE)
 
     def _union_vector(self, local: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
         """A per-sample vector of this rank (losses, ``s``), or the union batch's (``sizes``: :meth:`_union_rows`'),

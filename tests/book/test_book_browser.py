@@ -9,11 +9,15 @@ visible text (math MathJax never typeset) and no MathJax error, no raw ``\\label
 listings, at most 2 visible code inputs, every image shown at >= 50 % of its natural width or enlarged on click
 (checked by clicking), and every figure's smallest text >= 9 px as shown, with a note under a reduced one.
 Full-page screenshots of every page are kept under ``_build/screenshots/`` to look at.
+
+``IEF_BOOK=D`` tests the book built in ``D/_build/html`` instead (e.g. the book from the record:
+``make book FROM=record BOOK_OUTPUT=_build/record``, then ``IEF_BOOK=_build/record pytest -m browser ...``).
 """
 from __future__ import annotations
 
 import functools
 import http.server
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -23,7 +27,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-BOOK = ROOT / "_build" / "smoke"
+BOOK = Path(os.environ["IEF_BOOK"]).resolve() if os.environ.get("IEF_BOOK") else ROOT / "_build" / "smoke"
 HTML = BOOK / "_build" / "html"
 SCREENSHOTS = ROOT / "_build" / "screenshots"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -43,6 +47,7 @@ def toc_files() -> list[str]:
 @pytest.fixture(scope="module")
 def book() -> Path:
     if not (HTML / "index.html").exists():
+        assert not os.environ.get("IEF_BOOK"), f"IEF_BOOK names no built book: {HTML / 'index.html'} is missing"
         from tools.book.cli import main
 
         assert main(["--scale", "smoke", "--output", str(BOOK)]) == 0, "building the smoke book failed"

@@ -12,6 +12,12 @@ build step the workflow's rules call (``execute``, ``publish``, ``timings``, ``m
 - ``record-cold-build --log _build/build-log.jsonl --load idle|loaded``: put the log's last successful cold build
   into the committed record ``book/cold-builds.json``, replacing that scale's entry
   (:func:`tools.book.steps.record_cold_build`).
+- ``record``: after a cpu build, its executed chapters and the tables they read into ``book/recorded/cpu/`` with
+  their manifest, and the README's and the introduction's links to them (:func:`tools.book.record.record`).
+- ``check-record``: what makes the record stale or wrong, one line each; exit 1 if anything
+  (:func:`tools.book.record.check`).
+- ``from-record [--output D]``: the HTML from the recorded chapters, nothing executed (``make book FROM=record``;
+  :func:`tools.book.record.build`).
 - ``mathjax``: MathJax 3 from the npm registry into ``_build/vendor``, once (:func:`tools.book.steps.mathjax`).
 - ``jupyter-book [--output D]``: the HTML, execution off, warnings are errors (:func:`tools.book.steps.jupyter_book`).
 """
@@ -29,7 +35,8 @@ from . import driver, steps
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand (``build`` when none is named); returns the exit status (0: done)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    subcommands = ("build", "execute", "publish", "timings", "record-cold-build", "mathjax", "jupyter-book")
+    subcommands = ("build", "execute", "publish", "timings", "record-cold-build", "record", "check-record",
+                   "from-record", "mathjax", "jupyter-book")
     if not argv or argv[0] not in subcommands + ("-h", "--help"):
         argv = ["build", *argv]  # python -m tools.book --scale smoke
     parser = argparse.ArgumentParser(prog="python -m tools.book", description=__doc__.split("\n\n")[0])
@@ -72,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="Snakemake's own log of that build (.snakemake/log/*.snakemake.log), for each job's time "
                         "where the build log has none")
     r.add_argument("--record", type=Path, default=None, help="the record (default book/cold-builds.json)")
+    sub.add_parser("record", help="record the executed chapters of a cpu build in book/recorded/cpu (make record)")
+    sub.add_parser("check-record", help="say what makes the record stale or wrong (exit 1 if anything)")
+    f = sub.add_parser("from-record",
+                       help="the HTML from the recorded chapters, nothing executed (make book FROM=record)")
+    f.add_argument("--output", type=Path, default=None, help="build into OUTPUT/_build/html instead of _build/html")
     sub.add_parser("mathjax", help="install MathJax from npm into _build/vendor (once)")
     j = sub.add_parser("jupyter-book", help="jupyter-book build -W (execution off)")
     j.add_argument("--output", type=Path, default=None)
@@ -102,6 +114,29 @@ def main(argv: list[str] | None = None) -> int:
             steps.log_line(f"recorded the cold {entry['scale']} build of {entry['finished']} "
                            f"({steps.format_minutes(entry['wall_time_s'])}, {entry['load']}) in "
                            f"{args.record or steps.cost.RECORD}")
+        elif args.step == "record":
+            from . import record
+
+            try:
+                manifest = record.record()
+            except record.RecordError as err:
+                steps.log_line(f"FAILED: {err}")
+                return 1
+            steps.log_line(f"recorded {len(manifest['chapters'])} chapters of commit {manifest['commit'][:12]} in "
+                           f"{record.record_dir().relative_to(steps.ROOT)} ({manifest['size_bytes'] / 2**20:.1f} MiB)")
+        elif args.step == "check-record":
+            from . import record
+
+            problems = record.check()
+            for line in problems:
+                steps.log_line(f"record: {line}")
+            if problems:
+                return 1
+            steps.log_line("the record is a cpu build of every chapter, with the sources' code cells")
+        elif args.step == "from-record":
+            from . import record
+
+            return record.build(args.output)
         elif args.step == "mathjax":
             steps.mathjax()
         else:

@@ -326,15 +326,22 @@ def chapter_costs_markdown(record: dict[str, dict]) -> str:
     return text
 
 
-def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG, record: Path = cost.RECORD) -> str:
-    """Markdown for the timings page: the last cold build of each scale from the committed record
-    (``book/cold-builds.json``: date, machine, load, wall time, job time by rule, each chapter's cost), then this
-    checkout's own measurements: each notebook's execution time per scale (from its provenance) and the whole-book
-    builds logged by :func:`tools.book.driver.build` (the last cold build, every notebook executed, and the last
-    no-op rebuild, per scale)."""
+def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG, record: Path = cost.RECORD,
+                  record_section: bool = True) -> str:
+    """Markdown for the timings page: the recorded chapters' build and how many commits it is behind this checkout
+    (:func:`tools.book.record.timings_markdown`; ``record_section=False`` leaves it to the caller), the last cold
+    build of each scale from the committed record (``book/cold-builds.json``: date, machine, load, wall time, job time
+    by rule, each chapter's cost), then this checkout's own measurements: each notebook's execution time per scale
+    (from its provenance) and the whole-book builds logged by :func:`tools.book.driver.build` (the last cold build,
+    every notebook executed, and the last no-op rebuild, per scale)."""
     root = executed_root or ROOT / "_build" / "executed"
     committed = cost.read_record(record)
-    text = ("### The last cold build of each scale\n\n"
+    text = ""
+    if record_section:
+        from .record import timings_markdown
+
+        text += timings_markdown() + "\n"
+    text += ("### The last cold build of each scale\n\n"
             "A cold build executes every notebook and builds the book from nothing (`make book`, at a scale). Each "
             "scale's last one is committed in `book/cold-builds.json`, recorded from its build's log by "
             "`python -m tools.book record-cold-build`, so a fresh clone states them too; a loaded machine (other "
@@ -444,8 +451,9 @@ def mathjax() -> None:
     log_line(f"installing MathJax {MATHJAX_VERSION} from the npm registry (once) ...")
     npm_dir = VENDOR / "npm"
     npm_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(npm_dir),
-                    f"mathjax@{MATHJAX_VERSION}"], check=True)
+    # --prefer-offline: a MathJax already in npm's cache (an earlier build, another checkout) installs offline
+    subprocess.run(["npm", "install", "--silent", "--prefer-offline", "--no-audit", "--no-fund", "--prefix",
+                    str(npm_dir), f"mathjax@{MATHJAX_VERSION}"], check=True)
     source = npm_dir / "node_modules" / "mathjax" / "es5"
     destination = MATHJAX_ENTRY.parent
     shutil.rmtree(destination, ignore_errors=True)
@@ -455,16 +463,18 @@ def mathjax() -> None:
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def jupyter_book(output: Path | None = None) -> Path:
+def jupyter_book(output: Path | None = None, source: Path = ROOT) -> Path:
     """Build the HTML into ``<output>/_build/html`` (default: the repository, i.e. ``_build/html``).
 
-    Every page is re-read (``--all``), so ``-W`` sees every warning; jupyter-book's own output (its configuration,
-    colours) is kept out of the console: a summary line, or the warnings and errors when the build fails."""
+    ``source``: the book's source tree (default the repository; the book from the record renders a tree of its own,
+    :func:`tools.book.record.stage`). Every page is re-read (``--all``), so ``-W`` sees every warning; jupyter-book's
+    own output (its configuration, colours) is kept out of the console: a summary line, or the warnings and errors
+    when the build fails."""
     base = ROOT if output is None else Path(output).resolve()
     html = base / "_build" / "html"
     exe = Path(sys.executable).with_name("jupyter-book")
-    command = [str(exe) if exe.exists() else "jupyter-book", "build", str(ROOT), "-W", "--keep-going", "--all"]
-    if output is not None:
+    command = [str(exe) if exe.exists() else "jupyter-book", "build", str(source), "-W", "--keep-going", "--all"]
+    if output is not None or Path(source) != ROOT:
         command += ["--path-output", str(base)]
     log_line("jupyter-book build (execution off, warnings are errors) ...")
     start = time.time()

@@ -45,7 +45,7 @@ MODULES: dict[str, list[str]] = {
     # test files
     "ief/jacobian/": ["tests/ief/test_jacobian.py", "tests/ief/test_conv.py", "tests/ief/test_guard.py",
                       "tests/ief/test_layer_rules.py", "tests/ief/test_rule_registry.py"],
-    "ief/optim/": ["tests/ief/test_optim.py"],
+    "ief/optim/": ["tests/ief/test_optim.py", "tests/ief/test_optim_update.py"],
 }
 DETECTED = ("killed", "timeout")
 

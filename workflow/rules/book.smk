@@ -49,15 +49,21 @@ rule publish:
 
 
 rule timings:
-    """book/generated/timings.md: the committed cold builds (book/cold-builds.json, formatted by
-    companion/chapters/cost.py), execution times from the notebooks' provenance, build times from the build log."""
+    """book/generated/timings.md: the recorded chapters' build and how many commits it is behind (tools/book/record.py;
+    the count is a param, so a new commit rewrites the page), the committed cold builds (book/cold-builds.json,
+    formatted by companion/chapters/cost.py), execution times from the notebooks' provenance, build times from the
+    build log."""
     input:
         provenance=[f"{EXECUTED}/{name}.provenance.json" for name in NOTEBOOKS],
         tool="tools/book/steps.py",
+        record_tool="tools/book/record.py",
+        record=RECORD_MANIFEST,
         cold_builds="book/cold-builds.json",
         cost="companion/chapters/cost.py",
     output:
         "book/generated/timings.md",
+    params:
+        record_behind=RECORD_BEHIND,
     priority: PRIORITY["normal"]
     shell:
         "{PYTHON} -m tools.book timings"

@@ -11,6 +11,7 @@ ROOT = Path(workflow.basedir).parent
 sys.path.insert(0, str(ROOT))  # tools.book and ief from this checkout
 
 from tools.book import steps as BOOK  # noqa: E402  (the library of build steps)
+from tools.book import record as RECORD  # noqa: E402  (the recorded chapters)
 
 SCALE = str(config["scale"])
 if SCALE not in BOOK.SCALES:
@@ -189,6 +190,11 @@ def notebook_results(name: str) -> list[str]:
 
 
 EXECUTED = f"_build/executed/{SCALE}"
+# the recorded chapters (tools/book/record.py): the timings page states their commit and how far behind it is
+_RECORD = RECORD.record_dir() / RECORD.MANIFEST
+RECORD_MANIFEST = [str(_RECORD.relative_to(ROOT))] if _RECORD.exists() else []
+RECORD_BEHIND = (str(RECORD.commits_behind(RECORD.read_manifest()["commit"])) if _RECORD.exists()
+                 else "no record")
 PUBLISHED = [f"book/generated/{name}.ipynb" for name in NOTEBOOKS]
 BOOK_BASE = Path(config["book_output"]) if config.get("book_output") else Path(".")
 BOOK_INDEX = str(BOOK_BASE / "_build" / "html" / "index.html")

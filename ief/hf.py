@@ -451,7 +451,15 @@ class IEFTrainer(transformers.Trainer):
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         """``transformers.Trainer``'s scheduler, or under ``lr="auto"`` one that schedules nothing (the optimiser
-        sets its rate every step) and reports the last step's rate to the logs."""
+        sets its rate every step) and reports the last step's rate to the logs.
+
+        Args:
+            num_training_steps: the run's optimiser steps (the Trainer's schedule spans them).
+            optimizer: the optimiser to schedule (default: the Trainer's).
+
+        Returns:
+            The scheduler (``self.lr_scheduler``).
+        """
         if self.auto_lr and self.lr_scheduler is None:
             self.lr_scheduler = _AdaptedRate(self.optimizer if optimizer is None else optimizer)
             return self.lr_scheduler

@@ -9,7 +9,7 @@ import importlib
 import sys
 
 BENCHMARKS = ("step", "paper_mlp", "conv2d", "evaluation", "damping_sweep", "hf_layers", "fvp", "gpt2_full",
-              "slow_paths", "distributed", "auto_lr")
+              "slow_paths", "distributed", "auto_lr", "defaults")
 COMMANDS = BENCHMARKS + ("report",)
 
 

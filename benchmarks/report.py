@@ -38,6 +38,7 @@ HEADINGS = {
     "damping_sweep": "The damping sweep",
     "distributed": "The exact iEF step across processes against DDP + AdamW",
     "auto_lr": "iEF's step size: the default, lr=\"auto\" and a searched rate (issue 37)",
+    "defaults": "iEF's default rate across label counts, beside AdamW",
 }
 
 

@@ -13,7 +13,7 @@ model = peft.get_peft_model(T5ForConditionalGeneration(config), peft.LoraConfig(
 input_ids = torch.randint(2, 64, (32, 10))                 # a toy task: copy the first two tokens
 labels = input_ids[:, :2].clone()                           # class indices; -100 marks ignored positions
 inputs = dict(input_ids=input_ids, decoder_input_ids=model.prepare_decoder_input_ids_from_labels(labels=labels))
-opt = ief.optim.IEF(model, lr=1.0, damping=1e-7)            # the exact iEF update (alg:iEF)
+opt = ief.optim.IEF(model, lr=1.0, damping=1e-7)            # the exact iEF update (the paper's Algorithm 1)
 for step in range(30):                                      # your loop: no backward(), no zero_grad()
     loss = opt.step(inputs, labels)                         # forward + per-sample backward + update
     if step % 10 == 0:

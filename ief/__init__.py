@@ -1,7 +1,8 @@
 """ief: exact empirical-Fisher-type natural-gradient tools for PyTorch.
 
 Companion code for *An Improved Empirical Fisher Approximation for Natural Gradient Descent* (Wu, Yu, Zhang,
-Woodland, NeurIPS 2024). Docstrings cite the paper's equation labels (e.g. ``eqn:iEF_lsq``).
+Woodland, NeurIPS 2024). Docstrings cite the paper's equations, algorithms and
+appendices by their numbers in the paper (e.g. Eq. (8), Algorithm 1).
 
 Conventions, followed by every function of the package:
 
@@ -14,7 +15,7 @@ Conventions, followed by every function of the package:
   positions. Position ``t``'s logits are scored against ``targets[:, t]``: for a causal LM pass
   ``causal_lm_targets(labels)`` (the next token), not Hugging Face's unshifted ``labels``.
 - The per-sample loss ``l_n`` is the sum of the cross-entropies over sample ``n``'s non-ignored positions and the
-  batch loss is ``L = sum_n l_n`` (``eqn:prob_loss``). ``z_n`` is all logits of sample ``n``, so
+  batch loss is ``L = sum_n l_n`` (Eq. (1)). ``z_n`` is all logits of sample ``n``, so
   ``||grad_{z_n} l_n||^2`` sums over its positions.
 - The parameters are the model's trainable ones (``requires_grad=True``), flattened in ``model.parameters()``
   order, unless ``params=`` is given. Frozen weights (LoRA bases, a T5 body) are never differentiated.

@@ -1,6 +1,6 @@
 """Exact Fisher(=GGN)-vector products and the paper's indicator gamma, without ever forming a ``P x P`` matrix.
 
-For softmax cross-entropy the Fisher equals the generalised Gauss-Newton matrix (``sec:app-eval-complexity``)::
+For softmax cross-entropy the Fisher equals the generalised Gauss-Newton matrix (Appendix F.1.1)::
 
     F v = sum_n J_{z_n}^T H_n J_{z_n} v,   H_n = diag(p) - p p^T at every kept position of sample n,
 
@@ -84,7 +84,7 @@ class FisherOperator:
     Built once per point (model, batch). ``.gradient`` is the batch gradient ``grad L`` at the same point (same
     dropout masks), computed when first read. Per product:
 
-    - ``method="double_backward"`` (default; the paper's double-differentiation trick, ``sec:app-eval-complexity``):
+    - ``method="double_backward"`` (default; the paper's double-differentiation trick, Appendix F.1.1):
       the forward graph and the graph of ``u -> J_z^T u`` are built once, at construction; every product then costs
       two backward-type passes (``J_z v`` by differentiating ``J_z^T u`` w.r.t. ``u``, then ``J_z^T (H J_z v)``), so
       repeated products (a CG solve) never repeat the forward. The probe ``u`` is given the value of the logit
@@ -97,7 +97,7 @@ class FisherOperator:
       ``CheckpointError``) the tangents come from a dual forward without graph and the graph from a plain forward,
       remembered per model.
 
-    What Hessian-free CG (:func:`ief.hessian_free`, ``alg:CG``) multiplies by.
+    What Hessian-free CG (:func:`ief.hessian_free`, Algorithm 5) multiplies by.
 
     Args:
         model: returns logits ``[M, C]`` / ``[M, T, C]`` (the package's conventions, :mod:`ief`).
@@ -250,7 +250,7 @@ def fisher_vp(
 ) -> torch.Tensor:
     """Exact Fisher (= GGN) times ``vector``, summed over samples and kept positions, ``[P]``.
 
-    ``F v = sum_n J_{z_n}^T H_n J_{z_n} v`` (``sec:app-eval-complexity``). Methods:
+    ``F v = sum_n J_{z_n}^T H_n J_{z_n} v`` (Appendix F.1.1). Methods:
 
     - ``"forward"``: one dual-number forward gives ``z`` and ``J_z v`` together, then one backward of
       ``J_z^T (H J_z v)``: forward + tangents + backward. Raises :class:`ForwardModeUnsupported` (naming the module)
@@ -320,7 +320,7 @@ def gamma(
     loss: str | Loss = "cross_entropy",
     method: str = "forward",
 ) -> float:
-    """The indicator ``gamma(d) = sqrt(d^T F d) / |d^T grad L|`` (Section ``sec:eval_framework``).
+    """The indicator ``gamma(d) = sqrt(d^T F d) / |d^T grad L|`` (Section Sec. 6).
 
     Smaller is a better approximation of the natural gradient direction; it is invariant to the scale and sign of
     ``d``. ``inf`` when ``d`` is orthogonal to the gradient.
@@ -374,7 +374,7 @@ def gammas(
     loss: str | Loss = "cross_entropy",
     method: str = "forward",
 ) -> list[float]:
-    """The indicator ``gamma(d_k) = sqrt(d_k^T F d_k) / |d_k^T grad L|`` (``sec:eval_framework``, ``alg:eval``) of the
+    """The indicator ``gamma(d_k) = sqrt(d_k^T F d_k) / |d_k^T grad L|`` (Sec. 6, Algorithm 4) of the
     ``K`` rows of ``directions [K, P]`` at one point, in one batched pass: ``K`` values equal to ``K`` calls of
     :func:`gamma` (to rounding), for the cost of about one forward plus ``K`` tangent propagations.
 
@@ -385,7 +385,7 @@ def gammas(
     the same values by double backward: one forward, one backward with ``create_graph`` and one backward-type pass
     per direction. ``method="double_backward"`` takes that path directly.
 
-    Used by the evaluation (``alg:eval``) to rate every method's direction at a checkpoint from one batched pass.
+    Used by the evaluation (Algorithm 4) to rate every method's direction at a checkpoint from one batched pass.
 
     Args:
         model: returns logits ``[M, C]`` / ``[M, T, C]`` (the package's conventions, :mod:`ief`).

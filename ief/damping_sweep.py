@@ -1,13 +1,13 @@
-"""EF / iEF / SF indicators for many dampings on one batch (experiment E3, ``sec:exp-damping``,
-``fig:damping_gamma_cola-t5-lora``): exactly the numbers of one :func:`ief.evaluate` per damping, for one
+"""EF / iEF / SF indicators for many dampings on one batch (experiment E3, Sec. 7 (E3),
+Fig. 3): exactly the numbers of one :func:`ief.evaluate` per damping, for one
 per-sample backward and one Gram matrix per batch.
 
 What is shared and what is not. The expensive part of an evaluation is the batch's per-sample gradients ``J [M, P]``
 (and SF's sampled ``A``): they do not depend on the damping, so they are formed once (from the batch's logit
 Jacobian ``J_z`` when :func:`ief.logit_space.logit_route` takes it, as the evaluation does), and so are the float64
 Gram matrices ``J J^T`` and ``A A^T`` (``M x M``, the ``M^2 P`` part of a Woodbury solve). Per ``(method, lambda)``
-the direction is then computed by the very functions of :mod:`ief.directions` (``eqn:EF_lsq``, ``eqn:iEF_lsq``,
-``eqn:SF-smw``: an ``M x M`` solve, the combination ``J^T c`` in float64 parameter space, the cast to the model's
+the direction is then computed by the very functions of :mod:`ief.directions` (Eq. (5), Eq. (8),
+Eq. (49): an ``M x M`` solve, the combination ``J^T c`` in float64 parameter space, the cast to the model's
 dtype) and rated by :func:`ief.evaluation.rate`, the evaluation's own ``gamma`` (a product with ``J_z``, or one
 forward-mode pass). Every record is therefore the value :func:`ief.evaluate` computes at that damping (the tests
 check it, and both against a dense float64 oracle, on singular and near-singular Grams and ``lambda = 0``).
@@ -101,7 +101,7 @@ def damping_sweep(
     generator: torch.Generator | None = None,
     logit_space: bool | LogitJacobian | None = None,
 ) -> list[dict[str, Any]]:
-    """``gamma`` and ``gamma / gamma_SGD`` of EF / iEF / SF for every damping, on one batch (``sec:exp-damping``).
+    """``gamma`` and ``gamma / gamma_SGD`` of EF / iEF / SF for every damping, on one batch (Sec. 7 (E3)).
 
     Every value equals :func:`ief.evaluate` of the same batch at that damping (same route, same sampled labels for
     the same ``generator``): see the module docstring for how the work is shared and why no faster algebra is used.
@@ -113,7 +113,7 @@ def damping_sweep(
         params: the parameters (default ``None``: the model's trainable ones).
         loss: ``"cross_entropy"`` (default) or ``"mse"``.
         dampings: ``lambda`` values in the package's sum-loss convention; ``0`` allowed unless SF is swept
-            (``eqn:SF-smw`` divides by it).
+            (Eq. (49) divides by it).
         methods: a subset of ``("ef", "ief", "sf")`` (default: all three).
         generator: SF's label draws (its state at the call, as :func:`ief.evaluation.directions`; default ``None``:
             the global RNG).

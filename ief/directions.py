@@ -2,9 +2,9 @@
 
 A *direction* ``d`` is the preconditioned gradient; the update is ``theta <- theta - eta * d``.
 
-- iEF (``eqn:iEF_lsq``): ``d = J^T (J J^T + lambda I)^{-1} s_iEF``
-- EF (``eqn:EF_lsq``, the Woodbury form of ``eqn:EF_update``): ``d = J^T (J J^T + lambda I)^{-1} 1``
-- SF (``eqn:SF-smw``): ``d = (1/lambda) [g - A^T (A A^T + lambda I)^{-1} A g]`` with ``A`` the sampled Jacobian.
+- iEF (Eq. (8)): ``d = J^T (J J^T + lambda I)^{-1} s_iEF``
+- EF (Eq. (5), the Woodbury form of Eq. (4)): ``d = J^T (J J^T + lambda I)^{-1} 1``
+- SF (Eq. (49)): ``d = (1/lambda) [g - A^T (A A^T + lambda I)^{-1} A g]`` with ``A`` the sampled Jacobian.
 
 The Gram system is solved in float64: a Cholesky factorisation when ``J J^T + lambda I`` is safely positive
 definite, otherwise (duplicate samples, samples with zero gradient, ``lambda = 0``) an eigen-decomposition whose
@@ -170,13 +170,13 @@ def ief_solve(rows: Rows, logit_sqnorm: torch.Tensor, damping: float, check: boo
 
     Args:
         rows: ``J`` (:func:`ief.rows.as_rows`).
-        logit_sqnorm: ``[M]`` ``s_iEF`` (``eqn:s_ief``).
+        logit_sqnorm: ``[M]`` ``s_iEF`` (the unnumbered equation after Eq. (8)).
         damping: ``lambda >= 0``.
         check: raise when the direction is not finite in ``rows.dtype`` (default); ``False`` returns it as it is,
             for a caller that checks it itself (the optimisers: one host round-trip for the whole step).
 
     Returns:
-        The iEF direction ``[P]`` in ``rows.dtype`` (``eqn:iEF_lsq``).
+        The iEF direction ``[P]`` in ``rows.dtype`` (Eq. (8)).
 
     Raises:
         FloatingPointError: (``check``) the direction is not representable in ``rows.dtype``.
@@ -193,7 +193,7 @@ def ef_solve(rows: Rows, damping: float, check: bool = True) -> torch.Tensor:
         check: as :func:`ief_solve`.
 
     Returns:
-        The EF direction ``[P]`` in ``rows.dtype`` (``eqn:EF_lsq``).
+        The EF direction ``[P]`` in ``rows.dtype`` (Eq. (5)).
 
     Raises:
         FloatingPointError: (``check``) the direction is not representable in ``rows.dtype``.
@@ -213,7 +213,7 @@ def sf_solve(rows: Rows, grad: torch.Tensor, damping: float, check: bool = True)
         check: as :func:`ief_solve`.
 
     Returns:
-        The SF direction ``[P]`` in ``rows.dtype`` (``eqn:SF-smw``).
+        The SF direction ``[P]`` in ``rows.dtype`` (Eq. (49)).
 
     Raises:
         FloatingPointError: (``check``) the direction is not representable in ``rows.dtype``.
@@ -242,17 +242,18 @@ def sf_solve(rows: Rows, grad: torch.Tensor, damping: float, check: bool = True)
 
 
 def ief_direction(jacobian: torch.Tensor | Rows, logit_sqnorm: torch.Tensor, damping: float) -> torch.Tensor:
-    """iEF direction ``J^T (J J^T + lambda I)^{-1} s_iEF``, ``[P]`` (``eqn:iEF_lsq``).
+    """iEF direction ``J^T (J J^T + lambda I)^{-1} s_iEF``, ``[P]`` (Eq. (8)).
 
     The least-squares step that asks each sample's loss to fall by its logit-gradient norm ``||grad_{z_n} l_n||^2``
-    (``eqn:iEF_lsq``): ``J d = s_iEF`` to first order when ``lambda = 0``. The ``M x M`` Gram system ``J J^T`` is
+    (Eq. (8)): ``J d = s_iEF`` to first order when ``lambda = 0``. The ``M x M`` Gram system ``J J^T`` is
     accumulated and solved in float64 (Cholesky, or the minimum-norm eigen-solution when it is singular); cost
     ``O(M^2 P)`` for the Gram matrix and ``O(M^3)`` for the solve, no ``P x P`` matrix.
 
     Args:
         jacobian: ``[M, P]`` per-sample gradients (row ``n`` = ``grad_theta l_n``), a tensor or any
             :class:`ief.rows.Rows` (``ief.per_sample(..., form="auto").jacobian``).
-        logit_sqnorm: ``[M]`` ``||grad_{z_n} l_n||^2`` (``eqn:s_ief``; :attr:`PerSample.logit_sqnorm`).
+        logit_sqnorm: ``[M]`` ``||grad_{z_n} l_n||^2`` (the unnumbered equation after the paper's Eq. (8);
+            :attr:`PerSample.logit_sqnorm`).
         damping: ``lambda >= 0`` (``0`` gives the minimum-norm solution).
 
     Returns:
@@ -268,10 +269,10 @@ def ief_direction(jacobian: torch.Tensor | Rows, logit_sqnorm: torch.Tensor, dam
 
 
 def ef_direction(jacobian: torch.Tensor | Rows, damping: float) -> torch.Tensor:
-    """EF direction ``J^T (J J^T + lambda I)^{-1} 1``, ``[P]`` (``eqn:EF_lsq``).
+    """EF direction ``J^T (J J^T + lambda I)^{-1} 1``, ``[P]`` (Eq. (5)).
 
     The least-squares step that asks every sample's loss for the same reduction (the inversely-scaled projection of
-    ``sec:inversely-scaled-projection-issue``: its projection on sample ``n``'s gradient is ``1/||grad l_n||``).
+    Sec. 4: its projection on sample ``n``'s gradient is ``1/||grad l_n||``).
     Same float64 Gram solve and cost as :func:`ief_direction`.
 
     Args:
@@ -291,7 +292,7 @@ def ef_direction(jacobian: torch.Tensor | Rows, damping: float) -> torch.Tensor:
 def sf_direction(sampled_jacobian: torch.Tensor | Rows, grad: torch.Tensor, damping: float) -> torch.Tensor:
     """SF direction ``(A^T A + lambda I)^{-1} g = (1/lambda) [g - A^T (A A^T + lambda I)^{-1} A g]``, ``[P]``.
 
-    ``eqn:SF-smw``; ``damping`` must be > 0. Formed in float64 from the eigen-decomposition ``A A^T = Q diag(e) Q^T``
+    Eq. (49); ``damping`` must be > 0. Formed in float64 from the eigen-decomposition ``A A^T = Q diag(e) Q^T``
     without the bracket's cancellation: with ``g_perp = g - A^T Q diag(1/e) Q^T A g`` (``g`` less its part in ``A``'s
     row space),
 

@@ -3,7 +3,7 @@
 Data-parallel training gives each of ``R`` processes (ranks) its own ``M_r`` samples. The exact EF / iEF / SF update
 of the union batch (``M = sum_r M_r`` samples, concatenated in rank order) couples every pair of samples through the
 Gram matrix ``J J^T``, whose blocks ``J_r J_s^T`` need rows of two ranks; it needs no approximation
-(``sec:app-iEF-impl``'s Woodbury form):
+(Appendix D.1's Woodbury form):
 
 - the Gram matrix: every rank forms the whole ``[M, M]`` float64 Gram from every rank's rows, all-gathered
   (``dist.all_gather``, each rank's part padded to the largest ``M_r``), so that every rank holds the same bits and

@@ -1,17 +1,17 @@
-"""The paper's evaluation framework as a function (``alg:eval``, ``sec:eval_framework``, ``sec:app-imp_eval_framework``).
+"""The paper's evaluation framework as a function (Algorithm 4, Sec. 6, Appendix F.1).
 
 For every batch: the batch gradient (the SGD direction), the direction of every requested method, and its exact
 indicator ``gamma(d) = sqrt(d^T F d) / |d^T grad L|`` (:func:`ief.gamma`: one forward-mode pass, no ``P x P``
 matrix). The ratio ``gamma / gamma_SGD`` is the paper's "relative approximation quality w.r.t. SGD" (below 1: better
 than SGD). Every record also carries the batch's *gradient-norm imbalance*, ``max_n ||grad l_n|| / min_n ||grad
-l_n||`` over the per-sample gradients (the fourth plot of ``fig:sample_gamma``; ``inf`` when a sample has a zero
+l_n||`` over the per-sample gradients (the fourth plot of Fig. 2; ``inf`` when a sample has a zero
 gradient).
 
-Methods (``METHODS``): ``sgd`` (``grad L``), ``ef`` / ``ief`` / ``sf`` (exact Woodbury directions, ``eqn:EF_lsq``,
-``eqn:iEF_lsq``, ``eqn:SF-smw``), ``kfac`` / ``ekfac`` / ``iekfac`` (block-diagonal, :func:`ief.kfac_direction`,
-``sec:app-iEF-eNGDopt``) and ``hf``: Hessian-free, ``cg_iterations`` conjugate-gradient steps on ``F x = grad L``
+Methods (``METHODS``): ``sgd`` (``grad L``), ``ef`` / ``ief`` / ``sf`` (exact Woodbury directions, Eq. (5),
+Eq. (8), Eq. (49)), ``kfac`` / ``ekfac`` / ``iekfac`` (block-diagonal, :func:`ief.kfac_direction`,
+Appendix D.2.2) and ``hf``: Hessian-free, ``cg_iterations`` conjugate-gradient steps on ``F x = grad L``
 (:func:`ief.hessian_free`), the reference closest to the natural gradient (CG minimises ``gamma`` step by step,
-``sec:app-CG-gamma``).
+Appendix F.2).
 
 Cost (the evaluation jobs' algebra): with ``logit_space=None`` (default) a model in eval mode whose samples have few
 logit entries (a classifier) gets its logit Jacobian ``J_z`` formed once per batch (:mod:`ief.logit_space`, one
@@ -52,7 +52,7 @@ METHODS = ("sgd", "ef", "ief", "sf", "kfac", "ekfac", "iekfac", "hf")
 
 
 def imbalance(jacobian: torch.Tensor) -> float:
-    """``max_n ||J_n|| / min_n ||J_n||``: the per-sample gradient-norm imbalance of a batch (``fig:sample_gamma``)."""
+    """``max_n ||J_n|| / min_n ||J_n||``: the per-sample gradient-norm imbalance of a batch (Fig. 2)."""
     norms = jacobian.to(torch.float64).norm(dim=1)
     low, high = float(norms.min()), float(norms.max())
     if low == 0.0:
@@ -84,7 +84,7 @@ def _dampings(methods: Sequence[str], damping: float | Mapping[str, float]) -> d
 
 
 def batch_generator(seed: int, index: int) -> torch.Generator:
-    """The generator of batch ``index``: SF's and KFAC's label draws, reproducible per record (``alg:eval``).
+    """The generator of batch ``index``: SF's and KFAC's label draws, reproducible per record (Algorithm 4).
 
     Args:
         seed: the evaluation's seed.
@@ -264,7 +264,7 @@ def evaluate_batch(
     logit_space: bool | LogitJacobian | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], LogitJacobian | None]:
-    """``alg:eval`` on one batch: ``(records, J_z or None)``; records as :func:`evaluate` (``batch`` not set).
+    """Algorithm 4 on one batch: ``(records, J_z or None)``; records as :func:`evaluate` (``batch`` not set).
 
     With the logit-space route (``logit_space``, see :func:`directions`) every ``gamma`` is a product with ``J_z``
     instead of a forward-mode pass; the returned ``J_z`` can be handed on (e.g. to :func:`ief.damping_sweep`).
@@ -316,7 +316,7 @@ def evaluate(
     extra: Mapping[str, Any] | None = None,
     logit_space: bool | None = None,
 ) -> list[dict[str, Any]]:
-    """``alg:eval`` over ``batches`` of ``(inputs, targets)``: one tidy record per (batch, method).
+    """Algorithm 4 over ``batches`` of ``(inputs, targets)``: one tidy record per (batch, method).
 
     Each record: ``batch`` (its index), ``method``, ``damping`` (``None`` for sgd and hf), ``gamma``, ``ratio``
     (``gamma / gamma_SGD`` of the same batch), ``imbalance`` (the batch's), plus the keys of ``extra`` (e.g. the

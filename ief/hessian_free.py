@@ -1,6 +1,6 @@
-"""Hessian-free: linear conjugate gradients on ``F x = grad L`` with exact Fisher-vector products (``alg:CG``).
+"""Hessian-free: linear conjugate gradients on ``F x = grad L`` with exact Fisher-vector products (Algorithm 5).
 
-``sec:app-CG-gamma`` shows that every CG step is an exact line search on ``gamma(x)^2``, so the indicator of the
+Appendix F.2 shows that every CG step is an exact line search on ``gamma(x)^2``, so the indicator of the
 iterates never increases. The gammas are free: with ``x_0 = 0`` the residual is ``r_m = b - F x_m``, hence
 ``x_m^T F x_m = x_m^T (b - r_m)``.
 """
@@ -22,7 +22,7 @@ class CGResult:
 
     Attributes:
         solution: the final iterate ``x_m`` ``[P]``, the approximate ``F^{-1} grad L``.
-        gammas: ``gamma(x_1) .. gamma(x_m)``, non-increasing (``sec:app-CG-gamma``).
+        gammas: ``gamma(x_1) .. gamma(x_m)``, non-increasing (Appendix F.2).
         residual_norms: ``||r_0|| .. ||r_m||``.
     """
 
@@ -45,7 +45,7 @@ def hessian_free(
 ) -> torch.Tensor | CGResult:
     """Approximate natural-gradient direction ``F^{-1} grad L`` after ``iterations`` CG steps from ``x_0 = 0``.
 
-    ``alg:CG``. Cost: one :class:`ief.FisherOperator` (a forward and a backward with graph), then one Fisher-vector
+    Algorithm 5. Cost: one :class:`ief.FisherOperator` (a forward and a backward with graph), then one Fisher-vector
     product per iteration (two backward-type passes with the default method). Stops early when the residual norm
     falls to ``tolerance * ||grad L||``, or to rounding level
     (``100 eps ||grad L||`` in the model's dtype: past it CG iterates on noise, which leaks into the null space of
@@ -61,7 +61,7 @@ def hessian_free(
         iterations: the number of CG steps ``m >= 0`` (``0`` returns the zero vector).
         params: the parameters (default ``None``: the model's trainable ones).
         loss: ``"cross_entropy"`` (default) or ``"mse"``.
-        return_gammas: return a :class:`CGResult` with every iterate's ``gamma`` (free: ``sec:app-CG-gamma``)
+        return_gammas: return a :class:`CGResult` with every iterate's ``gamma`` (free: Appendix F.2)
             instead of the direction alone (default ``False``).
         tolerance: stop when ``||r|| <= tolerance * ||grad L||`` (default ``0.0``: only the rounding-level rules).
         method: the Fisher products' route, ``"double_backward"`` (default) or ``"forward"``
@@ -91,7 +91,7 @@ def conjugate_gradient(
     tolerance: float = 0.0,
     return_gammas: bool = False,
 ) -> torch.Tensor | CGResult:
-    """``alg:CG`` on ``F x = b`` from ``x_0 = 0`` for any product ``matvec(v) = F v`` (``v`` in ``b``'s dtype),
+    """Algorithm 5 on ``F x = b`` from ``x_0 = 0`` for any product ``matvec(v) = F v`` (``v`` in ``b``'s dtype),
     with the stopping rules of :func:`hessian_free`; float64 recurrences, the solution in ``b``'s dtype. Used by
     :func:`hessian_free` and by the evaluation's logit-space route (:mod:`ief.logit_space`)."""
     b64 = b.to(torch.float64)

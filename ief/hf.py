@@ -1,7 +1,7 @@
 """The ief optimisers inside ``transformers.Trainer``: :class:`IEFTrainer` (beyond the paper).
 
-The exact iEF / EF / SF updates (``alg:iEF``, ``alg:EF``, ``alg:SF``) and the K-FAC family
-(``sec:app-iEF-eNGDopt``) need the batch: their ``step(inputs, targets)`` runs the forward and the per-sample
+The exact iEF / EF / SF updates (Algorithm 1, Algorithm 2, Algorithm 3) and the K-FAC family
+(Appendix D.2.2) need the batch: their ``step(inputs, targets)`` runs the forward and the per-sample
 backward itself (:mod:`ief.optim.exact`). ``transformers.Trainer`` instead runs ``loss.backward()`` in
 ``training_step`` and then calls ``optimizer.step()`` without the batch. :class:`IEFTrainer` changes one thing:
 its ``training_step`` hands the batch to the ief optimiser, which takes the whole update there; the Trainer loop's
@@ -16,6 +16,9 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
 
 - ``learning_rate`` is the optimiser's ``lr`` and the scheduler's base rate; the scheduler
   (``lr_scheduler_type``, warm-up included) writes ``param_groups[i]["lr"]`` before every step, as for AdamW.
+  ``optimizer_kwargs={"lr": "auto"}`` (``"ief"``, ``"ef"``, ``"sf"``) adapts the rate every step instead
+  (:mod:`ief.optim.auto_lr`): ``learning_rate`` and the scheduler are then not applied, and the logged
+  ``learning_rate`` is the last step's rate.
   ``weight_decay`` is the optimisers' decoupled (AdamW) decay with the Trainer's groups: no decay for biases and
   normalisation weights (:mod:`ief.optim.momentum`). ``optimizer_kwargs`` takes every other argument of the
   optimiser (``damping``, ``momentum``, ``reduction``, ``factor_decay``, ...); ``lr`` and ``weight_decay`` there
@@ -27,7 +30,7 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
   gets ``decoder_input_ids`` from its ``prepare_decoder_input_ids_from_labels`` (what it does with ``labels``) and
   the labels unshifted; a classifier's labels are its targets.
 - **Logged loss.** ``loss`` in the logs is ``L / K`` of the update's batch *before* the update: ``L = sum_n l_n``
-  (``eqn:prob_loss``) and ``K`` its counted targets (positions other than ``-100``), i.e. the mean cross-entropy
+  (Eq. (1)) and ``K`` its counted targets (positions other than ``-100``), i.e. the mean cross-entropy
   per counted target, which is the model's own ``outputs.loss`` on that batch and the scale of ``eval_loss``
   (whatever the optimiser's ``reduction``). With ``loss="mse"`` it is ``2 L / K``, the mean squared error of the
   model's ``outputs.loss``: the update keeps the package's per-sample loss ``l_n = 1/2 ||z_n - y_n||^2``, only the
@@ -76,6 +79,7 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import logging
 import warnings
@@ -85,6 +89,7 @@ import torch
 import transformers
 
 from .losses import IGNORE_INDEX, causal_lm_targets, count_targets
+from .optim.auto_lr import AUTO
 from .optim.exact import EF, IEF, MISSING, SF, ForeignStateError
 from .optim.kfac import KFAC
 from .jacobian import per_sample_prompts
@@ -96,7 +101,8 @@ KFAC_KINDS = ("kfac", "ekfac", "iekfac")
 _CLASSES = {"ief": IEF, "ef": EF, "sf": SF}
 _SAMPLING = ("sf", "kfac")  # the optimisers that draw labels from a generator
 _REFUSED_KWARGS = {
-    "lr": "the rate is TrainingArguments(learning_rate=...), which the scheduler starts from",
+    "lr": "the rate is TrainingArguments(learning_rate=...), which the scheduler starts from (the one value taken "
+          "here is lr='auto', the rate adapted every step: ief.optim.auto_lr)",
     "weight_decay": "the decay is TrainingArguments(weight_decay=...), applied with the Trainer's decay groups",
     "kind": "the K-FAC kind is the optimizer name ('kfac', 'ekfac' or 'iekfac')",
     "model": "the model is the Trainer's",
@@ -174,7 +180,7 @@ def split_batch(model: torch.nn.Module, batch: dict[str, Any], *,
     """A Hugging Face training batch (model inputs plus ``labels``) as the ief optimiser's ``(inputs, targets)``.
 
     The targets are scored position by position against the logits the model returns without labels
-    (``eqn:prob_loss``), so that ``sum_n l_n / K`` equals the model's own ``outputs.loss`` on the batch:
+    (Eq. (1)), so that ``sum_n l_n / K`` equals the model's own ``outputs.loss`` on the batch:
 
     - causal LM: ``causal_lm_targets(labels)`` (``targets[:, t] = labels[:, t + 1]``), with ``-100`` for the
       ``V`` virtual tokens of a peft prompt-learning model prepended first (its logits have ``V + T`` positions and
@@ -249,7 +255,41 @@ def _default_learning_rate() -> float:
     return next(f.default for f in dataclasses.fields(transformers.TrainingArguments) if f.name == "learning_rate")
 
 
-def _check_args(args: transformers.TrainingArguments) -> None:
+def _optimizer_name(optimizer: Any) -> str:
+    """``optimizer`` as one of :data:`OPTIMIZERS`, in any case (``"IEF"`` is ``"ief"``); ``ValueError`` naming the
+    accepted ones, and the closest, otherwise."""
+    name = optimizer.lower() if isinstance(optimizer, str) else optimizer
+    if isinstance(name, str) and name in OPTIMIZERS:
+        return name
+    close = difflib.get_close_matches(name, OPTIMIZERS, n=1, cutoff=0.5) if isinstance(name, str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZERS))} (any case), got {optimizer!r}"
+                     f"{hint}")
+
+
+class _AdaptedRate:
+    """The Trainer's scheduler under ``lr="auto"``: the optimiser sets its own rate every step, so nothing is
+    scheduled; the logged ``learning_rate`` is the rate of the last step (``last_lr``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        last = getattr(inner, "last_lr", None)
+        return [float("nan") if last is None else float(last)]
+
+    def state_dict(self) -> dict:
+        return {}  # the adapted rate lives in the optimiser's state_dict
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
+
+def _check_args(args: transformers.TrainingArguments, auto_lr: bool = False) -> None:
     """The ``TrainingArguments`` IEFTrainer refuses (``ValueError``) or ignores (warning)."""
     if args.fp16:
         raise ValueError(
@@ -269,11 +309,19 @@ def _check_args(args: transformers.TrainingArguments) -> None:
             f"update is a preconditioned step computed from per-sample gradients, no .grad exists to clip, and "
             f"clipping the update instead would change the method; pass max_grad_norm=0 to silence this warning",
             UserWarning, stacklevel=3)
-    if args.learning_rate == _default_learning_rate():
+    if auto_lr:
+        schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+        if schedule != "constant" or args.warmup_steps:
+            warnings.warn(
+                f"optimizer_kwargs={{'lr': 'auto'}}: the optimiser sets its rate every step, so learning_rate and "
+                f"lr_scheduler_type={schedule!r} (and any warm-up) are not applied",
+                UserWarning, stacklevel=3)
+    elif args.learning_rate == _default_learning_rate():
         warnings.warn(
             f"learning_rate is TrainingArguments' default {args.learning_rate:g}, an AdamW rate: it is the ief "
-            f"optimiser's lr here (iEF's rate in the sum convention is about 1; ief.optim.IEF's docstring)",
-            UserWarning, stacklevel=3)
+            f"optimiser's lr here (iEF, sum convention: about 0.3 for one label per sample, 0.3 / T for T target "
+            f"tokens per sample, e.g. 0.03 for a causal LM of 10; or optimizer_kwargs={{'lr': 'auto'}}; "
+            f"ief.optim.defaults)", UserWarning, stacklevel=3)
 
 
 class IEFTrainer(transformers.Trainer):
@@ -281,12 +329,14 @@ class IEFTrainer(transformers.Trainer):
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments (``model``, ``args``, ...).
-        optimizer: one of ``"ief"``, ``"ef"``, ``"sf"`` (:class:`ief.optim.IEF`, ``EF``, ``SF``: ``alg:iEF``,
-            ``alg:EF``, ``alg:SF``) or ``"kfac"``, ``"ekfac"``, ``"iekfac"`` (:class:`ief.optim.KFAC` of that kind,
-            ``sec:app-iEF-eNGDopt``; ``damping`` defaults to KFAC's, ``1.0``).
-        optimizer_kwargs: further keyword arguments of the optimiser (not ``lr``, ``weight_decay``, ``kind`` or
-            ``model``: see the module docstring). ``generator`` defaults, for ``"sf"`` and ``"kfac"``, to a
-            ``torch.Generator`` on the training device seeded with ``TrainingArguments.seed``.
+        optimizer: one of ``"ief"``, ``"ef"``, ``"sf"`` (any case) (:class:`ief.optim.IEF`, ``EF``, ``SF``: Algorithm 1,
+            Algorithm 2, Algorithm 3) or ``"kfac"``, ``"ekfac"``, ``"iekfac"`` (:class:`ief.optim.KFAC` of that kind,
+            Appendix D.2.2; ``damping`` and ``kl_clip`` default to KFAC's, ``1e-3`` each).
+        optimizer_kwargs: further keyword arguments of the optimiser (not ``weight_decay``, ``kind`` or ``model``,
+            and ``lr`` only as ``"auto"``: see the module docstring; ``{"lr": "auto"}``: the rate adapted every step,
+            :mod:`ief.optim.auto_lr`, for ``"ief"``, ``"ef"`` and ``"sf"``; no scheduler then). ``generator``
+            defaults, for ``"sf"`` and ``"kfac"``, to a ``torch.Generator`` on the training device seeded with
+            ``TrainingArguments.seed``.
         causal_lm: force (``True``) or disable (``False``) the causal-LM label shift; ``None``: detected as
             ``transformers.Trainer`` does (:func:`is_causal_lm`).
         **kwargs: ``transformers.Trainer``'s keyword arguments.
@@ -302,11 +352,14 @@ class IEFTrainer(transformers.Trainer):
 
     def __init__(self, *args: Any, optimizer: str = "ief", optimizer_kwargs: dict[str, Any] | None = None,
                  causal_lm: bool | None = None, **kwargs: Any):
-        if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZERS))}, got {optimizer!r}")
+        optimizer = _optimizer_name(optimizer)
         optimizer_kwargs = dict(optimizer_kwargs or {})
+        self.auto_lr = optimizer_kwargs.get("lr") == AUTO
+        if self.auto_lr and optimizer in KFAC_KINDS:
+            raise ValueError(f"optimizer_kwargs={{'lr': 'auto'}} is offered for 'ief', 'ef' and 'sf', not "
+                             f"{optimizer!r}: KFAC has no adapted rate (its kl_clip bounds each step instead)")
         for key, why in _REFUSED_KWARGS.items():
-            if key in optimizer_kwargs:
+            if key in optimizer_kwargs and not (key == "lr" and self.auto_lr):
                 raise ValueError(f"optimizer_kwargs may not contain {key!r}: {why}")
         given = inspect.signature(transformers.Trainer.__init__).bind(self, *args, **kwargs).arguments
         optimizers = given.get("optimizers", (None, None))
@@ -319,7 +372,7 @@ class IEFTrainer(transformers.Trainer):
                 raise ValueError(f"IEFTrainer does not take {key}: the ief optimiser chosen by optimizer= computes "
                                  f"the training loss and the update itself")
         if given.get("args") is not None:
-            _check_args(given["args"])
+            _check_args(given["args"], self.auto_lr)
         self.optimizer_name = optimizer
         self.optimizer_kwargs = optimizer_kwargs
         self.causal_lm = causal_lm
@@ -327,7 +380,7 @@ class IEFTrainer(transformers.Trainer):
         self._micro_batches: list[dict[str, Any]] = []
         super().__init__(*args, **kwargs)
         if given.get("args") is None:
-            _check_args(self.args)
+            _check_args(self.args, self.auto_lr)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
                 f"IEFTrainer does not run under {'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'}: "
@@ -388,13 +441,29 @@ class IEFTrainer(transformers.Trainer):
             kwargs["params"] = [g for g in groups if g["params"]]
         else:
             kwargs["weight_decay"] = self.args.weight_decay
-        lr = self.args.learning_rate
+        lr = kwargs.pop("lr") if self.auto_lr else self.args.learning_rate
         if self.optimizer_name in KFAC_KINDS:
             optimizer = _driven(KFAC)(model, self.optimizer_name, lr, **kwargs)
         else:
             optimizer = _driven(_CLASSES[self.optimizer_name])(model, lr, **kwargs)
         self.optimizer = self.ief_optimizer = optimizer
         return optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """``transformers.Trainer``'s scheduler, or under ``lr="auto"`` one that schedules nothing (the optimiser
+        sets its rate every step) and reports the last step's rate to the logs.
+
+        Args:
+            num_training_steps: the run's optimiser steps (the Trainer's schedule spans them).
+            optimizer: the optimiser to schedule (default: the Trainer's).
+
+        Returns:
+            The scheduler (``self.lr_scheduler``).
+        """
+        if self.auto_lr and self.lr_scheduler is None:
+            self.lr_scheduler = _AdaptedRate(self.optimizer if optimizer is None else optimizer)
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def train(self, *args: Any, **kwargs: Any):
         """``transformers.Trainer.train`` (micro-batches left by an interrupted call are dropped first).

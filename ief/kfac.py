@@ -1,5 +1,5 @@
 """Block-diagonal K-FAC directions: KFAC (sampled labels), eKFAC (empirical) and ieKFAC (iEF-rescaled), per
-``sec:app-iEF-eNGDopt``.
+Appendix D.2.2.
 
 For every trainable ``nn.Linear`` the Fisher block of its weight (and bias) is approximated by a Kronecker product
 ``F_W ~ G (x) A`` and the direction is ``d_W = (G (x) A + lambda I)^{-1} vec(grad_W L)``. Here, with ``a`` the
@@ -7,7 +7,7 @@ layer's input rows and ``g`` the gradients of the per-sample losses with respect
 
 - ``A = (1/R) sum_r a_r a_r^T`` (the mean over the ``R`` input rows; ``[a, 1]`` when the bias trains too),
 - ``G = sum_r w_r g_r g_r^T``, summed (not averaged) because the package's loss is the sum ``L = sum_n l_n``
-  (``eqn:prob_loss``), so that ``G (x) A`` has the scale of the Fisher block it approximates. ``g`` is computed
+  (Eq. (1)), so that ``G (x) A`` has the scale of the Fisher block it approximates. ``g`` is computed
   for labels drawn from the model (``kind="kfac"``: block-diagonal SF, K-BFGS's "KFAC"), for the true labels
   (``"ekfac"``: the empirical K-FAC of Kunstner et al., block-diagonal EF; *not* the eigenvalue-corrected EKFAC),
   or for the true labels with every row of sample ``n`` weighted by ``w_r = 1/s_n``, ``s_n = ||grad_{z_n} l_n||^2``
@@ -131,8 +131,9 @@ def check_linear_only(model: torch.nn.Module, params: Iterable[torch.nn.Paramete
                       kind: str = "kfac") -> None:
     """Raise the ``ValueError`` of :func:`kfac_direction` up front if a parameter is not an ``nn.Linear``'s.
 
-    K-FAC's factors (``sec:app-kfac``) exist for ``nn.Linear`` weights and biases only; this checks a model before a
-    long run instead of at its first K-FAC direction.
+    K-FAC's factors (Martens and Grosse's; the paper's appendix section "Improving Empirical K-FAC with IEF") exist
+    for ``nn.Linear`` weights and biases only; this checks a model before a long run instead of at its first K-FAC
+    direction.
 
     Args:
         model: the model whose parameters K-FAC would precondition.
@@ -337,7 +338,7 @@ def kfac_direction(
     loss: str | Loss = "cross_entropy",
     approx: str = "expand",
 ) -> torch.Tensor:
-    """Block-diagonal K-FAC direction ``[P]`` (parameter order of ``params``), ``sec:app-iEF-eNGDopt``.
+    """Block-diagonal K-FAC direction ``[P]`` (parameter order of ``params``), Appendix D.2.2.
 
     Per ``nn.Linear``: ``(G (x) A + lambda I)^{-1} grad``, with ``A`` the layer inputs' and ``G`` the output
     gradients' second moments; solved through the eigendecompositions of ``A`` (``I x I``) and ``G`` (``O x O``),
@@ -403,7 +404,7 @@ def block_diagonal_direction(blocks: list[KroneckerBlock], gradient: torch.Tenso
                              eigens: dict[str, tuple[torch.Tensor, ...]] | None = None,
                              check: bool = True) -> torch.Tensor:
     """The damped block-diagonal solve ``(G (x) A + lambda I)^{-1} grad`` of every layer, back in the parameter
-    order of ``params`` (``sec:app-iEF-eNGDopt``).
+    order of ``params`` (Appendix D.2.2).
 
     Args:
         blocks: the layers' factors (:func:`kronecker_factor_sets`).

@@ -1,4 +1,4 @@
-"""Jacobian-vector products of a model's logits, ``J_z v`` (``sec:app-eval-complexity``), by two methods.
+"""Jacobian-vector products of a model's logits, ``J_z v`` (Appendix F.1.1), by two methods.
 
 - ``"forward"``: forward-mode AD. The trainable parameters are made dual (primal ``theta``, tangent ``v``) through
   ``torch.func.functional_call``; one forward gives ``z`` and ``J_z v`` together (:func:`dual_forward`).

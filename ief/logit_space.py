@@ -1,5 +1,5 @@
 """The per-sample logit Jacobian ``J_z`` of a batch, and every evaluation quantity that follows from it exactly
-(``alg:eval``, ``sec:app-imp_eval_framework``): the algebraic shortcut of the evaluation jobs.
+(Algorithm 4, Appendix F.1): the algebraic shortcut of the evaluation jobs.
 
 Every quantity of the evaluation framework is a function of ``J_z`` (the Jacobian of the kept logit entries with
 respect to the trainable parameters, ``[N, P]`` with ``N`` = kept positions x classes) and the logits ``z``:
@@ -98,7 +98,7 @@ class LogitJacobian:
         return out
 
     def logit_sqnorm(self, targets: torch.Tensor) -> torch.Tensor:
-        """``s_iEF [M]`` for the given labels (``eqn:s_ief``)."""
+        """``s_iEF [M]`` for the given labels (the unnumbered equation after Eq. (8))."""
         g = self.loss.logit_grad(self.logits, targets)
         return (g * g).reshape(self.m, -1).sum(dim=1)
 

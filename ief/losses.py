@@ -1,18 +1,19 @@
 """Per-sample losses and their derivatives with respect to the logits.
 
-The paper's loss is the sum of per-sample losses ``L = sum_n l_n`` (``eqn:prob_loss``). A sample may hold several
+The paper's loss is the sum of per-sample losses ``L = sum_n l_n`` (Eq. (1)). A sample may hold several
 output positions (a token sequence): ``l_n`` is then the sum over its non-ignored positions (targets ``-100``).
 
 Everything the curvature code needs about the loss lives here, for the two losses the package supports:
 
 - ``cross_entropy``: softmax + categorical cross-entropy. Its logit-space Hessian per position is
-  ``diag(p) - p p^T``; the Fisher equals the GGN (``sec:app-eval-complexity``).
+  ``diag(p) - p p^T``; the Fisher equals the GGN (Appendix F.1.1).
 - ``mse``: ``l_n = 1/2 ||z_n - y_n||^2``. Its logit-space Hessian is the identity, so its Fisher (unit-variance
-  Gaussian likelihood) is the Gauss-Newton matrix (``sec:app-lls``).
+  Gaussian likelihood) is the Gauss-Newton matrix (Appendix A.2).
 """
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Protocol
 
 import torch
@@ -201,7 +202,7 @@ def get_loss(loss: str | Loss) -> Loss:
     """Resolve ``loss="cross_entropy"`` / ``"mse"`` (or pass a :class:`Loss` object through).
 
     Args:
-        loss: ``"cross_entropy"`` (``eqn:prob_loss``), ``"mse"`` (``l_n = 1/2 ||z_n - y_n||^2``) or a ``Loss``.
+        loss: ``"cross_entropy"`` (Eq. (1)), ``"mse"`` (``l_n = 1/2 ||z_n - y_n||^2``) or a ``Loss``.
 
     Returns:
         The ``Loss`` object: its per-sample losses, logit gradients and sampled targets.
@@ -218,7 +219,8 @@ def get_loss(loss: str | Loss) -> Loss:
 
 
 def logit_sqnorm(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``s_iEF`` (``eqn:s_ief``): ``||grad_{z_n} l_n||^2`` summed over the sample's positions, ``[M]``.
+    """``s_iEF`` (the unnumbered equation after the paper's Eq. (8)): ``||grad_{z_n} l_n||^2`` summed over the
+    sample's positions, ``[M]``.
 
     Args:
         loss: the ``Loss`` (:func:`get_loss`).
@@ -232,14 +234,31 @@ def logit_sqnorm(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> tor
     return _sum_per_sample(grad * grad)
 
 
+def _parses(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_damping(damping: float, *, allow_zero: bool = True) -> float:
-    """Damping must be a finite real >= 0 (> 0 where the formula divides by it)."""
+    """Damping must be a finite real >= 0 (> 0 where the formula divides by it): a Python or NumPy real number.
+
+    A string (``"1e-3"``, e.g. read from a config file) and a bool are refused rather than converted: ``float("1e-3")``
+    would hide a config that was never parsed, and ``True`` would silently be ``1.0``; ``kl_clip`` and the rates are
+    refused alike.
+    """
+    accepted = "a finite number >= 0" if allow_zero else "a finite number > 0"
+    if isinstance(damping, (bool, str, bytes)) or not isinstance(damping, numbers.Real):
+        hint = f" (parse it first: damping={float(damping)!r})" if isinstance(damping, str) and _parses(damping) else ""
+        raise ValueError(f"damping must be {accepted} (a float such as 1e-4), got {damping!r} of type "
+                         f"{type(damping).__name__}{hint}")
     try:
         value = float(damping)
     except (TypeError, ValueError):
         raise ValueError(f"damping must be a real number, got {damping!r}") from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        accepted = "a finite number >= 0" if allow_zero else "a finite number > 0"
         raise ValueError(f"damping must be {accepted}, got {damping!r}")
     return value
 
@@ -278,7 +297,7 @@ def causal_lm_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) ->
 
     A causal LM's logits at position ``t`` predict token ``t + 1``, and Hugging Face's ``*ForCausalLM`` models take
     *unshifted* ``labels`` (usually ``input_ids`` with ``-100`` on padding) and shift them inside their loss. ``ief``
-    computes the loss itself, position by position (``eqn:prob_loss``), so it needs the shifted targets:
+    computes the loss itself, position by position (Eq. (1)), so it needs the shifted targets:
     ``targets[:, t] = labels[:, t + 1]`` and ``-100`` at the last position. Passing the labels unshifted would
     silently train every position to predict its own input token.
 

@@ -1,13 +1,13 @@
 """``J [M, P]`` as the Gram solves see it: one interface, :class:`Rows`, for every form of the per-sample rows.
 
-What the Woodbury solves of :mod:`ief.directions` (``eqn:iEF_lsq``, ``eqn:EF_lsq``, ``eqn:SF-smw``) need of ``J`` is
+What the Woodbury solves of :mod:`ief.directions` (Eq. (8), Eq. (5), Eq. (49)) need of ``J`` is
 five products, all in float64: the Gram matrix ``J J^T`` (:meth:`Rows.gram`), ``J^T c`` (:meth:`Rows.combine_rows`),
 ``J v`` (:meth:`Rows.times`), a bound of ``max|J|`` that keeps the float64 Gram clear of overflow
 (:meth:`Rows.max_abs`, :meth:`Rows.gram_scale`) and finiteness (:meth:`Rows.is_finite`). Two forms provide them:
 
 - :class:`DenseRows`: an ``[M, P]`` tensor, read column block by column block (no float64 copy of the whole ``J``);
 - :class:`FactoredJacobian`: ``ief.per_sample(..., form="auto")``'s rows, each ``nn.Linear`` weight kept as its
-  layer's inputs and output gradients (the "ghost" Gram of ``sec:app-iEF-impl``), never an ``[M, P]`` tensor.
+  layer's inputs and output gradients (the "ghost" Gram of Appendix D.1), never an ``[M, P]`` tensor.
 
 :func:`as_rows` wraps a tensor once, so the solves never ask which form they hold. Which form
 :func:`ief.per_sample` builds is its ``form=`` (:data:`FORMS`, :func:`check_form`, :func:`prefer_ghost`).
@@ -75,7 +75,7 @@ class Rows(abc.ABC):
 
     @abc.abstractmethod
     def gram(self, scale: float = 1.0) -> torch.Tensor:
-        """``(J/scale)(J/scale)^T``, ``[M, M]`` float64, symmetric (``sec:app-iEF-impl``'s Gram matrix)."""
+        """``(J/scale)(J/scale)^T``, ``[M, M]`` float64, symmetric (Appendix D.1's Gram matrix)."""
 
     @abc.abstractmethod
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
@@ -278,7 +278,7 @@ def _whitened_factors(weighted: torch.Tensor, a: torch.Tensor, dtype: torch.dtyp
 
 def ghost_kernel(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """A factored weight's block of the Gram matrix, ``sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>``, ``[M, M]``
-    (``sec:app-iEF-impl``; ``(A A^T) * (G G^T)`` for ``T = 1``): the rows ``J_n = G_n^T A_n`` are never formed.
+    (Appendix D.1; ``(A A^T) * (G G^T)`` for ``T = 1``): the rows ``J_n = G_n^T A_n`` are never formed.
 
     Args:
         a: the layer's inputs ``[M, T, I]``, float64 (positions that are zero in ``a`` and ``g`` add nothing).
@@ -390,7 +390,7 @@ class FactoredJacobian(Rows):
     ``[M, U D]`` for the ``U`` distinct ids (with a 30,522-word vocabulary and 2,048 tokens per batch, about 15
     times narrower), and the products read and write the full ``[V, D]`` layout through them.
 
-    The Gram matrix (``sec:app-iEF-impl``'s ``J J^T``, layer by layer, as in Opacus' ghost clipping):
+    The Gram matrix (Appendix D.1's ``J J^T``, layer by layer, as in Opacus' ghost clipping):
     ``(J J^T)_{nm} = sum_{t,s} <a_{n,t}, a_{m,s}> <g_{n,t}, g_{m,s}>`` (``[M, M, T, T]`` kernels; ``T = 1`` for an
     MLP: ``(A A^T) * (G G^T)``), and ``J^T c = (c-weighted G)^T A`` per layer; both in float64.
 

@@ -1,5 +1,5 @@
 """Optimal-brain-surgeon pruning with an EF, iEF, SF or exact (GGN) curvature: WoodFisher, and the iEF-WoodFisher
-that the paper proposes and does not run (``sec:app-iEF-woodfisher``).
+that the paper proposes and does not run (Appendix D.2.3).
 
 OBS (Hassibi & Stork, 1993) prunes weight ``q`` at the cost ``rho_q = w_q^2 / (2 [F^{-1}]_qq)`` (the second-order
 increase of the loss when ``w_q`` is set to zero and the other weights move to compensate), and moves the others by
@@ -8,13 +8,13 @@ Fisher of ``N`` per-sample gradients, damped and inverted by the Woodbury recurs
 ``F_0 = lambda I``, ``F_{n+1} = F_n + (1/N) r_n r_n^T``, i.e. ``F = lambda I + (1/N) sum_n r_n r_n^T``. The row
 ``r_n`` is, per ``fisher=``:
 
-- ``"ef"``: ``grad_theta l_n`` (``eqn:covEF``);
-- ``"ief"``: ``grad_theta l_n / ||grad_{z_n} l_n||`` (``eqn:iEF_mat_persample``; the norm from ``s_iEF`` of
+- ``"ef"``: ``grad_theta l_n`` (Eq. (3));
+- ``"ief"``: ``grad_theta l_n / ||grad_{z_n} l_n||`` (Eq. (41); the norm from ``s_iEF`` of
   :func:`ief.per_sample`);
-- ``"sf"``: the per-sample gradient at a label drawn from the model (``sec:app-sample-fisher``,
+- ``"sf"``: the per-sample gradient at a label drawn from the model (Appendix E,
   :func:`ief.sampled_jacobian`);
 - ``"ggn"``: the exact Fisher (= GGN for softmax cross-entropy), ``(1/N) sum_n sum_c p_n(c) grad log p_n(c) grad
-  log p_n(c)^T`` (``eqn:FIM``): the reference, as a dense matrix per block, for small blocks only.
+  log p_n(c)^T`` (Eq. (2)): the reference, as a dense matrix per block, for small blocks only.
 
 Blocks (``block_size``): WoodFisher's block-diagonal approximation: every pruned parameter tensor, flattened, is cut
 into consecutive blocks of ``block_size`` entries and ``F`` keeps only its diagonal blocks; ``None``: one block over
@@ -34,6 +34,7 @@ sparsities cost one pass over the data.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -166,7 +167,7 @@ def ggn_blocks(
     *,
     loss: str | Loss = "cross_entropy",
 ) -> tuple[list[torch.Tensor], int]:
-    """The exact Fisher's diagonal blocks ``(1/N) sum_n sum_c p_n(c) g_nc[span] g_nc[span]^T`` (``eqn:FIM``; ``g_nc =
+    """The exact Fisher's diagonal blocks ``(1/N) sum_n sum_c p_n(c) g_nc[span] g_nc[span]^T`` (Eq. (2); ``g_nc =
     grad_theta log p_n(c)``, from :func:`ief.per_sample` with every label set to ``c``), dense float64.
 
     Args:
@@ -407,7 +408,7 @@ def obs_curvature(
     Args:
         model: the model at the weights to prune, used in the mode it is in (``eval()`` for pruning).
         batches: ``(inputs, targets)`` pairs, the ``N`` samples of the estimate.
-        fisher: ``"ef"``, ``"ief"`` (``eqn:iEF_mat_persample``), ``"sf"`` or ``"ggn"`` (exact, small blocks).
+        fisher: ``"ef"``, ``"ief"`` (Eq. (41)), ``"sf"`` or ``"ggn"`` (exact, small blocks).
         params: the parameters to prune; default: :func:`pruned_parameters`.
         block_size: the diagonal blocks' size (``None``: one block, the whole matrix).
         generator: SF's label draws.
@@ -447,7 +448,7 @@ def obs_saliency(
     """Per-weight pruning saliencies, name -> float64 tensor shaped like the parameter.
 
     ``fisher="magnitude"``: ``w_q^2`` (no data, no damping). Otherwise OBS's ``rho_q = w_q^2 / (2 [F^{-1}]_qq)`` with
-    ``F = lambda I + (1/N) sum_n r_n r_n^T`` block by block (``sec:app-iEF-woodfisher``; rows and blocks in the
+    ``F = lambda I + (1/N) sum_n r_n r_n^T`` block by block (Appendix D.2.3; rows and blocks in the
     module docstring).
 
     Args:
@@ -613,6 +614,10 @@ def prune_searched(
     Raises:
         ValueError: ``fisher`` not one of :data:`FISHERS` (magnitude pruning has no damping: use :func:`prune`), no
             candidate damping, a candidate that is not > 0, and as :func:`prune`.
+
+    Warns:
+        UserWarning: the chosen damping is the smallest or the largest candidate (the search did not bracket a
+            minimum: extend ``dampings``).
     """
     fisher = _check_choice("fisher", fisher, FISHERS)
     sparsity = _check_sparsity(sparsity)
@@ -632,8 +637,26 @@ def prune_searched(
     if not finite:
         raise FloatingPointError(f"every candidate damping left a non-finite validation loss: {losses}")
     best = min(finite, key=lambda d: (finite[d], d))
+    _warn_at_grid_edge(best, losses)
     masks = curvature.prune(sparsity, best, update=update)
     return model, masks, best, losses
+
+
+def _warn_at_grid_edge(best: float, losses: dict[float, float]) -> None:
+    """Warn (``UserWarning``) when ``best`` is the smallest or the largest of several candidates: the search did not
+    bracket a minimum, so the best damping may lie beyond the grid (or the loss is flat there and the damping does
+    not matter), and the user should extend it."""
+    grid = sorted(losses)
+    if len(grid) < 2 or best not in (grid[0], grid[-1]):
+        return
+    smallest = best == grid[0]
+    beyond = best / 100 if smallest else best * 100
+    flat = losses[grid[1] if smallest else grid[-2]] == losses[best]
+    warnings.warn(
+        f"prune_searched chose damping={best:g}, the {'smallest' if smallest else 'largest'} of its candidates "
+        f"({grid[0]:g} ... {grid[-1]:g}; validation loss {losses[best]:.6g}"
+        f"{', equal at its neighbour: the loss is flat there' if flat else ''}): the best damping may lie beyond "
+        f"the grid; pass dampings= reaching {beyond:g} to bracket it", UserWarning, stacklevel=3)
 
 
 def _restore(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:

@@ -71,15 +71,22 @@ class CoverageTable(Directive):
 
 
 class BenchmarkTables(Directive):
-    """The measured speed and memory tables, each with its machine, date, load and command (``benchmarks.report``)."""
+    """The measured speed and memory tables, each with its machine, date, load and command (``benchmarks.report``);
+    with an argument (a benchmark's name, e.g. ``defaults``), that benchmark's tables alone."""
 
     has_content = False
+    optional_arguments = 1
 
     def run(self):
         from benchmarks.report import load, markdown
 
         container = nodes.container(classes=["benchmarks"])
-        lines = markdown(load(), level="###").splitlines()
+        docs = load()
+        if self.arguments:
+            docs = [doc for doc in docs if doc["benchmark"] == self.arguments[0]]
+            if not docs:
+                raise self.error(f"no benchmark record named {self.arguments[0]!r} in benchmarks/results/")
+        lines = markdown(docs, level="###").splitlines()
         self.state.nested_parse(StringList(lines, source="benchmarks.report"), self.content_offset, container)
         return container.children
 

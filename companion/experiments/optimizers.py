@@ -82,7 +82,7 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, total_steps: in
         opt = KFAC(model, name, lr=cfg.lr, damping=cfg.damping,
                    factor_decay=float(cfg.options.get("factor_decay", 0.95)),
                    inverse_every=int(cfg.options.get("inverse_every", 10)), weight_decay=cfg.weight_decay,
-                   process_group=process_group)
+                   kl_clip=cfg.options.get("kl_clip"), process_group=process_group)  # the setups' runs: unclipped
     elif name == "adamw":
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     elif name == "adam":

@@ -1,6 +1,6 @@
 """Per-sample gradients ``J = grad_theta l`` (``[M, P]``), logit-gradient norms ``s_iEF`` and sampled Jacobians (SF).
 
-How: module hooks, as in the paper (``sec:app-iEF-impl``). One forward and one backward of ``L = sum_n l_n``;
+How: module hooks, as in the paper (Appendix D.1). One forward and one backward of ``L = sum_n l_n``;
 forward hooks keep each hooked module's input and a tensor hook on its output keeps the gradient flowing back.
 Because sample ``n``'s output only reaches ``l_n``, the per-sample weight gradient of a linear layer is
 ``g_n^T a_n`` summed over that sample's positions, formed with one batched matmul.

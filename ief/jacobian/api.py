@@ -87,13 +87,13 @@ def _reversed(inputs, m: int):
 
 @dataclass
 class PerSample:
-    """Per-sample quantities at one point (``eqn:prob_loss``), returned by :func:`per_sample`.
+    """Per-sample quantities at one point (Eq. (1)), returned by :func:`per_sample`.
 
     Attributes:
         losses: ``[M]``, ``l_n``.
         jacobian: ``[M, P]``, row ``n`` is ``grad_theta l_n`` (a tensor, or a :class:`~ief.rows.FactoredJacobian` with
             ``per_sample(..., form="auto")``).
-        logit_sqnorm: ``[M]``, ``||grad_{z_n} l_n||^2`` (``s_iEF``, ``eqn:s_ief``).
+        logit_sqnorm: ``[M]``, ``||grad_{z_n} l_n||^2`` (``s_iEF``, the unnumbered equation after Eq. (8)).
         gradient: ``[P]``, the batch gradient ``grad_theta L``.
 
     From :func:`per_sample`, ``gradient`` is computed on first access: the hooked parameters' rows summed
@@ -368,10 +368,10 @@ def sampled_jacobian(
     check: bool | str = True,
     form: str = "dense",
 ) -> torch.Tensor | FactoredJacobian:
-    """``[M, P]`` per-sample gradients for labels drawn from the model's predictive distribution (SF, ``alg:SF``).
+    """``[M, P]`` per-sample gradients for labels drawn from the model's predictive distribution (SF, Algorithm 3).
 
     A label is drawn at every non-ignored position of every sample (``targets`` only supply the ignore mask and
-    shapes); ``E[J^T J]`` over the draws is the exact Fisher (``sec:app-sample-fisher``). Cost: one forward and one
+    shapes); ``E[J^T J]`` over the draws is the exact Fisher (Appendix E). Cost: one forward and one
     backward, as :func:`per_sample`.
 
     Args:
@@ -408,7 +408,7 @@ def gradient_and_sampled_jacobian(
     check: bool | str = True,
     form: str = "dense",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | FactoredJacobian]:
-    """``(losses [M], grad [P], sampled J [M, P])`` from one forward and two backward passes, as in ``alg:SF``
+    """``(losses [M], grad [P], sampled J [M, P])`` from one forward and two backward passes, as in Algorithm 3
     (``form`` as in :func:`per_sample`)."""
     form = check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)

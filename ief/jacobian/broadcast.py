@@ -1,5 +1,5 @@
 """Per-sample gradients of tensors used *broadcast over the batch*: bare parameters and embedding outputs that every
-sample shares, for the hooks of :mod:`ief.jacobian` (``sec:app-iEF-impl``).
+sample shares, for the hooks of :mod:`ief.jacobian` (Appendix D.1).
 
 ViT's ``cls_token [1, 1, D]`` is expanded to ``[M, 1, D]``; its ``position_embeddings [1, T, D]`` and the position
 embeddings of BERT and GPT-2 (an ``nn.Embedding`` fed ``[1, T]`` ids) are added to the ``[M, T, D]`` hidden states;

@@ -27,7 +27,7 @@ def per_sample_prompts(model: torch.nn.Module) -> torch.nn.Module:
     peft embeds the virtual tokens once and repeats them across the batch, which hides the prompt's per-sample
     gradients from the hooks: without this patch :func:`ief.per_sample` falls back to one backward per sample (exact,
     ``M`` times slower, with a :class:`SlowPathWarning`). After it the prompts are embedded per sample (identical
-    values) and a step needs one backward (``sec:app-iEF-impl``). Call it once after ``peft.get_peft_model(...)``.
+    values) and a step needs one backward (Appendix D.1). Call it once after ``peft.get_peft_model(...)``.
     P-tuning's prompt encoder then runs on every sample's tokens (``M`` times its one-sample cost, small beside the
     model's); its ``nn.Embedding`` and MLP layers are hooked (an LSTM encoder's ``nn.LSTM`` has no hook: the loop).
 

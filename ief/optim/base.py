@@ -44,8 +44,10 @@ from ..rows import as_rows
 from ..sharded import ROUTE, default_group, inspect, unsharded_group
 from . import state as saved
 from .auto_lr import AUTO, INITIAL, AutoRate, check_auto, replayed, rng_states
+from .calls import explained_step
 from .checks import StepChecks, raised_message
 from .convention import to_sum_convention, to_token_mean_convention
+from .defaults import per_target_group
 from .momentum import (
     check_dampening,
     check_group_extras,
@@ -65,6 +67,7 @@ from .options import (
     looks_unshifted,
 )
 from .report import StepReport, step_report
+from .stall import StallWatch
 from .update import preconditioned_update
 
 DIVERGENCE_FACTOR = 100.0  # the growth of the mean loss over its lowest at which a step warns (orders of magnitude)
@@ -163,6 +166,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._warned_unshifted = False
         self._lowest_loss: tuple[float, int] | None = None  # the divergence watch's lowest mean loss and its step
         self._warned_divergence = False
+        self.stall_watch = StallWatch(type(self).__name__)  # warns once when the loss stays put (ief.optim.stall)
+        self._per_target = getattr(self, "_per_target", (False, False))  # IEF's defaults (ief.optim.defaults)
         self.last_step_report: StepReport | None = None  # what the last step ran (ief.optim.report)
         self._reported: tuple = (None, None)  # this rank's rows and the union's (_union_rows), for the report
         self._constructed = True
@@ -275,6 +280,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._last_update_norm = value
 
     # ------------------------------------------------------------------------------------------------- the step
+    @explained_step  # opt.step(**batch) and a batch still holding 'labels' get their own sentence
     def step(self, inputs: Inputs = MISSING, targets: torch.Tensor = MISSING, *, closure: Any = None) -> torch.Tensor:
         """One update on the batch ``(inputs, targets)``: the forward, the per-sample backward and the update.
 
@@ -335,6 +341,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         auto = given["lr"] == AUTO  # the rate is set after the step's read, from the previous steps (auto_lr)
         if auto and self._auto is None:  # "auto" written into param_groups of an optimiser built with a number
             self._auto = AutoRate(INITIAL[self.method])
+        if any(self._per_target):  # the default rate and damping, set for this batch (ief.optim.defaults)
+            batch = per_target_group(batch, targets, *self._per_target, type(self).__name__, self.steps_taken,
+                                     self._group)
         if self.reduction != "mean":
             return given, batch, None
         tokens = self.last_tokens = self._tokens(targets)  # the given (token-mean) rates as sum ones for this batch
@@ -380,6 +389,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 lr, batch_lr = self._auto_rates(tokens, batch["normalize"], rate)
             self.last_lr = lr
             self._watch_divergence(checks.values(watched)[0], checks.number, lr)
+            self.stall_watch.observe(checks.values(watched)[0], checks.number, batch_lr)
             return lr, batch_lr
 
         decays = [group["weight_decay"] for group in self.param_groups for _ in group["params"]]

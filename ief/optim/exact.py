@@ -73,7 +73,9 @@ guard's finiteness at once) reads the device twice: the targets' class range (be
 index out of range), then once for every other check: the per-sample guard's finiteness of the losses and rows, the
 direction's, SF's gradient's, the momentum buffers', K-FAC's running factors' between refreshes, with, for a
 normalised update, the direction's norm; the first that fails is named. ``last_update_norm`` is kept on the device and
-read when asked; ``lr="auto"``'s two scalars are read with the checks (no read of their own). (A float32 ``J``'s Gram
+read when asked; ``lr="auto"``'s two scalars are read with the checks (no read of their own). IEF's default rate and
+damping (``lr=None`` or ``damping=None`` with ``reduction="sum"``) and ``reduction="mean"`` read the batch's target
+count once more (:func:`ief.count_targets`). (A float32 ``J``'s Gram
 solve is an ``eigh``, whose CUDA error check also waits for the device; ``benchmarks/host_syncs.py`` counts both
 kinds.)
 
@@ -83,8 +85,11 @@ multiplies the step size by ``1 - t/T`` (linear decay to 0). The paper trains EF
 
 **Defaults** depend on ``reduction`` (Appendix H.2). ``"mean"``: the paper's LoRA values, iEF ``lr=100``,
 EF/SF ``lr=0.01`` (normalised update), damping ``1e-7`` (prompt tuning: damping ``1e-12``, iEF ``lr=50``, EF/SF
-``lr=1``); the paper tuned them for batches of 32 samples of a few target tokens each. ``"sum"``: iEF ``lr=1``, EF/SF
-``lr=0.01`` (a normalised rate is the same in both conventions) and damping ``1e-4``, about the paper's ``1e-7``
+``lr=1``); the paper tuned them for batches of 32 samples of a few target tokens each. ``"sum"``: iEF ``lr = 0.3 / T``
+and damping ``1e-4 T^2`` set for each batch from its counted targets per sample ``T`` (:mod:`ief.optim.defaults`: the
+step of a sum over ``T`` tokens is ``T`` times a one-label sample's, so no fixed rate suits both; chosen on a
+classifier, a padded causal LM, a seq2seq task and an MLP, checked on held-out tasks by ``benchmarks/defaults.py``),
+EF/SF ``lr=0.01`` (a normalised rate is the same in both conventions) and damping ``1e-4``, about the paper's ``1e-7``
 converted for a batch of ``K = 32`` target tokens (``K^2 lambda``). The paper's values taken literally in the sum
 convention are unstable: iEF moves every sample's logits by ``-lr`` times its loss gradient to first order (the
 paper's Eq. (8), ``J d = s``), so ``lr=100`` moves them 100 times as far as ``lr=1`` does, and ``damping=1e-7``
@@ -123,6 +128,7 @@ from ..jacobian import gradient_and_sampled_jacobian, per_sample
 from ..losses import Loss
 from ..model_call import Inputs
 from ..rows import FactoredJacobian, check_form
+from . import defaults
 from .base import Direction, PreconditionedOptimizer
 from .checks import finite
 from .options import MISSING, REDUCTIONS, Settings, check_check, shared_args
@@ -200,12 +206,14 @@ class IEF(ExactOptimizer):
     Args:
         model: the ``nn.Module`` whose forward the optimiser runs (a peft model, a Hugging Face model: the package's
             conventions, :mod:`ief`).
-        lr: the rate; default ``None``: ``1.0`` with ``reduction="sum"`` (stable: see :mod:`ief.optim.exact`), the
-            paper's LoRA ``100.0`` with ``reduction="mean"`` (Appendix H.2; prompt tuning: ``50``); ``"auto"``: set
+        lr: the rate; default ``None``: with ``reduction="sum"``, ``0.3 / T`` for each batch, ``T`` its counted
+            targets per sample (``param_groups`` hold ``0.3``, which a scheduler scales; :mod:`ief.optim.defaults`
+            says why one number cannot suit one label and many tokens per sample alike), the paper's LoRA ``100.0``
+            with ``reduction="mean"`` (Appendix H.2; prompt tuning: ``50``); ``"auto"``: set
             every step from the new batch's loss along the previous step, starting at ``1`` (sum convention), one
             extra forward without gradients a step (:mod:`ief.optim.auto_lr`; ``last_lr``).
-        damping: ``lambda >= 0`` in the ``reduction``'s convention; default ``None``: ``1e-4`` (``"sum"``) or the
-            paper's ``1e-7`` (``"mean"``; prompt tuning: ``1e-12``).
+        damping: ``lambda >= 0`` in the ``reduction``'s convention; default ``None``: ``1e-4 T^2`` for each batch
+            (``"sum"``; :mod:`ief.optim.defaults`) or the paper's ``1e-7`` (``"mean"``; prompt tuning: ``1e-12``).
         {shared args: params loss reduction}
         normalize: rescale each update to norm ``lr`` (default ``False``: iEF's steps are used as they are).
         {shared args: total_steps momentum dampening weight_decay check form process_group}
@@ -241,8 +249,12 @@ class IEF(ExactOptimizer):
         form: str = "auto",
         process_group: Any = None,
     ):
+        # reduction="sum": the defaults are set per batch from its targets per sample (ief.optim.defaults)
+        self._per_target = (reduction == "sum" and lr is None, reduction == "sum" and damping is None)
         if lr is None:
-            lr = 100.0 if reduction == "mean" else 1.0
+            lr = 100.0 if reduction == "mean" else defaults.RATE
+        if damping is None and reduction == "sum":
+            damping = defaults.DAMPING
         settings = Settings(params=params, loss=loss, reduction=reduction, normalize=normalize,
                             total_steps=total_steps, momentum=momentum, dampening=dampening,
                             weight_decay=weight_decay, process_group=process_group)

@@ -85,7 +85,8 @@ def test_a_steady_step_is_within_the_budgets(model, cls):
     """IEF (un-normalised: the norm is never read) and EF (normalised: the norm read with the checks)."""
     w = _workload(model)
     adamw = _adamw_counts(w)
-    step = _step_counts(cls(w.model), w)
+    # an explicit rate and damping: IEF's per-batch default reads the target count once more (counted below)
+    step = _step_counts(cls(w.model, lr=0.3, damping=1e-4) if cls is ief.optim.IEF else cls(w.model), w)
     where = "\n".join(f"{kind}: {frames}" for kind, frames in step.where)
     own = _forward_trips(w)
     assert step.round_trips <= own + 2, f"{step.round_trips} round-trips ({step.kinds}), the forward's {own}:\n{where}"
@@ -124,8 +125,9 @@ def test_auto_lr_adds_no_round_trip():
     """lr="auto" (ief.optim.auto_lr): its probe forward and the new batch's two scalars are read with the step's one
     read, so the steady MLP step keeps the budget of 2 (with momentum and weight decay as well)."""
     w = _workload("mlp")
-    for opt in (ief.optim.IEF(w.model, lr="auto"), ief.optim.IEF(w.model, lr="auto", momentum=0.9,
-                                                                  weight_decay=0.01)):
+    # an explicit damping: the per-batch default reads the batch's target count (ief.optim.defaults), a read of its own
+    for opt in (ief.optim.IEF(w.model, lr="auto", damping=1e-4),
+                ief.optim.IEF(w.model, lr="auto", damping=1e-4, momentum=0.9, weight_decay=0.01)):
         step = _step_counts(opt, w)
         assert step.round_trips <= 2, (step.kinds, step.where)
         assert opt._auto.delta is not None  # the probe ran: the step is the rule's, not the plain one
@@ -134,8 +136,17 @@ def test_auto_lr_adds_no_round_trip():
 def test_momentum_and_weight_decay_add_no_round_trip():
     """Heavy-ball buffers and the decoupled decay on the device: their finiteness is read with the step's checks."""
     w = _workload("mlp")
-    step = _step_counts(ief.optim.IEF(w.model, momentum=0.9, weight_decay=0.01), w)
+    step = _step_counts(ief.optim.IEF(w.model, lr=1.0, damping=1e-4, momentum=0.9, weight_decay=0.01), w)
     assert step.round_trips <= 2, (step.kinds, step.where)
+
+
+def test_the_per_batch_default_reads_the_target_count_once():
+    """``IEF(model)``'s rate and damping are set from the batch's counted targets per sample (ief.optim.defaults):
+    one read of the count more than an explicit rate and damping, as ``reduction="mean"`` reads it."""
+    w = _workload("mlp")
+    explicit = _step_counts(ief.optim.IEF(w.model, lr=0.3, damping=1e-4), w)
+    default = _step_counts(ief.optim.IEF(w.model), w)
+    assert default.round_trips == explicit.round_trips + 1, (default.kinds, default.where)
 
 
 @pytest.mark.parametrize("cls", [ief.optim.IEF, ief.optim.EF, ief.optim.SF], ids=lambda k: k.__name__)

@@ -397,7 +397,7 @@ def test_refused_arguments(tmp_path, given, match):
 
 def test_a_kfac_kind_takes_kfacs_default_damping(tmp_path):
     trainer = IEFTrainer(bert_lora(), arguments(tmp_path), optimizer="ekfac")
-    assert trainer.ief_optimizer.param_groups[0]["damping"] == 1.0 and trainer.ief_optimizer.kind == "ekfac"
+    assert trainer.ief_optimizer.param_groups[0]["damping"] == 1e-3 and trainer.ief_optimizer.kind == "ekfac"
 
 
 @pytest.mark.parametrize("setting, match", [
@@ -521,6 +521,42 @@ def test_regression_logs_the_models_mean_squared_error_and_takes_hf_labels(tmp_p
     assert out.training_loss == pytest.approx(expected, rel=1e-6)
     assert rel(flat(model), flat(hand)) < 1e-6
     assert rel(flat(model), flat(bert_regression())) > 1e-3  # it moved
+
+
+# ------------------------------------------------------------------------------------- names in any case, lr="auto"
+@pytest.mark.parametrize("given, name", [("IEF", "ief"), ("EKFAC", "ekfac"), ("Sf", "sf")])
+def test_optimizer_names_are_taken_in_any_case(tmp_path, given, name):
+    trainer = IEFTrainer(bert_lora(), arguments(tmp_path), optimizer=given,
+                         optimizer_kwargs={"damping": 1e-3} if name != "ekfac" else {})
+    assert trainer.optimizer_name == name
+
+
+def test_a_misspelled_optimizer_name_gets_the_closest():
+    with pytest.raises(ValueError, match=r"got 'ieff' \(did you mean 'ief'\?\)"):
+        ief.hf._optimizer_name("ieff")
+
+
+def test_lr_auto_trains_with_the_adapted_rate_and_no_schedule(tmp_path):
+    """``optimizer_kwargs={"lr": "auto"}``: the Trainer's steps equal ``IEF(lr="auto")`` driven by hand on the same
+    batches (the linear schedule is not applied, and says so), and the logged rate is the optimiser's."""
+    rows = classification_rows()
+    with pytest.warns(UserWarning, match="learning_rate and lr_scheduler_type='linear'.*are not applied"):
+        trainer = IEFTrainer(bert_lora(), arguments(tmp_path, max_steps=3, lr_scheduler_type="linear"),
+                             train_dataset=datasets.Dataset.from_dict(rows),
+                             optimizer_kwargs={"lr": "auto", "damping": 1e-3})
+    trainer.train()
+    model = bert_lora()
+    opt = ief.optim.IEF(model, lr="auto", damping=1e-3)
+    for batch in hand_batches(rows, 4)[:3]:
+        labels = batch.pop("labels")
+        opt.step(batch, labels)
+    assert rel(flat(trainer.model), flat(model)) < 1e-10
+    assert logged(trainer, "learning_rate")[-1] == pytest.approx(opt.last_lr)
+
+
+def test_lr_auto_is_refused_for_kfac_with_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="KFAC has no adapted rate"):
+        IEFTrainer(bert_lora(), arguments(tmp_path), optimizer="kfac", optimizer_kwargs={"lr": "auto"})
 
 
 def test_the_trainer_logs_what_each_step_ran(tmp_path, caplog):

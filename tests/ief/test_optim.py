@@ -693,7 +693,8 @@ def _bert_loss(model, inputs, targets) -> float:
 
 def test_defaults_of_each_reduction():
     model = mlp_case().model
-    assert {k: ief.optim.IEF(model).param_groups[0][k] for k in ("lr", "damping")} == {"lr": 1.0, "damping": 1e-4}
+    # the sum convention's: per-target values, set per batch (ief.optim.defaults; tests/ief/test_optim_defaults.py)
+    assert {k: ief.optim.IEF(model).param_groups[0][k] for k in ("lr", "damping")} == {"lr": 0.3, "damping": 1e-4}
     assert {k: ief.optim.IEF(model, reduction="mean").param_groups[0][k] for k in ("lr", "damping")} == \
         {"lr": 100.0, "damping": 1e-7}  # the paper's LoRA values (sec:app-optimiser)
     for cls in (ief.optim.EF, ief.optim.SF):

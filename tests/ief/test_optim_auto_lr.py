@@ -225,7 +225,7 @@ def test_bad_values_are_refused_naming_the_accepted_ones():
         with pytest.raises(ValueError, match=r"finite number > 0 or 'auto'.*got 'autoo'"):
             cls(model, lr="autoo")
     with pytest.raises(ValueError, match=r"KFAC does not take lr='auto'"):
-        ief.optim.KFAC(model, "kfac", lr="auto", damping=1.0)
+        ief.optim.KFAC(model, "kfac", lr="auto", damping=1.0, kl_clip=None)
     opt = ief.optim.IEF(model, lr="auto")
     theta = _params(model)
     opt.param_groups[0]["lr"] = "autoo"

@@ -45,7 +45,7 @@ def test_step_without_averaging_is_lr_times_kfac_direction(kind, damping):
     case = mlp_case(m=9)
     lr = 0.3
     opt = ief.optim.KFAC(case.model, kind, lr=lr, damping=damping, factor_decay=0.0, inverse_every=1,
-                         generator=torch.Generator().manual_seed(11))
+                         generator=torch.Generator().manual_seed(11), kl_clip=None)
     ref_gen = torch.Generator().manual_seed(11)
     for x, y in batches(3):  # each step against the direction at the optimiser's own current parameters
         before = flat(case.model)
@@ -64,7 +64,7 @@ def test_iekfac_step_weights_gradient_rows_by_inverse_logit_norm():
     damping, lr = 1e-2, 0.5
     blocks = _oracle_mlp_factors(case.model, x, y, "iekfac")
     before = flat(case.model)
-    ief.optim.KFAC(case.model, "iekfac", lr=lr, damping=damping, factor_decay=0.0).step(x, y)
+    ief.optim.KFAC(case.model, "iekfac", lr=lr, damping=damping, factor_decay=0.0, kl_clip=None).step(x, y)
     expected = []
     for G, A, gW, gb in blocks:
         grad = torch.cat([gW, gb.unsqueeze(1)], 1)
@@ -81,7 +81,7 @@ def test_running_factors_refresh_momentum_and_decay_against_a_hand_loop(kind):
     lr, lam, c, T, mu, tau, wd = 0.2, 1e-2, 0.7, 2, 0.5, 0.1, 0.02
     hand = copy.deepcopy(case.model)
     opt = ief.optim.KFAC(case.model, kind, lr=lr, damping=lam, factor_decay=c, inverse_every=T, momentum=mu,
-                         dampening=tau, weight_decay=wd)
+                         dampening=tau, weight_decay=wd, kl_clip=None)
     running, frozen, buffer = None, None, None
     for t, (x, y) in enumerate(batches(5)):
         blocks = _oracle_mlp_factors(hand, x, y, kind)
@@ -109,7 +109,7 @@ def test_factor_average_is_kept_between_steps():
     """After two steps the stored factors are c A_1 + (1 - c) A_2 of the batches' own factors (inputs only: A)."""
     case = mlp_case(m=7)
     c = 0.8
-    opt = ief.optim.KFAC(case.model, "ekfac", lr=1e-9, damping=1e-3, factor_decay=c)
+    opt = ief.optim.KFAC(case.model, "ekfac", lr=1e-9, damping=1e-3, factor_decay=c, kl_clip=None)
     (x1, y1), (x2, y2) = batches(2)
     opt.step(x1, y1)
     opt.step(x2, y2)
@@ -123,7 +123,8 @@ def test_split_run_equals_unsplit_bit_for_bit():
     """Save after 3 of 7 steps (factors, eigendecompositions, buffers, step count, generator), load into a fresh
     model and optimiser: the parameters equal the uninterrupted run's exactly."""
     data = batches(7)
-    kwargs = dict(lr=0.1, damping=1e-2, factor_decay=0.9, inverse_every=3, momentum=0.9, weight_decay=0.01)
+    kwargs = dict(lr=0.1, damping=1e-2, factor_decay=0.9, inverse_every=3, momentum=0.9, weight_decay=0.01,
+                  kl_clip=None)
 
     def fresh():
         case = mlp_case(m=7)
@@ -152,9 +153,9 @@ def test_split_run_equals_unsplit_bit_for_bit():
 
 def test_load_state_dict_refuses_another_kind():
     case = mlp_case()
-    state = ief.optim.KFAC(case.model, "ekfac", 0.1, 1.0).state_dict()
+    state = ief.optim.KFAC(case.model, "ekfac", 0.1, 1.0, kl_clip=None).state_dict()
     with pytest.raises(ValueError, match="kind='ekfac'.*kind='iekfac'"):
-        ief.optim.KFAC(case.model, "iekfac", 0.1, 1.0).load_state_dict(state)
+        ief.optim.KFAC(case.model, "iekfac", 0.1, 1.0, kl_clip=None).load_state_dict(state)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -199,7 +200,7 @@ def test_the_exact_optimisers_arguments_are_not_in_kfacs_signature(key, value):
 
 def test_bad_damping_written_by_a_scheduler_is_refused_with_parameters_untouched():
     case = mlp_case()
-    opt = ief.optim.KFAC(case.model, "ekfac", 0.1, 1.0)
+    opt = ief.optim.KFAC(case.model, "ekfac", 0.1, 1.0, kl_clip=None)
     opt.param_groups[0]["damping"] = -1.0
     before = flat(case.model)
     with pytest.raises(ValueError, match=r"param_groups\[0\].*damping"):
@@ -212,9 +213,9 @@ def test_non_linear_trainable_parameters_are_named():
     linear head only works."""
     case = sequence_case()
     with pytest.raises(ValueError, match=r"outside any nn.Linear: \['embed.weight'"):
-        ief.optim.KFAC(case.model, "ekfac", 0.1, 1.0)
+        ief.optim.KFAC(case.model, "ekfac", 0.1, 1.0, kl_clip=None)
     head = list(case.model.head.parameters())
-    opt = ief.optim.KFAC(case.model, "ekfac", lr=0.1, damping=1e-3, params=head, factor_decay=0.0)
+    opt = ief.optim.KFAC(case.model, "ekfac", lr=0.1, damping=1e-3, params=head, factor_decay=0.0, kl_clip=None)
     frozen = case.model.embed.weight.detach().clone()
     before = torch.cat([p.detach().reshape(-1) for p in head])
     d = ief.kfac_direction(case.model, case.inputs, case.targets, "ekfac", 1e-3, params=head)
@@ -231,7 +232,7 @@ def test_float32_model(kind):
     case = mlp_case(m=16, dtype=torch.float32)
     x, y = case.inputs, case.targets
     opt = ief.optim.KFAC(case.model, kind, lr=0.1, damping=1.0, factor_decay=0.0,
-                         generator=torch.Generator().manual_seed(2))
+                         generator=torch.Generator().manual_seed(2), kl_clip=None)
     before = flat(case.model)
     d = ief.kfac_direction(case.model, x, y, kind, 1.0, generator=torch.Generator().manual_seed(2))
     first = opt.step(x, y)
@@ -242,7 +243,7 @@ def test_float32_model(kind):
         last = opt.step(x, y)
     assert float(last) < float(first)
     state = opt.state_dict()
-    other = ief.optim.KFAC(case.model, kind, 0.1, 1.0, generator=torch.Generator())
+    other = ief.optim.KFAC(case.model, kind, 0.1, 1.0, generator=torch.Generator(), kl_clip=None)
     other.load_state_dict(state)
     assert all(e["G"].dtype == torch.float64 and e["A"].dtype == torch.float64 for e in other.factors.values())
     assert torch.equal(other.factors["0"]["G"], opt.factors["0"]["G"])
@@ -252,7 +253,7 @@ def test_peft_lora_t5_step_is_lr_times_kfac_direction():
     """peft's LoRA adapters are nn.Linear layers: the optimiser runs on a tiny T5-LoRA as on the MLP (sequence
     positions as rows, ignored targets)."""
     case = t5_lora_case(m=3)
-    opt = ief.optim.KFAC(case.model, "iekfac", lr=0.2, damping=1e-2, factor_decay=0.0)
+    opt = ief.optim.KFAC(case.model, "iekfac", lr=0.2, damping=1e-2, factor_decay=0.0, kl_clip=None)
     before = torch.cat([p.detach().reshape(-1) for p in opt._all_params()])
     d = ief.kfac_direction(case.model, case.inputs, case.targets, "iekfac", 1e-2)
     opt.step(case.inputs, case.targets)
@@ -262,7 +263,7 @@ def test_peft_lora_t5_step_is_lr_times_kfac_direction():
 
 def test_non_finite_batch_leaves_parameters_and_factors_untouched():
     case = mlp_case(m=7)
-    opt = ief.optim.KFAC(case.model, "ekfac", lr=0.1, damping=1.0, factor_decay=0.5)
+    opt = ief.optim.KFAC(case.model, "ekfac", lr=0.1, damping=1.0, factor_decay=0.5, kl_clip=None)
     opt.step(case.inputs, case.targets)
     params, factors = flat(case.model), copy.deepcopy(opt.factors)
     bad = case.inputs.clone()
@@ -286,7 +287,7 @@ def test_a_ddp_model_in_one_process_steps_as_its_module(kind, tmp_path):
         bare, wrapped = mlp_case(m=7).model, mlp_case(m=7).model
         ddp = torch.nn.parallel.DistributedDataParallel(wrapped)
         opts = [ief.optim.KFAC(model, kind, lr=0.1, damping=1.0, factor_decay=0.5, inverse_every=2,
-                               generator=torch.Generator().manual_seed(3), momentum=0.5)
+                               generator=torch.Generator().manual_seed(3), momentum=0.5, kl_clip=None)
                 for model in (bare, ddp)]
         assert opts[1]._group is None
         for x, y in batches(3):
@@ -297,21 +298,23 @@ def test_a_ddp_model_in_one_process_steps_as_its_module(kind, tmp_path):
 
 
 def test_defaults_and_an_explicit_signature_with_suggestions():
-    """``KFAC(model, kind)`` takes the cpu searches' rate and damping; every keyword is in the signature (no
-    ``**kwargs``), and a misspelled one names the closest (issue 37)."""
+    """``KFAC(model)`` takes the default kind, rate, damping and KL bound; every keyword is in the signature (no
+    ``**kwargs``), which renders readably, and a misspelled one names the closest."""
     import inspect
 
-    from ief.optim.kfac import DEFAULT_DAMPING, DEFAULT_LR
+    from ief.optim.kfac import DEFAULT_DAMPING, DEFAULT_KIND, DEFAULT_KL_CLIP, DEFAULT_LR
     case = mlp_case()
-    opt = ief.optim.KFAC(case.model, "ekfac")
-    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["damping"]) == (DEFAULT_LR, DEFAULT_DAMPING) == (0.01, 1.0)
-    assert opt.kl_clip is None
+    opt = ief.optim.KFAC(case.model)
+    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["damping"]) == (DEFAULT_LR, DEFAULT_DAMPING) == (0.1, 1e-3)
+    assert opt.kind == DEFAULT_KIND == "kfac" and opt.kl_clip == DEFAULT_KL_CLIP == 1e-3
+    shown = str(inspect.signature(ief.optim.KFAC))
+    assert "kind: 'str' = 'kfac'" in shown and "kl_clip: 'float | None' = 0.001" in shown and " at 0x" not in shown
     kinds = {p.kind for p in inspect.signature(ief.optim.KFAC).parameters.values()}
     assert inspect.Parameter.VAR_KEYWORD not in kinds
     for name in ("momentum", "weight_decay", "total_steps", "normalize", "process_group", "kl_clip"):
         assert name in inspect.signature(ief.optim.KFAC).parameters
     with pytest.raises(TypeError, match=r"KFAC got an unexpected keyword argument 'kl_clp' \(did you mean 'kl_clip'"):
-        ief.optim.KFAC(case.model, "ekfac", kl_clp=1e-3)
+        ief.optim.KFAC(case.model, "ekfac", kl_clp=1e-3, kl_clip=None)
 
 
 def test_kl_clip_factor_is_the_bound_on_the_predicted_kl():
@@ -354,3 +357,51 @@ def test_kl_clip_stops_a_small_damping_from_diverging(kind):
     free, clipped = run(None), run(1e-3)
     assert max(free) > 100 * free[0]
     assert max(clipped) < 1.25 * clipped[0] and clipped[-1] < clipped[0]
+
+
+def _tiny_bert_lora_keyword(seed: int = 0):
+    """A tiny BERT + LoRA classifier and a batch maker for a 3-class keyword task (the keyword ``1 + label`` at a
+    random position among random tokens)."""
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=16, num_labels=3,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(cfg),
+                                peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["query", "value"]))
+
+    def batch(step: int):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(4, 32, (16, 8), generator=g)
+        labels = torch.randint(0, 3, (16,), generator=g)
+        ids[torch.arange(16), torch.randint(1, 8, (16,), generator=g)] = 1 + labels
+        return {"input_ids": ids}, labels
+
+    return model, batch
+
+
+def test_kfac_with_every_default_steps_a_lora_classifier_within_the_kl_bound():
+    """``KFAC(model)``: the default kind, rate, damping and KL bound step a LoRA classifier (no kind to name), every
+    step's predicted KL ``lr^2 |d . g|`` clipped to the default bound, the loss finite."""
+    model, batch = _tiny_bert_lora_keyword()
+    opt = ief.optim.KFAC(model, generator=torch.Generator().manual_seed(0))
+    seen = []
+    original = ief.optim.kfac.kl_clip_factor
+
+    def recorded(direction, gradient, lr, kl_clip):
+        nu = original(direction, gradient, lr, kl_clip)
+        dg = torch.dot(direction.double().reshape(-1), gradient.double().reshape(-1)).abs()
+        seen.append(float(lr * lr * dg * nu.double() ** 2))
+        return nu
+
+    ief.optim.kfac.kl_clip_factor = recorded
+    try:
+        before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+        losses = [float(opt.step(*batch(step))) for step in range(5)]
+    finally:
+        ief.optim.kfac.kl_clip_factor = original
+    assert opt.steps_taken == 5 and all(math.isfinite(x) for x in losses)
+    assert len(seen) == 5 and max(seen) <= 1e-3 * (1 + 1e-9)
+    assert any(not torch.equal(a, b) for a, b in zip(before, (p for p in model.parameters() if p.requires_grad)))

@@ -53,7 +53,7 @@ BUILD = {
     "ief": lambda m: ief.optim.IEF(m, damping=1e-3, momentum=0.5),
     "ef": lambda m: ief.optim.EF(m, lr=0.5, damping=1e-2, momentum=0.5),
     "sf": lambda m: ief.optim.SF(m, lr=0.5, damping=1e-2, generator=torch.Generator().manual_seed(0)),
-    "ekfac": lambda m: ief.optim.KFAC(m, "ekfac", 0.1, 1.0, inverse_every=2),
+    "ekfac": lambda m: ief.optim.KFAC(m, "ekfac", 0.1, 1.0, inverse_every=2, kl_clip=None),
 }
 
 
@@ -105,8 +105,9 @@ def test_state_saved_before_the_class_was_recorded_still_loads_into_its_class():
     (lambda m: ief.optim.IEF(m, loss="mse"), lambda m: ief.optim.IEF(m), "loss='mse'", "loss='cross_entropy'"),
     (lambda m: ief.optim.IEF(m, reduction="mean"), lambda m: ief.optim.IEF(m), "reduction='mean'",
      "reduction='sum'"),
-    (lambda m: ief.optim.IEF(m), lambda m: ief.optim.KFAC(m, "ekfac", 0.1, 1.0), "IEF(", "KFAC("),
-    (lambda m: ief.optim.KFAC(m, "ekfac", 0.1, 1.0), lambda m: ief.optim.KFAC(m, "iekfac", 0.1, 1.0),
+    (lambda m: ief.optim.IEF(m), lambda m: ief.optim.KFAC(m, "ekfac", 0.1, 1.0, kl_clip=None), "IEF(", "KFAC("),
+    (lambda m: ief.optim.KFAC(m, "ekfac", 0.1, 1.0, kl_clip=None),
+     lambda m: ief.optim.KFAC(m, "iekfac", 0.1, 1.0, kl_clip=None),
      "kind='ekfac'", "kind='iekfac'"),
 ])
 def test_another_methods_state_is_refused_naming_both(source, target, saved, mine):
@@ -145,7 +146,7 @@ def _construct_on_rank(rank: int, world: int, store: str, out: str) -> None:
         model = torch.nn.Linear(4, 3).double()
         messages = []
         for build in (lambda: ief.optim.IEF(model), lambda: ief.optim.EF(model),
-                      lambda: ief.optim.KFAC(model, "ekfac", 0.1, 1.0),
+                      lambda: ief.optim.KFAC(model, "ekfac", 0.1, 1.0, kl_clip=None),
                       lambda: ief.optim.IEF(torch.nn.parallel.DistributedDataParallel(model))):
             try:
                 build()
@@ -200,11 +201,11 @@ def test_a_kfac_state_saved_before_the_class_was_recorded_is_checked_by_its_kind
     assert torch.equal(flat(resumed_model), flat(model))
     with pytest.raises(ForeignStateError, match=r"KFAC\(kind='ekfac', approx='expand'\)'s, this optimiser is "
                                                 r"KFAC\(kind='iekfac'"):
-        ief.optim.KFAC(mlp(), "iekfac", 0.1, 1.0).load_state_dict(legacy)
+        ief.optim.KFAC(mlp(), "iekfac", 0.1, 1.0, kl_clip=None).load_state_dict(legacy)
     exact_legacy = ief.optim.IEF(mlp()).state_dict()
     del exact_legacy[STATE_KEY]
     with pytest.raises(ForeignStateError, match=r"no 'kfac' entry .*not a KFAC optimiser's"):
-        ief.optim.KFAC(mlp(), "ekfac", 0.1, 1.0).load_state_dict(exact_legacy)
+        ief.optim.KFAC(mlp(), "ekfac", 0.1, 1.0, kl_clip=None).load_state_dict(exact_legacy)
 
 
 # ------------------------------------------------------------------------------- another model's state: refused
@@ -221,7 +222,7 @@ def wider(seed: int = 0) -> torch.nn.Module:
      "momentum buffer of parameter 0 ('0.weight') has shape (8, 4) where the parameter has (5, 4)"),
     ("auto", lambda m: ief.optim.IEF(m, lr="auto"),
      "lr='auto' change of parameter 0 ('0.weight') has shape (8, 4) where the parameter has (5, 4)"),
-    ("kfac", lambda m: ief.optim.KFAC(m, "ekfac", 0.1, 1.0),
+    ("kfac", lambda m: ief.optim.KFAC(m, "ekfac", 0.1, 1.0, kl_clip=None),
      "running factor G of layer '0' has shape (8, 8) where the layer's is (5, 5)"),
 ], ids=["ief", "sf", "auto", "kfac"])
 def test_another_models_state_with_as_many_tensors_is_refused_at_load_naming_the_parameter(name, build, message):

@@ -3,6 +3,8 @@ classes), its explicit inverse, and the OBS formulas (saliency, single- and many
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
@@ -285,8 +287,10 @@ def test_prune_searched_keeps_the_damping_with_the_lowest_held_out_loss(fisher):
         wf.prune(copy_, _split(case), 0.6, fisher=fisher, damping=d, block_size=BLOCK)
         expected[d] = _brute_validation_loss(copy_, held_out)
     model = copy.deepcopy(case.model)
-    _, masks, best, losses = wf.prune_searched(model, _split(case), 0.6, fisher=fisher, validation=held_out,
-                                               dampings=dampings, block_size=BLOCK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a choice at the grid's edge is said (the next test)
+        _, masks, best, losses = wf.prune_searched(model, _split(case), 0.6, fisher=fisher, validation=held_out,
+                                                   dampings=dampings, block_size=BLOCK)
     assert set(losses) == set(dampings)
     for d in dampings:
         assert losses[d] == pytest.approx(expected[d], rel=1e-10)
@@ -296,6 +300,28 @@ def test_prune_searched_keeps_the_damping_with_the_lowest_held_out_loss(fisher):
     assert all(torch.equal(masks[k], ref_masks[k]) for k in masks)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
     assert len(set(expected.values())) > 1, "the candidates must differ for the choice to mean anything"
+
+
+def test_prune_searched_says_when_its_choice_is_at_the_grid_edge(monkeypatch):
+    """The lowest validation loss at the smallest or the largest candidate is said, with the damping to extend to;
+    a choice inside the grid is not. (The validation losses are set here: the rule, not a model, is tested.)"""
+    case = mlp_case()
+    for table, said in [({1e-4: 2.0, 1e-2: 1.0, 1.0: 3.0}, None),
+                        ({1e-4: 1.0, 1e-2: 2.0, 1.0: 3.0}, r"chose damping=0\.0001, the smallest .* reaching 1e-06"),
+                        ({1e-4: 3.0, 1e-2: 2.0, 1.0: 1.0}, r"chose damping=1, the largest .* reaching 100"),
+                        ({1e-4: 1.0, 1e-2: 1.0, 1.0: 1.0},
+                         r"the smallest .* equal at its neighbour: the loss is flat")]:
+        order = iter(sorted(table))
+        monkeypatch.setattr(wf, "validation_loss", lambda *a, **k: table[next(order)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wf.prune_searched(copy.deepcopy(case.model), _split(case), 0.5, fisher="ief", validation=_split(case),
+                              dampings=tuple(table), block_size=BLOCK)
+        messages = [str(w.message) for w in caught if "prune_searched chose" in str(w.message)]
+        if said is None:
+            assert messages == []
+        else:
+            assert len(messages) == 1 and re.search(said, messages[0]), messages
 
 
 def test_prune_searched_refuses_what_has_no_damping_to_choose():

@@ -5,7 +5,7 @@ sees (the columns of ``F.unfold``). Per group ``k`` of ``groups``, with ``A_n [L
 input of sample ``n`` and ``G_n [L, C_out / groups]`` the gradient flowing into its output, the per-sample weight
 gradient is ``G_n^T A_n`` (``[C_out / groups, C_in kh kw / groups]``; the group's rows of the weight in its own layout
 ``[C_out, C_in / groups, kh, kw]``) and the bias gradient is ``G_n^T 1``: the same algebra as ``nn.Linear`` with the
-``L`` positions as its positions (``sec:app-iEF-impl``; BackPACK's BatchGrad and Opacus do the same).
+``L`` positions as its positions (Appendix D.1; BackPACK's BatchGrad and Opacus do the same).
 
 A ``Conv1d`` is the ``Conv2d`` of height 1 (``x [M, C, L]`` viewed ``[M, C, 1, L]``, kernel ``(1, k)``). Only
 ``padding_mode="zeros"`` is unfolded; reflect / replicate / circular padding (and ``Conv3d``, transposed convolutions)

@@ -149,7 +149,8 @@ def test_the_timings_page_says_how_many_commits_the_record_is_behind(tmp_path):
     text = record.timings_markdown(args["folder"], rendered=True)
     assert f"It is {between} commit{'s' * (between != '1')} behind this checkout" in text and "rendered from the record" in text
     assert "No chapter is recorded yet" in record.timings_markdown(tmp_path / "nothing")
-    assert "### The recorded build" in steps.timings_table(executed_root=tmp_path)
+    page = steps.timings_table(executed_root=tmp_path, record_section=text)
+    assert page.startswith("### The recorded build") and "### The last cold build" in page
 
 
 # --------------------------------------------------------------------------------- the book and its workflow

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import driver, steps
+from . import driver, record, steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.step == "publish":
             steps.publish(args.executed)
         elif args.step == "timings":
-            steps.write_timings()
+            steps.write_timings(record_section=record.timings_markdown())
         elif args.step == "record-cold-build":
             try:
                 entry = steps.record_cold_build(args.log, args.load, scale=args.scale, note=args.note,
@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
                            f"({steps.format_minutes(entry['wall_time_s'])}, {entry['load']}) in "
                            f"{args.record or steps.cost.RECORD}")
         elif args.step == "record":
-            from . import record
 
             try:
                 manifest = record.record()
@@ -125,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
             steps.log_line(f"recorded {len(manifest['chapters'])} chapters of commit {manifest['commit'][:12]} in "
                            f"{record.record_dir().relative_to(steps.ROOT)} ({manifest['size_bytes'] / 2**20:.1f} MiB)")
         elif args.step == "check-record":
-            from . import record
 
             problems = record.check()
             for line in problems:
@@ -134,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             steps.log_line("the record is a cpu build of every chapter, with the sources' code cells")
         elif args.step == "from-record":
-            from . import record
 
             return record.build(args.output)
         elif args.step == "mathjax":

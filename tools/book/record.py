@@ -517,7 +517,7 @@ def stage(folder: Path | None = None, target: Path = STAGE, environ: dict | None
         # the coverage table reads which chapters were executed, at which scale, from their provenance
         write_atomically(executed / f"{name}.provenance.json", json.dumps(chapter["provenance"], indent=2))
     text = (timings_markdown(folder, rendered=True) + "\n"
-            + steps.timings_table(executed_root=target / "_build" / "not-executed-here", record_section=False))
+            + steps.timings_table(executed_root=target / "_build" / "not-executed-here"))
     write_atomically(generated / "timings.md", text)
     return target
 

@@ -327,20 +327,17 @@ def chapter_costs_markdown(record: dict[str, dict]) -> str:
 
 
 def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG, record: Path = cost.RECORD,
-                  record_section: bool = True) -> str:
-    """Markdown for the timings page: the recorded chapters' build and how many commits it is behind this checkout
-    (:func:`tools.book.record.timings_markdown`; ``record_section=False`` leaves it to the caller), the last cold
+                  record_section: str = "") -> str:
+    """Markdown for the timings page: ``record_section`` first (the recorded chapters' build and how many commits it
+    is behind this checkout, :func:`tools.book.record.timings_markdown`, which the caller passes: the record module
+    builds on this one), the last cold
     build of each scale from the committed record (``book/cold-builds.json``: date, machine, load, wall time, job time
     by rule, each chapter's cost), then this checkout's own measurements: each notebook's execution time per scale
     (from its provenance) and the whole-book builds logged by :func:`tools.book.driver.build` (the last cold build,
     every notebook executed, and the last no-op rebuild, per scale)."""
     root = executed_root or ROOT / "_build" / "executed"
     committed = cost.read_record(record)
-    text = ""
-    if record_section:
-        from .record import timings_markdown
-
-        text += timings_markdown() + "\n"
+    text = record_section + "\n" if record_section else ""
     text += ("### The last cold build of each scale\n\n"
             "A cold build executes every notebook and builds the book from nothing (`make book`, at a scale). Each "
             "scale's last one is committed in `book/cold-builds.json`, recorded from its build's log by "
@@ -424,10 +421,11 @@ def record_cold_build(log: Path, load: str, scale: str | None = None, note: str 
                                   machine=machine, total_wall_s=total_wall_s, job_times=job_times)
 
 
-def write_timings(generated: Path = GENERATED) -> Path:
-    """Write :func:`timings_table` to ``generated/timings.md`` (atomically); returns the path."""
+def write_timings(generated: Path = GENERATED, record_section: str = "") -> Path:
+    """Write :func:`timings_table` (after ``record_section``) to ``generated/timings.md`` (atomically); returns the
+    path."""
     target = Path(generated) / "timings.md"
-    write_atomically(target, timings_table())
+    write_atomically(target, timings_table(record_section=record_section))
     return target
 
 

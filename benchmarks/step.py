@@ -69,7 +69,8 @@ def make_ops(w: Workload, seed: int) -> tuple[list[Op], Callable[[], None], int]
     v = torch.randn(n_params, generator=g).to(device)  # probe vector for the FVPs and gamma's direction
     snapshot = [p.detach().clone() for p in params]
     adamw, adamw_bf16 = torch.optim.AdamW(params, lr=1e-4), torch.optim.AdamW(params, lr=1e-4)
-    ief_opt = ief.optim.IEF(model)  # package defaults (reduction="sum": lr 1, damping 1e-4); timings do not depend on them
+    # package defaults (reduction="sum": lr 1, damping 1e-4); timings do not depend on them
+    ief_opt = ief.optim.IEF(model)
     ief_bf16 = ief.optim.IEF(model)
 
     def reset() -> None:

@@ -1,4 +1,5 @@
-"""The paper's evaluation framework as a function (``alg:eval``, ``sec:eval_framework``, ``sec:app-imp_eval_framework``).
+"""The paper's evaluation framework as a function (``alg:eval``, ``sec:eval_framework``,
+``sec:app-imp_eval_framework``).
 
 For every batch: the batch gradient (the SGD direction), the direction of every requested method, and its exact
 indicator ``gamma(d) = sqrt(d^T F d) / |d^T grad L|`` (:func:`ief.gamma`: one forward-mode pass, no ``P x P``

@@ -32,7 +32,8 @@ help:
 	@echo "             book/recorded/cpu/ (tracked; linked from the README and the book's introduction)"
 	@echo "make test-cluster  start a single-node SLURM on localhost (root) and run the smoke grid through it"
 	@echo "make test    run the test suite (every tier: tests/ief, tests/companion, tests/book), after the smoke book"
-	@echo "make test-lib  the library's tier alone (tests/ief: oracles, routes, guards): the inner loop, minutes"
+	@echo "make test-lib  the library's tier alone (tests/ief: oracles, routes, guards) without its slow tier (tests"
+	@echo "             marked slow: the inductor compile, several processes; make test runs them): the inner loop"
 	@echo "make bench   run every benchmark (one thread, niced) into benchmarks/results/*.json and rewrite the"
 	@echo "             tables of benchmarks/README.md from them (not part of the tests; minutes on a small CPU)"
 	@echo "make env     create .venv/ with the locked CPU install (requirements/ci.lock; VENV=path for another;"
@@ -89,9 +90,11 @@ test: $(ENV_READY) $(CHROMIUM)
 	$(PYTHON) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile tests
 	$(PYTHON) -m tools.kernels --results results/smoke --runs runs --out _build/smoke/kernels-default
 
-# The library's tier alone (tests/ief): no book, no workflow, no companion; the inner loop of work on ief/.
+# The library's tier alone (tests/ief): no book, no workflow, no companion; the inner loop of work on ief/. Tests
+# marked slow (pyproject.toml's markers: the inductor compile, the tests that start several processes) are left to
+# make test; tests/conftest.py refuses a tests/ief test that starts processes without the marker.
 test-lib: $(ENV_READY)
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile tests/ief
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not slow" tests/ief
 
 # A real SLURM cluster on localhost (needs root; writes /etc/slurm): the smoke grid through workflow/profiles/slurm,
 # compared with the same grid run locally.

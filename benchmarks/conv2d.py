@@ -12,8 +12,8 @@ the per-parameter ``grad_batch`` blocks):
 
 - ``plain backward`` (the reference): forward + ``loss.backward()`` (one gradient, not per sample);
 - ``ief.per_sample``: the package's default (``check=True``: the structural guard, no hooked parameter used outside
-  its hooked calls, read from the batch backward), on whatever path it takes for ``nn.Conv2d`` today (a per-sample loop with a ``SlowPathWarning`` where
-  no hook path exists; the record says which: ``slow_path_warning``);
+  its hooked calls, read from the batch backward), on whatever path it takes for ``nn.Conv2d`` today (a per-sample loop
+  with a ``SlowPathWarning`` where no hook path exists; the record says which: ``slow_path_warning``);
 - ``ief.per_sample, check=False``: the same without the guard;
 - ``torch.func vmap(grad)``: ``vmap`` over samples of ``grad`` of one sample's loss through ``functional_call``;
 - ``BackPACK BatchGrad``: ``backpack.extend`` on a copy of the model and on ``CrossEntropyLoss(reduction="sum")``,

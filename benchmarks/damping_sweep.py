@@ -8,7 +8,8 @@ Run from the repository root (single-threaded, as everything on a shared small C
 Both sides compute gamma and gamma/gamma_SGD of EF, iEF and SF at K dampings (log-spaced 1e-10 .. 1e2) on one batch:
 
 - ``separate``: for each damping, ``ief.evaluate(model, [batch], ["ef", "ief", "sf"], damping, logit_space=False)``
-  (a per-sample backward, a sampled backward, three Woodbury solves and four ``ief.gamma`` forward-mode passes, per damping);
+  (a per-sample backward, a sampled backward, three Woodbury solves and four ``ief.gamma`` forward-mode passes, per
+  damping);
 - ``sweep``: one ``ief.damping_sweep(model, *batch, dampings)`` (default route: the batch's logit Jacobian; one
   per-sample and one sampled Jacobian and one Gram matrix each, shared by all dampings, then per damping and method
   the exact direction and its ``gamma``, as ``ief.evaluate`` computes them; an earlier version rated every damping by

@@ -54,6 +54,7 @@ import argparse
 import copy
 import functools
 import importlib
+import json
 import pickle
 import sys
 import tempfile
@@ -357,7 +358,8 @@ def _plan_summary(plan: Any) -> dict | None:
 
 
 def _entry(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
-    """One spawned process: its group, its models, rank 0's results pickled to ``out``."""
+    """One spawned process: its group, its models, rank 0's results written to ``out`` as JSON (what the record
+    holds: plain numbers, strings and lists; nothing a reader must trust to unpickle)."""
     torch.set_num_threads(args.threads)
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -367,7 +369,7 @@ def _entry(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     try:
         results = run_rank(rank, args, device)
         if rank == 0:
-            Path(out).write_bytes(pickle.dumps(results))
+            Path(out).write_text(json.dumps(results, default=float))  # numpy scalars as the record writes them
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -377,10 +379,10 @@ def spawn(args: argparse.Namespace) -> list[dict]:
     """Run :func:`run_rank` on ``args.world`` processes; rank 0's results."""
     entry = importlib.import_module("benchmarks.distributed")._entry  # importable by the children under any __main__
     with tempfile.TemporaryDirectory() as folder:
-        out = str(Path(folder) / "results.pkl")
+        out = str(Path(folder) / "results.json")
         mp.spawn(entry, args=(args, str(Path(folder) / "store"), out), nprocs=args.world, join=True,
                  start_method="spawn")
-        return pickle.loads(Path(out).read_bytes())
+        return json.loads(Path(out).read_text())
 
 
 # -------------------------------------------------------------------------------------------------------------- main

@@ -6,14 +6,14 @@ Run from the repository root::
     python -m benchmarks.evaluation --setups digits-mlp --repeats 5 --json out.json
     python -m benchmarks.evaluation --setups tweets-minilm-lora --checkpoint RUN/checkpoints/stage-050.pt
 
-``python -m companion evaluate`` (``companion.experiments.evaluate_runs``) calls, at every stage checkpoint of a setup's baseline
-run and for each of its fixed batches, ``ief.evaluate(model, [batch], methods, damping, cg_iterations=...)`` with the
-E1 methods (sgd, ef, ief, sf, hf) plus the block-diagonal ones (kfac, ekfac, iekfac) when every trainable parameter
-is in an ``nn.Linear``, and at three stages a damping sweep (``ief.damping_sweep``, 13 dampings). This benchmark
-builds the setup's model at the ``cpu`` scale exactly as that job does (``eval()`` mode, the setup's batch size, its
-iEF damping, the cpu scale's CG iterations), loads ``--checkpoint`` if given (a ``stage-PPP.pt`` of a run), otherwise
-uses the initial model with LoRA ``B`` moved off zero (a stand-in for a trained checkpoint: same cost), and times
-on one batch of the training set, round-robin:
+``python -m companion evaluate`` (``companion.experiments.evaluate_runs``) calls, at every stage checkpoint of a setup's
+baseline run and for each of its fixed batches, ``ief.evaluate(model, [batch], methods, damping, cg_iterations=...)``
+with the E1 methods (sgd, ef, ief, sf, hf) plus the block-diagonal ones (kfac, ekfac, iekfac) when every trainable
+parameter is in an ``nn.Linear``, and at three stages a damping sweep (``ief.damping_sweep``, 13 dampings). This
+benchmark builds the setup's model at the ``cpu`` scale exactly as that job does (``eval()`` mode, the setup's batch
+size, its iEF damping, the cpu scale's CG iterations), loads ``--checkpoint`` if given (a ``stage-PPP.pt`` of a run),
+otherwise uses the initial model with LoRA ``B`` moved off zero (a stand-in for a trained checkpoint: same cost), and
+times on one batch of the training set, round-robin:
 
 - ``sgd``: ``ief.evaluate(model, [batch], ["sgd"])``: the per-sample backward, the gradient and one γ (the part
   every method shares: ``evaluate`` always evaluates sgd, the ratios need it);
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["peak_mib"] = peaks[r["key"]]
             info = {k: v for k, v in s.items() if k not in ("model", "inputs", "targets")}
             results.append(dict(setup=setup, **info, rows=rows, seconds=time.perf_counter() - t0))
-            print(f"\n{setup} [{s['scale']}]: P = {s['params']:,} trainable, batch {s['batch']}, damping {s['damping']:g}, "
-                  f"{s['cg']} CG steps, {s['source']}")
+            print(f"\n{setup} [{s['scale']}]: P = {s['params']:,} trainable, batch {s['batch']}, "
+                  f"damping {s['damping']:g}, {s['cg']} CG steps, {s['source']}")
             print(f"{'case':<14} {'median s':>9} {'IQR s':>7} {'vs sgd':>7} {'peak MiB':>9}")
             for r in rows:
                 peak = "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"

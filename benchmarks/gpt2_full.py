@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python -m benchmarks gpt2_full --device cuda --json benchmarks/results/gpt2_full-h200.json   # GPT-2 small, M 8, T 128
-    OMP_NUM_THREADS=1 python -m benchmarks gpt2_full --size tiny                                  # the same code on a CPU
+    python -m benchmarks gpt2_full --device cuda --json benchmarks/results/gpt2_full-h200.json  # GPT-2 small, M 8
+    OMP_NUM_THREADS=1 python -m benchmarks gpt2_full --size tiny                                 # the same on a CPU
     OMP_NUM_THREADS=1 python -m benchmarks gpt2_full --size mini --tokens 64 --before 7133bdc \
         --json benchmarks/results/gpt2_full-cpu.json                                             # the CPU proxy
 

@@ -197,8 +197,9 @@ def main(argv=None) -> None:
           1.0 if r["reference"] is None else (r["ratio"] if r["ratio"] is not None else r["ratio_of_medians"]),
           r["extra_peak_mib"], r["round_trips"], r["operators"]] for r in rows],
         note="vs Adam step: median of within-round ratios (ratio of medians for a case timed only in its memory "
-             "subprocess, e.g. form=\"dense\"); extra peak memory: high-water mark added by the steps (CPU: resident set; "
-             "CUDA: the allocator's peak), one subprocess per case; host round-trips and operators: one steady step "
+             "subprocess, e.g. form=\"dense\"); extra peak memory: high-water mark added by the steps (CPU: resident "
+             "set; CUDA: the allocator's peak), one subprocess per case; host round-trips and operators: one steady "
+             "step "
              "counted (benchmarks/host_syncs.py: reads of a tensor's value by the host, dispatched aten operators).")
     doc = harness.record("paper_mlp", argv, device, args, load, dict(params=params, batch=args.batch, rows=rows,
                                                                     memory=memory), [table], started)

@@ -10,7 +10,8 @@ phase's median over the measured steps:
   deferred finiteness of issue 38 also the pass over ``J`` that checks it);
 - ``finite``: :meth:`ief.rows.Rows.finite_flag`, wherever it is called (inside ``per_sample`` or ``update``: a nested
   phase, also counted in its caller);
-- ``gram``, ``solve``, ``combine``: :meth:`~ief.rows.Rows.gram`, the ``[M, M]`` solve, :meth:`~ief.rows.Rows.combine_rows`;
+- ``gram``, ``solve``, ``combine``: :meth:`~ief.rows.Rows.gram`, the ``[M, M]`` solve,
+  :meth:`~ief.rows.Rows.combine_rows`;
 - ``update``: the step's one host read of its checks and the parameter update;
 - ``other``: the step less ``per_sample``, ``gram``, ``solve``, ``combine`` and ``update``.
 """

@@ -7,9 +7,9 @@
 Every ``benchmarks/results/*.json`` (written by a benchmark's ``--json``, schema of :mod:`benchmarks.harness`)
 becomes one section: its summary table(s) as they were recorded, then a caption naming the machine, the date, the load
 other processes put on the machine during the run and the exact command. The book's API page shows the same text
-(``{benchmark-tables}``, rendered at build time by ``book/_ext/paper_book.py``); ``tests/companion/test_benchmarks_report.py``
-keeps ``benchmarks/README.md``'s block equal to what this module produces from the committed JSON. No number is
-typed.
+(``{benchmark-tables}``, rendered at build time by ``book/_ext/paper_book.py``);
+``tests/companion/test_benchmarks_report.py`` keeps ``benchmarks/README.md``'s block equal to what this module produces
+from the committed JSON. No number is typed.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from benchmarks.harness import machine_line, validate
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("step", "fvp", "paper_mlp", "conv2d", "hf_layers", "slow_paths", "evaluation",
          "damping_sweep")  # sections in this order, then the rest
-START = ("<!-- benchmarks: generated from benchmarks/results/*.json by "
-         "python -m benchmarks.report benchmarks/README.md; tests/companion/test_benchmarks_report.py keeps it equal -->")
+START = ("<!-- benchmarks: generated from benchmarks/results/*.json by python -m benchmarks.report "
+         "benchmarks/README.md; tests/companion/test_benchmarks_report.py keeps it equal -->")
 END = "<!-- /benchmarks -->"
 HEADINGS = {
     "step": "The op-cost table",

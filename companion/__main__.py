@@ -1,4 +1,5 @@
-"""Command line: ``python -m companion describe ...`` and ``python -m companion train ...`` (see :mod:`companion.experiments`).
+"""Command line: ``python -m companion describe ...`` and ``python -m companion train ...`` (see
+:mod:`companion.experiments`).
 
 Exit codes: 0 done (or skipped: finished), 2 bad input or an unreadable run file (an ``error:`` line naming the value
 or the file, nothing written; every number an option takes is checked when the arguments are parsed, see the
@@ -254,7 +255,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _add_evaluate_parser(sub: Any) -> None:
-    """``python -m companion evaluate``: E1 / block-diagonal / E3 records of a setup's baseline run (companion.experiments.evaluate_runs)."""
+    """``python -m companion evaluate``: E1 / block-diagonal / E3 records of a setup's baseline run
+    (companion.experiments.evaluate_runs)."""
     e = sub.add_parser(
         "evaluate", help="gamma indicators (alg:eval) of the baseline run's checkpoints, to a CSV",
         description="Evaluate EF, iEF, SF, K-FAC and the others (alg:eval) at the checkpoints of the setup's BASELINE "
@@ -264,8 +266,10 @@ def _add_evaluate_parser(sub: Any) -> None:
     e.add_argument("--setup", required=True, metavar="S")
     e.add_argument("--scale", required=True, metavar="X")
     e.add_argument("--seed", type=run_seed, default=None,
-                   help="the run's seed (default: the grid's evaluation seed, companion.experiments.setups.EVALUATION_SEED)")
-    e.add_argument("--runs", default="runs", metavar="RUNS_DIR", help="where the runs are (python -m companion train --out)")
+                   help="the run's seed (default: the grid's evaluation seed, "
+                        "companion.experiments.setups.EVALUATION_SEED)")
+    e.add_argument("--runs", default="runs", metavar="RUNS_DIR",
+                   help="where the runs are (python -m companion train --out)")
     e.add_argument("--out", required=True, metavar="OUT.csv")
     e.add_argument("--batches", type=positive_int, default=None, metavar="N",
                    help="batches per checkpoint (default by scale: companion.experiments.setups.EVALUATION_KNOBS)")

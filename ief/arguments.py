@@ -3,8 +3,8 @@
 Python's own message for ``IEF(model, dampning=1e-3)`` is ``TypeError: __init__() got an unexpected keyword argument
 'dampning'``, from the innermost constructor, with no hint. :func:`suggest_keywords` wraps a function so that a call
 with an unknown keyword raises ``TypeError`` naming the function as the user called it, the unknown keyword, the
-closest accepted ones (by edit distance, at most 2; else :func:`difflib.get_close_matches`) and every accepted keyword; ``inspect.signature`` and
-``help()`` still show the wrapped function's own, explicit signature.
+closest accepted ones (by edit distance, at most 2; else :func:`difflib.get_close_matches`) and every accepted keyword;
+``inspect.signature`` and ``help()`` still show the wrapped function's own, explicit signature.
 """
 from __future__ import annotations
 

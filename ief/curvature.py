@@ -58,7 +58,8 @@ def check_logits(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> Non
     For the package's own losses (whose checks depend only on the targets' values and the logits' shape, and which
     accept every finite logit) a passed targets check is remembered per targets tensor, its version counter (any
     in-place change bumps it) and the logits' shape and dtype, and finite logits are accepted by one reduction: a
-    Fisher-vector product on a small model paid ~0.15 ms per call for checks it had already passed."""
+    Fisher-vector product otherwise pays, on every call, for checks it has already passed (on a small model a
+    visible share of the call: ``benchmarks/README.md``)."""
     own = type(loss) in _OWN_LOSSES and not targets.is_inference()  # an inference tensor has no version counter
     key = (targets._version, tuple(logits.shape), logits.dtype, type(loss)) if own else None
     if not (own and _CHECKED_TARGETS.get(targets) == key):
@@ -471,7 +472,8 @@ def gamma_from(curvature: float, slope: float) -> float:
 
 
 class DegenerateIndicator(FloatingPointError):
-    """An evaluation's ``gamma`` is 0, ``inf`` or NaN, or its direction is zero: never recorded (see :func:`check_gamma`).
+    """An evaluation's ``gamma`` is 0, ``inf`` or NaN, or its direction is zero: never recorded (see
+    :func:`check_gamma`).
 
     Raised by :func:`ief.evaluate` and :func:`ief.damping_sweep` (through :func:`check_gamma`), naming the batch and
     the method: the value is rounding (a saturated softmax, a direction orthogonal to the gradient), not a measurement.

@@ -21,18 +21,17 @@ samples whose every position is ignored, ``lambda`` near 0): on a null eigenvect
 happens in ``Z``'s rounding (each column its own JVP, in the model's dtype: ``6e-8 x 1e10`` in float32) and inside
 a ``2M x 2M`` quadratic form whose terms are ``|w|^2 |C| ~ 1e20 |C|`` (float64 too). The curvature came out as
 rounding noise: ``gamma = 0`` (clamped negative curvature) or values off by factors of 2 at ``lambda <= 1e-8``
-(measured: ``Linear(4, 3)``, ``M = 32``: 0 against 0.2622; a prompt-tuned MLP in float32: 2.22 against 0.630), the
-very region E3's "iEF is insensitive to near-zero damping" is read from. The direct route cancels in float64 in
-parameter space on the exact ``J`` (:meth:`ief.rows.Rows.combine_rows`) *before* any JVP, so nothing large is ever
-subtracted afterwards: it is exact by construction, and no fast route with a guard is kept.
+(the cases measured are in ``benchmarks/README.md``, "Measurements behind the library's choices"), the very region E3's
+"iEF is insensitive to near-zero damping" is read from. The direct route cancels in float64 in parameter space on the
+exact ``J`` (:meth:`ief.rows.Rows.combine_rows`) *before* any JVP, so nothing large is ever subtracted afterwards: it is
+exact by construction, and no fast route with a guard is kept.
 
 Cost (E3's grids: 7 dampings at smoke, 13 at cpu and full; ``K`` dampings, ``k`` methods): one per-sample (and one
 sampled) backward or the shared ``J_z``, two Gram matrices, then per ``(method, lambda)`` an ``M x M`` solve and one
 ``J^T c`` (``M P``); all ``k K`` directions are then rated together: one product of them with ``J_z`` on the
 logit-space route, or one forward-mode pass each on the per-pass route: ``k K`` passes (39 for the full grid) where
 the old algebra took ``2M`` (64 at ``M = 32``, 320 at the paper's ``M = 160``). ``benchmarks/damping_sweep.py``
-measures it against ``K`` separate evaluations (digits-mlp architecture, ``M = 32``, ``K = 20``, one thread on a
-loaded 2-core machine: 0.69 s against 0.50 s for the old algebra and 0.91 s for 20 separate evaluations).
+measures it against ``K`` separate evaluations (its table and the old algebra's time: ``benchmarks/README.md``).
 
 Undefined indicators: a saturated batch (``J = 0`` or ``grad L = 0``) or a ``gamma`` that is 0, ``inf`` or NaN
 raises :class:`ief.curvature.DegenerateIndicator` naming the method, exactly as :func:`ief.evaluate` does

@@ -60,8 +60,13 @@ APPROXIMATIONS = ("expand", "reduce")
 class KroneckerBlock:
     """One linear layer's factors: ``F_block ~ G (x) A`` for the gradient matrix ``[grad_W, grad_b]``.
 
-    ``G [out, out]``, ``A [k, k]`` (float64); ``columns`` says which of ``("weight", "bias")`` the ``k`` input
-    columns cover (the bias is the last column, fed by a constant 1); ``index`` maps them to positions in ``params``.
+    Attributes:
+        name: the layer's name in the model (``named_modules``).
+        G: ``[out, out]``, float64: the output-gradient factor.
+        A: ``[k, k]``, float64: the input factor; its ``k`` columns are the layer's inputs, then a constant 1 for the
+            bias when the bias is preconditioned (the last column).
+        index: ``{"weight": i}`` and, with a bias, ``{"bias": j}``: where each of the layer's parameters is in
+            ``params``.
     """
 
     name: str
@@ -94,8 +99,8 @@ def _rows(x: torch.Tensor, m: int, approx: str, reduce_op: str) -> torch.Tensor:
 
 class _LinearHooks(PerSampleCapture):
     """The per-sample capture's hooks (:class:`ief.jacobian.PerSampleCapture`: every call's input and the gradient
-    flowing back into its output), restricted to the ``nn.Linear`` layers owning ``params``: K-FAC needs their raw rows, not
-    per-sample products or sample axes. ``records[k]``: ``[[input, output grad, _], ...]`` per call; ``modules[k]``:
+    flowing back into its output), restricted to the ``nn.Linear`` layers owning ``params``: K-FAC needs their raw rows,
+    not per-sample products or sample axes. ``records[k]``: ``[[input, output grad, _], ...]`` per call; ``modules[k]``:
     ``(module, rule, features, {"weight"/"bias": index in params})``. Any other trainable parameter: ``ValueError``."""
 
     def __init__(self, model: torch.nn.Module, params: list[torch.Tensor], names: list[str], kind: str):

@@ -457,8 +457,8 @@ def batched_jvps(
 def batched_tangent_jvps(
     forward: ReplayableForward, params: Sequence[torch.Tensor], names: Sequence[str], tangents: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`batched_jvps` with the ``K`` tangents given per parameter, ``tangents[i]`` shaped ``[K, *params[i].shape]``
-    in the parameter's dtype (no ``[K, P]`` matrix)."""
+    """:func:`batched_jvps` with the ``K`` tangents given per parameter, ``tangents[i]`` shaped
+    ``[K, *params[i].shape]`` in the parameter's dtype (no ``[K, P]`` matrix)."""
 
     _refuse_hazards(forward)
 

@@ -153,8 +153,8 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def modules_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     """``list(model.modules())`` (the same modules in the same order: depth first, each once), without building the
-    dotted names: ``modules()`` walks ``named_modules`` generators, ~0.2 ms per call on a T5-LoRA, paid several times
-    per Fisher-vector product."""
+    dotted names: ``modules()`` walks ``named_modules`` generators (a cost paid several times per Fisher-vector
+    product: ``benchmarks/README.md``)."""
     out, seen, stack = [], set(), [model]
     while stack:
         module = stack.pop()
@@ -311,9 +311,9 @@ def _madvise() -> Callable | None:
 def large_empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty(shape)``, on Linux CPUs with its memory advised for transparent huge pages before it is touched.
 
-    A fresh allocation of many MiB comes from the operating system, and the first write to each 4 KiB page faults:
-    writing a fresh 35 MiB ``J`` (full-parameter BERT, ``M = 16``) took 15.6 ms on this project's machine, 3.4 ms with
-    the advice (2 MiB pages, 512 times fewer faults). This is what torch's own ``THP_MEM_ALLOC_ENABLE=1`` does for
+    A fresh allocation of many MiB comes from the operating system, and the first write to each 4 KiB page faults;
+    with the advice the pages are 2 MiB, 512 times fewer faults (what it saves on a full-parameter BERT's ``J``:
+    ``benchmarks/README.md``). This is what torch's own ``THP_MEM_ALLOC_ENABLE=1`` does for
     every large allocation, which an already running process cannot switch on. The advice is a hint only: values
     are the same, and where the kernel refuses it (huge pages "never") nothing changes.
     """
@@ -370,7 +370,7 @@ def check_batch(batch: Any, index: int) -> tuple[Inputs, torch.Tensor]:
     accepted = "batches must be an iterable of (inputs, targets) pairs"
     if isinstance(batch, Mapping):
         keys = ", ".join(repr(k) for k in batch)
-        hint = (f"; split it: ({{k: v for k, v in b.items() if k != 'labels'}}, b['labels'])" if "labels" in batch
+        hint = ("; split it: ({k: v for k, v in b.items() if k != 'labels'}, b['labels'])" if "labels" in batch
                 else "")
         raise ValueError(f"{accepted}; batches[{index}] is a mapping with keys {keys}{hint}")
     if isinstance(batch, torch.Tensor):
@@ -485,9 +485,10 @@ class ReplayableForward:
         """Whether the forward draws random numbers on a CUDA device (dropout in train mode): measured on the first
         call (the CUDA generators' states before and after); before it, assumed for a CUDA model in train mode.
 
-        ``torch.func.vmap(randomness="same")`` draws such numbers with other kernels than a plain forward (on an
-        H100, ``F.dropout``'s mask under vmap differed from the plain forward's from the same generator state; on
-        the CPU they agree), so a vmapped replay of this forward would not be the same function."""
+        ``torch.func.vmap(randomness="same")`` draws such numbers with other kernels than a plain forward, so on a
+        CUDA device ``F.dropout``'s mask under vmap need not be the plain forward's from the same generator state (it
+        was not on the GPU observed, ``benchmarks/README.md``; on the CPU they agree), and a vmapped replay of this
+        forward would not be the same function."""
         if self._draws_cuda_random is None:
             return bool(self._devices) and any(m.training for m in self.model.modules())
         return self._draws_cuda_random
@@ -517,7 +518,7 @@ def _functional_logits(model: torch.nn.Module, substitute: Mapping[str, torch.Te
 
 
 def _cuda_devices(model: torch.nn.Module) -> list[int]:
-    if not torch.cuda.is_initialized():  # a CUDA tensor initialises CUDA: none exists, and the walk (~0.25 ms on a
-        return []                         # T5-LoRA, once per Fisher-vector product) is skipped
+    if not torch.cuda.is_initialized():  # a CUDA tensor initialises CUDA: none exists, and the walk over the
+        return []                         # parameters (once per Fisher-vector product) is skipped
     devices = {p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"}
     return sorted(devices)

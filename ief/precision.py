@@ -242,8 +242,8 @@ ROUNDING_ATTRIBUTE = "_ief_rounding_dtype"
 def mark_rounding(jacobian, forward_format: torch.dtype | None) -> None:
     """Record on ``J`` (a tensor or a :class:`~ief.rows.FactoredJacobian`) the forward's lowest format when it is
     narrower than ``J``'s dtype (cleared otherwise: the optimisers reuse one buffer across steps).
-    :func:`ief.per_sample` marks every ``J`` it returns; the mark says what rounding ``J`` carries (the solves' floor keeps ``J``'s dtype:
-    module docstring). A copy of ``J`` (``.clone()``, ``.to()``) does not carry it.
+    :func:`ief.per_sample` marks every ``J`` it returns; the mark says what rounding ``J`` carries (the solves' floor
+    keeps ``J``'s dtype: module docstring). A copy of ``J`` (``.clone()``, ``.to()``) does not carry it.
 
     Args:
         jacobian: the per-sample Jacobian as :func:`ief.per_sample` returns it.

@@ -154,8 +154,9 @@ def _column_chunks(matrix: torch.Tensor, scale: float = 1.0) -> Iterator[tuple[i
     """Column blocks of ``matrix / scale`` in float64, each valid until the next is drawn.
 
     A narrower ``matrix`` is converted block by block into one float64 buffer: a fresh float64 block of this size
-    (8 MiB at ``M = 16``) is memory new from the operating system each time, and its page faults were ~45 % of an
-    IEF step on full-parameter BERT (``benchmarks/hf_layers.py``). The values are those of ``block.to(float64)``.
+    (:data:`COLUMN_BYTES`) is memory new from the operating system each time, paid in page faults on every block (a
+    large share of an IEF step on full-parameter BERT: ``benchmarks/README.md``). The values are those of
+    ``block.to(float64)``.
     """
     if matrix.dtype == torch.float64:
         for lo, block in column_chunks(matrix):

@@ -212,17 +212,19 @@ def ggn_blocks(
 # -------------------------------------------------------------------------------------------------- blocks
 class _WoodburyBlock:
     """``(lambda I + U^T U)^{-1}`` of one block from its rows ``U [N, B]``, holding ``V [B, min(N, B)]`` and never the
-    ``B x B`` inverse (module docstring), through ``U``'s thin SVD ``U = A diag(s) V^T`` (``V [B, k]``, ``k = min(N, B)``): the Woodbury form
-    ``(1/lambda)(I - U^T (lambda I + U U^T)^{-1} U)`` is ``(I - V V^T)/lambda + V diag(1/(s^2 + lambda)) V^T``.
+    ``B x B`` inverse (module docstring), through ``U``'s thin SVD ``U = A diag(s) V^T`` (``V [B, k]``,
+    ``k = min(N, B)``): the Woodbury form ``(1/lambda)(I - U^T (lambda I + U U^T)^{-1} U)`` is
+    ``(I - V V^T)/lambda + V diag(1/(s^2 + lambda)) V^T``.
 
     The SVD of ``U`` rather than the eigen-decomposition of the ``N x N`` Gram ``U U^T = A diag(s^2) A^T`` (the same
     factors): the Gram squares ``U``'s condition number, and where the rows span the whole block (``N >= B``) the
     part of ``e_q`` outside their span, ``1 - ||V_q||^2``, exactly 0, came out ~1e-12 from the Gram's small
-    eigenpairs; divided by ``lambda = 1e-8`` that made ``[F^{-1}]_qq`` 70 % wrong on the cpu ``digits-mlp`` (N = 512,
-    B = 256). ``V``'s columns are orthonormal to rounding whatever the conditioning, and where the kept rows span the
-    block (rank ``B``) that part is set to exactly 0 (``1 - ||V_q||^2`` is rounding there). Singular values at ``U``'s
-    rounding are dropped (their directions count as the null space): ``s <= max(N, B) eps s_max``, and for rows
-    computed in float32 ``s^2 <=`` :func:`ief.directions.rounding_floor`, as the exact directions do.
+    eigenpairs, an error that the division by ``lambda`` (1e-8) magnifies to order 1e-4 in ``[F^{-1}]_qq``, which
+    can be the entry's own size (the case measured: ``benchmarks/README.md``). ``V``'s columns are
+    orthonormal to rounding whatever the conditioning, and where the kept rows span the block (rank ``B``) that part is
+    set to exactly 0 (``1 - ||V_q||^2`` is rounding there). Singular values at ``U``'s rounding are dropped (their
+    directions count as the null space): ``s <= max(N, B) eps s_max``, and for rows computed in float32 ``s^2 <=``
+    :func:`ief.directions.rounding_floor`, as the exact directions do.
     """
 
     def __init__(self, u: torch.Tensor, dtype: torch.dtype):

@@ -1,5 +1,8 @@
+from pathlib import Path
+
 import pytest
 import torch
+import torch.multiprocessing
 
 from tiny_models import ALL_CASES
 
@@ -24,3 +27,23 @@ def _deterministic():
 def any_case(request):
     """Every tiny model: mlp, mse-mlp, sequence (ignored positions), t5-lora, t5-prompt, vit-lora."""
     return ALL_CASES[request.param]()
+
+
+LIBRARY_TIER = Path(__file__).resolve().parent / "ief"
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_the_slow_tier(request, monkeypatch):
+    """A test of the library's tier (tests/ief) that starts processes (``torch.multiprocessing.spawn`` or
+    ``start_processes``) must be marked ``slow``, the tier ``make test`` runs and ``make test-lib`` leaves out: without
+    the marker the start fails, naming the test, so the fast loop cannot silently grow a multi-process test."""
+    if request.node.get_closest_marker("slow") is not None or not Path(str(request.node.path)).is_relative_to(
+            LIBRARY_TIER):
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{request.node.nodeid} starts processes: mark it @pytest.mark.slow (the tier make test "
+                           "runs and make test-lib leaves out)")
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", refuse)
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", refuse)

@@ -4,8 +4,8 @@
 size: ``google-t5/t5-base`` (a T5 of the paper's architecture family, random weights, with a tokenizer trained here
 with ``tokenizers``; both via ``save_pretrained``), ``google/vit-base-patch16-224`` (a tiny ViT with a 1000-way head
 and its image processor), GLUE-shaped ``nyu-mll/glue`` configurations (the hub's column names, ``ClassLabel`` names
-and ``-1`` test labels) and CIFAR-shaped ``uoft-cs/cifar10`` / ``uoft-cs/cifar100`` (RGB ``Image`` columns of 16x16 pixels,
-``label`` / ``fine_label``). :func:`serve` patches ``huggingface_hub.model_info`` / ``dataset_info`` /
+and ``-1`` test labels) and CIFAR-shaped ``uoft-cs/cifar10`` / ``uoft-cs/cifar100`` (RGB ``Image`` columns of 16x16
+pixels, ``label`` / ``fine_label``). :func:`serve` patches ``huggingface_hub.model_info`` / ``dataset_info`` /
 ``snapshot_download`` and ``datasets.load_dataset`` to answer from it, recording every call, so that
 ``companion.experiments.asset_folder.download`` runs its real code against it.
 """

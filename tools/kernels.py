@@ -5,13 +5,13 @@ checkpoints, with the same parameters, and compares every record with the first 
     python -m tools.kernels --results results/smoke --runs runs --out _build/smoke/kernels-default
 
 What may differ, and why: both runs read the same stage checkpoints and draw the same batches with the same
-parameters (the first run's stage records, ``eval/<setup>.csv.parts/stage-PPP.json``: :func:`evaluation_params`), so a difference comes only from the order of
-floating-point operations inside the kernels (vectorised reductions, matmul blocking). The setups' models are float32:
-the per-sample Jacobians carry float32 rounding (relative ~1e-7), which the float64 solves of the exact directions
-(``ief.logit_space``, ``ief.damping_sweep``) amplify by up to ~1/damping relative to the Gram matrix's scale. So a
-well-damped value agrees to ~1e-5 and a near-undamped one is decided by rounding; the tolerances
-(:data:`E1_TOLERANCE`, :data:`SWEEP_TOLERANCES`, measured differences and reasons next to them) follow that. A record
-present in one run only, or finite in one run only, is always a difference.
+parameters (the first run's stage records, ``eval/<setup>.csv.parts/stage-PPP.json``: :func:`evaluation_params`), so a
+difference comes only from the order of floating-point operations inside the kernels (vectorised reductions, matmul
+blocking). The setups' models are float32: the per-sample Jacobians carry float32 rounding (relative ~1e-7), which the
+float64 solves of the exact directions (``ief.logit_space``, ``ief.damping_sweep``) amplify by up to ~1/damping relative
+to the Gram matrix's scale. So a well-damped value agrees to ~1e-5 and a near-undamped one is decided by rounding; the
+tolerances (:data:`E1_TOLERANCE`, :data:`SWEEP_TOLERANCES`, measured differences and reasons next to them) follow that.
+A record present in one run only, or finite in one run only, is always a difference.
 """
 from __future__ import annotations
 
@@ -54,10 +54,11 @@ class Tolerance:
 # The tolerances, by record kind and (for E3's damping sweep) damping band in the package's sum-loss convention. What
 # the two kernel sets gave on the smoke grid (AVX-512 vs default, 2026-11-24, with the exact sweep and the float32
 # rounding floor of ief.directions), the largest relative difference of gamma: digits-mlp bitwise equal except
-# K-FAC/EK-FAC/iEK-FAC (3e-4); tweets-minilm-* E1 <= 5.1e-4 (their E1 damping, the setups' near-zero 1e-7 / 1e-12, is itself near-singular);
-# sweep at dampings >= 1e-4 <= 5.8e-6, at 1e-6 <= 8.5e-5, at 1e-8 and 1e-10 <= 3.3e-4. Each tolerance is ~10x the
-# largest seen. (The sweep's earlier algebra differed by up to a factor 2.7 below 1e-7, and recorded gamma = 0 in one
-# run only: that was its algebra cancelling 1/lambda-sized terms in rounding, not the kernels.)
+# K-FAC/EK-FAC/iEK-FAC (3e-4); tweets-minilm-* E1 <= 5.1e-4 (their E1 damping, the setups' near-zero 1e-7 / 1e-12, is
+# itself near-singular); sweep at dampings >= 1e-4 <= 5.8e-6, at 1e-6 <= 8.5e-5, at 1e-8 and 1e-10 <= 3.3e-4. Each
+# tolerance is ~10x the largest seen. (The sweep's earlier algebra differed by up to a factor 2.7 below 1e-7, and
+# recorded gamma = 0 in one run only: that was its algebra cancelling 1/lambda-sized terms in rounding, not the
+# kernels.)
 E1_TOLERANCE = Tolerance(5e-3)  # E1 and the block-diagonal study, every method
 SWEEP_TOLERANCES = (  # E3's damping sweep: (smallest damping of the band, tolerance), searched in order
     (1e-4, Tolerance(1e-4)),

@@ -581,7 +581,7 @@ def trajectory(snap: Snapshot, key: str, case: Case, make_opt: Callable[[torch.n
 def trajectories(snap: Snapshot, case: Case, tag: str, full: bool = True) -> None:
     import ief
 
-    O = ief.optim  # noqa: N806
+    O = ief.optim  # noqa: N806, E741
     loss = case.loss
     k = f"{case.name}/{tag}/optim"
 

@@ -1,4 +1,5 @@
-"""Derive the paper's ``\\label`` -> printed number map from its LaTeX source, once, into ``companion/paper/labels.json``.
+"""Derive the paper's ``\\label`` -> printed number map from its LaTeX source, once, into
+``companion/paper/labels.json``.
 
     python -m tools.paper_labels [--tex /work/shared/paper/ief-paper.tex] [--check]
 

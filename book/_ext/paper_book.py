@@ -5,9 +5,9 @@
   unnumbered label is a build error (the book builds with ``-W``).
 - ``{coverage}`summary``` puts the coverage sentence into prose, from code, never typed. (A full-scale run's cost is
   a generated block of the page's Markdown, ``companion.chapters.cost.fullcost_blocks``, so that GitHub shows it too.)
-- ``{coverage-table}`` (a directive) writes the coverage table from the registry :mod:`companion.chapters.coverage` at build
-  time, for the scale of the published chapters and the provenance records of this build, with each chapter linked:
-  the page and the README cannot drift from the code.
+- ``{coverage-table}`` (a directive) writes the coverage table from the registry :mod:`companion.chapters.coverage` at
+  build time, for the scale of the published chapters and the provenance records of this build, with each chapter
+  linked: the page and the README cannot drift from the code.
 - ``{benchmark-tables}`` (a directive) writes the benchmark tables from the committed JSON in ``benchmarks/results/``
   (:mod:`benchmarks.report`, the same text as the README's benchmark block) at build time.
 - papermill's injected-parameters cell is dropped from the page: the parameters cell is shown once (its defaults;

@@ -1,11 +1,10 @@
 """The colour science behind :mod:`companion.chapters.style`'s palette: sRGB -> CIELAB, CIEDE2000 colour differences,
 simulated colour-vision deficiency and the WCAG contrast of a colour against the page.
 
-Nothing here plots; :mod:`companion.chapters.style` states the palette and ``tests/companion/test_chapters_style.py`` checks it with
-these functions.
-References: the sRGB standard (IEC 61966-2-1: its transfer function and D65 matrix), CIE 15:2004 (CIELAB),
-Sharma, Wu & Dalal 2005 (the CIEDE2000 formula and its test data), Machado, Oliveira & Fernandes 2009 (the
-dichromacy matrices, severity 1, applied to linear RGB as in their paper) and WCAG 2.1 (relative luminance,
+Nothing here plots; :mod:`companion.chapters.style` states the palette and ``tests/companion/test_chapters_style.py``
+checks it with these functions. References: the sRGB standard (IEC 61966-2-1: its transfer function and D65 matrix), CIE
+15:2004 (CIELAB), Sharma, Wu & Dalal 2005 (the CIEDE2000 formula and its test data), Machado, Oliveira & Fernandes 2009
+(the dichromacy matrices, severity 1, applied to linear RGB as in their paper) and WCAG 2.1 (relative luminance,
 contrast ratio, success criterion 1.4.11 "non-text contrast" >= 3:1).
 """
 from __future__ import annotations

@@ -12,8 +12,8 @@ import numpy as np
 # content column of BOOK_CONTENT_PX (wider figures are scaled down, and their text with them).
 PAGE_WIDTH_IN = 7.5
 FIGURE_DPI = 90
-# A lower bound of the book's content column: tests/book/test_book_browser.py checks it in a 1400 px and a 1000 px window
-# (the smoke book of 2026-11-24 measured 784 and 736 px there).
+# A lower bound of the book's content column: tests/book/test_book_browser.py checks it in a 1400 px and a 1000 px
+# window (the smoke book of 2026-11-24 measured 784 and 736 px there).
 BOOK_CONTENT_PX = 690
 MIN_TEXT_PX = 9.0  # the smallest text a figure may show a reader (CSS px, after the page scales the image)
 SCRIPT_SHRINK = 0.7  # matplotlib mathtext's sub/superscript scale (SHRINK_FACTOR)
@@ -239,8 +239,9 @@ def require_tables(tables, scale: str, command: str) -> list[Path]:
 
 def record_made(path: str | Path) -> str:
     """When, at which commit and by which command a committed record was made: the ``created`` / ``commit`` /
-    ``command`` fields a JSON record carries (``companion.experiments.search``; a benchmark record's ``date``), else "made before records carried their
-    date" and when git last committed the file (:func:`committed_at`); never a guessed date."""
+    ``command`` fields a JSON record carries (``companion.experiments.search``; a benchmark record's ``date``), else
+    "made before records carried their date" and when git last committed the file (:func:`committed_at`); never a
+    guessed date."""
     import json
 
     path = Path(path)

@@ -13,8 +13,8 @@ from .style import method_color
 METHODS = ("magnitude", *FISHERS)
 LABELS = {"magnitude": "magnitude", "ef": "EF-WoodFisher", "ief": "iEF-WoodFisher", "sf": "SF-WoodFisher",
           "ggn": "exact GGN"}
-# The project's colours (companion.chapters.style): magnitude takes SGD's grey (the curvature-free baseline), the exact GGN
-# NGD's black (the exact Fisher), EF / iEF / SF their own.
+# The project's colours (companion.chapters.style): magnitude takes SGD's grey (the curvature-free baseline), the exact
+# GGN NGD's black (the exact Fisher), EF / iEF / SF their own.
 COLORS = {"magnitude": method_color("SGD"), "ef": method_color("EF"), "ief": method_color("iEF"),
           "sf": method_color("SF"), "ggn": method_color("NGD")}
 MARKERS = {"magnitude": "s", "ef": "X", "ief": "o", "sf": "^", "ggn": "D"}

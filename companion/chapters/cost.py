@@ -175,7 +175,8 @@ def _dumps(builds: dict[str, dict]) -> str:
                 fields.append(f'   "job_times": [\n{jobs}\n   ]')
             else:
                 fields.append(f"   {json.dumps(key)}: {json.dumps(value)}")
-        lines.append(f"  {json.dumps(scale)}: {{\n" + ",\n".join(fields) + "\n  }" + ("," if i < len(builds) - 1 else ""))
+        comma = "," if i < len(builds) - 1 else ""
+        lines.append(f"  {json.dumps(scale)}: {{\n" + ",\n".join(fields) + "\n  }" + comma)
     return "\n".join(lines + [" }", "}"]) + "\n"
 
 
@@ -200,7 +201,8 @@ def load_text(entry: dict) -> str:
     """``idle`` or ``loaded``, with the measured load of other processes and the recorder's note where there are."""
     text = entry.get("load", "load not stated")
     if entry.get("other_cores") is not None:
-        text += f": other processes kept {entry['other_cores']:.2f} of its {entry.get('cores', '?')} cores busy on average"
+        text += (f": other processes kept {entry['other_cores']:.2f} of its {entry.get('cores', '?')} cores busy on "
+                 "average")
     if entry.get("note"):
         text += f" ({entry['note']})"
     return text
@@ -323,7 +325,8 @@ def _cost(jobs: list[dict], entry: dict) -> Cost:
         g = by.setdefault(RULE_GROUPS.get(job["rule"], job["rule"]), [0, 0.0])
         g[0] += 1
         g[1] += float(job["seconds"])
-    order = [n for n in GROUP_ORDER if n in by] + sorted((n for n in by if n not in GROUP_ORDER), key=lambda n: -by[n][1])
+    others = sorted((n for n in by if n not in GROUP_ORDER), key=lambda n: -by[n][1])
+    order = [n for n in GROUP_ORDER if n in by] + others
     return Cost(seconds=sum(v[1] for v in by.values()), by_rule={n: (int(by[n][0]), by[n][1]) for n in order},
                 scale=entry["scale"], finished=entry.get("finished", "?"), cores=entry.get("cores"),
                 load=entry.get("load", "load not stated"), runs=int(by.get("train", [0])[0]))

@@ -53,7 +53,8 @@ CHAPTER_OF: dict[str, str] = {
     "tab:test": "optimisation", "tab:test-mlp": "optimisation",
     "tab:glue-details": "setups", "tab:train-epochs": "setups", "tab:license": "setups",
 }
-# The evaluation chapter's figure keys (companion.chapters.evaluation.FIGURE_SETUPS) of the labels that are not E3 figures.
+# The evaluation chapter's figure keys (companion.chapters.evaluation.FIGURE_SETUPS) of the labels that are not E3
+# figures.
 _E1_KEYS = {"fig:sample_gamma": "sample_gamma", "fig:lora_gamma": "lora_gamma", "fig:pt_gamma": "pt_gamma",
             "fig:sample_blockdiag_gamma": "blockdiag"}
 # E2 figures/tables drawn for one fine-tuning method's setups (the optimisation notebook's `figure_of`).

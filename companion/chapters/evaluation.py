@@ -1,13 +1,15 @@
 """Figures of the evaluation chapter: ``fig:sample_gamma`` (E1), ``fig:damping_gamma_*`` (E3) and
 ``fig:sample_blockdiag_gamma`` (block-diagonal study), from the tidy records of
-:mod:`companion.experiments.evaluate_runs` (a list of dicts, as :func:`~companion.experiments.evaluate_runs.read_records` gives).
+:mod:`companion.experiments.evaluate_runs` (a list of dicts, as
+:func:`~companion.experiments.evaluate_runs.read_records` gives).
 
 Every point of a figure is a per-batch ratio averaged over the evaluated batches with a +-1 sd bar (the paper:
 "averaged across 100 evaluations, error bars the standard deviation"), on log axes: so the average is the geometric
 mean and the bar +-1 sd of the log ratios (:func:`log_errorbar`), symmetric on the axis and never down to its floor.
 The glued ratios are that geometric mean too (the statistic the verdicts decide on); the summary table alone keeps the
-arithmetic mean +- sd (:func:`stage_series`, ``summary_rows``), and the glue ``mean_kinds`` says which is which. Figures are laid
-out at the page width (at most two panels a row) so their text stays >= 9 px as shown (``tests/book/test_figures.py``).
+arithmetic mean +- sd (:func:`stage_series`, ``summary_rows``), and the glue ``mean_kinds`` says which is which. Figures
+are laid out at the page width (at most two panels a row) so their text stays >= 9 px as shown
+(``tests/book/test_figures.py``).
 """
 from __future__ import annotations
 
@@ -87,9 +89,9 @@ MATH_PT = 13  # labels with sub/superscripts (gamma_EF): their scripts, 0.7 of t
 
 def log_errorbar(ax, groups: dict[float, list[float]], error_bars: bool = True, **style):
     """Draw ``{x: values}`` on a logarithmic y axis: the geometric mean of each group with its +-1 sd band of the log
-    values (:func:`companion.chapters.common.log_band`), so the bar is symmetric on the axis and never runs to its floor.
-    Groups with a non-positive value are left out (they have no place on a log axis). Returns the errorbar container,
-    or ``None`` where no group can be drawn."""
+    values (:func:`companion.chapters.common.log_band`), so the bar is symmetric on the axis and never runs to its
+    floor. Groups with a non-positive value are left out (they have no place on a log axis). Returns the errorbar
+    container, or ``None`` where no group can be drawn."""
     xs, centre, low, high = [], [], [], []
     for x, values in groups.items():
         if len(values) and all(np.isfinite(v) and v > 0 for v in values):
@@ -125,8 +127,9 @@ def _figure_legend(fig, axes, ncol: int) -> None:
 
 def plot_sample_gamma(records, setups: Sequence[str] | None = None, error_bars: bool = True):
     """``fig:sample_gamma``: gamma_EF/gamma_SGD, gamma_iEF/gamma_SGD, gamma_SF/gamma_EF and the imbalance vs stage,
-    as a 2 x 2 grid at the page width, one colour and marker per setup (:data:`companion.chapters.style.SEQUENCE_COLORS`:
-    setups are not methods); geometric mean over batches with its +-1 sd band of the logs (:func:`log_errorbar`).
+    as a 2 x 2 grid at the page width, one colour and marker per setup
+    (:data:`companion.chapters.style.SEQUENCE_COLORS`: setups are not methods); geometric mean over batches with its +-1
+    sd band of the logs (:func:`log_errorbar`).
 
     ``error_bars=False``: as the paper's appendix figures for every task (``fig:lora_gamma``, ``fig:pt_gamma``)."""
     setups = list(setups or setups_of(records))
@@ -306,9 +309,9 @@ def figure_setups(scale: str) -> tuple[dict[str, Any], list[str]]:
 
 
 def verdict_glue(records: list[dict[str, Any]], names: Sequence[str]) -> dict[str, str]:
-    """For each rule of :mod:`companion.experiments.verdicts` in ``names``: ``rule_<name>`` (the rule and its thresholds,
-    glued before the result), ``v_<name>`` (the verdict per setup, naming what fails) and ``d_<name>`` (the numbers
-    behind it, per setup)."""
+    """For each rule of :mod:`companion.experiments.verdicts` in ``names``: ``rule_<name>`` (the rule and its
+    thresholds, glued before the result), ``v_<name>`` (the verdict per setup, naming what fails) and ``d_<name>`` (the
+    numbers behind it, per setup)."""
     out = {}
     for name in names:
         rule = RULES[name]
@@ -443,7 +446,8 @@ SHORT_CLAIMS = {
     "e1_ef_worse": "EF worse than SGD", "e1_ief_better": "iEF better than SGD", "e1_order": "iEF > SF > EF",
     "e1_imbalance": "the imbalance grows and tracks EF and SF", "e3_best_moves": "the best damping moves",
     "e3_ief_robust": "iEF needs no damping where EF and SF do", "e3_ief_vs_sf": "iEF comparable to optimally damped SF",
-    "e3_ief_vs_ef": "iEF better than EF at any damping", "e3_ef_signature": "un-damped EF far worse, rescued by damping",
+    "e3_ief_vs_ef": "iEF better than EF at any damping",
+    "e3_ef_signature": "un-damped EF far worse, rescued by damping",
     "bd_iekfac_better": "ieKFAC better than KFAC and eKFAC", "bd_iekfac_close": "ieKFAC close to exact iEF",
 }
 

@@ -2,9 +2,9 @@
 (fig:curves-pt, fig:curves-lora, fig:mlp-curves) and the result tables with the paper's numbers beside ours
 (tab:sum-test, tab:train, tab:validation, tab:test, tab:test-mlp).
 
-Inputs are the tidy tables of :mod:`companion.experiments.aggregate` and :func:`companion.experiments.paper_results.paper_results`.
-Drawing uses matplotlib, in seaborn's ``whitegrid`` style where seaborn is installed; colours are the project's
-(:mod:`companion.chapters.style`).
+Inputs are the tidy tables of :mod:`companion.experiments.aggregate` and
+:func:`companion.experiments.paper_results.paper_results`. Drawing uses matplotlib, in seaborn's ``whitegrid`` style
+where seaborn is installed; colours are the project's (:mod:`companion.chapters.style`).
 """
 from __future__ import annotations
 
@@ -266,9 +266,9 @@ def test_mlp_table(table: pd.DataFrame, paper: pd.DataFrame, setups: Sequence[st
 def e2_findings(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
                 opts: dict[str, Sequence[str]], method: dict[str, str] | None = None) -> dict[str, str]:
     """The sentences the chapter glues for the paper's three E2 observations: per rule of
-    :mod:`companion.experiments.verdicts` (``E2_RULES``) ``rule_<name>`` (the rule, glued before the result), ``v_<name>``
-    (the verdict per setup, naming the failing pairs), and the numbers: the mean final losses in order, each
-    optimiser's mean loss rise, EF's diverged runs and iEF's test score against the baseline."""
+    :mod:`companion.experiments.verdicts` (``E2_RULES``) ``rule_<name>`` (the rule, glued before the result),
+    ``v_<name>`` (the verdict per setup, naming the failing pairs), and the numbers: the mean final losses in order,
+    each optimiser's mean loss rise, EF's diverged runs and iEF's test score against the baseline."""
     from ..experiments.verdicts import E2_RULES, RULES, loss_rises, summary
 
     opts = {s: list(opts[s]) for s in setups}
@@ -312,9 +312,9 @@ def _scale_of(table: pd.DataFrame) -> str | None:
 
 def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
                method: dict[str, str] | None = None) -> pd.DataFrame:
-    """The E2 rankings decided over seeds (:mod:`companion.experiments.verdicts`): one row per setup, claim and pair with
-    the per-seed differences (signed so that negative is in favour of the claim; final losses and loss climbs as log
-    ratios, test scores in percentage points), how many seeds are in favour, the mean difference with its 95 %
+    """The E2 rankings decided over seeds (:mod:`companion.experiments.verdicts`): one row per setup, claim and pair
+    with the per-seed differences (signed so that negative is in favour of the claim; final losses and loss climbs as
+    log ratios, test scores in percentage points), how many seeds are in favour, the mean difference with its 95 %
     interval (for a test score widened by the test set's resolution), the pair's verdict and, for an undecided pair,
     what would decide it. The pairs of ``e2_ief_lowest`` are the loss ranking's pairs with iEF, shown once, under the
     ranking."""
@@ -362,7 +362,8 @@ def budget_glue(table: pd.DataFrame, pairs: pd.DataFrame) -> dict[str, str]:
         seed_minutes = float(runs.groupby("seed")["wall_time_s"].sum().mean()) / 60 if "wall_time_s" in runs else None
         parts = []
         if counts:
-            parts.append(f"{len(counts)} undecided pairs need up to {max(counts)} seeds (median {int(np.median(counts))})"
+            parts.append(f"{len(counts)} undecided pairs need up to {max(counts)} seeds "
+                         f"(median {int(np.median(counts))})"
                          + (f", {max(counts) * seed_minutes:.0f} min of one core at {seed_minutes:.1f} min per seed"
                             if seed_minutes else ""))
         if never:

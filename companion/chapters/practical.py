@@ -37,8 +37,8 @@ class PracticalGrid:
 
 def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: str | Path | None = "runs",
                    setups: Sequence[str] | None = None, seeds: Sequence[int] | None = None) -> PracticalGrid:
-    """The chapter's runs, read as E2's (:func:`~companion.experiments.aggregate.load_e2`: the workflow's tables, else the
-    runs); runs finished after the tables were written are read from ``runs_dir``. Reads only: nothing is trained
+    """The chapter's runs, read as E2's (:func:`~companion.experiments.aggregate.load_e2`: the workflow's tables, else
+    the runs); runs finished after the tables were written are read from ``runs_dir``. Reads only: nothing is trained
     (the workflow trains the runs).
 
     Args:
@@ -68,7 +68,8 @@ def load_practical(scale: str, results_dir: str | Path | None = None, runs_dir: 
 
     table, curves, source = grid.table, grid.curves, grid.source
     missing = absent(table)
-    if missing and runs_dir is not None and (Path(runs_dir) / scale).is_dir():  # runs finished after the tables: read them from the runs
+    # runs finished after the tables: read them from the runs
+    if missing and runs_dir is not None and (Path(runs_dir) / scale).is_dir():
         runs_table, runs_curves = collect(runs_dir, scale)
         runs_table = runs_table[pd.MultiIndex.from_arrays([runs_table.setup, runs_table.seed.astype(int)]).isin(chosen)]
         if len(absent(runs_table)) < len(missing):
@@ -232,8 +233,8 @@ def no_search_table(record: str | Path = NO_SEARCH_RECORD) -> tuple[pd.DataFrame
 
     Returns:
         ``(table, glue)``: one row per case and rate (the index; columns lr, final training loss, test accuracy,
-        the adapted rate's range), and the glued sentences ``ns_rule`` (the rule, as the benchmark states it before its numbers:
-        ``lr="auto"`` earns the default when on every case its final training loss is at most 1.1 times the
+        the adapted rate's range), and the glued sentences ``ns_rule`` (the rule, as the benchmark states it before its
+        numbers: ``lr="auto"`` earns the default when on every case its final training loss is at most 1.1 times the
         searched rate's and no run diverged), ``ns_verdict`` (the cases that pass and fail) and ``ns_cases``.
 
     Raises:

@@ -1,7 +1,7 @@
 """Figures and tables of the toy chapter (``notebooks/toy_problems.ipynb``: the paper's Figs. 1 and 4).
 
-The studies (update fields and trajectories of the four methods) are computed by :mod:`companion.demos.toy`; this module lays them
-out for the page: one 2 x 2 grid per problem at the page width, so ticks and legends stay readable.
+The studies (update fields and trajectories of the four methods) are computed by :mod:`companion.demos.toy`; this module
+lays them out for the page: one 2 x 2 grid per problem at the page width, so ticks and legends stay readable.
 
 Colours: a trajectory is coloured by its start (``SEQUENCE_COLORS``, the paper's "coloured curves"), a curve of the
 convergence figure by its method (``METHOD_COLORS``), and the vector fields are drawn in the neutral greys of

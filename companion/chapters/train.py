@@ -1,5 +1,6 @@
 """Figures and tables of the training chapter (``notebooks/train.ipynb``): one run of the paper's protocol and the
-recorded cpu learning-rate search (``companion/experiments/lr_search/``), with the paper's E2 observations checked on it."""
+recorded cpu learning-rate search (``companion/experiments/lr_search/``), with the paper's E2 observations checked on
+it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ import pandas as pd
 from ..experiments import resolve
 from ..paper import cite_keys
 from ..experiments.search import final_loss_definition, search_table
-from ..experiments.summaries import FINAL_FRACTION, final_train_loss, final_window
+from ..experiments.summaries import final_train_loss, final_window
 from .style import method_color
 from .common import PAGE_WIDTH_IN, plain_log_ticks
 
@@ -86,8 +87,9 @@ def trials_frame(records: dict) -> pd.DataFrame:
 
 def search_figure(records: dict):
     """Best validation score and final train loss (as the record defines it, see :func:`loss_caption`) against the
-    learning rate, one row per setup; the chosen rate starred, diverged trials as crosses on the axis. Loss axes are linear where the losses span a narrow range
-    (the tweet setups: 0.8-1.1) and logarithmic where they span orders of magnitude (digits)."""
+    learning rate, one row per setup; the chosen rate starred, diverged trials as crosses on the axis. Loss axes are
+    linear where the losses span a narrow range (the tweet setups: 0.8-1.1) and logarithmic where they span orders of
+    magnitude (digits)."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
@@ -164,8 +166,8 @@ def _loss_axis(ax, values: pd.Series, chosen: pd.Series) -> None:
         top = chosen.max() + 0.15 * (chosen.max() - values.min())
         ax.set_ylim(values.min() - 0.05 * (top - values.min()), top)
         if (values > top).any():
-            ax.annotate(f"{int((values > top).sum())} trials above, off scale ↑", (0.02, 0.97), xycoords="axes fraction",
-                        va="top", fontsize=9.5, color="0.35")
+            ax.annotate(f"{int((values > top).sum())} trials above, off scale ↑", (0.02, 0.97),
+                        xycoords="axes fraction", va="top", fontsize=9.5, color="0.35")
     elif len(values):
         ax.set_yscale("log")
         plain_log_ticks(ax)
@@ -335,8 +337,8 @@ def search_findings(records: dict, results: pd.DataFrame,
         records: the search's records, ``{setup: record}`` (:func:`companion.experiments.search.load_record` of each).
         results: :func:`results_table` of those records.
         tweets_labels: the validation labels of ``tweets-minilm-lora`` at ``cpu`` scale
-            (:func:`companion.experiments.data.validation_labels`), whose two largest classes' shares the prose quotes; or
-            the error that loading them raised (the page then says why they are not computed).
+            (:func:`companion.experiments.data.validation_labels`), whose two largest classes' shares the prose quotes;
+            or the error that loading them raised (the page then says why they are not computed).
 
     Returns:
         ``(conventions, glue)``: one row per setup comparing the paper's iEF rate (over the batch size M) with our
@@ -385,7 +387,11 @@ def search_findings(records: dict, results: pd.DataFrame,
                                       f"{name}" for name, r in records.items())
     below = conventions["chosen below the paper's grid"]
     glue["ief_lr_below_paper_grid"] = f"{int(below.sum())} of {len(conventions)}"
-    glue["ief_paper_grid_smallest"] = ", ".join(sorted({f"{min(set(records[n]['optimizers']['ief']['grid']) - set(records[n]['optimizers']['ief'].get('grid_extended', []))):g}" for n in paper_ief}))
+    def paper_grid(name: str) -> set:  # the iEF grid of the paper, without the rates a search extended it by
+        ief = records[name]["optimizers"]["ief"]
+        return set(ief["grid"]) - set(ief.get("grid_extended", []))
+
+    glue["ief_paper_grid_smallest"] = ", ".join(sorted({f"{min(paper_grid(n)):g}" for n in paper_ief}))
     extended = [(n, LABELS[o], rec) for n, r in records.items() for o, rec in r["optimizers"].items()
                 if rec.get("grid_extended")]
     glue["extended_grids"] = "; ".join(

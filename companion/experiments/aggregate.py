@@ -253,9 +253,9 @@ def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | P
         if not find_runs(runs_dir, scale)[0]:
             raise FileNotFoundError(
                 f"no E2 runs under {Path(runs_dir) / scale} and no {RUNS_FILE} in {results_dir}. `make book` runs the "
-                f"workflow that trains them (SCALE={scale}); by hand: `python -m companion train --setup S --optimizer O "
-                f"--seed K --scale {scale} --out {runs_dir}` for every run, then `python -m companion aggregate --scale "
-                f"{scale} --runs {runs_dir} --out {results_dir}`")
+                f"workflow that trains them (SCALE={scale}); by hand: `python -m companion train --setup S "
+                f"--optimizer O --seed K --scale {scale} --out {runs_dir}` for every run, then "
+                f"`python -m companion aggregate --scale {scale} --runs {runs_dir} --out {results_dir}`")
         table, curves = collect(runs_dir, scale)
         source = f"the runs in {Path(runs_dir) / scale} (aggregated here)"
     if scale == "smoke" and seeds is None:  # the smoke grid's seeds (the workflow's smoke grid has two)

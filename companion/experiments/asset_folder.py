@@ -5,7 +5,8 @@ Layout (``DIR`` = the folder; ``<repo>`` with ``/`` written ``--``)::
 
     DIR/manifest.json                        every item: name, revision, licence, its files (paths relative to
                                              DIR) with sha256 and bytes
-    DIR/LICENCES.md                          each item's licence and where it is documented (companion.experiments.assets)
+    DIR/LICENCES.md                          each item's licence and where it is documented
+                                             (companion.experiments.assets)
     DIR/models/<repo>/                       a hub model snapshot (config, weights, tokenizer / image processor,
                                              model card): what ``from_pretrained(DIR/models/<repo>)`` reads
     DIR/datasets/<repo>[--<config>]/         ``datasets.load_dataset(repo, config).save_to_disk(...)``: what
@@ -13,10 +14,10 @@ Layout (``DIR`` = the folder; ``<repo>`` with ``/`` written ``--``)::
     DIR/cards/<repo>/README.md               a data set's card (its licence section)
 
 With ``IEF_ASSETS=DIR`` set (``python -m companion --assets DIR ...``, or the workflow's ``assets`` config key),
-:func:`companion.experiments.models.from_hub` and :func:`companion.experiments.data.load_hub_dataset` read only from ``DIR``,
-with the hub's offline switches on, and a missing item is one :class:`MissingResource` naming
-the item and the command that downloads it. ``python -m companion assets download`` writes the folder
-(:func:`download`), ``python -m companion assets check`` verifies it against its manifest (:func:`check`).
+:func:`companion.experiments.models.from_hub` and :func:`companion.experiments.data.load_hub_dataset` read only from
+``DIR``, with the hub's offline switches on, and a missing item is one :class:`MissingResource` naming the item and the
+command that downloads it. ``python -m companion assets download`` writes the folder (:func:`download`),
+``python -m companion assets check`` verifies it against its manifest (:func:`check`).
 """
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ def use_assets(folder: str | os.PathLike) -> Path:
     """
     path = Path(folder).expanduser().resolve()
     if not path.is_dir():
-        raise ValueError(f"assets folder {str(folder)!r} is not a directory; create it with `python -m companion assets "
-                         f"download --scale full --to {folder}` on a machine with internet")
+        raise ValueError(f"assets folder {str(folder)!r} is not a directory; create it with "
+                         f"`python -m companion assets download --scale full --to {folder}` on a machine with internet")
     os.environ[ENV] = str(path)
     go_offline()
     return path
@@ -315,8 +316,8 @@ def check(folder: str | os.PathLike, setups: list[str] | None = None, scale: str
 
 
 def held(folder: str | os.PathLike | None = None) -> dict[str, list[dict[str, Any]]]:
-    """Asset key (:data:`companion.experiments.assets.ASSETS`) -> the manifest entries of the folder's items of that asset
-    (``folder`` default: ``IEF_ASSETS``; empty when there is no folder or no manifest)."""
+    """Asset key (:data:`companion.experiments.assets.ASSETS`) -> the manifest entries of the folder's items of that
+    asset (``folder`` default: ``IEF_ASSETS``; empty when there is no folder or no manifest)."""
     root = Path(folder) if folder is not None else assets_dir()
     if root is None or not (root / MANIFEST).is_file():
         return {}
@@ -342,7 +343,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run_command(args: Any) -> int:
-    """Run ``python -m companion assets ...``; returns the exit code (0 done, 1 a problem in the folder, 2 bad input)."""
+    """Run ``python -m companion assets ...``; returns the exit code (0 done, 1 a problem in the folder, 2 bad
+    input)."""
     import sys
 
     try:

@@ -2,8 +2,8 @@
 
 :func:`assets_of` maps a resolved setup's ``model_source`` / ``data_source`` (from :mod:`.setups`) to entries of
 :data:`ASSETS`; a source that matches no entry raises, so a new setup cannot silently go without a licence line
-(``tests/book/test_setups_chapter.py`` resolves every setup at every scale). For assets that ship inside a PyPI package the
-package's licence is read from its installed metadata (:func:`package_licence`); the *upstream* licence of what the
+(``tests/book/test_setups_chapter.py`` resolves every setup at every scale). For assets that ship inside a PyPI package
+the package's licence is read from its installed metadata (:func:`package_licence`); the *upstream* licence of what the
 package redistributes is the documented one, stated here with where it is documented. The full-scale rows are the
 paper's own (``tab:license``), for the hub copies this code loads.
 """

@@ -249,8 +249,9 @@ def _baseline_checkpoint(setup: str, scale: str, seed: int, stage: int, runs_dir
     optimizer = BASELINE[cfg.method]
     path = run_dir(runs_dir, scale, setup, optimizer, seed) / "checkpoints" / f"stage-{stage:03d}.pt"
     if not path.exists():
-        raise FileNotFoundError(f"no checkpoint {path}; train the baseline first: python -m companion train --setup {setup} "
-                                f"--scale {scale} --optimizer {optimizer} --seed {seed} --out {runs_dir}")
+        raise FileNotFoundError(f"no checkpoint {path}; train the baseline first: python -m companion train "
+                                f"--setup {setup} --scale {scale} --optimizer {optimizer} --seed {seed} "
+                                f"--out {runs_dir}")
     return cfg, path
 
 def blockdiag_check(runs_dir: str | Path, setup: str = "digits-mlp", scale: str = "cpu", *, seed: int = 0,

@@ -45,8 +45,8 @@ class Baseline:
 
 
 def load_baseline(scale: str, runs: str | Path, seed: int = 0) -> Baseline:
-    """Train (or find finished) the ``digits-mlp`` Adam baseline run with :func:`companion.experiments.train` and load its
-    best-validation checkpoint. ``ValueError`` for an unknown scale (accepted: smoke, cpu, full)."""
+    """Train (or find finished) the ``digits-mlp`` Adam baseline run with :func:`companion.experiments.train` and load
+    its best-validation checkpoint. ``ValueError`` for an unknown scale (accepted: smoke, cpu, full)."""
     from . import run_dir, train
     from .data import load_data
     from .models import build_model

@@ -28,8 +28,9 @@ checkpoint bytes and no "up to date" skip: a call without ``stages`` always writ
 parts, computing those it lacks. By hand, after a change of the code, remove ``OUT.parts`` (or use another ``OUT``).
 
 The evaluation seed and the knobs per scale (batches, batch size, CG steps, the sweep's dampings, the setups that get
-E3) are the grid's (:data:`companion.experiments.setups.EVALUATION_SEED`, :data:`~companion.experiments.setups.EVALUATION_KNOBS`);
-the workflow states them on each job's command line, and they are this module's defaults.
+E3) are the grid's (:data:`companion.experiments.setups.EVALUATION_SEED`,
+:data:`~companion.experiments.setups.EVALUATION_KNOBS`); the workflow states them on each job's command line, and they
+are this module's defaults.
 
 Damping (the axis-conversion point, :data:`DAMPING_CONVENTION`): every damping here is in the package's convention,
 the sum loss ``L = sum_n l_n``. The paper's code uses the mean over the batch's ``K`` target tokens, so
@@ -49,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ief import batch_generator, check_linear_only, count_targets, damping_sweep, DegenerateIndicator, evaluate_batch
 from . import store

@@ -17,7 +17,8 @@ and the histories. It is written every ``checkpoint_every_s`` seconds of wall ti
 SIGHUP (a closed terminal or a dropped SSH session) arrives (the signal is honoured after the current update, or
 aborts an evaluation, whose result is then recomputed on resume). A second signal stops at once; the last
 checkpoint stays valid because every file is written atomically. Evaluation touches no RNG and no parameter, so a
-resumed run ends with exactly the numbers of an uninterrupted one. A run whose ``summary.json`` exists is skipped and never written again.
+resumed run ends with exactly the numbers of an uninterrupted one. A run whose ``summary.json`` exists is skipped and
+never written again.
 
 One process per run folder: the runner holds an ``fcntl.flock`` on ``run.lock`` in the folder (the kernel releases it
 when the process dies, however it dies). A second invocation of the same run (a SLURM requeue, a second terminal)

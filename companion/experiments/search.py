@@ -122,7 +122,8 @@ _PRACTICAL: dict[str, dict[str, Grid]] = {
     "lora": {"ief-momentum": Grid((0.1, 0.3, 1.0, 3.0), _PRACTICAL_SOURCE + "; around iEF's chosen rates")},
     "pt": {"ief-momentum": Grid((0.1, 0.3, 1.0, 3.0), _PRACTICAL_SOURCE + "; around iEF's chosen rates")},
 }
-_PRACTICAL["scratch"].update({k: Grid((1e-3, 3e-3, 0.01, 0.03, 0.1), _PRACTICAL_SOURCE) for k in ("kfac", "ekfac", "iekfac")})
+_PRACTICAL["scratch"].update({k: Grid((1e-3, 3e-3, 0.01, 0.03, 0.1), _PRACTICAL_SOURCE)
+                              for k in ("kfac", "ekfac", "iekfac")})
 _PRACTICAL["lora"].update({k: Grid((3e-3, 0.01, 0.03, 0.1), _PRACTICAL_SOURCE) for k in ("kfac", "ekfac", "iekfac")})
 for _kind, _grids in _PRACTICAL.items():
     GRIDS[_kind].update(_grids)
@@ -208,8 +209,9 @@ def search(setup: str, scale: str = "cpu", out: str | Path = "runs", *, optimize
     ``OUT/lr-search/<scale>-<setup>.json``, merged with what is there: a search of other optimisers or another seed
     adds its trials (each trial names its ``seed``; ``seeds`` lists them) and the choices are made again over all
     of an optimiser's trials. ``wait_lock``: wait for a trial that another process is running (see
-    :func:`~companion.experiments.runner.train`). ``missing_only``: run only the rates of each grid that ``OUT``'s record
-    holds no trial of (at this seed) -- how a grid extended after a search is completed without re-running the rest."""
+    :func:`~companion.experiments.runner.train`). ``missing_only``: run only the rates of each grid that ``OUT``'s
+    record holds no trial of (at this seed) -- how a grid extended after a search is completed without re-running the
+    rest."""
     cfg = resolve(setup, scale)
     names = list(optimizers) if optimizers else [o for o in OPTIMIZERS if o in cfg.optimizers]
     grids = {name: grid(cfg, name) for name in names}  # unknown names fail before anything runs

@@ -144,10 +144,12 @@ _ADAFACTOR = dict(scale_parameter=False, relative_step=False, warmup_init=False,
 
 
 # The paper's EF/SF/iEF values are for its code's loss, the mean over the batch's target tokens; they are converted to
-# ief's sum convention for every batch (companion.experiments.convention). Setups searched here (cpu) are in ief's convention.
+# ief's sum convention for every batch (companion.experiments.convention). Setups searched here (cpu) are in ief's
+# convention.
 _TOKEN_MEAN = {"convention": "token-mean",
                "sum_convention": "per batch of K target tokens: iEF lr/K, damping*K^2; normalised EF/SF lr, "
-                                 "damping*K^2; un-normalised EF/SF lr*K, damping*K^2 (companion.experiments.convention)"}
+                                 "damping*K^2; un-normalised EF/SF lr*K, damping*K^2 "
+                                 "(companion.experiments.convention)"}
 
 
 def _paper_rates(token_mean: bool) -> dict[str, Any]:
@@ -238,9 +240,9 @@ def _practical_optimizers(ief: OptimizerConfig, linear: bool, kfac_damping: floa
     return out
 
 
-# Chosen by `python -m companion search --scale cpu` (companion.experiments.search): one seed per rate, the paper's grids, the best
-# validation score. The records, with every trial, are companion/experiments/lr_search/cpu-<setup>.json; a test keeps this
-# table equal to them.
+# Chosen by `python -m companion search --scale cpu` (companion.experiments.search): one seed per rate, the paper's
+# grids, the best validation score. The records, with every trial, are companion/experiments/lr_search/cpu-<setup>.json;
+# a test keeps this table equal to them.
 CPU_LEARNING_RATES: dict[str, dict[str, float]] = {
     "digits-mlp": {"adam": 1e-2, "adamw": 1e-2, "adafactor": 1e-2, "sgd": 0.5, "ief": 3.0, "ef": 10.0, "sf": 0.1,
                    "ief-momentum": 0.3, "kfac": 0.01, "ekfac": 0.01, "iekfac": 0.01},
@@ -533,11 +535,11 @@ GRIDS: dict[str, ScaleGrid] = {
     "smoke": ScaleGrid(CPU_SETUPS, (0, 1), practical=True),
 }
 
-# The evaluation framework (sec:eval_framework, alg:eval; companion.experiments.evaluate_runs): the seed of the baseline run
-# it reads, and its knobs per scale. batches: fixed batches per checkpoint (the paper: 100 of M = 160); batch_size None:
-# the setup's training batch size; cg_iterations: Hessian-free CG steps (the reference); sweep_dampings: E3's dampings,
-# log-spaced over 1e-10 .. 1e2; sweep_setups: the setups that get E3 (None: every one; full: the paper's six E3 setups,
-# fig:damping_gamma_*). cpu: 12 batches keep the three cpu setups' evaluation at about 10 min of one core
+# The evaluation framework (sec:eval_framework, alg:eval; companion.experiments.evaluate_runs): the seed of the baseline
+# run it reads, and its knobs per scale. batches: fixed batches per checkpoint (the paper: 100 of M = 160); batch_size
+# None: the setup's training batch size; cg_iterations: Hessian-free CG steps (the reference); sweep_dampings: E3's
+# dampings, log-spaced over 1e-10 .. 1e2; sweep_setups: the setups that get E3 (None: every one; full: the paper's six
+# E3 setups, fig:damping_gamma_*). cpu: 12 batches keep the three cpu setups' evaluation at about 10 min of one core
 # (workflow/README.md, "Evaluation cost").
 EVALUATION_SEED = 0
 EVALUATION_KNOBS: dict[str, dict[str, Any]] = {

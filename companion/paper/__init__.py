@@ -2,7 +2,8 @@
 source), and how its reader knows a label (:func:`cite`, :func:`cite_keys`).
 
 A leaf of the package (``ARCHITECTURE.md``): it imports the standard library only, so every layer may cite the paper.
-Which chapter regenerates each of the paper's figures and tables is the book's business: :mod:`companion.chapters.coverage`.
+Which chapter regenerates each of the paper's figures and tables is the book's business:
+:mod:`companion.chapters.coverage`.
 """
 from __future__ import annotations
 

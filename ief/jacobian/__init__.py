@@ -37,8 +37,8 @@ gradient, the guard and the exact check need nothing else), so that exact EF / i
 Every trainable parameter that is not in a hooked module (a convolution with reflect / circular padding, an RNN, an
 ``nn.MultiheadAttention`` with dropout in training, a bare ``nn.Parameter`` used otherwise than broadcast), whose
 module had a call without an established sample axis, or that is also used outside its hooked modules (a weight tied
-to an unhooked use, see below) falls back to an exact per-sample loop of backward passes (``M`` backward passes: exact, slower); a
-:class:`SlowPathWarning` names those parameters once per model.
+to an unhooked use, see below) falls back to an exact per-sample loop of backward passes (``M`` backward passes: exact,
+slower); a :class:`SlowPathWarning` names those parameters once per model.
 
 The hooks assume what per-sample gradients presuppose: sample ``n``'s slice of a hooked input depends on sample ``n``
 alone (no layer mixes or reorders samples along the sample axis), and that a hooked parameter is used only by its
@@ -55,9 +55,9 @@ search, when :class:`PerSampleGradientMismatch` names the parameter. It also ref
 statistics. A side effect is a cheaper backward: autograd never computes the hooked layers' batch weight gradients
 (the stand-ins are not asked for); the batch gradient, when wanted, is ``J^T 1`` (:attr:`PerSample.gradient`,
 computed on first access). A custom layer that mixes or reorders samples (its hooked rows still add up) is what
-``check="exact"`` is for (:func:`~ief.jacobian.guard.check_directional_derivatives`: every row against ``K = 8`` exact per-sample
-directional derivatives, relative to their own size, so that a 1 % error in any row is caught whatever ``P`` and
-the dtype); the optimisers run that exact check on their first step. Non-finite losses or rows raise
+``check="exact"`` is for (:func:`~ief.jacobian.guard.check_directional_derivatives`: every row against ``K = 8`` exact
+per-sample directional derivatives, relative to their own size, so that a 1 % error in any row is caught whatever ``P``
+and the dtype); the optimisers run that exact check on their first step. Non-finite losses or rows raise
 ``FloatingPointError`` naming the samples.
 
 Activation checkpointing (``torch.utils.checkpoint``): the non-reentrant kind is exact (the backward runs in the
@@ -70,8 +70,9 @@ backward and the rows as a tensor or :class:`~ief.rows.FactoredJacobian`), :mod:
 per-sample loop for what no hook covers), :mod:`~ief.jacobian.guard` (the guard and the exact check),
 :mod:`~ief.jacobian.broadcast` (the rows of tensors used broadcast over the batch, no module of their own),
 :mod:`~ief.jacobian.prompts` (peft prompt tuning made visible to the hooks), :mod:`~ief.jacobian.errors`, and
-:mod:`~ief.jacobian.rules`: one file per layer family and the registry from module type to :class:`LayerRule`. A layer type of one's own gets its rule with :func:`register_rule` (one subclass of
-:class:`LayerRule`, one registration); without one its parameters take the loop.
+:mod:`~ief.jacobian.rules`: one file per layer family and the registry from module type to :class:`LayerRule`. A layer
+type of one's own gets its rule with :func:`register_rule` (one subclass of :class:`LayerRule`, one registration);
+without one its parameters take the loop.
 """
 from .api import PerSample, gradient_and_sampled_jacobian, per_sample, sampled_jacobian
 from .capture import PerSampleCapture

@@ -100,7 +100,8 @@ def _uses_from(shapes: tuple) -> dict:
 def _same(probe: torch.Tensor | None, ref: torch.Tensor | None) -> bool:
     """Whether a proof forward's call input equals the batch call's (reversed) input: equal shapes, equal integers,
     floats equal up to ``max(sqrt(eps), 1e-3)`` of the reference's largest entry (a reordered batch may round
-    differently, TF32 products more than float32's ``sqrt(eps)``; rows gathered from other samples differ by far more)."""
+    differently, TF32 products more than float32's ``sqrt(eps)``; rows gathered from other samples differ by far
+    more)."""
     if probe is None or ref is None or probe.shape != ref.shape or probe.dtype != ref.dtype:
         return False
     if not probe.is_floating_point() and not probe.is_complex():

@@ -38,9 +38,10 @@ def check_no_outside_use(capture: PerSampleCapture, jacobian: torch.Tensor | Fac
     fails when ``||o|| > tol * sqrt(M) ||J_block||_F`` (the right side bounds ``tol * sum_n ||J_n||``),
     ``tol = 50 sqrt(eps)`` of ``J``'s dtype (32-bit at least), and at least ``16 u`` of ``forward_format``, the
     lowest format the forward ran in (:func:`ief.precision.outside_use_tolerance`). Parameters of the per-sample
-    loop are not checked: their rows are gradients of the individual losses whatever the model does. A non-finite ``o`` is left to the caller (``FloatingPointError`` in
-    the optimisers). A parameter whose outside use is in the forward's graph (a weight tied to an unhooked use) has already been sent to
-    the loop (:meth:`PerSampleCapture.demote_outside_uses`): this is the safety net behind that search."""
+    loop are not checked: their rows are gradients of the individual losses whatever the model does. A non-finite ``o``
+    is left to the caller (``FloatingPointError`` in the optimisers). A parameter whose outside use is in the forward's
+    graph (a weight tied to an unhooked use) has already been sent to the loop
+    (:meth:`PerSampleCapture.demote_outside_uses`): this is the safety net behind that search."""
     found = [i for i in sorted(capture.hooked - set(capture.broadcast))
              if autograd[i] is not None and bool(autograd[i].any())]
     if not found:

@@ -408,7 +408,8 @@ _FAKE = [Source("ief.__init__", "ief/__init__.py", "from . import losses\n__all_
          Source("companion.chapters.__init__", "companion/chapters/__init__.py", ""),
          Source("companion.chapters.style", "companion/chapters/style.py", ""),
          Source("tools.book", "tools/book.py", ""),
-         Source("benchmarks.harness", "benchmarks/harness.py", "import ief\nfrom companion.experiments import runner\n")]
+         Source("benchmarks.harness", "benchmarks/harness.py",
+                "import ief\nfrom companion.experiments import runner\n")]
 _LIBRARY_ONLY = "the library imports nothing of the companion, benchmarks/ or tools/"
 
 
@@ -422,7 +423,8 @@ _LIBRARY_ONLY = "the library imports nothing of the companion, benchmarks/ or to
     ("companion.paper.numbers", "companion/paper/numbers.py", "from ..experiments import runner\n",
      "companion/paper/numbers.py:1: from ..experiments import runner reaches companion.experiments.runner (layer 8: "
      "companion.experiments) from layer 7 (companion.paper)"),
-    ("ief.losses", "ief/losses.py", "import tools.book\n", f"ief/losses.py:1: import tools.book reaches tools.book: {_LIBRARY_ONLY}"),
+    ("ief.losses", "ief/losses.py", "import tools.book\n",
+     f"ief/losses.py:1: import tools.book reaches tools.book: {_LIBRARY_ONLY}"),
     ("ief.losses", "ief/losses.py", "from companion import experiments\n",
      f"ief/losses.py:1: from companion import experiments reaches companion.experiments.__init__: {_LIBRARY_ONLY}"),
     ("ief.optim.exact", "ief/optim/exact.py", "from .. import __version__\n",
@@ -446,8 +448,10 @@ def test_an_upward_unplaced_or_private_import_is_named(module, path, code, expec
 
 def test_a_downward_or_sideways_import_passes():
     ok = [Source("companion.chapters.train", "companion/chapters/train.py",
-                 "from ..experiments import runner\nfrom .style import x\nfrom ief import per_sample\nimport ief\nimport numpy\n"),
-          Source("notebooks.train", "notebooks/train.ipynb", "from companion.chapters import train\nimport tools.book\n")]
+                 "from ..experiments import runner\nfrom .style import x\nfrom ief import per_sample\nimport ief\n"
+                 "import numpy\n"),
+          Source("notebooks.train", "notebooks/train.ipynb",
+                 "from companion.chapters import train\nimport tools.book\n")]
     assert violations(_FAKE + ok, LAYERS) == []
 
 
@@ -487,8 +491,9 @@ _CIRCLE = [Source("ief.jacobian.__init__", "ief/jacobian/__init__.py", "from .ca
 
 def test_a_lazy_import_that_closes_a_circle_inside_a_package_is_named():
     assert circles(_CIRCLE) == [
-        "import circle of 4 modules (ief.jacobian.capture, ief.jacobian.rules.__init__, ief.jacobian.rules.peft_common, "
-        "ief.jacobian.rules.peft_ia3): ief/jacobian/capture.py:2 from .rules import LayerRule -> "
+        "import circle of 4 modules (ief.jacobian.capture, ief.jacobian.rules.__init__, "
+        "ief.jacobian.rules.peft_common, ief.jacobian.rules.peft_ia3): "
+        "ief/jacobian/capture.py:2 from .rules import LayerRule -> "
         "ief.jacobian.rules.__init__; ief/jacobian/rules/__init__.py:1 from . import peft_ia3 -> "
         "ief.jacobian.rules.peft_ia3; ief/jacobian/rules/peft_ia3.py:1 from .peft_common import PeftAdapterRule -> "
         "ief.jacobian.rules.peft_common; ief/jacobian/rules/peft_common.py:6 from ..capture import recording_hook -> "

@@ -1,7 +1,8 @@
-"""Every figure function of the book's chapters (companion.chapters.*, the toy chapter's excepted: tests/companion/test_toy.py) shows its
-smallest text at >= MIN_TEXT_PX as a reader sees it in the book's column (the image's text size times its scale on
-the page), on synthetic records at the sizes the cpu and full scales give; the inline PNG records that size (what
-tests/book/test_book_browser.py reads back in the built book); and bands on log axes are computed in log space."""
+"""Every figure function of the book's chapters (companion.chapters.*, the toy chapter's excepted:
+tests/companion/test_toy.py) shows its smallest text at >= MIN_TEXT_PX as a reader sees it in the book's column (the
+image's text size times its scale on the page), on synthetic records at the sizes the cpu and full scales give; the
+inline PNG records that size (what tests/book/test_book_browser.py reads back in the built book); and bands on log axes
+are computed in log space."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,6 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from companion.chapters import common  # noqa: E402
 from companion.chapters.common import (BOOK_CONTENT_PX, MIN_TEXT_PX, log_band, min_text_px, png_text_record,  # noqa: E402
                               render_png, shown_text_px, use_book_style)
 
@@ -108,7 +108,8 @@ def test_the_train_and_convergence_figures_are_readable_too():
     records = {name: load_record(name, "cpu") for name in CPU_SETUPS}
     if any(r is None for r in records.values()):
         pytest.fail(f"a committed cpu search record is missing: {[n for n, r in records.items() if r is None]}")
-    # as the training chapter draws them: the paper's optimisers and the baselines (the practical chapter tables its own)
+    # as the training chapter draws them: the paper's optimisers and the baselines (the practical chapter tables its
+    # own)
     records = {n: restricted(r, [o for o in OPTIMIZERS if o not in PRACTICAL_OPTIMIZERS]) for n, r in records.items()}
     fig = train.search_figure(records)
     assert shown_text_px(fig) >= MIN_TEXT_PX, min_text_px(fig)

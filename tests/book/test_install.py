@@ -33,8 +33,9 @@ COMPANION = tomllib.loads((ROOT / "companion" / "pyproject.toml").read_text())  
 LIBRARY = PYPROJECT["project"]["name"]
 SELF = COMPANION["project"]["name"]
 # every extra of both distributions, the library's named "ief[...]" as the companion's dependencies name them
-EXTRAS: dict[str, list[str]] = {**COMPANION["project"]["optional-dependencies"],
-                                **{f"{LIBRARY}[{k}]": v for k, v in PYPROJECT["project"]["optional-dependencies"].items()}}
+EXTRAS: dict[str, list[str]] = {
+    **COMPANION["project"]["optional-dependencies"],
+    **{f"{LIBRARY}[{k}]": v for k, v in PYPROJECT["project"]["optional-dependencies"].items()}}
 TORCH_REPLACERS = {"torch", "torchvision", "torchaudio", "curvlinops-for-pytorch", "backpack-for-pytorch"}
 
 

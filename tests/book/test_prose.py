@@ -47,7 +47,8 @@ def test_book_api_page_renders_the_same_tables():
 
 def test_readme_states_coverage_from_the_registry():
     assert readme_block() in (ROOT / "README.md").read_text(), (
-        "the README's coverage block differs from companion/chapters/coverage.py: run python -m companion.chapters.coverage README.md")
+        "the README's coverage block differs from companion/chapters/coverage.py: run "
+        "python -m companion.chapters.coverage README.md")
 
 
 

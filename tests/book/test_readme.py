@@ -218,8 +218,8 @@ def test_readme_pruning_example_runs_after_the_quick_start_and_prunes_at_a_chose
 
 
 def test_the_chapter_map_marks_what_the_cpu_scale_draws_differently():
-    """One column per chapter; the footnotes carry the scale differences (tests/companion/test_chapters_coverage.py keeps the block equal
-    to companion/chapters/coverage.py)."""
+    """One column per chapter; the footnotes carry the scale differences (tests/companion/test_chapters_coverage.py
+    keeps the block equal to companion/chapters/coverage.py)."""
     block = README[README.index("<!-- coverage:"):README.index("<!-- /coverage -->")]
     assert "| chapter | the paper's figures and tables |" in block and "| smoke |" not in block
     assert "Fig. 9¹" in block and "Fig. 11¹" in block and "Fig. 10²" in block

@@ -3,7 +3,6 @@ and every setup at every scale covered by a licence line."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 

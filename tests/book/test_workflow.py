@@ -155,7 +155,8 @@ def test_jobs_that_unlock_the_evaluation_start_first_and_the_mlp_runs_fill_in_la
 
 def test_the_practical_chapters_cost_table_is_a_job_of_its_own(tmp_path):
     """The chapter's seconds per update are measured by the step_costs job beside the training (it needs no run), to
-    the file the chapter reads (companion.experiments.step_cost.STEP_COSTS_FILE); a scale without practical runs has none."""
+    the file the chapter reads (companion.experiments.step_cost.STEP_COSTS_FILE); a scale without practical runs has
+    none."""
     from companion.experiments.step_cost import STEP_COSTS_FILE
 
     done = _snakemake("-n", "--cores", "2", "--config", "scale=cpu", f"runs={tmp_path}/runs",
@@ -164,7 +165,8 @@ def test_the_practical_chapters_cost_table_is_a_job_of_its_own(tmp_path):
     (block,) = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout) if b.startswith("rule step_costs:")]
     assert re.search(rf"output: {re.escape(str(tmp_path))}/results/cpu/{STEP_COSTS_FILE}$", block, flags=re.M)
     assert not re.search(r"input: .*summary\.json", block)  # no training run: it starts at once
-    practical = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout) if b.startswith("rule execute_notebook:") and "wildcards: name=practical" in b]
+    practical = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout)
+                 if b.startswith("rule execute_notebook:") and "wildcards: name=practical" in b]
     assert len(practical) == 1 and f"results/cpu/{STEP_COSTS_FILE}" in practical[0]
     full = _snakemake("-n", "--cores", "1", "--config", "scale=full", f"runs={tmp_path}/runs",
                       f"results={tmp_path}/results")
@@ -179,8 +181,8 @@ def test_the_compression_study_and_the_early_spike_are_jobs_the_chapters_read(tm
     assert done.returncode == 0, done.stdout + done.stderr
     blocks = re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout)
     (compression,) = [b for b in blocks if b.startswith("rule compression:")]
-    assert f"runs/smoke/digits-mlp/adam/seed-0/summary.json" in compression
-    assert f"results/smoke/compression/study.json" in compression
+    assert "runs/smoke/digits-mlp/adam/seed-0/summary.json" in compression
+    assert "results/smoke/compression/study.json" in compression
     (spike,) = [b for b in blocks if b.startswith("rule early_spike:")]
     assert "results/smoke/e2_runs.csv" in spike and "results/smoke/early_spike.csv" in spike
     for name, table in (("compression", "compression/pruning_results.csv"), ("optimisation", "early_spike.csv")):

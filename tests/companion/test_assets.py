@@ -1,6 +1,6 @@
-"""The assets folder (companion.experiments.asset_folder): ``download`` against a local stand-in of the hub writes exactly
-the layout the loaders read, ``check`` finds what is missing or altered, and a loader pointed at a folder that lacks
-an item fails once, naming the item and the command that fetches it."""
+"""The assets folder (companion.experiments.asset_folder): ``download`` against a local stand-in of the hub writes
+exactly the layout the loaders read, ``check`` finds what is missing or altered, and a loader pointed at a folder that
+lacks an item fails once, naming the item and the command that fetches it."""
 from __future__ import annotations
 
 import json

@@ -298,7 +298,8 @@ def test_the_gpt2_full_benchmark_runs_tiny_and_records_both_heads(tmp_path, caps
     for r in doc["results"]:
         for key, ms in r["phases_ms"].items():
             assert set(ms) == set(phases.PHASES) and ms["per_sample"] > 0 and ms["gram"] > 0
-            assert sum(ms[k] for k in (*phases.TOP_LEVEL, "other")) == pytest.approx(ms["step"], rel=1e-9)  # one step: exact
+            # one step: exact
+            assert sum(ms[k] for k in (*phases.TOP_LEVEL, "other")) == pytest.approx(ms["step"], rel=1e-9)
             assert r["counts"][key]["operators"] > 0 and r["counts"][key]["round_trips"] >= 1
     with pytest.raises(SystemExit) as exc:
         gpt2_full.main(["--heads", "tied,shared"])

@@ -1,5 +1,5 @@
-"""The compression chapter's rules (companion.chapters.compression) on hand-made results: the damping chosen on validation,
-the iEF-vs-EF verdict and the damping-robustness verdict."""
+"""The compression chapter's rules (companion.chapters.compression) on hand-made results: the damping chosen on
+validation, the iEF-vs-EF verdict and the damping-robustness verdict."""
 from __future__ import annotations
 
 import numpy as np
@@ -91,7 +91,8 @@ def test_ggn_comparison_applies_the_rule_against_the_exact_ggn_and_says_what_it_
     assert (g["wf_ggn_verdict"], g["wf_ggn_ahead"], g["wf_ggn_behind"]) == ("neither beats the other here", "95 %",
                                                                            "90 %")
     assert ("Yet iEF-WoodFisher is ahead of the exact GGN at 95 %, the study's highest sparsity (95 %, where most "
-            "weights go at once) among them: at those sparsities the approximation prunes better") in g["wf_ggn_reading"]
+            "weights go at once) among them: at those sparsities the approximation prunes "
+            "better") in g["wf_ggn_reading"]
     costs = pd.DataFrame({"method": ["ief", "ggn", "ief", "ggn"], "mean_diagonal": [0.04, 0.0004, 0.02, 0.0002]})
     assert plots.ggn_comparison(_results(acc), chosen, costs)["wf_ggn_scale"] == (
         "100 times the exact GGN's (0.03 against 0.0003)")

@@ -1,7 +1,7 @@
-"""companion.chapters.coverage: which chapter regenerates each of the paper's 23 figures and tables, what it produces at each
-scale (read from the chapters' own registries), in which category a reader counts it (as the paper ran it, on an
-analogue setup, a configuration table, a redraw of another figure's data, not at this scale), what a build executed
-(its provenance records), and the coverage page, introduction sentence and README block rendered from it."""
+"""companion.chapters.coverage: which chapter regenerates each of the paper's 23 figures and tables, what it produces at
+each scale (read from the chapters' own registries), in which category a reader counts it (as the paper ran it, on an
+analogue setup, a configuration table, a redraw of another figure's data, not at this scale), what a build executed (its
+provenance records), and the coverage page, introduction sentence and README block rendered from it."""
 from __future__ import annotations
 
 import json

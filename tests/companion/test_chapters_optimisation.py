@@ -1,12 +1,11 @@
-"""companion.chapters.optimisation's curves (fig:curves-pt, fig:curves-lora, fig:mlp-curves): axes that show the range the
-chapter discusses, and every optimiser visible."""
+"""companion.chapters.optimisation's curves (fig:curves-pt, fig:curves-lora, fig:mlp-curves): axes that show the range
+the chapter discusses, and every optimiser visible."""
 from __future__ import annotations
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 

@@ -1,6 +1,7 @@
-"""companion.chapters.style's palette, checked with companion.chapters.colour (itself checked against published reference values): every method
-visible on the white page, every two methods told apart, every two that share a figure told apart by colour-blind
-readers too and not by lightness alone, and the non-method colours apart from every method colour."""
+"""companion.chapters.style's palette, checked with companion.chapters.colour (itself checked against published
+reference values): every method visible on the white page, every two methods told apart, every two that share a figure
+told apart by colour-blind readers too and not by lightness alone, and the non-method colours apart from every method
+colour."""
 from __future__ import annotations
 
 import itertools
@@ -9,7 +10,8 @@ import math
 import pytest
 
 from companion.chapters import colour
-from companion.chapters.style import CONTOUR_COLOR, FIELD_COLORS, FIGURE_GROUPS, METHOD_COLORS, SEQUENCE_COLORS, method_color
+from companion.chapters.style import (CONTOUR_COLOR, FIELD_COLORS, FIGURE_GROUPS, METHOD_COLORS, SEQUENCE_COLORS,
+                                      method_color)
 
 OLD_PALETTE = {  # the earlier palette: tab10 with light blue ieKFAC beside blue iEF
     "SGD": "#7f7f7f", "NGD": "#000000", "iEF": "#1f77b4", "EF": "#d62728", "SF": "#2ca02c", "AdamW": "#9467bd",
@@ -76,7 +78,7 @@ def test_method_color_is_case_insensitive_and_names_the_known_methods():
         method_color("lbfgs")
 
 
-# ------------------------------------------------------------------------------------------------ companion.chapters.colour
+# ------------------------------------------------------------------------------------- companion.chapters.colour
 SHARMA_2005 = [  # CIEDE2000 test data of Sharma, Wu & Dalal (2005), Table 1: pairs 1, 2, 7, 17-20
     ((50.0, 2.6772, -79.7751), (50.0, 0.0, -82.7485), 2.0425),
     ((50.0, 3.1571, -77.2803), (50.0, 0.0, -82.7485), 2.8615),

@@ -1,5 +1,5 @@
-"""companion.chapters.train: the seed-0 checks and the sentences the train chapter glues, from the results table (one row per
-setup x optimiser at the chosen rates), and their comparison with chapter E2's verdicts over seeds."""
+"""companion.chapters.train: the seed-0 checks and the sentences the train chapter glues, from the results table (one
+row per setup x optimiser at the chosen rates), and their comparison with chapter E2's verdicts over seeds."""
 from __future__ import annotations
 
 import pandas as pd
@@ -20,8 +20,9 @@ def _results(winners: dict[str, tuple[str, str]]) -> pd.DataFrame:
 
 
 @pytest.mark.parametrize("winners, loss, test", [
-    ({"a": ("iEF", "iEF"), "b": ("iEF", "iEF"), "c": ("SGD", "AdamW")}, "holds for a, b; does not hold for c (SGD 0.1 ≤ "
-     "iEF 0.52)", "holds for a, b; does not hold for c (AdamW 90 ≥ iEF 62)"),
+    ({"a": ("iEF", "iEF"), "b": ("iEF", "iEF"), "c": ("SGD", "AdamW")},
+     "holds for a, b; does not hold for c (SGD 0.1 ≤ iEF 0.52)",
+     "holds for a, b; does not hold for c (AdamW 90 ≥ iEF 62)"),
     ({"a": ("iEF", "SGD"), "b": ("iEF", "AdamW"), "c": ("SGD", "iEF")}, "holds for a, b; does not hold for c",
      "holds for c; does not hold for a (SGD 90 ≥ iEF 62; AdamW 63 ≥ iEF 62), b (AdamW 90 ≥ iEF 62)"),
 ])

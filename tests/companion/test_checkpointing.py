@@ -19,8 +19,6 @@ point (never zeros).
 """
 from __future__ import annotations
 
-import copy
-import functools
 import math
 
 import pytest

@@ -6,7 +6,8 @@ import math
 import pandas as pd
 import pytest
 
-from companion.experiments.early_spike import SPIKE_KEYS, curve_spikes, first_step, search_spikes, spike_glue, spike_stats
+from companion.experiments.early_spike import (SPIKE_KEYS, curve_spikes, first_step, search_spikes, spike_glue,
+                                               spike_stats)
 
 
 def test_spike_stats_of_curves_with_and_without_a_spike():

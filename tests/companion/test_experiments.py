@@ -53,7 +53,8 @@ def test_full_hyperparameters_are_the_papers():
     assert (mlp.epochs, mlp.batch_size) == (60, 64)
     assert (o["adam"].lr, o["adam"].milestones, o["sgd"].lr, o["ief"].lr, o["sf"].lr, o["ef"].lr) == (
         1e-4, (15,), 0.1, 50.0, 0.1, 1e-4)
-    for name in CPU_SETUPS:  # cpu learning rates: the recorded search (tests/companion/test_search.py checks the values)
+    # cpu learning rates: the recorded search (tests/companion/test_search.py checks the values)
+    for name in CPU_SETUPS:
         cfg = resolve(name, "cpu")
         assert not cfg.provisional and all("lr search" in o.source for o in cfg.optimizers.values())
     assert resolve("mnli-t5-pt", "full").model_args == resolve("cola-t5-pt", "full").model_args

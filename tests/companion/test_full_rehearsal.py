@@ -2,8 +2,8 @@
 
 Stand-in assets in the real layout (``tests/standin_hub.py``: a tiny T5 of the paper's architecture family with random
 weights and a tokenizer trained here, GLUE-shaped data for the 7 tasks, CIFAR-shaped image sets, a tiny ViT) are
-written into an assets folder by ``companion.experiments.asset_folder.download`` against a patched hub client; then, with
-``IEF_ASSETS`` set, the hub's offline switches on and its endpoint and proxies pointed at a closed port:
+written into an assets folder by ``companion.experiments.asset_folder.download`` against a patched hub client; then,
+with ``IEF_ASSETS`` set, the hub's offline switches on and its endpoint and proxies pointed at a closed port:
 
 - ``python -m companion train --scale full`` for ``cola-t5-lora`` (AdamW, iEF) and ``rte-t5-pt`` (Adafactor, iEF) as
   registered (the stand-in data are small enough), and for ``cifar10-mlp`` (Adam, iEF) with tiny overrides (2 epochs,
@@ -11,8 +11,8 @@ written into an assets folder by ``companion.experiments.asset_folder.download``
   evaluation takes ~100 s of one CPU core per checkpoint);
 - ``python -m companion evaluate --scale full`` on ``cola-t5-lora`` (small knobs);
 - the baseline run and the evaluation of every other paper setup, in process (the evaluation chapter shows all 16);
-- ``python -m companion aggregate`` and ``early-spike --scale full``, then ``notebooks/evaluation.ipynb`` and ``notebooks/optimisation.ipynb``
-  at ``scale="full"`` on those results.
+- ``python -m companion aggregate`` and ``early-spike --scale full``, then ``notebooks/evaluation.ipynb`` and
+  ``notebooks/optimisation.ipynb`` at ``scale="full"`` on those results.
 """
 from __future__ import annotations
 

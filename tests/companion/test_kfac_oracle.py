@@ -170,8 +170,8 @@ def test_dense_check_refuses_what_it_cannot_compute():
 
 
 def test_blockdiag_check_names_the_missing_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m companion train --setup digits-mlp --scale smoke --optimizer "
-                                                "adam"):
+    with pytest.raises(FileNotFoundError,
+                       match="python -m companion train --setup digits-mlp --scale smoke --optimizer adam"):
         blockdiag_check(tmp_path, "digits-mlp", "smoke")
     with pytest.raises(ValueError, match="batches must be >= 1, got 0"):
         blockdiag_check(tmp_path, "digits-mlp", "smoke", batches=0)

@@ -13,7 +13,8 @@ from nbrun import glued_text, run_notebook, train_grid, unresolved_glue
 
 from companion.experiments.aggregate import aggregate, collect
 from companion.experiments.optimizers import make_optimizer
-from companion.experiments.setups import CPU_SETUPS, PRACTICAL_OPTIMIZERS, optimizer_config, practical_optimizers, resolve
+from companion.experiments.setups import (CPU_SETUPS, PRACTICAL_OPTIMIZERS, optimizer_config, practical_optimizers,
+                                          resolve)
 from companion.experiments.step_cost import MLP_REPEAT_FACTOR, STEP_COSTS_FILE, practical_step_costs, step_costs
 from companion.experiments.verdicts import FAILS, HOLDS, INCONCLUSIVE, RULES
 from ief.optim import IEF, KFAC
@@ -83,8 +84,8 @@ def test_step_costs_times_every_optimiser_against_the_baseline_and_refuses_bad_i
 
 
 def test_practical_step_costs_time_the_chapters_optimisers_on_every_setup(tmp_path):
-    """The table the workflow's step_costs job writes (python -m companion step-costs): per setup the chapter's optimisers,
-    the baseline first, an MLP's updates timed MLP_REPEAT_FACTOR times as often."""
+    """The table the workflow's step_costs job writes (python -m companion step-costs): per setup the chapter's
+    optimisers, the baseline first, an MLP's updates timed MLP_REPEAT_FACTOR times as often."""
     costs = practical_step_costs(["digits-mlp", "tweets-minilm-pt"], "smoke", repeats=1)
     assert list(zip(costs.setup, costs.optimizer)) == [(s, o) for s in ("digits-mlp", "tweets-minilm-pt")
                                                        for o in practical_optimizers(s, "smoke")]
@@ -94,8 +95,8 @@ def test_practical_step_costs_time_the_chapters_optimisers_on_every_setup(tmp_pa
                            "--repeats", "1", "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert list(pd.read_csv(out).optimizer) == practical_optimizers("digits-mlp", "smoke")
-    bad = subprocess.run([sys.executable, "-m", "companion", "step-costs", "--scale", "smoke", "--repeats", "0", "--out",
-                          str(tmp_path / "bad.csv")], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "companion", "step-costs", "--scale", "smoke", "--repeats", "0",
+                          "--out", str(tmp_path / "bad.csv")], capture_output=True, text=True)
     assert bad.returncode == 2 and "argument --repeats: invalid value '0': an integer >= 1 expected" in bad.stderr
     assert not (tmp_path / "bad.csv").exists()
 

@@ -49,7 +49,8 @@ def test_run_files(reference):
     rows = (root / "train_loss.csv").read_text().splitlines()
     assert rows[0] == "step,epoch,loss" and len(rows) == 13
     losses = [float(r.split(",")[2]) for r in rows[1:]]
-    # the book's one definition (companion.experiments.summaries): the last 10 % of the 12 updates, ceil(1.2) = 2 of them
+    # the book's one definition (companion.experiments.summaries): the last 10 % of the 12 updates, ceil(1.2) = 2 of
+    # them
     assert summary["final_train_loss_updates"] == 2
     assert summary["final_train_loss"] == pytest.approx(sum(losses[-2:]) / 2, rel=1e-12)
     assert summary["final_train_loss"] == final_train_loss(losses) == run_row(store.read_run(root))["final_train_loss"]

@@ -1,5 +1,5 @@
-"""The learning-rate search (companion.experiments.search): the paper's grids, the choice rule, the CLI, and the recorded
-cpu-scale searches that the registry's cpu learning rates must equal."""
+"""The learning-rate search (companion.experiments.search): the paper's grids, the choice rule, the CLI, and the
+recorded cpu-scale searches that the registry's cpu learning rates must equal."""
 from __future__ import annotations
 
 import json
@@ -29,7 +29,8 @@ def test_grids_are_the_papers():
         (5e-5, 1e-4, 5e-4), (0.01, 0.1, 0.5), (10, 50, 100), (0.01, 0.1, 0.5))
     assert mlp["ef"].paper == (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
     ours = {(k, o) for k, grids in S.GRIDS.items() for o, g in grids.items() if g.source.startswith("ours")}
-    practical = {(k, o) for k in ("pt", "lora", "scratch") for o in PRACTICAL_OPTIMIZERS if k != "pt" or o == "ief-momentum"}
+    practical = {(k, o) for k in ("pt", "lora", "scratch") for o in PRACTICAL_OPTIMIZERS
+                 if k != "pt" or o == "ief-momentum"}
     assert ours == {("pt", "adafactor"), ("pt", "adamw"), ("lora", "adafactor"), ("scratch", "adamw"),
                     ("scratch", "adafactor")} | practical  # beyond the paper: grids of ours, each saying so
     assert all(S.GRIDS[k][o].source.startswith("ours: beyond the paper") for k, o in practical)
@@ -217,8 +218,8 @@ def test_a_record_carries_when_at_which_commit_and_by_which_command_it_was_made(
     assert record["command"] == ("python -m companion search --setup digits-mlp --scale smoke --optimizer sgd "
                                  "--optimizer ief --seed 1")
     assert json.loads((tmp_path / "lr-search" / "smoke-digits-mlp.json").read_text())["created"] == record["created"]
-    assert S.search_command("digits-mlp", "cpu", None, 0) == ("python -m companion search --setup digits-mlp --scale cpu "
-                                                            "--seed 0")
+    assert S.search_command("digits-mlp", "cpu", None, 0) == (
+        "python -m companion search --setup digits-mlp --scale cpu --seed 0")
     assert S.git_commit(tmp_path) is None  # not a checkout: no commit is invented
     trials = record["optimizers"]["sgd"]["trials"]  # each trial: when its run finished, the code that ran it
     for t in trials:

@@ -1,5 +1,5 @@
-"""companion.experiments.setups as the one definition of the grid: setups, seeds and optimisers per scale, baselines, the
-evaluation seed and knobs; its overrides refused by name; loadable without torch (the workflow's parse time)."""
+"""companion.experiments.setups as the one definition of the grid: setups, seeds and optimisers per scale, baselines,
+the evaluation seed and knobs; its overrides refused by name; loadable without torch (the workflow's parse time)."""
 from __future__ import annotations
 
 import subprocess

@@ -1,10 +1,12 @@
-"""companion.demos.toy against hand-derived closed forms (sec:app-toy-lls-2pt, fig:logistic-regression) and the notebook.
+"""companion.demos.toy against hand-derived closed forms (sec:app-toy-lls-2pt, fig:logistic-regression) and the
+notebook.
 
 Least squares, data {(0, 0), (1, 0)}: with X = [[1, 0], [1, 1]] (rows [1, x_n]) and residuals r = X theta,
 grad L = X^T r, F = X^T X = [[2, 1], [1, 1]], NGD = F^{-1} X^T r = theta (one step with eta = 1 reaches theta* = 0),
 iEF = NGD (eqn:lls-F-equal), EF = J^{-1} 1 = X^{-1} [1/r_0, 1/r_1] (eqn:EF_lsq), so kappa_n = 1/||grad l_n||
 (eqn:kappa_EF). Logistic regression, x = (0, 2), y = (0, 1), e_n = sigma(z_n) - y_n: grad L = X^T e,
-F = X^T diag(sigma(1 - sigma)) X, iEF = 2 X^{-1} e (twice the Gauss-Newton direction, see companion.demos.toy.logistic_problem).
+F = X^T diag(sigma(1 - sigma)) X, iEF = 2 X^{-1} e (twice the Gauss-Newton direction, see
+companion.demos.toy.logistic_problem).
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
-"""companion.experiments.verdicts: every rule on synthetic records built to make it hold, to make it fail and to leave it
-inconclusive, asserting the verdict and what it names as failing."""
+"""companion.experiments.verdicts: every rule on synthetic records built to make it hold, to make it fail and to leave
+it inconclusive, asserting the verdict and what it names as failing."""
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from companion.experiments import verdicts as V
 from companion.experiments.verdicts.evaluation import top_edge_bests

@@ -603,8 +603,8 @@ def test_gammas_fallback_warning_gives_the_reason():
         warnings.simplefilter("always")
         ief.gammas(model, x, y, stacked)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert messages == [f"ief.gammas: the batched forward-mode pass is not available for this _NoJvpModel ({reason}); using "
-                        "double backward (same values, one backward-type pass per direction)"]
+    assert messages == [f"ief.gammas: the batched forward-mode pass is not available for this _NoJvpModel ({reason}); "
+                        "using double backward (same values, one backward-type pass per direction)"]
 
 
 def test_gamma_on_a_parameter_subset_and_its_error_messages():

@@ -551,9 +551,10 @@ def test_directions_beyond_float32_raise_naming_the_method(as_j):
     for call, what in ((lambda: ief.ief_direction(as_j(j), s, 0.0), "iEF"),
                        (lambda: ief.ef_direction(as_j(j), 0.0), "EF"),
                        (lambda: ief.sf_direction(as_j(j), g, 1e-40), "SF")):
-        with pytest.raises(FloatingPointError, match=rf"^the {what} direction is not representable in torch\.float32 "
-                                                     r"\(its entries exceed the dtype's range\): the per-sample gradients "
-                                                     r"are too close to zero for this damping; use a larger damping$"):
+        with pytest.raises(FloatingPointError,
+                           match=rf"^the {what} direction is not representable in torch\.float32 "
+                                 r"\(its entries exceed the dtype's range\): the per-sample gradients "
+                                 r"are too close to zero for this damping; use a larger damping$"):
             call()
 
 

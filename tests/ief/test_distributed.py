@@ -3,6 +3,7 @@ processes on this machine, uneven batches, float64, and a failure on one rank ra
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,7 @@ def _rows_on_rank(rank: int, sizes: list[int], kind: str) -> dict:
     )
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("kind", ["dense", "factored"])
 @pytest.mark.parametrize("sizes", [[3, 5], [4, 1, 6]], ids=["two-uneven", "three-uneven"])
 def test_distributed_rows_equal_the_concatenated_rows_on_every_rank(sizes, kind, tmp_path):
@@ -217,6 +219,7 @@ def _raise_other_on_rank_two(rank: int) -> dict:
     return dict(kind=None)
 
 
+@pytest.mark.slow  # starts processes
 def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
     results = _spawn(_fail_on_rank_one, 2, tmp_path)
     assert [r["kind"] for r in results] == ["FloatingPointError", "FloatingPointError"]
@@ -233,6 +236,15 @@ def test_one_process_runs_the_work_itself():
     assert agree(None, torch.device("cpu"), lambda: 5) == 5
     with pytest.raises(KeyError):
         agree(None, torch.device("cpu"), lambda: {}["x"])
+
+
+def test_a_test_that_starts_processes_must_be_in_the_slow_tier(request):
+    """tests/conftest.py refuses to start processes from a test of this tier without the ``slow`` marker (the tier
+    ``make test-lib`` leaves out), naming the test; this test has no marker, so both entry points refuse."""
+    for start in (mp.spawn, mp.start_processes):
+        with pytest.raises(RuntimeError, match=rf"{re.escape(request.node.nodeid)} starts processes: mark it "
+                                               r"@pytest.mark.slow"):
+            start(print, nprocs=1)
 
 
 # ------------------------------------------------------------------ the optimisers over a data-parallel batch
@@ -321,6 +333,7 @@ def _train_union(name: str, sizes: list[int], steps: int, ignored_rank, wide: bo
     return dict(params=[p.detach().clone() for p in model.parameters()], losses=losses)
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("name, sizes, ignored_rank, ddp, wide, factors", [
     ("ief", [3, 5], None, False, False, ()),
     ("ief-mean-momentum-wd", [4, 1, 6], 1, False, False, ()),
@@ -417,6 +430,7 @@ def _table_on_rank(rank: int, sizes: list[int], steps: int) -> dict:
                 params=[p.detach().clone() for p in model.parameters()])
 
 
+@pytest.mark.slow  # starts processes
 def test_a_table_whose_ranks_use_different_rows_goes_as_the_union_of_its_used_rows(tmp_path):
     """An nn.Embedding token table whose three ranks (uneven batches 4, 1, 3) use different ids, some shared, some
     used by one rank only, and ids no rank uses: every rank keeps it as its used rows, the Gram gathers it as the
@@ -475,6 +489,7 @@ def _nan_on_rank_one(rank: int) -> dict:
     return dict(kind=kind, message=message, unchanged=unchanged)
 
 
+@pytest.mark.slow  # starts processes
 def test_a_nan_on_one_rank_ends_every_rank_with_the_same_error(tmp_path):
     results = _spawn(_nan_on_rank_one, 2, tmp_path)
     assert [r["kind"] for r in results] == ["FloatingPointError", "FloatingPointError"], results
@@ -499,6 +514,7 @@ def _refusals_on_rank(rank: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # starts processes
 def test_what_cannot_step_across_processes_is_refused_on_every_rank(tmp_path):
     results = _spawn(_refusals_on_rank, 2, tmp_path)
     assert results[0] == results[1]
@@ -565,6 +581,7 @@ def _run_trainer(world: int, tmp_path: Path, name: str, steps: int, stop_at=None
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 
+@pytest.mark.slow  # starts processes
 def test_the_trainer_on_two_processes_is_the_union_batch_and_resumes(tmp_path):
     """IEFTrainer under DDP (two gloo processes, sequential data: rank r takes every other batch of 4) takes the
     exact step of the union batch of 8: its parameters and logged losses equal a one-process run with batches of 8
@@ -615,6 +632,7 @@ KFAC_OPTIMISERS = {
 OPTIMISERS.update(KFAC_OPTIMISERS)
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("name, sizes, ignored_rank, ddp", [
     ("kfac-momentum-wd", [3, 5], None, False),
     ("kfac-momentum-wd", [4, 1, 6], 1, False),
@@ -693,6 +711,7 @@ def _kfac_seeded_on_rank(rank: int, sizes: list[int], steps: int) -> dict:
     return dict(params=[p.detach().clone() for p in model.parameters()])
 
 
+@pytest.mark.slow  # starts processes
 def test_kfac_draws_each_ranks_labels_with_that_ranks_generator(tmp_path):
     """kind='kfac' with a real RNG: each rank draws its own samples' labels with its own generator (seeded
     100 + rank here), the factors are summed, so the replicas stay bit-identical and equal one process whose labels
@@ -739,6 +758,7 @@ def _kfac_failures_on_rank(rank: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # starts processes
 def test_a_kfac_failure_on_one_rank_ends_every_rank_with_the_same_error(tmp_path):
     """A NaN input on rank 1 (non-finite union factors) and a target out of range on rank 0 (its own check, shared by
     agree) raise on both ranks before anything changes (parameters and running factors); later steps still pair up
@@ -792,6 +812,7 @@ def _kfac_trainer_entry(rank: int, world: int, port: int, folder: str, out: str)
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # starts processes
 def test_the_trainer_with_kfac_on_two_processes_is_the_union_batch(tmp_path):
     """IEFTrainer(optimizer='ekfac') under DDP (two gloo processes at 4 samples, sequential data) takes the union
     batch's K-FAC step: the ranks agree bit for bit, and parameters and logged losses equal one process at 8 samples
@@ -835,6 +856,7 @@ def _kfac_layers_differ_on_rank(rank: int) -> dict:
     return dict(kind=None)
 
 
+@pytest.mark.slow  # starts processes
 def test_ranks_whose_kfac_layers_differ_raise_on_every_rank(tmp_path):
     """Rank 0 (2 samples) calls the middle layer, rank 1 (3 samples) does not: every rank raises the ValueError
     naming its own layers instead of summing factors of different layers (or waiting in an all-reduce of another

@@ -4,7 +4,8 @@
 - a class with a constructor (the optimisers, ``FisherOperator``): ``Args:`` naming every constructor argument, the
   ones forwarded through ``**kwargs`` to a base class included, each optional one with its default; its public
   methods (``step``, ``matvec``, ...): ``Args:`` and ``Returns:``;
-- a result record (a dataclass or named tuple): ``Attributes:`` naming its fields;
+- a result record (a dataclass or named tuple): ``Attributes:`` naming its fields, and so every public record type
+  any module of ``ief/`` defines (what an exported name returns or takes, exported itself or not);
 - an exception or warning: a ``Raised by`` sentence saying where it comes from.
 
 The exported modules are read from ``__all__`` when the test runs (``ief``, ``ief.optim`` and any later exported
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import pkgutil
 import re
 from pathlib import Path
 
@@ -98,6 +100,18 @@ def _is_record(cls: type) -> bool:
     return dataclasses.is_dataclass(cls) or (issubclass(cls, tuple) and hasattr(cls, "_fields"))
 
 
+def _library_records() -> list[tuple[str, type]]:
+    """Every public record type (dataclass or named tuple, its name without a leading underscore) that a module of
+    ``ief/`` defines, read by importing every module of the package."""
+    found = {}
+    for info in pkgutil.walk_packages([str(PACKAGE)], "ief."):
+        module = importlib.import_module(info.name)
+        for attr, obj in vars(module).items():
+            if inspect.isclass(obj) and obj.__module__ == info.name and not attr.startswith("_") and _is_record(obj):
+                found[f"{info.name}.{attr}"] = obj
+    return sorted(found.items())
+
+
 EXPORTED = _exported()
 FUNCTIONS = [(n, o) for n, o in EXPORTED if inspect.isfunction(o)]
 CLASSES = [(n, o) for n, o in EXPORTED if inspect.isclass(o)]
@@ -162,6 +176,19 @@ def test_records_document_their_fields(name, cls):
     assert body and not missing, f"{name}: Attributes: does not name {missing}"
 
 
+RECORDS = _library_records()
+
+
+def test_the_library_records_are_found():
+    names = {n for n, _ in RECORDS}
+    assert {"ief.hessian_free.CGResult", "ief.jacobian.api.PerSample", "ief.kfac.KroneckerBlock"} <= names
+
+
+@pytest.mark.parametrize("name,cls", RECORDS, ids=[n for n, _ in RECORDS])
+def test_every_record_of_the_library_documents_its_fields(name, cls):
+    test_records_document_their_fields(name, cls)
+
+
 @pytest.mark.parametrize("name,cls", [(n, c) for n, c in CLASSES if issubclass(c, BaseException)],
                          ids=[n for n, c in CLASSES if issubclass(c, BaseException)])
 def test_exceptions_say_where_they_are_raised(name, cls):
@@ -213,3 +240,17 @@ def test_the_checks_fail_on_an_undocumented_name():
     with pytest.raises(AssertionError, match="damping"):
         test_classes_document_constructor_arguments_with_defaults("Opt", Opt)
     assert ief.__all__  # the package's own list is what the parametrised tests read
+
+    @dataclasses.dataclass
+    class Block:
+        """A layer's factors.
+
+        Attributes:
+            name: the layer.
+        """
+
+        name: str
+        G: int
+
+    with pytest.raises(AssertionError, match=r"does not name \['G'\]"):
+        test_records_document_their_fields("Block", Block)

@@ -465,7 +465,8 @@ def test_exact_check_catches_a_one_percent_error_in_any_row(monkeypatch, d, dtyp
         monkeypatch.undo()
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(d=st.integers(1, 40), m=st.integers(2, 8), seed=st.integers(0, 2**16), data=st.data(),
        dtype=st.sampled_from([torch.float32, torch.float64]), size=st.sampled_from([0.01, 0.05, 1.0]))
 def test_property_exact_check_names_exactly_the_wrong_row(monkeypatch, d, m, seed, data, dtype, size):

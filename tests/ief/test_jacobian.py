@@ -582,8 +582,8 @@ def test_unknown_form_is_refused(bad):
 
 
 def test_the_hooked_backward_skips_the_batch_weight_gradients(monkeypatch):
-    """Stand-ins (``ief.jacobian.PerSampleCapture``): the backward of ``per_sample`` runs only the input-gradient matmuls of a
-    3-layer MLP (2), not its 3 batch weight-gradient matmuls; the SF path's plain gradient runs all 5."""
+    """Stand-ins (``ief.jacobian.PerSampleCapture``): the backward of ``per_sample`` runs only the input-gradient
+    matmuls of a 3-layer MLP (2), not its 3 batch weight-gradient matmuls; the SF path's plain gradient runs all 5."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountMatmuls(TorchDispatchMode):
@@ -632,7 +632,8 @@ def test_non_finite_samples_are_named_not_returned_as_nan_rows(form, bad):
     for check in (True, False, "exact"):
         with pytest.raises(FloatingPointError, match=r"samples \[1, 3\] \(of 6\)"):
             ief.per_sample(c.model, x, c.targets, check=check, form=form)
-    with pytest.raises(FloatingPointError, match=r"samples \[1, 3\]|logits hold nan at index \(1, "):  # the draw checks NaN logits
+    # the draw checks NaN logits
+    with pytest.raises(FloatingPointError, match=r"samples \[1, 3\]|logits hold nan at index \(1, "):
         ief.sampled_jacobian(c.model, x, c.targets, form=form)
     with pytest.raises(FloatingPointError, match=r"step 0: .*samples \[1, 3\]"):
         ief.optim.IEF(c.model, lr=0.1, form=form).step(x, c.targets)
@@ -670,7 +671,8 @@ def test_forced_forms_keep_every_linear_weight_as_factors_or_as_rows():
 
 @pytest.mark.parametrize("t", [1, 2, 3])
 def test_ghost_kernel_over_t_positions_is_the_dense_gram(t):
-    """``(J J^T)_{nm} = sum_{t,s} <a_nt, a_ms> <g_nt, g_ms>`` for every ``T`` (``T = 1`` takes ``(A A^T) * (G G^T)``)."""
+    """``(J J^T)_{nm} = sum_{t,s} <a_nt, a_ms> <g_nt, g_ms>`` for every ``T``
+    (``T = 1`` takes ``(A A^T) * (G G^T)``)."""
     from ief.rows import DenseRows
 
     torch.manual_seed(t)

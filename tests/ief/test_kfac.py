@@ -558,9 +558,9 @@ class FlattenedPositions(torch.nn.Module):
 def test_linear_whose_rows_are_not_samples_raises():
     model = FlattenedPositions()
     x, y = torch.randn(4, 5, 3), torch.randint(0, 2, (4,))
-    with pytest.raises(ValueError, match=r"^linear layer 'proj' was called with input shapes \[\(20, 3\)\], whose first "
-                                         r"dimension is not the 4 samples: its K-FAC factors cannot be formed per "
-                                         r"sample$"):
+    with pytest.raises(ValueError, match=r"^linear layer 'proj' was called with input shapes \[\(20, 3\)\], whose "
+                                         r"first dimension is not the 4 samples: its K-FAC factors cannot be formed "
+                                         r"per sample$"):
         ief.kfac_direction(model, x, y, "ekfac", 1e-3)
 
 

@@ -540,7 +540,8 @@ def test_add_param_group_is_refused_with_the_reason_and_the_remedy(cls):
     is refused."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).double()
     opt = cls(model, damping=1e-3, params=list(model[0].parameters()))
-    with pytest.raises(ValueError, match=rf"{cls.__name__}'s parameter groups are fixed at construction.*never be updated.*params="):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}'s parameter groups are fixed at construction"
+                                         r".*never be updated.*params="):
         opt.add_param_group({"params": list(model[1].parameters())})
     assert len(opt.param_groups) == 1
 

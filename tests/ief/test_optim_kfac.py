@@ -1,8 +1,8 @@
 """``ief.optim.KFAC``: the K-FAC family (``sec:app-iEF-eNGDopt``) as optimisers with running factors.
 
 Oracles: (1) with ``factor_decay=0`` and ``inverse_every=1`` a step is ``lr * ief.kfac_direction`` of the batch
-(itself tested against explicit per-sample backprop in ``tests/ief/test_kfac.py``); (2) a hand-written float64 loop of the
-factor average, the occasional refresh, momentum and decoupled weight decay on the dense Kronecker blocks of that
+(itself tested against explicit per-sample backprop in ``tests/ief/test_kfac.py``); (2) a hand-written float64 loop of
+the factor average, the occasional refresh, momentum and decoupled weight decay on the dense Kronecker blocks of that
 per-sample oracle (``_oracle_mlp_factors``), solved with ``torch.linalg.solve`` of ``kron(G, A) + lambda I``.
 """
 from __future__ import annotations

@@ -185,13 +185,12 @@ def todays_run(case, method, lr, damping, reduction, normalize, total_steps, ste
         check = "exact" if t == 0 else True
         with torch.enable_grad():
             if method == "sf":
-                losses, grad, a = gradient_and_sampled_jacobian(model, case.inputs, case.targets, params,
-                                                                loss=case.loss, generator=generator, check=check,
-                                                                form="auto")
+                _, grad, a = gradient_and_sampled_jacobian(model, case.inputs, case.targets, params,
+                                                           loss=case.loss, generator=generator, check=check,
+                                                           form="auto")
                 d = ief.sf_direction(a, grad, lam)
             else:
                 r = ief.per_sample(model, case.inputs, case.targets, params, loss=case.loss, check=check, form="auto")
-                losses = r.losses
                 d = ief.ief_direction(r.jacobian, r.logit_sqnorm, lam) if method == "ief" else \
                     ief.ef_direction(r.jacobian, lam)
         norm = float(d.norm())

@@ -158,6 +158,7 @@ def _construct_on_rank(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # starts processes
 def test_every_rank_of_a_two_process_group_refuses_with_the_same_sentence(tmp_path):
     mp.start_processes(_construct_on_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
                        join=True, start_method="spawn")

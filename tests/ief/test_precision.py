@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 import warnings
 
 import peft

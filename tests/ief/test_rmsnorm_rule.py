@@ -92,8 +92,8 @@ def test_the_rule_equals_the_per_sample_loop_bit_for_bit_in_float64():
 
 def test_a_low_precision_model_casts_as_the_module_does():
     """bfloat16 weights and input: ``x_hat`` in float32, cast to bfloat16, times the weight (Llama); Gemma's product in
-    float32 cast back; nn.RMSNorm in float32 inside; T5's x_hat in float32 cast to the weight's bfloat16. The rule's rows equal autograd's per-sample gradients of the very
-    module (to bfloat16's rounding)."""
+    float32 cast back; nn.RMSNorm in float32 inside; T5's x_hat in float32 cast to the weight's bfloat16. The rule's
+    rows equal autograd's per-sample gradients of the very module (to bfloat16's rounding)."""
     torch.manual_seed(0)
     for kind in ("llama", "gemma", "torch", "t5"):
         if kind == "torch":

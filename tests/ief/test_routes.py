@@ -21,9 +21,9 @@ Routes (fast -> reference; "oracle" is the dense float64 brute force of ``tests/
 
 Models: ``route_models.MODELS`` (the cpu setups at smoke size, a P < M linear model, a prompt-only T5, T5-LoRA, a CNN,
 a GRU, a token table the batch uses only partly; a sample with every target ignored in all but the P < M one);
-float32 and float64 with the same parameter values; damping ``lambda`` in {0, 1e-10, 1e-6, 1}. One parametrised test per (route, model, dtype, lambda), id
-``route-model-dtype-lamX``, and a Hypothesis test of the sweep on random linear models (P above and below M,
-duplicated samples).
+float32 and float64 with the same parameter values; damping ``lambda`` in {0, 1e-10, 1e-6, 1}. One parametrised test per
+(route, model, dtype, lambda), id ``route-model-dtype-lamX``, and a Hypothesis test of the sweep on random linear models
+(P above and below M, duplicated samples).
 
 Tolerances (relative): float64 1e-6, float32 1e-2 for ``gamma``-like quantities and directions, tighter where both
 routes run the same arithmetic (``J`` itself, ``gammas`` vs ``gamma``, the two FVP methods). Where the problem is

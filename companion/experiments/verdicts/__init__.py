@@ -18,8 +18,8 @@ Two ways of deciding, one per kind of record:
   an "on par" claim is an equivalence band the interval must lie inside. A diverged run leaves the mean undefined:
   the exact sign test (:func:`sign_test`) decides then.
 
-No plotting here: :mod:`companion.chapters.evaluation`, :mod:`companion.chapters.optimisation` and :mod:`companion.chapters.train` format
-these verdicts for their chapters.
+No plotting here: :mod:`companion.chapters.evaluation`, :mod:`companion.chapters.optimisation` and
+:mod:`companion.chapters.train` format these verdicts for their chapters.
 """
 from __future__ import annotations
 

@@ -122,7 +122,8 @@ def _imbalance_tracks(records):
             varies = len(xy) >= 3 and xy[:, 0].std() > 0 and xy[:, 1].std() > 0  # else no correlation is defined
             corr[name] = float(np.corrcoef(xy.T)[0, 1]) if varies else float("nan")
         text = (f"imbalance ×{math.exp(np.mean(growth)):.3g} from stage {stages[0]} % to {stages[-1]} %; correlation "
-                "over stages of log imbalance with " + ", ".join(f"log {k}/SGD " + ("undefined" if math.isnan(v) else f"{v:+.2f}") for k, v in corr.items()))
+                "over stages of log imbalance with "
+                + ", ".join(f"log {k}/SGD " + ("undefined" if math.isnan(v) else f"{v:+.2f}") for k, v in corr.items()))
         if grows < 0:
             failures.append(f"the imbalance shrinks (×{math.exp(np.mean(growth)):.3g})")
         failures += [f"{k} does not track it (correlation {v:+.2f})" for k, v in corr.items() if v < 0]
@@ -256,8 +257,8 @@ def _best_moves(records):
                              f"dominates, i.e. close to SGD, and the optimum may lie beyond the grid")
             elif len(set(best.values())) == 1 and edge[stages[0]]:
                 verdict = INCONCLUSIVE
-                text += (f"; the best λ is the grid's top edge at every sweep stage: where the optimum lies beyond "
-                         f"it, and whether it moves there, the sweep cannot tell")
+                text += ("; the best λ is the grid's top edge at every sweep stage: where the optimum lies beyond "
+                         "it, and whether it moves there, the sweep cannot tell")
             elif len(set(best.values())) == 1:
                 verdict, failures = FAILS, (f"{name}'s best λ is {best[stages[0]]:.0e} at every sweep stage",)
             else:

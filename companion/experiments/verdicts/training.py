@@ -1,6 +1,6 @@
 """The E2 and training chapters' rules (:mod:`companion.experiments.verdicts`): the paper's rankings of the optimisers
-(``sec:opt-exp``, ``tab:sum-test``) decided over seeds on the E2 runs (:mod:`companion.experiments.aggregate`'s table and
-curves), and the training chapter's seed-0 ranks, which rank one draw and decide nothing."""
+(``sec:opt-exp``, ``tab:sum-test``) decided over seeds on the E2 runs (:mod:`companion.experiments.aggregate`'s table
+and curves), and the training chapter's seed-0 ranks, which rank one draw and decide nothing."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .core import (FAILS, HOLDS, INCONCLUSIVE, MIN_SEEDS, ON_PAR_POINTS, SIGN_LEVEL, PairResult, Rule, Verdict,
+from .core import (FAILS, HOLDS, INCONCLUSIVE, ON_PAR_POINTS, SIGN_LEVEL, PairResult, Rule, Verdict,
                    binomial_resolution, pair_over_seeds)
 
 # ------------------------------------------------------------------------------------------------ E2 (runs)

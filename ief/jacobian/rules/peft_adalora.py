@@ -10,8 +10,6 @@ AdaLoRA on convolutions (``SVDConv2d``) stays on the exact per-sample loop.
 """
 from __future__ import annotations
 
-import torch
-
 from .peft_common import PeftAdapterRule, flat_positions, rows_of
 from .registry import register_by_name
 

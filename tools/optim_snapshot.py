@@ -102,60 +102,61 @@ def record(snap: Snapshot, key: str, fn: Callable[[], dict]) -> None:
             snap.put(f"{key}/{k}", v)
 
 
-def _configs(O: Any, loss: str, kfac_params: Callable) -> dict[str, Callable]:
+def _configs(optim: Any, loss: str, kfac_params: Callable) -> dict[str, Callable]:
     """name -> make_opt(model)."""
     c: dict[str, Callable] = {}
     for damping in (0.0, 1e-6, 1e-3, 1.0):
-        c[f"ief-d{damping:g}"] = lambda m, d=damping: O.IEF(m, lr=0.5, damping=d, loss=loss)
-        c[f"ef-d{damping:g}"] = lambda m, d=damping: O.EF(m, lr=0.05, damping=d, loss=loss)
+        c[f"ief-d{damping:g}"] = lambda m, d=damping: optim.IEF(m, lr=0.5, damping=d, loss=loss)
+        c[f"ef-d{damping:g}"] = lambda m, d=damping: optim.EF(m, lr=0.05, damping=d, loss=loss)
         if damping > 0:
-            c[f"sf-d{damping:g}"] = lambda m, d=damping: O.SF(m, lr=0.05, damping=d, generator=_gen(3), loss=loss)
+            c[f"sf-d{damping:g}"] = lambda m, d=damping: optim.SF(m, lr=0.05, damping=d, generator=_gen(3), loss=loss)
     for form in ("auto", "dense", "ghost", "rows"):
-        c[f"ief-{form}"] = lambda m, f=form: O.IEF(m, form=f, loss=loss)
-        c[f"ef-{form}"] = lambda m, f=form: O.EF(m, form=f, normalize=False, lr=0.01, loss=loss)
-        c[f"sf-{form}"] = lambda m, f=form: O.SF(m, form=f, generator=_gen(4), loss=loss)
+        c[f"ief-{form}"] = lambda m, f=form: optim.IEF(m, form=f, loss=loss)
+        c[f"ef-{form}"] = lambda m, f=form: optim.EF(m, form=f, normalize=False, lr=0.01, loss=loss)
+        c[f"sf-{form}"] = lambda m, f=form: optim.SF(m, form=f, generator=_gen(4), loss=loss)
     for check in (False, "exact", 2):
-        c[f"ief-check{check}"] = lambda m, k=check: O.IEF(m, check=k, loss=loss)
+        c[f"ief-check{check}"] = lambda m, k=check: optim.IEF(m, check=k, loss=loss)
     c.update({
-        "ief-mom": lambda m: O.IEF(m, lr=0.5, momentum=0.9, loss=loss),
-        "ief-mom-damp": lambda m: O.IEF(m, lr=0.5, momentum=0.9, dampening=0.9, loss=loss),
-        "ief-wd": lambda m: O.IEF(m, lr=0.5, weight_decay=0.1, loss=loss),
-        "ief-mom-wd-T": lambda m: O.IEF(m, lr=0.5, momentum=0.5, dampening=0.2, weight_decay=0.05, total_steps=6,
+        "ief-mom": lambda m: optim.IEF(m, lr=0.5, momentum=0.9, loss=loss),
+        "ief-mom-damp": lambda m: optim.IEF(m, lr=0.5, momentum=0.9, dampening=0.9, loss=loss),
+        "ief-wd": lambda m: optim.IEF(m, lr=0.5, weight_decay=0.1, loss=loss),
+        "ief-mom-wd-T": lambda m: optim.IEF(m, lr=0.5, momentum=0.5, dampening=0.2, weight_decay=0.05, total_steps=6,
                                         loss=loss),
-        "ief-norm": lambda m: O.IEF(m, lr=0.1, normalize=True, loss=loss),
-        "ief-norm-T": lambda m: O.IEF(m, lr=0.1, normalize=True, total_steps=5, loss=loss),
-        "ief-norm-mom-wd": lambda m: O.IEF(m, lr=0.1, normalize=True, momentum=0.9, weight_decay=0.1, loss=loss),
-        "ief-mean": lambda m: O.IEF(m, reduction="mean", lr=3.0, loss=loss),
-        "ief-mean-default": lambda m: O.IEF(m, reduction="mean", loss=loss),
-        "ief-mean-mom-wd": lambda m: O.IEF(m, reduction="mean", lr=3.0, momentum=0.9, weight_decay=0.01, loss=loss),
-        "ief-mean-norm": lambda m: O.IEF(m, reduction="mean", lr=0.1, normalize=True, momentum=0.5, loss=loss),
-        "ief-auto": lambda m: O.IEF(m, lr="auto", loss=loss),
-        "ief-auto-mom-wd": lambda m: O.IEF(m, lr="auto", momentum=0.9, weight_decay=0.1, loss=loss),
-        "ief-auto-mean": lambda m: O.IEF(m, lr="auto", reduction="mean", loss=loss),
-        "ief-auto-norm-T": lambda m: O.IEF(m, lr="auto", normalize=True, total_steps=6, loss=loss),
-        "ef-default": lambda m: O.EF(m, loss=loss),
-        "ef-T": lambda m: O.EF(m, total_steps=5, loss=loss),
-        "ef-mom-wd": lambda m: O.EF(m, momentum=0.5, dampening=0.1, weight_decay=0.1, loss=loss),
-        "ef-mean": lambda m: O.EF(m, reduction="mean", normalize=False, lr=1e-3, loss=loss),
-        "ef-mean-norm-mom": lambda m: O.EF(m, reduction="mean", momentum=0.9, loss=loss),
-        "ef-auto": lambda m: O.EF(m, lr="auto", loss=loss),
-        "ef-auto-raw": lambda m: O.EF(m, lr="auto", normalize=False, loss=loss),
-        "sf-default": lambda m: O.SF(m, generator=_gen(5), loss=loss),
-        "sf-mom-wd-T": lambda m: O.SF(m, generator=_gen(6), momentum=0.9, weight_decay=0.01, total_steps=5, loss=loss),
-        "sf-mean": lambda m: O.SF(m, generator=_gen(7), reduction="mean", loss=loss),
-        "sf-auto": lambda m: O.SF(m, generator=_gen(8), lr="auto", loss=loss),
-        "sf-global": lambda m: O.SF(m, lr=0.02, loss=loss),
+        "ief-norm": lambda m: optim.IEF(m, lr=0.1, normalize=True, loss=loss),
+        "ief-norm-T": lambda m: optim.IEF(m, lr=0.1, normalize=True, total_steps=5, loss=loss),
+        "ief-norm-mom-wd": lambda m: optim.IEF(m, lr=0.1, normalize=True, momentum=0.9, weight_decay=0.1, loss=loss),
+        "ief-mean": lambda m: optim.IEF(m, reduction="mean", lr=3.0, loss=loss),
+        "ief-mean-default": lambda m: optim.IEF(m, reduction="mean", loss=loss),
+        "ief-mean-mom-wd": lambda m: optim.IEF(m, reduction="mean", lr=3.0, momentum=0.9, weight_decay=0.01, loss=loss),
+        "ief-mean-norm": lambda m: optim.IEF(m, reduction="mean", lr=0.1, normalize=True, momentum=0.5, loss=loss),
+        "ief-auto": lambda m: optim.IEF(m, lr="auto", loss=loss),
+        "ief-auto-mom-wd": lambda m: optim.IEF(m, lr="auto", momentum=0.9, weight_decay=0.1, loss=loss),
+        "ief-auto-mean": lambda m: optim.IEF(m, lr="auto", reduction="mean", loss=loss),
+        "ief-auto-norm-T": lambda m: optim.IEF(m, lr="auto", normalize=True, total_steps=6, loss=loss),
+        "ef-default": lambda m: optim.EF(m, loss=loss),
+        "ef-T": lambda m: optim.EF(m, total_steps=5, loss=loss),
+        "ef-mom-wd": lambda m: optim.EF(m, momentum=0.5, dampening=0.1, weight_decay=0.1, loss=loss),
+        "ef-mean": lambda m: optim.EF(m, reduction="mean", normalize=False, lr=1e-3, loss=loss),
+        "ef-mean-norm-mom": lambda m: optim.EF(m, reduction="mean", momentum=0.9, loss=loss),
+        "ef-auto": lambda m: optim.EF(m, lr="auto", loss=loss),
+        "ef-auto-raw": lambda m: optim.EF(m, lr="auto", normalize=False, loss=loss),
+        "sf-default": lambda m: optim.SF(m, generator=_gen(5), loss=loss),
+        "sf-mom-wd-T": lambda m: optim.SF(m, generator=_gen(6), momentum=0.9, weight_decay=0.01, total_steps=5,
+                                          loss=loss),
+        "sf-mean": lambda m: optim.SF(m, generator=_gen(7), reduction="mean", loss=loss),
+        "sf-auto": lambda m: optim.SF(m, generator=_gen(8), lr="auto", loss=loss),
+        "sf-global": lambda m: optim.SF(m, lr=0.02, loss=loss),
     })
     for kind in ("kfac", "ekfac", "iekfac"):
         gen = (lambda: _gen(9)) if kind == "kfac" else (lambda: None)
-        c[f"kfac-{kind}"] = lambda m, k=kind, g=gen: O.KFAC(m, k, lr=0.05, damping=1.0, inverse_every=2, generator=g(),
-                                                             params=kfac_params(m), loss=loss)
-        c[f"kfac-{kind}-mom-wd-norm"] = lambda m, k=kind, g=gen: O.KFAC(
+        c[f"kfac-{kind}"] = lambda m, k=kind, g=gen: optim.KFAC(m, k, lr=0.05, damping=1.0, inverse_every=2,
+                                                                generator=g(), params=kfac_params(m), loss=loss)
+        c[f"kfac-{kind}-mom-wd-norm"] = lambda m, k=kind, g=gen: optim.KFAC(
             m, k, lr=0.05, damping=0.1, factor_decay=0.5, inverse_every=3, momentum=0.9, dampening=0.1,
             weight_decay=0.01, normalize=True, total_steps=6, generator=g(), params=kfac_params(m), loss=loss)
-        c[f"kfac-{kind}-clip"] = lambda m, k=kind, g=gen: O.KFAC(m, k, lr=0.5, damping=1e-2, kl_clip=1e-3,
+        c[f"kfac-{kind}-clip"] = lambda m, k=kind, g=gen: optim.KFAC(m, k, lr=0.5, damping=1e-2, kl_clip=1e-3,
                                                                   generator=g(), params=kfac_params(m), loss=loss)
-        c[f"kfac-{kind}-reduce"] = lambda m, k=kind, g=gen: O.KFAC(m, k, damping=0.5, approx="reduce",
+        c[f"kfac-{kind}-reduce"] = lambda m, k=kind, g=gen: optim.KFAC(m, k, damping=0.5, approx="reduce",
                                                                     generator=g(), params=kfac_params(m), loss=loss)
     return c
 
@@ -169,10 +170,10 @@ def _wd_groups(m: torch.nn.Module) -> list[dict]:
 def trajectories(snap: Snapshot, case, tag: str, grid: str = "full", autocast: bool = False) -> None:
     import ief
 
-    O = ief.optim
+    optim = ief.optim
     kp = (lambda m: None) if case.kfac == "all" else (
         lambda m: [p for n, p in m.named_parameters() if p.requires_grad and set(n.split(".")) & set(case.kfac)])
-    configs = _configs(O, case.loss, kp)
+    configs = _configs(optim, case.loss, kp)
     if grid == "short":
         keep = ("ief-d0.001", "ef-d0.001", "sf-d0.001", "ief-auto", "ief-mom-wd-T", "ef-mom-wd", "sf-mom-wd-T",
                 "ief-mean", "ief-norm-mom-wd", "kfac-iekfac", "kfac-kfac-mom-wd-norm", "ief-dense", "ief-rows")
@@ -185,14 +186,14 @@ def trajectories(snap: Snapshot, case, tag: str, grid: str = "full", autocast: b
         return
     # groups, a scheduler, save/load splits (momentum, auto, SF's generator, K-FAC's factors)
     extra = {
-        "ief-groups": (lambda m: O.IEF(m, lr=0.5, params=_wd_groups(m), momentum=0.5), {}),
-        "ief-sched": (lambda m: O.IEF(m, lr=0.5, momentum=0.5, weight_decay=0.1), {"schedule": True}),
-        "ef-sched-T": (lambda m: O.EF(m, total_steps=6), {"schedule": True}),
-        "ief-split": (lambda m: O.IEF(m, lr=0.5, momentum=0.9, weight_decay=0.01), {"split_at": 2}),
-        "ief-auto-split": (lambda m: O.IEF(m, lr="auto", momentum=0.5), {"split_at": 2}),
-        "ef-mean-split": (lambda m: O.EF(m, reduction="mean", momentum=0.5), {"split_at": 2}),
-        "sf-split": (lambda m: O.SF(m, generator=_gen(10), momentum=0.5), {"split_at": 3}),
-        "kfac-split": (lambda m: O.KFAC(m, "kfac", lr=0.05, damping=1.0, inverse_every=3, generator=_gen(11),
+        "ief-groups": (lambda m: optim.IEF(m, lr=0.5, params=_wd_groups(m), momentum=0.5), {}),
+        "ief-sched": (lambda m: optim.IEF(m, lr=0.5, momentum=0.5, weight_decay=0.1), {"schedule": True}),
+        "ef-sched-T": (lambda m: optim.EF(m, total_steps=6), {"schedule": True}),
+        "ief-split": (lambda m: optim.IEF(m, lr=0.5, momentum=0.9, weight_decay=0.01), {"split_at": 2}),
+        "ief-auto-split": (lambda m: optim.IEF(m, lr="auto", momentum=0.5), {"split_at": 2}),
+        "ef-mean-split": (lambda m: optim.EF(m, reduction="mean", momentum=0.5), {"split_at": 2}),
+        "sf-split": (lambda m: optim.SF(m, generator=_gen(10), momentum=0.5), {"split_at": 3}),
+        "kfac-split": (lambda m: optim.KFAC(m, "kfac", lr=0.05, damping=1.0, inverse_every=3, generator=_gen(11),
                                         momentum=0.5, params=kp(m)), {"split_at": 2}),
     }
     for name, (make, kw) in extra.items():
@@ -205,36 +206,36 @@ def refusals(snap: Snapshot, case) -> None:
     """What raises, and with which message (a changed message is a difference too)."""
     import ief
 
-    O = ief.optim
+    optim = ief.optim
     x, y = case.extra_batches[0]
     calls = {
-        "lr-neg": lambda: O.IEF(case.model, lr=-1.0),
-        "lr-str": lambda: O.IEF(case.model, lr="fast"),
-        "damping-neg": lambda: O.EF(case.model, damping=-1.0),
-        "sf-damping-0": lambda: O.SF(case.model, damping=0.0),
-        "momentum-1": lambda: O.IEF(case.model, momentum=1.0),
-        "dampening-2": lambda: O.IEF(case.model, dampening=2.0),
-        "wd-big": lambda: O.IEF(case.model, lr=2.0, weight_decay=0.5),
-        "total-0": lambda: O.IEF(case.model, total_steps=0),
-        "reduction": lambda: O.IEF(case.model, reduction="avg"),
-        "check": lambda: O.IEF(case.model, check="fast"),
-        "form": lambda: O.IEF(case.model, form="wide"),
-        "misspelt": lambda: O.IEF(case.model, dampning=1e-3),
-        "kfac-mean": lambda: O.KFAC(case.model, "kfac", reduction="mean"),
-        "kfac-auto": lambda: O.KFAC(case.model, "kfac", lr="auto"),
-        "kfac-check": lambda: O.KFAC(case.model, "kfac", check=False),
-        "kfac-form": lambda: O.KFAC(case.model, "kfac", form="dense"),
-        "kfac-misspelt": lambda: O.KFAC(case.model, "kfac", factor_decy=0.5),
-        "step-no-batch": lambda: O.IEF(case.model).step(),
-        "add-group": lambda: O.IEF(case.model).add_param_group({"params": []}),
-        "load-ef-into-ief": lambda: O.IEF(case.model).load_state_dict(O.EF(case.model).state_dict()),
-        "load-adamw": lambda: O.IEF(case.model).load_state_dict(
+        "lr-neg": lambda: optim.IEF(case.model, lr=-1.0),
+        "lr-str": lambda: optim.IEF(case.model, lr="fast"),
+        "damping-neg": lambda: optim.EF(case.model, damping=-1.0),
+        "sf-damping-0": lambda: optim.SF(case.model, damping=0.0),
+        "momentum-1": lambda: optim.IEF(case.model, momentum=1.0),
+        "dampening-2": lambda: optim.IEF(case.model, dampening=2.0),
+        "wd-big": lambda: optim.IEF(case.model, lr=2.0, weight_decay=0.5),
+        "total-0": lambda: optim.IEF(case.model, total_steps=0),
+        "reduction": lambda: optim.IEF(case.model, reduction="avg"),
+        "check": lambda: optim.IEF(case.model, check="fast"),
+        "form": lambda: optim.IEF(case.model, form="wide"),
+        "misspelt": lambda: optim.IEF(case.model, dampning=1e-3),
+        "kfac-mean": lambda: optim.KFAC(case.model, "kfac", reduction="mean"),
+        "kfac-auto": lambda: optim.KFAC(case.model, "kfac", lr="auto"),
+        "kfac-check": lambda: optim.KFAC(case.model, "kfac", check=False),
+        "kfac-form": lambda: optim.KFAC(case.model, "kfac", form="dense"),
+        "kfac-misspelt": lambda: optim.KFAC(case.model, "kfac", factor_decy=0.5),
+        "step-no-batch": lambda: optim.IEF(case.model).step(),
+        "add-group": lambda: optim.IEF(case.model).add_param_group({"params": []}),
+        "load-ef-into-ief": lambda: optim.IEF(case.model).load_state_dict(optim.EF(case.model).state_dict()),
+        "load-adamw": lambda: optim.IEF(case.model).load_state_dict(
             torch.optim.AdamW(case.model.parameters()).state_dict()),
     }
 
     def bad_group(key, value):
         def go():
-            opt = O.IEF(copy.deepcopy(case.model))
+            opt = optim.IEF(copy.deepcopy(case.model))
             opt.param_groups[0][key] = value
             opt.step(x, y)
         return go
@@ -249,24 +250,24 @@ def refusals(snap: Snapshot, case) -> None:
 def _dist_cases() -> dict[str, Callable]:
     import ief
 
-    O = ief.optim
+    optim = ief.optim
     return {
-        "ief": lambda m: O.IEF(m, lr=0.5, damping=1e-3, process_group=_world()),
-        "ief-dense": lambda m: O.IEF(m, lr=0.5, damping=1e-3, form="dense", process_group=_world()),
-        "ief-mom-wd-T": lambda m: O.IEF(m, lr=0.5, momentum=0.9, weight_decay=0.01, total_steps=6,
+        "ief": lambda m: optim.IEF(m, lr=0.5, damping=1e-3, process_group=_world()),
+        "ief-dense": lambda m: optim.IEF(m, lr=0.5, damping=1e-3, form="dense", process_group=_world()),
+        "ief-mom-wd-T": lambda m: optim.IEF(m, lr=0.5, momentum=0.9, weight_decay=0.01, total_steps=6,
                                         process_group=_world()),
-        "ief-mean": lambda m: O.IEF(m, reduction="mean", lr=3.0, process_group=_world()),
-        "ief-auto": lambda m: O.IEF(m, lr="auto", momentum=0.5, process_group=_world()),
-        "ief-norm": lambda m: O.IEF(m, lr=0.1, normalize=True, process_group=_world()),
-        "ef": lambda m: O.EF(m, process_group=_world()),
-        "ef-mean-mom": lambda m: O.EF(m, reduction="mean", momentum=0.5, weight_decay=0.1, process_group=_world()),
-        "sf": lambda m: O.SF(m, generator=_gen(20), process_group=_world()),
-        "sf-auto": lambda m: O.SF(m, generator=_gen(21), lr="auto", process_group=_world()),
-        "kfac-iekfac": lambda m: O.KFAC(m, "iekfac", lr=0.05, damping=1.0, inverse_every=2, momentum=0.5,
+        "ief-mean": lambda m: optim.IEF(m, reduction="mean", lr=3.0, process_group=_world()),
+        "ief-auto": lambda m: optim.IEF(m, lr="auto", momentum=0.5, process_group=_world()),
+        "ief-norm": lambda m: optim.IEF(m, lr=0.1, normalize=True, process_group=_world()),
+        "ef": lambda m: optim.EF(m, process_group=_world()),
+        "ef-mean-mom": lambda m: optim.EF(m, reduction="mean", momentum=0.5, weight_decay=0.1, process_group=_world()),
+        "sf": lambda m: optim.SF(m, generator=_gen(20), process_group=_world()),
+        "sf-auto": lambda m: optim.SF(m, generator=_gen(21), lr="auto", process_group=_world()),
+        "kfac-iekfac": lambda m: optim.KFAC(m, "iekfac", lr=0.05, damping=1.0, inverse_every=2, momentum=0.5,
                                         process_group=_world()),
-        "kfac-kfac": lambda m: O.KFAC(m, "kfac", lr=0.05, damping=1.0, inverse_every=2, generator=_gen(22),
+        "kfac-kfac": lambda m: optim.KFAC(m, "kfac", lr=0.05, damping=1.0, inverse_every=2, generator=_gen(22),
                                       process_group=_world()),
-        "kfac-ekfac": lambda m: O.KFAC(m, "ekfac", lr=0.05, damping=1.0, factor_decay=0.0, process_group=_world()),
+        "kfac-ekfac": lambda m: optim.KFAC(m, "ekfac", lr=0.05, damping=1.0, factor_decay=0.0, process_group=_world()),
     }
 
 

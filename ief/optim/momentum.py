@@ -31,9 +31,10 @@ decay's shrink not included); a buffer that is not finite raises ``FloatingPoint
   be preconditioned afterwards; averaging the directions is heavy-ball on the natural-gradient step, as in K-FAC's
   and Shampoo's practical implementations, and each ``d_t`` stays the exact update of its own batch.
 - *The batch factor inside the buffer, the rate outside.* ``c_t`` belongs to the batch: a normalised EF/SF update
-  exists because EF's raw norms vary by orders of magnitude (the paper's Appendix H.2, "Optimisation Experimental Setup"), so the buffer averages unit
-  steps, and ``reduction="mean"`` converts each batch's rate by its own ``K_t``. The rate ``eta_t`` stays outside, as
-  in ``torch.optim.SGD`` (``p -= lr * buf``), so a scheduler rescales the whole step at once.
+  exists because EF's raw norms vary by orders of magnitude (the paper's Appendix H.2, "Optimisation Experimental
+  Setup"), so the buffer averages unit steps, and ``reduction="mean"`` converts each batch's rate by its own
+  ``K_t``. The rate ``eta_t`` stays outside, as in ``torch.optim.SGD`` (``p -= lr * buf``), so a scheduler rescales
+  the whole step at once.
 - *torch's conventions.* The buffer's first value is ``u_1`` undamped and later values are
   ``mu b + (1 - tau) u``, exactly ``torch.optim.SGD``'s ``momentum_buffer`` (``dampening`` defaults to 0 as there).
   With ``tau = 0`` a constant direction is eventually stepped ``eta / (1 - mu)`` far: momentum 0.9 makes iEF's

@@ -16,9 +16,9 @@ With ``momentum = 0`` no buffer is kept and the step is ``theta <- (1 - eta_t wd
 the batch's rate formed once). A 16-bit parameter's update is computed in float32 and rounded once
 (:mod:`ief.precision`). On an FSDP2 model (``sharded``: :class:`ief.sharded.ShardedModel`) every parameter's piece of
 ``d_t`` that its local shard holds updates that shard in place, the momentum buffers are kept as shards, and their
-finiteness and norm are the union's over the ranks. Nothing changes until every check passed: the direction's and the new buffers' finiteness
-are read with the caller's checks (:class:`ief.optim.checks.StepChecks`, one host read), then the buffers are stored
-and the parameters updated.
+finiteness and norm are the union's over the ranks. Nothing changes until every check passed: the direction's and the
+new buffers' finiteness are read with the caller's checks (:class:`ief.optim.checks.StepChecks`, one host read), then
+the buffers are stored and the parameters updated.
 """
 from __future__ import annotations
 

@@ -182,9 +182,9 @@ def pairs_needs(pairs: Sequence[PairResult]) -> str | None:
     parts = []
     if seeds:
         worst = max(seeds, key=seeds.get)
-        parts.append(f"needs {seeds[worst]} seeds at 80 % power ({worst})" if len(seeds) == 1 else
-                     f"needs {seeds[worst]} seeds at 80 % power (the most, for {worst}; {len(seeds)} undecided "
-                     "pairs)")
+        text = next(p.needs for p in open_ if p.pair == worst)
+        parts.append(f"{text} for {worst}" if len(seeds) == 1 else
+                     f"{text} for {worst}, the most of {len(seeds)} undecided pairs")
     never = [p.pair for p in other if p.needs.startswith("no number of seeds: the mean")]
     if never:
         parts.append("no number of seeds decides " + ", ".join(never))

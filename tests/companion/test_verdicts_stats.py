@@ -272,3 +272,14 @@ def test_ef_unstable_needs_its_climb_beyond_the_margin(ef, other, expected, word
     assert got.verdict == expected
     if words:
         assert words in got.pairs[0].agreement and "not decided ×1.26 above" in got.failures[0]
+
+
+def test_two_optimisers_that_never_disagree_on_a_small_test_set_are_not_decided_on_par():
+    """16 test examples, identical predictions at both seeds: zero variance would call any band decided; the rule
+    of three keeps what 32 agreeing pairs cannot exclude (±8 points) in the interval."""
+    x = np.zeros((2, 16))
+    got = V.pair_over_seeds("s", "on par", "test_score", {0: 0.0, 1: 0.0}, per_example=x, band=0.01, unit=100)
+    assert got.verdict == V.INCONCLUSIVE and "rule of three" in got.agreement
+    big = np.zeros((3, 5000))
+    assert V.pair_over_seeds("s", "on par", "test_score", {0: 0.0, 1: 0.0, 2: 0.0}, per_example=big,
+                             band=0.01).verdict == V.HOLDS

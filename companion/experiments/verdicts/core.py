@@ -318,7 +318,9 @@ def pair_over_seeds(setup: str, pair: str, metric: str, diffs: dict[int, float],
     The interval, by the evidence at hand:
 
     - ``per_example`` (a test score with every run's per-example predictions): the crossed seeds x examples
-      analysis (:func:`.stats.crossed`) with Satterthwaite's t;
+      analysis (:func:`.stats.crossed`) with Satterthwaite's t; where the two optimisers (nearly) never disagree,
+      the standard error is at least the rule of three's, ``sqrt(3 / S) / n``: as if they disagreed on 3 of the
+      ``S n`` seed-example pairs, the most that seeing none excludes at 95 %;
     - ``pooled`` (a setup with few seeds whose optimisers' residuals pass the homogeneity check): the contrast's
       standard error ``sd sqrt(2/S)`` from the residual variance pooled over the setup's optimisers, seeds as
       blocks (:func:`.stats.pooled_blocks`), on its ``(O - 1)(S - 1)`` degrees of freedom;
@@ -372,6 +374,11 @@ def pair_over_seeds(setup: str, pair: str, metric: str, diffs: dict[int, float],
     if per_example is not None:
         c = crossed(per_example)
         mean, se, dof, how = c.mean, c.se, c.dof, f"seeds x {c.examples} examples, {c.dof:.3g} dof"
+        floor = math.sqrt(3 / c.seeds) / c.examples  # no disagreement seen is not none: the rule of three
+        if np.isin(per_example, (-1.0, 0.0, 1.0)).all() and se < floor:
+            se, dof = floor, math.inf
+            how = (f"seeds x {c.examples} examples; the optimisers disagree on almost none: the error is the rule "
+                   f"of three's, at most 3 of {c.seeds * c.examples} seed-example pairs")
     elif pooled is not None and pooled.used and pooled.seeds == n:
         se, dof = pooled.sd * math.sqrt(2 / n), float(pooled.dof)
         how = f"pooled sd over {pooled.optimizers} optimisers, {pooled.dof} dof"

@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{folder}: {what}")
             return 1 if any(w.startswith("not written") for w in done.values()) else 0
         if args.command == "verdicts":
-            from .chapters.verdict_table import write_verdicts
+            from .experiments.verdict_table import write_verdicts
             from .experiments.setups import SCALES
 
             if args.scale not in SCALES:

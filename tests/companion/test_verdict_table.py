@@ -1,4 +1,4 @@
-"""companion.chapters.verdict_table (every verdict as data) and the per-example test predictions it reads: a run's
+"""companion.experiments.verdict_table (every verdict as data) and the per-example test predictions it reads: a run's
 ``test_predictions.csv`` (companion.experiments.store) gathered by the aggregate step."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from companion.chapters.verdict_table import COLUMNS, rows_of
+from companion.experiments.verdict_table import COLUMNS, rows_of
 from companion.experiments import store
 from companion.experiments import verdicts as V
 from companion.experiments.aggregate import collect_predictions, read_predictions

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..experiments import store
+from . import store
 
 FILE = "verdicts.csv"
 COLUMNS = ["claim", "label", "setup", "verdict", "statistic", "interval", "evidence", "would_decide"]
@@ -28,7 +28,7 @@ COLUMNS = ["claim", "label", "setup", "verdict", "statistic", "interval", "evide
 
 def rows_of(name: str, verdicts) -> list[dict[str, str]]:
     """The table's rows of one rule's verdicts."""
-    from ..experiments.verdicts import RULES
+    from .verdicts import RULES
 
     out = []
     for v in verdicts:
@@ -45,9 +45,9 @@ def rows_of(name: str, verdicts) -> list[dict[str, str]]:
 
 
 def _e2_rows(scale: str, results_dir: Path, runs_dir: str | Path) -> list[dict[str, str]]:
-    from ..experiments.aggregate import load_e2, read_predictions
-    from ..experiments.setups import e2_optimizers, resolve
-    from ..experiments.verdicts import E2_RULES, RULES
+    from .aggregate import load_e2, read_predictions
+    from .setups import e2_optimizers, resolve
+    from .verdicts import E2_RULES, RULES
 
     grid = load_e2(scale, results_dir, runs_dir)
     opts = {s: list(e2_optimizers(s)) for s in grid.setups}
@@ -60,24 +60,25 @@ def _e2_rows(scale: str, results_dir: Path, runs_dir: str | Path) -> list[dict[s
     return rows
 
 
-def _practical_rows(scale: str, results_dir: Path) -> list[dict[str, str]]:
-    from ..experiments.aggregate import read_predictions
-    from ..experiments.verdicts import PRACTICAL_RULES, RULES
-    from .practical import load_practical
+def _practical_rows(scale: str, results_dir: Path, runs_dir: str | Path) -> list[dict[str, str]]:
+    from .aggregate import load_e2, read_predictions
+    from .setups import practical_optimizers
+    from .verdicts import PRACTICAL_RULES, RULES
 
     if scale == "full":  # the practical optimisers are not part of the full grid
         return []
-    grid = load_practical(scale, results_dir, None)
+    grid = load_e2(scale, results_dir, runs_dir)  # every optimiser's runs of the E2 setups, the practical ones too
+    opts = {s: practical_optimizers(s, scale) for s in grid.setups}
     predictions = read_predictions(results_dir)
     rows = []
     for name in PRACTICAL_RULES:
-        rows += rows_of(name, RULES[name].evaluate(grid.table, None, grid.opts, predictions=predictions))
+        rows += rows_of(name, RULES[name].evaluate(grid.table, None, opts, predictions=predictions))
     return rows
 
 
 def _evaluation_rows(results_dir: Path) -> list[dict[str, str]]:
-    from ..experiments.evaluate_runs import read_records
-    from ..experiments.verdicts import EVALUATION_RULES
+    from .evaluate_runs import read_records
+    from .verdicts import EVALUATION_RULES
 
     tables = sorted((results_dir / "eval").glob("*.csv"))
     records = [r for path in tables for r in read_records(path)]
@@ -96,7 +97,7 @@ def verdict_table(scale: str, results_dir: str | Path, runs_dir: str | Path = "r
         FileNotFoundError: no E2 tables or runs (names the commands that make them).
     """
     results_dir = Path(results_dir)
-    rows = _e2_rows(scale, results_dir, runs_dir) + _practical_rows(scale, results_dir)
+    rows = _e2_rows(scale, results_dir, runs_dir) + _practical_rows(scale, results_dir, runs_dir)
     rows += _evaluation_rows(results_dir)
     return pd.DataFrame(rows, columns=COLUMNS)
 

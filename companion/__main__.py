@@ -171,6 +171,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--assets", default=None, metavar="DIR",
                    help="read every hub model and data set from this assets folder, never the network "
                    "(as IEF_ASSETS=DIR; python -m companion assets download makes it)")
+    v = sub.add_parser("verdicts", help="every verdict the book prints, as data: DIR/verdicts.csv (claim, setup, "
+                       "verdict, statistic, interval, evidence, what would decide it)")
+    v.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
+    v.add_argument("--results", required=True, metavar="DIR", help="the workflow's tables of this scale (e2_runs.csv, "
+                   "eval/*.csv); verdicts.csv is written there")
+    v.add_argument("--runs", default="runs", metavar="RUNS", help="the runs folder, read where DIR has no E2 tables")
+    f = sub.add_parser("backfill", help="per-example test predictions (test_predictions.csv) for finished runs made "
+                       "before the runner stored them, from their best.pt (inference only)")
+    f.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
+    f.add_argument("--runs", required=True, metavar="RUNS", help="the runs folder (RUNS/<scale>/<setup>/...)")
     a = sub.add_parser("aggregate", help="gather finished runs into DIR/e2_runs.csv and DIR/e2_curves.csv (E2)")
     a.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
     a.add_argument("--runs", required=True, metavar="RUNS", help="the runs folder (RUNS/<scale>/<setup>/...)")
@@ -333,6 +343,28 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = resolve(name, "smoke")
                 opts = [o for o in OPTIMIZERS if o in cfg.optimizers]
                 print(f"{name:20s} scales: {', '.join(scales_of(name)):12s} optimizers: {', '.join(opts)}")
+            return 0
+        if args.command == "backfill":
+            from .experiments.backfill import backfill
+            from .experiments.setups import SCALES
+
+            if args.scale not in SCALES:
+                raise ValueError(f"unknown scale {args.scale!r}; valid scales: {', '.join(SCALES)}")
+            done = backfill(args.runs, args.scale)
+            for folder, what in done.items():
+                print(f"{folder}: {what}")
+            return 1 if any(w.startswith("not written") for w in done.values()) else 0
+        if args.command == "verdicts":
+            from .experiments.verdict_table import write_verdicts
+            from .experiments.setups import SCALES
+
+            if args.scale not in SCALES:
+                raise ValueError(f"unknown scale {args.scale!r}; valid scales: {', '.join(SCALES)}")
+            try:
+                print(f"wrote {write_verdicts(args.scale, args.results, args.runs)}")
+            except FileNotFoundError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
             return 0
         if args.command == "aggregate":
             from .experiments.aggregate import aggregate, find_runs

@@ -32,6 +32,7 @@ from .summaries import FINAL_FRACTION, final_window  # the book's one definition
 
 RUNS_FILE = "e2_runs.csv"
 CURVES_FILE = "e2_curves.csv"
+PREDICTIONS_FILE = "e2_test_predictions.csv"  # setup, optimizer, seed, example, correct: per-example comparisons
 KEYS = ["scale", "setup", "optimizer", "seed"]
 
 
@@ -115,6 +116,22 @@ def collect(runs: str | Path, scale: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     return table, curves
 
 
+def collect_predictions(runs: str | Path, scale: str) -> pd.DataFrame:
+    """Every finished run's per-example test outcomes (its ``test_predictions.csv``,
+    :func:`.store.read_test_predictions`)
+    as ``setup, optimizer, seed, example, correct`` (``example``: ``split:idx``; ``correct``: 1 or 0); empty where
+    no run has them (runs made before they were stored)."""
+    rows = []
+    for folder in find_runs(runs, scale)[0]:
+        preds = store.read_test_predictions(folder)
+        if not preds:
+            continue
+        s = store.read_json(folder / "summary.json")
+        rows += [(s["setup"], s["optimizer"], int(s["seed"]), f"{split}:{idx}", int(pred == gold))
+                 for split, idx, pred, gold in preds]
+    return pd.DataFrame(rows, columns=["setup", "optimizer", "seed", "example", "correct"])
+
+
 def _atomic_csv(df: pd.DataFrame, path: Path) -> None:
     buffer = io.StringIO()
     df.to_csv(buffer, index=False, lineterminator="\n")
@@ -122,11 +139,13 @@ def _atomic_csv(df: pd.DataFrame, path: Path) -> None:
 
 
 def aggregate(runs: str | Path, scale: str, out: str | Path) -> tuple[Path, Path]:
-    """Write ``out/e2_runs.csv`` and ``out/e2_curves.csv`` (atomically) from the finished runs; returns both paths."""
+    """Write ``out/e2_runs.csv``, ``out/e2_curves.csv`` and ``out/e2_test_predictions.csv`` (atomically) from the
+    finished runs; returns the first two paths."""
     table, curves = collect(runs, scale)
     out = Path(out)
     _atomic_csv(table, out / RUNS_FILE)
     _atomic_csv(curves, out / CURVES_FILE)
+    _atomic_csv(collect_predictions(runs, scale), out / PREDICTIONS_FILE)
     return out / RUNS_FILE, out / CURVES_FILE
 
 
@@ -134,6 +153,15 @@ def read_tables(directory: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(runs_table, curves)`` as written by :func:`aggregate`."""
     directory = Path(directory)
     return pd.read_csv(directory / RUNS_FILE), pd.read_csv(directory / CURVES_FILE)
+
+
+def read_predictions(directory: str | Path) -> pd.DataFrame | None:
+    """The per-example test outcomes :func:`aggregate` wrote, or None where there are none."""
+    path = Path(directory) / PREDICTIONS_FILE
+    if not path.exists():
+        return None
+    frame = pd.read_csv(path)
+    return frame if len(frame) else None
 
 
 # ------------------------------------------------------------------------------------------------ summaries

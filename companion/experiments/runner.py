@@ -571,6 +571,11 @@ class TrainingLoop:
             for split, r in results.items():
                 path = write_glue_predictions(cfg.task, split, r["idx"], r["pred"], root / "predictions")
                 predictions.append(str(path.relative_to(root)))
+        labelled = all(len(r["gold"]) and not bool((r["gold"] < 0).any()) for r in results.values())
+        if cfg.task not in GLUE_TASKS and labelled and results and self.writer:
+            # every test example's prediction: the verdicts compare two optimisers example by example
+            store.write_text(root / store.TEST_PREDICTIONS, store.test_predictions_csv(results))
+            predictions.append(store.TEST_PREDICTIONS)
         losses, best = state["losses"], state["best"]
         total_params, trainable_params = self.parameter_counts
         summary = {

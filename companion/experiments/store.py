@@ -16,6 +16,7 @@ Layout of ``DIR/<scale>/<setup>/<optimizer>/seed-<K>/``::
     resume.pt              everything needed to continue (removed once summary.json exists)
     resume.prev.pt         the previous resume.pt, the fallback when resume.pt cannot be read
     predictions/*.tsv      GLUE test predictions in the submission format (GLUE setups)
+    test_predictions.csv   split, idx, pred, gold of every labelled test example (the per-example comparisons)
     summary.json           written last: its presence marks a finished run, which is never written again
 
 A run folder belongs to one process at a time (:func:`lock`); temporaries left by a killed writer are removed by the
@@ -317,3 +318,29 @@ def read_run(root: Path) -> dict[str, Any]:
     evals = [json.loads(line) for line in evals_file.read_text().splitlines()] if evals_file.exists() else []
     summary = read_json(root / "summary.json") if (root / "summary.json").exists() else None
     return {"config": read_json(root / "config.json"), "losses": losses, "evals": evals, "summary": summary}
+
+
+TEST_PREDICTIONS = "test_predictions.csv"
+
+
+def test_predictions_csv(results: dict[str, dict[str, Any]]) -> str:
+    """``split,idx,pred,gold`` of every test example of ``results`` (``{split: {"pred", "gold", "idx"}}``, the
+    runner's evaluation): the rows the verdicts compare two optimisers on, example by example."""
+    lines = ["split,idx,pred,gold"]
+    for split, r in results.items():
+        lines += [f"{split},{int(i)},{int(p)},{int(g)}" for i, p, g in zip(r["idx"], r["pred"].tolist(),
+                                                                           r["gold"].tolist())]
+    return "\n".join(lines) + "\n"
+
+
+def read_test_predictions(root: Path) -> list[tuple[str, int, int, int]] | None:
+    """The rows of a run's ``test_predictions.csv`` as ``(split, idx, pred, gold)``; None where it has none (a
+    run made before they were stored, or private test labels)."""
+    path = Path(root) / TEST_PREDICTIONS
+    if not path.exists():
+        return None
+    rows = []
+    for line in path.read_text().splitlines()[1:]:
+        split, idx, pred, gold = line.split(",")
+        rows.append((split, int(idx), int(pred), int(gold)))
+    return rows

@@ -241,9 +241,11 @@ def test_deleting_a_results_folder_replans_it_without_exceptions(tmp_path, profi
     results = tmp_path / "results" / "smoke"
     evaluate_stage, evaluate = planned["evaluate_stage"], planned["evaluate"]
     cases = [
-        (list((results / "eval").glob("*.csv")), {"evaluate": evaluate}),
-        ([results / "eval"], {"evaluate_stage": evaluate_stage, "evaluate": evaluate}),
-        ([results], {"evaluate_stage": evaluate_stage, "evaluate": evaluate, "aggregate_e2": 1, "step_costs": 1}),
+        # verdicts.csv reads the evaluation and E2 tables: it is planned again with either
+        (list((results / "eval").glob("*.csv")), {"evaluate": evaluate, "verdicts": 1}),
+        ([results / "eval"], {"evaluate_stage": evaluate_stage, "evaluate": evaluate, "verdicts": 1}),
+        ([results], {"evaluate_stage": evaluate_stage, "evaluate": evaluate, "aggregate_e2": 1, "step_costs": 1,
+                     "verdicts": 1}),
     ]
     for deleted, expected in cases if profile == "default" else cases[1:2]:  # slurm: the case seen (CI time)
         for path in deleted:
@@ -292,7 +294,7 @@ def test_each_rule_depends_on_the_code_it_runs(tmp_path):
     # every job that computes (the chapters only read its tables): the grid's runs and tables, the early spike's
     # first updates, the compression study and the evaluation chapter's dense check
     grid = {"train": len(registry.grid_runs("smoke")), "aggregate_e2": 1, "evaluate_stage": 3 * 5, "evaluate": 3,
-            "step_costs": 1, "early_spike": 1, "compression": 1, "blockdiag_check": 1}
+            "step_costs": 1, "early_spike": 1, "compression": 1, "blockdiag_check": 1, "verdicts": 1}
     book = {"execute_notebook": notebooks, "publish": notebooks, "timings": 1, "book": 1, "all": 1}
     assert plan == {**grid, **book, "mathjax": 1}, first.stdout[-3000:]
     for path in _outputs(first.stdout + first.stderr):

@@ -70,7 +70,8 @@ def test_log_axes_are_labelled_with_plain_numbers(lo, hi):
 
 
 def _records():
-    """Two setups, three stages, two batches: EF above SGD and growing with the imbalance, iEF < SF < EF everywhere,
+    """Two setups, three stages, four batches: EF above SGD and growing with the imbalance (over stages and, per
+    batch, within them), iEF < SF < EF everywhere,
     ieKFAC below KFAC/eKFAC; E3 sweeps where iEF is flat at small damping and EF/SF are best at a stage-dependent
     damping."""
     from companion.experiments.evaluate_runs import findings
@@ -78,15 +79,15 @@ def _records():
     recs = []
     for setup in ("digits-mlp", "tweets-minilm-lora"):
         for stage, grow in ((0, 1.0), (50, 2.0), (100, 4.0)):
-            for batch in (0, 1):
+            for batch in (0, 1, 2, 3):
                 jitter = 1 + 0.01 * batch
                 ratios = {"sgd": 1.0, "ef": 1.1 * grow * jitter, "ief": 0.5 * jitter,
-                          "sf": 0.8 * jitter * (1 + 0.05 * grow), "hf": 0.3, "kfac": 0.9, "ekfac": 0.7,
-                          "iekfac": 0.6 * jitter}
+                          "sf": 0.8 * jitter * (1 + 0.05 * grow),
+                          "hf": 0.3, "kfac": 0.9, "ekfac": 0.7, "iekfac": 0.52 * jitter}
                 for method, ratio in ratios.items():
                     recs.append({"setup": setup, "stage": stage, "kind": "e1", "batch": batch, "method": method,
                                  "damping": None if method == "sgd" else 1e-7, "gamma": ratio, "ratio": ratio,
-                                 "imbalance": 2.0 * grow, "target_tokens": 8})
+                                 "imbalance": 2.0 * grow * jitter, "target_tokens": 8})
                 for lam in (1e-9, 1e-7, 1e-2, 1.0):
                     best = 1e-2 if stage == 0 else 1.0
                     for method in ("ef", "sf", "ief"):
@@ -172,7 +173,7 @@ def test_records_glue_reads_the_evaluation_jobs_times(tmp_path):
         for stage in (0, 50, 100):
             (parts / f"stage-{stage:03d}.json").write_text(json.dumps({"seconds": 9.0, "cpu_seconds": 1.5 + k}))
     glued = records_glue(recs, paths, "cpu")
-    assert glued["n_batches"] == 2 and glued["eval_seconds"] == "digits-mlp: 4.5 s, tweets-minilm-lora: 7.5 s"
+    assert glued["n_batches"] == 4 and glued["eval_seconds"] == "digits-mlp: 4.5 s, tweets-minilm-lora: 7.5 s"
     assert glued["stages"] == "digits-mlp: 0%, 50%, 100%; tweets-minilm-lora: 0%, 50%, 100%"
 
 
@@ -258,8 +259,8 @@ def test_the_damping_glue_names_flat_methods_and_bests_at_the_grid_edge():
     assert "is decided at every sweep stage of digits-mlp, tweets-minilm-lora." in glued["e3_costs"]
     assert glued["e3_costs"].endswith("Neither EF nor SF is decided as flat as iEF at any sweep stage.")
     assert glued["e3_edge"].startswith("A best damping at the grid's top edge λ=1e+00: EF on digits-mlp (stage(s) "
-                                       "50 %, 100 %); SF on digits-mlp (stage(s) 50 %, 100 %); "
-                                       "EF on tweets-minilm-lora")
+                                       "50 %, 100 %); SF on digits-mlp (stage(s) 50 %, 100 %); EF on "
+                                       "tweets-minilm-lora")
     assert glued["sweep_grid"] == "4 from λ=1e-09 to λ=1e+00, log-spaced (the package's sum-loss convention)"
     assert "the move rests on a best damping at the grid's top edge" in glued["d_e3_best_moves"]
     for r in recs:  # EF as flat as iEF on the tweet setup, as the review found it
@@ -270,8 +271,8 @@ def test_the_damping_glue_names_flat_methods_and_bests_at_the_grid_edge():
                                                "EF pays no more than iEF for the near-zero damping")
     assert ("Decided as flat as iEF (their cost over iEF's below ×1.26): EF on tweets-minilm-lora (stage(s) 0 %, "
             "50 %, 100 %)") in glued["e3_costs"]
-    disagreeing = glued["agree_e3"].split("Does not agree")[1]
-    assert "iEF needs no damping where EF and SF do (tweets-minilm-lora)" in disagreeing
+    agrees = glued["agree_e3"].split("Does not agree")[1]
+    assert "iEF needs no damping where EF and SF do (tweets-minilm-lora)" in agrees
 
 
 def test_agreement_groups_the_claims_by_verdict():

@@ -6,12 +6,14 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from companion.experiments import verdicts as V
 from companion.experiments.verdicts.evaluation import top_edge_bests
 
 NOISE = (0.97, 1.0, 1.03)  # three batches: a tight spread, so a clear difference is decided
+NOISE4 = (0.97, 1.0, 1.03, 1.01)  # four: a best damping chosen on two batches and judged on the other two
 WIDE = (0.4, 1.0, 2.5)  # three batches spread over a decade: nothing near 1 is decided
 
 
@@ -96,12 +98,13 @@ def test_a_verdict_is_one_of_three():
 @pytest.mark.parametrize("ef, expected", [
     ((2.0, 3.0, 0.5), V.HOLDS),  # worse than SGD at 2 of 3 stages: most stages
     ((0.5, 0.6, 3.0), V.FAILS),  # better at 2 of 3: a majority is out of reach
-    ((2.0, 1.0, 0.5), V.INCONCLUSIVE),  # 1 for, 1 against, 1 undecided (EF at SGD's level)
+    ((2.0, 1.26, 0.5), V.INCONCLUSIVE),  # 1 for, 1 against, 1 undecided (EF at the margin x1.26)
+    ((2.0, 1.0, 1.1), V.FAILS),  # EF at SGD's level twice: decided within the margin, not "worse"
 ])
 def test_ef_worse_than_sgd(ef, expected):
     got = verdict("e1_ef_worse", e1({s: {"ef": r} for s, r in zip((0, 50, 100), ef)}))["s"]
     assert got.verdict == expected
-    assert [f.split(":")[0] for f in got.failures] == [f"stage {s} %" for s, r in zip((0, 50, 100), ef) if r < 0.9]
+    assert [f.split(":")[0] for f in got.failures] == [f"stage {s} %" for s, r in zip((0, 50, 100), ef) if r < 1.2]
 
 
 @pytest.mark.parametrize("ief, spread, expected", [
@@ -136,19 +139,64 @@ def test_imbalance_grows_and_tracks():
     assert grows.verdict == V.HOLDS and "imbalance ×4" in grows.detail
     shrinks = verdict("e1_imbalance", e1(stages, imbalance={0: 8.0, 50: 4.0, 100: 2.0}))["s"]
     assert shrinks.verdict == V.FAILS and shrinks.failures[0].startswith("the imbalance shrinks")
-    assert any(f.startswith("EF does not track it") for f in shrinks.failures)
-    two = verdict("e1_imbalance", e1({0: stages[0], 100: stages[100]}, imbalance={0: 2.0, 100: 8.0}))["s"]
-    assert two.verdict == V.INCONCLUSIVE and "fewer than 3" in two.detail
+    one = verdict("e1_imbalance", e1({0: stages[0]}, imbalance={0: 2.0}))["s"]
+    assert one.verdict == V.INCONCLUSIVE and "fewer than 2" in one.detail
+
+
+def _imbalance_records(ef_of, imbalance_of, stages=(0, 50, 100), batches=8) -> list[dict]:
+    """E1 records whose EF ratio and SGD imbalance per (stage, batch) are given by functions (SF as EF)."""
+    out = []
+    for s in stages:
+        for b in range(batches):
+            for method, r in (("sgd", 1.0), ("ef", ef_of(s, b)), ("sf", ef_of(s, b))):
+                out.append({"setup": "s", "stage": s, "kind": "e1", "batch": b, "method": method, "damping": 1e-7,
+                            "gamma": r, "ratio": r, "imbalance": imbalance_of(s, b) if method == "sgd" else None})
+    return out
+
+
+def test_a_shared_trend_over_stages_is_not_tracking():
+    """EF worsening and the imbalance growing over training, but within a stage the batches with the larger
+    imbalance are not those where EF is worse: a correlation of stage means called that "tracks" (r = 1); the
+    within-stage slope decides nothing, and decides against where the batches go the other way."""
+    rng = np.random.default_rng(0)
+    jitter = {(s, b): rng.normal(0, 0.1) for s in (0, 50, 100) for b in range(8)}
+    trend = verdict("e1_imbalance", _imbalance_records(lambda s, b: 2 ** (s / 50) * math.exp(jitter[(s, b)]),
+                                                        lambda s, b: 2 ** (s / 50) * (1 + 0.05 * b)))["s"]
+    assert trend.verdict == V.INCONCLUSIVE and "slope" in trend.detail
+    tracks = verdict("e1_imbalance", _imbalance_records(lambda s, b: 2 ** (s / 50) * (1 + 0.2 * b),
+                                                         lambda s, b: 2 ** (s / 50) * (1 + 0.05 * b)))["s"]
+    assert tracks.verdict == V.HOLDS
+    against = verdict("e1_imbalance", _imbalance_records(lambda s, b: 2 ** (s / 50) / (1 + 0.2 * b),
+                                                          lambda s, b: 2 ** (s / 50) * (1 + 0.05 * b)))["s"]
+    assert against.verdict == V.FAILS and any(f.startswith("EF does not track it") for f in against.failures)
 
 
 # ------------------------------------------------------------------------------------------------ E3
 def test_best_damping_moves_per_method():
     """SF's best damping moves with the stage, EF's never does: the rule says so per method."""
     recs = sweep({0: {"ef": v_curve(1e-2), "sf": v_curve(1e-4)}, 50: {"ef": v_curve(1e-2), "sf": v_curve(1.0)},
-                  100: {"ef": v_curve(1e-2), "sf": v_curve(1.0)}})
+                  100: {"ef": v_curve(1e-2), "sf": v_curve(1.0)}}, spread=NOISE4)
     got = verdict("e3_best_moves", recs)
     assert got["s, SF"].verdict == V.HOLDS
-    assert got["s, EF"].verdict == V.FAILS and got["s, EF"].failures == ("EF's best λ is 1e-02 at every sweep stage",)
+    assert got["s, EF"].verdict == V.FAILS and got["s, EF"].failures == (
+        "each stage's best EF λ is decided within ×1.26 of every other stage's best there",)
+    # three batches: one to judge on, which decides nothing
+    assert verdict("e3_best_moves", sweep({0: {"sf": v_curve(1e-4)}, 50: {"sf": v_curve(1.0)}}))[
+        "s, SF"].verdict == V.INCONCLUSIVE
+
+
+def test_a_best_chosen_on_the_batches_that_judge_it_is_not_a_move():
+    """Two dampings equally good at both stages, batch noise deciding which looks best at each stage: chosen on
+    half the batches and judged on the other half, with the margin, no move is claimed."""
+    rng = np.random.default_rng(1)
+    recs = []
+    for stage in (0, 50):
+        for b in range(12):
+            for lam in (1e-4, 1e-2):
+                r = 0.6 * math.exp(rng.normal(0, 0.05))
+                recs.append({"setup": "s", "stage": stage, "kind": "sweep", "batch": b, "method": "ef",
+                             "damping": lam, "gamma": r, "ratio": r, "imbalance": None})
+    assert verdict("e3_best_moves", recs)["s, EF"].verdict != V.HOLDS
 
 
 def test_best_damping_that_moves_within_the_noise_is_inconclusive():
@@ -218,22 +266,24 @@ def test_a_best_damping_at_the_grids_top_edge_is_named():
     top = v_curve(1.0)  # decreasing all the way to the grid's top edge
     edge = "at the grid's top edge λ=1e+00, where damping dominates and the damped update tends to SGD's direction"
     recs = sweep({s: {"ief": _ief({}), "ef": top, "sf": v_curve(1e-4)} for s in (0, 50, 100)})
-    moves = verdict("e3_best_moves", recs)["s, EF"]
+    recs4 = sweep({s: {"ief": _ief({}), "ef": top, "sf": v_curve(1e-4)} for s in (0, 50, 100)}, spread=NOISE4)
+    moves = verdict("e3_best_moves", recs4)["s, EF"]
     assert moves.verdict == V.INCONCLUSIVE and edge in moves.detail and "the sweep cannot tell" in moves.detail
-    assert verdict("e3_best_moves", recs)["s, SF"].verdict == V.FAILS  # interior best, same at every stage
+    assert verdict("e3_best_moves", recs4)["s, SF"].verdict == V.FAILS  # interior best, same at every stage
     vs_ef = verdict("e3_ief_vs_ef", recs)["s"]
     assert f"(EF's best λ=1e+00, {edge} (γ/γ_SGD there 0.6))" in vs_ef.detail
     signature = verdict("e3_ef_signature", recs)["s"]
     assert edge in signature.detail and "the rescue is damping turning EF into SGD" in signature.detail
     assert "EF ×1e+05 (best 1e+00, " + edge in verdict("e3_ief_robust", recs)["s"].detail
     # the best moves from 1e-4 to the top edge: holds, and says that the move rests on the edge
-    recs = sweep({0: {"ef": v_curve(1e-4)}, 50: {"ef": top}, 100: {"ef": top}})
+    recs = sweep({0: {"ef": v_curve(1e-4)}, 50: {"ef": top}, 100: {"ef": top}}, spread=NOISE4)
     got = verdict("e3_best_moves", recs)["s, EF"]
     assert got.verdict == V.HOLDS and "the move rests on a best damping at the grid's top edge (stage(s) 50 %, " \
         "100 %)" in got.detail
     assert top_edge_bests(recs) == [("s", "EF", [50, 100])]
     # a move between two interior bests does not mention the edge
-    inner = verdict("e3_best_moves", sweep({0: {"ef": v_curve(1e-6)}, 50: {"ef": v_curve(1e-2)}}))["s, EF"]
+    inner = verdict("e3_best_moves", sweep({0: {"ef": v_curve(1e-6)}, 50: {"ef": v_curve(1e-2)}}, spread=NOISE4))[
+        "s, EF"]
     assert inner.verdict == V.HOLDS and "edge" not in inner.detail
 
 
@@ -289,7 +339,8 @@ def test_iekfac_better_than_kfac_and_ekfac():
     assert verdict("bd_iekfac_better", _bd(0.55))["s"].verdict == V.HOLDS
     got = verdict("bd_iekfac_better", _bd(0.85))["s"]  # between eKFAC and KFAC
     assert got.verdict == V.FAILS and len(got.failures) == 3 and "ieKFAC/eKFAC 1.06" in got.failures[0]
-    rec = _bd(0.75)
+    assert verdict("bd_iekfac_better", _bd(0.75))["s"].verdict == V.FAILS  # x1.07 below eKFAC: within the margin
+    rec = _bd(0.75, kfac=1.2)
     for r in rec:  # eKFAC per batch on both sides of ieKFAC
         if r["method"] == "ekfac":
             r["ratio"] = r["gamma"] = 0.8 * {0: 0.5, 1: 1.0, 2: 2.0}[r["batch"]]
@@ -346,12 +397,6 @@ def test_every_rule_states_its_claim_label_and_thresholds():
         assert cite(rule.label).startswith(("Fig.", "Sec", "Table", "Appendix")), rule.label  # a label of the paper
 
 
-def test_a_constant_curve_has_no_correlation_and_decides_nothing():
-    stages = {0: {"ef": 1.0, "sf": 0.8}, 50: {"ef": 1.0, "sf": 1.0}, 100: {"ef": 1.0, "sf": 1.5}}
-    got = verdict("e1_imbalance", e1(stages, imbalance={0: 2.0, 50: 4.0, 100: 8.0}))["s"]
-    assert got.verdict == V.INCONCLUSIVE and "log EF/SGD undefined" in got.detail
-
-
 # ------------------------------------------------------------------------------------------------ this build's records
 EXCERPT = Path(__file__).parent / "data" / "verdicts" / "cold_cpu_excerpt.json"
 
@@ -380,7 +425,8 @@ def test_this_builds_iekfac_is_close_to_ief():
     initial model (0.674) is far below and named."""
     got = verdict("bd_iekfac_close", _excerpt_records())
     lora, digits = got["tweets-minilm-lora"], got["digits-mlp"]
-    assert lora.verdict == V.HOLDS and lora.detail.startswith("close at 5 of 5 stages; 0 %: ieKFAC/iEF 0.859 (95 % "
+    assert lora.verdict == V.HOLDS and lora.detail.startswith("close at 5 of 5 stages (Holm); 0 %: ieKFAC/iEF 0.859 "
+                                                              "(95 % "
                                                               "interval 0.833–0.887) (close)")
     assert digits.verdict == V.HOLDS and digits.failures == (
         "stage 0 %: ieKFAC/iEF 0.674 (95 % interval 0.593–0.766), outside 0.79–1.26",)

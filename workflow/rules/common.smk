@@ -147,10 +147,12 @@ COMPRESSION_BASELINE = [summary("digits-mlp", "adam", 0)] if SCALE in ("smoke", 
 BLOCKDIAG_SETUPS = list(REGISTRY.blockdiag_setups(SCALE))
 BLOCKDIAG_CHECK_FILES = [f"{RESULTS}/blockdiag_check.csv", f"{RESULTS}/blockdiag_check.json"]
 BLOCKDIAG_CHECK = BLOCKDIAG_CHECK_FILES if REGISTRY.blockdiag_check_setup(SCALE) is not None else []
+VERDICTS = [f"{RESULTS}/verdicts.csv"]  # every verdict the book prints, as data (rule verdicts)
 RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES, "chapter_run": CHAPTER_RUN, "costs": STEP_COSTS,
-                "early_spike": EARLY_SPIKE, "compression": COMPRESSION, "blockdiag_check": BLOCKDIAG_CHECK}
+                "early_spike": EARLY_SPIKE, "compression": COMPRESSION, "blockdiag_check": BLOCKDIAG_CHECK,
+                "verdicts": VERDICTS}
 GRID_RUNS = [summary(*run) for run in GRID]
-GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES + STEP_COSTS
+GRID_RESULTS = GRID_RUNS + E2_TABLES + EVAL_TABLES + STEP_COSTS + VERDICTS
 
 # The code a job runs. Training and evaluation run the library (ief/) and the companion's code below its chapters
 # (and read the recorded data shipped inside the companion: lr_search/*.json, ...), never the chapters' back-ends

@@ -15,6 +15,23 @@ rule aggregate_e2:
         "{PYTHON} -m companion aggregate --scale {SCALE} --runs {RUNS} --out {RESULTS} > {log} 2>&1"
 
 
+rule verdicts:
+    """Every verdict the book prints, as data (python -m companion verdicts): one row per rule and subject with its
+    statistic, interval, evidence and what would decide it, from the E2 tables, the per-example test predictions
+    and the evaluation tables."""
+    input:
+        tables=E2_TABLES,
+        eval=EVAL_TABLES,
+        code=CORE_CODE,
+    output:
+        VERDICTS,
+    log:
+        f"{RESULTS}/logs/verdicts.log",
+    priority: PRIORITY["normal"]
+    shell:
+        "{PYTHON} -m companion verdicts --scale {SCALE} --results {RESULTS} --runs {RUNS} > {log} 2>&1"
+
+
 # assembling a setup's table only reads the stages' parts: on a cluster it runs on the submitting node
 localrules:
     evaluate,

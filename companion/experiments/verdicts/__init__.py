@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from .core import (DECADE, FAILS, HOLDS, INCONCLUSIVE, MIN_SEEDS, NEAR_ZERO, ON_PAR_POINTS, OUTCOMES, SIGN_LEVEL,
                    TENTH_DECADE, PairResult, Rule, Verdict, binomial_resolution, decide, interval, over_stages,
-                   pair_over_seeds, seeds_needed, sign_test, summary, t_quantile)
+                   over_stages_holm, pair_over_seeds, seeds_needed, sign_test, summary, t_quantile)
 from .evaluation import (BLOCK_RULES, DECIDED, E1_AGGREGATION, E1_RULES, E3_RULES, EVALUATION_RULES, WHY_T,
                          e1_batches, sweep_batches)
+from . import stats
 from .practical import PRACTICAL_RULES, PRACTICAL_RULES_LIST
 from .training import (E2_RULES, E2_RULES_LIST, RISE_MIN_UPDATES, RISE_WINDOWS, SEED0_RULES_LIST, disagreements,
                        loss_rises, n_test_examples, pairs_needs)
@@ -40,5 +41,6 @@ __all__ = [
     "Verdict", "PairResult", "Rule", "t_quantile", "interval", "decide", "over_stages", "pair_over_seeds", "summary",
     "RULES", "E1_RULES", "E3_RULES", "BLOCK_RULES", "E2_RULES", "DECIDED", "WHY_T", "E1_AGGREGATION", "e1_batches",
     "sweep_batches", "loss_rises", "disagreements", "RISE_WINDOWS", "PRACTICAL_RULES", "SIGN_LEVEL",
-    "binomial_resolution", "seeds_needed", "sign_test", "n_test_examples", "pairs_needs", "RISE_MIN_UPDATES",
+    "binomial_resolution", "seeds_needed", "stats", "over_stages_holm", "sign_test", "n_test_examples", "pairs_needs",
+    "RISE_MIN_UPDATES",
 ]

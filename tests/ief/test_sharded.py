@@ -12,6 +12,8 @@ import torch.distributed as dist
 from ief.sharded import ROUTE
 from test_distributed import OPTIMISERS, _spawn
 
+pytestmark = pytest.mark.slow  # every test here starts gloo processes: the slow tier
+
 STEPS = 3
 CRYPTIC = "mixed torch.Tensor and DTensor"
 

@@ -537,9 +537,9 @@ WHY_T = ("The batches are the same for every method and damping, so every compar
 
 EVALUATION_RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("e1_ef_worse", "EF has a poorer approximation quality than SGD for most training stages and tasks",
-         "sec:eval_exp", f"EF is worse than SGD at a stage when γ_EF/γ_SGD is decided above {TENTH_DECADE:.2f}, "
-         f"and not when it is decided below {TENTH_DECADE:.2f}; the claim holds for a setup when Holm's count of stages "
-         "for it is a strict majority.", WHY_T, _ef_worse),
+         "sec:eval_exp", f"EF is worse than SGD at a stage when γ_EF/γ_SGD is decided above "
+         f"{TENTH_DECADE:.2f}, and not when it is decided below {TENTH_DECADE:.2f}; the claim holds for a setup "
+         "when Holm's count of stages for it is a strict majority.", WHY_T, _ef_worse),
     Rule("e1_ief_better", "iEF consistently improves on SGD updates", "sec:exp",
          f"iEF is better than SGD at a stage when γ_iEF/γ_SGD is decided below 1/{TENTH_DECADE:.2f}; the claim holds "
          "for a setup when that is so at every stage, and does not hold when Holm's procedure over the stages finds "

@@ -193,7 +193,8 @@ class _HookedForward:
             return self.capture.probe_shapes(lambda: run_on(take_first(inputs, m), 1))
 
         def prove(reverse: bool, quiet: bool) -> tuple | str:  # the hooked calls' inputs, the batch (reversed)
-            return self.capture.call_inputs(lambda: run_on(_reversed(inputs, m) if reverse else inputs, m, quiet))
+            batch = _reversed(inputs, m) if reverse else inputs
+            return self.capture.call_inputs(lambda: run_on(batch, m, quiet), batch)
 
         self.capture.establish_axes(m, model, inputs, probe, prove)
         names = param_names(model, self.params)
@@ -222,14 +223,19 @@ class _HookedForward:
                     handle.remove()
         _refuse_nonfinite(losses, jac)
         mark_rounding(jac, self.formats.lowest)  # the rounding J carries (ief.precision)
-        if self.mode is not None:
-            check_no_outside_use(self.capture, jac, autograd, self.names, self.formats.lowest)
-        if self.mode == "exact":
-            grad_z = logit_grads[0] if logit_grads else self.loss.logit_grad(self.logits.detach(), targets)
-            try:
-                check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z, self.formats.lowest)
-            except PerSampleGradientMismatch as mismatch:
-                self._recheck_wide(mismatch, targets)
+        try:
+            if self.mode is not None:
+                check_no_outside_use(self.capture, jac, autograd, self.names, self.formats.lowest)
+            if self.mode == "exact":
+                grad_z = logit_grads[0] if logit_grads else self.loss.logit_grad(self.logits.detach(), targets)
+                try:
+                    check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z,
+                                                  self.formats.lowest)
+                except PerSampleGradientMismatch as mismatch:
+                    self._recheck_wide(mismatch, targets)
+        except PerSampleGradientMismatch:  # what the proven axes promised is disproved: the next call proves again
+            self.capture.forget_axes(self._given[0])
+            raise
         # the records are not kept alive; a broadcast parameter's autograd gradient is its whole batch gradient
         offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked - set(self.capture.broadcast))
         return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))

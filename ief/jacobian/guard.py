@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from ..logit_jvp import jvps_any_mode
-from ..model_call import ReplayableForward, all_finite
+from ..model_call import ReplayableForward, all_finite, nonfinite_message
 from ..precision import SIXTEEN_BIT, describe, mismatch_tolerance, outside_use_tolerance, unit_roundoff
 from ..rows import DenseRows, FactoredJacobian, Rows, as_rows
 from .capture import PerSampleCapture
@@ -291,8 +291,4 @@ def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian
             _refuse_nonfinite(losses, None)
         bad = torch.nonzero(~rows.finite_rows()).flatten().tolist()
         what = "per-sample gradient"
-    raise FloatingPointError(
-        f"non-finite {what} for samples {bad[:10]}{' ...' if len(bad) > 10 else ''} (of {losses.shape[0]}): a NaN or "
-        "inf in those samples' inputs, logits or targets, or in the parameters; per-sample gradients are refused "
-        "rather than returned as non-finite rows (drop or fix those samples)"
-    )
+    raise FloatingPointError(nonfinite_message(what, bad, losses.shape[0]))

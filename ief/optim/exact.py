@@ -121,8 +121,8 @@ import torch
 
 from ..arguments import suggest_keywords
 from ..directions import ef_solve, ief_solve, sf_solve, unrepresentable
-from ..distributed import (DistributedRows, agree, all_gather_rows, all_reduce, batch_sizes, collective_device,
-                           resolve_group)
+from ..distributed import (DistributedRows, agree, all_gather_rows, all_reduce, batch_sizes, check_replicas,
+                           collective_device, resolve_group)
 from ..jacobian import CHECKS, gradient_and_sampled_jacobian, per_sample
 from ..jacobian.guard import deferred_finiteness
 from ..losses import IGNORE_INDEX, Loss, check_damping, count_targets, get_loss
@@ -321,6 +321,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.last_losses: torch.Tensor | None = None
         self.last_tokens: int | None = None  # K of the last batch (reduction="mean")
         self._warned_unshifted = False
+        self._replicas_agree = False  # compared across the group at the first step, and again after a load
+        self.register_load_state_dict_post_hook(lambda opt: setattr(opt, "_replicas_agree", False))
         self._constructed = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -728,6 +730,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             FloatingPointError: the loss, the gradients or the update are not finite (``"step k: ...; parameters
                 left unchanged"``), also before any parameter changes.
             PerSampleGradientMismatch: the per-sample guard's refusal (see :func:`ief.per_sample`).
+            ief.distributed.ReplicaMismatch: (a ``ValueError``, across processes) at the first step, and the first
+                after ``load_state_dict``, on every rank, when the ranks' parameters, optimiser state or settings
+                differ, naming the first that differs; nothing changed.
 
         Warns:
             UserWarning: once, when the targets equal ``inputs["input_ids"]`` at every counted position (Hugging
@@ -736,6 +741,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         """
         if targets is MISSING or closure is not None:
             raise TypeError(_how_to_step(type(self).__name__))
+        if self._group is not None and not self._replicas_agree:
+            self._check_replicas()
         dampings = [self._check_group(index, g) for index, g in enumerate(self.param_groups)]
         try:
             check_shared(self.param_groups)
@@ -787,6 +794,22 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._update(given, group, direction, tokens, checks=checks, number=number, watched=losses.mean())
         self.last_losses = losses
         return losses.sum() if tokens is None else losses.sum() / tokens
+
+    def _check_replicas(self) -> None:
+        """Every rank's model parameters, optimiser state and settings the same (:func:`ief.distributed.check_replicas`:
+        :class:`ief.distributed.ReplicaMismatch` on every rank, naming the first that differs), at the first step
+        and at the first step after ``load_state_dict``."""
+        named = list(self.model.named_parameters())
+        index = {id(p): name for name, p in named}
+        state = [(f"{index.get(id(p), 'a parameter')}: {key}", value) for p in self._all_params()
+                 for key, value in sorted(self.state.get(p, {}).items()) if isinstance(value, torch.Tensor)]
+        settings = {"optimiser": self._identity(), "check": self.check, "form": self.form,
+                    "step": self.steps_taken, **{f"param_groups[{i}]['{key}']": value
+                                                  for i, g in enumerate(self.param_groups)
+                                                  for key, value in sorted(g.items()) if key != "params"}}
+        when = "before the first step" if self.steps_taken == 0 else f"at step {self.steps_taken}, after a load"
+        check_replicas(self._group, collective_device(self._group), named + state, settings, when)
+        self._replicas_agree = True
 
     def _check_now(self):
         """The per-sample check of this step: ``True``: the exact one on the first step, the structural one after;

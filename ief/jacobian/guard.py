@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..logit_jvp import jvps_any_mode
+from ..logit_jvp import differentiable_kernels, double_backward_jvps, jvps_any_mode
 from ..model_call import ReplayableForward, all_finite, nonfinite_message
-from ..precision import SIXTEEN_BIT, describe, mismatch_tolerance, outside_use_tolerance, unit_roundoff
+from ..precision import (FLOAT32_FLOOR, SIXTEEN_BIT, describe, mismatch_tolerance, outside_use_tolerance,
+                         unit_roundoff)
 from ..rows import DenseRows, FactoredJacobian, Rows, as_rows
 from .capture import PerSampleCapture
 from .errors import PerSampleGradientMismatch
@@ -93,6 +94,14 @@ def _refuse_sample_mixing(model: torch.nn.Module) -> None:
 
 
 CHECK_TANGENTS = 8  # random tangents of the exact check
+RESCALE = 3.0  # the factor of the second set of tangents of a 16-bit check (not a power of two: rounded otherwise)
+SAMPLE_FACTOR = 8.0  # a 16-bit check: one sample's bound, in units of the products' measured rounding
+MEDIAN_FACTOR = 2.5  # a 16-bit check: the samples' median's bound, in the same units
+
+
+def _sixteen_bit(forward_format: torch.dtype | None, jac_dtype: torch.dtype) -> torch.dtype | None:
+    """The 16-bit format the forward ran in or ``J`` is stored in (``None``: neither)."""
+    return forward_format if forward_format in SIXTEEN_BIT else jac_dtype if jac_dtype in SIXTEEN_BIT else None
 
 
 def exact_check_tolerance(dtype: torch.dtype, forward_format: torch.dtype | None = None) -> float:
@@ -112,6 +121,18 @@ def exact_check_tolerance(dtype: torch.dtype, forward_format: torch.dtype | None
         The relative tolerance.
     """
     return mismatch_tolerance(forward_format, dtype)
+
+
+def _reverse_mode_products(forward: ReplayableForward, params: Sequence[torch.Tensor],
+                           full: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[K, *z.shape]`` float64: ``J_z (RESCALE v_k)`` by double backward on a replay of the forward (one forward,
+    one backward with ``create_graph``, one backward-type pass per tangent): the exact check's products computed a
+    second time, along the reverse-mode path the rows themselves came from, with tangents rounded otherwise."""
+    tangent_sets = [[t[k] * RESCALE for t in full] for k in range(CHECK_TANGENTS)]
+    with differentiable_kernels(), torch.inference_mode(False), torch.enable_grad():
+        logits = forward()
+        jvs = double_backward_jvps(logits, params, tangent_sets)
+    return torch.stack([j.detach().to(torch.float64) for j in jvs])
 
 
 def _check_tangents(params: Sequence[torch.Tensor], k: int,
@@ -182,41 +203,58 @@ def check_directional_derivatives(forward: ReplayableForward, params: Sequence[t
     tangents = _check_tangents(params, CHECK_TANGENTS, padding)
     full = [(u.to(p) if w is None else u.to(p)[:, :, None] * w.to(p)[:, None, :]).reshape(-1, *p.shape)
             for (u, w), p in zip(tangents, params)]  # formed in the parameter's dtype (no float64 [K, P])
+    low = _sixteen_bit(forward_format, jac.dtype)
     _, jvs = jvps_any_mode(forward, params, names, full)
-    del full
     g = grad_z.detach().to(torch.float64).reshape(1, m, -1)
     exact = (g * jvs.to(torch.float64).reshape(CHECK_TANGENTS, m, -1)).sum(dim=2).T  # [M, K]
+    again = None
+    if low is not None:  # the same products by reverse mode (double backward), tangents x 3: rounded otherwise
+        again = (g * _reverse_mode_products(forward, params, full).reshape(CHECK_TANGENTS, m, -1)).sum(dim=2).T
+    del full
     offsets = [0, *torch.tensor([p.numel() for p in params]).cumsum(0).tolist()]
     hooked = _hooked_products(jac, tangents, offsets)
     err = (hooked - exact).norm(dim=1)
     scale = torch.maximum(exact.norm(dim=1), hooked.norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
     rel = err / scale
-    tol = exact_check_tolerance(jac.dtype, forward_format)
-    failing = torch.nonzero(rel > tol).flatten().tolist()
+    cap = exact_check_tolerance(jac.dtype, forward_format)
+    if low is None:
+        tol, median_tol, rounding = cap, math.inf, None
+    else:  # the products' own rounding, measured on this batch: their change when the tangents are rescaled
+        rounding = float(((again / RESCALE - exact).norm(dim=1) / scale).median())
+        tol = min(cap, max(FLOAT32_FLOOR, SAMPLE_FACTOR * rounding))
+        median_tol = min(cap, max(FLOAT32_FLOOR, MEDIAN_FACTOR * rounding))
+    median = float(rel.median())
+    failing = torch.nonzero(rel > (tol if median <= median_tol else median_tol)).flatten().tolist()
     if failing:
         n = int(rel.argmax())
+        if median > median_tol:
+            what = (f"beyond the rounding measured on this batch (median relative error over the samples "
+                    f"{median:.2e} > {MEDIAN_FACTOR:g} x the products' measured rounding {rounding:.1e}; worst: "
+                    f"sample {n}, {float(rel[n]):.2e})")
+        else:
+            what = f"(worst: sample {n}, relative error {float(rel[n]):.2e} > {tol:.1e}" + (
+                f", {SAMPLE_FACTOR:g} x the products' measured rounding {rounding:.1e})" if rounding is not None
+                else ")")
         mismatch = PerSampleGradientMismatch(
             f"per-sample gradients of samples {failing[:10]}{' ...' if len(failing) > 10 else ''} disagree with their "
-            f"exact directional derivatives (worst: sample {n}, relative error {float(rel[n]):.2e} > {tol:.1e}): "
-            + _likely_cause(float(rel[n]), tol, forward_format, jac.dtype)
+            f"exact directional derivatives {what}: " + _likely_cause(rounding is not None, forward_format, jac.dtype)
         )
-        mismatch.worst, mismatch.tolerance = float(rel[n]), tol  # for a recheck in float32 (ief.jacobian.api)
+        mismatch.worst, mismatch.tolerance = float(rel[n]), tol
         raise mismatch
 
 
-def _likely_cause(worst: float, tol: float, forward_format: torch.dtype | None, jac_dtype: torch.dtype) -> str:
-    """The exact check's diagnosis: the forward's 16-bit rounding when the worst error is within ``4 tol`` of a
-    16-bit forward, else a layer that mixes samples."""
+def _likely_cause(measured: bool, forward_format: torch.dtype | None, jac_dtype: torch.dtype) -> str:
+    """The exact check's diagnosis: a layer that mixes samples; for a 16-bit check (``measured``: its tolerance from
+    the products' measured rounding) how to tell it from the forward's rounding for certain."""
     mixing = ("a layer mixes samples or a hooked layer's leading dimension is not the sample dimension; pass params= "
               "to leave its parameters out, or make it a module without a per-sample hook (its parameters then take "
               "the exact per-sample loop)")
-    low = forward_format if forward_format in SIXTEEN_BIT else jac_dtype if jac_dtype in SIXTEEN_BIT else None
-    if low is None or worst > 4 * tol:
+    low = _sixteen_bit(forward_format, jac_dtype)
+    if not measured or low is None:
         return mixing
-    return (f"the forward ran in {describe(low)} (unit roundoff {unit_roundoff(low):.1e}, tolerance 16 units), and "
-            f"an error this close to the tolerance is likely its rounding in a deep model rather than a wrong row: run "
-            f"the check once in float32 (outside autocast, float32 weights) to tell them apart; otherwise "
-            + mixing)
+    return (mixing + f". The forward ran in {describe(low)} (unit roundoff {unit_roundoff(low):.1e}): the check "
+            "measured its rounding on this batch and the error is beyond it; to see the error without rounding, run "
+            "the check once in float32 (float32 weights, outside autocast)")
 
 
 def _refuse_now(losses: torch.Tensor, rows) -> None:

@@ -57,15 +57,20 @@ def unknown_keyword_message(owner: str, signature: inspect.Signature, unknown: s
     return f"{owner} got an unexpected keyword argument {unknown!r}{hint}; it takes: {', '.join(accepted)}"
 
 
-def suggest_keywords(function: F) -> F:
+def suggest_keywords(function: F | None = None, *, notes: dict[str, str] | None = None) -> F:
     """Wrap ``function`` (a constructor or method) so that an unknown keyword raises ``TypeError`` with a suggestion.
 
     Args:
-        function: the function; for ``__init__``, the class's name is used in the message.
+        function: the function; for ``__init__``, the class's name is used in the message. Omitted:
+            ``suggest_keywords(notes=...)`` returns the decorator.
+        notes: a sentence to add for a keyword that is known not to be taken (e.g. another class's argument), by
+            keyword.
 
     Returns:
         The wrapper (``functools.wraps``: the same name, docstring and signature).
     """
+    if function is None:
+        return functools.partial(suggest_keywords, notes=notes)  # type: ignore[return-value]
     signature = inspect.signature(function)
     takes_any = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
 
@@ -77,7 +82,8 @@ def suggest_keywords(function: F) -> F:
                 owner = function.__qualname__.rsplit("<locals>.", 1)[-1]  # "fit", "IEF.step"
                 if function.__name__ == "__init__":
                     owner = type(args[0]).__name__ if args else owner.rsplit(".", 1)[0]
-                raise TypeError(unknown_keyword_message(owner, signature, unknown[0]))
+                note = f" ({notes[unknown[0]]})" if notes and unknown[0] in notes else ""
+                raise TypeError(unknown_keyword_message(owner, signature, unknown[0]) + note)
         return function(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

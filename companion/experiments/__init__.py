@@ -8,10 +8,13 @@ Command line: ``python -m companion describe --setup S --scale X [--random-weigh
 ``python -m companion train --setup S --optimizer O --seed K --scale X --out DIR [--precision bf16]``. Modules:
 :mod:`.setups` (names and hyperparameters), :mod:`.data`, :mod:`.models`, :mod:`.tasks` (inputs, targets,
 predictions), :mod:`.metrics`, :mod:`.optimizers`, :mod:`.precision` (a run's forward precision), :mod:`.store` (the
-run folder) and :mod:`.runner`.
+run folder), :mod:`.runner` (a run) with :mod:`.run_checks` (its arguments checked), :mod:`.resume` (its checkpoints
+read back) and :mod:`.run_log` (its printed lines), and :mod:`.setup_description` (a setup described).
 """
-from .data import MissingResource
-from .runner import RunConflict, RunInterrupted, describe, format_describe, format_summary, run_dir, train
+from .asset_folder import MissingResource
+from .run_log import format_summary
+from .runner import RunConflict, RunInterrupted, run_dir, train
+from .setup_description import describe, format_describe
 from .setups import CPU_SETUPS, OPTIMIZERS, PAPER_SETUPS, SCALES, SETUPS, resolve, scales_of
 
 __all__ = [

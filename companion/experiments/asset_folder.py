@@ -14,7 +14,7 @@ Layout (``DIR`` = the folder; ``<repo>`` with ``/`` written ``--``)::
 
 With ``IEF_ASSETS=DIR`` set (``python -m companion --assets DIR ...``, or the workflow's ``assets`` config key),
 :func:`companion.experiments.models.from_hub` and :func:`companion.experiments.data.load_hub_dataset` read only from ``DIR``,
-with the hub's offline switches on, and a missing item is one :class:`~companion.experiments.data.MissingResource` naming
+with the hub's offline switches on, and a missing item is one :class:`MissingResource` naming
 the item and the command that downloads it. ``python -m companion assets download`` writes the folder
 (:func:`download`), ``python -m companion assets check`` verifies it against its manifest (:func:`check`).
 """
@@ -32,6 +32,10 @@ ENV = "IEF_ASSETS"
 MANIFEST = "manifest.json"
 MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "LICENSE*", "README.md")  # no TF/Flax/ONNX copies
 OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+class MissingResource(RuntimeError):
+    """Weights or data that are neither cached nor downloadable; the message says what to get and where it goes."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,6 @@ def download_command(items: list[Item] | None = None, folder: Path | str = "DIR"
 
 def local_item(item: Item) -> Path:
     """Where the assets folder holds ``item``; ``MissingResource`` naming it and the download command if absent."""
-    from .data import MissingResource
-
     folder = assets_dir()
     if folder is None:
         raise ValueError(f"{ENV} is not set: no assets folder to read {item.name} from")

@@ -26,13 +26,10 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from .asset_folder import Item, MissingResource, assets_dir, go_offline, local_item
 from .setups import GLUE_FIELDS, GLUE_LABEL_WORDS, SetupConfig
 
 SPLIT_SEED = 0  # the fixed seed of every held-out split and subsample
-
-
-class MissingResource(RuntimeError):
-    """Weights or data that are neither cached nor downloadable; the message says what to get and where it goes."""
 
 
 @dataclass
@@ -108,8 +105,6 @@ def load_hub_dataset(path: str, name: str | None = None) -> Any:
     With an assets folder (``IEF_ASSETS``, :mod:`.asset_folder`) the data set is ``datasets.load_from_disk`` of the
     folder's copy and the hub is never contacted; a copy the folder lacks is a :class:`MissingResource` naming it
     and the download command."""
-    from .asset_folder import Item, assets_dir, go_offline, local_item
-
     what = f"{path}" + (f" ({name})" if name else "")
     if assets_dir() is not None:
         where = local_item(Item("dataset", path, name))

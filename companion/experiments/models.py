@@ -25,8 +25,8 @@ import torch
 
 from ief import per_sample_prompts
 
-from .asset_folder import Item, assets_dir, go_offline, local_item
-from .data import Data, MissingResource, hub_locations, use_hub
+from .asset_folder import Item, MissingResource, assets_dir, go_offline, local_item
+from .data import Data, hub_locations, use_hub
 from .setups import GLUE_LABEL_WORDS, SetupConfig
 from .tasks import glue_text
 
@@ -175,7 +175,7 @@ def wrap_peft(base: torch.nn.Module, cfg: SetupConfig, task_type: str | None) ->
     config = peft.PromptTuningConfig(task_type=task_type, num_virtual_tokens=args["num_virtual_tokens"],
                                      num_transformer_submodules=args["num_transformer_submodules"],
                                      prompt_tuning_init=getattr(peft.PromptTuningInit, args["init"]))
-    return per_sample_prompts(peft.get_peft_model(base, config))  # one backward, not M (ief.jacobian.rules.prompts)
+    return per_sample_prompts(peft.get_peft_model(base, config))  # one backward, not M (ief.jacobian.prompts)
 
 
 # ------------------------------------------------------------------------------------------------ builders

@@ -51,7 +51,6 @@ import random
 import signal
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +61,14 @@ import torch
 from tqdm import tqdm
 
 from . import processes, store
-from .data import FULL_SIZES, Data, load_data
+from .data import load_data
 from .metrics import score, split_metrics, write_glue_predictions
 from .models import build_model, count_parameters
 from .optimizers import Diverged, make_optimizer, train_step
 from .precision import DEFAULT as DEFAULT_PRECISION, check_precision, forward_precision, run_folder
+from .resume import load_best, resume_state, rng_state
+from .run_checks import check_lr, check_setup, resolve_device
+from .run_log import ProgressLog, format_summary, scale_label
 from .setups import GLUE_TASKS, SetupConfig, optimizer_config, resolve
 from .summaries import final_train_loss, final_window
 from .tasks import make_task, to_device
@@ -86,7 +88,6 @@ class RunConflict(ValueError):
 
 
 RunLocked = store.Locked  # another process owns the run folder
-DEVICES = "cpu, cuda, cuda:N, mps"
 
 
 class _Aborted(Exception):
@@ -137,19 +138,6 @@ def run_dir(out: str | Path, scale: str, setup: str, optimizer: str, seed: int, 
         The folder.
     """
     return run_folder(out, precision) / scale / setup / optimizer / f"seed-{seed}"
-
-
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def seed_everything(seed: int) -> None:
@@ -209,95 +197,6 @@ def package_versions() -> dict[str, str]:
 
     return {"ief": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "peft": peft.__version__}
-
-
-def _scale_label(scale: str, precision: str) -> str:
-    """What a run's lines show in brackets: the scale, and the precision when it is not float32 (``smoke, bfloat16``)."""
-    return scale if precision == DEFAULT_PRECISION else f"{scale}, {precision}"
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    def fmt(m: dict | None) -> str:
-        return "n/a" if not m else " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                                            for k, v in m.items())
-
-    loss = s.get("final_train_loss")
-    window = s.get("final_train_loss_updates")
-    over = f" (last {window} of {s['steps']} updates)" if window else " (last 100 updates: an older run)"
-    div = f" DIVERGED at step {s['diverged']['step']}" if s.get("diverged") else ""
-    where = _scale_label(s["scale"], s.get("precision", DEFAULT_PRECISION))
-    return (f"{s['setup']}/{s['optimizer']}/seed-{s['seed']} [{where}]: final_train_loss="
-            f"{'n/a' if loss is None else f'{loss:.4f}{over}'} | "
-            f"best validation (step {s['best_validation']['step']}): "
-            f"{fmt(s['best_validation']['metrics'])} | test: {fmt(s['test'])}{div} | {s['wall_time_s']:.1f}s")
-
-
-def _positive_int(field: str, value: Any, *, none_ok: bool = False) -> None:
-    if none_ok and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"setup field {field} must be a positive integer{' or null' if none_ok else ''}, "
-                         f"got {value!r}")
-
-
-def check_setup(cfg: SetupConfig) -> SetupConfig:
-    """The fields a run relies on, checked (``ValueError`` naming the field and the value); ``stage_fractions`` as a
-    sorted tuple of floats."""
-    _positive_int("epochs", cfg.epochs)
-    _positive_int("batch_size", cfg.batch_size)
-    _positive_int("eval_batch_size", cfg.eval_batch_size)
-    _positive_int("eval_every", cfg.eval_every, none_ok=True)
-    _positive_int("max_length", cfg.max_length, none_ok=True)
-    if not isinstance(cfg.sizes, dict):
-        raise ValueError(f"setup field sizes must be a mapping split -> size, got {cfg.sizes!r}")
-    for split, size in cfg.sizes.items():
-        _positive_int(f"sizes[{split!r}]", size, none_ok=True)
-    fractions = cfg.stage_fractions
-    bad = not isinstance(fractions, (list, tuple)) or not fractions or any(
-        isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1 for f in fractions)
-    if bad:
-        raise ValueError(f"setup field stage_fractions must be a non-empty list of numbers in [0, 1], got "
-                         f"{fractions!r}")
-    names = [store.stage_name(f) for f in fractions]
-    if len(set(names)) != len(names):
-        raise ValueError(f"setup field stage_fractions {list(fractions)!r} name the same stage twice "
-                         f"({sorted(names)}): fractions must differ by at least 0.01")
-    return dataclasses.replace(cfg, stage_fractions=tuple(sorted(float(f) for f in fractions)))
-
-
-def resolve_device(device: str | None) -> torch.device:
-    """``device`` checked: known to torch, one of cpu / cuda[:N] / mps, and present here."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"unknown device {device!r}; valid devices: {DEVICES}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: no CUDA GPU is available here (torch {torch.__version__}); use "
-                             f"--device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    elif dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ValueError(f"device {device!r}: MPS is not available here; use --device cpu")
-    elif dev.type != "cpu":
-        raise ValueError(f"device {device!r} is not supported; valid devices: {DEVICES}")
-    return dev
-
-
-def _check_lr(lr: Any) -> float | None:
-    if lr is None:
-        return None
-    try:
-        value = float(lr)
-    except (TypeError, ValueError):
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}") from None
-    if isinstance(lr, bool) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    return value
 
 
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
@@ -369,7 +268,7 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
     """
     cfg = check_setup(resolve(setup, scale, overrides))
     registered = optimizer_config(cfg, optimizer)
-    lr = _check_lr(lr)
+    lr = check_lr(lr)
     ocfg = optimizer_config(cfg, optimizer, None if lr == registered.lr else lr,
                             None if schedule == registered.schedule else schedule)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -410,124 +309,13 @@ def train(setup: str, optimizer: str, seed: int = 0, scale: str = "cpu", out: st
                 if verbose:
                     print(f"skipped (finished): {format_summary(summary)}")
                 return summary
-        log = _ProgressLog(f"{setup}/{optimizer}/seed-{seed} [{_scale_label(scale, precision)}]", verbose, progress,
+        log = ProgressLog(f"{setup}/{optimizer}/seed-{seed} [{scale_label(scale, precision)}]", verbose, progress,
                            log_every_s)
         summary = TrainingLoop(cfg, ocfg, record, root, setup, optimizer, seed, scale, dev, progress,
                                checkpoint_every_s, log, procs).run()
         if verbose:
             print(format_summary(summary))
         return summary
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, rest = divmod(seconds, 3600)
-    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
-
-
-class _ProgressLog:
-    """The lines a run without a progress bar prints (``verbose`` and not ``progress``), flushed at once: one per
-    validation and at least one every ``every_s`` seconds; the resume line is printed whenever ``verbose``."""
-
-    def __init__(self, name: str, verbose: bool, progress: bool, every_s: float):
-        self.name, self.verbose, self.lines, self.every_s = name, verbose, verbose and not progress, every_s
-        self.started = self.last_time = time.time()
-        self.start_step = self.last_step = 0
-        self.wall_before = 0.0
-
-    def begin(self, state: dict[str, Any], total: int, resumed: bool) -> None:
-        """Called once the run state is known: this session's clock starts (the remaining time is estimated from
-        this session's updates); a resumed run says where it resumed."""
-        self.started = self.last_time = time.time()
-        self.start_step = self.last_step = state["done"]
-        self.wall_before = state["wall"]
-        if resumed and self.verbose:
-            what = "the test evaluation" if state["training_done"] else f"update {state['done'] + 1}"
-            print(f"{self.name}: resuming from step {state['done']} of {total} ({_duration(state['wall'])} trained "
-                  f"before; next: {what})", flush=True)
-
-    def step(self, state: dict[str, Any], total: int, spe: int, validated: bool) -> None:
-        done, now = state["done"], time.time()
-        if not self.lines or not (validated or now - self.last_time >= self.every_s):
-            return
-        recent = state["losses"][self.last_step:done]
-        loss = f"train loss {sum(recent) / len(recent):.4f} (mean of updates {self.last_step + 1}-{done})" \
-            if recent else "no update since the last line"
-        evals = state["evals"]
-        val = f", validation score {evals[-1]['score']:.4f} at step {evals[-1]['step']}" if evals else ""
-        rate = (now - self.started) / max(1, done - self.start_step)
-        print(f"{self.name}: step {done}/{total} (epoch {done / spe:.2f}), {loss}{val}, "
-              f"{_duration(self.wall_before + now - self.started)} elapsed, ~{_duration(rate * (total - done))} left",
-              flush=True)
-        self.last_time, self.last_step = now, done
-
-
-_RESUME_KEYS = ("model", "optimizer", "scheduler", "state", "rng")
-
-
-def _resume(root: Path, model: torch.nn.Module, opt: Any, scheduler: Any) -> dict[str, Any] | None:
-    """Load ``resume.pt``, or ``resume.prev.pt`` when it cannot be read or does not fit; the run state or ``None``
-    (no checkpoint: start). :class:`.store.CorruptFile` naming the files when neither can be used."""
-    problems = []
-    for name in ("resume.pt", "resume.prev.pt"):
-        path = root / name
-        if not path.exists():
-            continue
-        try:
-            ck = store.read_torch(path)
-            if not isinstance(ck, dict) or not set(_RESUME_KEYS) <= set(ck):
-                raise store.CorruptFile(f"{path} is not a resume checkpoint (keys {_RESUME_KEYS} expected)")
-            try:
-                store.load_trainable(model, ck["model"])
-                opt.load_state_dict(ck["optimizer"])
-                if scheduler is not None:
-                    scheduler.load_state_dict(ck["scheduler"])
-                state = dict(ck["state"])
-                _set_rng_state(ck["rng"])
-            except (ValueError, KeyError, TypeError, RuntimeError) as err:
-                raise store.CorruptFile(f"{path} does not fit this run ({type(err).__name__}: {err})") from None
-        except store.CorruptFile as err:
-            problems.append(str(err))
-            continue
-        if problems:
-            warnings.warn(f"{problems[0]}; resumed from the previous checkpoint {path} (step {state['done']})",
-                          RuntimeWarning, stacklevel=3)
-            with contextlib.suppress(OSError):
-                os.replace(root / "resume.pt", root / "resume.pt.corrupt")  # kept for inspection, out of the way
-        return state
-    if problems:
-        raise store.CorruptFile(f"{'; '.join(problems)}; no readable resume checkpoint: remove "
-                                f"{root / 'resume.pt'} (and resume.prev.pt) to restart this run from step 0, or "
-                                f"restore it from a backup")
-    return None
-
-
-def _load_best(root: Path, model: torch.nn.Module, state: dict[str, Any], candidates: list[Path]) -> None:
-    """Put the best-validation parameters into ``model``: ``checkpoints/best.pt``, or, when it is missing or cannot
-    be read, another checkpoint of the same step (rewritten as best.pt); else :class:`.store.CorruptFile`."""
-    best = root / "checkpoints" / "best.pt"
-    try:
-        store.load_trainable(model, store.read_trainable(best))
-        return
-    except (FileNotFoundError, ValueError) as err:  # CorruptFile is a ValueError, as is a mismatch
-        problem = f"{err}" if best.name in str(err) else f"{best}: {err}"
-    step = state["best"]["step"]
-    found = None
-    if step == state["done"]:  # the model holds the parameters after the last update (or before a failed one)
-        found = f"the parameters after update {step} (resume state)"
-    for path in candidates if found is None else []:
-        try:
-            store.load_trainable(model, store.read_trainable(path))
-        except (FileNotFoundError, ValueError):
-            continue
-        found = str(path.relative_to(root))
-        break
-    if found is None:
-        raise store.CorruptFile(f"{problem}; no other checkpoint holds the parameters of the best validation (step "
-                                f"{step}): remove {root} to train this run again")
-    warnings.warn(f"{problem}; the best-validation parameters (step {step}) were taken from {found} and best.pt "
-                  f"rewritten", RuntimeWarning, stacklevel=4)
-    store.write_torch(best, store.trainable_state(model))
 
 
 class TrainingLoop:
@@ -556,7 +344,7 @@ class TrainingLoop:
 
     def __init__(self, cfg: SetupConfig, ocfg: Any, record: dict[str, Any], root: Path, setup: str, optimizer: str,
                  seed: int, scale: str, dev: torch.device, progress: bool, checkpoint_every_s: float,
-                 log: _ProgressLog, procs: processes.Processes | None = None):
+                 log: ProgressLog, procs: processes.Processes | None = None):
         self.cfg, self.root, self.dev, self.progress, self.log = cfg, root, dev, progress, log
         self.procs = procs
         self.writer = procs is None or procs.writer
@@ -582,7 +370,7 @@ class TrainingLoop:
         self.stages = {store.stage_name(f): round(f * self.total) for f in cfg.stage_fractions}
         self.state: dict[str, Any] = {"done": 0, "post_pending": False, "training_done": False, "losses": [],
                                       "evals": [], "best": None, "diverged": None, "wall": 0.0}
-        resumed = _resume(root, self.model, self.opt, self.scheduler)
+        resumed = resume_state(root, self.model, self.opt, self.scheduler)
         self.state = resumed or self.state
         log.begin(self.state, self.total, resumed is not None)
         self.t0, self.wall0, self.last_save = time.time(), self.state["wall"], time.time()
@@ -609,7 +397,7 @@ class TrainingLoop:
         store.write_torch(root / "resume.pt", {
             "model": store.trainable_state(self.model), "optimizer": self.opt.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "state": state, "rng": _rng_state()})
+            "state": state, "rng": rng_state()})
 
     def write_stages(self, done: int) -> None:
         """Write the stage checkpoints due after update ``done``.
@@ -731,7 +519,8 @@ class TrainingLoop:
         self.save_resume()
 
     def test_best(self) -> dict[str, dict[str, Any]]:
-        """Put the best-validation parameters back into the model (:func:`_load_best`) and evaluate the test split.
+        """Put the best-validation parameters back into the model (:func:`.resume.load_best`) and evaluate the test
+        split.
 
         Returns:
             :func:`evaluate`'s predictions on the test split(s).
@@ -741,7 +530,7 @@ class TrainingLoop:
         same_step = [root / "checkpoints" / f"epoch-{best['step'] // self.spe:03d}.pt"] \
             if best["step"] % self.spe == 0 else []
         same_step += [root / "checkpoints" / name for name, at in self.stages.items() if at == best["step"]]
-        _load_best(root, self.model, self.state, same_step)
+        load_best(root, self.model, self.state, same_step)
         with forward_precision(self.precision, self.dev):
             return evaluate(self.model, self.task, self.data.test, self.dev, self.cfg.eval_batch_size,
                             abort=self._abort_evaluation, progress=self.progress)
@@ -804,55 +593,3 @@ class TrainingLoop:
             (root / "resume.prev.pt").unlink(missing_ok=True)
         processes.barrier(self.procs)  # every rank returns rank 0's summary.json
         return store.read_json(root / "summary.json")  # as a re-invocation would return it
-
-
-def describe(setup: str, scale: str, *, random_weights: bool = False,
-             overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The resolved setup: sources, data sizes, schedule, optimiser hyperparameters and parameter counts.
-
-    ``random_weights=True`` builds the architecture from the config written in the code (no download); at full
-    scale the data are then not loaded either and the sizes are the expected ones.
-    """
-    cfg = resolve(setup, scale, overrides)
-    seed_everything(0)
-    data: Data | None = None
-    if scale == "full" and random_weights:
-        sizes, sizes_source = dict(FULL_SIZES[cfg.task]), "expected (not loaded)"
-    else:
-        data = load_data(cfg)
-        sizes, sizes_source = data.sizes(), "loaded"
-    model, _ = build_model(cfg, data, random_weights=random_weights)
-    total, trainable = count_parameters(model)
-    spe = math.ceil(sizes["train"] / cfg.batch_size)
-    paper = cfg.paper_trainable_parameters
-    return {
-        "setup": cfg.name, "scale": scale, "family": cfg.family, "method": cfg.method, "task": cfg.task,
-        "model_source": "config (random weights)" if random_weights else cfg.model_source,
-        "data_source": cfg.data_source, "sizes": sizes, "sizes_source": sizes_source,
-        "num_classes": cfg.num_classes, "batch_size": cfg.batch_size, "epochs": cfg.epochs, "steps_per_epoch": spe,
-        "total_steps": spe * cfg.epochs, "eval_every": cfg.eval_every or spe, "max_length": cfg.max_length,
-        "optimizers": {k: dataclasses.asdict(v) for k, v in cfg.optimizers.items()},
-        "total_parameters": total, "trainable_parameters": trainable,
-        "paper_trainable_parameters": paper if scale == "full" else None,
-        "difference_from_paper": trainable - paper if (paper is not None and scale == "full") else None,
-        "provisional_hyperparameters": cfg.provisional, "notes": list(cfg.notes),
-    }
-
-
-def format_describe(d: dict[str, Any]) -> str:
-    lines = [f"{d['setup']} [{d['scale']}]  {d['family']} / {d['method']} / {d['task']}",
-             f"  model: {d['model_source']}", f"  data:  {d['data_source']}",
-             f"  sizes ({d['sizes_source']}): " + ", ".join(f"{k} {v:,}" for k, v in d["sizes"].items()),
-             f"  batch {d['batch_size']}, {d['epochs']} epochs x {d['steps_per_epoch']} steps = {d['total_steps']} "
-             f"steps, validation every {d['eval_every']} steps" + (f", max_length {d['max_length']}"
-                                                                  if d["max_length"] else ""),
-             f"  parameters: total {d['total_parameters']:,}, trainable {d['trainable_parameters']:,}"
-             + (f" (paper: {d['paper_trainable_parameters']:,}, difference {d['difference_from_paper']:+,})"
-                if d["paper_trainable_parameters"] is not None else "")]
-    lines.append("  optimizers" + (" (PROVISIONAL)" if d["provisional_hyperparameters"] else "") + ":")
-    for name, o in d["optimizers"].items():
-        extra = "".join(f", {k}={o[k]}" for k in ("weight_decay", "damping") if o[k])
-        ms = f" {tuple(o['milestones'])}" if o["milestones"] else ""
-        lines.append(f"    {name:9s} lr={o['lr']:g}{extra}, {o['schedule']}{ms}  [{o['source']}]")
-    lines += [f"  note: {n}" for n in d["notes"]]
-    return "\n".join(lines)

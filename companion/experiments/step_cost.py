@@ -19,7 +19,8 @@ import torch
 from .data import load_data
 from .models import build_model
 from .optimizers import make_optimizer, train_step
-from .runner import check_setup, epoch_order, resolve_device, seed_everything
+from .run_checks import check_setup, resolve_device
+from .runner import epoch_order, seed_everything
 from .setups import optimizer_config, practical_optimizers, resolve
 from .tasks import make_task, to_device
 

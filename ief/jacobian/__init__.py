@@ -16,7 +16,7 @@ the output positions, see :mod:`~ief.jacobian.rules.conv`) and ``nn.BatchNorm1d`
 parameters and embedding calls that every sample shares (ViT's ``cls_token`` and ``position_embeddings``, position
 embeddings fed ``[1, T]`` ids, T5's relative attention biases fed ``[T, T]`` bucket ids) have rows too when their
 only uses add them to, expand them over, or mask them onto the batch (an attention mask), directly or after views,
-casts and shared masks (:mod:`ief.jacobian.rules.broadcast`).
+casts and shared masks (:mod:`ief.jacobian.broadcast`).
 
 The sample axis of every hooked call is established, never guessed from a size: a probe forward of the batch's first
 sample alone (every input tensor cut to one sample along its leading dimension; hooks that only record shapes; the
@@ -55,7 +55,7 @@ search, when :class:`PerSampleGradientMismatch` names the parameter. It also ref
 statistics. A side effect is a cheaper backward: autograd never computes the hooked layers' batch weight gradients
 (the stand-ins are not asked for); the batch gradient, when wanted, is ``J^T 1`` (:attr:`PerSample.gradient`,
 computed on first access). A custom layer that mixes or reorders samples (its hooked rows still add up) is what
-``check="exact"`` is for (:func:`check_directional_derivatives`: every row against ``K = 8`` exact per-sample
+``check="exact"`` is for (:func:`~ief.jacobian.guard.check_directional_derivatives`: every row against ``K = 8`` exact per-sample
 directional derivatives, relative to their own size, so that a 1 % error in any row is caught whatever ``P`` and
 the dtype); the optimisers run that exact check on their first step. Non-finite losses or rows raise
 ``FloatingPointError`` naming the samples.
@@ -68,19 +68,17 @@ The package, one concern per module: :mod:`~ief.jacobian.api` (the public entrie
 :mod:`~ief.jacobian.capture` (the hooks, the stand-ins, the sample axes), :mod:`~ief.jacobian.assemble` (the
 backward and the rows as a tensor or :class:`~ief.rows.FactoredJacobian`), :mod:`~ief.jacobian.loop` (the exact
 per-sample loop for what no hook covers), :mod:`~ief.jacobian.guard` (the guard and the exact check),
-:mod:`~ief.jacobian.errors`, and :mod:`~ief.jacobian.rules`: one file per layer family and the registry from module
-type to :class:`LayerRule`. A layer type of one's own gets its rule with :func:`register_rule` (one subclass of
+:mod:`~ief.jacobian.broadcast` (the rows of tensors used broadcast over the batch, no module of their own),
+:mod:`~ief.jacobian.prompts` (peft prompt tuning made visible to the hooks), :mod:`~ief.jacobian.errors`, and
+:mod:`~ief.jacobian.rules`: one file per layer family and the registry from module type to :class:`LayerRule`. A layer type of one's own gets its rule with :func:`register_rule` (one subclass of
 :class:`LayerRule`, one registration); without one its parameters take the loop.
 """
-from .api import PerSample, _Deferred, _HookedForward, gradient_and_sampled_jacobian, per_sample, sampled_jacobian
-from .assemble import _backward_jacobian, _batch_gradient, _summed
-from .capture import PerSampleCapture, recording_hook
+from .api import PerSample, gradient_and_sampled_jacobian, per_sample, sampled_jacobian
+from .capture import PerSampleCapture
 from .errors import PerSampleGradientMismatch, SlowPathWarning
-from .guard import (CHECK_TANGENTS, CHECKS, check_directional_derivatives, check_no_outside_use,
-                    exact_check_tolerance)
-from .loop import _WARNED
+from .guard import CHECKS, check_no_outside_use, exact_check_tolerance
+from .prompts import per_sample_prompts
 from .rules import BATCH_FIRST, LayerRule, register_rule, rule_for, unregister_rule, write_block
-from .rules.prompts import per_sample_prompts
 
 __all__ = [
     "per_sample",
@@ -90,10 +88,7 @@ __all__ = [
     "PerSampleGradientMismatch",
     "SlowPathWarning",
     "PerSampleCapture",
-    "recording_hook",
     "CHECKS",
-    "CHECK_TANGENTS",
-    "check_directional_derivatives",
     "check_no_outside_use",
     "exact_check_tolerance",
     "LayerRule",

@@ -17,7 +17,7 @@ from ..model_call import large_empty
 from ..rows import FactoredJacobian, as_rows, prefer_ghost
 from .capture import PerSampleCapture
 from .loop import loop_rows
-from .rules.broadcast import check_sums, per_sample_rows
+from .broadcast import check_sums, per_sample_rows
 
 
 def _positions(parts: list[torch.Tensor]) -> torch.Tensor:

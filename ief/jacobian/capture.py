@@ -34,8 +34,8 @@ from ..model_call import extract_logits, graph_nodes, shapes_of
 from .errors import PerSampleGradientMismatch
 from .routing import RoutingTracker
 from .rules import LayerRule, rule_for
-from .rules.broadcast import Use, UseTracker, check_sums, establish, per_sample_rows
-from .rules.registry import BATCH_FIRST, WHOLE_CALL
+from .broadcast import Use, UseTracker, check_sums, establish, per_sample_rows
+from .rules.registry import BATCH_FIRST, WHOLE_CALL, recording_hook
 
 
 def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
@@ -47,7 +47,7 @@ def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
 class _BroadcastCall:
     """The "axis" of an embedding call whose ids every sample shares (``[1, T]`` positions): its output's uses
     broadcast it over the batch, and each sample's gradient of the output comes from them
-    (:mod:`ief.jacobian.rules.broadcast`).
+    (:mod:`ief.jacobian.broadcast`).
     """
 
     __slots__ = ("uses",)
@@ -147,27 +147,6 @@ _ROUTED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDict
 _WARNED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
 
 
-def recording_hook(records: list, slots: int = 2) -> Callable:
-    """A forward hook that appends ``[input, output grad, None, ...]`` (``slots`` entries) to ``records`` for every
-    call whose output reaches a loss, and fills in the gradient flowing back into that output (summed if it arrives
-    in parts). The input is ``None`` when the call had no positional tensor. Shared by the per-sample capture here
-    and the K-FAC factors (:mod:`ief.kfac`)."""
-
-    def hook(module, args, output):
-        if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return
-        x = args[0].detach() if args and isinstance(args[0], torch.Tensor) else None
-        record = [x] + [None] * (slots - 1)
-        records.append(record)
-
-        def keep_grad(grad):
-            record[1] = grad if record[1] is None else record[1] + grad
-
-        output.register_hook(keep_grad)
-
-    return hook
-
-
 class PerSampleCapture:
     """Hooks that keep (input, output-gradient) pairs of every call of the modules owning trainable parameters.
 
@@ -227,7 +206,7 @@ class PerSampleCapture:
             if not rule.owns_submodules:
                 direct.update(owned.values())
         self.hooked = covered
-        # Broadcast uses (rules.broadcast), per-sample capture with more than one sample only: the trainable
+        # Broadcast uses (broadcast), per-sample capture with more than one sample only: the trainable
         # parameters outside hooked modules (candidates), those whose every use is broadcast over the batch
         # (``broadcast``, rows from their uses; autograd's gradient of them is their whole batch gradient), the
         # embedding calls without a sample dimension of their own (``(k, j)``: module k's call j).
@@ -262,11 +241,10 @@ class PerSampleCapture:
             self.records[k] = []
             self.edges[k] = []
             # first of the module's forward hooks: the output as the layer returned it (another hook may replace it)
-            if rule._recording_hook is not None and self.swap:  # a rule that records whole calls (attention)
-                hook = rule._recording_hook(self.records[k], self.edges[k])
-                self.handles.append(module.register_forward_hook(hook, prepend=True, with_kwargs=True))
-                inner = getattr(rule, "_inner_hooks", None)  # hooks inside the call (a peft wrapper's adapter dropout)
-                self.handles.extend(inner(module, hook) if inner is not None else ())
+            recorder = rule.call_recorder(self.records[k], self.edges[k]) if self.swap else None
+            if recorder is not None:  # a rule that records whole calls (attention, peft wrappers)
+                self.handles.append(module.register_forward_hook(recorder, prepend=True, with_kwargs=True))
+                self.handles.extend(rule.inner_hooks(module, recorder))  # e.g. a peft wrapper's adapter dropout
             else:
                 self.handles.append(module.register_forward_hook(self._forward_hook(k), prepend=True))
             if self.swap:  # last of the pre-hooks, first of the hooks: other hooks see the real parameters
@@ -400,7 +378,7 @@ class PerSampleCapture:
 
         def shape_hook(k):
             def hook(module, args, output):
-                if isinstance(output, tuple) and self.modules[k][1]._recording_hook is not None:
+                if isinstance(output, tuple) and self.modules[k][1].records_own_calls:
                     output = output[0]
                 if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                     if tracker is not None and (k, len(seen[k])) in self.embedding_candidates:
@@ -435,7 +413,7 @@ class PerSampleCapture:
 
         def hook_for(k):
             def hook(module, args, output):
-                if isinstance(output, tuple) and self.modules[k][1]._recording_hook is not None:
+                if isinstance(output, tuple) and self.modules[k][1].records_own_calls:
                     output = output[0]
                 if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                     x = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -531,7 +509,7 @@ class PerSampleCapture:
             reasons = {}
             for k, (module, rule, features, _) in enumerate(self.modules):
                 for rec in self.records[k]:
-                    rec[2] = rule._one_sample_axis(module, rec[0], features)
+                    rec[2] = rule.one_sample_axis(module, rec[0], features)
                 if any(rec[2] is None for rec in self.records[k]):
                     reasons[k] = f"{type(module).__name__} called on a batch of several instances for one sample"
             self.demote(reasons)
@@ -586,7 +564,7 @@ class PerSampleCapture:
         for k, entry in enumerate(self.modules):
             call_axes = [_BroadcastCall(shared[("call", k, j)]) if axis is None and ("call", k, j) in shared else axis
                          for j, axis in enumerate(axes[k])]
-            call_axes = [entry[1]._keep_axis(entry[0], axis) for axis in call_axes]  # attention: its own batch
+            call_axes = [entry[1].keep_axis(entry[0], axis) for axis in call_axes]  # attention: its own batch
             call_axes = [UNREACHED if axis is None and unreached(k, j) else axis for j, axis in enumerate(call_axes)]
             if all(axis is not None for axis in call_axes):
                 for rec, axis in zip(self.records[k], call_axes):

@@ -1,13 +1,12 @@
-"""``lr="auto"``: the exact optimisers' step size set every step from the loss along the previous step (issue 37).
+"""``lr="auto"``: the exact optimisers' step size set every step from the loss along the previous step.
 
-iEF's first-order model of a step (``eqn:iEF_lsq``: ``J d = s``) asks every sample's loss to fall by ``lr * s_n``
-(``s_n = ||grad_z l_n||^2``, ``eqn:s_ief``); where that model is wrong the step overshoots (the paper's ``lr=100`` taken
-in the sum convention; iEF's ``lr=1`` on the benchmark's GPT-2 + LoRA, 5.1 % next-token accuracy against 35.1 % at
-``lr=0.1``).
-``lr="auto"`` measures the loss along the step just taken on the *next* batch, which the step did not see (a
-Levenberg-Marquardt ratio of achieved to predicted reduction, taken where it is unbiased). With ``delta = theta_t -
-theta_{t+1}`` the change the previous step applied (schedule, momentum buffer and decoupled weight decay included) and
-``L`` the new batch's summed loss (the union batch's across processes), the step measures::
+iEF's first-order model of a step (the paper's Eq. (8): ``J d = s``) asks every sample's loss to fall by ``lr * s_n``
+(``s_n = ||grad_z l_n||^2``, defined after Eq. (8)); where that model is wrong the step overshoots (the paper's
+``lr=100`` taken in the sum convention, or ``lr=1`` on a GPT-2 + LoRA). ``lr="auto"`` measures the loss along the
+step just taken on the *next* batch, which the step did not see (a Levenberg-Marquardt ratio of achieved to predicted
+reduction, taken where it is unbiased). With ``delta = theta_t - theta_{t+1}`` the change the previous step applied
+(schedule, momentum buffer and decoupled weight decay included) and ``L`` the new batch's summed loss (the union
+batch's across processes), the step measures::
 
     D = L(theta_t) - L(theta_{t+1})          # achieved: one forward without gradients at theta_t
     E = grad L(theta_{t+1}) . delta          # the slope at theta_{t+1} (the step's own gradient)
@@ -16,34 +15,27 @@ fits ``f(a) = L(theta_t - a delta) = f(0) - g a + c a^2 / 2`` through them (``g 
 multiplies the rate by the fit's minimiser ``a* = g / c`` (by :data:`GROW` when ``c <= 0`` and ``g > 0``, by
 :data:`SHRINK` when ``c <= 0`` and ``g <= 0`` or a value is not finite), the factor kept in ``[SHRINK, GROW]`` and the
 rate in ``[FLOOR, CEILING]`` times the first rate (the ceiling, 10 times iEF's ``lr=1``, because at a near-zero training
-loss the fit is noise and kept doubling: on the digits CNN the rate reached 52 and the loss jumped from 0.0013 to 0.196
-in 3 steps; capped at 10 the run ended at 0.0016). The previous batch's direction is independent of the new batch, so
-``f`` is an unbiased sample of the expected loss along it: the rate follows the step size that the data, not the batch
-that made the step, prefers. The first step uses :data:`INITIAL` (iEF's sum-convention ``lr=1``, every sample's logits
-moved by its logit gradient to first order; EF/SF's normalised ``0.01``); the new batch's forward replays the step's RNG
-state (the same dropout masks as the step's own forward).
+loss the fit is noise and would keep doubling the rate). The previous batch's direction is independent of the new
+batch, so ``f`` is an unbiased sample of the expected loss along it: the rate follows the step size that the data, not
+the batch that made the step, prefers. The first step uses :data:`INITIAL` (iEF's sum-convention ``lr=1``, every
+sample's logits moved by its logit gradient to first order; EF/SF's normalised ``0.01``); the new batch's forward
+replays the step's RNG state (the same dropout masks as the step's own forward).
 
-Why this rule (issue 37's candidates, measured by ``python -m benchmarks auto_lr``):
+Why this rule and not another (the candidates' measurements: ``benchmarks/README.md``, "The optimisers' defaults"):
 
 - *A per-step cap* ``lr <= c min_n l_n / s_n`` (the linearised reduction ``lr s_n`` at most a fraction ``c`` of the
   loss) costs nothing but cannot see curvature: for cross-entropy ``l_n / s_n >= 1.2277`` at every prediction
   (``s_n = (1 - p_y)^2 + sum_{j != y} p_j^2 <= 2 (1 - p_y)^2`` and ``-ln q / (2 (1 - q)^2) >= 1.2277``), so with
-  ``c = 1`` it never binds below ``lr = 1.23``, where iEF already overshoots on GPT-2 + LoRA; for MSE
-  ``l_n / s_n = 1/2`` exactly, a constant.
+  ``c = 1`` it never binds below ``lr = 1.23``, where iEF can already overshoot; for MSE ``l_n / s_n = 1/2`` exactly,
+  a constant.
 - *The exact minimiser along iEF's logit move* ``z_n - eta grad_z l_n`` does not exist for cross-entropy: the move
   raises the target's margin over every other class (by ``eta (1 - p_y + p_j) > 0``), so every sample's loss falls
   monotonically to 0 and the minimiser is ``eta = inf``; for MSE it is ``eta = 1`` whatever the model.
 - *The ratio on the step's own batch* (the classic trust region: an extra forward after the update on the same
   batch) rewards fitting that batch: the ratio stays high up to ``lr ~ 4 L / (3 sum_n s_n)`` (a loss cannot fall
-  below 0), so on tweets-minilm-lora (one epoch of the benchmark) it grew the rate from 1 to 4 and ended at 20.5 %
-  test accuracy (lr 1: 54.1 %).
-- *The new batch's loss along the previous step* (this rule) measures what the step did to data it did not fit.
-  Final training loss (mean per target, last 10 % of the updates) for lr 1 / ``"auto"`` / searched:
-  digits-mlp 0.0112 / 0.0074 / 0.0032 (lr 3), tweets-minilm-lora 0.673 / 0.666 / 0.636 (lr 0.3), a digits CNN
-  0.0089 / 0.0016 / 0.0089 (lr 1), GPT-2 + LoRA 3.440 / 3.186 / 2.988 (lr 0.1); no run diverged
-  (``benchmarks/results/auto_lr-cpu.json``). It is not the default: on digits-mlp it ends 2.3 times the searched
-  rate's loss, and it tends to settle below the best constant rate (a one-step greedy choice; on GPT-2 it stayed
-  between 0.015 and 0.07 after its first steps, against the searched 0.1).
+  below 0), so it grows the rate past what held-out data tolerates.
+- *The new batch's loss along the previous step* (this rule) measures what the step did to data it did not fit. It
+  is not the default: a one-step greedy choice, it tends to settle below the best constant rate.
 
 Cost: one forward without gradients per step (from the second step; no backward, no per-sample work), a copy of
 the trainable parameters' size (``delta``), and two all-reduces of one scalar across processes. No host round-trip

@@ -1,4 +1,5 @@
-"""K-FAC-family optimisers: KFAC, eKFAC and ieKFAC as practical block-diagonal optimisers (``sec:app-iEF-eNGDopt``).
+"""K-FAC-family optimisers: KFAC, eKFAC and ieKFAC as practical block-diagonal optimisers (the paper's Appendix D.2.2,
+"Improving Empirical K-FAC with IEF").
 
 The paper proposes ieKFAC "as a starting point for future work" and only evaluates its direction; :class:`KFAC`
 makes the three block-diagonal directions of :func:`ief.kfac_direction` (``kind="kfac"``: sampled labels,
@@ -30,7 +31,7 @@ gradient step, whose scale a gradient step does not share), and the result would
 method the paper evaluates nor a known optimiser. Pass ``params=`` with the linear layers' parameters (freezing or
 separately optimising the rest); prompt tuning has no linear trainable parameter and is for :class:`ief.optim.IEF`.
 
-Only ``reduction="sum"`` (``L = sum_n l_n``, ``eqn:prob_loss``) is offered: the running factors average batches of
+Only ``reduction="sum"`` (``L = sum_n l_n``, the paper's Eq. (1)) is offered: the running factors average batches of
 different token counts, for which the token-mean conversion of ``lr`` and ``damping`` per batch
 (:mod:`ief.optim.convention`) has not been derived.
 
@@ -73,22 +74,36 @@ import torch.distributed as dist
 
 from ..arguments import suggest_keywords
 from ..distributed import all_gather_rows, all_reduce, collective_device, world_size
-from ..kfac import (KINDS, KroneckerBlock, block_diagonal_direction, check_approx, check_kind, check_linear_only,
-                    kronecker_eigen, kronecker_factor_sets)
+from ..kfac import (
+    KINDS,
+    KroneckerBlock,
+    block_diagonal_direction,
+    check_approx,
+    check_kind,
+    check_linear_only,
+    data_parallel_module,
+    kronecker_eigen,
+    kronecker_factor_sets,
+)
 from ..losses import Loss
-from .exact import ForeignStateError, PreconditionedOptimizer, _describe, _finite
+from .base import Direction, PreconditionedOptimizer
+from .checks import finite
+from .options import Settings, shared_args
+from .state import ForeignStateError, check_origin, describe
+from .update import scheduled_rate
 
-
-_NOT_TAKEN = object()  # check= and form= are the exact optimisers' (refused by name when given)
-# Defaults chosen by the cpu learning-rate searches (companion/experiments/lr_search/cpu-*.json, damping 1 fixed):
-# every kind's best rate was 0.01 on digits-mlp (0.03 diverged) and 0.03 on tweets-minilm-lora (0.01 within 6 points)
+NOT_TAKEN = {key: f"{key}= is an argument of the exact optimisers' per-sample Jacobian (IEF, EF, SF); KFAC takes none"
+             for key in ("check", "form")}
+# the defaults: a rate and damping that learned on every kind in the companion's cpu learning-rate searches (the
+# measurements: benchmarks/README.md, "The optimisers' defaults")
 DEFAULT_LR = 0.01
 DEFAULT_DAMPING = 1.0
 
 
 def _check_factor_decay(value: Any) -> float:
-    if isinstance(value, (bool, str)):
-        raise ValueError(f"factor_decay must be a number in [0, 1) (0: each batch's own factors), got {value!r}")
+    if isinstance(value, (bool, str)):  # a ValueError, as every bad argument of the constructors
+        raise ValueError(  # noqa: TRY004
+            f"factor_decay must be a number in [0, 1) (0: each batch's own factors), got {value!r}")
     try:
         out = float(value)
     except (TypeError, ValueError):
@@ -139,23 +154,23 @@ def _check_inverse_every(value: Any) -> int:
     return value
 
 
+@shared_args
 class KFAC(PreconditionedOptimizer):
     """Block-diagonal K-FAC optimiser: ``theta <- theta - lr * (G_t (x) A_t + lambda I)^{-1} grad L`` per linear
-    layer, with running factors and occasional eigendecompositions (module docstring; ``sec:app-iEF-eNGDopt``).
+    layer, with running factors and occasional eigendecompositions (module docstring; the paper's Appendix D.2.2).
 
     Args:
         model: the ``nn.Module`` whose forward the optimiser runs; every trainable parameter (or every one in
             ``params``) must be the weight or bias of an ``nn.Linear``.
         kind: ``"kfac"`` (labels sampled from the model with ``generator``), ``"ekfac"`` (true labels) or
             ``"iekfac"`` (true labels, rows of sample ``n`` weighted by ``1/s_n``), as :func:`ief.kfac_direction`.
-        lr: the rate (finite, > 0); default ``None``: ``0.01`` (:data:`DEFAULT_LR`), the cpu learning-rate
-            searches' choice for every kind on digits-mlp (``0.03`` diverged there; tweets-minilm-lora chose
-            ``0.03``, with ``0.01`` within 6 points of validation accuracy), at the default damping. Rates are
-            problem-dependent: on a tiny MLP with 16 samples ``lr=0.1`` diverges with ``damping=1e-2``;
-            ``kl_clip`` bounds every step whatever the rate.
+        lr: the rate (finite, > 0); default ``None``: ``0.01`` (:data:`DEFAULT_LR`, chosen at the default damping by
+            the companion's learning-rate searches; the measurements: ``benchmarks/README.md``). Rates are
+            problem-dependent (a larger rate or a smaller damping can diverge); ``kl_clip`` bounds every step
+            whatever the rate.
         damping: ``lambda >= 0`` on the whole Kronecker block, :func:`ief.kfac_direction`'s axis (0: pseudo-inverse);
-            default ``None``: ``1.0`` (:data:`DEFAULT_DAMPING`, the value the cpu setups use in the sum
-            convention; ``1e-3`` took a small MLP's loss from 21 to 4,802 for every kind without ``kl_clip``).
+            default ``None``: ``1.0`` (:data:`DEFAULT_DAMPING`, in the sum convention; a damping orders of magnitude
+            smaller lets the small eigenvalues of ``G (x) A`` blow up the step without ``kl_clip``).
         factor_decay: ``c`` in ``[0, 1)`` of the factors' running average (default ``0.95``; 0: the batch's own
             factors).
         inverse_every: ``T >= 1``: the eigendecompositions are refreshed on steps ``0, T, 2T, ...`` (default ``10``).
@@ -165,23 +180,17 @@ class KFAC(PreconditionedOptimizer):
             direction is scaled by ``min(1, sqrt(kl_clip / (lr^2 |d . g|)))`` before momentum, so a small damping
             or a large rate cannot take an arbitrarily long step. No effect with ``normalize=True``.
         generator: the RNG of ``kind="kfac"``'s sampled labels (default ``None``: the global RNG).
-        params: the parameters to train (default ``None``: every trainable one), or weight-decay groups, as
-            :class:`ief.optim.IEF`.
-        loss: ``"cross_entropy"`` (default) or ``"mse"``.
+        {shared args: params loss}
         reduction: ``"sum"`` only (the default); ``"mean"`` is refused.
         normalize: rescale each update to norm ``lr`` (default ``False``).
-        total_steps: linear decay of the step size to 0 over ``T`` steps (default ``None``: constant).
-        momentum: heavy-ball momentum in ``[0, 1)`` (default ``0.0``), as :class:`ief.optim.IEF`.
-        dampening: in ``[0, 1]`` (default ``0.0``), as :class:`ief.optim.IEF`.
-        weight_decay: decoupled weight decay ``>= 0`` (default ``0.0``), as :class:`ief.optim.IEF`.
+        {shared args: total_steps momentum dampening weight_decay}
         process_group: step across the processes of this ``torch.distributed`` group, exactly as one process on the
             union batch (the factors, gradient and losses of every rank's batch; module docstring); default: a
             ``DistributedDataParallel`` model's group, else none.
-        check: not taken (the exact optimisers' per-sample guard, default ``True`` there): a ``ValueError``.
-        form: not taken (the exact optimisers' Jacobian form, default ``"auto"`` there): a ``ValueError``.
 
     Raises:
-        TypeError: an unknown keyword (the message names the closest accepted one).
+        TypeError: an unknown keyword (the message names the closest accepted one; ``check=`` and ``form=``, the
+            exact optimisers' arguments, are refused saying so).
         ValueError: a bad argument (named with its value and the accepted values), ``reduction`` other than
             ``"sum"``, a trainable parameter outside any ``nn.Linear`` (named), or an initialised
             ``torch.distributed`` of world size > 1 with neither ``process_group`` nor a ``DistributedDataParallel``
@@ -192,9 +201,8 @@ class KFAC(PreconditionedOptimizer):
     """
 
     method = "kfac"
-    _across_processes = True  # the union batch's factors, gradient and losses (module docstring)
 
-    @suggest_keywords
+    @suggest_keywords(notes=NOT_TAKEN)
     def __init__(
         self,
         model: torch.nn.Module,
@@ -216,63 +224,58 @@ class KFAC(PreconditionedOptimizer):
         dampening: float = 0.0,
         weight_decay: float = 0.0,
         process_group: Any = None,
-        check: Any = _NOT_TAKEN,
-        form: Any = _NOT_TAKEN,
     ):
         check_kind(kind)
         check_approx(approx)
         if reduction != "sum":
             raise ValueError(f"KFAC supports reduction='sum' only (the loss sum_n l_n; the token-mean conversion of "
                              f"lr and damping with running factors is not derived), got {reduction!r}")
-        for key, value in (("check", check), ("form", form)):
-            if value is not _NOT_TAKEN:
-                raise ValueError(f"KFAC takes no {key!r} (an argument of the exact optimisers' per-sample Jacobian)")
         self.kl_clip = _check_kl_clip(kl_clip)
         self.kind = kind
         self.approx = approx
         self.factor_decay = _check_factor_decay(factor_decay)
         self.inverse_every = _check_inverse_every(inverse_every)
         self.generator = generator
+        settings = Settings(params=params, loss=loss, reduction="sum", normalize=normalize, total_steps=total_steps,
+                            momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                            process_group=process_group)
         super().__init__(model, DEFAULT_LR if lr is None else lr, DEFAULT_DAMPING if damping is None else damping,
-                         params=params, loss=loss, reduction="sum", normalize=normalize, total_steps=total_steps,
-                         momentum=momentum, dampening=dampening, weight_decay=weight_decay, check=False,
-                         process_group=process_group)
+                         settings)
         check_linear_only(model, self._all_params(), kind)
         self.factors: dict[str, dict[str, Any]] = {}  # block name -> {"G", "A", "eigen"}
-        self._pending: dict[str, dict[str, Any]] | None = None
 
-    def _direction(self, inputs, targets, group):
+    def _direction(self, inputs, targets, batch):
         losses: list[torch.Tensor] = []
-        blocks, gradient, params = self._local(lambda: kronecker_factor_sets(
-            self.model, inputs, targets, [self.kind], group["params"], generator=self.generator, loss=self.loss,
+        (blocks, gradient, params), deferred = self._local(lambda: kronecker_factor_sets(
+            self.model, inputs, targets, [self.kind], batch["params"], generator=self.generator, loss=self.loss,
             approx=self.approx, losses_out=losses))
         blocks, gradient, batch_losses = self._union_factors(blocks[self.kind], gradient, losses[0])
         refresh = self.steps_taken % self.inverse_every == 0
         c = self.factor_decay
-        pending = {}
+        pending, checks = {}, []
         for block in blocks:
             old = self.factors.get(block.name)
             if old is not None:  # the running average (new tensors: the stored ones stay until the step succeeds)
                 block.G = old["G"] * c + block.G * (1.0 - c)
                 block.A = old["A"] * c + block.A * (1.0 - c)
-            finite = _finite(block.G, block.A)
+            factors_finite = finite(block.G, block.A)
             message = f"non-finite Kronecker factors of layer {block.name!r}"
             if refresh or old is None:  # read now: an eigendecomposition of a non-finite factor fails
-                if not bool(finite):
+                if not bool(factors_finite):
                     raise FloatingPointError(message)
                 eigen = kronecker_eigen(block.G, block.A)
             else:  # read with the step's other checks, before anything changes (no host round-trip here)
-                self._checks.append((finite, message))
+                checks.append((factors_finite, message))
                 eigen = old["eigen"]
             pending[block.name] = {"G": block.G, "A": block.A, "eigen": eigen}
-        direction = block_diagonal_direction(blocks, gradient, params, group["damping"], self.kind,
+        direction = block_diagonal_direction(blocks, gradient, params, batch["damping"], self.kind,
                                              {name: entry["eigen"] for name, entry in pending.items()},
                                              check=False)  # the step reads it with its other checks
         if self.kl_clip is not None:
-            direction = direction * kl_clip_factor(direction, gradient, self._step_size(dict(group, normalize=False),
-                                                                                       1.0), self.kl_clip)
-        self._pending = pending
-        return batch_losses, direction
+            rate = scheduled_rate(batch["lr"], self.steps_taken, batch["total_steps"])
+            direction = direction * kl_clip_factor(direction, gradient, rate, self.kl_clip)
+        return Direction(batch_losses, direction, checks=checks, deferred=deferred,
+                         keep=lambda: self.factors.update(pending))  # the running factors, once the step succeeded
 
     def _union_factors(self, blocks: list[KroneckerBlock], gradient: torch.Tensor, losses: torch.Tensor,
                        ) -> tuple[list[KroneckerBlock], torch.Tensor, torch.Tensor]:
@@ -318,13 +321,6 @@ class KFAC(PreconditionedOptimizer):
             summed.append(KroneckerBlock(block.name, G, A, block.index))
         return summed, union_gradient, all_gather_rows(losses.to(device), sizes, self._group).to(losses.device)
 
-    def _update(self, given, group, direction, tokens, **checks):
-        """The update of :class:`ief.optim.IEF` (with the step's checks), then the new running factors are kept
-        (only after it succeeded)."""
-        super()._update(given, group, direction, tokens, **checks)
-        self.factors.update(self._pending or {})
-        self._pending = None
-
     def _identity(self) -> dict:
         """The exact optimisers' record plus the kind and the approximation (:meth:`state_dict`)."""
         return dict(super()._identity(), kind=self.kind, approx=self.approx)
@@ -356,21 +352,46 @@ class KFAC(PreconditionedOptimizer):
                 kind's or settings', a torch optimiser's); the message names both.
             ValueError: it holds a generator's state and this KFAC has no generator.
         """
-        self._check_origin(state_dict)
+        check_origin(self._identity(), state_dict)
         state_dict = dict(state_dict)
         saved = state_dict.pop("kfac", None)
         if saved is None:
             raise ForeignStateError(f"this state_dict has no 'kfac' entry (running factors), so it is not a KFAC "
-                                    f"optimiser's and cannot be loaded into {_describe(self._identity())}; start it "
+                                    f"optimiser's and cannot be loaded into {describe(self._identity())}; start it "
                                     f"fresh")
         if saved["kind"] != self.kind or saved["approx"] != self.approx:
             raise ForeignStateError(f"this state_dict is a KFAC(kind={saved['kind']!r}, approx={saved['approx']!r})'s, "
                                     f"this optimiser is KFAC(kind={self.kind!r}, approx={self.approx!r}); construct "
                                     f"that kind to resume it, or start this one fresh")
+        self._check_factors(saved["factors"])
         super().load_state_dict(state_dict)
         device = self._all_params()[0].device  # a state loaded with map_location="cpu" (transformers.Trainer does)
         self.factors = {name: {"G": e["G"].to(device, copy=True), "A": e["A"].to(device, copy=True),
                                "eigen": tuple(t.to(device, copy=True) for t in e["eigen"])}
                         for name, e in saved["factors"].items()}
+
+    def _check_factors(self, factors: dict) -> None:
+        """Refuse running factors that are not this model's (:class:`ForeignStateError` naming the layer): each must
+        belong to an ``nn.Linear`` whose parameters this optimiser trains, with ``G`` of its outputs' width and ``A``
+        of its inputs' (plus one for a trained bias; one alone for a trained bias without its weight)."""
+        modules = dict(data_parallel_module(self.model).named_modules())
+        trained = {id(p) for p in self._all_params()}
+        for name, entry in factors.items():
+            module = modules.get(name)
+            weight = isinstance(module, torch.nn.Linear) and id(module.weight) in trained
+            bias = isinstance(module, torch.nn.Linear) and module.bias is not None and id(module.bias) in trained
+            if not (weight or bias):
+                raise ForeignStateError(f"this state_dict holds running factors of layer {name!r}, which is no linear "
+                                        f"layer this {describe(self._identity())} trains (the state of another "
+                                        f"model's optimiser); start it fresh")
+            width = (module.in_features if weight else 0) + (1 if bias else 0)
+            want = {"G": (module.out_features, module.out_features), "A": (width, width)}
+            for key, shape in want.items():
+                got = tuple(entry[key].shape) if isinstance(entry.get(key), torch.Tensor) else None
+                if got != shape:
+                    raise ForeignStateError(f"this state_dict's running factor {key} of layer {name!r} has shape {got} "
+                                            f"where the layer's is {shape} (the state of another model's optimiser): "
+                                            f"it cannot be loaded into {describe(self._identity())}; start it fresh")
+
 
 __all__ = ["KFAC", "KINDS"]

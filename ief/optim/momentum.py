@@ -1,12 +1,14 @@
-"""Heavy-ball momentum and decoupled weight decay for the exact optimisers (beyond ``sec:app-limitations``).
+"""Heavy-ball momentum and decoupled weight decay for the exact optimisers (beyond the paper's "Limitations").
 
-The paper's Limitations (``sec:app-limitations``) say the exact iEF update "means momentum and weight decay cannot be
+The paper's Limitations (Appendix G) say the exact iEF update "means momentum and weight decay cannot be
 directly applied" and leave their integration to further work. :class:`ief.optim.IEF` / ``EF`` / ``SF`` add both in
 the form torch users know, applied *outside* the exact direction so that the direction itself stays
-``alg:iEF``'s (``alg:EF``'s, ``alg:SF``'s) and ``momentum=0, weight_decay=0`` is today's update, bit for bit.
+the paper's Algorithm 1 (iEF; Algorithms 2 and 3 for EF and SF) and ``momentum=0, weight_decay=0`` is the paper's
+update, bit for bit. The update itself is :func:`ief.optim.update.preconditioned_update`; this module holds its
+derivation and the checks of its settings.
 
 **The update.** At step ``t`` on batch ``B_t`` the optimiser computes the exact direction ``d_t`` (e.g.
-``J^T (J J^T + lambda I)^{-1} s`` for iEF, ``eqn:iEF_lsq``) and the batch's own factor ``c_t``: ``1 / ||d_t||`` with
+``J^T (J J^T + lambda I)^{-1} s`` for iEF, the paper's Eq. (8)) and the batch's own factor ``c_t``: ``1 / ||d_t||`` with
 ``normalize=True`` (0 when ``d_t = 0``), times the token-mean conversion of the rate with ``reduction="mean"``
 (``1/K_t`` for iEF, ``K_t`` for un-normalised EF/SF, 1 for a normalised update; :mod:`ief.optim.convention`), else
 1. With the schedule ``eta_t = lr_t * (1 - t/T)`` (``lr_t``: ``param_groups``' ``lr``, which a scheduler sets; the
@@ -25,23 +27,23 @@ decay's shrink not included); a buffer that is not finite raises ``FloatingPoint
 **Why this form.**
 
 - *Momentum on the preconditioned step, not on the gradient.* iEF's direction is the solution of a per-batch least
-  squares problem (``eqn:iEF_lsq``: ``J d = s``), not a linear function of the gradient, so a gradient buffer cannot
+  squares problem (the paper's Eq. (8): ``J d = s``), not a linear function of the gradient, so a gradient buffer cannot
   be preconditioned afterwards; averaging the directions is heavy-ball on the natural-gradient step, as in K-FAC's
   and Shampoo's practical implementations, and each ``d_t`` stays the exact update of its own batch.
 - *The batch factor inside the buffer, the rate outside.* ``c_t`` belongs to the batch: a normalised EF/SF update
-  exists because EF's raw norms vary by orders of magnitude (``sec:app-optimiser``), so the buffer averages unit
+  exists because EF's raw norms vary by orders of magnitude (the paper's Appendix H.2, "Optimisation Experimental Setup"), so the buffer averages unit
   steps, and ``reduction="mean"`` converts each batch's rate by its own ``K_t``. The rate ``eta_t`` stays outside, as
   in ``torch.optim.SGD`` (``p -= lr * buf``), so a scheduler rescales the whole step at once.
 - *torch's conventions.* The buffer's first value is ``u_1`` undamped and later values are
   ``mu b + (1 - tau) u``, exactly ``torch.optim.SGD``'s ``momentum_buffer`` (``dampening`` defaults to 0 as there).
   With ``tau = 0`` a constant direction is eventually stepped ``eta / (1 - mu)`` far: momentum 0.9 makes iEF's
-  ``lr = 1`` (every sample's logits moved by its loss gradient to first order, ``eqn:iEF_lsq``) act like ``lr = 10``.
+  ``lr = 1`` (every sample's logits moved by its loss gradient to first order, Eq. (8)) act like ``lr = 10``.
   ``dampening = momentum`` is the exponential average (Adam's first moment without its bias correction, which the
   undamped first value makes unnecessary): the step keeps the scale of the momentum-free rate, so a rate tuned
   without momentum keeps its meaning. Nesterov's variant is not offered.
 - *Decoupled weight decay* (Loshchilov and Hutter, as ``torch.optim.AdamW``: ``p *= 1 - lr * weight_decay``). An
   L2 term ``wd/2 ||theta||^2`` added to the loss is not a per-sample loss: it has no row in ``J`` and no entry in
-  iEF's ``s``, so it cannot enter ``eqn:iEF_lsq`` without changing what iEF is, and its gradient preconditioned by
+  iEF's ``s``, so it cannot enter Eq. (8) without changing what iEF is, and its gradient preconditioned by
   ``(J J^T + lambda I)^{-1}``-type curvature would decay each direction by its curvature instead of uniformly (the
   AdamW argument). Shrinking ``theta`` by ``1 - eta_t wd`` beside the exact step decays every weight at the same rate
   and scales with the schedule. ``eta_t`` here is the *given* rate (never the per-batch token conversion: the decay
@@ -69,8 +71,8 @@ GROUP_KEYS = ("params", "weight_decay")  # what a params=[{...}] group may set
 
 
 def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or isinstance(value, str):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
+    if isinstance(value, (bool, str)):  # a ValueError, as every bad argument of the constructors
+        raise ValueError(f"{name} must be a real number, got {value!r}")  # noqa: TRY004
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -152,18 +154,3 @@ def resolve_groups(model: torch.nn.Module, params: Iterable | None) -> list[dict
                 raise ValueError(f"params[{index}]: {err}") from None
         groups.append(group)
     return groups
-
-
-@torch.no_grad()
-def momentum_buffers(state: dict, params: list[torch.Tensor], steps: list[torch.Tensor], momentum: float,
-                     dampening: float) -> list[torch.Tensor]:
-    """The new ``momentum_buffer`` of every parameter (``b = u`` first, ``mu b + (1 - tau) u`` after), computed
-    out of place: the caller stores them only once they are all finite."""
-    out = []
-    for p, u in zip(params, steps):
-        old = state[p].get("momentum_buffer")
-        if old is None:
-            out.append(u.clone())
-        else:
-            out.append(old.mul(momentum).add_(u, alpha=1.0 - dampening))
-    return out

@@ -1,6 +1,8 @@
 """ARCHITECTURE.md's rule and layers hold: ``ief`` never imports the companion, ``tools/`` or ``benchmarks/``; the
 companion imports only ``ief``'s public names; no module imports from a layer above its own; every module of ``ief/``
-and ``companion/`` is in a layer; and ``companion.paper`` imports the standard library only.
+and ``companion/`` is in a layer; ``companion.paper`` imports the standard library only; no import circle, inside a
+package or across packages of one layer (which the layers alone cannot see); and no module of ``ief/`` or
+``companion/`` is over 700 lines.
 
 Read with ``ast``, nothing imported: every ``.py`` file of ``ief/``, ``companion/``, ``benchmarks/``, ``tools/`` and
 ``book/_ext/`` and the code cells of ``notebooks/*.ipynb``; every import of the project's own packages, lazy ones
@@ -26,6 +28,7 @@ PACKAGES = ("ief", "companion", "benchmarks", "tools")  # whose imports are the 
 SOURCES = ("ief", "companion", "benchmarks", "tools", "book/_ext")  # the folders whose .py files are checked
 PLACED = ("ief.", "companion.")  # every module of these packages must be in a layer
 LEAF = "companion.paper"  # imports the standard library only
+MAX_LINES = 700  # the longest a module of ief/ or companion/ may be (DEVELOPERS.md: one concern per module)
 
 
 # ------------------------------------------------------------------------------------------------ the table
@@ -246,6 +249,112 @@ def leaf_violations(sources: list[Source], leaf: str = LEAF) -> list[str]:
     return found
 
 
+def import_graph(sources: list[Source]) -> dict[str, dict[str, tuple[str, int, str]]]:
+    """``{module: {module it imports: (its path, the line, the import as written)}}`` over ``sources``' own modules:
+    every import, lazy ones inside functions included (a lazy import closes a circle as surely as a top-level one,
+    only later), the first of several imports of the same module kept. Notebooks import nothing of each other."""
+    known = {s.module for s in sources}
+    graph: dict[str, dict[str, tuple[str, int, str]]] = {}
+    for source in sources:
+        edges = graph.setdefault(source.module, {})
+        for line, written, reached in imports(source, known):
+            if reached in known and reached != source.module:
+                edges.setdefault(reached, (source.path, line, written))
+    return graph
+
+
+def _strongly_connected(graph: dict[str, dict[str, tuple]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` (Tarjan's algorithm, iterative), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, {}))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, {})))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(sorted(component))
+    return components
+
+
+def _shortest_cycle(graph: dict[str, dict[str, tuple]], start: str, members: set[str]) -> list[str]:
+    """The shortest path of imports from ``start`` back to ``start`` inside ``members`` (breadth first)."""
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph.get(node, {})):
+                if child not in members:
+                    continue
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if child not in previous:
+                    previous[child] = node
+                    following.append(child)
+        frontier = following
+    raise ValueError(f"{start} is on no circle of {sorted(members)}")
+
+
+def circles(sources: list[Source]) -> list[str]:
+    """One line per import circle among ``sources``' modules (a set of modules each of which imports, directly or
+    through the others, every other one), with the shortest circle through its first module spelled out import by
+    import; empty: none.
+
+    Returns:
+        ``"import circle of <n> modules (<modules>): <path>:<line> <import> -> <module> -> ... -> <first module>"``.
+    """
+    graph = import_graph(sources)
+    found = []
+    for component in _strongly_connected(graph):
+        if len(component) < 2:
+            continue
+        cycle = _shortest_cycle(graph, component[0], set(component))
+        steps = []
+        for here, there in zip(cycle, cycle[1:]):
+            path, line, written = graph[here][there]
+            steps.append(f"{path}:{line} {written} -> {there}")
+        found.append(f"import circle of {len(component)} modules ({', '.join(component)}): " + "; ".join(steps))
+    return found
+
+
+def long_modules(sources: list[Source], limit: int = MAX_LINES) -> list[str]:
+    """``"<path>: <n> lines (more than <limit>)"`` for every module of ``ief/`` or ``companion/`` over ``limit``."""
+    return [f"{s.path}: {len(s.code.splitlines())} lines (more than {limit}): split it by concern"
+            for s in sources if s.module.startswith(PLACED) and s.path.endswith(".py")
+            and len(s.code.splitlines()) > limit]
+
+
 # ------------------------------------------------------------------------------------------------ the checks
 LAYERS = parse_layers(ARCHITECTURE.read_text(encoding="utf-8"))
 PUBLIC_MODULES = parse_public_modules(ARCHITECTURE.read_text(encoding="utf-8"))
@@ -277,6 +386,17 @@ def test_the_table_states_the_rooms_lowest_first():
     assert LAYERS["notebooks"] == LAYERS["book._ext"] == max(LAYERS.values())
     assert PUBLIC_MODULES == ["ief", "ief.optim", "ief.hf", "ief.woodfisher"]
     assert len(ARCHITECTURE.read_text().splitlines()) <= 70, "ARCHITECTURE.md is meant to stay short"
+
+
+def test_no_import_circle(sources):
+    found = circles(sources)
+    assert not found, ("modules that import each other (lazy imports included): move what both need into a module "
+                       "below them\n" + "\n".join(found))
+
+
+def test_no_module_is_over_the_length_limit(sources):
+    found = long_modules(sources)
+    assert not found, "\n".join(found)
 
 
 # ------------------------------------------------------------------------------------------ the check can fail
@@ -348,3 +468,51 @@ def test_a_malformed_table_is_refused():
         parse_layers("| 0 | `a` | x |\n| 1 | `a` | y |\n")
     with pytest.raises(ValueError, match="no layer table"):
         parse_layers("no table here\n")
+
+
+# a rule that lazily imported the capture above it, as peft_common once did: the capture imports the rules' package,
+# which imports every rule, one of which imports the shared peft module, which imports the capture again
+_CIRCLE = [Source("ief.jacobian.__init__", "ief/jacobian/__init__.py", "from .capture import PerSampleCapture\n"),
+           Source("ief.jacobian.capture", "ief/jacobian/capture.py", "import torch\nfrom .rules import LayerRule\n"),
+           Source("ief.jacobian.rules.__init__", "ief/jacobian/rules/__init__.py",
+                  "from . import linear, peft_ia3\nfrom .registry import LayerRule\n"),
+           Source("ief.jacobian.rules.registry", "ief/jacobian/rules/registry.py", "import torch\n"),
+           Source("ief.jacobian.rules.linear", "ief/jacobian/rules/linear.py", "from .registry import LayerRule\n"),
+           Source("ief.jacobian.rules.peft_ia3", "ief/jacobian/rules/peft_ia3.py",
+                  "from .peft_common import PeftAdapterRule\n"),
+           Source("ief.jacobian.rules.peft_common", "ief/jacobian/rules/peft_common.py",
+                  "from .registry import LayerRule\n\n\nclass PeftAdapterRule(LayerRule):\n"
+                  "    def recorder(self):\n        from ..capture import recording_hook\n")]
+
+
+def test_a_lazy_import_that_closes_a_circle_inside_a_package_is_named():
+    assert circles(_CIRCLE) == [
+        "import circle of 4 modules (ief.jacobian.capture, ief.jacobian.rules.__init__, ief.jacobian.rules.peft_common, "
+        "ief.jacobian.rules.peft_ia3): ief/jacobian/capture.py:2 from .rules import LayerRule -> "
+        "ief.jacobian.rules.__init__; ief/jacobian/rules/__init__.py:1 from . import peft_ia3 -> "
+        "ief.jacobian.rules.peft_ia3; ief/jacobian/rules/peft_ia3.py:1 from .peft_common import PeftAdapterRule -> "
+        "ief.jacobian.rules.peft_common; ief/jacobian/rules/peft_common.py:6 from ..capture import recording_hook -> "
+        "ief.jacobian.capture"]
+    assert violations(_CIRCLE, LAYERS) == []  # every import stays in its layer: only the circle check sees it
+    fixed = [s if s.module != "ief.jacobian.rules.peft_common" else
+             Source(s.module, s.path, "from .registry import LayerRule, recording_hook\n") for s in _CIRCLE]
+    assert circles(fixed) == []
+
+
+def test_a_circle_of_two_sibling_modules_is_named():
+    pair = [Source("companion.experiments.data", "companion/experiments/data.py",
+                   "def load():\n    from .asset_folder import local_item\n"),
+            Source("companion.experiments.asset_folder", "companion/experiments/asset_folder.py",
+                   "def local_item():\n    from .data import MissingResource\n")]
+    assert circles(pair) == [
+        "import circle of 2 modules (companion.experiments.asset_folder, companion.experiments.data): "
+        "companion/experiments/asset_folder.py:2 from .data import MissingResource -> companion.experiments.data; "
+        "companion/experiments/data.py:2 from .asset_folder import local_item -> companion.experiments.asset_folder"]
+
+
+def test_a_long_module_is_named_with_its_length():
+    code = "x = 1\n" * (MAX_LINES + 1)
+    fake = [Source("ief.optim.exact", "ief/optim/exact.py", code), Source("tools.big", "tools/big.py", code),
+            Source("ief.losses", "ief/losses.py", "x = 1\n" * MAX_LINES)]
+    assert long_modules(fake) == [f"ief/optim/exact.py: {MAX_LINES + 1} lines (more than {MAX_LINES}): split it by "
+                                  "concern"]

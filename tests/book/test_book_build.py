@@ -8,7 +8,7 @@ import os
 import nbformat
 import pytest
 
-from tools.book import cli, driver, steps
+from tools.book import cli, driver, job_clock, steps
 
 
 def _notebook(path, body: str):
@@ -114,7 +114,7 @@ localrule all:
 [Wed Nov 25 00:16:02 2026]
 Finished jobid: 0 (Rule: all)
 """
-    clock = driver.JobClock()
+    clock = job_clock.JobClock()
     for line in output.splitlines(keepends=True):
         clock.line(line)
     assert clock.seconds() == {"evaluate_stage": 21.0, "train": 19.0}

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from companion.chapters import cost
-from tools.book import cli, driver, steps
+from tools.book import cli, driver, job_clock, steps
 
 SNAKEMAKE_OUTPUT = """[Sat Nov 28 02:37:51 2026]
 localrule train:
@@ -79,7 +79,7 @@ def _log(path, *entries):
 def test_the_job_clock_keeps_each_jobs_rule_wildcards_and_time(tmp_path):
     log = tmp_path / "x.snakemake.log"
     log.write_text(SNAKEMAKE_OUTPUT)
-    clock = driver.read_snakemake_log(log)
+    clock = job_clock.read_snakemake_log(log)
     assert clock.seconds() == {"compression": 33.0, "execute_notebook": 39.0, "train": 16.0}
     assert clock.jobs() == [
         {"rule": "train", "wildcards": {"scale": "cpu", "setup": "digits-mlp", "optimizer": "adam", "seed": "0"},

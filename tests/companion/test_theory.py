@@ -70,8 +70,8 @@ def test_flow_uses_the_package_direction_and_leaves_the_model_alone(cls):
         assert torch.equal(p, q)
     ps = ief.per_sample(cls.model, cls.inputs, cls.targets)
     d = ief.ief_direction(ps.jacobian, ps.logit_sqnorm, 0.0)
-    moved = theory._private_copy(cls.model, cls.inputs, cls.targets)[0]
-    theory._set_vector(list(moved.parameters()), theory._get_vector(list(moved.parameters())) - dt * d)
+    moved = theory.private_copy(cls.model, cls.inputs, cls.targets)[0]
+    theory.set_vector(list(moved.parameters()), theory.get_vector(list(moved.parameters())) - dt * d)
     expected = ief.per_sample(moved, cls.inputs, cls.targets).losses
     assert torch.allclose(res.losses[-1], expected, rtol=1e-13, atol=0)
     assert torch.allclose(res.losses[0], ps.losses, rtol=1e-13, atol=0)

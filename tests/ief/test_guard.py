@@ -103,12 +103,12 @@ def test_a_weight_used_outside_its_module_takes_the_exact_loop(form, tie, dtype,
     _, expected, _ = oracle.per_sample(model, inputs, y)
     model = model.to(dtype)
     inputs = {"x": inputs["x"].to(dtype), "tokens": inputs["tokens"]}
-    jac_mod._WARNED.clear()
+    jac_mod.loop._WARNED.clear()
     for check in (True, "exact", False):
         with pytest.warns(ief.SlowPathWarning, match=rf"{tie}\.weight.*also used outside") as caught:
             got = ief.per_sample(model, inputs, y, form=form, check=check)
         assert "head" not in str(caught[0].message)
-        jac_mod._WARNED.clear()
+        jac_mod.loop._WARNED.clear()
         tol = 1e-12 if dtype == torch.float64 else 1e-5
         assert _rel(_dense(got.jacobian), expected) < tol
         torch.testing.assert_close(got.gradient.double(), expected.sum(0), rtol=10 * tol, atol=10 * tol)
@@ -177,7 +177,7 @@ def test_property_a_weight_used_outside_takes_the_loop_and_is_named(width, depth
     model = _Chain(width, depth, leaks).double()
     x, y = torch.randn(m, width, dtype=torch.float64), torch.randint(0, 3, (m,))
     _, expected, _ = oracle.per_sample(model, x, y)
-    jac_mod._WARNED.clear()
+    jac_mod.loop._WARNED.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = ief.per_sample(model, x, y, form=form)
@@ -235,9 +235,10 @@ def test_no_false_alarm_on_models_not_designed_here(build, form):
     _assert_real_parameters(model)
     _, grad, _ = ief.jacobian.gradient_and_sampled_jacobian(model, x, y, form=form)
     torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
-    fwd = jac_mod._HookedForward(model, x, y, None, "cross_entropy", False)
+    fwd = jac_mod.api._HookedForward(model, x, y, None, "cross_entropy", False)
     with torch.enable_grad():
-        _, autograd = jac_mod._backward_jacobian(fwd.capture, fwd.loss.per_sample(fwd.logits, y), fwd.params, False)
+        _, autograd = jac_mod.assemble._backward_jacobian(fwd.capture, fwd.loss.per_sample(fwd.logits, y), fwd.params,
+                                                          False)
     assert fwd.capture.hooked and all(autograd[i] is None for i in fwd.capture.hooked)
 
 
@@ -274,7 +275,7 @@ def test_a_module_called_several_times_and_under_no_grad():
     torch.manual_seed(0)
     model = _Repeated().double()
     x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
-    fwd = jac_mod._HookedForward(model, x, y, None, "cross_entropy", True)
+    fwd = jac_mod.api._HookedForward(model, x, y, None, "cross_entropy", True)
     assert len(fwd.capture.stand_ins[0]) == 2  # lin.weight: the two calls with gradients on
     _assert_real_parameters(model)
     for form in FORMS:
@@ -385,7 +386,7 @@ def test_per_sample_gradient_is_computed_on_first_access_and_survives_pickling()
     x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
     expected = _autograd_gradient(model, x, y)
     got = ief.per_sample(model, x, y, form="auto")
-    assert isinstance(got._gradient, jac_mod._Deferred)  # nobody asked yet: not computed
+    assert isinstance(got._gradient, jac_mod.api._Deferred)  # nobody asked yet: not computed
     for copied in (pickle.loads(pickle.dumps(got)), copy.deepcopy(got)):
         torch.testing.assert_close(copied.gradient, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(got.gradient, expected, rtol=1e-10, atol=1e-12)
@@ -437,7 +438,7 @@ def test_exact_check_catches_sample_mixing_whatever_p_and_dtype(d, dtype):
 
 def _inject(monkeypatch, row: int, size: float, seed: int):
     """Make ``per_sample``'s rows wrong by ``size`` (relative) in row ``row``, in a random direction."""
-    real = jac_mod._backward_jacobian
+    real = jac_mod.assemble._backward_jacobian
 
     def wrong(*args, **kwargs):
         jac, autograd = real(*args, **kwargs)

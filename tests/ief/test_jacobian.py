@@ -746,7 +746,7 @@ class _TwoBare(torch.nn.Module):
         self.p = torch.nn.Parameter(torch.randn(3))
         self.q = torch.nn.Parameter(torch.randn(3))
 
-    def forward(self, x):  # neither p nor q is only added or expanded (jacobian rules.broadcast): both take the loop
+    def forward(self, x):  # neither p nor q is only added or expanded (ief.jacobian.broadcast): both take the loop
         return self.lin(x) * self.p + self.q.sin()
 
 

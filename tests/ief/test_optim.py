@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import ief
 import oracle
+from ief.optim.base import Direction
 from tiny_models import _t5_batch, mlp_case, mse_case, sequence_case, t5_lora_case, t5_prompt_case
 
 RTOL = 1e-10
@@ -1017,16 +1018,16 @@ def test_shifted_or_non_sequence_targets_do_not_warn():
     shifted = ief.causal_lm_targets(ids)
     assert _step_warnings({"input_ids": ids}, shifted) == []
     assert _step_warnings(ids, ids.clone()) == []  # not a dict: no input_ids to compare with
-    exact = importlib.import_module("ief.optim.exact")
+    options = importlib.import_module("ief.optim.options")
     flat_ids = ids[:, 0].contiguous()
-    assert not exact._looks_unshifted({"input_ids": flat_ids}, flat_ids.clone())  # [M] targets: no positions
+    assert not options.looks_unshifted({"input_ids": flat_ids}, flat_ids.clone())  # [M] targets: no positions
     one = ids[:, :1].contiguous()
-    assert not exact._looks_unshifted({"input_ids": one}, one.clone())  # one position cannot be shifted
-    assert exact._looks_unshifted({"input_ids": ids[:, :2]}, ids[:, :2].clone())
+    assert not options.looks_unshifted({"input_ids": one}, one.clone())  # one position cannot be shifted
+    assert options.looks_unshifted({"input_ids": ids[:, :2]}, ids[:, :2].clone())
     deep = ids[:, :3].reshape(3, 1, 3)
-    assert exact._looks_unshifted({"input_ids": deep}, deep.clone())  # positions along the last axis
+    assert options.looks_unshifted({"input_ids": deep}, deep.clone())  # positions along the last axis
     ignored = torch.full_like(ids, -100)
-    assert not exact._looks_unshifted({"input_ids": ids}, ignored)
+    assert not options.looks_unshifted({"input_ids": ids}, ignored)
 
 
 # --- ief.optim.convention ----------------------------------------------------------------------------------------
@@ -1127,7 +1128,7 @@ def test_a_non_finite_loss_or_update_is_refused_naming_the_step(which, text, mon
     p = sum(q.numel() for q in c.model.parameters())
     losses = torch.tensor([math.inf, 1.0]) if which == "loss" else torch.ones(2)
     direction = torch.full((p,), math.inf) if which == "direction" else torch.ones(p)
-    monkeypatch.setattr(opt, "_direction", lambda *args: (losses, direction))
+    monkeypatch.setattr(opt, "_direction", lambda *args: Direction(losses, direction))
     before = flat(c.model)
     with pytest.raises(FloatingPointError, match=text):
         opt.step(c.inputs, c.targets)

@@ -171,8 +171,6 @@ def test_load_state_dict_refuses_another_kind():
     (dict(momentum=1.0), r"momentum must be a number in \[0, 1\).*got 1.0"),
     (dict(approx="sum"), r"unknown approx 'sum'; accepted: 'expand', 'reduce'"),
     (dict(reduction="mean"), r"reduction='sum' only.*got 'mean'"),
-    (dict(form="dense"), r"KFAC takes no 'form'"),
-    (dict(check=False), r"KFAC takes no 'check'"),
     (dict(kl_clip=0.0), r"kl_clip must be None \(no clipping\) or a finite number > 0.*got 0.0"),
     (dict(kl_clip=math.inf), r"kl_clip must be None.*got inf"),
     (dict(kl_clip="1e-3"), r"kl_clip must be None.*got '1e-3'"),
@@ -182,6 +180,21 @@ def test_bad_values_are_refused_naming_value_and_range(kwargs, match):
     case = mlp_case()
     with pytest.raises(ValueError, match=match):
         ief.optim.KFAC(case.model, **{"kind": "ekfac", "lr": 0.1, "damping": 1.0, **kwargs})
+
+
+@pytest.mark.parametrize("key, value", [("check", False), ("form", "dense")])
+def test_the_exact_optimisers_arguments_are_not_in_kfacs_signature(key, value):
+    """``check=`` and ``form=`` belong to IEF / EF / SF's per-sample Jacobian: KFAC's signature does not show them, and
+    giving one is the ``TypeError`` of any unknown keyword, saying whose argument it is."""
+    import inspect
+
+    assert key not in inspect.signature(ief.optim.KFAC).parameters
+    with pytest.raises(TypeError) as err:
+        ief.optim.KFAC(mlp_case().model, "ekfac", **{key: value})
+    text = str(err.value)
+    assert text.startswith(f"KFAC got an unexpected keyword argument {key!r}") and "process_group" in text
+    assert text.endswith(f"({key}= is an argument of the exact optimisers' per-sample Jacobian (IEF, EF, SF); KFAC "
+                         f"takes none)")
 
 
 def test_bad_damping_written_by_a_scheduler_is_refused_with_parameters_untouched():

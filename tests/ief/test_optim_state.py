@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ import torch.multiprocessing as mp
 import ief
 import ief.optim
 from ief.optim import ForeignStateError
-from ief.optim.exact import STATE_KEY
+from ief.optim.state import STATE_KEY
 
 
 @pytest.fixture(autouse=True)
@@ -204,3 +205,59 @@ def test_a_kfac_state_saved_before_the_class_was_recorded_is_checked_by_its_kind
     del exact_legacy[STATE_KEY]
     with pytest.raises(ForeignStateError, match=r"no 'kfac' entry .*not a KFAC optimiser's"):
         ief.optim.KFAC(mlp(), "ekfac", 0.1, 1.0).load_state_dict(exact_legacy)
+
+
+# ------------------------------------------------------------------------------- another model's state: refused
+def wider(seed: int = 0) -> torch.nn.Module:
+    """As :func:`mlp` (the same four tensors, the same layer names) with a hidden width of 5 instead of 8."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+
+
+@pytest.mark.parametrize("name, build, message", [
+    ("ief", lambda m: ief.optim.IEF(m, damping=1e-3, momentum=0.5),
+     "momentum buffer of parameter 0 ('0.weight') has shape (8, 4) where the parameter has (5, 4)"),
+    ("sf", lambda m: ief.optim.SF(m, lr=0.5, damping=1e-2, momentum=0.9, generator=torch.Generator()),
+     "momentum buffer of parameter 0 ('0.weight') has shape (8, 4) where the parameter has (5, 4)"),
+    ("auto", lambda m: ief.optim.IEF(m, lr="auto"),
+     "lr='auto' change of parameter 0 ('0.weight') has shape (8, 4) where the parameter has (5, 4)"),
+    ("kfac", lambda m: ief.optim.KFAC(m, "ekfac", 0.1, 1.0),
+     "running factor G of layer '0' has shape (8, 8) where the layer's is (5, 5)"),
+], ids=["ief", "sf", "auto", "kfac"])
+def test_another_models_state_with_as_many_tensors_is_refused_at_load_naming_the_parameter(name, build, message):
+    """The state of another model's optimiser, with the same number of tensors, the same layer names and the same
+    settings: refused by ``load_state_dict`` naming the first parameter (or K-FAC layer) whose state does not fit and
+    both shapes, before anything loads. (It used to load, and the next step died in torch's broadcast error.)"""
+    x, y = batch()
+    src = build(mlp())
+    for _ in range(2):
+        src.step(x, y)
+    model = wider()
+    opt = build(model)
+    before = flat(model)
+    with pytest.raises(ForeignStateError, match="^this state_dict's " + re.escape(message) + " "):
+        opt.load_state_dict(src.state_dict())
+    assert not opt.state and opt.steps_taken == 0
+    opt.step(x, y)  # nothing was loaded: it steps from scratch
+    assert not torch.equal(flat(model), before)
+
+
+def test_a_state_for_more_parameters_is_refused_naming_both_counts():
+    x, y = batch()
+    src = ief.optim.IEF(mlp(), damping=1e-3, momentum=0.5)
+    src.step(x, y)
+    model = mlp()
+    opt = ief.optim.IEF(model, damping=1e-3, momentum=0.5, params=[model[0].weight])
+    with pytest.raises(ForeignStateError, match=r"^this state_dict is for 4 parameters, IEF\(.*\) has 1 "):
+        opt.load_state_dict(src.state_dict())
+
+
+def test_a_state_tensor_that_is_not_floating_point_is_refused():
+    x, y = batch()
+    src = ief.optim.EF(mlp(), momentum=0.5)
+    src.step(x, y)
+    state = src.state_dict()
+    state["state"][1]["momentum_buffer"] = state["state"][1]["momentum_buffer"].long()
+    with pytest.raises(ForeignStateError, match=r"momentum buffer of parameter 1 \('0.bias'\) has dtype torch.int64, "
+                                                r"not a floating-point one"):
+        ief.optim.EF(mlp(), momentum=0.5).load_state_dict(state)

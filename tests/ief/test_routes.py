@@ -401,9 +401,12 @@ def route_optim(chk: Checker, name: str, c, damping: float, check: bool = True) 
         else:
             opt = ief.optim.SF(model, lr=1.0, damping=damping, normalize=True, check=check,
                                generator=torch.Generator().manual_seed(SEED))
+        found = []  # the step's record of its direction (the rows the solve used)
+        direction_of = opt._direction
+        opt._direction = lambda *args, _of=direction_of: found.append(_of(*args)) or found[-1]
         loss = opt.step(c.inputs, c.targets)
         if check is False:  # the steady step's finiteness, asked of the rows after the solve, as the pass over J says
-            rows = opt._rows
+            rows = found[-1].rows
             reference = ief.rows._finite_flag([rows.matrix] if isinstance(rows, ief.rows.DenseRows) else
                                               [rows.dense, *(t for _, a, g in rows.ghosts for t in (a, g))],
                                               rows.device)

@@ -1,4 +1,4 @@
-"""T5's relative attention biases in :func:`ief.per_sample` (:mod:`ief.jacobian.rules.broadcast`): the bias table is an
+"""T5's relative attention biases in :func:`ief.per_sample` (:mod:`ief.jacobian.broadcast`): the bias table is an
 ``nn.Embedding`` fed ``[T, T]`` bucket ids with no sample axis, whose ``[T, T, H]`` output is permuted and unsqueezed
 to ``[1, H, T, T]`` (links) and broadcast over the ``[M, H, T, T]`` scores of every layer (uses: an addition in eager
 attention; SDPA's mask, through ``torch.where`` with a padding or causal mask). Its rows are pulled back through the
@@ -17,7 +17,7 @@ import torch
 import ief
 import oracle
 import route_models as rm
-from ief.jacobian.rules import broadcast
+from ief.jacobian import broadcast
 from tiny_models import IGNORE, _t5_config
 
 transformers = pytest.importorskip("transformers")

@@ -21,73 +21,14 @@ from pathlib import Path
 from benchmarks.cpu import cpu_model
 
 from . import steps
+from .job_clock import JOB, JobClock
 
-_JOB = re.compile(r"^\s*(?:local)?rule (\w+):\s*$")
 _DETAIL = re.compile(r"^\s+(input|output|log|jobid|reason|resources|threads|benchmark|priority|shell|message):")
 _NOISE = re.compile(r"^(\[\w{3} \w{3} +\d+ [\d:]+ \d{4}\]|Select jobs to execute|Execute \d+ jobs|SNAKEMAKE|=+$|"
                     r"  (Date|Workflow ID|Platform|Host|User|Python version|Command|Snakefile|Base directory|"
                     r"Run directory|Working directory|Config file\(s\)|Config MD5):|Using shell:|"
                     r"Rules claiming more threads|Assuming unrestricted shared|Building DAG|Using profiles|"
                     r"Config file config/config.yaml is extended|\s*$)")
-
-
-class JobClock:
-    """The time each job of a Snakemake run took, from Snakemake's own output: a ``[timestamp]`` line, then a job's
-    ``rule NAME:``, ``jobid: N`` and ``wildcards: ...`` when it starts, and ``Finished jobid: N (Rule: NAME)`` when it
-    ends (one-second resolution). ``seconds()``: ``{rule: seconds summed over its jobs}``, what the build log keeps to
-    say where a build's time went; ``jobs()``: each job's rule, wildcards and seconds, what a chapter's cost is summed
-    from (:func:`companion.chapters.cost.chapter_cost`). The same lines are in Snakemake's own log
-    (``.snakemake/log/*.snakemake.log``), which :func:`read_snakemake_log` reads."""
-
-    _STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]\s*$")
-    _START = re.compile(r"^\s+jobid: (\d+)\s*$")
-    _WILDCARDS = re.compile(r"^\s+wildcards: (.*)$")
-    _END = re.compile(r"^Finished jobid: (\d+) \(Rule: (\w+)\)")
-
-    def __init__(self) -> None:
-        self.now: float | None = None
-        self.rule: str | None = None
-        self.last: str | None = None
-        self.started: dict[str, tuple[str, float]] = {}
-        self.wildcards: dict[str, dict[str, str]] = {}
-        self.spent: dict[str, float] = {}
-        self.finished: list[dict] = []
-
-    def line(self, line: str) -> None:
-        if stamp := self._STAMP.match(line):
-            self.now = time.mktime(time.strptime(" ".join(stamp.group(1).split()), "%a %b %d %H:%M:%S %Y"))
-        elif job := _JOB.match(line):
-            self.rule, self.last = job.group(1), None
-        elif (start := self._START.match(line)) and self.rule is not None and self.now is not None:
-            self.started[start.group(1)] = (self.rule, self.now)
-            self.rule, self.last = None, start.group(1)
-        elif (wild := self._WILDCARDS.match(line)) and self.last is not None:
-            pairs = (p.split("=", 1) for p in wild.group(1).split(", ") if "=" in p)
-            self.wildcards[self.last] = {k.strip(): v.strip() for k, v in pairs}
-            self.last = None
-        elif (end := self._END.match(line)) and end.group(1) in self.started and self.now is not None:
-            rule, began = self.started.pop(end.group(1))
-            self.spent[rule] = self.spent.get(rule, 0.0) + self.now - began
-            if rule != "all":
-                self.finished.append({"rule": rule, "wildcards": self.wildcards.pop(end.group(1), {}),
-                                      "seconds": round(self.now - began, 1)})
-
-    def seconds(self) -> dict[str, float]:
-        return {rule: round(s, 1) for rule, s in sorted(self.spent.items(), key=lambda kv: -kv[1]) if rule != "all"}
-
-    def jobs(self) -> list[dict]:
-        """Each finished job (``all`` left out), in the order they finished: ``{"rule", "wildcards", "seconds"}``."""
-        return list(self.finished)
-
-
-def read_snakemake_log(path: Path) -> JobClock:
-    """A :class:`JobClock` fed Snakemake's own log of a run (``.snakemake/log/<date>.snakemake.log``): each job's
-    time for a build whose build-log entry predates ``job_times``."""
-    clock = JobClock()
-    with open(path) as fh:
-        for line in fh:
-            clock.line(line)
-    return clock
 
 
 class OtherLoad:
@@ -150,7 +91,7 @@ class _Console:
             sys.stdout.write(line)
             sys.stdout.flush()
             return
-        job = _JOB.match(line)
+        job = JOB.match(line)
         if job:
             self._flush()
             self.pending = job.group(1)
@@ -201,7 +142,7 @@ def build(scale: str, output: Path | None = None, profile: str = "default", extr
             for line in proc.stdout:
                 console.line(line)
                 clock.line(line)
-                match = _JOB.match(line)
+                match = JOB.match(line)
                 if match:
                     jobs[match.group(1)] = jobs.get(match.group(1), 0) + 1
                 noop = noop or "Nothing to be done" in line

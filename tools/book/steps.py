@@ -36,6 +36,8 @@ from pathlib import Path
 from companion.atomic import write_atomically
 from companion.chapters import cost
 
+from .job_clock import read_snakemake_log
+
 ROOT = Path(__file__).resolve().parents[2]
 SCALES = ("smoke", "cpu", "full")
 NOTEBOOKS = ROOT / "notebooks"
@@ -369,7 +371,7 @@ def timings_table(executed_root: Path | None = None, build_log: Path = BUILD_LOG
 
 def job_time_sentence(entry: dict) -> str:
     """Where a logged build's time went: its jobs' wall times summed by rule (Snakemake's start and finish times,
-    :class:`tools.book.driver.JobClock`), their total against the build's wall time and its cores."""
+    :class:`tools.book.job_clock.JobClock`), their total against the build's wall time and its cores."""
     spent = entry["job_seconds"]
     total, wall, cores = sum(spent.values()), entry["wall_time_s"], entry.get("cores")
     parts = ", ".join(f"{rule} {format_minutes(s)}" for rule, s in spent.items() if s >= 1)
@@ -410,8 +412,6 @@ def record_cold_build(log: Path, load: str, scale: str | None = None, note: str 
     entry = cost.last_cold_build(read_build_log(Path(log)), scale)
     job_times = None
     if not entry.get("job_times") and snakemake_log is not None:
-        from .driver import read_snakemake_log
-
         job_times = read_snakemake_log(Path(snakemake_log)).jobs()
     return cost.record_cold_build(entry, load, path=record or cost.RECORD, note=note, other_cores=other_cores,
                                   machine=machine, total_wall_s=total_wall_s, job_times=job_times)

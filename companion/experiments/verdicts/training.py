@@ -129,10 +129,6 @@ def pairs_needs(pairs: Sequence[PairResult]) -> str | None:
     return "; ".join(parts)
 
 
-def _fmt_diffs(p: PairResult, scale: float = 1.0) -> str:
-    return ", ".join("n/a" if math.isnan(d) else f"{scale * d:+.3g}" for d in p.diffs.values())
-
-
 def _fails_text(p: PairResult, scale: float = 1.0, what: str = "") -> str:
     if math.isnan(p.mean):
         return f"{p.pair} fails ({p.agreement})"

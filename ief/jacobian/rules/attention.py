@@ -80,15 +80,14 @@ class AttentionRule(LayerRule):
     def grads(self, module, x, g, dests, accumulate):
         mha_grads(module, x, g, dests, accumulate)
 
-    def _one_sample_axis(self, module, x, features):  # a batched call: the batch is the sample
+    def one_sample_axis(self, module, x, features):  # a batched call: the batch is the sample
         one = x is not None and x.dim() == 3 and x.shape[mha_batch_dim(module)] == 1
         return mha_batch_dim(module) if one else None
 
-    def _keep_axis(self, module, axis):  # its samples must be its own batch: no other mixes
+    def keep_axis(self, module, axis):  # its samples must be its own batch: no other mixes
         return axis if axis == mha_batch_dim(module) else None
 
-    @staticmethod
-    def _recording_hook(calls: list, edges: list):
+    def call_recorder(self, calls: list, edges: list):
         """Records a ``MultiheadAttention`` call: ``[query, dL/d attn_output, axis, (args, kwargs), dL/d weights]``,
         its inputs detached (:func:`mha_grads` replays the call per sample)."""
 

@@ -3,7 +3,7 @@
 In the factored forms a table keeps only the rows the batch uses (``[M, U D]``, exact: every other row is zero in
 every sample's gradient). An embedding call whose ids every sample shares (position embeddings fed ``[1, T]`` ids)
 has no sample axis of its own: its rows come from the uses that broadcast its output over the batch
-(:mod:`ief.jacobian.rules.broadcast`).
+(:mod:`ief.jacobian.broadcast`).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import LayerRule, write_block
+from .registry import LayerRule, recording_hook, write_block
 
 
 def base_layer(module: torch.nn.Module) -> torch.nn.Module:
@@ -167,16 +167,13 @@ class PeftAdapterRule(LayerRule):
         """
         raise NotImplementedError(f"{type(self).__name__} does not define adapter_grads")
 
-    @staticmethod
-    def _recording_hook(calls: list, edges: list):
+    def call_recorder(self, calls: list, edges: list):
         """Records ``[x, dL/d output, axis]`` per call like the capture's own hook, and its output's gradient edge;
-        ``x`` is the adapter dropout's output of that call where :meth:`_inner_hooks` kept one. A call with peft's
+        ``x`` is the adapter dropout's output of that call where :meth:`inner_hooks` kept one. A call with peft's
         ``adapter_names`` (samples routed to different adapters), or whose dropout did not run exactly once, is
         recorded without an input, so it gets no sample axis and the wrapper takes the exact loop."""
-        from ..capture import recording_hook  # the capture imports the rules: imported when a capture runs
-
         record = recording_hook(calls, slots=3)
-        dropped: list[torch.Tensor] = []  # filled by the dropout's hook during the call (see _inner_hooks)
+        dropped: list[torch.Tensor] = []  # filled by the dropout's hook during the call (see inner_hooks)
 
         def hook(module, args, kwargs, output):
             n = len(calls)
@@ -193,9 +190,9 @@ class PeftAdapterRule(LayerRule):
         hook.dropped = dropped
         return hook
 
-    def _inner_hooks(self, module: torch.nn.Module, hook) -> list:
+    def inner_hooks(self, module: torch.nn.Module, hook) -> list:
         """Forward hooks on the adapter dropouts that draw a mask: each call's dropped input goes to ``hook``'s
-        record of the wrapper's call (called by the capture after registering :meth:`_recording_hook`'s hook).
+        record of the wrapper's call (called by the capture after registering :meth:`call_recorder`'s hook).
 
         Args:
             module: the wrapper.

@@ -6,7 +6,7 @@ layer's result without its bias, ``r = lora_B(lora_A(x))`` and ``c`` the scaling
 and sample ``n``'s gradient of ``m`` is ``sum_t g_t * (b_t + c r_t) / ||w||`` over its positions, ``g`` the gradient
 flowing back into the call's output.
 
-The call is recorded by a forward hook with keywords (:meth:`DoraMagnitudeRule._recording_hook`): its input ``x``
+The call is recorded by a forward hook with keywords (:meth:`DoraMagnitudeRule.call_recorder`): its input ``x``
 (the adapter's dropped input in training mode: peft applies the dropout before the call) and, per call, the factor
 ``h = (b + c r) / ||w||`` computed with gradients off by the module's own code path: its ``get_lora_weight`` /
 ``get_weight_norm`` (so the same norm, caching included), ``b`` from the ``base_result`` keyword less the base
@@ -104,8 +104,7 @@ class DoraMagnitudeRule(LayerRule):
             rows = g.reshape(m, -1, g.shape[-1]).sum(dim=1)
             write_block(dests["weight"], rows.to(dests["weight"].dtype), accumulate)
 
-    @staticmethod
-    def _recording_hook(calls: list, edges: list):
+    def call_recorder(self, calls: list, edges: list):
         """Records a ``DoraLinearLayer`` call as ``[x, g * h, axis]`` (``h``: :func:`magnitude_factor`) and its
         output's gradient edge; a call without a positional input is recorded without one (no sample axis: its
         module falls back to the loop)."""

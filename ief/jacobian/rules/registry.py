@@ -9,10 +9,41 @@ is imported; a user's own layer type gets one with :func:`register_rule`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 BATCH_FIRST = -1  # "features" of a layer whose input is [N, C, *] and whose sample axis can only be N (normalisations)
 WHOLE_CALL = -1  # the sample "axis" of every call when M = 1: the whole call belongs to sample 0
+
+
+def recording_hook(records: list, slots: int = 2) -> Callable:
+    """A forward hook that appends ``[input, output grad, None, ...]`` (``slots`` entries) to ``records`` for every
+    call whose output reaches a loss, and fills in the gradient flowing back into that output (summed if it arrives
+    in parts). The per-sample capture's own recorder (:mod:`ief.jacobian.capture`, and through it the K-FAC
+    factors), and what a rule's :meth:`LayerRule.call_recorder` may build on.
+
+    Args:
+        records: the list the records are appended to, in call order.
+        slots: the entries of a record (at least 2: the input and the output gradient; the rest start ``None``).
+
+    Returns:
+        ``hook(module, args, output)``; the input is ``None`` when the call had no positional tensor.
+    """
+
+    def hook(module, args, output):
+        if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        x = args[0].detach() if args and isinstance(args[0], torch.Tensor) else None
+        record = [x] + [None] * (slots - 1)
+        records.append(record)
+
+        def keep_grad(grad):
+            record[1] = grad if record[1] is None else record[1] + grad
+
+        output.register_hook(keep_grad)
+
+    return hook
 
 
 def write_block(dest: torch.Tensor, value: torch.Tensor, accumulate: bool) -> None:
@@ -49,11 +80,24 @@ class LayerRule:
 
     Raises:
         ValueError: ``features`` not an integer >= -1.
+
+    Attributes:
+        features: the value given (see Args).
+        batched: class attribute, default ``False``: the input is ``[N, C, *]`` with ``N`` the layer's own batch
+            (and may be unbatched ``[C, *]``), as for a convolution (see :meth:`one_sample_axis`).
+        table: class attribute, default ``False``: an embedding table (ids as input, only the used rows in the
+            factored forms, ids that every sample may share).
+        owns_submodules: class attribute, default ``False``: the module's call also uses its submodules'
+            parameters (``nn.MultiheadAttention``'s ``out_proj``), whose rows this rule writes.
+
+    A layer whose call is not one input tensor in and one output tensor out overrides the capture's tier below
+    (:meth:`call_recorder`, :meth:`inner_hooks`, :meth:`one_sample_axis`, :meth:`keep_axis`), as the built-in rules
+    for ``nn.MultiheadAttention`` and the peft adapters do.
     """
 
-    batched = False  # the input is [N, C, *] with N its own batch (and may be unbatched [C, *]): see _one_sample_axis
-    table = False  # an embedding table: ids as input, used rows only in factored forms, ids shared by all samples
-    owns_submodules = False  # the module's call also uses its submodules' parameters (MultiheadAttention's out_proj)
+    batched = False
+    table = False
+    owns_submodules = False
 
     def __init__(self, features: int = 1):
         if isinstance(features, bool) or not isinstance(features, int) or features < BATCH_FIRST:
@@ -156,19 +200,78 @@ class LayerRule:
         """
         return g.sum(dim=1)
 
-    # ---- what the capture asks beyond the rows (attention overrides these)
-    def _one_sample_axis(self, module: torch.nn.Module, x: torch.Tensor | None, features: int) -> int | None:
-        """The sample axis of a call when ``M = 1``: the whole call, or, for a ``[N, C, *]`` layer, its ``N = 1``."""
+    # ---- what the capture asks beyond the rows: a rule whose calls are not one tensor in, one out overrides these
+    def one_sample_axis(self, module: torch.nn.Module, x: torch.Tensor | None, features: int) -> int | None:
+        """The sample axis of one call when the batch holds one sample (``M = 1``, no probe forward runs).
+
+        Default: the whole call belongs to the sample (:data:`WHOLE_CALL`), except for a ``[N, C, *]`` layer
+        (``features`` :data:`BATCH_FIRST` or :attr:`batched`), whose own batch dimension ``N`` must then be 1.
+
+        Args:
+            module: the hooked module.
+            x: the call's recorded input (``None`` when the call had no positional tensor).
+            features: :meth:`feature_dims` of ``module``.
+
+        Returns:
+            The axis, :data:`WHOLE_CALL`, or ``None`` (the call serves several instances of the one sample: the
+            module's parameters take the exact per-sample loop).
+        """
         batched = features == BATCH_FIRST or self.batched
         if not batched or (x is not None and x.dim() == features):  # flattened rules; unbatched conv
             return WHOLE_CALL
         return 0 if x is not None and x.dim() > 1 and x.shape[0] == 1 else None
 
-    def _keep_axis(self, module: torch.nn.Module, axis):
-        """An established axis as this layer can use it (``None``: it cannot)."""
+    def keep_axis(self, module: torch.nn.Module, axis):
+        """An established sample axis of one call (probed and proven, or a broadcast use) as this layer can use it.
+
+        Args:
+            module: the hooked module.
+            axis: the axis the capture established for the call.
+
+        Returns:
+            ``axis`` (the default), or ``None`` when the rule cannot use it (``nn.MultiheadAttention``: its samples
+            must be its own batch dimension); a call without an axis sends the module to the per-sample loop.
+        """
         return axis
 
-    _recording_hook = None  # (capture, k) -> forward hook with kwargs, for a rule that records whole calls
+    def call_recorder(self, calls: list, edges: list) -> Callable | None:
+        """A forward hook of this rule's own that records each call, for a layer whose call is not one input tensor
+        in and one output tensor out (``nn.MultiheadAttention``, peft's adapter wrappers, DoRA's magnitude).
+
+        The hook is registered ``with_kwargs=True`` (``hook(module, args, kwargs, output)``) and appends one record
+        ``[x, g, axis, ...]`` per call to ``calls``: ``x`` the input :meth:`grads` receives (``None``: no sample axis,
+        the loop), ``g`` filled in by a gradient hook on the output, ``axis`` left ``None`` for the capture; and the
+        output's gradient edge to ``edges`` (``torch.autograd.graph.get_gradient_edge``). :func:`recording_hook`
+        is the capture's own recorder, to build on.
+
+        Args:
+            calls: the module's records, appended to in call order.
+            edges: the gradient edges of the recorded outputs.
+
+        Returns:
+            The hook, or ``None`` (the default): the capture records ``[first positional input, output gradient,
+            axis]`` itself.
+        """
+        return None
+
+    def inner_hooks(self, module: torch.nn.Module, recorder: Callable) -> list:
+        """Hooks on modules inside ``module``'s call that feed what ``recorder`` (this rule's :meth:`call_recorder`)
+        records, registered after it (peft wrappers: the adapter dropout's output is the input of the rows).
+
+        Args:
+            module: the hooked module.
+            recorder: the hook :meth:`call_recorder` returned for it.
+
+        Returns:
+            The hooks' handles (the capture removes them on exit); default none.
+        """
+        return []
+
+    @property
+    def records_own_calls(self) -> bool:
+        """Whether this rule records its calls itself (it overrides :meth:`call_recorder`); the capture then reads the
+        first element of a tuple output as the call's output."""
+        return type(self).call_recorder is not LayerRule.call_recorder
 
 
 _RULES: dict[type, LayerRule] = {}

@@ -55,7 +55,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..errors import PerSampleGradientMismatch
+from .errors import PerSampleGradientMismatch
 
 ADDITIONS = frozenset({"add", "__add__", "__radd__"})
 IN_PLACE_ADDITIONS = frozenset({"add_", "__iadd__"})

@@ -548,7 +548,7 @@ def test_an_interrupted_run_and_one_stopped_at_once_exit_with_distinct_codes(sto
     """One signal: the run saves ``resume.pt`` and exits 128 + N (SIGINT 130, SIGTERM 143); a second signal stops it
     at once, through the runner's own handler, and exits 3, so that a script tells a saved stop from an unsaved one
     (both were 130 for SIGINT)."""
-    import companion.experiments as experiments
+    from companion import experiments
     from companion.__main__ import EXIT_STOPPED_AT_ONCE
 
     def fake_train(*args, **kwargs):

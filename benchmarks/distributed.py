@@ -18,6 +18,16 @@ own ``--batch`` samples (seed ``seed + 1 + rank``). Cases, timed round-robin on 
 - ``ief_one``: one ``IEF`` step of one process on the union batch (every rank's batch concatenated; a group of one
   process, so no communication): the same update, what the exact step across processes costs beside it.
 
+With ``--fsdp2`` (the ``mlp`` only), two more cases on a copy of the model sharded with FSDP2 (``fully_shard`` on each
+``Linear``, then on the root), and their peak memory per rank (``torch.distributed._tools.mem_tracker.MemTracker``:
+every tensor live on the rank during one step, the model's and the optimiser's included, at its peak):
+
+- ``ief_fsdp2``: one ``ief.optim.IEF(model)`` step on the sharded model (:mod:`ief.sharded`: every module unsharded
+  once for the step's forward and per-sample backward, the replicated route's Gram and direction, the local shards
+  updated);
+- ``fsdp2_adamw``: FSDP2 + ``AdamW``: ``zero_grad``, forward, ``backward`` (FSDP2's all-gathers and gradient
+  reduce-scatter) and the step, on the same local batch.
+
 Models: ``mlp`` (``benchmarks.workloads``' 784-256-256-10 tanh MLP, every parameter trainable) and ``bert-lora`` (a
 ``BertForSequenceClassification`` from a config, hidden 128, 2 layers, 4 heads, vocabulary 1,000, ``--tokens``
 tokens, random weights, with peft LoRA r=8 on query/value and the classifier trainable; eval mode, so dropout is off
@@ -28,8 +38,10 @@ Bytes: every ``torch.distributed`` collective a step calls through ``torch.distr
 ``all_gather`` sends its input tensor and receives the gathered list (every rank's part, its own included, as the
 formula of :mod:`ief.distributed` counts it); ``all_reduce`` sends and receives its tensor (the payload; a ring
 all-reduce moves about ``2 (R - 1) / R`` of it each way); ``all_gather_object`` the pickled objects. DDP's gradient
-all-reduce runs inside its C++ reducer, out of the wrappers' sight: its bytes are the size of its buckets, the sum of
-the trainable gradients' bytes (``4 P`` in float32), sent and received (``broadcast_buffers=False``: the models'
+all-reduce runs inside its C++ reducer, out of the wrappers' sight (FSDP2's collectives do not: ``all_gather_single``
+counts its input sent and its output received, ``reduce_scatter_single`` its input sent and ``R`` times its output
+received, every rank's contribution to this rank's part): its bytes are the size of its buckets, the sum of the
+trainable gradients' bytes (``4 P`` in float32), sent and received (``broadcast_buffers=False``: the models'
 buffers are constants). Beside them, :mod:`ief.distributed`'s formula: the Gram's all-gathers as the step's
 :class:`ief.distributed.GramPlan` counts them, ``M_max R (P_dense + sum_l T_l (I_l + O_l)) b`` (``b = 4`` for float32
 rows; the weights gathered as factors, and an embedding table kept as used rows counted as its union's ``U_union D``
@@ -63,9 +75,11 @@ from benchmarks import harness
 from benchmarks.workloads import _quiet_transformers, build_mlp, logits_of
 
 MODELS = ("mlp", "bert-lora")
-COUNTED = ("all_gather", "all_reduce", "all_gather_object", "broadcast")
+COUNTED = ("all_gather", "all_reduce", "all_gather_object", "broadcast", "all_gather_single", "reduce_scatter_single")
 LABELS = {"ief": "`IEF(process_group=WORLD)` step", "ddp": "DDP + AdamW step",
-          "ief_one": "`IEF` step, one process on the union batch"}
+          "ief_one": "`IEF` step, one process on the union batch", "ief_fsdp2": "`IEF` step, FSDP2 model",
+          "fsdp2_adamw": "FSDP2 + AdamW step"}
+REFERENCES = {"ief": "ddp", "ddp": None, "ief_one": "ddp", "ief_fsdp2": "fsdp2_adamw", "fsdp2_adamw": None}
 
 
 # ------------------------------------------------------------------------------------------------------------ models
@@ -138,6 +152,12 @@ def _payload(name: str, args: tuple, kwargs: dict, world: int) -> tuple[int, int
     if name == "broadcast":
         tensor = args[0] if args else kwargs["tensor"]
         return _nbytes(tensor), _nbytes(tensor)
+    if name == "all_gather_single":
+        return _nbytes(args[1] if len(args) > 1 else kwargs["input_tensor"]), _nbytes(
+            args[0] if args else kwargs["output_tensor"])
+    if name == "reduce_scatter_single":
+        output = args[0] if args else kwargs["output"]
+        return _nbytes(args[1] if len(args) > 1 else kwargs["input"]), world * _nbytes(output)
     if name == "all_gather_object":
         output = args[0] if args else kwargs["object_list"]
         obj = args[1] if len(args) > 1 else kwargs["obj"]
@@ -177,7 +197,7 @@ def counting_collectives(world: int) -> Iterator[dict[str, int]]:
         ``{"sent": bytes, "received": bytes, "calls": n}``, filled as the block runs (this rank's figures).
     """
     counts = {"sent": 0, "received": 0, "calls": 0}
-    originals = {name: getattr(dist, name) for name in COUNTED}
+    originals = {name: getattr(dist, name, None) for name in COUNTED}
 
     def wrap(name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -191,12 +211,14 @@ def counting_collectives(world: int) -> Iterator[dict[str, int]]:
         return counted
 
     for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
+        if fn is not None:
+            setattr(dist, name, wrap(name, fn))
     try:
         yield counts
     finally:
         for name, fn in originals.items():
-            setattr(dist, name, fn)
+            if fn is not None:
+                setattr(dist, name, fn)
 
 
 def formula_bytes(params: int, plan: Any, world: int) -> dict[str, int]:
@@ -250,8 +272,53 @@ def cases_of(name: str, args: argparse.Namespace, rank: int, device: torch.devic
         return loss.detach()
 
     info = dict(model=name, description=desc, params=sum(p.numel() for p in trainable(model)))
-    return {"ief": lambda: opt.step(inputs, targets), "ddp": ddp_step,
-            "ief_one": lambda: one.step(union_inputs, union_targets)}, info
+    cases = {"ief": lambda: opt.step(inputs, targets), "ddp": ddp_step,
+             "ief_one": lambda: one.step(union_inputs, union_targets)}
+    if args.fsdp2 and name == "mlp":
+        cases.update(fsdp2_cases(model, inputs, targets, args))
+    return cases, info
+
+
+def fsdp2_cases(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, args: argparse.Namespace) -> dict:
+    """``ief_fsdp2`` and ``fsdp2_adamw`` (module docstring) on two copies of ``model`` sharded with FSDP2, each
+    case's callable carrying ``tracked``: what :func:`peak_bytes` counts from the start (model and optimiser)."""
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded() -> torch.nn.Module:
+        copy_ = copy.deepcopy(model)
+        for layer in copy_:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        return fully_shard(copy_)
+
+    ief_model, adamw_model = sharded(), sharded()
+    opt = ief.optim.IEF(ief_model, lr=args.lr, damping=args.damping)
+    adamw = torch.optim.AdamW(trainable(adamw_model), lr=1e-4)
+
+    def ief_step():
+        return opt.step(inputs, targets)
+
+    def adamw_step():
+        adamw.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(logits_of(adamw_model, inputs), targets, reduction="sum")
+        loss.backward()
+        adamw.step()
+        return loss.detach()
+
+    ief_step.tracked, adamw_step.tracked = (ief_model, opt), (adamw_model, adamw)
+    return {"ief_fsdp2": ief_step, "fsdp2_adamw": adamw_step}
+
+
+def peak_bytes(fn: Callable, device: torch.device) -> int:
+    """The most bytes of tensors live on this rank during one ``fn()`` (``MemTracker``), the tensors of
+    ``fn.tracked`` (the model and its optimiser) counted from the start."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*fn.tracked)
+    with tracker:
+        fn()
+    return int(tracker.get_tracker_snapshot("peak")[device]["Total"])
 
 
 def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -269,12 +336,14 @@ def run_rank(rank: int, args: argparse.Namespace, device: torch.device) -> list[
             bytes_by_case[key] = dict(counts)
             if key == "ief":
                 plan = plans[-1] if plans else None
+        peaks = {key: peak_bytes(fn, device) for key, fn in cases.items() if hasattr(fn, "tracked")}
         every = [None] * world
-        dist.all_gather_object(every, dict(times=times, bytes=bytes_by_case, load=load.cores))
+        dist.all_gather_object(every, dict(times=times, bytes=bytes_by_case, load=load.cores, peaks=peaks))
         slowest = {k: [max(r["times"][k][i] for r in every) for i in range(args.repeats)] for k in cases}
-        rows = harness.rows(slowest, {"ief": "ddp", "ddp": None, "ief_one": "ddp"}, LABELS)
+        rows = harness.rows(slowest, {k: REFERENCES[k] for k in cases}, LABELS)
         results.append(dict(info, world=world, batch=args.batch, rows=rows,
-                            bytes_per_rank=[r["bytes"] for r in every], other_load_cores=every[0]["load"],
+                            bytes_per_rank=[r["bytes"] for r in every], peak_bytes_per_rank=[r["peaks"] for r in every],
+                            other_load_cores=every[0]["load"],
                             formula=formula_bytes(info["params"], plan, world), plan=_plan_summary(plan)))
     return results
 
@@ -330,7 +399,7 @@ def table(results: list[dict], args: argparse.Namespace, device: str) -> dict:
                      by_key["ddp"]["median_ms"], by_key["ief"]["ratio"], by_key["ief_one"]["median_ms"],
                      sent / MIB, worst["ief"] / MIB,
                      res["formula"]["ief"] / MIB, ddp / MIB, worst["ief"] / ddp])
-    return harness.table(
+    tables = [harness.table(
         f"The exact iEF step across {args.world} processes against DDP + AdamW ({device}, one thread each)",
         [("model", "s"), ("P", ",d"), ("ranks x M_r", "s"), ("IEF ms", ".1f"), ("DDP + AdamW ms", ".1f"),
          ("IEF / DDP time", ".2f"), ("IEF, one process on the union batch, ms", ".1f"), ("IEF sent MiB", ".3f"),
@@ -342,7 +411,34 @@ def table(results: list[dict], args: argparse.Namespace, device: str) -> dict:
              "each). IEF's bytes: the payload of the torch.distributed collectives its step calls "
              "(wrapped), received counting every rank's part of an all-gather (as the formula does); DDP's: its "
              "bucketed gradient all-reduce, the trainable gradients' bytes (4P), sent and received, which the "
-             "wrappers cannot see inside the reducer. A ring all-reduce moves about 2(R-1)/R of its payload.")
+             "wrappers cannot see inside the reducer. A ring all-reduce moves about 2(R-1)/R of its payload.")]
+    sharded = [res for res in results if res.get("peak_bytes_per_rank") and res["peak_bytes_per_rank"][0]]
+    if sharded:
+        tables.append(fsdp2_table(sharded, args, device))
+    return tables
+
+
+def fsdp2_table(results: list[dict], args: argparse.Namespace, device: str) -> dict:
+    """The FSDP2 rows: the exact step on the sharded model beside FSDP2 + AdamW, time, bytes and peak memory."""
+    body = []
+    for res in results:
+        by_key = {r["key"]: r for r in res["rows"]}
+        received = {k: max(b[k]["received"] for b in res["bytes_per_rank"]) for k in ("ief_fsdp2", "fsdp2_adamw")}
+        peak = {k: max(p[k] for p in res["peak_bytes_per_rank"]) for k in ("ief_fsdp2", "fsdp2_adamw")}
+        body.append([res["model"], res["params"], f"{res['world']} x {res['batch']}", by_key["ief_fsdp2"]["median_ms"],
+                     by_key["fsdp2_adamw"]["median_ms"], by_key["ief_fsdp2"]["ratio"], received["ief_fsdp2"] / MIB,
+                     received["fsdp2_adamw"] / MIB, peak["ief_fsdp2"] / MIB, peak["fsdp2_adamw"] / MIB,
+                     peak["ief_fsdp2"] / peak["fsdp2_adamw"]])
+    return harness.table(
+        f"The exact iEF step on an FSDP2 model across {args.world} processes against FSDP2 + AdamW ({device}, one "
+        f"thread each)",
+        [("model", "s"), ("P", ",d"), ("ranks x M_r", "s"), ("IEF FSDP2 ms", ".1f"), ("FSDP2 + AdamW ms", ".1f"),
+         ("IEF / AdamW time", ".2f"), ("IEF received MiB", ".3f"), ("FSDP2 + AdamW received MiB", ".3f"),
+         ("IEF peak MiB", ".2f"), ("FSDP2 + AdamW peak MiB", ".2f"), ("IEF / AdamW peak", ".2f")], body,
+        note="Per rank and step; the worst rank's bytes and peak. Peak: every tensor live on the rank during one "
+             "step (MemTracker), parameters, gradients, optimiser state, activations and communication buffers. "
+             "The IEF step holds every parameter unsharded during its forward and per-sample backward "
+             "(ief.sharded), FSDP2 + AdamW one parameter group at a time.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--lr", type=float, default=1e-3, help="IEF's learning rate (default 1e-3)")
     p.add_argument("--damping", type=float, default=1e-3, help="IEF's damping (default 1e-3)")
+    p.add_argument("--fsdp2", action="store_true", help="also the mlp sharded with FSDP2: IEF against FSDP2 + AdamW, "
+                                                        "with the peak memory per rank")
     args = p.parse_args(argv)
     device = harness.check_common(p, args)
     if args.world < 1 or args.batch < 1 or args.tokens < 1:
@@ -378,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  formula: Gram {f['gram']:,} B + direction {f['direction']:,} B = {f['ief']:,} B; "
               f"DDP all-reduce {f['ddp']:,} B; the Gram's plan {res['plan']}", flush=True)
     doc = harness.record("distributed", argv, device, args, load, dict(models=results),
-                         [table(results, args, device.type)], started)
+                         table(results, args, device.type), started)
     harness.finish(doc, args.json)
     return 0
 

@@ -51,9 +51,13 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
   (:class:`ief.optim.KFAC`).
 - **Refused** with ``ValueError`` at construction: ``fp16=True`` (float16's per-sample gradients underflow without
   a dynamic loss scale, which ief does not apply: :func:`ief.precision.refuse_float16`), several devices in one
-  process (``DataParallel``), DeepSpeed and FSDP (sharded parameters would need a sharded Gram solve),
+  process (``DataParallel``), DeepSpeed (ZeRO runs its own backward and optimiser step) and the Trainer's FSDP
+  wrapping (not supported yet: the optimisers step on a model sharded with ``fully_shard`` in one's own loop,
+  :mod:`ief.sharded`),
   ``label_smoothing_factor``, ``compute_loss_func``, ``optimizers=`` /
   ``optimizer_cls_and_kwargs=`` and ``label_names`` other than ``["labels"]``.
+- **Logged**: each step's certificate (:class:`ief.optim.report.StepReport`: the method, each parameter's route,
+  the rows, the processes, the sharding) at INFO on the ``ief.hf`` logger, on the first step and whenever it changes.
 - ``max_grad_norm`` (Trainer default 1.0) is **ignored with a warning**: the update is not a gradient step and no
   ``.grad`` exists to clip (clipping the direction instead would change the method). Pass ``max_grad_norm=0``.
 - **Order within a step.** The update happens inside ``training_step``, so callbacks' ``on_pre_optimizer_step``
@@ -73,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import warnings
 from typing import Any
 
@@ -83,6 +88,8 @@ from .losses import IGNORE_INDEX, causal_lm_targets, count_targets
 from .optim.exact import EF, IEF, MISSING, SF, ForeignStateError
 from .optim.kfac import KFAC
 from .jacobian import per_sample_prompts
+
+LOGGER = logging.getLogger(__name__)  # the steps' certificates (ief.optim.report), at INFO
 
 OPTIMIZERS = ("ief", "ef", "sf", "kfac", "ekfac", "iekfac")
 KFAC_KINDS = ("kfac", "ekfac", "iekfac")
@@ -323,10 +330,14 @@ class IEFTrainer(transformers.Trainer):
             _check_args(self.args)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
-                f"IEFTrainer does not run under {'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'}: the ief "
-                f"optimisers need every trainable parameter whole on each process (sharded parameters and optimiser "
-                f"states would need a sharded Gram solve); use data parallelism (torchrun / accelerate with DDP), "
-                f"which IEFTrainer steps exactly across processes")
+                f"IEFTrainer does not run under {'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'}: "
+                + ("DeepSpeed's ZeRO partitions the parameters and runs its own backward and optimiser step, which "
+                   "the ief optimisers (they run the forward and per-sample backward themselves) cannot drive; "
+                   if self.is_deepspeed_enabled else
+                   "the Trainer's FSDP wrapping is not supported yet (ief.optim.IEF, EF and SF step exactly on a "
+                   "model you shard with torch.distributed.fsdp.fully_shard, in your own loop); ")
+                + "use data parallelism (torchrun / accelerate with DDP), which IEFTrainer steps exactly across "
+                  "processes")
         if self.args.n_gpu > 1:
             raise ValueError(
                 f"IEFTrainer runs one device per process (n_gpu={self.args.n_gpu}: torch.nn.DataParallel in one "
@@ -334,6 +345,16 @@ class IEFTrainer(transformers.Trainer):
                 f"which IEFTrainer steps exactly across processes")
         if self.model is not None and self.model_init is None:
             self.create_optimizer()  # bad optimizer_kwargs fail here, not at train()
+
+    def _log_report(self, report: Any) -> None:
+        """Log the step's certificate (:class:`ief.optim.report.StepReport`: the method, the routes, the rows, the
+        processes) at INFO on the ``ief.hf`` logger, on the first step and whenever what ran changes."""
+        if report is None:
+            return
+        what = report.summary().split(": ", 1)[-1]
+        if what != getattr(self, "_logged_route", None):
+            self._logged_route = what
+            LOGGER.info("IEFTrainer %s", report.summary())
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the ief optimiser (once; ``self.optimizer`` and ``self.ief_optimizer``) on the Trainer's model.
@@ -418,6 +439,7 @@ class IEFTrainer(transformers.Trainer):
         step_inputs, targets = split_batch(self.ief_optimizer.model, batch, causal_lm=self.causal_lm)
         targets = self._regression_targets(targets)
         loss = self.ief_optimizer.step(step_inputs, targets)
+        self._log_report(getattr(self.ief_optimizer, "last_step_report", None))
         if self.ief_optimizer.reduction == "sum":  # the union batch's loss over the union batch's count
             counted = count_targets(targets)
             if self.args.world_size > 1:

@@ -31,7 +31,7 @@ from .capture import PerSampleCapture
 from .errors import PerSampleGradientMismatch
 from .guard import (_check_mode, _refuse_nonfinite, _refuse_sample_mixing, check_directional_derivatives,
                     check_no_outside_use)
-from .loop import _warn_slow_path
+from .loop import LOOPED_ATTRIBUTE, _warn_slow_path
 
 
 _F = torch.nn.functional
@@ -223,6 +223,8 @@ class _HookedForward:
                     handle.remove()
         _refuse_nonfinite(losses, jac)
         mark_rounding(jac, self.formats.lowest)  # the rounding J carries (ief.precision)
+        # which parameters' rows took the per-sample loop (ief.optim.report's routes)
+        setattr(jac, LOOPED_ATTRIBUTE, tuple(i for i in range(len(self.params)) if i not in self.capture.hooked))
         try:
             if self.mode is not None:
                 check_no_outside_use(self.capture, jac, autograd, self.names, self.formats.lowest)

@@ -19,6 +19,8 @@ import torch
 from .capture import PerSampleCapture
 from .errors import SlowPathWarning
 
+LOOPED_ATTRIBUTE = "_ief_looped"  # set on J: the parameter indices whose rows took the per-sample loop
+
 # The sets of slow-path parameters already reported, per model (a SlowPathWarning once per model and set).
 _WARNED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
 

@@ -42,6 +42,7 @@ from ..jacobian.guard import deferred_finiteness
 from ..losses import check_damping, count_targets, get_loss
 from ..model_call import Inputs, _cuda_devices, call_model
 from ..rows import as_rows
+from ..sharded import ROUTE, default_group, inspect, unsharded_group
 from . import state as saved
 from .auto_lr import AUTO, INITIAL, AutoRate, check_auto, replayed, rng_states
 from .checks import StepChecks, raised_message
@@ -64,6 +65,7 @@ from .options import (
     how_to_step,
     looks_unshifted,
 )
+from .report import StepReport, step_report
 from .update import preconditioned_update
 
 DIVERGENCE_FACTOR = 100.0  # the growth of the mean loss over its lowest at which a step warns (orders of magnitude)
@@ -120,6 +122,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     _needs_positive_damping = False
     _auto_lr = False  # whether lr="auto" (ief.optim.auto_lr) is offered
     _across_processes = True  # the step is exact over the union of the ranks' batches (ief.distributed)
+    _fsdp2_refusal: str | None = None  # why the method cannot step on FSDP2 shards (None: it can, ief.sharded)
     method = ""  # "ief" / "ef" / "sf" / "kfac": the rule that converts a token-mean rate (reduction="mean")
 
     def __init__(self, model: torch.nn.Module, lr: float | str, damping: float | None, settings: Settings):
@@ -127,7 +130,10 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if not isinstance(model, torch.nn.Module):  # a ValueError, as every bad argument of the constructors
             raise ValueError(  # noqa: TRY004
                 f"model must be a torch.nn.Module (the optimiser runs its forward), got {type(model).__name__}")
-        self._group = resolve_group(model, settings.process_group, type(self).__name__)
+        group = settings.process_group
+        if group is None:  # an FSDP2 model steps across the processes it is sharded over (ief.sharded)
+            group = default_group(model, type(self).__name__)
+        self._group = resolve_group(model, group, type(self).__name__)
         self._auto: AutoRate | None = None
         if check_auto(lr, type(self).__name__, self._auto_lr):  # the adapted rate (ief.optim.auto_lr)
             self._auto = AutoRate(INITIAL[self.method])
@@ -142,6 +148,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         weight_decay = check_weight_decay(settings.weight_decay)
         self.reduction = check_reduction(settings.reduction)
         groups = resolve_groups(model, settings.params)
+        self._sharded = inspect(model, [p for g in groups for p in g["params"]], type(self).__name__,
+                                supported=self._fsdp2_refusal, auto_lr=self._auto is not None,
+                                process_group=settings.process_group)
         super().__init__(groups, {"lr": lr, "damping": damping, "normalize": bool(settings.normalize),
                                   "total_steps": total_steps, "momentum": momentum, "dampening": dampening,
                                   "weight_decay": weight_decay})
@@ -155,6 +164,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._warned_unshifted = False
         self._lowest_loss: tuple[float, int] | None = None  # the divergence watch's lowest mean loss and its step
         self._warned_divergence = False
+        self.last_step_report: StepReport | None = None  # what the last step ran (ief.optim.report)
+        self._reported: tuple = (None, None)  # this rank's rows and the union's (_union_rows), for the report
         self._replicas_agree = False  # compared across the group at the first step, and again after a load
         self.register_load_state_dict_post_hook(lambda opt: setattr(opt, "_replicas_agree", False))
         self._constructed = True
@@ -269,11 +280,15 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     def _check_replicas(self) -> None:
         """Every rank's model parameters, optimiser state and settings the same (:func:`ief.distributed.check_replicas`:
         :class:`ief.distributed.ReplicaMismatch` on every rank, naming the first that differs), at the first step
-        and at the first step after ``load_state_dict``."""
-        named = list(self.model.named_parameters())
-        index = {id(p): name for name, p in named}
+        and at the first step after ``load_state_dict``. An FSDP2 model's sharded tensors (``DTensor``: each rank
+        holds its own shard by design) are left out; its settings and unsharded tensors are compared."""
+        from torch.distributed.tensor import DTensor
+
+        named = [(name, p) for name, p in self.model.named_parameters() if not isinstance(p, DTensor)]
+        index = {id(p): name for name, p in self.model.named_parameters()}
         state = [(f"{index.get(id(p), 'a parameter')}: {key}", value) for p in self._all_params()
-                 for key, value in sorted(self.state.get(p, {}).items()) if isinstance(value, torch.Tensor)]
+                 for key, value in sorted(self.state.get(p, {}).items())
+                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)]
         settings = {"optimiser": self._identity(), "check": getattr(self, "check", None),
                     "form": getattr(self, "form", None), "step": self.steps_taken,
                     **{f"param_groups[{i}]['{key}']": value for i, g in enumerate(self.param_groups)
@@ -316,9 +331,10 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         given, batch, tokens = self._settings_for(inputs, targets)
         number, auto = self.steps_taken, given["lr"] == AUTO
         rng = self._rng_states() if auto else None  # the forward's, replayed by the probe after the update
+        self._reported = (None, None)
         try:
-            with torch.enable_grad():
-                found = self._direction(inputs, targets, batch)
+            with torch.enable_grad(), unsharded_group(self._sharded, batch) as stepped:  # (FSDP2: ief.sharded)
+                found = self._direction(inputs, targets, stepped)
         except FloatingPointError as err:
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
         checks = self._checks_of(found, number)
@@ -327,6 +343,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._update(given, batch, found, tokens, checks)
         found.keep()  # (K-FAC's running factors: kept once the step succeeded)
         self.last_losses = found.losses
+        self.last_step_report = self._report(number, found)
         return found.losses.sum() if tokens is None else found.losses.sum() / tokens
 
     def _settings_for(self, inputs: Inputs, targets: torch.Tensor) -> tuple[dict, dict, int | None]:
@@ -398,7 +415,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             self._all_params(), found.direction, self.state, lr=rates, momentum=given["momentum"],
             dampening=given["dampening"], weight_decay=decays, normalize=batch["normalize"],
             total_steps=given["total_steps"], batch_factor=factor, checks=checks,
-            direction_message=found.direction_message(), keep_change=auto is not None)
+            direction_message=found.direction_message(), keep_change=auto is not None, sharded=self._sharded)
         if auto is not None:
             auto.delta = update.change
         self.last_update_norm = update.norm
@@ -547,9 +564,19 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         the ranks' sample counts (exchanged here, once per step; :meth:`_union_vector` takes them)."""
         rows = as_rows(jacobian)
         if self._group is None:
+            self._reported = (jacobian, None)
             return rows, None
         sizes = batch_sizes(rows.shape[0], self._group, collective_device(self._group))
-        return DistributedRows(rows, self._group, sizes), sizes
+        union = DistributedRows(rows, self._group, sizes)
+        self._reported = (jacobian, union)
+        return union, sizes
+
+    def _report(self, number: int, found: Direction) -> StepReport:
+        """The certificate of the step just taken (:mod:`ief.optim.report`)."""
+        rows, union = self._reported
+        method = found.solved[0] if found.solved is not None else type(self).__name__
+        return step_report(number, method, rows, self._param_names(), union,
+                           None if self._sharded is None else ROUTE)
 
     def _union_vector(self, local: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
         """A per-sample vector of this rank (losses, ``s``), or the union batch's (``sizes``: :meth:`_union_rows`'),

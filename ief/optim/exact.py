@@ -32,8 +32,10 @@ union's Gram on every rank, one replicated float64 solve, one all-reduce of the 
 gradient all-reduce never runs (the optimiser runs the wrapped module). A failure on one rank (a non-finite loss, a
 refused check) raises on every rank. SF draws each rank's labels with that rank's ``generator``: the union-batch
 equivalence holds given the same labels (seed each rank's generator, e.g. ``seed + rank``, for reproducible runs).
-Without a group, an initialised ``torch.distributed`` of world size > 1 is refused (each replica would solve its own
-batch's Gram system and drift apart silently). ``KFAC`` takes ``process_group=`` too (the union batch's factors:
+A model sharded with FSDP2 (``fully_shard``) steps the same way over FSDP2's group, each rank updating its shards
+(:mod:`ief.sharded`, which also names what is refused there); ``last_step_report`` says what every step ran
+(:mod:`ief.optim.report`). Without a group, an initialised ``torch.distributed`` of world size > 1 is refused (each
+replica would solve its own batch's Gram system and drift apart silently). ``KFAC`` takes ``process_group=`` too (the union batch's factors:
 :mod:`ief.optim.kfac`).
 
 Momentum and weight decay (``momentum``, ``dampening``, ``weight_decay``; all 0 by default, which is the paper's

@@ -201,6 +201,8 @@ class KFAC(PreconditionedOptimizer):
     """
 
     method = "kfac"
+    _fsdp2_refusal = ("KFAC's Kronecker factors precondition each layer's whole gradient (G^-1 dW A^-1), which no "
+                      "rank holds on FSDP2 shards; use IEF, EF or SF, or KFAC on a replicated (DDP) model")
 
     @suggest_keywords(notes=NOT_TAKEN)
     def __init__(

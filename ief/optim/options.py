@@ -132,8 +132,8 @@ ARGS = {
     "form": """form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M,
     P]``), ``"dense"``, ``"ghost"`` or ``"rows"``.""",
     "process_group": """process_group: step across the processes of this ``torch.distributed`` group, exactly as one
-    process on the union batch (:mod:`ief.optim.exact`); default: a ``DistributedDataParallel`` model's group, else
-    none.""",
+    process on the union batch (:mod:`ief.optim.exact`); default: a ``DistributedDataParallel`` model's group, an
+    FSDP2 model's (:mod:`ief.sharded`), else none.""",
     "generator": """generator: the ``torch.Generator`` the labels are drawn with (default ``None``: the global RNG);
     ``state_dict`` carries its state.""",
 }

@@ -14,7 +14,9 @@ value. The update (derivation: :mod:`ief.optim.momentum`), with ``eta_t = lr (1 
 With ``momentum = 0`` no buffer is kept and the step is ``theta <- (1 - eta_t wd) theta - eta_t' d_t`` with
 ``eta_t' = batch_lr (1 - t/T) / ||d_t||^{[normalize]}`` and ``batch_lr = lr * batch_factor`` (the same step, with
 the batch's rate formed once). A 16-bit parameter's update is computed in float32 and rounded once
-(:mod:`ief.precision`). Nothing changes until every check passed: the direction's and the new buffers' finiteness
+(:mod:`ief.precision`). On an FSDP2 model (``sharded``: :class:`ief.sharded.ShardedModel`) every parameter's piece of
+``d_t`` that its local shard holds updates that shard in place, the momentum buffers are kept as shards, and their
+finiteness and norm are the union's over the ranks. Nothing changes until every check passed: the direction's and the new buffers' finiteness
 are read with the caller's checks (:class:`ief.optim.checks.StepChecks`, one host read), then the buffers are stored
 and the parameters updated.
 """
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..sharded import local_tensor
 from .checks import Message, StepChecks, finite
 
 Rates = float | Callable[[], tuple[float, float]]
@@ -109,7 +112,7 @@ def momentum_buffers(state: dict, params: list[torch.Tensor], steps: list[torch.
 
 @torch.no_grad()
 def apply_steps(params: list[torch.Tensor], steps: list[torch.Tensor], size: float, shrinks: list[float],
-                state: dict) -> None:
+                state: dict, tensors: list[torch.Tensor] | None = None) -> None:
     """``p <- shrink p - size step`` for every parameter, in place, and its ``state[p]["step"]`` counted.
 
     The parameters of one decay factor are updated together (one foreach operator each for the shrink and the add);
@@ -121,16 +124,18 @@ def apply_steps(params: list[torch.Tensor], steps: list[torch.Tensor], size: flo
         size: the scalar the steps are multiplied by.
         shrinks: one decay factor per parameter (:func:`decay_factors`).
         state: the per-parameter state whose ``"step"`` counts the updates.
+        tensors: what is updated in place, one per parameter (default: the parameters; an FSDP2 parameter's local
+            shard, :func:`ief.sharded.local_tensor`); ``state`` stays keyed by the parameters.
     """
     wide: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for p, step, shrink in zip(params, steps, shrinks):
+    for param, p, step, shrink in zip(params, params if tensors is None else tensors, steps, shrinks):
         if p.dtype.itemsize < 4:  # a 16-bit parameter: the update in float32, rounded once (ief.precision)
             p.copy_(p.float().mul_(shrink).add_(step.view(p.shape).float(), alpha=-size))
         else:
             together = wide.setdefault(shrink, ([], []))
             together[0].append(p)
             together[1].append(step.view(p.shape))
-        entry = state.setdefault(p, {})
+        entry = state.setdefault(param, {})
         entry["step"] = entry.get("step", 0) + 1
     for shrink, (tensors, tensor_steps) in wide.items():
         if shrink != 1.0:
@@ -170,6 +175,7 @@ def preconditioned_update(
     checks: StepChecks | None = None,
     direction_message: Message = "non-finite update direction",
     keep_change: bool = False,
+    sharded: Any = None,
 ) -> Update:
     """Apply a preconditioned direction to the parameters in place (module docstring), after one host read.
 
@@ -195,18 +201,29 @@ def preconditioned_update(
         checks: the caller's checks, read with this update's (default: a fresh :class:`StepChecks`).
         direction_message: what a non-finite direction is called in the ``FloatingPointError``.
         keep_change: return the change of every parameter (:attr:`Update.change`).
+        sharded: an FSDP2 model's :class:`ief.sharded.ShardedModel` whose ``params`` these are (``direction`` whole
+            on every rank, the same bits): the local shards are updated (module docstring); ``None`` otherwise.
 
     Returns:
         The :class:`Update`.
 
     Raises:
         FloatingPointError: a check (the caller's, the direction's, a buffer's) failed; nothing changed.
+        ValueError: a ``DTensor`` parameter (FSDP2's, tensor parallel's) without ``sharded``; nothing changed.
     """
+    if sharded is None and any(hasattr(p, "to_local") for p in params):
+        raise ValueError("preconditioned_update was given DTensor parameters (a model sharded with FSDP2 or tensor "
+                         "parallel) without sharded=, and the whole direction cannot be added to their shards; pass "
+                         "sharded=ief.sharded.inspect(...) for an FSDP2 model, or step it with IEF, EF or SF")
     step = int(state.get(params[0], {}).get("step", 0))
     if checks is None:
         checks = StepChecks(step)
     decays = [float(weight_decay)] * len(params) if isinstance(weight_decay, (int, float)) else list(weight_decay)
     chunks = list(torch.split(direction, [p.numel() for p in params]))
+    tensors = params
+    if sharded is not None:  # each parameter's piece that this rank's shard holds, and the shards themselves
+        chunks = [sharded.local_piece(i, c) for i, c in enumerate(chunks)]
+        tensors = [local_tensor(p) for p in params]
     norm_t = direction.norm()
     checks.add(finite(direction), direction_message)
     buffers = None
@@ -215,9 +232,10 @@ def preconditioned_update(
         if normalize:  # factor / ||d|| (0 when d = 0), on the device
             norm64 = norm_t.to(torch.float64)
             factor = torch.where(norm64 > 0, factor / norm64, torch.zeros_like(norm64))
-        steps = [c.view(p.shape).mul(factor) for p, c in zip(params, chunks)]  # shaped as their parameter
+        steps = [c.view(p.shape).mul(factor) for p, c in zip(tensors, chunks)]  # shaped as their parameter (shard)
         buffers = momentum_buffers(state, params, steps, momentum, dampening)
-        checks.add(finite(*buffers), "non-finite momentum buffer")
+        flag = finite(*buffers)
+        checks.add(flag if sharded is None else sharded.union_flag(flag), "non-finite momentum buffer")
     read_norm = checks.also_read(norm_t.to(torch.float64)) if momentum == 0 and normalize else None
     checks.read()  # the step's one host round-trip
     if callable(lr):
@@ -230,15 +248,18 @@ def preconditioned_update(
         size = scheduled_rate(batch_lr, step, total_steps)
         if norm is not None:
             size = size / norm if norm > 0 else 0.0
-        change = _change(params, chunks, size, shrinks) if keep_change else None
-        apply_steps(params, chunks, size, shrinks, state)
+        change = _change(tensors, chunks, size, shrinks) if keep_change else None
+        apply_steps(params, chunks, size, shrinks, state, tensors)
         return Update(size, lr, abs(size) * norm if norm is not None else lambda: abs(size) * float(norm_t), change)
     for p, b in zip(params, buffers):
         state.setdefault(p, {})["momentum_buffer"] = b
     size = scheduled_rate(lr, step, total_steps)  # eta_t = lr (1 - t/T)
-    change = _change(params, buffers, size, shrinks) if keep_change else None
-    apply_steps(params, buffers, size, shrinks, state)
+    change = _change(tensors, buffers, size, shrinks) if keep_change else None
+    apply_steps(params, buffers, size, shrinks, state, tensors)
     norms = torch.stack([b.norm() for b in buffers])
+    if sharded is not None:  # the whole update's norm, over every rank's shards
+        total = sharded.union_sqnorm(norms.to(torch.float64).square().sum())
+        return Update(size, lr, lambda: abs(size) * math.sqrt(float(total)), change)
     return Update(size, lr, lambda: abs(size) * math.sqrt(sum(x ** 2 for x in norms.tolist())), change)
 
 

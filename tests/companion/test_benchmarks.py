@@ -364,3 +364,20 @@ def test_the_distributed_benchmark_counts_collective_payloads(tmp_path):
         assert dist.all_gather is original
     finally:
         dist.destroy_process_group()
+
+
+def test_the_distributed_benchmark_has_an_fsdp2_row_with_peak_memory(tmp_path):
+    """``--fsdp2``: the exact step on the MLP sharded with FSDP2 beside FSDP2 + AdamW on two gloo processes, their
+    time, bytes received (FSDP2's all-gathers and reduce-scatters counted) and peak memory per rank."""
+    doc = _distributed_record(tmp_path, "--world", "2", "--models", "mlp", "--fsdp2")
+    (res,) = doc["results"]["models"]
+    assert [r["key"] for r in res["rows"]] == ["ief", "ddp", "ief_one", "ief_fsdp2", "fsdp2_adamw"]
+    for rank_bytes, peaks in zip(res["bytes_per_rank"], res["peak_bytes_per_rank"]):
+        # FSDP2 + AdamW: a forward and a backward all-gather of the MLP's float32 parameters and the gradients'
+        # reduce-scatter, each at least the parameters' bytes received
+        assert rank_bytes["fsdp2_adamw"]["received"] >= 3 * 4 * res["params"]
+        # IEF: one all-gather of the parameters, the replicated route's Gram and its float64 direction
+        assert rank_bytes["ief_fsdp2"]["received"] >= 4 * res["params"] + 8 * res["params"]
+        assert peaks["ief_fsdp2"] > 4 * res["params"] and peaks["fsdp2_adamw"] > 0
+    _, fsdp2 = doc["tables"]
+    assert fsdp2["rows"][0][0] == "mlp" and fsdp2["rows"][0][-1] > 0

@@ -7,6 +7,7 @@ decay groups chosen by name. Trainer runs must equal them to rounding; resumed r
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -520,3 +521,32 @@ def test_regression_logs_the_models_mean_squared_error_and_takes_hf_labels(tmp_p
     assert out.training_loss == pytest.approx(expected, rel=1e-6)
     assert rel(flat(model), flat(hand)) < 1e-6
     assert rel(flat(model), flat(bert_regression())) > 1e-3  # it moved
+
+
+def test_the_trainer_logs_what_each_step_ran(tmp_path, caplog):
+    """The step's certificate (method, routes, rows, processes) is logged on the first step, and again only when
+    what ran changes."""
+    rows = classification_rows(n=4)
+    trainer = IEFTrainer(bert_lora(), arguments(tmp_path, max_steps=2, learning_rate=0.05),
+                         train_dataset=datasets.Dataset.from_dict(rows), optimizer="ief")
+    with caplog.at_level("INFO", logger="ief.hf"):
+        trainer.train()
+    logged_lines = [r.getMessage() for r in caplog.records if r.name == "ief.hf"]
+    assert len(logged_lines) == 1, logged_lines
+    assert logged_lines[0].startswith("IEFTrainer step 0: iEF over 4 rows on 1 process (")
+    report = trainer.ief_optimizer.last_step_report
+    assert report.step == 1 and report.method == "iEF" and not report.across_processes
+    assert report.routes and "looped" not in report.routes.values()
+
+
+def test_deepspeed_is_refused_with_its_reason(tmp_path, monkeypatch):
+    original = transformers.Trainer.__init__
+
+    @functools.wraps(original)  # (IEFTrainer binds the Trainer's signature)
+    def as_if_deepspeed(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.is_deepspeed_enabled = True
+
+    monkeypatch.setattr(transformers.Trainer, "__init__", as_if_deepspeed)
+    with pytest.raises(ValueError, match="DeepSpeed's ZeRO partitions the parameters and runs its own backward"):
+        IEFTrainer(bert_lora(), arguments(tmp_path))

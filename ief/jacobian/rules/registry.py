@@ -345,9 +345,19 @@ def register_by_name(qualified_name: str, rule: LayerRule) -> None:
     _BY_NAME[qualified_name] = rule
 
 
+def _unsharded_class(cls: type) -> type:
+    """The class that FSDP2's ``fully_shard`` derived ``cls`` from (it turns a module's class ``Name`` into
+    ``FSDPName(FSDPModule, Name)``, whose calls are ``Name``'s), else ``cls``."""
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
+        return bases[1]
+    return cls
+
+
 def rule_for(module: torch.nn.Module) -> LayerRule | None:
-    """The rule that hooks ``module``, or ``None`` (its parameters take the per-sample loop)."""
-    cls = type(module)
+    """The rule that hooks ``module`` (an FSDP2 module: its own class's), or ``None`` (its parameters take the
+    per-sample loop)."""
+    cls = _unsharded_class(type(module))
     rule = _RULES.get(cls)
     if rule is None and _BY_NAME:
         rule = _BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")

@@ -1,0 +1,304 @@
+"""The exact EF / iEF / SF step on a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``), as one
+process stepping on the union of the ranks' batches.
+
+FSDP2 keeps every parameter as a ``DTensor`` whose local shard is rank ``r``'s slice of its first dimension
+(``Shard(0)``, ``torch.chunk``'s split: ``ceil(d0 / R)`` rows a rank, the last ranks' fewer or none); a module's
+forward all-gathers
+its parameters (``unshard``), registers them as plain tensors, and its ``reshard`` puts the shards back. A step here:
+
+1. **Rows, with the parameters unsharded once.** Every FSDP2 module is unsharded (one all-gather per parameter group,
+   what FSDP2's own forward does) with ``reshard_after_forward`` and gradient reduction switched off for the step, so
+   the step's forward and per-sample backward (:func:`ief.per_sample`: hooks on the modules, stand-ins for their
+   parameters) run on the plain unsharded parameters: no all-gather in the backward (FSDP2 with
+   ``reshard_after_forward=True`` all-gathers every group a second time there) and no reduce-scatter (no batch
+   gradient is formed).
+2. **The union's Gram and direction, as the replicated route.** This rank's rows go to
+   :class:`ief.distributed.DistributedRows` (the Gram's cross-rank blocks from the layers' factors where
+   :func:`ief.distributed.gram_plan` finds them smaller, one replicated float64 solve, one all-reduce of the
+   direction): every rank holds the same direction of ``P`` float64 numbers.
+3. **The update on the local shards.** Every module is resharded; each parameter's slice of the direction that its
+   local shard holds (:meth:`ShardedModel.local_piece`) updates ``DTensor.to_local()`` in place, with the momentum
+   buffers kept as local shards (:meth:`ShardedModel.local`).
+
+Cost against FSDP2 + AdamW on the same model: communication, one all-gather of every group per step (FSDP2's step:
+two, forward and backward, plus a reduce-scatter of the gradients) and the replicated route's Gram all-gathers and
+direction all-reduce (:mod:`ief.distributed`); memory, **every parameter unsharded during the step's forward and
+backward** (FSDP2 with ``reshard_after_forward=False`` holds as much, one layer's at a time with ``True``) and a
+``[P]`` float64 direction; the optimiser state (momentum buffers) is sharded. Rows taken one layer at a time while
+FSDP2 holds only that layer unsharded are not this route.
+
+Refused before any work, in one sentence each (:func:`inspect`): HSDP and tensor parallel (a parameter on a mesh of
+more than one dimension or not ``Shard(0)``), ``DTensor`` parameters that no ``fully_shard`` manages, CPU offload
+(``CPUOffloadPolicy``), a ``MixedPrecisionPolicy`` that casts the parameters or the gradient reduction, a model of
+which some trained parameters are FSDP2's and others are not, FSDP2 modules on different process groups, a
+``process_group`` other than FSDP2's, an optimiser that cannot step on shards (``KFAC``: its factors precondition
+each layer's whole gradient) and ``lr="auto"`` (its probe forward sets every parameter).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROUTE = "fsdp2-unsharded-step"  # the route a step on an FSDP2 model takes (the step report's "sharding")
+
+
+def _fsdp_types() -> tuple[type, type] | None:
+    """``(FSDPModule, DTensor)``, or ``None`` where torch has no FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return None
+    return FSDPModule, DTensor
+
+
+def _groups_of(module: Any) -> list:
+    """The FSDP2 parameter groups of one ``fully_shard``-ed module (torch's private ``FSDPState``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older layout: at most one group
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+@dataclass
+class ShardedModel:
+    """An FSDP2 model as the exact optimisers step it (module docstring), built by :func:`inspect`.
+
+    Attributes:
+        modules: every ``fully_shard``-ed module of the model, in ``model.modules()`` order.
+        params: the optimiser's parameters (``DTensor``), in its order.
+        fsdp_params: FSDP2's record of each of ``params`` (its unsharded parameter, its shard's placement).
+        group: the process group FSDP2 shards over (every module's).
+        rank: this process's index in ``group``.
+        world: the processes in ``group``.
+    """
+
+    modules: list
+    params: list
+    fsdp_params: list
+    group: Any
+    rank: int
+    world: int
+
+    @contextlib.contextmanager
+    def unsharded(self) -> Iterator[list[torch.Tensor]]:
+        """Every module unsharded for the step's forward and per-sample backward, then resharded.
+
+        Yields:
+            The unsharded parameters (plain ``nn.Parameter``, registered in their modules) in :attr:`params`' order:
+            what :func:`ief.per_sample` takes as ``params`` while the context is open.
+        """
+        saved = []
+        for module in self.modules:
+            for group in _groups_of(module):
+                saved.append((group, group.post_forward_mesh_info, group.reduce_grads, group.all_reduce_grads,
+                              group.reshard_after_backward))
+                # no reshard after the forward or a backward (the per-sample loop's backward passes, as many as the
+                # rank's samples, would each all-gather again), no reduce-scatter of a batch gradient
+                group.post_forward_mesh_info = None
+                group.reduce_grads = group.all_reduce_grads = group.reshard_after_backward = False
+        failed = True
+        try:
+            for module in self.modules:
+                module.unshard()
+            out = [fsdp_param.unsharded_param for fsdp_param in self.fsdp_params]
+            yield out
+            failed = False
+        finally:
+            if failed:
+                for module in self._roots():  # an aborted forward or backward: FSDP2's own recovery
+                    with contextlib.suppress(Exception):
+                        module.reset_iter_state()
+            for module in self.modules:
+                module.reshard()
+            for group, mesh_info, reduce, all_reduce, after_backward in saved:
+                group.post_forward_mesh_info = mesh_info
+                group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
+                group.reshard_after_backward = after_backward
+
+    def _roots(self) -> list:
+        inner = {id(m) for outer in self.modules for m in outer.modules() if m is not outer}
+        return [m for m in self.modules if id(m) not in inner]
+
+    @staticmethod
+    def local(p: torch.Tensor) -> torch.Tensor:
+        """The local shard of ``p`` (a view: an in-place change is FSDP2's next all-gather input)."""
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """The rows ``[lo, hi)`` of ``params[i]``'s first dimension that this rank's shard holds (``torch.chunk``'s
+        split, FSDP2's), checked against the local shard's shape."""
+        p = self.params[i]
+        rows = p.shape[0]
+        chunk = -(-rows // self.world)
+        lo = min(self.rank * chunk, rows)
+        hi = min(lo + chunk, rows)
+        local = self.local(p)
+        if local.shape[0] != hi - lo:
+            raise RuntimeError(f"FSDP2's shard of parameter {i} has {local.shape[0]} rows on rank {self.rank}, not "
+                               f"the {hi - lo} of torch.chunk's split of {rows} rows over {self.world}: this torch's "
+                               f"FSDP2 shards otherwise than ief.sharded assumes")
+        return lo, hi
+
+    def local_piece(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """The entries of ``full`` (``params[i]``'s whole flat ``[numel]`` slice of the direction) that this rank's
+        shard holds, flat and contiguous."""
+        p = self.params[i]
+        lo, hi = self.bounds(i)
+        return full.view(p.shape)[lo:hi].reshape(-1)
+
+    def union_flag(self, flag: torch.Tensor) -> torch.Tensor:
+        """A 0-d bool of this rank's shards (e.g. its momentum buffers' finiteness), true on every rank only when
+        true on every rank (one all-reduce)."""
+        value = flag.to(torch.float64).reshape(1).cpu() if dist.get_backend(self.group) == "gloo" else \
+            flag.to(torch.float64).reshape(1)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+        return (value[0] > 0).to(flag.device)
+
+    def union_sqnorm(self, local_sqnorm: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of a squared norm of their shards (float64)."""
+        value = local_sqnorm.to(torch.float64).reshape(1)
+        if dist.get_backend(self.group) == "gloo":
+            value = value.cpu()
+        dist.all_reduce(value, group=self.group)
+        return value[0]
+
+
+def _refuse(name: str, what: str) -> ValueError:
+    return ValueError(f"{name} cannot step on this FSDP2 model: {what}")
+
+
+def _fsdp_records(model: torch.nn.Module, name: str) -> tuple[list, dict[int, Any]]:
+    """The model's ``fully_shard``-ed modules and FSDP2's record of every parameter they shard (by ``id`` of the
+    sharded parameter), each group checked for what :func:`inspect` refuses."""
+    types = _fsdp_types()
+    if types is None:
+        return [], {}
+    fsdp_module, _ = types
+    modules = [m for m in model.modules() if isinstance(m, fsdp_module)]
+    records: dict[int, Any] = {}
+    for module in modules:
+        for group in _groups_of(module):
+            mesh_info = group.mesh_info
+            if type(mesh_info).__name__ == "HSDPMeshInfo" or mesh_info.mesh.ndim != 1:
+                raise _refuse(name, f"{type(module).__name__} is sharded over a {mesh_info.mesh.ndim}-dimensional "
+                                    f"device mesh (HSDP or FSDP with tensor parallel); only a one-dimensional "
+                                    f"fully_shard mesh is supported")
+            for fsdp_param in group.fsdp_params:
+                if getattr(fsdp_param, "offload_to_cpu", False):
+                    raise _refuse(name, "its parameters are offloaded to the CPU (CPUOffloadPolicy), which the "
+                                        "step's in-place update of the shards does not support; shard without "
+                                        "offload_policy")
+                policy = fsdp_param.mp_policy
+                if policy.param_dtype is not None or policy.reduce_dtype is not None:
+                    raise _refuse(name, f"its MixedPrecisionPolicy casts the parameters or the reduction "
+                                        f"(param_dtype={policy.param_dtype}, reduce_dtype={policy.reduce_dtype}), "
+                                        f"which the step's precision contract does not cover yet; shard with the "
+                                        f"default MixedPrecisionPolicy() and run the step under torch.autocast")
+                if getattr(fsdp_param, "fsdp_placement", None) is not None and fsdp_param.fsdp_placement.dim != 0:
+                    raise _refuse(name, f"a parameter is sharded on dimension {fsdp_param.fsdp_placement.dim} "
+                                        f"(shard_placement_fn); only FSDP2's default Shard(0) is supported")
+                records[id(fsdp_param.sharded_param)] = (fsdp_param, group)
+    return modules, records
+
+
+def _refuse_foreign(model: torch.nn.Module, records: dict[int, Any], name: str) -> None:
+    """Refuse ``DTensor`` parameters that no ``fully_shard`` manages (tensor parallel, ``distribute_tensor``)."""
+    _, dtensor = _fsdp_types()
+    foreign = [p for p in model.parameters() if isinstance(p, dtensor) and id(p) not in records]
+    if foreign:
+        raise _refuse(name, f"it has DTensor parameters that no fully_shard manages (tensor parallel or "
+                            f"distribute_tensor, placements {foreign[0].placements}); only fully_shard's "
+                            f"one-dimensional sharding is supported")
+
+
+def inspect(model: torch.nn.Module, params: Sequence[torch.Tensor], name: str, *, supported: str | None,
+            auto_lr: bool, process_group: Any) -> ShardedModel | None:
+    """Whether ``model`` is an FSDP2 model, and everything the step cannot do on it refused before any work.
+
+    Args:
+        model: the model as given to the optimiser.
+        params: the optimiser's parameters.
+        name: the optimiser's class name, for the messages.
+        supported: ``None`` when the optimiser steps on FSDP2 shards, else the reason it cannot (one clause).
+        auto_lr: whether ``lr="auto"`` was asked for.
+        process_group: the ``process_group`` given to the optimiser (``None``: FSDP2's).
+
+    Returns:
+        ``None`` for a model with no FSDP2 module and no ``DTensor`` parameter; else its :class:`ShardedModel`.
+
+    Raises:
+        ValueError: one sentence naming what is refused (module docstring).
+    """
+    if _fsdp_types() is None:
+        return None
+    modules, records = _fsdp_records(model, name)
+    _refuse_foreign(model, records, name)
+    if not modules:
+        return None
+    if supported is not None:
+        raise _refuse(name, supported)
+    if auto_lr:
+        raise _refuse(name, "lr='auto' measures the loss along the last step with every parameter set in place, "
+                            "which the shards do not allow; give a number")
+    unmanaged = [i for i, p in enumerate(params) if id(p) not in records]
+    if unmanaged:
+        raise _refuse(name, f"params[{unmanaged[0]}] (shape {tuple(params[unmanaged[0]].shape)}) is not sharded by "
+                            f"fully_shard while others are (a model partly FSDP2 and partly not); apply "
+                            f"fully_shard to the module holding every trained parameter (e.g. the root)")
+    meshes = {id(records[id(p)][1].mesh_info.mesh) for p in params}
+    groups = [records[id(p)][1].mesh_info.mesh.get_group() for p in params]
+    ranks = {tuple(dist.get_process_group_ranks(g)) for g in groups}
+    if len(ranks) > 1:
+        raise _refuse(name, f"its modules are sharded over {len(meshes)} different process groups {sorted(ranks)}; "
+                            f"shard them all over one mesh")
+    group = groups[0]
+    if process_group is not None and (
+            tuple(dist.get_process_group_ranks(process_group)) != next(iter(ranks))):
+        raise _refuse(name, f"process_group holds ranks {dist.get_process_group_ranks(process_group)} but FSDP2 "
+                            f"shards over ranks {list(next(iter(ranks)))}; pass no process_group (FSDP2's is taken)")
+    return ShardedModel(modules, list(params), [records[id(p)][0] for p in params], group,
+                        dist.get_rank(group), dist.get_world_size(group))
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s local shard for a ``DTensor`` (a view, updated in place), ``p`` itself otherwise."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def default_group(model: torch.nn.Module, name: str) -> Any:
+    """The process group FSDP2 shards ``model`` over (its first ``fully_shard``-ed module's), ``None`` for a model
+    without one: an optimiser given no ``process_group`` steps across FSDP2's. What no group could make right
+    (:func:`inspect`'s refusals of the mesh, offload, mixed precision, ``DTensor`` parameters no ``fully_shard``
+    manages) is refused here already, before the group is resolved.
+
+    Raises:
+        ValueError: as :func:`inspect`, for the model alone.
+    """
+    types = _fsdp_types()
+    if types is None:
+        return None
+    modules, records = _fsdp_records(model, name)
+    _refuse_foreign(model, records, name)
+    for module in modules:
+        for group in _groups_of(module):
+            return group.mesh_info.mesh.get_group()
+    return None
+
+
+@contextlib.contextmanager
+def unsharded_group(sharded: ShardedModel | None, group: dict) -> Iterator[dict]:
+    """``group`` (an optimiser's step values) as the per-sample machinery takes it: unchanged without sharding,
+    else with ``params`` the unsharded parameters while :meth:`ShardedModel.unsharded` holds them."""
+    if sharded is None:
+        yield group
+        return
+    with sharded.unsharded() as params:
+        yield dict(group, params=params)

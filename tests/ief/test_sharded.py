@@ -1,0 +1,280 @@
+"""The exact step on FSDP2 (``fully_shard``) models (ief.sharded), held to one process on the union batch: 2 and 3
+gloo processes, float64, uneven local batches and masked positions, momentum and weight decay, submodules sharded
+separately; what cannot step on shards refused before any work, on every rank, in one sentence."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ief.sharded import ROUTE
+from test_distributed import OPTIMISERS, _spawn
+
+STEPS = 3
+CRYPTIC = "mixed torch.Tensor and DTensor"
+
+
+# ------------------------------------------------------------------------------------------------------ the models
+def _mlp() -> torch.nn.Module:
+    """5-16-16-3 (tanh): over 4 positions the middle weight's factors are fewer entries than its rows."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 3)).double()
+
+
+def _mlp_batch(m: int, gen: torch.Generator) -> tuple:
+    x = torch.randn(m, 4, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (m, 4), generator=gen)
+    y[torch.rand(m, 4, generator=gen) < 0.3] = -100
+    return x, y
+
+
+def _gpt2() -> torch.nn.Module:
+    """A tiny GPT-2 (two blocks, tied input and output embeddings), every parameter trained."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config).double().eval()
+
+
+def _llama_lora() -> torch.nn.Module:
+    """A tiny Llama (two layers, grouped-query attention) with peft LoRA (rank 2) on q_proj / v_proj: a frozen base,
+    sharded with the adapters."""
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                                      attn_implementation="eager", pad_token_id=0, tie_word_embeddings=False)
+    base = transformers.LlamaForCausalLM(config).double()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                                      lora_dropout=0.0))
+    with torch.no_grad():  # LoRA B starts at 0: move it so that the rows are generic
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+def _lm_batch(m: int, gen: torch.Generator) -> tuple:
+    """Token sequences of 6 with right padding (masked in attention and targets)."""
+    import ief
+
+    ids = torch.randint(1, 16, (m, 6), generator=gen)
+    mask = torch.ones(m, 6, dtype=torch.long)
+    for n in range(m):
+        pad = int(torch.randint(0, 3, (1,), generator=gen))
+        if pad:
+            ids[n, -pad:], mask[n, -pad:] = 0, 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return dict(input_ids=ids, attention_mask=mask), ief.causal_lm_targets(labels)
+
+
+MODELS = {"mlp": (_mlp, _mlp_batch), "gpt2": (_gpt2, _lm_batch), "llama-lora": (_llama_lora, _lm_batch)}
+
+
+def _shard(name: str, model: torch.nn.Module) -> torch.nn.Module:
+    """``fully_shard`` on the inner modules first (each its own parameter group), then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    if name == "mlp":
+        inner = [model[0], model[2]]
+    elif name == "gpt2":
+        inner = list(model.transformer.h)
+    else:
+        inner = list(model.base_model.model.model.layers)
+    for module in inner:
+        fully_shard(module)
+    return fully_shard(model)
+
+
+def _batches(name: str, sizes: list[int]) -> list[list[tuple]]:
+    gen = torch.Generator().manual_seed(11)
+    return [[MODELS[name][1](m, gen) for m in sizes] for _ in range(STEPS)]
+
+
+def _concat(parts: list) -> object:
+    if isinstance(parts[0], dict):
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return torch.cat(parts)
+
+
+def _trained(model: torch.nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+# ----------------------------------------------------------------------------------------- the union-batch equality
+def _train_sharded(rank: int, name: str, methods: list[str], sizes: list[int]) -> dict:
+    out = {}
+    for method in methods:
+        model = _shard(name, MODELS[name][0]())
+        opt = OPTIMISERS[method](model)  # no process_group: FSDP2's
+        losses = []
+        for per_rank in _batches(name, sizes):
+            x, y = per_rank[rank]
+            losses.append(float(opt.step(x, y)))
+        params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        shards = {n: p.to_local().detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        buffers = [type(b).__name__ for s in opt.state.values() for k, b in s.items() if k == "momentum_buffer"]
+        out[method] = dict(params=params, losses=losses, shards=shards, buffers=buffers, report=opt.last_step_report)
+    return out
+
+
+def _train_union(name: str, method: str, sizes: list[int]) -> dict:
+    model = MODELS[name][0]()
+    opt = OPTIMISERS[method](model)
+    losses = []
+    for per_rank in _batches(name, sizes):
+        losses.append(float(opt.step(_concat([b[0] for b in per_rank]), _concat([b[1] for b in per_rank]))))
+    return dict(params={n: p.detach().clone() for n, p in model.named_parameters()}, losses=losses)
+
+
+@pytest.mark.parametrize("name, methods, sizes", [
+    ("mlp", ["ief-mean-momentum-wd", "ef", "sf"], [3, 5]),
+    ("mlp", ["ief-ghost", "ief-mean-momentum-wd"], [4, 1, 6]),
+    ("gpt2", ["ief-mean-momentum-wd"], [2, 1, 3]),
+    ("llama-lora", ["ief-mean-momentum-wd"], [3, 2]),
+], ids=["mlp-2", "mlp-3", "gpt2-3", "llama-lora-2"])
+def test_a_step_on_an_fsdp2_model_is_one_process_on_the_union_batch(name, methods, sizes, tmp_path):
+    """Three steps on R gloo processes of a model whose submodules are sharded separately (and a frozen base under
+    LoRA) give every rank the same losses and, gathered, the same parameters, equal to one process stepping on the
+    ranks' batches concatenated in rank order (1e-12 relative, float64); each rank's shard is its slice of them and
+    the momentum buffers are local shards (plain tensors)."""
+    results = _spawn(_train_sharded, len(sizes), tmp_path, name, methods, sizes)
+    for method in methods:
+        union = _train_union(name, method, sizes)
+        first = results[0][method]
+        for other in results[1:]:
+            assert other[method]["losses"] == first["losses"]
+            assert all(torch.equal(other[method]["params"][n], p) for n, p in first["params"].items())
+        assert first["losses"] == pytest.approx(union["losses"], rel=1e-12)
+        for n, want in union["params"].items():
+            got = first["params"][n]
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), (method, n)
+        moved = sum(float((union["params"][n] - p.detach()).abs().sum())
+                    for n, p in MODELS[name][0]().named_parameters() if p.requires_grad)
+        assert moved > 1e-3, "the steps must move the parameters for the comparison to mean anything"
+        for rank, result in enumerate(results):  # each rank's shard: torch.chunk's slice of the whole
+            for n, shard in result[method]["shards"].items():
+                whole = first["params"][n]
+                assert torch.equal(shard, torch.chunk(whole, len(sizes))[rank] if rank < len(
+                    torch.chunk(whole, len(sizes))) else whole[:0]), (method, n, rank)
+            assert set(result[method]["buffers"]) <= {"Tensor"}
+            report = result[method]["report"]  # the certificate: the method, not a fallback, over the union's rows
+            assert (report.step, report.rows, report.ranks, report.across_processes, report.sharding) == (
+                STEPS - 1, sum(sizes), len(sizes), True, ROUTE)
+            assert report.method == {"ief": "iEF", "ef": "EF", "sf": "SF"}[method.split("-")[0]]
+            assert sorted(report.routes) == sorted(n for n in union["params"] if n in first["shards"])
+            looped = {n for n, route in report.routes.items() if route == "looped"}
+            assert looped <= {"transformer.wpe.weight"}, report.routes  # GPT-2's [1, T] positions: as one process
+
+
+# ------------------------------------------------------------------------------------------------ a NaN on one rank
+def _nan_on_rank_one(rank: int) -> dict:
+    import ief
+
+    model = _shard("mlp", _mlp())
+    opt = ief.optim.IEF(model, lr=0.5, damping=1e-3)
+    gen = torch.Generator().manual_seed(3)
+    x, y = _mlp_batch(3, gen)
+    if rank == 1:
+        x[1, 0, 0] = float("nan")
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    try:
+        opt.step(x, y)
+    except Exception as err:  # noqa: BLE001
+        kind, message = type(err).__name__, str(err)
+    else:
+        kind = message = None
+    unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
+    x, y = _mlp_batch(2, gen)  # the model and the optimiser still step afterwards
+    after = float(opt.step(x, y))
+    return dict(kind=kind, message=message, unchanged=unchanged, after=after)
+
+
+def test_a_nan_on_one_rank_ends_every_rank_with_the_same_error(tmp_path):
+    results = _spawn(_nan_on_rank_one, 2, tmp_path)
+    assert [r["kind"] for r in results] == ["FloatingPointError", "FloatingPointError"], results
+    assert results[0]["message"].startswith("step 0: rank 1 failed (FloatingPointError): ")
+    assert all(r["unchanged"] for r in results)
+    assert results[0]["after"] == results[1]["after"]
+
+
+# -------------------------------------------------------------------------------------------------------- refusals
+def _refusals_on_rank(rank: int) -> dict:
+    import ief
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def partly():
+        model = _mlp()
+        fully_shard(model[2])
+        return ief.optim.IEF(model)
+
+    def tensor_parallel():
+        model = _mlp()
+        mesh = init_device_mesh("cpu", (2,))
+        model[2].weight = torch.nn.Parameter(distribute_tensor(model[2].weight.detach(), mesh, [Shard(1)]))
+        return ief.optim.IEF(model)
+
+    def hsdp():
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+        return ief.optim.IEF(fully_shard(_mlp(), mesh=mesh))
+
+    def other_group():
+        group = dist.new_group([0])
+        return ief.optim.IEF(fully_shard(_mlp()), process_group=group if rank == 0 else dist.group.WORLD)
+
+    def functional_update():
+        model = fully_shard(_mlp())
+        params = list(model.parameters())
+        ief.optim.preconditioned_update(params, torch.zeros(sum(p.numel() for p in params), dtype=torch.float64), {},
+                                        lr=0.1)
+
+    cases = {
+        "functional-update": functional_update,
+        "kfac": lambda: ief.optim.KFAC(fully_shard(_mlp()), "kfac", lr=0.1, damping=1e-2),
+        "auto": lambda: ief.optim.IEF(fully_shard(_mlp()), lr="auto"),
+        "partly": partly,
+        "tensor-parallel": tensor_parallel,
+        "hsdp": hsdp,
+        "offload": lambda: ief.optim.IEF(fully_shard(_mlp(), offload_policy=CPUOffloadPolicy(pin_memory=False))),
+        "mixed-precision": lambda: ief.optim.IEF(fully_shard(
+            _mlp(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))),
+        "other-group": other_group,
+    }
+    out = {}
+    for name, build in cases.items():
+        try:
+            build()
+        except Exception as err:  # noqa: BLE001
+            out[name] = (type(err).__name__, str(err))
+        else:
+            out[name] = ("constructed", "")
+    return out
+
+
+def test_what_cannot_step_on_fsdp2_shards_is_refused_before_any_work_in_one_sentence(tmp_path):
+    results = _spawn(_refusals_on_rank, 2, tmp_path)
+    expected = {"kfac": "KFAC's Kronecker factors", "auto": "lr='auto'", "partly": "partly FSDP2",
+                "tensor-parallel": "no fully_shard manages", "hsdp": "2-dimensional device mesh",
+                "offload": "CPUOffloadPolicy", "mixed-precision": "MixedPrecisionPolicy",
+                "other-group": "pass no process_group"}
+    for result in results:
+        kind, message = result["functional-update"]
+        assert kind == "ValueError" and "DTensor parameters" in message and CRYPTIC not in message, message
+    for rank, result in enumerate(results):
+        for name, needle in expected.items():
+            kind, message = result[name]
+            if name == "other-group" and rank == 1:
+                assert kind == "constructed"  # the WORLD group is FSDP2's own
+                continue
+            assert kind == "ValueError", (name, kind, message)
+            assert "cannot step on this FSDP2 model" in message and needle in message, (name, message)
+            assert not re.search(r"[a-z)]\. [A-Z]", message) and CRYPTIC not in message, message  # one sentence

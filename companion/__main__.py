@@ -4,8 +4,10 @@
 Exit codes: 0 done (or skipped: finished), 2 bad input or an unreadable run file (an ``error:`` line naming the value
 or the file, nothing written; every number an option takes is checked when the arguments are parsed, see the
 argument types below), 1 missing data or weights, 75 the run is being run by another process (try again
-later, or pass ``--wait-lock``), 128 + N stopped by signal N (SIGINT, SIGTERM or SIGHUP; ``resume.pt`` saved), 130
-stopped at once (a second signal).
+later, or pass ``--wait-lock``), 128 + N interrupted by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129: the run
+stopped after its current update and saved ``resume.pt``; run the same command to resume), 3 stopped at once by a
+second signal (nothing saved after the last ``resume.pt``, which stays valid; resume from it). The two stops differ
+so that a script or a scheduler can tell a run that saved its place from one that did not.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_LOCKED = 75  # EX_TEMPFAIL: another process owns the run folder; try again later
+EXIT_STOPPED_AT_ONCE = 3  # a second signal stopped the run at once (no 128 + N: that is the saved, interrupted run)
 SEED_LIMIT = 2 ** 32  # numpy's legacy seeding (runner) takes 0 <= seed < 2**32
 
 
@@ -460,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_LOCKED
     except KeyboardInterrupt:
         print("stopped at once (second signal); the last resume.pt stays valid", file=sys.stderr)
-        return 130
+        return EXIT_STOPPED_AT_ONCE
     except (ValueError, MissingResource) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1

@@ -45,6 +45,8 @@ from .model_call import (
     ReplayableForward,
     all_finite,
     check_targets,
+    nonfinite_message,
+    nonfinite_samples,
     flatten,
     param_names,
     resolve_params,
@@ -136,6 +138,7 @@ class FisherOperator:
         self._forward = ReplayableForward(model, inputs)
         self._gradient: torch.Tensor | None = None
         self._checked = False
+        self.last_jv: torch.Tensor | None = None
         if method == "double_backward":
             self._build_double_backward()
 
@@ -194,6 +197,7 @@ class FisherOperator:
                     )
                 else:
                     jv = torch.zeros_like(logits)
+            self.last_jv = jv.detach()  # J_z v of the last product: its non-finite rows name the samples
             hjv = self.loss.hessian_vp(logits.detach(), self.targets, jv.detach())
             retain = self.method == "double_backward"  # the forward method's graph serves this one product only
             try:
@@ -291,7 +295,8 @@ def fisher_vp(
         ValueError: ``vector`` not ``[P]``, an unknown ``method`` or ``loss``, or a bad batch (as
             :func:`ief.per_sample`).
         FloatingPointError: a logit that is NaN or ``+inf``, or a position whose every class is ``-inf`` (masking
-            some classes with ``-inf`` is fine).
+            some classes with ``-inf`` is fine); a non-finite product (an inf input behind finite logits), naming
+            the samples, with the optimisers' message (:func:`ief.model_call.nonfinite_message`).
         ForwardModeUnsupported: ``method="forward"`` on a layer without a forward-mode rule (e.g. a custom
             ``autograd.Function`` without ``jvp``), naming the module; ``"auto"`` switches by itself.
     """
@@ -302,13 +307,16 @@ def fisher_vp(
         method = "double_backward" if unwrap_model(model) in NO_FORWARD_MODE else "forward"
     operator = FisherOperator(model, inputs, targets, params, loss=loss, method=method)
     try:
-        return operator.matvec(vector)
+        product = operator.matvec(vector)
     except ForwardModeUnsupported:
         if not automatic:
             raise
         NO_FORWARD_MODE[operator._forward.model] = True
-    operator._build_double_backward()  # replays the masks the failed dual forward drew
-    return operator.matvec(vector)
+        operator._build_double_backward()  # replays the masks the failed dual forward drew
+        product = operator.matvec(vector)
+    refuse_nonfinite_product(product, inputs, targets.shape[0], "Fisher-vector product",
+                             "the product is refused rather than returned as a non-finite vector", operator.last_jv)
+    return product
 
 
 def gamma(
@@ -344,7 +352,8 @@ def gamma(
     Raises:
         ValueError: a zero or non-finite ``direction``, one not shaped ``[P]``, or a bad batch.
         FloatingPointError: logits the loss cannot use (NaN, ``+inf``, or a position whose every class is
-            ``-inf``); ``-inf`` masking of some classes is fine.
+            ``-inf``); ``-inf`` masking of some classes is fine; a non-finite ``J_z d`` (an inf input behind finite
+            logits), naming the samples, with the optimisers' message (:func:`ief.model_call.nonfinite_message`).
     """
     loss_fn = get_loss(loss)
     model = unwrap_model(model)
@@ -362,7 +371,7 @@ def gamma(
     else:
         with torch.enable_grad():
             logits, jd = logits_and_jvp(forward, params, names, tangents, method)
-    return _gammas_of_jvps(loss_fn, logits.detach(), targets, [jd])[0]
+    return _gammas_of_jvps(loss_fn, logits.detach(), targets, [jd], inputs)[0]
 
 
 def gammas(
@@ -440,17 +449,22 @@ def gammas(
             logits = forward()
             jds = double_backward_jvps(logits, params, tangent_sets)
         logits = logits.detach()
-    return _gammas_of_jvps(loss_fn, logits, targets, list(jds))
+    return _gammas_of_jvps(loss_fn, logits, targets, list(jds), inputs)
 
 
 # Models on which the batched forward-mode pass of ``gammas`` failed once: later calls go straight to double backward.
 _NOT_BATCHABLE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
-def _gammas_of_jvps(loss: Loss, logits: torch.Tensor, targets: torch.Tensor, jds: list[torch.Tensor]) -> list[float]:
+def _gammas_of_jvps(loss: Loss, logits: torch.Tensor, targets: torch.Tensor, jds: list[torch.Tensor],
+                    inputs: Inputs = None) -> list[float]:
     """``gamma`` of each direction from ``J_z d`` alone: ``d^T F d = (J_z d)^T H (J_z d)``, ``d^T grad L =
-    (dL/dz)^T J_z d``, in float64."""
+    (dL/dz)^T J_z d``, in float64. A non-finite ``J_z d`` (an inf input behind finite logits: a saturated ``tanh``
+    gives ``0 * inf``) raises ``FloatingPointError`` naming its samples (:func:`ief.model_call.nonfinite_message`)."""
     check_logits(loss, logits, targets)
+    for jd in jds:
+        refuse_nonfinite_product(jd, inputs, logits.shape[0], "J_z d (the direction's change of the logits)",
+                                 "gamma is refused rather than returned as NaN")
     z64 = logits.to(torch.float64)
     grad_z = loss.logit_grad(z64, targets)
     out = []
@@ -460,6 +474,29 @@ def _gammas_of_jvps(loss: Loss, logits: torch.Tensor, targets: torch.Tensor, jds
         slope = float((grad_z * jd64).sum())
         out.append(gamma_from(curvature, slope))
     return out
+
+
+def refuse_nonfinite_product(result: torch.Tensor, inputs: Inputs, m: int, what: str, refused: str,
+                             per_sample: torch.Tensor | None = None) -> None:
+    """``FloatingPointError`` with the package's message (:func:`ief.model_call.nonfinite_message`) if ``result`` is
+    not finite, naming the samples whose rows of ``per_sample`` (default ``result``, when it is per sample) or whose
+    inputs are not finite. One reduction and one host read when finite.
+
+    Args:
+        result: what is about to be returned (``F v``, ``J_z d``).
+        inputs: the batch's inputs.
+        m: the batch size.
+        what: what is not finite, in words.
+        refused: what is refused instead of returned.
+        per_sample: a per-sample intermediate (``[M, ...]``) that shows which samples, or ``None``.
+
+    Raises:
+        FloatingPointError: ``result`` holds a NaN or inf.
+    """
+    if all_finite(result):
+        return
+    rows = per_sample if per_sample is not None else result
+    raise FloatingPointError(nonfinite_message(what, nonfinite_samples(rows, inputs, m), m, refused))
 
 
 def gamma_from(curvature: float, slope: float) -> float:

@@ -470,3 +470,99 @@ class DistributedRows(Rows):
         """``J^T 1`` of the union batch, in :attr:`dtype` (summed in float64 over ranks)."""
         return all_reduce(self.local.row_sum().to(torch.float64), self.group).to(self.dtype)
 
+
+
+class ReplicaMismatch(ValueError):
+    """The processes of a group hold replicas that differ (parameters, optimiser state or settings): raised on every
+    rank by :func:`check_replicas`, naming the first differing entry and the ranks that differ. A ``ValueError``."""
+
+
+CHECKSUM_CHUNK = 1 << 24  # entries of a tensor hashed at a time (an int64 temporary of 128 MiB at most)
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """A position-weighted sum of ``tensor``'s bits, a 0-d int64 tensor on its device: ``sum_i b_i (i mod 65521 + 1)``
+    over its entries' bit patterns ``b_i`` read as integers, plus a hash of its shape and dtype, modulo ``2^64``.
+
+    Integer sums are exact and do not depend on the order of summation (nor on threads or kernels), so equal
+    tensors give equal checksums on every rank; the weights make a permutation of the entries show, and a change of
+    one bit in one entry changes the sum. Cost: one pass over the tensor, in chunks of :data:`CHECKSUM_CHUNK`.
+
+    Args:
+        tensor: any tensor (floating, integer or bool; complex as its real view).
+
+    Returns:
+        The checksum, 0-d int64.
+    """
+    flat = tensor.detach()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    flat = flat.reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.int8)
+    bits = flat.contiguous().view(_INTS[flat.element_size()]) if flat.is_floating_point() else flat
+    total = torch.tensor(_setting_hash((tuple(tensor.shape), str(tensor.dtype))), dtype=torch.int64,
+                         device=tensor.device)
+    for start in range(0, bits.numel(), CHECKSUM_CHUNK):
+        part = bits[start:start + CHECKSUM_CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=part.device) % 65521 + 1
+        total += (part * weights).sum()
+    return total
+
+
+def _setting_hash(value: Any) -> int:
+    """A signed 64-bit hash of ``repr(value)`` (blake2b: the same on every process, unlike Python's ``hash``)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def check_replicas(group: Any, device: torch.device, tensors: Sequence[tuple[str, torch.Tensor]],
+                   settings: dict[str, Any], when: str = "before the first step") -> None:
+    """Raise :class:`ReplicaMismatch` on every rank of ``group`` unless every rank holds the same ``tensors`` (bit for
+    bit, by :func:`tensor_checksum`) and the same ``settings`` (by the ``repr`` of each value).
+
+    Data-parallel replicas that start from different weights (a model initialised with another seed on one rank,
+    a checkpoint loaded on one rank only) step from the same union-batch direction and drift apart silently; this
+    compares them where they must agree (an optimiser's first step, and its first step after ``load_state_dict``).
+    Communication: one all-gather of two int64 per rank (the number of entries and a weighted sum of their
+    checksums); only when they differ, a second all-gather of one int64 per entry, to name the first entry that
+    differs. Every rank compares the same gathered numbers, so every rank raises the same error.
+
+    Args:
+        group: the process group (``None``: nothing to compare).
+        device: where the group's collectives take tensors (:func:`collective_device`).
+        tensors: ``(name, tensor)`` in the same order on every rank (the model's parameters, the optimiser's state).
+        settings: ``name -> value`` (the optimiser's hyperparameters and step count).
+        when: when the check runs, for the message.
+
+    Raises:
+        ReplicaMismatch: on every rank, naming the first differing entry and the ranks whose value differs from
+            rank 0's, or the ranks' numbers of entries when those differ.
+    """
+    if group is None:
+        return
+    names = [f"parameter or state {name!r}" for name, _ in tensors] + [f"setting {key!r}" for key in settings]
+    sums = [tensor_checksum(t).to(device) for _, t in tensors]
+    sums += [torch.tensor(_setting_hash(value), dtype=torch.int64, device=device) for value in settings.values()]
+    local = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64, device=device)
+    weights = torch.arange(1, local.numel() + 1, dtype=torch.int64, device=device) * 2654435761
+    head = torch.stack([torch.tensor(local.numel(), dtype=torch.int64, device=device), (local * weights).sum()])
+    heads = all_gather_rows(head[None], [1] * world_size(group), group).cpu()  # [R, 2]
+    if bool((heads == heads[0]).all()):
+        return
+    counts = heads[:, 0].tolist()
+    advice = ("the replicas must start equal: load the same weights on every rank (or broadcast rank 0's, as "
+              "DistributedDataParallel does when it wraps the model) and construct the optimiser with the same "
+              "settings everywhere; nothing was changed")
+    if len(set(counts)) > 1:
+        raise ReplicaMismatch(f"the ranks hold different numbers of parameters, state tensors and settings {when} "
+                              f"(per rank: {counts}): {advice}")
+    table = all_gather_rows(local[None], [1] * world_size(group), group).cpu()  # [R, entries]
+    differ = (table != table[0]).any(dim=0)
+    first = int(torch.nonzero(differ)[0])
+    ranks = [r for r in range(table.shape[0]) if table[r, first] != table[0, first]]
+    raise ReplicaMismatch(f"the processes' replicas differ {when}: {names[first]} differs between rank 0 and "
+                          f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                          f"({int(differ.sum())} of {len(names)} entries differ): {advice}")

@@ -335,6 +335,57 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())  # the sum may overflow although every entry is finite
 
 
+ROWS_REFUSED = "per-sample gradients are refused rather than returned as non-finite rows"
+
+
+def nonfinite_message(what: str, bad: Sequence[int], m: int, refused: str = ROWS_REFUSED) -> str:
+    """The package's one message for a non-finite result of a batch (the optimisers', :func:`ief.per_sample`'s,
+    the indicator's, the Fisher-vector product's): what is not finite, for which samples, the likely causes, and what
+    is refused instead of being returned.
+
+    Args:
+        what: what is not finite (``"per-sample gradient"``, ``"J_z d"``, ...).
+        bad: the samples it is not finite for (empty: not known).
+        m: the batch size.
+        refused: what is refused (``"<the result> is refused rather than returned as ..."``).
+
+    Returns:
+        The message.
+    """
+    which = f"samples {list(bad[:10])}{' ...' if len(bad) > 10 else ''}" if len(bad) else "samples not known"
+    return (f"non-finite {what} for {which} (of {m}): a NaN or inf in those samples' inputs, logits or targets, or "
+            f"in the parameters; {refused} (drop or fix those samples)")
+
+
+def nonfinite_samples(rows: torch.Tensor | None, inputs: Any, m: int) -> list[int]:
+    """The samples whose rows of ``rows`` (``[M, ...]``) are not finite, else those whose floating inputs (every
+    tensor of ``inputs`` with leading dimension ``m``) hold a NaN or inf; ``[]`` if neither tells.
+
+    Args:
+        rows: a per-sample result (``J_z v``), or ``None``.
+        inputs: the batch's inputs (a tensor, or a tuple, list or dict of them).
+        m: the batch size.
+
+    Returns:
+        The sample indices, sorted.
+    """
+    if rows is not None and rows.dim() >= 1 and rows.shape[0] == m:
+        bad = ~torch.isfinite(rows.detach().reshape(m, -1)).all(dim=1)
+        if bool(bad.any()):
+            return torch.nonzero(bad).flatten().tolist()
+    found = torch.zeros(m, dtype=torch.bool)
+    stack = [inputs]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor) and item.is_floating_point() and item.dim() >= 1 and item.shape[0] == m:
+            found |= ~torch.isfinite(item.detach().reshape(m, -1)).all(dim=1).cpu()
+    return torch.nonzero(found).flatten().tolist()
+
+
 def extract_logits(output: Any) -> torch.Tensor:
     """``output.logits`` if present, ``output[0]`` for tuples, else the output itself."""
     logits = getattr(output, "logits", None)

@@ -43,7 +43,8 @@ import torch
 from .jacobian import per_sample, sampled_jacobian
 from .directions import rounding_floor
 from .losses import Loss, check_damping, get_loss
-from .model_call import Inputs, call_model, check_batch, param_names, resolve_params
+from .model_call import (Inputs, all_finite, call_model, check_batch, nonfinite_message, nonfinite_samples,
+                         param_names, resolve_params)
 
 FISHERS = ("ef", "ief", "sf", "ggn")
 METHODS = ("magnitude", *FISHERS)
@@ -561,12 +562,17 @@ def validation_loss(model: torch.nn.Module, batches: Iterable[tuple[Inputs, torc
 
     Raises:
         ValueError: no batch, or a batch that is not an ``(inputs, targets)`` pair.
+        FloatingPointError: a non-finite loss, naming its batch and samples (the optimisers' message).
     """
     fn = get_loss(loss)
     total, count = 0.0, 0
     with torch.no_grad():
-        for inputs, targets in _batches(batches):
+        for b, (inputs, targets) in enumerate(_batches(batches)):
             per = fn.per_sample(call_model(model, inputs), targets)
+            if not all_finite(per):
+                bad = nonfinite_samples(per, inputs, per.shape[0])
+                raise FloatingPointError(f"batch {b}: " + nonfinite_message(
+                    "loss", bad, per.shape[0], "the validation loss is refused rather than returned as NaN"))
             total += float(per.double().sum())
             count += per.shape[0]
     return total / count

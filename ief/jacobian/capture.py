@@ -32,6 +32,7 @@ import torch
 
 from ..model_call import extract_logits, graph_nodes, shapes_of
 from .errors import PerSampleGradientMismatch
+from .routing import RoutingTracker
 from .rules import LayerRule, rule_for
 from .broadcast import Use, UseTracker, check_sums, establish, per_sample_rows
 from .rules.registry import BATCH_FIRST, WHOLE_CALL, recording_hook
@@ -137,8 +138,12 @@ _AXIS_CACHE_SIZE = 256
 # exactly one row per sample would pass the proof. A model with such a module routes by its data: its other calls are
 # proven on every batch (no cached axes), since a batch routing one row per sample to another expert would pass the
 # proof and be cached for later batches of the same shapes routed otherwise. (A model whose first batches route one
-# row per sample everywhere is not known to route yet: that residual case is what check="exact" on every step sees.)
+# row per sample everywhere passes the proof; it is known to route all the same, see _ROUTED.)
 _GATHERED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+# The hooked modules, per model, with a call on rows the data selected from the batch (ief.jacobian.routing, seen in
+# a proof forward): the shapes do not decide their proof, the routing does, so the model is proven on every batch
+# even when every proof so far passed (a first batch routing one token per sample to every expert).
+_ROUTED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
 # The sets of slow-path parameters already reported, per model (a SlowPathWarning once per model and set).
 _WARNED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
 
@@ -216,6 +221,8 @@ class PerSampleCapture:
         self.records: dict[int, list] = {}  # k -> [[input, output grad, sample axis], ...] in call order
         self.edges: dict[int, list] = {}  # k -> the gradient edges of its recorded calls' outputs (stand-ins only)
         self.demoted: dict[int, str] = {}  # parameter index -> why its hooked module fell back to the loop
+        self.routed_calls: set[tuple[int, int]] = set()  # (k, j): calls on rows the data selected (a proof saw)
+        self.track_routing = True  # whether the proof's forwards look for them (not once the model is known to)
         self.handles: list = []
 
     def __enter__(self) -> "PerSampleCapture":
@@ -397,10 +404,13 @@ class PerSampleCapture:
             self.probe_uses = (_use_shapes(tracker.uses), frozenset(tracker.unsupported))
         return tuple(tuple(seen[k]) for k in range(len(self.modules)))
 
-    def call_inputs(self, run: Callable[[], object]) -> tuple | str:
+    def call_inputs(self, run: Callable[[], object], batch=None) -> tuple | str:
         """The hooked calls' first inputs (copies) per module, in call order, during ``run()`` (a proof forward), or
-        why it failed; calls as the batch forward records them (gradients on, output requiring grad)."""
+        why it failed; calls as the batch forward records them (gradients on, output requiring grad). Given the
+        ``batch`` ``run`` feeds the model (and :attr:`track_routing`), the calls on rows the data selected from it
+        are added to :attr:`routed_calls` (:class:`ief.jacobian.routing.RoutingTracker`)."""
         seen: dict[int, list] = {k: [] for k in range(len(self.modules))}
+        tracker = RoutingTracker(batch) if batch is not None and self.track_routing else None
 
         def hook_for(k):
             def hook(module, args, output):
@@ -408,13 +418,16 @@ class PerSampleCapture:
                     output = output[0]
                 if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                     x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                    if tracker is not None and tracker.is_routed(x):
+                        self.routed_calls.add((k, len(seen[k])))
                     seen[k].append(None if x is None else x.detach().clone())
 
             return hook
 
         handles = [module.register_forward_hook(hook_for(k)) for k, (module, *_) in enumerate(self.modules)]
         try:
-            run()
+            with tracker if tracker is not None else contextlib.nullcontext():
+                run()
         except Exception as err:
             return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         finally:
@@ -514,8 +527,8 @@ class PerSampleCapture:
         key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full, uses)
         cache = _AXIS_CACHE.setdefault(model, OrderedDict())
         cached = cache.get(key)
-        if cached is not None and _GATHERED.get(model):  # routing depends on the data: every batch is proven
-            cached = None
+        if cached is not None and (_GATHERED.get(model) or _ROUTED.get(model)):  # routing depends on the data:
+            cached = None  # every batch is proven
         if cached is None:
             shrunk = probe()
             failed = isinstance(shrunk, str)
@@ -529,7 +542,11 @@ class PerSampleCapture:
             )
             unproven = {}
             if prove is not None and not failed:
+                self.track_routing = not _ROUTED.get(model)
                 axes, unproven = self.prove_axes(axes, m, prove, _GATHERED.setdefault(model, {}), unreached)
+                routed = {id(self.modules[k][0]) for k, j in self.routed_calls if not unreached(k, j)}
+                if routed:
+                    _ROUTED.setdefault(model, set()).update(routed)
             cached = cache[key] = (axes, shrunk if failed else None, None if failed else self.probe_uses, unproven)
             while len(cache) > _AXIS_CACHE_SIZE:
                 cache.popitem(last=False)
@@ -566,6 +583,13 @@ class PerSampleCapture:
                     "samples (a probe forward of one sample does not shrink exactly one of them to 1)"
                 )
         self.demote(reasons)
+
+    @staticmethod
+    def forget_axes(model: torch.nn.Module) -> None:
+        """Forget the sample axes proven for ``model`` (every shape signature): a failed check has disproved what
+        they promised (a sample-mixing layer, rows routed otherwise than on the batch that proved them), so the next
+        call proves its own batch's axes again."""
+        _AXIS_CACHE.pop(model, None)
 
     def demote(self, reasons: dict[int, str]) -> None:
         """Send the parameters of hooked modules ``k`` (``reasons``: ``k -> why``) to the per-sample loop: the module

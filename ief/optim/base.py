@@ -34,6 +34,7 @@ from ..distributed import (
     all_gather_rows,
     all_reduce,
     batch_sizes,
+    check_replicas,
     collective_device,
     resolve_group,
 )
@@ -170,6 +171,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._per_target = getattr(self, "_per_target", (False, False))  # IEF's defaults (ief.optim.defaults)
         self.last_step_report: StepReport | None = None  # what the last step ran (ief.optim.report)
         self._reported: tuple = (None, None)  # this rank's rows and the union's (_union_rows), for the report
+        self._replicas_agree = False  # compared across the group at the first step, and again after a load
+        self.register_load_state_dict_post_hook(lambda opt: setattr(opt, "_replicas_agree", False))
         self._constructed = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -279,6 +282,26 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     def last_update_norm(self, value: float | None) -> None:
         self._last_update_norm = value
 
+    def _check_replicas(self) -> None:
+        """Every rank's model parameters, optimiser state and settings the same (:func:`ief.distributed.check_replicas`:
+        :class:`ief.distributed.ReplicaMismatch` on every rank, naming the first that differs), at the first step
+        and at the first step after ``load_state_dict``. An FSDP2 model's sharded tensors (``DTensor``: each rank
+        holds its own shard by design) are left out; its settings and unsharded tensors are compared."""
+        from torch.distributed.tensor import DTensor
+
+        named = [(name, p) for name, p in self.model.named_parameters() if not isinstance(p, DTensor)]
+        index = {id(p): name for name, p in self.model.named_parameters()}
+        state = [(f"{index.get(id(p), 'a parameter')}: {key}", value) for p in self._all_params()
+                 for key, value in sorted(self.state.get(p, {}).items())
+                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)]
+        settings = {"optimiser": self._identity(), "check": getattr(self, "check", None),
+                    "form": getattr(self, "form", None), "step": self.steps_taken,
+                    **{f"param_groups[{i}]['{key}']": value for i, g in enumerate(self.param_groups)
+                       for key, value in sorted(g.items()) if key != "params"}}
+        when = "before the first step" if self.steps_taken == 0 else f"at step {self.steps_taken}, after a load"
+        check_replicas(self._group, collective_device(self._group), named + state, settings, when)
+        self._replicas_agree = True
+
     # ------------------------------------------------------------------------------------------------- the step
     @explained_step  # opt.step(**batch) and a batch still holding 'labels' get their own sentence
     def step(self, inputs: Inputs = MISSING, targets: torch.Tensor = MISSING, *, closure: Any = None) -> torch.Tensor:
@@ -299,6 +322,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 disagree on more than ``weight_decay``, ``reduction="mean"`` with no counted target; nothing changed.
             FloatingPointError: a non-finite loss, gradient or update (``"step k: ...; parameters left unchanged"``).
             PerSampleGradientMismatch: the per-sample guard's refusal (see :func:`ief.per_sample`).
+            ief.distributed.ReplicaMismatch: (a ``ValueError``, across processes) at the first step, and the first
+                after ``load_state_dict``, on every rank, when the ranks' parameters, optimiser state or settings
+                differ, naming the first that differs; nothing changed.
 
         Warns:
             UserWarning: once, for targets equal to ``inputs["input_ids"]`` (Hugging Face's unshifted labels).
@@ -306,6 +332,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         """
         if targets is MISSING or closure is not None:
             raise TypeError(how_to_step(type(self).__name__))
+        if self._group is not None and not self._replicas_agree:
+            self._check_replicas()
         given, batch, tokens = self._settings_for(inputs, targets)
         number, auto = self.steps_taken, given["lr"] == AUTO
         rng = self._rng_states() if auto else None  # the forward's, replayed by the probe after the update

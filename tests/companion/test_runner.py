@@ -537,3 +537,31 @@ def test_resume_before_a_multistep_milestone_keeps_the_schedule(tmp_path, monkey
     ref_losses = store.read_run(run_dir(tmp_path / "ref", "smoke", setup, opt, 1))["losses"]
     assert store.read_run(run_dir(tmp_path / "res", "smoke", setup, opt, 1))["losses"] == ref_losses
     assert _numbers(resumed) == _numbers(reference)
+
+
+@pytest.mark.parametrize("stop, code, said", [
+    ("once", 128 + signal.SIGINT, "interrupted: SIGINT received"),
+    ("once-term", 128 + signal.SIGTERM, "interrupted: SIGTERM received"),
+    ("twice", 3, "stopped at once (second signal)"),
+])
+def test_an_interrupted_run_and_one_stopped_at_once_exit_with_distinct_codes(stop, code, said, tmp_path, monkeypatch,
+                                                                             capsys):
+    """One signal: the run saves ``resume.pt`` and exits 128 + N (SIGINT 130, SIGTERM 143); a second signal stops it
+    at once, through the runner's own handler, and exits 3, so that a script tells a saved stop from an unsaved one
+    (both were 130 for SIGINT)."""
+    from companion import experiments
+    from companion.__main__ import EXIT_STOPPED_AT_ONCE
+
+    def fake_train(*args, **kwargs):
+        with runner._Signals() as signals:
+            os.kill(os.getpid(), signal.SIGTERM if stop == "once-term" else signal.SIGINT)
+            if stop == "twice":
+                os.kill(os.getpid(), signal.SIGINT)  # the handler raises KeyboardInterrupt here
+            time.sleep(0.05)
+            raise runner.RunInterrupted(signals.pending, "at step 1")
+
+    monkeypatch.setattr(experiments, "train", fake_train)
+    assert main(["train", "--setup", SETUP, "--optimizer", OPT, "--scale", "smoke", "--out", str(tmp_path),
+                 "--no-progress"]) == code
+    assert said in capsys.readouterr().err
+    assert EXIT_STOPPED_AT_ONCE == 3 and EXIT_STOPPED_AT_ONCE not in {128 + s for s in runner.STOP_SIGNALS}

@@ -839,3 +839,33 @@ def test_a_remembered_targets_check_is_redone_after_an_in_place_change():
         bad = torch.tensor([0, 1, 5, 1, 0])
     with pytest.raises(ValueError, match="class index 5 out of range"):
         ief.fisher_vp(torch.nn.Linear(4, 3), x, bad, v)
+
+
+# ------------------------------------------------------------------------------------------- non-finite input refused
+NONFINITE = (r"for samples \[1\] \(of 5\): a NaN or inf in those samples' inputs, logits or targets, or in the "
+             r"parameters; .*refused rather than returned")
+
+
+def _saturated_inf_case():
+    """An inf in sample 1's input behind a ``tanh``: the logits stay finite (the loss checks pass), every product
+    through the first layer is ``0 * inf = NaN`` for that sample."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    x[1, 2] = float("inf")
+    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    return model, x, torch.tensor([0, 1, 2, 0, 1]), v
+
+
+@pytest.mark.parametrize("method", ["forward", "double_backward"])
+def test_gamma_and_fisher_vp_refuse_an_inf_input_with_the_optimisers_message(method):
+    model, x, y, v = _saturated_inf_case()
+    assert bool(torch.isfinite(model(x)).all())  # nothing for the logits' check to see
+    with pytest.raises(FloatingPointError, match=NONFINITE):
+        ief.gamma(model, x, y, v, method=method)
+    with pytest.raises(FloatingPointError, match=NONFINITE):
+        ief.gammas(model, x, y, torch.stack([v, -2 * v]), method=method)
+    with pytest.raises(FloatingPointError, match=NONFINITE):
+        ief.fisher_vp(model, x, y, v, method=method)
+    with pytest.raises(FloatingPointError, match=NONFINITE):  # the optimisers' own refusal of the same batch
+        ief.optim.IEF(model).step(x, y)

@@ -411,3 +411,14 @@ def test_shared_gram_reports_a_non_finite_j():
 def assert_close(actual, expected, rtol, what):
     err = float((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-300))
     assert actual.shape == expected.shape and err <= rtol, f"{what}: relative error {err:.2e} > {rtol:.0e}"
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_damping_sweep_refuses_a_non_finite_input_with_the_optimisers_message(bad):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    x[1, 2] = bad
+    with pytest.raises(FloatingPointError, match=r"for samples \[1\] \(of 5\): a NaN or inf in those samples' "
+                                                 r"inputs, logits or targets"):
+        ief.damping_sweep(model, x, torch.tensor([0, 1, 2, 0, 1]), [1e-3, 1e-1])

@@ -865,3 +865,62 @@ def test_ranks_whose_kfac_layers_differ_raise_on_every_rank(tmp_path):
     assert [r["kind"] for r in results] == ["ValueError", "ValueError"], results
     assert all(r["message"].startswith("the ranks' K-FAC factors differ in their layers or shapes") for r in results)
     assert "'middle'" in results[0]["message"] and "'middle'" not in results[1]["message"]
+
+
+# ------------------------------------------------------------------------------------ replicas that must agree
+REPLICA_CASES = ("weights", "lr", "loaded", "equal")
+
+
+def _replica_case(rank: int, case: str) -> dict:
+    """Replicas of :func:`_model` stepping together; ``case`` makes rank 1 differ: ``"weights"`` (its model from
+    another seed), ``"lr"`` (another rate), ``"loaded"`` (equal at step 0, then rank 1 loads a state whose momentum
+    buffer differs), ``"equal"`` (nothing differs; every rank loads its own state again)."""
+    import ief
+    from ief.distributed import ReplicaMismatch
+
+    model = _model(seed=1 if case == "weights" and rank == 1 else 0)
+    lr = 0.25 if case == "lr" and rank == 1 else 0.5
+    opt = ief.optim.IEF(model, lr=lr, damping=1e-3, momentum=0.9, process_group=dist.group.WORLD)
+    x, y = _batches([3] * dist.get_world_size(), 1, None)[0][rank]
+    out = {}
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step(x, y)
+        if case in ("loaded", "equal"):
+            saved = opt.state_dict()
+            if case == "loaded" and rank == 1:
+                saved = __import__("copy").deepcopy(saved)
+                next(iter(saved["state"].values()))["momentum_buffer"] += 1.0
+            opt.load_state_dict(saved)
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step(x, y)
+    except ReplicaMismatch as err:
+        out["error"] = str(err)
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def _replicas_on_rank(rank: int) -> dict:
+    return {case: _replica_case(rank, case) for case in REPLICA_CASES}
+
+
+def test_replicas_that_differ_raise_on_every_rank_naming_the_first_difference(tmp_path):
+    """Three ranks. Replicas started from different weights (or rates) raise before their first step, on every rank,
+    naming the first tensor (or setting) that differs and the rank; a state loaded differently on one rank is caught
+    at the first step after the load, before it changes anything; equal replicas (and an equal load) step as one
+    process on the union batch does."""
+    results = _spawn(_replicas_on_rank, 3, tmp_path)
+    named = {"weights": "parameter or state '0.weight' differs between rank 0 and rank 1 (",
+             "lr": "setting \"param_groups[0]['lr']\" differs between rank 0 and rank 1 (",
+             "loaded": "parameter or state '0.weight: momentum_buffer' differs between rank 0 and rank 1 ("}
+    for case, what in named.items():
+        messages = [r[case].get("error") for r in results]
+        assert all(m is not None and m == messages[0] for m in messages), (case, messages)
+        when = "at step 1, after a load" if case == "loaded" else "before the first step"
+        assert messages[0].startswith(f"the processes' replicas differ {when}: {what}"), messages[0]
+        assert "the replicas must start equal" in messages[0]
+        assert all(r[case]["unchanged"] for r in results), case  # refused before anything changed
+    equal = [r["equal"] for r in results]
+    assert all("error" not in r and not r["unchanged"] for r in equal)
+    assert all(torch.equal(a, b) for r in equal[1:] for a, b in zip(equal[0]["params"], r["params"]))

@@ -108,3 +108,16 @@ def test_batches_that_are_not_pairs_are_named_in_one_sentence(batches, match):
     case = mlp_case()
     with pytest.raises(ValueError, match=r"batches must be an iterable of \(inputs, targets\) pairs; " + match):
         ief.evaluate(case.model, batches(case.inputs, case.targets), methods=["ief"])
+
+
+def test_evaluate_refuses_an_inf_input_with_the_optimisers_message():
+    """An inf behind a ``tanh`` (finite logits, NaN rows) is refused naming its sample, with SGD alone too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    x[1, 2] = float("inf")
+    y = torch.tensor([0, 1, 2, 0, 1])
+    for methods in (["sgd"], ["sgd", "ef", "ief", "sf"]):
+        with pytest.raises(FloatingPointError, match=r"for samples \[1\] \(of 5\): a NaN or inf in those samples' "
+                                                     r"inputs, logits or targets"):
+            ief.evaluate(model, [(x, y)], methods=methods)

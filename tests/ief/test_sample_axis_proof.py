@@ -128,3 +128,99 @@ def test_dropout_and_jitter_do_not_demote_layers_with_a_sample_axis():
         ief.per_sample(model, x, y, check=True)
     slow = " ".join(str(w.message) for w in seen if issubclass(w.category, SlowPathWarning))
     assert "experts.0.weight" in slow and "inp.weight" not in slow and "head.weight" not in slow, slow
+
+
+# A first batch that routes exactly one token of every sample to every expert: each expert's rows are the samples, in
+# order, so the proof passes there. A later batch of the same shapes routes two tokens of sample 1 to expert 1 and
+# none of sample 2 (each expert still gets M tokens: the same shapes, the same cache key).
+LUCKY = [[0, 1], [1, 0], [0, 1], [1, 0]]
+UNEVEN = [[0, 1], [1, 1], [0, 0], [1, 0]]
+
+
+def _rel(got, ref) -> float:
+    return float((got.double() - ref).norm() / ref.norm())
+
+
+def test_a_lucky_first_batch_does_not_prove_a_router_for_later_batches():
+    """The proof of a lucky first batch holds for that batch only: its experts read rows the data selected
+    (``flat[idx]``), so the model is proven again on every batch, and the unevenly routed batch of the same shapes
+    is exact with the default check (its experts take the loop)."""
+    torch.manual_seed(0)
+    model = GatherMoE().double()
+    y = torch.tensor([0, 1, 2, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowPathWarning)
+        for routes in (LUCKY, UNEVEN, LUCKY, UNEVEN):
+            batch = _routed(routes)
+            got = ief.per_sample(model, batch, y)
+            _, ref, _ = oracle.per_sample(model, batch, y)
+            assert _rel(got.jacobian, ref) < 1e-10, routes
+
+
+@pytest.mark.parametrize("check", [True, 2])
+def test_iEF_steps_on_a_router_are_exact_after_a_lucky_first_batch(check):
+    """``IEF()`` and ``IEF(check=2)``: the step on the unevenly routed batch, after a step on the lucky one, is the
+    dense float64 formula ``-lr J^T (J J^T + lambda I)^{-1} s`` with the oracle's ``J`` and ``s``."""
+    torch.manual_seed(0)
+    model = GatherMoE().double()
+    y = torch.tensor([0, 1, 2, 0])
+    lr, damping = 0.5, 1e-3
+    opt = ief.optim.IEF(model, lr=lr, damping=damping, check=check)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowPathWarning)
+        opt.step(_routed(LUCKY), y)
+        batch = _routed(UNEVEN)
+        _, jac, s = oracle.per_sample(model, batch, y)
+        expected = -lr * jac.T @ torch.linalg.solve(jac @ jac.T + damping * torch.eye(len(s), dtype=torch.float64), s)
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        opt.step(batch, y)
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert _rel(after - before, expected) < 1e-8
+
+
+class DispatchMoE(GatherMoE):
+    """:class:`GatherMoE` with Switch-style dispatch: the tokens reach the experts through a one-hot dispatch tensor
+    (``einsum``), ``M`` slots per expert in token order (tokens beyond them dropped, as Switch does), rows no indexing
+    selects (:mod:`ief.jacobian.routing` does not see this routing). A sample run alone has one slot per expert, so
+    its per-sample gradients are those of its loss in the batch (:func:`_in_batch_oracle`)."""
+
+    def forward(self, x):
+        h = x + 0.1 * torch.tanh(self.inp(x))
+        probs = torch.softmax(self.router(h), dim=-1)
+        onehot = torch.nn.functional.one_hot(x[..., 0].long().reshape(-1), E).to(h.dtype)  # [S, E]
+        slot = ((onehot.cumsum(0) - 1) * onehot).long()  # each token's slot in its expert, in token order
+        slots = torch.nn.functional.one_hot(slot.clamp(max=x.shape[0]), x.shape[0] + 1)[..., :-1]  # beyond: dropped
+        dispatch = onehot[:, :, None] * slots.to(h.dtype)  # [S, E, M]
+        flat, pflat = h.reshape(-1, D), probs.reshape(-1, E)
+        slots = torch.einsum("sec,sd->ecd", dispatch, flat)
+        outs = torch.stack([torch.tanh(expert(slots[e])) for e, expert in enumerate(self.experts)])
+        out = torch.einsum("sec,ecd->sd", dispatch, outs) * (pflat * onehot).sum(-1, keepdim=True)
+        return self.head((h + out.reshape(h.shape)).mean(dim=1))
+
+
+def _in_batch_oracle(model, x, y) -> torch.Tensor:
+    """``J [M, P]``: row ``n`` the gradient of sample ``n``'s loss in the batch forward (autograd, one backward per
+    sample, float64; nothing of the package)."""
+    losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(losses[n], params, retain_graph=True)])
+            for n in range(len(y))]
+    return torch.stack(rows)
+
+
+def test_a_failed_exact_check_forgets_the_proof_it_disproved():
+    """Routing by a dispatch matrix is not seen by the routing tracker: the lucky batch's proof is cached. On the
+    unevenly routed batch the exact check refuses; the refusal forgets the model's proven axes, so the next call
+    (default check) proves that batch's axes again and is exact."""
+    torch.manual_seed(0)
+    model = DispatchMoE().double()
+    y = torch.tensor([0, 1, 2, 0])
+    lucky, uneven = _routed(LUCKY), _routed(UNEVEN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowPathWarning)
+        got = ief.per_sample(model, lucky, y, check="exact")
+        assert _rel(got.jacobian, _in_batch_oracle(model, lucky, y)) < 1e-10
+        with pytest.raises(ief.jacobian.PerSampleGradientMismatch, match="disagree with their exact"):
+            ief.per_sample(model, uneven, y, check="exact")
+        got = ief.per_sample(model, uneven, y)
+    assert _rel(got.jacobian, _in_batch_oracle(model, uneven, y)) < 1e-10

@@ -3,6 +3,7 @@ classes), its explicit inverse, and the OBS formulas (saliency, single- and many
 from __future__ import annotations
 
 import copy
+import math
 import re
 import warnings
 
@@ -336,3 +337,26 @@ def test_prune_searched_refuses_what_has_no_damping_to_choose():
         wf.prune_searched(case.model, _split(case), 0.5, fisher="ief", validation=[])
     with pytest.raises(ValueError, match=r"prune_searched"):
         wf.prune(case.model, _split(case), 0.5, fisher="ief")
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_woodfisher_refuses_a_non_finite_input_with_the_optimisers_message(bad):
+    """Every curvature, the pruning and the validation loss: a NaN input (NaN losses) is refused naming its sample;
+    an inf behind a ``tanh`` leaves the loss finite (a value, returned) and the rows NaN (refused)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    x[1, 2] = bad
+    batches = [(x, torch.tensor([0, 1, 2, 0, 1]))]
+    said = r"for samples \[1\] \(of 5\): a NaN or inf in those samples' inputs, logits or targets|logits hold nan at " \
+           r"index \(1, 0\)"
+    for fisher in wf.FISHERS:
+        with pytest.raises(FloatingPointError, match=said):
+            wf.obs_curvature(model, batches, fisher=fisher)
+    with pytest.raises(FloatingPointError, match=said):
+        wf.prune(copy.deepcopy(model), batches, 0.5, fisher="ief", damping=1e-3)
+    if math.isnan(bad):
+        with pytest.raises(FloatingPointError, match=r"batch 0: non-finite loss for samples \[1\] \(of 5\)"):
+            wf.validation_loss(model, batches)
+    else:
+        assert torch.isfinite(torch.tensor(wf.validation_loss(model, batches)))

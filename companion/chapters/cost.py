@@ -280,7 +280,8 @@ def _blockdiag(job: dict, scale: str) -> bool:
 
 # notebook_results kind (config/config.yaml) -> the jobs that make it, their own inputs included: "e2" is aggregate_e2
 # on every run of the grid; "early_spike" reads the E2 tables; "blockdiag_check" the evaluation tables and baseline
-# runs of the block-diagonal figure's setups (workflow/rules/results.smk).
+# runs of the block-diagonal figure's setups; "verdicts" the E2 tables and the evaluation tables
+# (workflow/rules/results.smk).
 KIND_JOBS = {
     "e2": lambda job, scale: job["rule"] in ("train", "aggregate_e2"),
     "eval": _evaluation_of,
@@ -289,6 +290,7 @@ KIND_JOBS = {
     "early_spike": lambda job, scale: job["rule"] in ("early_spike", "train", "aggregate_e2"),
     "compression": _compression,
     "blockdiag_check": _blockdiag,
+    "verdicts": lambda job, scale: job["rule"] in ("verdicts", "train", "aggregate_e2") or _evaluation_of(job, scale),
 }
 
 

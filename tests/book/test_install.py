@@ -18,6 +18,7 @@ plugin, the exact hypothesis pin), so the full ``.[dev]`` set is checked by its 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -141,8 +142,11 @@ def test_the_library_depends_on_torch_numpy_tqdm_and_optionally_hugging_face_onl
 
 
 def _make_n(*args: str) -> str:
-    done = subprocess.run(["make", "-n", "env", "VENV=/nonexistent/ief-venv", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    # a child of `make test PYTHON=...` inherits the make variables, PYTHON among them (which skips the venv's recipe)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "PYTHON")}
+    done = subprocess.run(["make", "--no-print-directory", "-n", "env", "VENV=/nonexistent/ief-venv", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

@@ -45,7 +45,9 @@ def _make_recipe(target: str, *args: str, own_python: bool = True) -> list[str]:
     for the venv's own recipe)."""
     python = [f"PYTHON={sys.executable}", "CHROMIUM=/bin/sh"] if own_python else []
     # a child of `make test` inherits MAKELEVEL/MAKEFLAGS and would print "Entering directory" lines: run it on its own
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
+    # (and `make test PYTHON=...` exports PYTHON, which would skip the venv's recipe)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "PYTHON")}
     done = subprocess.run(["make", "--no-print-directory", "-n", target, *python, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr

@@ -905,6 +905,7 @@ def _replicas_on_rank(rank: int) -> dict:
     return {case: _replica_case(rank, case) for case in REPLICA_CASES}
 
 
+@pytest.mark.slow  # starts processes
 def test_replicas_that_differ_raise_on_every_rank_naming_the_first_difference(tmp_path):
     """Three ranks. Replicas started from different weights (or rates) raise before their first step, on every rank,
     naming the first tensor (or setting) that differs and the rank; a state loaded differently on one rank is caught

@@ -429,8 +429,13 @@ ROUTES = {
     "steady": (lambda chk, name, c, damping: route_optim(chk, name, c, damping, check=False), lambda m: True),
 }
 
+# the slow tier (make test runs it, make test-lib leaves it out): the one case that costs ~10x its siblings, the
+# undamped float32 sweep of a fully trained T5 (~57 CPU-s against ~5; a cost to look into, not a reason to drop it)
+SLOW_CASES = {("sweep", "t5-full", "float32", 0.0)}
+
 MATRIX = [
-    pytest.param(route, model, dtype, lam, id=f"{route}-{model}-{dtype}-lam{lam:g}")
+    pytest.param(route, model, dtype, lam, id=f"{route}-{model}-{dtype}-lam{lam:g}",
+                 marks=[pytest.mark.slow] if (route, model, dtype, lam) in SLOW_CASES else [])
     for route, (_, applies) in ROUTES.items()
     for model, spec in rm.MODELS.items() if applies(spec)
     for dtype in DTYPES

@@ -93,6 +93,8 @@ class Direction:
         gradient: for ``lr="auto"``, a function of no argument returning ``(the batch gradient, whether it is the
             union batch's already)``; called before anything reuses ``J``'s buffer.
         keep: what to keep once the update succeeded (K-FAC's running factors), a function of no argument.
+        rate: the batch's rate when it was set after the forward (:meth:`PreconditionedOptimizer._batch_defaults`:
+            iEF's per-batch default), else ``None`` (the rate of ``_settings_for``).
     """
 
     losses: torch.Tensor
@@ -103,6 +105,7 @@ class Direction:
     solved: tuple[str, torch.dtype] | None = None
     gradient: Callable[[], tuple[torch.Tensor, bool]] | None = None
     keep: Callable[[], None] = lambda: None
+    rate: float | str | None = None
 
     def direction_message(self) -> Any:
         """What a non-finite direction means: the solve's overflow of the model's dtype, or non-finite gradients."""
@@ -346,6 +349,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         checks = self._checks_of(found, number)
         if auto and self._auto.delta is not None:  # the new batch's loss along the previous step
             self._auto.pending = self._auto_probe(inputs, targets, found, rng)
+        if found.rate is not None:  # set after the forward (_batch_defaults)
+            batch = dict(batch, lr=found.rate)
         self._update(given, batch, found, tokens, checks)
         found.keep()  # (K-FAC's running factors: kept once the step succeeded)
         self.last_losses = found.losses
@@ -369,9 +374,6 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         auto = given["lr"] == AUTO  # the rate is set after the step's read, from the previous steps (auto_lr)
         if auto and self._auto is None:  # "auto" written into param_groups of an optimiser built with a number
             self._auto = AutoRate(INITIAL[self.method])
-        if any(self._per_target):  # the default rate and damping, set for this batch (ief.optim.defaults)
-            batch = per_target_group(batch, targets, *self._per_target, type(self).__name__, self.steps_taken,
-                                     self._group)
         if self.reduction != "mean":
             return given, batch, None
         tokens = self.last_tokens = self._tokens(targets)  # the given (token-mean) rates as sum ones for this batch
@@ -547,6 +549,16 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     def _direction(self, inputs: Inputs, targets: torch.Tensor, batch: dict) -> Direction:
         """The batch's direction and what the step reads with it (a subclass's; ``batch``: :meth:`_settings_for`)."""
         raise NotImplementedError
+
+    def _batch_defaults(self, batch: dict, targets: torch.Tensor, counted: int | None) -> dict:
+        """``batch`` with the default rate and damping set for this batch's counted targets per sample (IEF's
+        ``lr=None`` / ``damping=None``, :mod:`ief.optim.defaults`), after the forward and before the solve:
+        ``counted`` is the ``K`` the loss's range check read (:attr:`ief.jacobian.PerSample.counted`), so the default
+        costs no host read of its own. Unchanged when both were given."""
+        if not any(self._per_target):
+            return batch
+        return per_target_group(batch, targets, *self._per_target, type(self).__name__, self.steps_taken,
+                                self._group, counted=counted, stacklevel=7)
 
     def _check_now(self) -> bool | str:
         """The per-sample check of this step (:class:`ief.optim.IEF`'s ``check``; none here)."""

@@ -137,8 +137,8 @@ def _others_row(result: dict[str, Any]) -> list[str]:
 
 def _tables(results: list[dict[str, Any]], steps: int) -> list[dict]:
     """Two tables narrow enough for a book page: the rule (the default beside AdamW) and the other rates."""
-    held = f"held-out loss (accuracy): mean per-target cross-entropy on 256 test samples (accuracy over their counted " \
-           f"targets) after {steps} updates of 32 samples"
+    held = (f"held-out loss (accuracy): mean per-target cross-entropy on 256 test samples (accuracy over their "
+            f"counted targets) after {steps} updates of 32 samples")
     norm = "xN: the trainable parameters' norm after training over before"
     return [
         harness.table(

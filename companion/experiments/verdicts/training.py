@@ -25,8 +25,9 @@ MARGIN = math.log(TENTH_DECADE)  # "unstable", "improves": a material difference
 
 def loss_column(table) -> str:
     """The final loss the rankings compare: the full training-set loss of the final checkpoint
-    (``final_train_loss_full``) where every run of the table has it, else the mean of the last 10 % of the
-    minibatch losses (``final_train_loss``)."""
+    (``final_train_loss_full``, :mod:`companion.experiments.final_loss`; inf for a diverged run) where every run of
+    the table (the rankings pass one setup's runs) has it, else the mean of the last 10 % of the minibatch losses
+    (``final_train_loss``)."""
     full = "final_train_loss_full"
     return full if full in table.columns and table[full].notna().all() else "final_train_loss"
 
@@ -209,10 +210,10 @@ def _ranking(pairs_of: Callable[[list[str]], list[tuple[str, str]]], column: str
     resolution, :func:`_resolution`); ``margin``: a claim of a material improvement."""
 
     def check(table, curves, opts, predictions=None):
-        col = loss_column(table) if column in LOSS_COLUMNS else column
-        log = col in LOSS_COLUMNS
         out = []
         for setup, optimizers in opts.items():
+            col = loss_column(table[table.setup == setup]) if column in LOSS_COLUMNS else column
+            log = col in LOSS_COLUMNS
             present = [o for o in optimizers if ((table.setup == setup) & (table.optimizer == o)).any()]
             pooled = _pooled(table, setup, present, col, float("inf")) if log else None
             pairs = []

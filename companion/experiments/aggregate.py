@@ -264,7 +264,9 @@ def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | P
 
     Returns:
         An :class:`E2Grid`: the chosen setups' and seeds' rows and curves, the expected and the missing runs, and
-        the source read.
+        the source read. Read from the tables with every seed, ``table.attrs`` names the folder and the scale (the
+        workflow's verdicts beside the tables were decided on these runs:
+        :func:`.verdict_table.chapter_verdicts`).
 
     Raises:
         ValueError: an unknown ``scale`` (names the accepted ones).
@@ -298,6 +300,8 @@ def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | P
     curves = curves[pd.MultiIndex.from_arrays([curves.setup, curves.seed.astype(int)]).isin(list(chosen))]
     have = set(zip(table.setup, table.optimizer, table.seed))
     present = [s for s in setups if s in set(table.setup)]
+    if _tables_exist(results_dir) and seeds is None:  # every seed the workflow decided its verdicts on
+        table.attrs.update(results_dir=str(results_dir), scale=scale)  # .verdict_table.chapter_verdicts reads them
     return E2Grid(table=table, curves=curves, setups=present,
                   seeds=sorted({k for s in setups for k in by_setup[s]}), expected=expected,
                   missing=[e for e in expected if e not in have], source=source,

@@ -60,7 +60,8 @@ def rows_of(name: str, verdicts) -> list[dict[str, str]]:
 def pair_rows(name: str, verdicts) -> list[dict]:
     """The pairs table's rows of one rule's verdicts (one per pair a verdict over seeds compared)."""
     return [{"claim": name, "setup": v.subject, "pair": p.pair, "metric": p.metric,
-             "seeds": json.dumps([int(k) for k in p.diffs]), "diffs": json.dumps([_number(d) for d in p.diffs.values()]),
+             "seeds": json.dumps([int(k) for k in p.diffs]),
+             "diffs": json.dumps([_number(d) for d in p.diffs.values()]),
              "agreement": p.agreement, "mean": p.mean, "low": p.low, "high": p.high, "verdict": p.verdict,
              "needs": p.needs or "", "band": p.band, "p_for": p.p_for, "p_against": p.p_against}
             for v in verdicts for p in v.pairs]
@@ -176,7 +177,8 @@ def as_verdicts(verdicts: pd.DataFrame, pairs: pd.DataFrame | None, claim: str) 
         if pairs is None:
             return ()
         rows = pairs[(pairs.claim == claim) & (pairs.setup == setup)]
-        return tuple(PairResult(setup, r.pair, r.metric, dict(zip(json.loads(r.seeds), map(float, json.loads(r.diffs)))),
+        return tuple(PairResult(setup, r.pair, r.metric,
+                                dict(zip(json.loads(r.seeds), map(float, json.loads(r.diffs)))),
                                 r.verdict, r.agreement, _float(r["mean"]), _float(r.low), _float(r.high),
                                 r.needs or None, None if r.band == "" else float(r.band), _float(r.p_for),
                                 _float(r.p_against)) for _, r in rows.iterrows())

@@ -13,9 +13,9 @@ from companion.experiments.store import read_run
 from companion.experiments.summaries import final_train_loss, final_window
 
 
-def test_train_notebook_reads_the_cli_run_and_the_search(tmp_path):
+def test_train_notebook_reads_the_cli_run_and_the_search(tmp_path, run_cache):
     figures, runs = tmp_path / "fig", tmp_path / "runs"
-    train_grid(runs, "smoke", [("digits-mlp", "sgd", 1)])
+    train_grid(runs, "smoke", [("digits-mlp", "sgd", 1)], run_cache)
     nb = run_notebook("train.ipynb", tmp_path, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
                       runs_dir=str(runs), out_dir=str(figures))
     assert not unresolved_glue(nb)

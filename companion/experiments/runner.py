@@ -194,13 +194,14 @@ def _run_record(cfg: SetupConfig, opt: Any, seed: int, precision: str = DEFAULT_
 
 
 def package_versions() -> dict[str, str]:
-    import peft
-    import transformers
+    """The versions a run records, read from the installed distributions: importing transformers and peft only to
+    ask would cost a run of the MLP, which uses neither, a third of its process's time at smoke scale."""
+    from importlib.metadata import version
 
     from ief import __version__
 
-    return {"ief": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__}
+    return {"ief": __version__, "torch": torch.__version__, "transformers": version("transformers"),
+            "peft": version("peft")}
 
 
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:

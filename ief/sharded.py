@@ -154,6 +154,63 @@ class ShardedModel:
         lo, hi = self.bounds(i)
         return full.view(p.shape)[lo:hi].reshape(-1)
 
+    def local_numel(self) -> int:
+        """The entries of every parameter's local shard together: the size of :meth:`combine`'s direction."""
+        return sum(self.local(p).numel() for p in self.params)
+
+    def combine(self, rows: Any, coeff: torch.Tensor, scale: float) -> torch.Tensor:
+        """This rank's pieces of the union's direction ``(J/scale)^T coeff``, ``[P_local]`` float64: every
+        parameter's rows ``[lo, hi)`` (:meth:`bounds`), flattened and side by side in :attr:`params`' order, the layout
+        of the local shards. The whole ``[P]`` direction is never formed on any rank.
+
+        A Linear weight whose factors the Gram gathered (``rows.plan().factors``: every rank's ``A [M, T, I]`` and
+        ``G [M, T, O]``) takes its shard's output rows from the union's factors, ``(c-weighted G[..., lo:hi])^T A``:
+        no collective. Every other parameter's block of this rank's ``J_r^T c_r`` (one parameter at a time, its
+        full size) is summed over the ranks by a reduce-scatter of its ``Shard(0)`` chunks, FSDP2's own layout.
+
+        Args:
+            rows: the union's :class:`ief.distributed.DistributedRows` built with this model.
+            coeff: the union batch's coefficients ``[M]``.
+            scale: the common divisor of ``J`` (:meth:`ief.rows.Rows.gram_scale`).
+        """
+        coeff = coeff.to(torch.float64)
+        mine = rows.local_coefficients(coeff)
+        plan = rows.plan()
+        factored = {entry[0]: k for k, entry in enumerate(plan.factors or [])}
+        union = rows.union_factors(scale) if factored else []
+        pieces = []
+        for i, p in enumerate(self.params):
+            lo, hi = self.bounds(i)
+            if i in factored:
+                a, g = union[factored[i]]
+                if tuple(p.shape) == (g.shape[-1], a.shape[-1]):  # the weight's layout [O, I]: rows of G's columns
+                    weighted = (g[..., lo:hi] * coeff[:, None, None]).flatten(0, 1)  # [M T, hi - lo]
+                    pieces.append((weighted.T @ a.flatten(0, 1)).reshape(-1))
+                    continue
+            pieces.append(self._reduce_scattered(i, rows.local_block(i, mine, scale)))
+        if not pieces:
+            return torch.zeros(0, dtype=torch.float64, device=coeff.device)
+        return torch.cat(pieces)
+
+    def _reduce_scattered(self, i: int, block: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of ``block`` (this rank's ``[numel]`` float64 part of ``params[i]``'s direction),
+        this rank's ``Shard(0)`` rows of it, flat: one reduce-scatter of ``ceil(d0 / R)``-row chunks (zero-padded)."""
+        p = self.params[i]
+        rows = p.shape[0]
+        chunk = -(-rows // self.world)
+        lo, hi = self.bounds(i)
+        full = block.reshape(rows, -1)
+        if chunk * self.world != rows:
+            padded = torch.zeros(chunk * self.world, full.shape[1], dtype=full.dtype, device=full.device)
+            padded[:rows] = full
+            full = padded
+        out = torch.empty(chunk, full.shape[1], dtype=full.dtype, device=full.device)
+        gloo = dist.get_backend(self.group) == "gloo"
+        source = full.cpu() if gloo else full.contiguous()
+        target = out.cpu() if gloo else out
+        dist.reduce_scatter_single(target, source, group=self.group)
+        return target[:hi - lo].reshape(-1).to(block.device)
+
     def union_flag(self, flag: torch.Tensor) -> torch.Tensor:
         """A 0-d bool of this rank's shards (e.g. its momentum buffers' finiteness), true on every rank only when
         true on every rank (one all-reduce)."""

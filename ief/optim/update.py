@@ -176,6 +176,7 @@ def preconditioned_update(
     direction_message: Message = "non-finite update direction",
     keep_change: bool = False,
     sharded: Any = None,
+    local_direction: bool = False,
 ) -> Update:
     """Apply a preconditioned direction to the parameters in place (module docstring), after one host read.
 
@@ -203,6 +204,8 @@ def preconditioned_update(
         keep_change: return the change of every parameter (:attr:`Update.change`).
         sharded: an FSDP2 model's :class:`ief.sharded.ShardedModel` whose ``params`` these are (``direction`` whole
             on every rank, the same bits): the local shards are updated (module docstring); ``None`` otherwise.
+        local_direction: (with ``sharded``) ``direction`` is this rank's shards only, ``[P_local]`` in the local
+            shards' layout (:meth:`ief.sharded.ShardedModel.combine`): its norm and finiteness are the union's.
 
     Returns:
         The :class:`Update`.
@@ -219,13 +222,19 @@ def preconditioned_update(
     if checks is None:
         checks = StepChecks(step)
     decays = [float(weight_decay)] * len(params) if isinstance(weight_decay, (int, float)) else list(weight_decay)
-    chunks = list(torch.split(direction, [p.numel() for p in params]))
     tensors = params
     if sharded is not None:  # each parameter's piece that this rank's shard holds, and the shards themselves
-        chunks = [sharded.local_piece(i, c) for i, c in enumerate(chunks)]
         tensors = [local_tensor(p) for p in params]
-    norm_t = direction.norm()
-    checks.add(finite(direction), direction_message)
+    if local_direction:  # this rank's shards already: the norm and finiteness over every rank's
+        chunks = list(torch.split(direction, [t.numel() for t in tensors]))
+        norm_t = sharded.union_sqnorm(torch.linalg.vector_norm(direction, dtype=torch.float64).square()).sqrt()
+        checks.add(sharded.union_flag(finite(direction)), direction_message)
+    else:
+        chunks = list(torch.split(direction, [p.numel() for p in params]))
+        if sharded is not None:
+            chunks = [sharded.local_piece(i, c) for i, c in enumerate(chunks)]
+        norm_t = direction.norm()
+        checks.add(finite(direction), direction_message)
     buffers = None
     if momentum != 0:
         factor: Any = batch_factor  # c_t: the batch's own factor, inside the buffer

@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .rows import COLUMN_BYTES
+
 ROUTE = "fsdp2-unsharded-step"  # the route a step on an FSDP2 model takes (the step report's "sharding")
 
 
@@ -159,14 +161,18 @@ class ShardedModel:
         return sum(self.local(p).numel() for p in self.params)
 
     def combine(self, rows: Any, coeff: torch.Tensor, scale: float) -> torch.Tensor:
-        """This rank's pieces of the union's direction ``(J/scale)^T coeff``, ``[P_local]`` float64: every
-        parameter's rows ``[lo, hi)`` (:meth:`bounds`), flattened and side by side in :attr:`params`' order, the layout
-        of the local shards. The whole ``[P]`` direction is never formed on any rank.
+        """This rank's pieces of the union's direction ``(J/scale)^T coeff``, ``[P_local]``: every parameter's rows
+        ``[lo, hi)`` (:meth:`bounds`), flattened and side by side in :attr:`params`' order, the layout of the local
+        shards. The whole ``[P]`` direction is never formed on any rank.
 
         A Linear weight whose factors the Gram gathered (``rows.plan().factors``: every rank's ``A [M, T, I]`` and
         ``G [M, T, O]``) takes its shard's output rows from the union's factors, ``(c-weighted G[..., lo:hi])^T A``:
         no collective. Every other parameter's block of this rank's ``J_r^T c_r`` (one parameter at a time, its
         full size) is summed over the ranks by a reduce-scatter of its ``Shard(0)`` chunks, FSDP2's own layout.
+        Each entry is summed in float64 and rounded once to the result's dtype: the rows' own where narrower (the
+        direction a one-process step returns, :meth:`ief.rows.Rows.combine_rows` with ``final``), else float64;
+        float64 temporaries are bounded by ``ief.rows.COLUMN_BYTES`` for the factored weights and by one parameter
+        for the others.
 
         Args:
             rows: the union's :class:`ief.distributed.DistributedRows` built with this model.
@@ -178,19 +184,25 @@ class ShardedModel:
         plan = rows.plan()
         factored = {entry[0]: k for k, entry in enumerate(plan.factors or [])}
         union = rows.union_factors(scale) if factored else []
-        pieces = []
+        dtype = rows.dtype if rows.dtype.itemsize < 8 and rows.dtype.is_floating_point else torch.float64
+        out = torch.empty(self.local_numel(), dtype=dtype, device=coeff.device)
+        start = 0
         for i, p in enumerate(self.params):
             lo, hi = self.bounds(i)
+            piece = out[start:start + self.local(p).numel()]
+            start += piece.numel()
             if i in factored:
                 a, g = union[factored[i]]
                 if tuple(p.shape) == (g.shape[-1], a.shape[-1]):  # the weight's layout [O, I]: rows of G's columns
-                    weighted = (g[..., lo:hi] * coeff[:, None, None]).flatten(0, 1)  # [M T, hi - lo]
-                    pieces.append((weighted.T @ a.flatten(0, 1)).reshape(-1))
+                    a = a.flatten(0, 1)  # [M T, I]
+                    dest = piece.view(hi - lo, a.shape[1])
+                    step = max(1, COLUMN_BYTES // (8 * max(1, a.shape[1])))
+                    for r in range(lo, hi, step):  # a bounded block of output rows at a time
+                        weighted = (g[..., r:min(r + step, hi)] * coeff[:, None, None]).flatten(0, 1)
+                        dest[r - lo:r - lo + weighted.shape[1]].copy_(weighted.T @ a)
                     continue
-            pieces.append(self._reduce_scattered(i, rows.local_block(i, mine, scale)))
-        if not pieces:
-            return torch.zeros(0, dtype=torch.float64, device=coeff.device)
-        return torch.cat(pieces)
+            piece.copy_(self._reduce_scattered(i, rows.local_block(i, mine, scale)))
+        return out
 
     def _reduce_scattered(self, i: int, block: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of ``block`` (this rank's ``[numel]`` float64 part of ``params[i]``'s direction),

@@ -227,7 +227,7 @@ def preconditioned_update(
         tensors = [local_tensor(p) for p in params]
     if local_direction:  # this rank's shards already: the norm and finiteness over every rank's
         chunks = list(torch.split(direction, [t.numel() for t in tensors]))
-        norm_t = sharded.union_sqnorm(torch.linalg.vector_norm(direction, dtype=torch.float64).square()).sqrt()
+        norm_t = sharded.union_sqnorm(direction.norm().to(torch.float64).square()).sqrt()
         checks.add(sharded.union_flag(finite(direction)), direction_message)
     else:
         chunks = list(torch.split(direction, [p.numel() for p in params]))

@@ -227,12 +227,14 @@ def preconditioned_update(
         tensors = [local_tensor(p) for p in params]
     if local_direction:  # this rank's shards already: the norm and finiteness over every rank's
         chunks = list(torch.split(direction, [t.numel() for t in tensors]))
+        # a bfloat16 direction (FSDP2's bfloat16 compute) updates float32 shards, and keeps float32 buffers
+        chunks = [c if c.dtype == t.dtype else c.to(t.dtype) for c, t in zip(chunks, tensors)]
         norm_t = sharded.union_sqnorm(direction.norm().to(torch.float64).square()).sqrt()
         checks.add(sharded.union_flag(finite(direction)), direction_message)
     else:
         chunks = list(torch.split(direction, [p.numel() for p in params]))
         if sharded is not None:
-            chunks = [sharded.local_piece(i, c) for i, c in enumerate(chunks)]
+            chunks = [sharded.local_piece(i, c).to(t.dtype) for i, (c, t) in enumerate(zip(chunks, tensors))]
         norm_t = direction.norm()
         checks.add(finite(direction), direction_message)
     buffers = None

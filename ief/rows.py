@@ -120,6 +120,12 @@ class Rows(abc.ABC):
         c = self.max_abs()
         return 1.0 if 1e-100 <= c <= 1e100 else c
 
+    @property
+    def direction_size(self) -> int:
+        """The entries of :meth:`combine_rows`' result with ``final=True``: ``P`` (an FSDP2 model's rows across
+        processes return this rank's shards only, :class:`ief.distributed.DistributedRows`)."""
+        return self.shape[1]
+
     # ---- what the per-sample machinery's batch gradient, guard and exact check need (ief.jacobian)
     def row_sum(self) -> torch.Tensor:
         """``J^T 1``, ``[P]`` in :attr:`dtype` (the batch gradient of the rows)."""

@@ -95,6 +95,8 @@ class Direction:
         keep: what to keep once the update succeeded (K-FAC's running factors), a function of no argument.
         rate: the batch's rate when it was set after the forward (:meth:`PreconditionedOptimizer._batch_defaults`:
             iEF's per-batch default), else ``None`` (the rate of ``_settings_for``).
+        local: ``direction`` is this rank's shards of the union's (an FSDP2 model, ``[P_local]``,
+            :meth:`ief.sharded.ShardedModel.combine`), not the whole ``[P]``.
     """
 
     losses: torch.Tensor
@@ -106,6 +108,7 @@ class Direction:
     gradient: Callable[[], tuple[torch.Tensor, bool]] | None = None
     keep: Callable[[], None] = lambda: None
     rate: float | str | None = None
+    local: bool = False
 
     def direction_message(self) -> Any:
         """What a non-finite direction means: the solve's overflow of the model's dtype, or non-finite gradients."""
@@ -427,7 +430,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             self._all_params(), found.direction, self.state, lr=rates, momentum=given["momentum"],
             dampening=given["dampening"], weight_decay=decays, normalize=batch["normalize"],
             total_steps=given["total_steps"], batch_factor=factor, checks=checks,
-            direction_message=found.direction_message(), keep_change=auto is not None, sharded=self._sharded)
+            direction_message=found.direction_message(), keep_change=auto is not None, sharded=self._sharded,
+            local_direction=found.local)
         if auto is not None:
             auto.delta = update.change
         self.last_update_norm = update.norm
@@ -581,15 +585,16 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             out = compute()
         return out, [(flag, lambda refuse=refuse: raised_message(refuse)) for flag, refuse in pending]
 
-    def _union_rows(self, jacobian: Any) -> tuple[Any, list[int] | None]:
+    def _union_rows(self, jacobian: Any, shard: bool = False) -> tuple[Any, list[int] | None]:
         """``(rows, sizes)``: this process's rows (``sizes``: ``None``), or the union batch's across processes with
-        the ranks' sample counts (exchanged here, once per step; :meth:`_union_vector` takes them)."""
+        the ranks' sample counts (exchanged here, once per step; :meth:`_union_vector` takes them). ``shard``: on
+        an FSDP2 model, the rows' final combination is this rank's shards of the direction (``Direction.local``)."""
         rows = as_rows(jacobian)
         if self._group is None:
             self._reported = (jacobian, None)
             return rows, None
         sizes = batch_sizes(rows.shape[0], self._group, collective_device(self._group))
-        union = DistributedRows(rows, self._group, sizes)
+        union = DistributedRows(rows, self._group, sizes, self._sharded if shard else None)
         self._reported = (jacobian, union)
         return union, sizes
 

@@ -166,6 +166,10 @@ class ExactOptimizer(PreconditionedOptimizer):
             return self.check
         return "exact" if self.steps_taken % self.check == 0 else True
 
+    def _shards(self, rows: Any) -> bool:
+        """Whether ``rows``' direction is this rank's shards only (an FSDP2 model across processes)."""
+        return getattr(rows, "shard", None) is not None
+
     def _per_sample(self, inputs: Inputs, targets: torch.Tensor, batch: dict) -> tuple[Any, list]:
         """The batch's :class:`ief.jacobian.PerSample` and the guard's deferred checks (:meth:`_local`):
         :func:`ief.per_sample` refuses non-finite losses and rows (``FloatingPointError`` naming the samples), so
@@ -264,10 +268,10 @@ class IEF(ExactOptimizer):
     def _direction(self, inputs, targets, batch):
         r, deferred = self._per_sample(inputs, targets, batch)
         batch = self._batch_defaults(batch, targets, r.counted)  # the default rate and damping for this batch
-        rows, sizes = self._union_rows(r.jacobian)
+        rows, sizes = self._union_rows(r.jacobian, shard=True)
         direction = ief_solve(rows, self._union_vector(r.logit_sqnorm, sizes), batch["damping"], check=False)
         return Direction(self._union_vector(r.losses, sizes), direction, deferred=deferred,
-                         rows=rows if sizes is None else None, solved=("iEF", rows.dtype),
+                         rows=rows if sizes is None else None, solved=("iEF", rows.dtype), local=self._shards(rows),
                          gradient=lambda: (r.gradient, False),  # this rank's (lr="auto": read before J is reused)
                          rate=batch["lr"] if self._per_target[0] else None)
 
@@ -324,9 +328,10 @@ class EF(ExactOptimizer):
 
     def _direction(self, inputs, targets, batch):
         r, deferred = self._per_sample(inputs, targets, batch)
-        rows, sizes = self._union_rows(r.jacobian)
+        rows, sizes = self._union_rows(r.jacobian, shard=True)
         return Direction(self._union_vector(r.losses, sizes), ef_solve(rows, batch["damping"], check=False),
                          deferred=deferred, rows=rows if sizes is None else None, solved=("EF", rows.dtype),
+                         local=self._shards(rows),
                          gradient=lambda: (r.gradient, False))  # this rank's (lr="auto": read before J is reused)
 
 

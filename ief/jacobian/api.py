@@ -17,6 +17,7 @@ from ..model_call import (
     call_model,
     check_targets,
     flatten,
+    forward_signature,
     non_reentrant_checkpointing,
     param_names,
     resolve_params,
@@ -171,7 +172,10 @@ class _HookedForward:
         kernels = differentiable_kernels if self.mode == "exact" else contextlib.nullcontext
         self.kernels = kernels
         self.formats = ForwardFormats()
-        with self.capture, torch.enable_grad(), kernels(), self.formats.watch(device_type(model)):
+        # what the proofs of this forward rest on (the precision record here, the sample axes below): a steady call
+        # of the same signature reuses them
+        signature = (forward_signature(model, inputs), self.mode == "exact")
+        with self.capture, torch.enable_grad(), kernels(), self.formats.watch(device_type(model), model, signature):
             self.logits = self.forward()
         self.formats.add_model(model, self.logits)
         refuse_float16(self.formats)
@@ -199,7 +203,7 @@ class _HookedForward:
             batch = _reversed(inputs, m) if reverse else inputs
             return self.capture.call_inputs(lambda: run_on(batch, m, quiet), batch)
 
-        self.capture.establish_axes(m, model, inputs, probe, prove)
+        self.capture.establish_axes(m, model, signature, probe, prove)
         names = param_names(model, self.params)
         self.capture.names = names
         self.capture.demote_outside_uses(self.forward.reached, names)

@@ -500,6 +500,17 @@ def shapes_of(inputs: Inputs) -> tuple:
 
 _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
                  "_global_backward_hooks")
+# Global hooks from torch's own module trackers (ModTracker, under MemTracker and FlopCounterMode, and
+# torch.utils.module_tracker): they record which module runs and return nothing, so a forward's outputs do not depend
+# on them. Left out of the key, a step measured under a memory tracker reuses its proofs (a probe forward there is
+# refused: MemTracker does not track a module called twice in one iteration).
+_OBSERVER_MODULES = ("torch.distributed._tools.", "torch.utils.module_tracker")
+
+
+def _global_hooks(table: Mapping) -> tuple:
+    """The handles of a table of global hooks that may change a forward (:data:`_OBSERVER_MODULES`' left out)."""
+    return tuple(k for k, hook in table.items()
+                 if not str(getattr(hook, "__module__", "") or "").startswith(_OBSERVER_MODULES))
 
 
 def _tensors_signature(table: Mapping) -> tuple:
@@ -512,7 +523,8 @@ def forward_signature(model: torch.nn.Module, inputs: Inputs) -> tuple:
     (the key of the proofs a steady call reuses: the sample axes, the precision record, the forward-mode hazard).
 
     It holds every submodule (identity, class, training flag, a ``forward`` set on the instance), the hooks on each
-    and the global module hooks (by handle: a hook removed and another registered differ), every parameter and
+    and the global module hooks (by handle: a hook removed and another registered differ; torch's module trackers'
+    hooks, which only observe, left out), every parameter and
     buffer (identity, dtype, device, shape, ``requires_grad``), and the inputs' shapes, dtypes and devices
     (:func:`shapes_of`). A changed shape, dtype, module or hook changes it; Python state a forward reads besides
     these (a flag set on a module between calls) does not. Cost: one walk of the modules, no tensor read.
@@ -525,7 +537,7 @@ def forward_signature(model: torch.nn.Module, inputs: Inputs) -> tuple:
         The signature.
     """
     hooks = torch.nn.modules.module
-    parts = [shapes_of(inputs), tuple(tuple(getattr(hooks, name, ())) for name in _GLOBAL_HOOKS)]
+    parts = [shapes_of(inputs), tuple(_global_hooks(getattr(hooks, name, {})) for name in _GLOBAL_HOOKS)]
     stack, seen = [model], set()
     while stack:  # model.modules() without its generators: a third of the cost
         module = stack.pop()

@@ -142,6 +142,23 @@ def test_a_change_the_proofs_rest_on_proves_again(monkeypatch, change):
             _global_hook.handles.pop().remove()
 
 
+def test_a_step_measured_under_a_memory_tracker_reuses_its_proofs(monkeypatch):
+    """torch's MemTracker registers global hooks that only observe (ModTracker's): a warmed call measured under it
+    proves nothing again (a probe forward there would be refused, and the call fall back to the per-sample loop),
+    while a global hook of the user's still proves again (above)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, x, y = _setup()
+    first = ief.per_sample(model, x, y).jacobian
+    counts = _counting(monkeypatch)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        tracked = ief.per_sample(model, x, y).jacobian
+    assert counts["probe"] == 0 and counts["prove"] == 0, dict(counts)
+    assert torch.equal(tracked, first)
+
+
 def test_autocast_is_watched_again():
     model, x, y = _setup()
     ief.per_sample(model, x, y)

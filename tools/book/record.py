@@ -506,6 +506,8 @@ def stage(folder: Path | None = None, target: Path = STAGE, environ: dict | None
     config = staged_config(yaml.safe_load((ROOT / "_config.yml").read_text()), environ)
     write_atomically(target / "_config.yml", yaml.safe_dump(config, sort_keys=False))
     (target / "examples").symlink_to(ROOT / "examples", target_is_directory=True)  # api.md includes the quick start
+    # the book's extension reads the benchmark tables (benchmarks.report) from beside the tree it renders
+    (target / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
     (target / "_build").mkdir()
     (target / "_build" / "vendor").symlink_to(steps.VENDOR, target_is_directory=True)  # MathJax, served offline
     generated = target / "book" / "generated"

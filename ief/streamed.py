@@ -158,13 +158,14 @@ def streamed_gram(a: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.
     return out
 
 
-def factor_gram(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """One weight's ``[M, M]`` float64 Gram block from its factors ``A [M, T, I]``, ``G [M, T, O]``, in the cheaper
-    of the ghost kernel and the streamed blocks (module docstring; the union batch's across processes)."""
-    m, t, fan_in, fan_out = a.shape[0], a.shape[1], a.shape[2], g.shape[2]
-    if prefer_ghost("auto", m, t, fan_in, fan_out):
-        return ghost_kernel(a, g)
-    return streamed_gram(a, g, torch.zeros(m, m, dtype=torch.float64, device=a.device))
+def factor_gram(a: torch.Tensor, g: torch.Tensor, streamed: bool) -> torch.Tensor:
+    """One weight's ``[M, M]`` float64 Gram block from its factors ``A [M, T, I]``, ``G [M, T, O]`` (the union
+    batch's across processes): its rows formed a block at a time for a ``streamed`` weight (the same rows, in the
+    factors' dtype, as each rank's ``J^T c`` forms), else the ghost kernel (``a`` and ``g`` float64)."""
+    if streamed:
+        m = a.shape[0]
+        return streamed_gram(a, g, torch.zeros(m, m, dtype=torch.float64, device=a.device))
+    return ghost_kernel(a, g)
 
 
 class StreamedRows(FactoredJacobian):

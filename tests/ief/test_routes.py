@@ -10,7 +10,8 @@ Routes (fast -> reference; "oracle" is the dense float64 brute force of ``tests/
 - ``fvp``: :func:`ief.fisher_vp` (default: forward mode) and ``method="double_backward"`` -> the dense ``F v``
   (``sec:app-eval-complexity``), ``v`` the oracle iEF direction at the damping;
 - ``forms``: :func:`ief.per_sample` / :func:`ief.sampled_jacobian` with ``form`` dense / ghost / rows / streamed /
-  auto, and the EF / iEF / SF directions computed from each form -> the oracle (``eqn:EF_lsq``, ``eqn:iEF_lsq``, ``eqn:SF-smw``);
+  auto, and the EF / iEF / SF directions computed from each form -> the oracle (``eqn:EF_lsq``, ``eqn:iEF_lsq``,
+  ``eqn:SF-smw``);
 - ``kfac``: :func:`ief.kfac_direction` for each kind -> the damped solve of ``G (x) A`` with the dense factors built
   by explicit per-sample passes (through their eigendecompositions; at ``lambda = 1`` also the dense solve of the
   Kronecker block itself), ``sec:app-iEF-eNGDopt``;

@@ -1,0 +1,130 @@
+"""The streamed form of a factored weight's rows (:mod:`ief.streamed`): the cost model's choice, its accuracy where
+the solve's coefficients cancel, its blocks, and that no buffer of a steady step grows with ``M x P``.
+
+The route matrix (``tests/ief/test_routes.py``: ``forms`` with ``form="streamed"``, the ``streamed`` optimiser route),
+the direction tests (``tests/ief/test_directions.py``'s ``as_j``) and the gloo equivalence tests
+(``tests/ief/test_distributed.py``) hold it to the float64 oracle.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import ief
+from ief.streamed import ROWS_BYTES, STREAM_BYTES, StreamedRows, form_costs, layer_form
+
+
+@pytest.mark.parametrize("shape, expected", [
+    ((64, 1, 784, 256), "ghost"),  # the paper's MLP at M 64: one position, the kernel is M^2 (I + O)
+    ((8, 64, 256, 768), "streamed"),  # mini GPT-2's attention input, M 8, T 64: rows of 6 MiB
+    ((8, 128, 768, 50257), "streamed"),  # GPT-2 small's head: rows of 1.2 GiB
+    ((32, 128, 768, 8), "rows"),  # a LoRA factor: rows of 0.75 MiB, kept
+    ((16, 4, 64, 64), "ghost"),  # a small weight over few positions
+    ((16, 4, 16, 16), "rows"),  # smaller still: its rows are fewer flops than the kernel
+    ((4, 64, 64, 64), "rows"),  # rows of 64 KiB
+])
+def test_auto_chooses_each_layer_by_the_cost_model(shape, expected):
+    """``form="auto"``'s choice on a few layer shapes ``(M, T, I, O)``, float32; a forced form is itself."""
+    m, t, fan_in, fan_out = shape
+    assert layer_form("auto", m, t, fan_in, fan_out, 4) == expected
+    for forced in ("ghost", "rows", "streamed"):
+        assert layer_form(forced, m, t, fan_in, fan_out, 4) == forced
+    cost = form_costs(m, t, fan_in, fan_out, 4)
+    # what the choice trades: the streamed form holds no rows and pays one batched product more than the rows
+    assert cost["streamed"].held == 0 < cost["rows"].held == 4 * m * fan_in * fan_out
+    assert cost["streamed"].flops - cost["rows"].flops == 2 * m * t * fan_in * fan_out
+    assert cost["streamed"].transient <= STREAM_BYTES * 3 // 2
+    if expected == "ghost":
+        assert cost["ghost"].flops <= cost["rows"].flops
+    if expected == "rows":
+        assert cost["rows"].held <= ROWS_BYTES
+
+
+def _rows_of(model, x, y, form):
+    return ief.per_sample(model, x, y, form=form)
+
+
+@pytest.mark.parametrize("noise", [0.0, 1e-3, 1e-2])
+def test_float32_streamed_directions_keep_float32_accuracy_when_coefficients_cancel(noise):
+    """Near-duplicate samples (8 pairs ``x``, ``x + noise``) make the solve's coefficients large and cancelling. The
+    streamed rows are the float32 rows of the dense route (the same batched product), and every product of them is
+    float64: the EF / iEF directions equal the float64 computation on the dense route's float32 ``J`` to float32's
+    last rounding (``1e-6`` relative), at ``lambda = 1e-7`` and ``0``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Tanh(), torch.nn.Linear(30, 5))
+    x = torch.randn(8, 3, 40)
+    x = torch.cat([x, x + noise * torch.randn(8, 3, 40)])
+    y = torch.randint(0, 5, (8, 3)).repeat(2, 1)
+    r = _rows_of(model, x, y, "streamed")
+    assert isinstance(r.jacobian, StreamedRows) and r.jacobian.streamed == {0, 2}
+    dense = _rows_of(model, x, y, "dense")
+    j64 = dense.jacobian.double()
+    for damping in (1e-7, 0.0):
+        for got, expected in ((ief.ief_direction(r.jacobian, r.logit_sqnorm, damping),
+                               ief.ief_direction(j64, dense.logit_sqnorm.double(), damping)),
+                              (ief.ef_direction(r.jacobian, damping), ief.ef_direction(j64, damping))):
+            assert got.dtype == torch.float32
+            err = float((got.double() - expected).norm() / expected.norm())
+            assert err < 1e-6, (noise, damping, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_blocks_of_any_size_give_the_whole_product(monkeypatch, dtype):
+    """One output feature per block (``STREAM_BYTES`` = 1) gives the Gram, ``J^T c`` and ``J v`` of one block for
+    all of them, and both equal the dense rows' (float64 sums in another order: ``1e-12`` relative)."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 20), torch.nn.Tanh(), torch.nn.Linear(20, 5)).to(dtype)
+    x, y = torch.randn(7, 3, 6, dtype=dtype), torch.randint(0, 5, (7, 3))
+    rows = _rows_of(model, x, y, "streamed").jacobian
+    dense = ief.rows.as_rows(_rows_of(model, x, y, "dense").jacobian)
+    c = torch.randn(7, dtype=torch.float64)
+    v = torch.randn(rows.shape[1], dtype=torch.float64)
+    whole = (rows.gram(), rows.combine_rows(c), rows.times(v))
+    monkeypatch.setattr(ief.streamed, "STREAM_BYTES", 1)
+    for got, same, reference in zip((rows.gram(), rows.combine_rows(c), rows.times(v)), whole,
+                                    (dense.gram(), dense.combine_rows(c), dense.times(v))):
+        assert float((got - same).norm()) <= 1e-12 * float(same.norm())
+        assert float((got - reference).norm()) <= 1e-12 * float(reference.norm())
+
+
+def _peak_added_bytes(fn) -> int:
+    """The peak of live CPU tensor memory above the start while ``fn()`` runs (the profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+                     and e.device_type() == torch.autograd.DeviceType.CPU), key=lambda e: e.start_ns())
+    return max(0, max(itertools.accumulate(e.nbytes() for e in events), default=0))
+
+
+def test_no_buffer_of_a_steady_step_grows_with_m_times_p(monkeypatch):
+    """A steady ``IEF`` step (``form="auto"``) on wide Linear weights over 32 positions (rows of 4 and 64 MiB, so
+    ``"auto"`` streams them) holds and allocates far less than ``M x P`` entries: the buffer the optimiser keeps from
+    step to step is the biases' ``[M, P_bias]`` and the step's peak of new tensors is the factors and one block
+    (``STREAM_BYTES`` set to 64 KiB here), under a quarter of ``M P`` float32 entries. The rows form, which keeps every
+    weight's rows in that buffer, holds more than ``M x P_weights``."""
+    monkeypatch.setattr(ief.streamed, "STREAM_BYTES", 64 << 10)
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024),
+                                torch.nn.Tanh(), torch.nn.Linear(1024, 10))
+    m = 16
+    x, y = torch.randn(m, 32, 64), torch.randint(0, 10, (m, 32))
+    p = sum(q.numel() for q in model.parameters())
+    biases = sum(q.numel() for name, q in model.named_parameters() if name.endswith("bias"))
+    held = {}
+    for form in ("auto", "rows"):
+        opt = ief.optim.IEF(ief_model := __import__("copy").deepcopy(model), lr=1e-3, form=form)
+        for _ in range(2):  # step 0's exact check, then a steady one
+            opt.step(x, y)
+        peak = _peak_added_bytes(lambda: opt.step(x, y))
+        held[form] = opt._buffer.numel() * 4
+        routes = set(opt.last_step_report.routes.values())
+        if form == "auto":
+            assert routes == {"streamed", "dense"}, opt.last_step_report.routes
+            assert opt._buffer.numel() == m * biases
+            assert held[form] + peak < m * p * 4 / 4, (held[form], peak, m * p * 4)
+        assert ief_model is opt.model
+    assert held["rows"] >= m * (p - biases) * 4

@@ -102,10 +102,11 @@ def _peak_added_bytes(fn) -> int:
 
 def test_no_buffer_of_a_steady_step_grows_with_m_times_p(monkeypatch):
     """A steady ``IEF`` step (``form="auto"``) on wide Linear weights over 32 positions (the first's rows 4 MiB and
-    streamed, the middle one's kernel cheaper than its rows of 64 MiB) holds and allocates far less than ``M x P`` entries: the buffer the optimiser keeps from
-    step to step is the biases' ``[M, P_bias]`` and the step's peak of new tensors is the factors and one block
-    (``STREAM_BYTES`` set to 64 KiB here), under a quarter of ``M P`` float32 entries. The rows form, which keeps every
-    weight's rows in that buffer, holds more than ``M x P_weights``."""
+    streamed, the middle one's kernel cheaper than its rows of 64 MiB) holds and allocates far less than ``M x P``
+    entries: the buffer the optimiser keeps from step to step is the biases' ``[M, P_bias]`` and the step's peak of
+    new tensors is the factors and one block (``STREAM_BYTES`` set to 64 KiB here), under a quarter of ``M P``
+    float32 entries. The rows form, which keeps every weight's rows in that buffer, holds more than
+    ``M x P_weights``."""
     monkeypatch.setattr(ief.streamed, "STREAM_BYTES", 64 << 10)
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024),

@@ -84,10 +84,12 @@ lock:
 # again under ATen's default (scalar) CPU kernels, its records compared with the build's (tools/kernels.py states the
 # tolerances and why). The suite runs on every core (pytest-xdist; TEST_WORKERS=0 runs it in one process), at most 4
 # workers, each test file in one worker (its module fixtures built once), one torch thread per worker (conftest.py).
+# IEF_TEST_RUNS: the chapters' tests copy the smoke book's training runs, just made for this code, instead of training
+# the same grid again (tests/nbrun.py, train_grid).
 TEST_WORKERS ?= auto
 test: $(ENV_READY) $(CHROMIUM)
 	$(PYTHON) -m tools.book build --scale smoke --output _build/smoke
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile tests
+	IEF_TEST_RUNS=$(CURDIR)/runs $(PYTHON) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile tests
 	$(PYTHON) -m tools.kernels --results results/smoke --runs runs --out _build/smoke/kernels-default
 
 # The library's tier alone (tests/ief): no book, no workflow, no companion; the inner loop of work on ief/. Tests

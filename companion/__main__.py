@@ -180,8 +180,9 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--results", required=True, metavar="DIR", help="the workflow's tables of this scale (e2_runs.csv, "
                    "eval/*.csv); verdicts.csv is written there")
     v.add_argument("--runs", default="runs", metavar="RUNS", help="the runs folder, read where DIR has no E2 tables")
-    f = sub.add_parser("backfill", help="per-example test predictions (test_predictions.csv) for finished runs made "
-                       "before the runner stored them, from their best.pt (inference only)")
+    f = sub.add_parser("backfill", help="for finished runs made before the runner recorded them: per-example test "
+                       "predictions (test_predictions.csv, from best.pt) and the full training-set final loss "
+                       "(final_train_loss_full in summary.json, from stage-100.pt); inference only")
     f.add_argument("--scale", required=True, metavar="X", help="one of: " + ", ".join(SCALES))
     f.add_argument("--runs", required=True, metavar="RUNS", help="the runs folder (RUNS/<scale>/<setup>/...)")
     a = sub.add_parser("aggregate", help="gather finished runs into DIR/e2_runs.csv and DIR/e2_curves.csv (E2)")
@@ -355,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"unknown scale {args.scale!r}; valid scales: {', '.join(SCALES)}")
             done = backfill(args.runs, args.scale)
             for folder, what in done.items():
-                print(f"{folder}: {what}")
-            return 1 if any(w.startswith("not written") for w in done.values()) else 0
+                print(f"{folder}: " + "; ".join(f"{k}: {v}" for k, v in what.items()))
+            return 1 if any(w.startswith("not written") for what in done.values() for w in what.values()) else 0
         if args.command == "verdicts":
             from .experiments.verdict_table import write_verdicts
             from .experiments.setups import SCALES

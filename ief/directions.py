@@ -165,7 +165,7 @@ def _woodbury(rows: Rows, weights: torch.Tensor, damping: float, what: str, chec
     """
     c = rows.gram_scale()
     if c == 0.0:
-        return torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)
+        return torch.zeros(rows.direction_size, dtype=rows.dtype, device=rows.device)
     weights = weights.to(torch.float64)
     scaled_damping = damping / c / c
     if math.isinf(scaled_damping):  # lambda swamps J J^T: (J J^T + lambda I)^{-1} = I / lambda to float64 precision

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from .precision import ROUNDING_ATTRIBUTE, rounding_dtype, unit_roundoff
-from .rows import FactoredJacobian, Rows
+from .rows import DenseRows, FactoredJacobian, Rows, _matrix_combine
 from .streamed import factor_gram
 
 T = TypeVar("T")
@@ -349,13 +349,17 @@ class DistributedRows(Rows):
         local: this rank's rows.
         group: the process group (of more than one process).
         sizes: every rank's ``M_r`` (:func:`batch_sizes`).
+        shard: ``None``, or an FSDP2 model's :class:`ief.sharded.ShardedModel` (the rows' columns its parameters'):
+            the direction (``combine_rows(final=True)``) is then this rank's shards of it, ``[P_local]``
+            (:meth:`ief.sharded.ShardedModel.combine`), and :attr:`direction_size` says so.
 
     Raises:
         ValueError: ``sizes`` does not hold this rank's ``M_r``.
     """
 
-    def __init__(self, local: Rows, group: Any, sizes: Sequence[int]):
+    def __init__(self, local: Rows, group: Any, sizes: Sequence[int], shard: Any = None):
         rank = dist.get_rank(group)
+        self.shard = shard  # an FSDP2 model's ief.sharded.ShardedModel: the direction is this rank's shards only
         if sizes[rank] != local.shape[0]:
             raise ValueError(f"sizes[{rank}] = {sizes[rank]} but this rank's rows have {local.shape[0]}")
         self.local, self.group, self.sizes = local, group, list(sizes)
@@ -457,8 +461,48 @@ class DistributedRows(Rows):
             out.append((torch.cat([a for a, _ in parts]), torch.cat([g for _, g in parts])))
         return out
 
+    @property
+    def direction_size(self) -> int:
+        """The entries of the direction :meth:`combine_rows` returns with ``final=True``: ``P``, or this rank's
+        shards' with ``shard``."""
+        return self.shape[1] if self.shard is None else self.shard.local_numel()
+
+    def local_coefficients(self, coeff: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the union's ``[M]`` coefficients."""
+        return self._slice(coeff)
+
+    def union_factors(self, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The union's float64 ``(A, G)`` of every layer :meth:`plan` gathers as factors, in ``plan().factors``'
+        order (gathered once a step, with the Gram's)."""
+        return self._union_factors(self.plan(), scale)
+
+    def local_block(self, i: int, coeff: torch.Tensor, scale: float) -> torch.Tensor:
+        """Parameter ``i``'s block of this rank's ``(J_r/scale)^T coeff``, ``[numel_i]`` float64 (``coeff``: this
+        rank's ``[M_r]``), formed alone: no ``[P]`` vector."""
+        local = self.local
+        if isinstance(local, FactoredJacobian):
+            lo, hi = local.offsets[i], local.offsets[i + 1]
+            for (j, _, _), (a, g) in zip(local.ghosts, local._scaled_ghosts(scale)):
+                if j == i:
+                    weighted = (g * coeff.to(torch.float64)[:, None, None]).flatten(0, 1)
+                    return (weighted.T @ a.flatten(0, 1)).reshape(-1)
+            part = _matrix_combine(local.dense_block(i), coeff, scale)
+            if i not in local.used_rows:
+                return part
+            out = torch.empty(hi - lo, dtype=torch.float64, device=self.device)
+            local._expand(i, out, part)
+            return out
+        sizes = [p.numel() for p in self.shard.params]
+        lo = sum(sizes[:i])
+        if isinstance(local, DenseRows):
+            return _matrix_combine(local.matrix[:, lo:lo + sizes[i]], coeff, scale)
+        return local.combine_rows(coeff, scale).to(torch.float64)[lo:lo + sizes[i]]  # another form: sliced
+
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
-        """``(J/scale)^T coeff``, ``[P]`` float64: this rank's rows with its slice of ``coeff``, summed over ranks."""
+        """``(J/scale)^T coeff``, ``[P]`` float64: this rank's rows with its slice of ``coeff``, summed over ranks;
+        with ``shard`` and ``final``, this rank's shards of it only (:attr:`direction_size`)."""
+        if final and self.shard is not None:
+            return self.shard.combine(self, coeff, scale)
         part = self.local.combine_rows(self._slice(coeff), scale).to(torch.float64)
         return all_reduce(part.contiguous(), self.group)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -46,7 +47,7 @@ from torch.autograd import forward_ad
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from .model_call import ReplayableForward, call_model, non_reentrant_checkpointing
+from .model_call import ReplayableForward, call_model, forward_signature, non_reentrant_checkpointing
 
 JVP_METHODS = ("forward", "double_backward")
 
@@ -237,20 +238,28 @@ class _Rebinds(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-# Models whose forward rebinds parameters or tensor storage (see forward_mode_hazard): None when it does not.
-_HAZARDS: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
+# Per model, per forward signature (ief.model_call.forward_signature), why its forward rebinds parameters or tensor
+# storage (see forward_mode_hazard), None when it does not; the last HAZARD_RECORDS signatures of each model.
+_HAZARDS: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weakref.WeakKeyDictionary()
+HAZARD_RECORDS = 16
 
 
 def forward_mode_hazard(forward: ReplayableForward) -> str | None:
     """Why forward-mode AD must not run this model's forward, or ``None``: one plain forward (no gradients, RNG left
-    as it was; once per model) watched for what forward mode and ``torch.func`` cannot take and do not always refuse
-    with an exception: an assignment to a tensor's ``.data`` or a ``set_`` (a module that re-casts itself with
-    ``.to(dtype)`` inside its forward: HF SwitchTransformers' router does, and the dual forward then dies with a
-    segmentation fault in ``unpack_dual``, a ``torch.func.jvp`` with an internal assert), or a parameter, buffer or
-    submodule of the model rebound during the forward. Such models take double backward (reverse mode only)."""
+    as it was; once per model signature, below) watched for what forward mode and ``torch.func`` cannot take and do
+    not always refuse with an exception: an assignment to a tensor's ``.data`` or a ``set_`` (a module that re-casts
+    itself with ``.to(dtype)`` inside its forward: HF SwitchTransformers' router does, and the dual forward then dies
+    with a segmentation fault in ``unpack_dual``, a ``torch.func.jvp`` with an internal assert), or a parameter,
+    buffer or submodule of the model rebound during the forward. Such models take double backward (reverse mode
+    only). The verdict is kept per model signature (:func:`ief.model_call.forward_signature` without the inputs): a
+    changed module, hook, parameter or dtype is watched again; a new input shape is not (a forward that rebinds its
+    parameters at some shapes only is not seen at the others)."""
     model = forward.model
-    if model in _HAZARDS:
-        return _HAZARDS[model]
+    signature = forward_signature(model, None)
+    known = _HAZARDS.setdefault(model, OrderedDict())
+    if signature in known:
+        known.move_to_end(signature)
+        return known[signature]
 
     def state():
         return {(name, kind, key): id(value) for name, module in model.named_modules()
@@ -278,7 +287,9 @@ def forward_mode_hazard(forward: ReplayableForward) -> str | None:
         why = f"its forward {watch.seen[0]}"
     elif moved:
         why = f"its forward rebinds {', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}"
-    _HAZARDS[model] = why
+    known[signature] = known[forward_signature(model, None)] = why  # as found, and as left (rebound)
+    while len(known) > HAZARD_RECORDS:
+        known.popitem(last=False)
     return why
 
 

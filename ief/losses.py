@@ -27,7 +27,9 @@ class Loss(Protocol):
 
     name: str
 
-    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None: ...
+    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> int | None:
+        """Raise ``ValueError`` for targets the loss cannot take; return the batch's counted targets ``K``
+        (:func:`count_targets`) when the check read them anyway, else ``None`` (they are then counted apart)."""
 
     def check_finite(self, logits: torch.Tensor, targets: torch.Tensor) -> None: ...
 
@@ -72,7 +74,9 @@ class CrossEntropy:
 
     name = "cross_entropy"
 
-    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> int:
+        """Refuse targets the loss cannot take (dtype, shape, a class index out of range); return ``K``
+        (:func:`count_targets`), read with the range check (one host read for both)."""
         if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
             raise ValueError(
                 f"loss='cross_entropy' needs integer class-index targets (any integer dtype), got dtype "
@@ -84,13 +88,17 @@ class CrossEntropy:
                 "for cross_entropy, targets must have the logits' shape without the last (class) dimension"
             )
         num_classes = logits.shape[-1]
-        # one host read (no boolean-mask selection unless one is out of range: a selection's size is a GPU sync)
-        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= num_classes))
-        if bool(bad.any()):
+        # one host read, of the range check and the count together (no boolean-mask selection unless one is out of
+        # range: a selection's size is a GPU sync)
+        kept = targets != IGNORE_INDEX
+        bad = kept & ((targets < 0) | (targets >= num_classes))
+        out_of_range, counted = torch.stack([bad.any().to(torch.int64), kept.sum()]).tolist()
+        if out_of_range:
             raise ValueError(
                 f"class index {int(targets[bad][0])} out of range: targets must lie in [0, {num_classes - 1}] "
                 f"or be {IGNORE_INDEX} (ignored position)"
             )
+        return counted
 
     def check_finite(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """``FloatingPointError`` for NaN or ``+inf`` logits, or a position whose every class is ``-inf``.
@@ -161,7 +169,8 @@ class MeanSquaredError:
 
     name = "mse"
 
-    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> int:
+        """Refuse targets that are not float, not shaped like the logits or not finite; return ``K`` (every entry)."""
         if not targets.dtype.is_floating_point:
             raise ValueError(f"loss='mse' needs float targets shaped like the logits, got dtype {targets.dtype}")
         if tuple(targets.shape) != tuple(logits.shape):
@@ -171,6 +180,7 @@ class MeanSquaredError:
             )
         if not torch.isfinite(targets).all():
             raise ValueError("mse targets contain non-finite values")
+        return targets.numel()
 
     def check_finite(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         require_finite(logits)

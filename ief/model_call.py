@@ -486,16 +486,70 @@ def take_first(inputs: Inputs, m: int) -> Inputs:
 
 
 def shapes_of(inputs: Inputs) -> tuple:
-    """The shapes of every tensor in ``inputs`` (a hashable summary)."""
+    """The shape, dtype and device of every tensor in ``inputs`` (a hashable summary)."""
     if isinstance(inputs, Mapping):
         return tuple((k, shapes_of(v)) for k, v in inputs.items())
     if isinstance(inputs, (tuple, list)):
         return tuple(shapes_of(v) for v in inputs)
     if isinstance(inputs, torch.Tensor):
-        return tuple(inputs.shape)
+        return (*inputs.shape, inputs.dtype, inputs.device)
     if inputs is None or isinstance(inputs, (bool, int, float, str)):
         return (repr(inputs),)
     return (type(inputs).__name__,)
+
+
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks")
+# Global hooks from torch's own module trackers (ModTracker, under MemTracker and FlopCounterMode, and
+# torch.utils.module_tracker): they record which module runs and return nothing, so a forward's outputs do not depend
+# on them. Left out of the key, a step measured under a memory tracker reuses its proofs (a probe forward there is
+# refused: MemTracker does not track a module called twice in one iteration).
+_OBSERVER_MODULES = ("torch.distributed._tools.", "torch.utils.module_tracker")
+
+
+def _global_hooks(table: Mapping) -> tuple:
+    """The handles of a table of global hooks that may change a forward (:data:`_OBSERVER_MODULES`' left out)."""
+    return tuple(k for k, hook in table.items()
+                 if not str(getattr(hook, "__module__", "") or "").startswith(_OBSERVER_MODULES))
+
+
+def _tensors_signature(table: Mapping) -> tuple:
+    return tuple((k, id(t), t.dtype, t.device, t.shape, t.requires_grad) if t is not None else k
+                 for k, t in table.items()) if table else ()
+
+
+def forward_signature(model: torch.nn.Module, inputs: Inputs) -> tuple:
+    """What a proof about one forward of ``model`` on ``inputs`` rests on, as a hashable summary compared by equality
+    (the key of the proofs a steady call reuses: the sample axes, the precision record, the forward-mode hazard).
+
+    It holds every submodule (identity, class, training flag, a ``forward`` set on the instance), the hooks on each
+    and the global module hooks (by handle: a hook removed and another registered differ; torch's module trackers'
+    hooks, which only observe, left out), every parameter and
+    buffer (identity, dtype, device, shape, ``requires_grad``), and the inputs' shapes, dtypes and devices
+    (:func:`shapes_of`). A changed shape, dtype, module or hook changes it; Python state a forward reads besides
+    these (a flag set on a module between calls) does not. Cost: one walk of the modules, no tensor read.
+
+    Args:
+        model: the module called.
+        inputs: its inputs.
+
+    Returns:
+        The signature.
+    """
+    hooks = torch.nn.modules.module
+    parts = [shapes_of(inputs), tuple(_global_hooks(getattr(hooks, name, {})) for name in _GLOBAL_HOOKS)]
+    stack, seen = [model], set()
+    while stack:  # model.modules() without its generators: a third of the cost
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        parts.append((id(module), type(module), module.training, id(module.__dict__.get("forward")),
+                      tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
+                      tuple(module._backward_pre_hooks), tuple(module._backward_hooks),
+                      _tensors_signature(module._parameters), _tensors_signature(module._buffers)))
+        stack.extend(child for child in reversed(module._modules.values()) if child is not None)
+    return tuple(parts)
 
 
 class ReplayableForward:

@@ -11,25 +11,40 @@ its parameters (``unshard``), registers them as plain tensors, and its ``reshard
    the step's forward and per-sample backward (:func:`ief.per_sample`: hooks on the modules, stand-ins for their
    parameters) run on the plain unsharded parameters: no all-gather in the backward (FSDP2 with
    ``reshard_after_forward=True`` all-gathers every group a second time there) and no reduce-scatter (no batch
-   gradient is formed).
-2. **The union's Gram and direction, as the replicated route.** This rank's rows go to
+   gradient is formed). Rows taken layer by layer under FSDP2's own hooks are not this route: the per-sample
+   machinery runs extra forwards on some batches only (the sample-axis probe of a new batch shape, none for one
+   sample), so ranks with different local batches would call different numbers of FSDP2 all-gathers and wait on
+   each other for ever.
+2. **The union's Gram, as the replicated route.** This rank's rows go to
    :class:`ief.distributed.DistributedRows` (the Gram's cross-rank blocks from the layers' factors where
-   :func:`ief.distributed.gram_plan` finds them smaller, one replicated float64 solve, one all-reduce of the
-   direction): every rank holds the same direction of ``P`` float64 numbers.
-3. **The update on the local shards.** Every module is resharded; each parameter's slice of the direction that its
-   local shard holds (:meth:`ShardedModel.local_piece`) updates ``DTensor.to_local()`` in place, with the momentum
-   buffers kept as local shards (:meth:`ShardedModel.local`).
+   :func:`ief.distributed.gram_plan` finds them smaller, one replicated float64 solve).
+3. **A shard-sized direction.** Each rank forms only the entries of the direction its local shards hold
+   (:meth:`ShardedModel.combine`): a Linear weight whose factors the Gram gathered takes its shard's output rows from
+   the union's factors (no collective), every other parameter is reduce-scattered in FSDP2's ``Shard(0)`` chunks
+   from this rank's part; the direction's norm and finiteness are the union's (one all-reduce of a number each).
+4. **The update on the local shards.** ``DTensor.to_local()`` is updated in place, with the momentum buffers kept as
+   local shards (:meth:`ShardedModel.local`). (``SF``'s direction needs the whole gradient: it is formed whole on
+   every rank, as in the replicated route, and its shards taken from it.)
 
 Cost against FSDP2 + AdamW on the same model: communication, one all-gather of every group per step (FSDP2's step:
-two, forward and backward, plus a reduce-scatter of the gradients) and the replicated route's Gram all-gathers and
-direction all-reduce (:mod:`ief.distributed`); memory, **every parameter unsharded during the step's forward and
-backward** (FSDP2 with ``reshard_after_forward=False`` holds as much, one layer's at a time with ``True``) and a
-``[P]`` float64 direction; the optimiser state (momentum buffers) is sharded. Rows taken one layer at a time while
-FSDP2 holds only that layer unsharded are not this route.
+two, forward and backward, plus a reduce-scatter of the gradients), the replicated route's Gram all-gathers and
+reduce-scatters of the non-factored parameters' direction (no all-reduce of a ``[P]`` vector); memory, **every
+parameter unsharded during the step's forward, per-sample backward and solve** (FSDP2 with
+``reshard_after_forward=False`` holds as much; one layer's at a time with ``True``), the rows, and a ``[P / R]``
+direction in the rows' dtype (a float64 block of at most ``ief.rows.COLUMN_BYTES`` or one non-factored parameter at
+a time); the optimiser state (momentum buffers) is sharded. On a model whose largest layer is most of it (the
+benchmark's MLP) that is FSDP2 + AdamW's peak; on a deep model of many equal layers FSDP2 + AdamW holds less.
+
+**Mixed precision** (``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``): the step runs
+as :mod:`ief.precision` runs a model with bfloat16 weights, which is what FSDP2's all-gather hands the forward: the
+forward, the per-sample backward and the rows in bfloat16, the Gram, the solve and each direction entry's sum in
+float64, the direction rounded once to bfloat16 (the rows' dtype); it then updates FSDP2's float32 shards in float32
+(a float32 master copy: a change below a bfloat16 spacing is kept, the momentum buffers are float32).
+``reduce_dtype`` is not used: the step reduces no gradient (the direction's reduce-scatter sums float64).
 
 Refused before any work, in one sentence each (:func:`inspect`): HSDP and tensor parallel (a parameter on a mesh of
 more than one dimension or not ``Shard(0)``), ``DTensor`` parameters that no ``fully_shard`` manages, CPU offload
-(``CPUOffloadPolicy``), a ``MixedPrecisionPolicy`` that casts the parameters or the gradient reduction, a model of
+(``CPUOffloadPolicy``), a ``MixedPrecisionPolicy`` computing in float16 (:mod:`ief.precision`), a model of
 which some trained parameters are FSDP2's and others are not, FSDP2 modules on different process groups, a
 ``process_group`` other than FSDP2's, an optimiser that cannot step on shards (``KFAC``: its factors precondition
 each layer's whole gradient) and ``lr="auto"`` (its probe forward sets every parameter).
@@ -43,6 +58,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .rows import COLUMN_BYTES
 
 ROUTE = "fsdp2-unsharded-step"  # the route a step on an FSDP2 model takes (the step report's "sharding")
 
@@ -154,6 +171,73 @@ class ShardedModel:
         lo, hi = self.bounds(i)
         return full.view(p.shape)[lo:hi].reshape(-1)
 
+    def local_numel(self) -> int:
+        """The entries of every parameter's local shard together: the size of :meth:`combine`'s direction."""
+        return sum(self.local(p).numel() for p in self.params)
+
+    def combine(self, rows: Any, coeff: torch.Tensor, scale: float) -> torch.Tensor:
+        """This rank's pieces of the union's direction ``(J/scale)^T coeff``, ``[P_local]``: every parameter's rows
+        ``[lo, hi)`` (:meth:`bounds`), flattened and side by side in :attr:`params`' order, the layout of the local
+        shards. The whole ``[P]`` direction is never formed on any rank.
+
+        A Linear weight whose factors the Gram gathered (``rows.plan().factors``: every rank's ``A [M, T, I]`` and
+        ``G [M, T, O]``) takes its shard's output rows from the union's factors, ``(c-weighted G[..., lo:hi])^T A``:
+        no collective. Every other parameter's block of this rank's ``J_r^T c_r`` (one parameter at a time, its
+        full size) is summed over the ranks by a reduce-scatter of its ``Shard(0)`` chunks, FSDP2's own layout.
+        Each entry is summed in float64 and rounded once to the result's dtype: the rows' own where narrower (the
+        direction a one-process step returns, :meth:`ief.rows.Rows.combine_rows` with ``final``), else float64;
+        float64 temporaries are bounded by ``ief.rows.COLUMN_BYTES`` for the factored weights and by one parameter
+        for the others.
+
+        Args:
+            rows: the union's :class:`ief.distributed.DistributedRows` built with this model.
+            coeff: the union batch's coefficients ``[M]``.
+            scale: the common divisor of ``J`` (:meth:`ief.rows.Rows.gram_scale`).
+        """
+        coeff = coeff.to(torch.float64)
+        mine = rows.local_coefficients(coeff)
+        plan = rows.plan()
+        factored = {entry[0]: k for k, entry in enumerate(plan.factors or [])}
+        union = rows.union_factors(scale) if factored else []
+        dtype = rows.dtype if rows.dtype.itemsize < 8 and rows.dtype.is_floating_point else torch.float64
+        out = torch.empty(self.local_numel(), dtype=dtype, device=coeff.device)
+        start = 0
+        for i, p in enumerate(self.params):
+            lo, hi = self.bounds(i)
+            piece = out[start:start + self.local(p).numel()]
+            start += piece.numel()
+            if i in factored:
+                a, g = union[factored[i]]
+                if tuple(p.shape) == (g.shape[-1], a.shape[-1]):  # the weight's layout [O, I]: rows of G's columns
+                    a = a.flatten(0, 1)  # [M T, I]
+                    dest = piece.view(hi - lo, a.shape[1])
+                    step = max(1, COLUMN_BYTES // (8 * max(1, a.shape[1])))
+                    for r in range(lo, hi, step):  # a bounded block of output rows at a time
+                        weighted = (g[..., r:min(r + step, hi)] * coeff[:, None, None]).flatten(0, 1)
+                        dest[r - lo:r - lo + weighted.shape[1]].copy_(weighted.T @ a)
+                    continue
+            piece.copy_(self._reduce_scattered(i, rows.local_block(i, mine, scale)))
+        return out
+
+    def _reduce_scattered(self, i: int, block: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of ``block`` (this rank's ``[numel]`` float64 part of ``params[i]``'s direction),
+        this rank's ``Shard(0)`` rows of it, flat: one reduce-scatter of ``ceil(d0 / R)``-row chunks (zero-padded)."""
+        p = self.params[i]
+        rows = p.shape[0]
+        chunk = -(-rows // self.world)
+        lo, hi = self.bounds(i)
+        full = block.reshape(rows, -1)
+        if chunk * self.world != rows:
+            padded = torch.zeros(chunk * self.world, full.shape[1], dtype=full.dtype, device=full.device)
+            padded[:rows] = full
+            full = padded
+        out = torch.empty(chunk, full.shape[1], dtype=full.dtype, device=full.device)
+        gloo = dist.get_backend(self.group) == "gloo"
+        source = full.cpu() if gloo else full.contiguous()
+        target = out.cpu() if gloo else out
+        dist.reduce_scatter_single(target, source, group=self.group)
+        return target[:hi - lo].reshape(-1).to(block.device)
+
     def union_flag(self, flag: torch.Tensor) -> torch.Tensor:
         """A 0-d bool of this rank's shards (e.g. its momentum buffers' finiteness), true on every rank only when
         true on every rank (one all-reduce)."""
@@ -197,11 +281,11 @@ def _fsdp_records(model: torch.nn.Module, name: str) -> tuple[list, dict[int, An
                                         "step's in-place update of the shards does not support; shard without "
                                         "offload_policy")
                 policy = fsdp_param.mp_policy
-                if policy.param_dtype is not None or policy.reduce_dtype is not None:
-                    raise _refuse(name, f"its MixedPrecisionPolicy casts the parameters or the reduction "
-                                        f"(param_dtype={policy.param_dtype}, reduce_dtype={policy.reduce_dtype}), "
-                                        f"which the step's precision contract does not cover yet; shard with the "
-                                        f"default MixedPrecisionPolicy() and run the step under torch.autocast")
+                if torch.float16 in (policy.param_dtype, policy.output_dtype):
+                    raise _refuse(name, f"its MixedPrecisionPolicy computes in float16 (param_dtype="
+                                        f"{policy.param_dtype}, output_dtype={policy.output_dtype}), whose "
+                                        f"per-sample gradients underflow (ief.precision); use "
+                                        f"param_dtype=torch.bfloat16")
                 if getattr(fsdp_param, "fsdp_placement", None) is not None and fsdp_param.fsdp_placement.dim != 0:
                     raise _refuse(name, f"a parameter is sharded on dimension {fsdp_param.fsdp_placement.dim} "
                                         f"(shard_placement_fn); only FSDP2's default Shard(0) is supported")

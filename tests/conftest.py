@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,15 @@ def _deterministic():
 def any_case(request):
     """Every tiny model: mlp, mse-mlp, sequence (ignored positions), t5-lora, t5-prompt, vit-lora."""
     return ALL_CASES[request.param]()
+
+
+@pytest.fixture(scope="session")
+def run_cache(tmp_path_factory) -> Path:
+    """A folder of training runs shared by the whole test session, its xdist workers included (their base temporary
+    folders are siblings): ``nbrun.train_grid(..., cache=run_cache)`` trains each smoke run once per session, where
+    several chapters' tests read the same grid."""
+    root = tmp_path_factory.getbasetemp()
+    return (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "run-cache"
 
 
 LIBRARY_TIER = Path(__file__).resolve().parent / "ief"

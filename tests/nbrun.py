@@ -1,6 +1,8 @@
 """Execute a repository notebook with papermill (as ``make book`` does) and return the executed notebook."""
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -59,12 +61,58 @@ def glued_text(nb, key: str) -> str:
     raise KeyError(key)
 
 
-def train_grid(runs: Path, scale: str, runs_of) -> list[tuple[str, str, int]]:
+def train_grid(runs: Path, scale: str, runs_of, cache: Path | None = None) -> list[tuple[str, str, int]]:
     """Train every ``(setup, optimizer, seed)`` of ``runs_of`` into ``runs`` (what the workflow's ``train`` jobs do
-    before a chapter reads their tables; the chapters themselves never train)."""
-    from companion.experiments import train
+    before a chapter reads their tables; the chapters themselves never train).
 
-    runs_of = list(runs_of)
+    ``cache`` (the ``run_cache`` fixture: one folder per test session, shared by its xdist workers): each run is
+    trained once per session, into ``cache``, and copied into ``runs``, so the chapters' tests that read the same grid
+    do not train it again each. Where the environment names a runs folder the workflow has just made for this code
+    (``IEF_TEST_RUNS``: ``make test`` names the smoke book's, built before the suite), its finished runs are copied
+    instead of trained. Workers share the cache through each run folder's lock (the runner's): a worker trains the
+    runs no other is training, starting at its own place in the list, then waits for the others' runs."""
+    runs_of = list(dict.fromkeys(runs_of))
+    if cache is None:
+        from companion.experiments import train
+
+        for setup, optimizer, seed in runs_of:
+            train(setup, optimizer, seed, scale, runs, progress=False, verbose=False)
+        return runs_of
+    from companion.experiments import run_dir
+
+    _trained_once(cache, scale, runs_of)
     for setup, optimizer, seed in runs_of:
-        train(setup, optimizer, seed, scale, runs, progress=False, verbose=False)
+        made = os.environ.get("IEF_TEST_RUNS") if _workflow_made(setup, optimizer, seed, scale) else cache
+        shutil.copytree(run_dir(made, scale, setup, optimizer, seed), run_dir(runs, scale, setup, optimizer, seed),
+                        ignore=shutil.ignore_patterns("run.lock"))
     return runs_of
+
+
+def _workflow_made(setup: str, optimizer: str, seed: int, scale: str) -> bool:
+    """Whether ``IEF_TEST_RUNS`` names a runs folder holding this run, finished."""
+    from companion.experiments import run_dir
+
+    source = os.environ.get("IEF_TEST_RUNS")
+    return bool(source) and (run_dir(source, scale, setup, optimizer, seed) / "summary.json").exists()
+
+
+def _trained_once(cache: Path, scale: str, runs_of: list) -> None:
+    """Train into ``cache`` each run of ``runs_of`` that is not there yet (nor in ``IEF_TEST_RUNS``); xdist workers
+    start at different places in the list and leave a run another worker holds (the runner's folder lock) for a second
+    pass, which waits for it."""
+    from companion.experiments import run_dir, train
+    from companion.experiments.runner import RunLocked
+
+    todo = [r for r in runs_of if not _workflow_made(*r, scale)
+            and not (run_dir(cache, scale, *r) / "summary.json").exists()]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    start = len(todo) * worker // max(workers, 1)
+    held = []
+    for setup, optimizer, seed in todo[start:] + todo[:start]:
+        try:
+            train(setup, optimizer, seed, scale, cache, progress=False, verbose=False)
+        except RunLocked:
+            held.append((setup, optimizer, seed))
+    for setup, optimizer, seed in held:
+        train(setup, optimizer, seed, scale, cache, progress=False, verbose=False, wait_lock=True)

@@ -273,11 +273,11 @@ def e2_findings(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str]
 
     opts = {s: list(opts[s]) for s in setups}
     out: dict[str, str] = {}
+    found = e2_verdicts(table, curves, opts, method)
     for name in E2_RULES:
         rule = RULES[name]
-        args = (table, curves, opts) + ((method,) if name == "e2_ief_vs_baseline" else ())
         out[f"rule_{name}"] = rule.statement + " " + rule.why
-        out[f"v_{name}"] = summary(rule.evaluate(*args), scale=_scale_of(table))
+        out[f"v_{name}"] = summary(found[name], scale=_scale_of(table))
     mean_loss = table.groupby(["setup", "optimizer"])["final_train_loss"].mean()
     out["e2_obs1_rankings"] = "; ".join(
         f"{s}: " + " < ".join(f"{label(o)} ({mean_loss[(s, o)]:.3g})" for o in
@@ -300,6 +300,20 @@ def e2_findings(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str]
     return out
 
 
+def e2_verdicts(table: pd.DataFrame, curves: pd.DataFrame, opts: dict[str, list[str]],
+                method: dict[str, str] | None = None) -> dict[str, list]:
+    """The E2 rules' verdicts, ``{claim: [Verdict]}``: the workflow's ``verdicts.csv`` where the chapter reads the
+    whole grid from the workflow's tables (:func:`companion.experiments.verdict_table.chapter_verdicts`), else the
+    same rules on ``table`` (with no per-example predictions: a test claim then takes the binomial resolution)."""
+    from ..experiments.verdict_table import chapter_verdicts
+    from ..experiments.verdicts import E2_RULES, RULES
+
+    def compute(name: str) -> list:
+        return RULES[name].evaluate(*(table, curves, opts) + ((method,) if name == "e2_ief_vs_baseline" else ()))
+
+    return chapter_verdicts(table, E2_RULES, compute)
+
+
 def _rise_text(values: Sequence[float]) -> str:
     finite = [v for v in values if np.isfinite(v) and v > 0]
     text = f"{float(np.exp(np.mean(np.log(finite)))):.3g}×" if finite else "diverged"
@@ -318,13 +332,13 @@ def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
     interval (for a test score widened by the test set's resolution), the pair's verdict and, for an undecided pair,
     what would decide it. The pairs of ``e2_ief_lowest`` are the loss ranking's pairs with iEF, shown once, under the
     ranking."""
-    from ..experiments.verdicts import E2_RULES, RULES
+    from ..experiments.verdicts import E2_RULES
 
     opts = {s: list(opts[s]) for s in setups}
     rows = []
+    found = e2_verdicts(table, curves, opts, method)
     for name in (n for n in E2_RULES if n != "e2_ief_lowest"):
-        args = (table, curves, opts) + ((method,) if name == "e2_ief_vs_baseline" else ())
-        for v in RULES[name].evaluate(*args):
+        for v in found[name]:
             for p in v.pairs:
                 unit = 100 if p.metric == "test_score" else 1
                 interval = ("sign test (a diverged run)" if np.isnan(p.mean) else

@@ -186,7 +186,9 @@ def practical_glue(table: pd.DataFrame, opts: dict[str, list[str]], costs: pd.Da
                    ) -> dict[str, str]:
     """The sentences the chapter glues: ``pr_over_seeds`` (how every rule decides a pair over seeds, and why), per
     rule of :mod:`companion.experiments.verdicts.practical` ``rule_<name>`` (the rule, glued before its result) and
-    ``v_<name>`` (its verdict per setup), and ``cost_<setup>`` (the cost ratios in words) when ``costs`` are given.
+    ``v_<name>`` (its verdict per setup: the workflow's ``verdicts.csv``,
+    :func:`companion.experiments.verdict_table.chapter_verdicts`), and ``cost_<setup>`` (the cost ratios in words)
+    when ``costs`` are given.
 
     Args:
         table: the runs.
@@ -206,10 +208,13 @@ def practical_glue(table: pd.DataFrame, opts: dict[str, list[str]], costs: pd.Da
     sizes = {s: n_test_examples(s, scale) for s in opts} if scale else {}
     out["pr_resolution"] = "; ".join(f"one test example of {s} is {100 / n:.2g} points of its {n}"
                                      for s, n in sizes.items() if n) or "the test sets' sizes are not known here"
+    from ..experiments.verdict_table import chapter_verdicts
+
+    # the workflow's verdicts.csv where the chapter reads the whole grid from its tables, else the same rules here
+    found = chapter_verdicts(table, PRACTICAL_RULES, lambda name: RULES[name].evaluate(table, None, opts))
     for name in PRACTICAL_RULES:
-        rule = RULES[name]
-        out[f"rule_{name}"] = rule.statement
-        out[f"v_{name}"] = summary(rule.evaluate(table, None, opts), scale=scale)
+        out[f"rule_{name}"] = RULES[name].statement
+        out[f"v_{name}"] = summary(found[name], scale=scale)
     if costs is not None:
         for setup, c in costs.groupby("setup", sort=False):
             base = label(c.baseline.iloc[0])

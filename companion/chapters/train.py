@@ -292,13 +292,17 @@ def e2_observations(results: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("setup")
 
 
-def e2_statements(results: pd.DataFrame, obs: pd.DataFrame, e2_table: pd.DataFrame | None = None) -> dict[str, str]:
+def e2_statements(results: pd.DataFrame, obs: pd.DataFrame, e2_table: pd.DataFrame | None = None,
+                  verdicts: pd.DataFrame | None = None) -> dict[str, str]:
     """What the chapter glues of the seed-0 check: each seed-0 rule (``rule_<name>``) and its verdict per setup
     (``v_<name>``) among each setup's E2 optimisers (``seed0_scope`` names the search's others, which the table
     shows but the verdicts leave out), iEF's ranks, and ``e2_disagreement``: where chapter E2's verdicts over seeds
     (the same claims decided on ``e2_table``, the workflow's ``e2_runs.csv``) differ from seed 0's, or that they are
-    not available."""
+    not available. ``verdicts``: the workflow's ``verdicts.csv``
+    (:func:`companion.experiments.verdict_table.read_verdicts`), read for chapter E2's verdicts where given (else
+    they are decided here on ``e2_table``, without the runs' per-example test predictions)."""
     from ..experiments.setups import e2_optimizers
+    from ..experiments.verdict_table import as_verdicts
     from ..experiments.verdicts import RULES, disagreements, summary
 
     same, extra = e2_only(results)
@@ -322,7 +326,9 @@ def e2_statements(results: pd.DataFrame, obs: pd.DataFrame, e2_table: pd.DataFra
     differ = []
     for seed0_rule, e2_rule, what in (("seed0_lowest_loss", "e2_ief_lowest", "iEF lowest training loss"),
                                       ("seed0_best_test", "e2_ief_best_test", "iEF best test score")):
-        found = disagreements(RULES[seed0_rule].evaluate(same), RULES[e2_rule].evaluate(e2_table, None, opts))
+        e2 = (as_verdicts(verdicts, None, e2_rule) if verdicts is not None else
+              RULES[e2_rule].evaluate(e2_table, None, opts))
+        found = disagreements(RULES[seed0_rule].evaluate(same), e2)
         differ += [f"{what}, {d}" for d in found]
     out["e2_disagreement"] = ("Chapter E2's verdicts over seeds differ from seed 0's here: " + "; ".join(differ) + "."
                               if differ else "Chapter E2's verdicts over seeds agree with seed 0's on every setup.")

@@ -4,7 +4,9 @@
 runner's layout, :mod:`.store`) and writes, atomically:
 
 - ``DIR/e2_runs.csv``: one row per finished run: ``scale, setup, optimizer, seed``, the hyperparameters it ran with
-  (``lr, damping, schedule``), ``steps``, ``final_train_loss`` (:func:`final_loss`), ``diverged_step``, the best
+  (``lr, damping, schedule``), ``steps``, ``final_train_loss`` (:func:`final_loss`), ``final_train_loss_full``
+  (the full training-set loss of the final checkpoint, :func:`.final_loss.recorded`: inf for a diverged run, empty
+  for a run recorded before it was measured), ``diverged_step``, the best
   validation checkpoint (``best_step``, ``val_<metric>``, ``val_score``), the test metrics of that checkpoint
   (``test_<metric>`` and their mean ``test_score``; empty where the labels are private, as for GLUE test) and
   ``wall_time_s``;
@@ -27,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from . import store
+from .final_loss import recorded as full_loss
 from .metrics import score
 from .summaries import FINAL_FRACTION, final_window  # the book's one definition of "final"
 
@@ -63,6 +66,7 @@ def run_row(run: dict[str, Any]) -> dict[str, Any]:
         "scale": s["scale"], "setup": s["setup"], "optimizer": s["optimizer"], "seed": int(s["seed"]),
         "lr": opt["lr"], "damping": opt.get("damping"), "schedule": opt.get("schedule"),
         "steps": int(s["steps"]), "final_train_loss": final_loss(run["losses"]),
+        "final_train_loss_full": full_loss(s),
         "diverged_step": (s.get("diverged") or {}).get("step"),
         "best_step": best["step"], "val_score": best["score"],
     }
@@ -260,7 +264,9 @@ def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | P
 
     Returns:
         An :class:`E2Grid`: the chosen setups' and seeds' rows and curves, the expected and the missing runs, and
-        the source read.
+        the source read. Read from the tables with every seed, ``table.attrs`` names the folder and the scale (the
+        workflow's verdicts beside the tables were decided on these runs:
+        :func:`.verdict_table.chapter_verdicts`).
 
     Raises:
         ValueError: an unknown ``scale`` (names the accepted ones).
@@ -294,6 +300,8 @@ def load_e2(scale: str, results_dir: str | Path | None = None, runs_dir: str | P
     curves = curves[pd.MultiIndex.from_arrays([curves.setup, curves.seed.astype(int)]).isin(list(chosen))]
     have = set(zip(table.setup, table.optimizer, table.seed))
     present = [s for s in setups if s in set(table.setup)]
+    if _tables_exist(results_dir) and seeds is None:  # every seed the workflow decided its verdicts on
+        table.attrs.update(results_dir=str(results_dir), scale=scale)  # .verdict_table.chapter_verdicts reads them
     return E2Grid(table=table, curves=curves, setups=present,
                   seeds=sorted({k for s in setups for k in by_setup[s]}), expected=expected,
                   missing=[e for e in expected if e not in have], source=source,

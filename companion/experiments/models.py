@@ -243,12 +243,12 @@ def build_model(cfg: SetupConfig, data: Data | None = None, *, random_weights: b
     """``(model, preprocessor)`` of a resolved setup: the tokenizer (T5, MiniLM), the image processor (ViT) or None
     (MLP). Random initialisation follows the global torch RNG (seed it first). ``random_weights=True`` builds the
     architecture from the config written in this module: no download, at any scale (at full scale no tokenizer)."""
-    with quiet_transformers():
-        if cfg.family == "t5":
-            return _t5(cfg, data, random_weights)
-        if cfg.family == "vit":
-            return _vit(cfg, random_weights)
-        if cfg.family == "bert":
-            return _bert(cfg, data, random_weights)
+    builders = {"t5": lambda: _t5(cfg, data, random_weights), "vit": lambda: _vit(cfg, random_weights),
+                "bert": lambda: _bert(cfg, data, random_weights)}
+    if cfg.family in builders:
+        with quiet_transformers():
+            return builders[cfg.family]()
+    # the MLP needs no transformers: importing it only to silence it would cost a smoke run of the MLP a third of
+    # its process's time
     h, w, c = cfg.model_args["image_shape"]
     return MLP(h * w * c, cfg.model_args["hidden"], cfg.num_classes), None

@@ -4,7 +4,9 @@ A run follows the paper's protocol (``sec:app-optimiser``): batches of the setup
 each epoch, validation every ``eval_every`` update steps (tab:train-epochs) and at the end, the best-validation
 checkpoint kept and its test metrics reported; ``final_train_loss`` is the book's one definition
 (:func:`.summaries.final_train_loss`: the mean loss of the last 10 % of the updates, ``final_train_loss_updates`` of
-them; ``summary.json`` files written before held the mean of the last 100 updates and lack that field).
+them; ``summary.json`` files written before held the mean of the last 100 updates and lack that field);
+``final_train_loss_full`` the verdicts' (:mod:`.final_loss`: the full training-set loss of the parameters after the
+last update, one forward pass over the training set before the test evaluation; ``None`` for a diverged run).
 
 Progress: with ``progress=True`` a tqdm bar; without it (``--no-progress``, the workflow's and cluster jobs' choice)
 and with ``verbose``, one line per validation and at least one every ``log_every_s`` seconds (step, epoch, the mean
@@ -63,6 +65,7 @@ from tqdm import tqdm
 
 from . import processes, store
 from .data import load_data
+from .final_loss import FIELD as FULL_LOSS, Aborted as _LossAborted, training_set_loss
 from .metrics import score, split_metrics, write_glue_predictions
 from .models import build_model, count_parameters
 from .optimizers import Diverged, make_optimizer, train_step
@@ -191,13 +194,14 @@ def _run_record(cfg: SetupConfig, opt: Any, seed: int, precision: str = DEFAULT_
 
 
 def package_versions() -> dict[str, str]:
-    import peft
-    import transformers
+    """The versions a run records, read from the installed distributions: importing transformers and peft only to
+    ask would cost a run of the MLP, which uses neither, a third of its process's time at smoke scale."""
+    from importlib.metadata import version
 
     from ief import __version__
 
-    return {"ief": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__}
+    return {"ief": __version__, "torch": torch.__version__, "transformers": version("transformers"),
+            "peft": version("peft")}
 
 
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
@@ -519,6 +523,23 @@ class TrainingLoop:
         state["training_done"] = True
         self.save_resume()
 
+    def final_loss(self) -> float | None:
+        """The full training-set loss of the parameters after the last update (:mod:`.final_loss`), measured
+        before :meth:`test_best` puts the best-validation parameters back; None for a run that diverged (it has no
+        final checkpoint).
+
+        Raises:
+            _Aborted: a stop signal arrived during the pass.
+        """
+        if self.state["diverged"] is not None:
+            return None
+        try:
+            with forward_precision(self.precision, self.dev):
+                return training_set_loss(self.model, self.task, self.data.train, self.dev, self.cfg.eval_batch_size,
+                                         abort=self._abort_evaluation)
+        except _LossAborted:
+            raise _Aborted from None
+
     def test_best(self) -> dict[str, dict[str, Any]]:
         """Put the best-validation parameters back into the model (:func:`.resume.load_best`) and evaluate the test
         split.
@@ -549,18 +570,20 @@ class TrainingLoop:
             try:
                 if not self.state["training_done"]:
                     self.train_to_end()
+                full = self.final_loss()
                 results = self.test_best()
             except _Aborted:
                 if not self.state["training_done"]:
                     self.save_resume()  # state as after the last update: the aborted evaluation is redone on resume
                 raise RunInterrupted(self.signals.pending or signal.SIGTERM, "during an evaluation") from None
-        return self.write_summary(results)
+        return self.write_summary(results, full)
 
-    def write_summary(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def write_summary(self, results: dict[str, dict[str, Any]], full_loss: float | None = None) -> dict[str, Any]:
         """Write ``summary.json`` (and the GLUE prediction files) and remove ``resume.pt``.
 
         Args:
             results: :meth:`test_best`'s predictions.
+            full_loss: :meth:`final_loss` (None: the run diverged).
 
         Returns:
             The summary as read back from ``summary.json`` (what a re-invocation returns).
@@ -583,6 +606,7 @@ class TrainingLoop:
             "precision": self.precision, "steps": state["done"], "epochs": cfg.epochs, "steps_per_epoch": self.spe,
             "final_train_loss": final_train_loss(losses) if losses else None,
             "final_train_loss_updates": final_window(len(losses)) if losses else 0,
+            FULL_LOSS: full_loss,
             "best_validation": {"step": best["step"], "epoch": best["epoch"], "metrics": best["metrics"],
                                 "score": best["score"]},
             "test": metrics_of(cfg.task, results), "test_predictions": predictions,

@@ -17,6 +17,7 @@ from ..model_call import (
     call_model,
     check_targets,
     flatten,
+    forward_signature,
     non_reentrant_checkpointing,
     param_names,
     resolve_params,
@@ -95,6 +96,8 @@ class PerSample:
             ``per_sample(..., form="auto")``).
         logit_sqnorm: ``[M]``, ``||grad_{z_n} l_n||^2`` (``s_iEF``, the unnumbered equation after Eq. (8)).
         gradient: ``[P]``, the batch gradient ``grad_theta L``.
+        counted: ``K``, the batch's counted targets (:func:`ief.count_targets`), read with the loss's range check of
+            the targets (no read of its own); ``None`` for a loss whose check does not return it.
 
     From :func:`per_sample`, ``gradient`` is computed on first access: the hooked parameters' rows summed
     (``J^T 1``, the batch backward does not compute their batch gradients) plus any use outside their hooked
@@ -106,6 +109,7 @@ class PerSample:
     jacobian: torch.Tensor | FactoredJacobian
     logit_sqnorm: torch.Tensor
     gradient: torch.Tensor
+    counted: int | None = None
 
     def __getstate__(self) -> dict:  # pickling and deep copies hold the gradient, not the way to compute it
         self.gradient
@@ -168,11 +172,14 @@ class _HookedForward:
         kernels = differentiable_kernels if self.mode == "exact" else contextlib.nullcontext
         self.kernels = kernels
         self.formats = ForwardFormats()
-        with self.capture, torch.enable_grad(), kernels(), self.formats.watch(device_type(model)):
+        # what the proofs of this forward rest on (the precision record here, the sample axes below): a steady call
+        # of the same signature reuses them
+        signature = (forward_signature(model, inputs), self.mode == "exact")
+        with self.capture, torch.enable_grad(), kernels(), self.formats.watch(device_type(model), model, signature):
             self.logits = self.forward()
         self.formats.add_model(model, self.logits)
         refuse_float16(self.formats)
-        self.loss.check(self.logits, targets)
+        self.counted = self.loss.check(self.logits, targets)  # K, read with the range check (None: not read)
         if batch_size(self.logits) != m:
             raise ValueError(f"the model returned logits of shape {tuple(self.logits.shape)} for {m} targets")
 
@@ -196,7 +203,7 @@ class _HookedForward:
             batch = _reversed(inputs, m) if reverse else inputs
             return self.capture.call_inputs(lambda: run_on(batch, m, quiet), batch)
 
-        self.capture.establish_axes(m, model, inputs, probe, prove)
+        self.capture.establish_axes(m, model, signature, probe, prove)
         names = param_names(model, self.params)
         self.capture.names = names
         self.capture.demote_outside_uses(self.forward.reached, names)
@@ -345,7 +352,7 @@ def per_sample(
             ``ef_direction`` and ``sf_direction`` take either form; ``.materialize()`` gives the tensor.
 
     Returns:
-        :class:`PerSample` (``losses``, ``jacobian``, ``logit_sqnorm``, ``gradient``).
+        :class:`PerSample` (``losses``, ``jacobian``, ``logit_sqnorm``, ``gradient``, ``counted``).
 
     Raises:
         ValueError: a bad value, named with the accepted ones: no trainable parameters, a ``params=`` tensor that is
@@ -360,7 +367,8 @@ def per_sample(
     form = check_form(form)
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
     losses, jac, gradient = fwd.jacobian(targets, out=out, form=form)
-    return PerSample(losses=losses, jacobian=jac, logit_sqnorm=fwd.logit_sqnorm(targets), gradient=gradient)
+    return PerSample(losses=losses, jacobian=jac, logit_sqnorm=fwd.logit_sqnorm(targets), gradient=gradient,
+                     counted=fwd.counted)
 
 
 def sampled_jacobian(

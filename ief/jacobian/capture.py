@@ -26,16 +26,17 @@ import contextlib
 import itertools
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 
-from ..model_call import extract_logits, graph_nodes, shapes_of
+from ..model_call import extract_logits, graph_nodes
 from .errors import PerSampleGradientMismatch
 from .routing import RoutingTracker
 from .rules import LayerRule, rule_for
-from .broadcast import Use, UseTracker, check_sums, establish, per_sample_rows
-from .rules.registry import BATCH_FIRST, WHOLE_CALL, recording_hook
+from .axes import _same, _sample_axis, _use_shapes, _uses_from
+from .broadcast import UseTracker, check_sums, establish, per_sample_rows
+from .rules.registry import WHOLE_CALL, recording_hook
 
 
 def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
@@ -86,48 +87,6 @@ def reached_nodes(roots: Iterable, targets: Iterable) -> set:
         if node in wanted:
             found.add(node)
     return found
-
-
-def _use_shapes(uses: dict) -> tuple:
-    """The recorded uses as hashable shapes: ``((key, ((name, shape, result shape), ...)), ...)``."""
-    return tuple((key, tuple((u.name, u.shape, u.result_shape) for u in us)) for key, us in uses.items())
-
-
-def _uses_from(shapes: tuple) -> dict:
-    """The inverse of :func:`_use_shapes` (shapes only, no gradients)."""
-    return {key: [Use(*u) for u in us] for key, us in shapes}
-
-
-def _same(probe: torch.Tensor | None, ref: torch.Tensor | None) -> bool:
-    """Whether a proof forward's call input equals the batch call's (reversed) input: equal shapes, equal integers,
-    floats equal up to ``max(sqrt(eps), 1e-3)`` of the reference's largest entry (a reordered batch may round
-    differently, TF32 products more than float32's ``sqrt(eps)``; rows gathered from other samples differ by far
-    more)."""
-    if probe is None or ref is None or probe.shape != ref.shape or probe.dtype != ref.dtype:
-        return False
-    if not probe.is_floating_point() and not probe.is_complex():
-        return torch.equal(probe, ref)
-    if probe.numel() == 0:
-        return True
-    tol = max(torch.finfo(probe.dtype).eps ** 0.5, 1e-3) if probe.is_floating_point() else 1e-3
-    finite = torch.isfinite(ref)
-    scale = float(ref[finite].abs().max()) if bool(finite.any()) else 0.0
-    close = (probe - ref).abs() <= tol * max(scale, 1e-30)
-    # a non-finite entry (an inf or NaN input, refused later naming its sample) must be the same non-finite entry
-    return bool((close | (probe == ref) | (probe.isnan() & ref.isnan())).all())
-
-
-def _sample_axis(full: tuple | None, probe: tuple | None, m: int, features: int) -> int | None:
-    """The one dimension of a call's input that is ``m`` in the batch forward and 1 in the one-sample probe, every
-    other dimension unchanged, and that is not a feature dimension; ``None`` if there is no such single dimension."""
-    if full is None or probe is None or len(full) != len(probe):
-        return None
-    changed = [d for d, (a, b) in enumerate(zip(full, probe)) if a != b]
-    if len(changed) != 1:
-        return None
-    d = changed[0]
-    limit = 1 if features == BATCH_FIRST else len(full) - features
-    return d if full[d] == m and probe[d] == 1 and d < limit else None
 
 
 # The established axes, per model and shape signature (a handful of signatures per model: the last ones used).
@@ -498,12 +457,14 @@ class PerSampleCapture:
             out[k][j] = None
         return tuple(tuple(calls) for calls in out), {(k, j): why for (k, j, _), why in bad.items()}
 
-    def establish_axes(self, m: int, model: torch.nn.Module, inputs, probe: Callable[[], tuple | str],
+    def establish_axes(self, m: int, model: torch.nn.Module, signature: Hashable, probe: Callable[[], tuple | str],
                        prove: Callable[[bool, bool], tuple | str] | None = None) -> None:
         """Give every call its sample axis (probed and proven, or cached); modules with a call without one fall back
         (``prove``: see :meth:`prove_axes`; without it, the sizes alone decide), unless that call's output does not
         reach the loss (:meth:`unreached_calls`, decided for this forward's graph, never cached): it is marked
-        :data:`UNREACHED` and needs no axis."""
+        :data:`UNREACHED` and needs no axis. The cache's key: ``signature`` (the forward's,
+        :func:`ief.model_call.forward_signature`: modules, hooks, dtypes, input shapes), the hooked modules, their
+        calls' input shapes and the broadcast uses: a change to any of them proves again."""
         if not self.modules and self.tracker is None:
             return
         if m == 1:  # the whole call is sample 0's; a [N, C, *] layer's own batch dimension N must be that sample
@@ -524,7 +485,7 @@ class PerSampleCapture:
             return (k, j) in dead[0]
 
         uses = None if self.tracker is None else (_use_shapes(self.tracker.uses), frozenset(self.tracker.unsupported))
-        key = (m, shapes_of(inputs), tuple(id(module) for module, *_ in self.modules), full, uses)
+        key = (m, signature, tuple(id(module) for module, *_ in self.modules), full, uses)
         cache = _AXIS_CACHE.setdefault(model, OrderedDict())
         cached = cache.get(key)
         if cached is not None and (_GATHERED.get(model) or _ROUTED.get(model)):  # routing depends on the data:

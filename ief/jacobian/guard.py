@@ -341,11 +341,13 @@ def _refuse_nonfinite(losses: torch.Tensor, jac: torch.Tensor | FactoredJacobian
         if pending is not None:  # computed and read by the caller with its own checks (deferred_finiteness)
             pending.append((functools.partial(_deferred_flag, losses, rows), lambda: _refuse_now(losses, rows)))
             return
-        finite = torch.isfinite(losses.detach()).all() & rows.finite_flag()
+        finite = torch.isfinite(losses.detach()).all() & rows.finite_hint()
         if bool(finite):
             return
         if not all_finite(losses):
             _refuse_nonfinite(losses, None)
         bad = torch.nonzero(~rows.finite_rows()).flatten().tolist()
+        if not bad:  # the one-sided hint said no for finite rows (a sum that overflowed)
+            return
         what = "per-sample gradient"
     raise FloatingPointError(nonfinite_message(what, bad, losses.shape[0]))

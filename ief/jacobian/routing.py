@@ -21,10 +21,18 @@ selections of batch rows. A hooked call whose input is marked is *routed*: its m
 (:meth:`ief.jacobian.capture.PerSampleCapture.establish_axes`), whatever the shapes; the tracker itself only runs in
 the proof's forwards, which a model with fixed shapes and no routing runs once.
 
-What the tracker does not see: rows selected by arithmetic (a one-hot dispatch matrix multiplied with the tokens, as
-in Switch-style ``einsum`` dispatch) or inside a custom autograd function. Such a model that routes one token per
-sample on its first batches is caught by the exact check (``check="exact"``, or an optimiser's ``check=N``): a failed
-check forgets the model's proven axes, so the next call proves them again on its own batch.
+Rows selected by arithmetic count too: a *contraction over the batch's rows* weighted by data, as Switch-style
+dispatch does (a one-hot dispatch tensor made from the router's choice, ``einsum("sec,sd->ecd", dispatch, tokens)``):
+an ``einsum`` that sums a tensor computed from the batch over its first index (absent from the output) against
+another tensor computed from the batch, or a ``matmul`` / ``mm`` / ``@`` whose right operand is such a tensor of one
+or two dimensions (contracted over its first) and whose left one is too. Each output row is then a mixture of batch
+rows the data chose (one-hot: a selection; soft weights: a mixing, which the proof refuses), so the call is routed.
+A contraction over another index (attention over positions, ``"bsd,bsd->bs"``) keeps the rows with their samples.
+
+What the tracker does not see: rows selected inside a custom autograd function or by an operation not named here
+(``tensordot``, ``bmm`` over flattened tokens). Such a model that routes one token per sample on its first batches is
+caught by the exact check (``check="exact"``, or an optimiser's ``check=N``): a failed check forgets the model's
+proven axes, so the next call proves them again on its own batch.
 """
 from __future__ import annotations
 
@@ -40,6 +48,17 @@ _SELECTIONS = frozenset({
     torch.take, torch.Tensor.take, torch.take_along_dim, torch.Tensor.take_along_dim, torch.masked_select,
     torch.Tensor.masked_select,
 })
+
+
+# the contractions whose sum over a tensor's rows the tracker reads (einsum: its equation; the matrix products: a right
+# operand of one or two dimensions is summed over its first)
+_MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm})
+
+
+def _einsum_output(inputs: list[str]) -> str:
+    """The output subscripts of an implicit ``einsum`` equation: the letters met once, in alphabetical order."""
+    letters = "".join(inputs)
+    return "".join(sorted(c for c in set(letters) if c.isalpha() and letters.count(c) == 1))
 
 
 def _tensors(obj, depth: int = 2) -> Iterator[torch.Tensor]:
@@ -103,6 +122,31 @@ class RoutingTracker(TorchFunctionMode):
         first = dim is None or (isinstance(dim, int) and dim in (0, -args[0].dim()))
         return first and self._by_data(index)
 
+    def _contracts_rows(self, func, args, kwargs) -> bool:
+        """Whether ``func`` (an ``einsum`` or a matrix product) sums a tensor computed from the batch over its first
+        dimension against another tensor computed from the batch (the module's docstring)."""
+        if func is torch.einsum:
+            if not args or not isinstance(args[0], str):
+                return False
+            operands = list(args[1:])
+            if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+                operands = list(operands[0])
+            equation = args[0].replace(" ", "")
+            lhs, arrow, rhs = equation.partition("->")
+            terms = lhs.split(",")
+            rhs = rhs if arrow else _einsum_output(terms)
+            data = [isinstance(op, torch.Tensor) and op in self.batch for op in operands]
+            for i, term in enumerate(terms[:len(operands)]):
+                first = term[:1]
+                if not data[i] or not first.isalpha() or first in rhs:
+                    continue
+                if any(data[j] and first in other for j, other in enumerate(terms[:len(operands)]) if j != i):
+                    return True
+            return False
+        left, right = (args[0], args[1]) if len(args) > 1 else (None, None)
+        return (isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor) and right.dim() <= 2
+                and left in self.batch and right in self.batch)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -113,6 +157,8 @@ class RoutingTracker(TorchFunctionMode):
         if not routed and func in _SELECTIONS and args and isinstance(args[0], torch.Tensor) \
                 and args[0] in self.batch:
             routed = self._selects_rows(func, args, kwargs)
+        if not routed and (func is torch.einsum or func in _MATMULS):
+            routed = self._contracts_rows(func, args, kwargs)
         targets = list(_tensors(out))
         if func is torch.Tensor.__setitem__ and args and isinstance(args[0], torch.Tensor):
             targets.append(args[0])  # rows written in place: the written tensor holds them now

@@ -93,6 +93,10 @@ class Direction:
         gradient: for ``lr="auto"``, a function of no argument returning ``(the batch gradient, whether it is the
             union batch's already)``; called before anything reuses ``J``'s buffer.
         keep: what to keep once the update succeeded (K-FAC's running factors), a function of no argument.
+        rate: the batch's rate when it was set after the forward (:meth:`PreconditionedOptimizer._batch_defaults`:
+            iEF's per-batch default), else ``None`` (the rate of ``_settings_for``).
+        local: ``direction`` is this rank's shards of the union's (an FSDP2 model, ``[P_local]``,
+            :meth:`ief.sharded.ShardedModel.combine`), not the whole ``[P]``.
     """
 
     losses: torch.Tensor
@@ -103,6 +107,8 @@ class Direction:
     solved: tuple[str, torch.dtype] | None = None
     gradient: Callable[[], tuple[torch.Tensor, bool]] | None = None
     keep: Callable[[], None] = lambda: None
+    rate: float | str | None = None
+    local: bool = False
 
     def direction_message(self) -> Any:
         """What a non-finite direction means: the solve's overflow of the model's dtype, or non-finite gradients."""
@@ -346,6 +352,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         checks = self._checks_of(found, number)
         if auto and self._auto.delta is not None:  # the new batch's loss along the previous step
             self._auto.pending = self._auto_probe(inputs, targets, found, rng)
+        if found.rate is not None:  # set after the forward (_batch_defaults)
+            batch = dict(batch, lr=found.rate)
         self._update(given, batch, found, tokens, checks)
         found.keep()  # (K-FAC's running factors: kept once the step succeeded)
         self.last_losses = found.losses
@@ -369,9 +377,6 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         auto = given["lr"] == AUTO  # the rate is set after the step's read, from the previous steps (auto_lr)
         if auto and self._auto is None:  # "auto" written into param_groups of an optimiser built with a number
             self._auto = AutoRate(INITIAL[self.method])
-        if any(self._per_target):  # the default rate and damping, set for this batch (ief.optim.defaults)
-            batch = per_target_group(batch, targets, *self._per_target, type(self).__name__, self.steps_taken,
-                                     self._group)
         if self.reduction != "mean":
             return given, batch, None
         tokens = self.last_tokens = self._tokens(targets)  # the given (token-mean) rates as sum ones for this batch
@@ -425,7 +430,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             self._all_params(), found.direction, self.state, lr=rates, momentum=given["momentum"],
             dampening=given["dampening"], weight_decay=decays, normalize=batch["normalize"],
             total_steps=given["total_steps"], batch_factor=factor, checks=checks,
-            direction_message=found.direction_message(), keep_change=auto is not None, sharded=self._sharded)
+            direction_message=found.direction_message(), keep_change=auto is not None, sharded=self._sharded,
+            local_direction=found.local)
         if auto is not None:
             auto.delta = update.change
         self.last_update_norm = update.norm
@@ -548,6 +554,16 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         """The batch's direction and what the step reads with it (a subclass's; ``batch``: :meth:`_settings_for`)."""
         raise NotImplementedError
 
+    def _batch_defaults(self, batch: dict, targets: torch.Tensor, counted: int | None) -> dict:
+        """``batch`` with the default rate and damping set for this batch's counted targets per sample (IEF's
+        ``lr=None`` / ``damping=None``, :mod:`ief.optim.defaults`), after the forward and before the solve:
+        ``counted`` is the ``K`` the loss's range check read (:attr:`ief.jacobian.PerSample.counted`), so the default
+        costs no host read of its own. Unchanged when both were given."""
+        if not any(self._per_target):
+            return batch
+        return per_target_group(batch, targets, *self._per_target, type(self).__name__, self.steps_taken,
+                                self._group, counted=counted, stacklevel=7)
+
     def _check_now(self) -> bool | str:
         """The per-sample check of this step (:class:`ief.optim.IEF`'s ``check``; none here)."""
         return False
@@ -569,15 +585,16 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             out = compute()
         return out, [(flag, lambda refuse=refuse: raised_message(refuse)) for flag, refuse in pending]
 
-    def _union_rows(self, jacobian: Any) -> tuple[Any, list[int] | None]:
+    def _union_rows(self, jacobian: Any, shard: bool = False) -> tuple[Any, list[int] | None]:
         """``(rows, sizes)``: this process's rows (``sizes``: ``None``), or the union batch's across processes with
-        the ranks' sample counts (exchanged here, once per step; :meth:`_union_vector` takes them)."""
+        the ranks' sample counts (exchanged here, once per step; :meth:`_union_vector` takes them). ``shard``: on
+        an FSDP2 model, the rows' final combination is this rank's shards of the direction (``Direction.local``)."""
         rows = as_rows(jacobian)
         if self._group is None:
             self._reported = (jacobian, None)
             return rows, None
         sizes = batch_sizes(rows.shape[0], self._group, collective_device(self._group))
-        union = DistributedRows(rows, self._group, sizes)
+        union = DistributedRows(rows, self._group, sizes, self._sharded if shard else None)
         self._reported = (jacobian, union)
         return union, sizes
 

@@ -23,8 +23,10 @@ classifier, a Llama-LoRA causal LM with ``-100`` padding, a T5-LoRA seq2seq task
 out from that choice (GPT-2 and Qwen2 causal LMs, a RoBERTa classifier) by ``benchmarks/defaults.py``; its table,
 beside AdamW at ``1e-3``, is in ``benchmarks/README.md``.
 
-Cost: ``K`` is read from the device once a step (as ``reduction="mean"`` reads it); a batch whose every target is
-``-100`` has ``K = 0``: it is said (:func:`no_target_message`) and takes no update.
+Cost: no host read of its own: ``K`` is read with the loss's range check of the targets, which every step makes
+before its loss (:attr:`ief.jacobian.PerSample.counted`), and the rate and damping are set after the forward, before
+the solve that needs the damping; a batch whose every target is ``-100`` has ``K = 0``: it is said
+(:func:`no_target_message`) and takes no update.
 """
 from __future__ import annotations
 
@@ -38,11 +40,14 @@ RATE = 0.3  # the default rate for the loss per counted target of a typical samp
 DAMPING = 1e-4  # the default damping for that loss (lambda = DAMPING * T^2)
 
 
-def targets_per_sample(targets: torch.Tensor, process_group: Any = None) -> float:
+def targets_per_sample(targets: torch.Tensor, process_group: Any = None, counted: int | None = None) -> float:
     """``T = K / M``: the batch's counted targets (:func:`ief.count_targets`: not ``-100``; every entry of a float
     target) per sample, of the union batch across ``process_group``'s ranks (one all-reduce of two integers), so that
-    every rank takes the same rate; ``0.0`` when every target is ignored. One host read."""
-    counted, samples = count_targets(targets), targets.shape[0] if targets.dim() else 1
+    every rank takes the same rate; ``0.0`` when every target is ignored. ``counted``: this rank's ``K`` when already
+    read (:attr:`ief.jacobian.PerSample.counted`); else it is counted here, one host read."""
+    samples = targets.shape[0] if targets.dim() else 1
+    if counted is None:
+        counted = count_targets(targets)
     if process_group is not None:
         from ..distributed import all_reduce, collective_device
 
@@ -67,16 +72,17 @@ def no_target_message(name: str, step: int) -> str:
 
 
 def per_target_group(group: dict, targets: torch.Tensor, rate: bool, damping: bool, name: str, step: int,
-                     process_group: Any = None) -> dict:
+                     process_group: Any = None, counted: int | None = None, stacklevel: int = 4) -> dict:
     """``group`` (a step's ``param_groups`` values, sum convention) with the per-target default applied for this
     batch: ``lr / T`` where ``rate`` (the rate was left to its default; ``"auto"`` is left alone) and
-    ``damping T^2`` where ``damping`` (module docstring). A batch without a counted target is said (``UserWarning``)
-    and taken with ``T = 1`` (its direction is 0: no update but the weight decay)."""
+    ``damping T^2`` where ``damping`` (module docstring); ``counted`` as :func:`targets_per_sample`. A batch without
+    a counted target is said (``UserWarning``, ``stacklevel`` naming the caller's line) and taken with ``T = 1`` (its
+    direction is 0: no update but the weight decay)."""
     import warnings
 
-    per_sample = targets_per_sample(targets, process_group)
+    per_sample = targets_per_sample(targets, process_group, counted)
     if per_sample == 0:
-        warnings.warn(no_target_message(name, step), UserWarning, stacklevel=4)
+        warnings.warn(no_target_message(name, step), UserWarning, stacklevel=stacklevel)
         per_sample = 1.0
     out = dict(group)
     if rate and not isinstance(group["lr"], str):

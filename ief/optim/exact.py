@@ -74,8 +74,9 @@ index out of range), then once for every other check: the per-sample guard's fin
 direction's, SF's gradient's, the momentum buffers', K-FAC's running factors' between refreshes, with, for a
 normalised update, the direction's norm; the first that fails is named. ``last_update_norm`` is kept on the device and
 read when asked; ``lr="auto"``'s two scalars are read with the checks (no read of their own). IEF's default rate and
-damping (``lr=None`` or ``damping=None`` with ``reduction="sum"``) and ``reduction="mean"`` read the batch's target
-count once more (:func:`ief.count_targets`). (A float32 ``J``'s Gram
+damping (``lr=None`` or ``damping=None`` with ``reduction="sum"``) take the batch's target count from the range
+check's read (no read of their own); ``reduction="mean"`` reads it once more (:func:`ief.count_targets`). (A float32
+``J``'s Gram
 solve is an ``eigh``, whose CUDA error check also waits for the device; ``benchmarks/host_syncs.py`` counts both
 kinds.)
 
@@ -166,6 +167,10 @@ class ExactOptimizer(PreconditionedOptimizer):
         if self.check is False or self.check == "exact":
             return self.check
         return "exact" if self.steps_taken % self.check == 0 else True
+
+    def _shards(self, rows: Any) -> bool:
+        """Whether ``rows``' direction is this rank's shards only (an FSDP2 model across processes)."""
+        return getattr(rows, "shard", None) is not None
 
     def _per_sample(self, inputs: Inputs, targets: torch.Tensor, batch: dict) -> tuple[Any, list]:
         """The batch's :class:`ief.jacobian.PerSample` and the guard's deferred checks (:meth:`_local`):
@@ -264,11 +269,13 @@ class IEF(ExactOptimizer):
 
     def _direction(self, inputs, targets, batch):
         r, deferred = self._per_sample(inputs, targets, batch)
-        rows, sizes = self._union_rows(r.jacobian)
+        batch = self._batch_defaults(batch, targets, r.counted)  # the default rate and damping for this batch
+        rows, sizes = self._union_rows(r.jacobian, shard=True)
         direction = ief_solve(rows, self._union_vector(r.logit_sqnorm, sizes), batch["damping"], check=False)
         return Direction(self._union_vector(r.losses, sizes), direction, deferred=deferred,
-                         rows=rows if sizes is None else None, solved=("iEF", rows.dtype),
-                         gradient=lambda: (r.gradient, False))  # this rank's (lr="auto": read before J is reused)
+                         rows=rows if sizes is None else None, solved=("iEF", rows.dtype), local=self._shards(rows),
+                         gradient=lambda: (r.gradient, False),  # this rank's (lr="auto": read before J is reused)
+                         rate=batch["lr"] if self._per_target[0] else None)
 
 
 @shared_args
@@ -323,9 +330,10 @@ class EF(ExactOptimizer):
 
     def _direction(self, inputs, targets, batch):
         r, deferred = self._per_sample(inputs, targets, batch)
-        rows, sizes = self._union_rows(r.jacobian)
+        rows, sizes = self._union_rows(r.jacobian, shard=True)
         return Direction(self._union_vector(r.losses, sizes), ef_solve(rows, batch["damping"], check=False),
                          deferred=deferred, rows=rows if sizes is None else None, solved=("EF", rows.dtype),
+                         local=self._shards(rows),
                          gradient=lambda: (r.gradient, False))  # this rank's (lr="auto": read before J is reused)
 
 

@@ -176,6 +176,7 @@ def preconditioned_update(
     direction_message: Message = "non-finite update direction",
     keep_change: bool = False,
     sharded: Any = None,
+    local_direction: bool = False,
 ) -> Update:
     """Apply a preconditioned direction to the parameters in place (module docstring), after one host read.
 
@@ -203,6 +204,8 @@ def preconditioned_update(
         keep_change: return the change of every parameter (:attr:`Update.change`).
         sharded: an FSDP2 model's :class:`ief.sharded.ShardedModel` whose ``params`` these are (``direction`` whole
             on every rank, the same bits): the local shards are updated (module docstring); ``None`` otherwise.
+        local_direction: (with ``sharded``) ``direction`` is this rank's shards only, ``[P_local]`` in the local
+            shards' layout (:meth:`ief.sharded.ShardedModel.combine`): its norm and finiteness are the union's.
 
     Returns:
         The :class:`Update`.
@@ -219,13 +222,21 @@ def preconditioned_update(
     if checks is None:
         checks = StepChecks(step)
     decays = [float(weight_decay)] * len(params) if isinstance(weight_decay, (int, float)) else list(weight_decay)
-    chunks = list(torch.split(direction, [p.numel() for p in params]))
     tensors = params
     if sharded is not None:  # each parameter's piece that this rank's shard holds, and the shards themselves
-        chunks = [sharded.local_piece(i, c) for i, c in enumerate(chunks)]
         tensors = [local_tensor(p) for p in params]
-    norm_t = direction.norm()
-    checks.add(finite(direction), direction_message)
+    if local_direction:  # this rank's shards already: the norm and finiteness over every rank's
+        chunks = list(torch.split(direction, [t.numel() for t in tensors]))
+        # a bfloat16 direction (FSDP2's bfloat16 compute) updates float32 shards, and keeps float32 buffers
+        chunks = [c if c.dtype == t.dtype else c.to(t.dtype) for c, t in zip(chunks, tensors)]
+        norm_t = sharded.union_sqnorm(direction.norm().to(torch.float64).square()).sqrt()
+        checks.add(sharded.union_flag(finite(direction)), direction_message)
+    else:
+        chunks = list(torch.split(direction, [p.numel() for p in params]))
+        if sharded is not None:
+            chunks = [sharded.local_piece(i, c).to(t.dtype) for i, (c, t) in enumerate(zip(chunks, tensors))]
+        norm_t = direction.norm()
+        checks.add(finite(direction), direction_message)
     buffers = None
     if momentum != 0:
         factor: Any = batch_factor  # c_t: the batch's own factor, inside the buffer

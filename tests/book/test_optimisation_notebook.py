@@ -15,10 +15,10 @@ from companion.chapters.optimisation import label
 SEEDS = [0, 1]
 
 
-def test_optimisation_notebook_smoke(tmp_path):
+def test_optimisation_notebook_smoke(tmp_path, run_cache):
     figures, runs, results = tmp_path / "fig", tmp_path / "runs", tmp_path / "results"
     # the workflow's jobs: the runs, their tables, the early spike's first updates
-    train_grid(runs, "smoke", [(s, o, k) for s in CPU_SETUPS for o in e2_optimizers(s) for k in SEEDS])
+    train_grid(runs, "smoke", [(s, o, k) for s in CPU_SETUPS for o in e2_optimizers(s) for k in SEEDS], run_cache)
     aggregate(runs, "smoke", results)
     assert main(["early-spike", "--scale", "smoke", "--runs", str(runs), "--results", str(results), "--out",
                  str(results / "early_spike.csv")]) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from types import SimpleNamespace
 
 import pytest
 from nbrun import glued_text, run_notebook, train_grid, unresolved_glue
@@ -13,11 +14,23 @@ from companion.experiments.store import read_run
 from companion.experiments.summaries import final_train_loss, final_window
 
 
-def test_train_notebook_reads_the_cli_run_and_the_search(tmp_path):
-    figures, runs = tmp_path / "fig", tmp_path / "runs"
-    train_grid(runs, "smoke", [("digits-mlp", "sgd", 1)])
-    nb = run_notebook("train.ipynb", tmp_path, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
+@pytest.fixture(scope="module")
+def chapter(tmp_path_factory, run_cache):
+    """The chapter run once, as the workflow runs it, on the run ``python -m companion train`` made (digits-mlp, SGD,
+    seed 1, in a runs folder; no E2 tables): the two tests below read this one execution, the second also the run's
+    files' times from before it (the chapter touches none)."""
+    tmp = tmp_path_factory.mktemp("train-chapter")
+    runs, figures = tmp / "runs", tmp / "fig"
+    train_grid(runs, "smoke", [("digits-mlp", "sgd", 1)], run_cache)
+    folder = run_dir(runs, "smoke", "digits-mlp", "sgd", 1)
+    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+    nb = run_notebook("train.ipynb", tmp, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
                       runs_dir=str(runs), out_dir=str(figures))
+    return SimpleNamespace(nb=nb, runs=runs, figures=figures, folder=folder, before=before, tmp=tmp)
+
+
+def test_train_notebook_reads_the_cli_run_and_the_search(chapter):
+    nb, runs, figures = chapter.nb, chapter.runs, chapter.figures
     assert not unresolved_glue(nb)
     assert "not available" in glued_text(nb, "e2_disagreement")  # no results_dir: no E2 runs to compare with
     summary = json.loads((run_dir(runs, "smoke", "digits-mlp", "sgd", 1) / "summary.json").read_text())
@@ -71,25 +84,19 @@ def test_the_chapter_run_is_a_grid_run_and_the_notebooks_default():
     assert "runs_dir" in declared
 
 
-def test_train_notebook_reads_a_run_the_workflow_trained(tmp_path):
+def test_train_notebook_reads_a_run_the_workflow_trained(chapter):
     """Given the workflow's runs folder (runs_dir) holding the finished run, the chapter shows that run and touches
     nothing in it; without the run it stops, naming the command that trains it."""
     import papermill
 
-    from companion.experiments import train
-
-    workflow_runs, figures = tmp_path / "runs", tmp_path / "fig"
-    trained = train("digits-mlp", "sgd", 1, "smoke", workflow_runs, progress=False, verbose=False)
-    folder = run_dir(workflow_runs, "smoke", "digits-mlp", "sgd", 1)
-    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
-    nb = run_notebook("train.ipynb", tmp_path, scale="smoke", setup="digits-mlp", optimizer="sgd", seed=1,
-                      runs_dir=str(workflow_runs), out_dir=str(figures))
+    nb, workflow_runs, figures, folder = chapter.nb, chapter.runs, chapter.figures, chapter.folder
+    trained = json.loads((folder / "summary.json").read_text())
     assert not unresolved_glue(nb)
     assert "read here" in glued_text(nb, "train_source")
     assert not (figures / "runs").exists()
-    assert {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()} == before
+    assert {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()} == chapter.before
     assert glued_text(nb, "train_wall") == f"{trained['wall_time_s']:.0f} s"
     with pytest.raises(papermill.PapermillExecutionError,
                        match="python -m companion train --setup digits-mlp --optimizer sgd --seed 0 --scale smoke"):
-        run_notebook("train.ipynb", tmp_path / "none", scale="smoke", setup="digits-mlp", optimizer="sgd", seed=0,
+        run_notebook("train.ipynb", chapter.tmp / "none", scale="smoke", setup="digits-mlp", optimizer="sgd", seed=0,
                      runs_dir=str(workflow_runs), out_dir=str(figures))

@@ -104,3 +104,17 @@ def test_committed_results_are_valid_records():
     assert docs, "benchmarks/results/ holds no committed benchmark record"
     for doc in docs:
         assert doc["machine"]["threads"] >= 1 and doc["command"].startswith(("OMP_NUM_THREADS", "python"))
+
+
+def test_the_defaults_tables_come_from_their_results_and_fit_a_book_page():
+    """The defaults record's tables (rendered on the book's page on choosing lr and damping) are its results' as
+    ``benchmarks.defaults`` lays them out (``--retable`` rewrites them; nothing typed), each narrow enough for the
+    book's content column: at most 6 columns, no cell over 24 characters (the 11-column layout was wider than the
+    page and the browser test's screenshot cut its right columns off)."""
+    from benchmarks import defaults
+
+    doc = json.loads((ROOT / "benchmarks" / "results" / "defaults-cpu.json").read_text())
+    assert doc["tables"] == defaults._tables(doc["results"]["tasks"], doc["args"]["steps"])
+    for table in doc["tables"]:
+        assert len(table["columns"]) <= 6, [c["header"] for c in table["columns"]]
+        assert max(len(str(cell)) for row in table["rows"] for cell in row) <= 24

@@ -27,8 +27,8 @@ def test_the_block_diagonal_setups_have_one_home():
 
 
 @pytest.mark.slow
-def test_cli_writes_the_chapters_table_and_glue(tmp_path, capsys):
-    from companion.experiments import train
+def test_cli_writes_the_chapters_table_and_glue(tmp_path, capsys, run_cache):
+    from nbrun import train_grid
 
     runs, results = tmp_path / "runs", tmp_path / "results" / "smoke"
     out = results / CHECK_FILES[0]
@@ -37,7 +37,7 @@ def test_cli_writes_the_chapters_table_and_glue(tmp_path, capsys):
     assert "`evaluate` jobs" in capsys.readouterr().err
     setups = list(BLOCKDIAG_SETUPS["smoke"])
     for setup in setups:
-        train(setup, er.baseline_optimizer(setup, "smoke"), 0, "smoke", runs, progress=False, verbose=False)
+        train_grid(runs, "smoke", [(setup, er.baseline_optimizer(setup, "smoke"), 0)], run_cache)
         er.evaluate_run(setup, "smoke", 0, runs, results / "eval" / f"{setup}.csv", progress=False)
     assert main(args) == 0
     assert capsys.readouterr().out.split() == ["wrote", str(out), "wrote", str(results / CHECK_FILES[1])]

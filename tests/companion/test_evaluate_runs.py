@@ -206,20 +206,19 @@ def test_summary_is_mean_and_sd_over_batches():
 
 
 @pytest.mark.slow
-def test_notebook_at_smoke_scale(tmp_path):
+def test_notebook_at_smoke_scale(tmp_path, run_cache):
     """notebooks/evaluation.ipynb end to end at smoke scale, on what the workflow's jobs make: the three baseline
     runs trained and evaluated (python -m companion train / evaluate) and the dense check (python -m companion
     blockdiag-check); the chapter reads the tables and plots. Without the check's table it stops, naming the job."""
     import pandas as pd
     import papermill
-    from nbrun import glued_text, run_notebook, unresolved_glue
+    from nbrun import glued_text, run_notebook, train_grid, unresolved_glue
 
-    from companion.experiments import train
     from companion.experiments.blockdiag_check import CHECK_FILES, read_chapter_check, write_chapter_check
 
     out, runs, results = tmp_path / "fig", tmp_path / "runs", tmp_path / "results" / "smoke"
     for setup in ("digits-mlp", "tweets-minilm-lora", "tweets-minilm-pt"):
-        train(setup, er.baseline_optimizer(setup, "smoke"), 0, "smoke", runs, progress=False, verbose=False)
+        train_grid(runs, "smoke", [(setup, er.baseline_optimizer(setup, "smoke"), 0)], run_cache)
         er.evaluate_run(setup, "smoke", 0, runs, results / "eval" / f"{setup}.csv", progress=False)
     with pytest.raises(papermill.PapermillExecutionError, match="python -m companion blockdiag-check --scale smoke"):
         run_notebook("evaluation.ipynb", tmp_path / "without", scale="smoke", out_dir=str(out), runs_dir=str(runs),

@@ -103,7 +103,7 @@ def test_practical_step_costs_time_the_chapters_optimisers_on_every_setup(tmp_pa
     assert not (tmp_path / "bad.csv").exists()
 
 
-def test_practical_notebook_smoke(tmp_path):
+def test_practical_notebook_smoke(tmp_path, run_cache):
     """The chapter at smoke scale on what the workflow's jobs leave: the runs (E2's and the practical ones) aggregated,
     and a step_costs.csv (one ratio marked, to see that the cost table is the file's)."""
     from companion.experiments.setups import e2_optimizers
@@ -111,7 +111,7 @@ def test_practical_notebook_smoke(tmp_path):
     figures, runs, results = tmp_path / "fig", tmp_path / "runs", tmp_path / "results"
     train_grid(runs, "smoke", dict.fromkeys((s, o, k) for s in CPU_SETUPS
                                             for o in [*e2_optimizers(s), *practical_optimizers(s, "smoke")]
-                                            for k in (0, 1)))
+                                            for k in (0, 1)), run_cache)
     aggregate(runs, "smoke", results)
     planted = practical_step_costs(CPU_SETUPS, "smoke", repeats=1)
     planted.loc[(planted.setup == "tweets-minilm-lora") & (planted.optimizer == "iekfac"), "ratio"] = 7.77

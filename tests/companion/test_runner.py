@@ -565,3 +565,18 @@ def test_an_interrupted_run_and_one_stopped_at_once_exit_with_distinct_codes(sto
                  "--no-progress"]) == code
     assert said in capsys.readouterr().err
     assert EXIT_STOPPED_AT_ONCE == 3 and EXIT_STOPPED_AT_ONCE not in {128 + s for s in runner.STOP_SIGNALS}
+
+
+def test_a_run_of_the_mlp_imports_neither_transformers_nor_peft(tmp_path):
+    """The workflow starts a process per run: the MLP's runs, which use neither transformers nor peft, do not pay for
+    importing them (about a third of a smoke run's process time; the versions a run records are read from the
+    installed distributions)."""
+    code = ("import sys\nfrom companion.experiments import train\n"
+            f"train('digits-mlp', 'sgd', 0, 'smoke', {str(tmp_path)!r}, progress=False, verbose=False)\n"
+            "print(sorted({'transformers', 'peft'} & set(sys.modules)))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+    config = json.loads((run_dir(tmp_path, "smoke", "digits-mlp", "sgd", 0) / "config.json").read_text())
+    assert set(config["versions"]) == {"ief", "torch", "transformers", "peft"} and all(config["versions"].values())

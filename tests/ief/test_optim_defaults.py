@@ -100,8 +100,10 @@ def test_an_explicit_rate_or_damping_is_used_as_given():
 def test_a_batch_without_a_counted_target_is_said_and_moves_nothing():
     model, (inputs, targets) = _llama_lora(), _lm_batch(4, seed=3)
     before = _params(model)
-    with pytest.warns(UserWarning, match=r"every target of this batch is -100 \(ignored\).*no update was taken"):
+    said = r"every target of this batch is -100 \(ignored\).*no update was taken"
+    with pytest.warns(UserWarning, match=said) as seen:
         loss = ief.optim.IEF(model).step(inputs, torch.full_like(targets, -100))
+    assert {w.filename for w in seen} == {__file__}  # the warning names the caller's line
     assert float(loss) == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, _params(model)))
 

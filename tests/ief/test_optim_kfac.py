@@ -382,9 +382,24 @@ def _tiny_bert_lora_keyword(seed: int = 0):
     return model, batch
 
 
-def test_kfac_with_every_default_steps_a_lora_classifier_within_the_kl_bound():
-    """``KFAC(model)``: the default kind, rate, damping and KL bound step a LoRA classifier (no kind to name), every
-    step's predicted KL ``lr^2 |d . g|`` clipped to the default bound, the loss finite."""
+def _mean_held_out_loss(model, batch) -> float:
+    """The mean per-sample cross-entropy of two held-out batches, in eval mode."""
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(model(**x).logits, y) for x, y in (batch(10_000), batch(10_001))]
+    model.train(was)
+    return float(sum(losses)) / len(losses)
+
+
+def test_kfac_with_every_default_trains_a_lora_classifier_within_the_kl_bound():
+    """``KFAC(model)``: the default kind, rate, damping and KL bound train a LoRA classifier (no kind to name): every
+    step's predicted KL ``lr^2 |d . g|`` clipped to the default bound, and after 120 steps the mean held-out loss is
+    below half of chance's ``log 3`` (seeds 0/1/2 of the model: 0.31 / 0.57 / 0.39; it starts at 1.10).
+
+    The loss to compare with a mean is not what ``step`` returns: with ``reduction="sum"`` (the default) that is
+    ``L = sum_n l_n`` over the batch's 16 samples, 16 times the mean (3.9-4.1 around step 130 here, where the
+    per-sample mean is 0.25): the same run measured by a script and by pytest is the same to the bit."""
     model, batch = _tiny_bert_lora_keyword()
     opt = ief.optim.KFAC(model, generator=torch.Generator().manual_seed(0))
     seen = []
@@ -396,12 +411,13 @@ def test_kfac_with_every_default_steps_a_lora_classifier_within_the_kl_bound():
         seen.append(float(lr * lr * dg * nu.double() ** 2))
         return nu
 
+    start = _mean_held_out_loss(model, batch)
     ief.optim.kfac.kl_clip_factor = recorded
     try:
-        before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-        losses = [float(opt.step(*batch(step))) for step in range(5)]
+        losses = [float(opt.step(*batch(step))) for step in range(120)]
     finally:
         ief.optim.kfac.kl_clip_factor = original
-    assert opt.steps_taken == 5 and all(math.isfinite(x) for x in losses)
-    assert len(seen) == 5 and max(seen) <= 1e-3 * (1 + 1e-9)
-    assert any(not torch.equal(a, b) for a, b in zip(before, (p for p in model.parameters() if p.requires_grad)))
+    assert opt.steps_taken == 120 and all(math.isfinite(v) for v in losses)
+    assert len(seen) == 120 and max(seen) <= 1e-3 * (1 + 1e-9)
+    held_out = _mean_held_out_loss(model, batch)
+    assert start > 1.0 and held_out < 0.5 * math.log(3), (start, held_out)

@@ -41,6 +41,14 @@ def test_licence_citation_and_changelog_agree_with_the_package():
     assert PYPROJECT["project"]["authors"] and PYPROJECT["project"]["urls"]["Paper"].startswith("https://")
     citation = yaml.safe_load((ROOT / "CITATION.cff").read_text())
     assert citation["version"] == ief.__version__ and citation["license"] == "MIT"
+    # the software entry: its authors are the package's and the licence's holder; no address the repository does not
+    # state (the paper's is the only one it states)
+    assert citation["type"] == "software" and citation["abstract"]
+    assert [a["name"] for a in citation["authors"]] == [a["name"] for a in PYPROJECT["project"]["authors"]]
+    assert f"Copyright (c) 2026 {citation['authors'][0]['name']}" in (ROOT / "LICENSE").read_text()
+    stated = set(PYPROJECT["project"]["urls"].values())
+    assert set(re.findall(r"https?://[^\s\"']+", (ROOT / "CITATION.cff").read_text())) <= stated
+    assert "repository-code" not in citation or citation["repository-code"] in stated
     paper = citation["preferred-citation"]
     assert paper["title"] == "An Improved Empirical Fisher Approximation for Natural Gradient Descent"
     assert [a["family-names"] for a in paper["authors"]] == ["Wu", "Yu", "Zhang", "Woodland"]

@@ -21,6 +21,7 @@ from ief.jacobian.capture import UNREACHED, PerSampleCapture
 from ief.jacobian.errors import PerSampleGradientMismatch
 from ief.jacobian.rules import peft_dora, rule_for
 from ief.jacobian.rules.registry import _BY_NAME
+from ief.model_call import forward_signature
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -246,7 +247,7 @@ def test_a_gradient_into_a_call_found_unreached_is_refused():
         side = model.lin(torch.eye(4, dtype=torch.float64))  # reaches the loss below, not the logits
         logits = model(x)
     assert capture.unreached_calls(root=logits) == {(0, 0), (0, 1)}  # both side calls; the batch call reaches
-    capture.establish_axes(4, model, x, lambda: capture.probe_shapes(
+    capture.establish_axes(4, model, forward_signature(model, x), lambda: capture.probe_shapes(
         lambda: (model.lin(torch.eye(4, dtype=torch.float64)), model(x[:1]))))
     assert [rec[2] for rec in capture.records[0]] == [UNREACHED, UNREACHED, 0]
     loss = logits.sum() + side.sum()

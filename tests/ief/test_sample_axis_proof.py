@@ -181,8 +181,11 @@ def test_iEF_steps_on_a_router_are_exact_after_a_lucky_first_batch(check):
 class DispatchMoE(GatherMoE):
     """:class:`GatherMoE` with Switch-style dispatch: the tokens reach the experts through a one-hot dispatch tensor
     (``einsum``), ``M`` slots per expert in token order (tokens beyond them dropped, as Switch does), rows no indexing
-    selects (:mod:`ief.jacobian.routing` does not see this routing). A sample run alone has one slot per expert, so
-    its per-sample gradients are those of its loss in the batch (:func:`_in_batch_oracle`)."""
+    selects (:mod:`ief.jacobian.routing` sees the contraction over the batch's rows). A sample run alone has one slot
+    per expert, so its per-sample gradients are those of its loss in the batch (:func:`_in_batch_oracle`)."""
+
+    def contract(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.einsum(equation, a, b)
 
     def forward(self, x):
         h = x + 0.1 * torch.tanh(self.inp(x))
@@ -192,10 +195,18 @@ class DispatchMoE(GatherMoE):
         slots = torch.nn.functional.one_hot(slot.clamp(max=x.shape[0]), x.shape[0] + 1)[..., :-1]  # beyond: dropped
         dispatch = onehot[:, :, None] * slots.to(h.dtype)  # [S, E, M]
         flat, pflat = h.reshape(-1, D), probs.reshape(-1, E)
-        slots = torch.einsum("sec,sd->ecd", dispatch, flat)
+        slots = self.contract("sec,sd->ecd", dispatch, flat)
         outs = torch.stack([torch.tanh(expert(slots[e])) for e, expert in enumerate(self.experts)])
-        out = torch.einsum("sec,ecd->sd", dispatch, outs) * (pflat * onehot).sum(-1, keepdim=True)
+        out = self.contract("sec,ecd->sd", dispatch, outs) * (pflat * onehot).sum(-1, keepdim=True)
         return self.head((h + out.reshape(h.shape)).mean(dim=1))
+
+
+class TensordotDispatchMoE(DispatchMoE):
+    """:class:`DispatchMoE` dispatching and combining by ``tensordot``, which the routing tracker does not read."""
+
+    def contract(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        dims = ([0], [0]) if equation == "sec,sd->ecd" else ([1, 2], [0, 1])
+        return torch.tensordot(a, b, dims=dims)
 
 
 def _in_batch_oracle(model, x, y) -> torch.Tensor:
@@ -209,11 +220,11 @@ def _in_batch_oracle(model, x, y) -> torch.Tensor:
 
 
 def test_a_failed_exact_check_forgets_the_proof_it_disproved():
-    """Routing by a dispatch matrix is not seen by the routing tracker: the lucky batch's proof is cached. On the
-    unevenly routed batch the exact check refuses; the refusal forgets the model's proven axes, so the next call
-    (default check) proves that batch's axes again and is exact."""
+    """Routing by a dispatch matrix through ``tensordot`` is not seen by the routing tracker: the lucky batch's proof
+    is cached. On the unevenly routed batch the exact check refuses; the refusal forgets the model's proven axes, so
+    the next call (default check) proves that batch's axes again and is exact."""
     torch.manual_seed(0)
-    model = DispatchMoE().double()
+    model = TensordotDispatchMoE().double()
     y = torch.tensor([0, 1, 2, 0])
     lucky, uneven = _routed(LUCKY), _routed(UNEVEN)
     with warnings.catch_warnings():
@@ -224,3 +235,38 @@ def test_a_failed_exact_check_forgets_the_proof_it_disproved():
             ief.per_sample(model, uneven, y, check="exact")
         got = ief.per_sample(model, uneven, y)
     assert _rel(got.jacobian, _in_batch_oracle(model, uneven, y)) < 1e-10
+
+
+def test_a_dispatch_router_is_proven_on_every_batch():
+    """Switch-style dispatch (a one-hot dispatch tensor from the router's choice, ``einsum("sec,sd->ecd", ...)``)
+    selects rows by arithmetic: the routing tracker sees the contraction over the batch's rows, so the lucky batch's
+    proof is not reused for the unevenly routed batch of the same shapes, and every call is exact with the default
+    check (before, the second call reused the lucky batch's axes: J 10-70 % off, silently)."""
+    torch.manual_seed(0)
+    model = DispatchMoE().double()
+    y = torch.tensor([0, 1, 2, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowPathWarning)
+        for routes in (LUCKY, UNEVEN, LUCKY, UNEVEN):
+            batch = _routed(routes)
+            got = ief.per_sample(model, batch, y)
+            assert _rel(got.jacobian, _in_batch_oracle(model, batch, y)) < 1e-10, routes
+
+
+def test_a_contraction_that_keeps_the_rows_is_not_routing():
+    """The tracker's contraction rule marks a sum over the batch's rows only: a one-hot contraction over positions
+    (``"bte,btd->bed"``, each sample's tokens pooled per class) and a weight times the tokens are not routing (a
+    model doing only these is proven once); the same one-hot summed over the flattened tokens is, by ``einsum`` or
+    ``@``."""
+    from ief.jacobian.routing import RoutingTracker
+
+    x = torch.randn(M, T, D, dtype=torch.float64)
+    w = torch.randn(D, D, dtype=torch.float64)
+    with RoutingTracker(x) as tracker:
+        onehot = torch.nn.functional.one_hot(x[..., 0].abs().long() % E, E).to(x.dtype)  # chosen by the data
+        pooled = torch.einsum("bte,btd->bed", onehot, x)
+        projected = x.reshape(-1, D) @ w
+        dispatched = torch.einsum("se,sd->ed", onehot.reshape(-1, E), x.reshape(-1, D))
+        mixed = onehot.reshape(-1, E).T @ x.reshape(-1, D)
+    assert not tracker.is_routed(pooled) and not tracker.is_routed(projected)
+    assert tracker.is_routed(dispatched) and tracker.is_routed(mixed)

@@ -147,7 +147,7 @@ COMPRESSION_BASELINE = [summary("digits-mlp", "adam", 0)] if SCALE in ("smoke", 
 BLOCKDIAG_SETUPS = list(REGISTRY.blockdiag_setups(SCALE))
 BLOCKDIAG_CHECK_FILES = [f"{RESULTS}/blockdiag_check.csv", f"{RESULTS}/blockdiag_check.json"]
 BLOCKDIAG_CHECK = BLOCKDIAG_CHECK_FILES if REGISTRY.blockdiag_check_setup(SCALE) is not None else []
-VERDICTS = [f"{RESULTS}/verdicts.csv"]  # every verdict the book prints, as data (rule verdicts)
+VERDICTS = [f"{RESULTS}/verdicts.csv", f"{RESULTS}/verdict_pairs.csv"]  # every verdict the book prints, as data
 RESULT_FILES = {"e2": E2_TABLES, "eval": EVAL_TABLES, "chapter_run": CHAPTER_RUN, "costs": STEP_COSTS,
                 "early_spike": EARLY_SPIKE, "compression": COMPRESSION, "blockdiag_check": BLOCKDIAG_CHECK,
                 "verdicts": VERDICTS}

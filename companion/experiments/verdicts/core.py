@@ -242,8 +242,25 @@ def _examples_needed(target: float, c: Crossed, seeds: int, want: float = POWER)
     return max(c.examples, math.ceil((s2e + s2r / seeds) / room))
 
 
-def _price(more: int, seed_minutes: float | None) -> str:
-    return "" if not seed_minutes or more <= 0 else f", about {more * seed_minutes:.0f} core-minutes more"
+@dataclass(frozen=True)
+class SeedPrice:
+    """What one more seed of a pair's two optimisers costs: ``core`` core-minutes of this machine (the runs' own
+    wall times, one single-threaded process each) and ``gpu`` H200 GPU-minutes, an upper estimate from the GPU
+    benchmark records (:mod:`companion.experiments.gpu_price`; None where no record bounds the setup's model)."""
+
+    core: float | None
+    gpu: float | None = None
+
+
+def _price(more: int, seed_minutes: float | SeedPrice | None) -> str:
+    """", about N core-minutes more (≤ G H200 GPU-minutes)" for ``more`` seeds; empty where nothing is known."""
+    price = seed_minutes if isinstance(seed_minutes, SeedPrice) else SeedPrice(seed_minutes)
+    if more <= 0 or not (price.core or price.gpu):
+        return ""
+    gpu = f"≤ {more * price.gpu:.2g} H200 GPU-minutes" if price.gpu else ""
+    if not price.core:
+        return f", {gpu} more"
+    return f", about {more * price.core:.0f} core-minutes more" + (f" ({gpu})" if gpu else "")
 
 
 def _range_text(target: float, sd: float, dof: int, resolution: float, band: float | None, mean: float) -> str:
@@ -256,7 +273,8 @@ def _range_text(target: float, sd: float, dof: int, resolution: float, band: flo
 
 
 def _needs_text(mean: float, sd: float, resolution: float, band: float | None, examples: int | None,
-                unit: float, seeds: int = 2, sd_dof: int | None = None, seed_minutes: float | None = None) -> str:
+                unit: float, seeds: int = 2, sd_dof: int | None = None,
+                seed_minutes: float | SeedPrice | None = None) -> str:
     k = seeds_needed(mean, sd, resolution, band)
     target = _target(mean, band)
     if k is not None:
@@ -271,7 +289,7 @@ def _needs_text(mean: float, sd: float, resolution: float, band: float | None, e
 
 
 def _crossed_needs(c: Crossed, mean: float, band: float | None, unit: float,
-                   seed_minutes: float | None = None) -> str:
+                   seed_minutes: float | SeedPrice | None = None) -> str:
     """What decides an undecided crossed comparison at 80 % power: seeds at this test set, else test examples."""
     target = _target(mean, band)
     if target == 0 or not math.isfinite(target):
@@ -309,7 +327,7 @@ def _decide(mean: float, se: float, dof: float, band: float | None) -> tuple[str
 def pair_over_seeds(setup: str, pair: str, metric: str, diffs: dict[int, float], *, resolution: float = 0.0,
                     band: float | None = None, examples: int | None = None, unit: float = 1.0,
                     per_example: np.ndarray | None = None, pooled: Pooled | None = None,
-                    seed_minutes: float | None = None, margin: float = 0.0) -> PairResult:
+                    seed_minutes: float | SeedPrice | None = None, margin: float = 0.0) -> PairResult:
     """A comparison decided over seeds: ``diffs[seed]`` < 0 is in favour of the claim.
 
     A "better" claim (``band`` None) holds when the 95 % interval of the mean difference lies below 0, does not hold
@@ -345,7 +363,8 @@ def pair_over_seeds(setup: str, pair: str, metric: str, diffs: dict[int, float],
         unit: the factor to the unit the words use (100 for percentage points).
         per_example: ``(seeds, examples)`` per-example differences, signed as ``diffs``.
         pooled: the setup's pooled residual variance (used when ``pooled.used``).
-        seed_minutes: the core-minutes one more seed of the pair's two optimisers costs.
+        seed_minutes: what one more seed of the pair's two optimisers costs: core-minutes, or a :class:`SeedPrice`
+            (core-minutes and H200 GPU-minutes).
         margin: a "better" claim of a material difference (log :data:`TENTH_DECADE` for "unstable", "improves"):
             it holds when the interval lies below ``-margin`` and does not hold when it lies above it (a decided
             tie within the margin, or the other way round, fails the claim; the agreement says which).

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .core import (FAILS, HOLDS, INCONCLUSIVE, ON_PAR_POINTS, SIGN_LEVEL, TENTH_DECADE, PairResult, Rule,
-                   Verdict, binomial_resolution, pair_over_seeds)
+                   SeedPrice, Verdict, binomial_resolution, pair_over_seeds)
 from .stats import LEVEL, Pooled, holm, pooled_blocks
 
 # ------------------------------------------------------------------------------------------------ E2 (runs)
@@ -25,8 +25,9 @@ MARGIN = math.log(TENTH_DECADE)  # "unstable", "improves": a material difference
 
 def loss_column(table) -> str:
     """The final loss the rankings compare: the full training-set loss of the final checkpoint
-    (``final_train_loss_full``) where every run of the table has it, else the mean of the last 10 % of the
-    minibatch losses (``final_train_loss``)."""
+    (``final_train_loss_full``, :mod:`companion.experiments.final_loss`; inf for a diverged run) where every run of
+    the table (the rankings pass one setup's runs) has it, else the mean of the last 10 % of the minibatch losses
+    (``final_train_loss``)."""
     full = "final_train_loss_full"
     return full if full in table.columns and table[full].notna().all() else "final_train_loss"
 
@@ -41,14 +42,30 @@ def _pooled(table, setup: str, optimizers: Sequence[str], column: str, worst: fl
     return pooled_blocks(per) if 2 <= len(seeds) <= POOLED_MAX_SEEDS else None
 
 
-def _seed_minutes(table, setup: str, a: str, b: str) -> float | None:
-    """Core-minutes one more seed of ``a`` and ``b`` costs: the two optimisers' mean recorded ``wall_time_s``
-    (each run is one single-threaded process on this machine)."""
-    if table is None or "wall_time_s" not in table.columns:
+def _seed_minutes(table, setup: str, a: str, b: str) -> SeedPrice | None:
+    """What one more seed of ``a`` and ``b`` costs: core-minutes, the two optimisers' mean recorded ``wall_time_s``
+    (each run is one single-threaded process on this machine), and H200 GPU-minutes, their updates per run times the
+    GPU benchmark records' bound on an update (:func:`companion.experiments.gpu_price.seed_gpu_minutes`)."""
+    from ..gpu_price import seed_gpu_minutes
+    from ..setups import resolve
+
+    if table is None:
         return None
     rows = table[(table.setup == setup) & table.optimizer.isin([a, b])]
-    per = rows.groupby("optimizer")["wall_time_s"].mean()
-    return float(per.sum()) / 60 if len(per) == 2 and np.isfinite(per).all() else None
+    core = None
+    if "wall_time_s" in table.columns:
+        per = rows.groupby("optimizer")["wall_time_s"].mean()
+        core = float(per.sum()) / 60 if len(per) == 2 and np.isfinite(per).all() else None
+    gpu = None
+    if "steps" in table.columns and "scale" in table.columns and len(rows):
+        steps = rows.groupby("optimizer")["steps"].max()
+        if len(steps) == 2:
+            try:
+                family = resolve(setup, str(rows.scale.iloc[0])).family
+            except ValueError:  # a setup of a test's table, not in the registry
+                family = None
+            gpu = seed_gpu_minutes(family, {o: float(n) for o, n in steps.items()}) if family else None
+    return SeedPrice(core, gpu) if core is not None or gpu is not None else None
 
 
 def _per_example(predictions, setup: str, a: str, b: str, diffs: dict[int, float]) -> np.ndarray | None:
@@ -209,10 +226,10 @@ def _ranking(pairs_of: Callable[[list[str]], list[tuple[str, str]]], column: str
     resolution, :func:`_resolution`); ``margin``: a claim of a material improvement."""
 
     def check(table, curves, opts, predictions=None):
-        col = loss_column(table) if column in LOSS_COLUMNS else column
-        log = col in LOSS_COLUMNS
         out = []
         for setup, optimizers in opts.items():
+            col = loss_column(table[table.setup == setup]) if column in LOSS_COLUMNS else column
+            log = col in LOSS_COLUMNS
             present = [o for o in optimizers if ((table.setup == setup) & (table.optimizer == o)).any()]
             pooled = _pooled(table, setup, present, col, float("inf")) if log else None
             pairs = []
@@ -319,7 +336,9 @@ DECIDED_OVER_SEEDS = ("A pair is decided over seeds on the per-seed differences 
 WHY_OVER_SEEDS = ("An interval narrows as seeds (and test examples) are added, so more evidence decides more pairs "
                   "in either direction; an undecided pair says how many seeds would decide it with 80 % power at "
                   "its observed mean and spread, the range that the spread's own uncertainty gives, and what they "
-                  "would cost in core-minutes of this machine.")
+                  "would cost in core-minutes of this machine and, as an upper estimate from the GPU benchmark "
+                  "records, in H200 GPU-minutes (the run's updates at the recorded time of an update of a model at "
+                  "least as large).")
 
 
 E2_RULES_LIST = (

@@ -230,7 +230,8 @@ def test_deleting_a_results_folder_replans_it_without_exceptions(tmp_path, profi
     assert first.returncode == 0 and "Exception" not in plan, plan[-3000:]
     planned = _job_stats(plan)
     outputs = _outputs(plan)
-    assert len(outputs) == sum(n for job, n in planned.items() if job not in ("grid", "total")) + 1  # e2: 2 files
+    jobs = sum(n for job, n in planned.items() if job not in ("grid", "total"))
+    assert len(outputs) == jobs + 2  # e2 and verdicts: 2 files each
     stamp = time.time() - 60  # newer than the package code, the same for every file: nothing out of date
     for path in outputs:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -275,6 +276,30 @@ def _planned(done: subprocess.CompletedProcess) -> dict[str, int]:
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "Exception" not in output, output[-3000:]
     return {k: v for k, v in _job_stats(output).items() if k != "total"}
+
+
+def test_the_code_digest_follows_contents_not_touches(tmp_path):
+    """The one file each rule depends on in place of the sources: first written with the sources' newest time (a
+    build made from them stays up to date), unchanged by a touch, rewritten now by an edit or a deletion."""
+    from tools.book.steps import code_digest
+
+    sources = [tmp_path / "a.py", tmp_path / "b.py"]
+    for k, source in enumerate(sources):
+        source.write_text(f"x = {k}\n")
+        os.utime(source, (1_000_000 + k, 1_000_000 + k))
+    digest = code_digest(sources, tmp_path / "digests" / "core.sha256", root=tmp_path)
+    first = digest.read_text()
+    assert digest.stat().st_mtime == 1_000_001 and len(first.strip()) == 64
+    os.utime(sources[0])
+    assert code_digest(sources, digest, root=tmp_path).stat().st_mtime == 1_000_001 and digest.read_text() == first
+    before = time.time() - 1
+    sources[1].write_text("x = 2\n")
+    os.utime(sources[1], (1_000_001, 1_000_001))  # an edit that keeps the old time still counts
+    edited = code_digest(sources, digest, root=tmp_path).read_text()
+    assert edited != first and digest.stat().st_mtime >= before
+    os.utime(digest, (1_000_001, 1_000_001))
+    assert code_digest(sources[1:], digest, root=tmp_path).read_text() not in (first, edited)
+    assert digest.stat().st_mtime >= before
 
 
 def test_each_rule_depends_on_the_code_it_runs(tmp_path):

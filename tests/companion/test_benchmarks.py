@@ -377,8 +377,9 @@ def test_the_distributed_benchmark_has_an_fsdp2_row_with_peak_memory(tmp_path):
         # FSDP2 + AdamW: a forward and a backward all-gather of the MLP's float32 parameters and the gradients'
         # reduce-scatter, each at least the parameters' bytes received
         assert rank_bytes["fsdp2_adamw"]["received"] >= 3 * 4 * res["params"]
-        # IEF: one all-gather of the parameters, the replicated route's Gram and its float64 direction
-        assert rank_bytes["ief_fsdp2"]["received"] >= 4 * res["params"] + 8 * res["params"]
+        # IEF: one all-gather of the parameters, the Gram's factors and the direction's shards (reduce-scattered in
+        # FSDP2's chunks, not all-reduced whole): at least the parameters' bytes, fewer than FSDP2 + AdamW's
+        assert 4 * res["params"] <= rank_bytes["ief_fsdp2"]["received"] < rank_bytes["fsdp2_adamw"]["received"]
         assert peaks["ief_fsdp2"] > 4 * res["params"] and peaks["fsdp2_adamw"] > 0
     _, fsdp2 = doc["tables"]
     assert fsdp2["rows"][0][0] == "mlp" and fsdp2["rows"][0][-1] > 0

@@ -62,6 +62,25 @@ def test_seed0_and_e2_disagreement_is_said():
     assert agree == "Chapter E2's verdicts over seeds agree with seed 0's on every setup."
 
 
+def test_e2_verdicts_are_read_from_the_workflow_table_where_given():
+    """The workflow decided E2's best-test claim with the per-example test comparisons (verdicts.csv): the chapter
+    compares seed 0 with that verdict, not with one re-decided on the runs table, which here would agree."""
+    rows = [{"setup": "tweets-minilm-lora", "optimizer": o, "final train loss": v, "test (%)": t}
+            for o, v, t in (("iEF", 0.1, 81.0), ("AdamW", 0.5, 80.0), ("SGD", 0.5, 80.0), ("EF", 0.5, 80.0),
+                            ("SF", 0.5, 80.0))]
+    results = pd.DataFrame(rows).set_index(["setup", "optimizer"])
+    obs, table = e2_observations(results), _e2_table([0.1, 0.1, 0.1])
+    decided = {"e2_ief_lowest": "holds", "e2_ief_best_test": "does not hold"}
+    verdicts = pd.DataFrame([{"claim": c, "label": "", "setup": "tweets-minilm-lora", "verdict": v, "statistic": "",
+                              "interval": "", "evidence": "from the workflow", "would_decide": "", "failures": "[]"}
+                             for c, v in decided.items()])
+    without = e2_statements(results, obs, table)["e2_disagreement"]
+    read = e2_statements(results, obs, table, verdicts)["e2_disagreement"]
+    assert "iEF best test score" not in without
+    assert read == ("Chapter E2's verdicts over seeds differ from seed 0's here: iEF best test score, "
+                    "tweets-minilm-lora: seed 0 holds, over seeds does not hold.")
+
+
 def test_seed0_is_compared_with_e2_over_the_same_optimisers():
     """The search also ran Adafactor on a LoRA setup; E2 has no Adafactor there. One rule, one answer: the seed-0
     verdict ranks the E2 optimisers only, in the table and in the prose, and the page names Adafactor as left out;

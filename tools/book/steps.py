@@ -86,6 +86,39 @@ class NotebookFailed(RuntimeError):
     pass
 
 
+def code_digest(files: list[Path], path: Path, root: Path = ROOT) -> Path:
+    """A file that stands for ``files``' contents, for the workflow's rules to depend on in their place.
+
+    Snakemake's scheduler stats every input of every pending job on each of its passes (several a second while jobs
+    run); with the package sources (~100 files) as each rule's inputs, a cold build's main process kept up to half a
+    core busy doing so. One digest file per set of sources makes that one stat per job.
+
+    The file holds the SHA-256 of the files' paths (relative to ``root``) and contents, and is rewritten only when
+    that digest changes: its modification time is then the newest of the files' (the first time, so that a build
+    made from these sources is up to date with it) or now (when it replaces an older digest: an edit, an added or a
+    deleted file makes every output made before it out of date). A checkout that touches the files without
+    changing them reruns nothing, where the files' own times would rerun everything.
+
+    Args:
+        files: the sources (existing files).
+        path: the digest file (written atomically, its folder created).
+        root: the folder the paths are hashed relative to (the checkout: moving it changes no digest).
+
+    Returns:
+        ``path``.
+    """
+    digest = hashlib.sha256()
+    for source in sorted(files):
+        digest.update(source.relative_to(root).as_posix().encode() + b"\0" + source.read_bytes() + b"\0")
+    text = digest.hexdigest() + "\n"
+    previous = path.read_text() if path.exists() else None
+    if previous != text:
+        write_atomically(path, text)
+        stamp = time.time() if previous is not None else max(source.stat().st_mtime for source in files)
+        os.utime(path, (stamp, stamp))
+    return path
+
+
 def _shown(path: Path) -> str:
     try:
         return str(Path(path).resolve().relative_to(ROOT))

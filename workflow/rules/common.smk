@@ -171,9 +171,12 @@ def is_chapter_code(path: Path) -> bool:
     return path.relative_to(ROOT).parts[:2] == CHAPTER_PACKAGE
 
 
-# absolute: a workflow run in another --directory (a test's tmp folder) still finds them
-IEF_CODE = [str(p) for p in _package_files()]
-CORE_CODE = [str(p) for p in _package_files() if not is_chapter_code(p)]
+# Each rule depends on one digest file of the sources it runs (tools.book.steps.code_digest: rewritten when their
+# contents change), not on the ~100 sources themselves, which the scheduler would stat for every pending job on every
+# pass. Absolute: a workflow run in another --directory (a test's tmp folder) still finds them.
+_DIGESTS = ROOT / ".snakemake" / "code-digests"
+IEF_CODE = str(BOOK.code_digest(_package_files(), _DIGESTS / "all.sha256"))
+CORE_CODE = str(BOOK.code_digest([p for p in _package_files() if not is_chapter_code(p)], _DIGESTS / "core.sha256"))
 
 
 # ------------------------------------------------------------------------------------------------ notebooks

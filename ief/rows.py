@@ -312,7 +312,7 @@ def ghost_kernel(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return (a[:, 0] @ a[:, 0].T) * (g[:, 0] @ g[:, 0].T)
     ka = torch.einsum("nti,msi->nmts", a, a)
     kg = torch.einsum("nto,mso->nmts", g, g)
-    return (ka * kg).sum(dim=(2, 3))
+    return ka.mul_(kg).sum(dim=(2, 3))  # in place: two [M, M, T, T] float64 at once, not three
 
 
 class DenseRows(Rows):

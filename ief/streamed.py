@@ -29,17 +29,19 @@ dtype; flops count a multiply-add as 2; launches are dispatched operators), the 
 ======== ========================================== ============================== ==================================
 form     flops                                      memory held / transient        launches
 ======== ========================================== ============================== ==================================
-ghost    ``2 M^2 T^2 (I + O) + 2 M T I O``          factors / ``16 M^2 T^2``       ~8
+ghost    ``2 M^2 T^2 (I + O) + 2 M T I O``          ``8 M T (I + O)`` (float64     ~8
+                                                    factors) / ``16 M^2 T^2``
 rows     ``2 M T I O + 2 M^2 I O + 2 M I O``        ``b M I O`` (the ``[M, P]``     ``1 + 4 ceil(8 M I O / S)``
                                                     buffer's share) / ``S``
 streamed ``4 M T I O + 2 M^2 I O + 2 M I O``        factors / ``S (1 + b / 8)``     ``8 ceil(8 M I O / S)``
 ======== ========================================== ============================== ==================================
 
 (``S`` = :data:`STREAM_BYTES`; the factors ``b M T (I + O)`` are what the backward hands the hooks, held in every
-form.) The streamed form pays one batched product more than the rows (the block is formed for the Gram and again for
-the combination) and holds no ``M I O``: ``form="auto"`` (:func:`layer_form`) takes the ghost kernel where its flops
-are the fewest (:func:`ief.rows.prefer_ghost`), the rows where the block is small (``b M I O <=``
-:data:`ROWS_BYTES`: the extra product is then not worth the memory it saves), the streamed form otherwise.
+form; the ghost kernel holds their float64 copies beside them when ``b < 8``.) The streamed form pays one batched
+product more than the rows (the block is formed for the Gram and again for the combination) and holds no ``M I O``:
+``form="auto"`` (:func:`layer_form`) takes the ghost kernel where its flops are the fewest
+(:func:`ief.rows.prefer_ghost`), the rows where the block is small (``b M I O <=`` :data:`ROWS_BYTES`: the extra
+product is then not worth the memory it saves), the streamed form otherwise.
 
 Across processes (:mod:`ief.distributed`) a streamed weight's factors are all-gathered as a ghost's are, and every
 rank forms the union batch's Gram block from them (:func:`factor_gram`); the combination stays each rank's own.
@@ -85,8 +87,8 @@ def form_costs(m: int, t: int, fan_in: int, fan_out: int, itemsize: int = 4) -> 
     block = m * fan_in * fan_out
     chunks = math.ceil(8 * block / STREAM_BYTES)
     return {
-        "ghost": FormCost(2 * m * m * t * t * (fan_in + fan_out) + 2 * m * t * fan_in * fan_out, 0,
-                          16 * m * m * t * t, 8),
+        "ghost": FormCost(2 * m * m * t * t * (fan_in + fan_out) + 2 * m * t * fan_in * fan_out,
+                          8 * m * t * (fan_in + fan_out) if itemsize < 8 else 0, 16 * m * m * t * t, 8),
         "rows": FormCost(2 * m * t * fan_in * fan_out + 2 * m * block + 2 * block, itemsize * block,
                          min(8 * block, STREAM_BYTES), 1 + 4 * chunks),
         "streamed": FormCost(4 * m * t * fan_in * fan_out + 2 * m * block + 2 * block, 0,

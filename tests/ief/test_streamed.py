@@ -7,6 +7,7 @@ the direction tests (``tests/ief/test_directions.py``'s ``as_j``) and the gloo e
 """
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -100,34 +101,70 @@ def _peak_added_bytes(fn) -> int:
     return max(0, max(itertools.accumulate(e.nbytes() for e in events), default=0))
 
 
-def test_no_buffer_of_a_steady_step_grows_with_m_times_p(monkeypatch):
-    """A steady ``IEF`` step (``form="auto"``) on wide Linear weights over 32 positions (the first's rows 4 MiB and
-    streamed, the middle one's kernel cheaper than its rows of 64 MiB) holds and allocates far less than ``M x P``
-    entries: the buffer the optimiser keeps from step to step holds the biases' and the small head's rows, and the
-    step's peak of new tensors is the factors and one block (``STREAM_BYTES`` set to 64 KiB here), under a quarter
-    of ``M P`` float32 entries. The rows form, which keeps every weight's rows in that buffer, holds more than
-    ``M x P_weights``."""
-    monkeypatch.setattr(ief.streamed, "STREAM_BYTES", 64 << 10)
+T_WIDE = 16  # positions per sample of the memory test's batches
+
+
+def _wide_mlp() -> torch.nn.Module:
+    """Wide Linear weights over 16 positions: under ``form="auto"`` the first (64 -> 1024) is streamed (its rows,
+    2 MiB at M 8, cost fewer flops than its kernel), the middle (1024 -> 1024) takes the ghost kernel and the head
+    (1024 -> 4) keeps its rows (under 1 MiB), at M 8 and 16 alike."""
     torch.manual_seed(2)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024),
-                                torch.nn.Tanh(), torch.nn.Linear(1024, 10))
-    m = 16
-    x, y = torch.randn(m, 32, 64), torch.randint(0, 10, (m, 32))
+    return torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024),
+                               torch.nn.Tanh(), torch.nn.Linear(1024, 4))
+
+
+def _steady_step_bytes(model: torch.nn.Module, m: int, form: str) -> tuple[int, dict]:
+    """What a steady ``IEF`` step on ``M = m`` samples holds and allocates: the optimiser's ``J`` buffer (kept from
+    step to step) plus the step's peak of new tensors, in bytes; and the step's routes."""
+    gen = torch.Generator().manual_seed(m)
+    x, y = torch.randn(m, T_WIDE, 64, generator=gen), torch.randint(0, 4, (m, T_WIDE), generator=gen)
+    opt = ief.optim.IEF(copy.deepcopy(model), lr=1e-3, form=form)
+    opt.step(x, y)  # step 0's exact check and the proofs a steady step keeps
+    peak = _peak_added_bytes(lambda: opt.step(x, y))
+    return opt._buffer.numel() * opt._buffer.element_size() + peak, opt.last_step_report.routes
+
+
+_COST_FORM = {"streamed": "streamed", "factored": "ghost", "dense": "rows"}  # a weight's route -> its cost model row
+
+
+def _cost_model_bytes(model: torch.nn.Module, m: int, routes: dict) -> int:
+    """The terms of a float32 step's memory that grow with ``M`` (:mod:`ief.streamed`'s cost model), ``M`` and
+    ``T`` as the memory test's: per Linear weight the factors ``A``, ``G`` (``4 M T (I + O)``; the backward's
+    activations and output gradients are as large and live beside them: counted twice) and its form's held and
+    transient bytes (:func:`ief.streamed.form_costs`: the rows form holds ``4 M I O``), a bias's ``[M, O]`` rows,
+    and the ``M x M`` float64 Gram with its solve's copies (16 of them)."""
+    total = 16 * 8 * m * m
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            fan_in, fan_out = module.in_features, module.out_features
+            cost = form_costs(m, T_WIDE, fan_in, fan_out, 4)[_COST_FORM[routes[f"{name}.weight"]]]
+            total += 2 * 4 * m * T_WIDE * (fan_in + fan_out) + cost.held + cost.transient + 4 * m * fan_out
+    return total
+
+
+@pytest.mark.parametrize("form", ["auto", "streamed", "rows"])
+def test_no_buffer_of_a_steady_step_grows_with_m_times_p(form):
+    """From ``M = 8`` to ``16`` samples (the same model, :func:`_wide_mlp`), what a steady ``IEF`` step holds and
+    allocates (its ``J`` buffer plus its peak of new tensors) grows by at most 1.5 times what the cost model says
+    grows with ``M``, plus 1 MiB (:func:`_cost_model_bytes`: the factors and the kernel's float64 copies of them, the
+    kernel's ``M^2 T^2``, the ``M x M`` Gram; a block and the direction ``[P]`` do not grow), and for the default and
+    streamed forms that is under a quarter of ``8 P`` float32 entries: no buffer grows like ``M x P``. The rows form,
+    which keeps every weight's rows in ``J``'s buffer, grows by more than ``8 P_weights`` float32 entries, and its
+    cost model says so too."""
+    model = _wide_mlp()
     p = sum(q.numel() for q in model.parameters())
-    biases = sum(q.numel() for name, q in model.named_parameters() if name.endswith("bias"))
-    held = {}
-    for form in ("auto", "rows"):
-        opt = ief.optim.IEF(ief_model := __import__("copy").deepcopy(model), lr=1e-3, form=form)
-        for _ in range(2):  # step 0's exact check, then a steady one
-            opt.step(x, y)
-        peak = _peak_added_bytes(lambda: opt.step(x, y))
-        held[form] = opt._buffer.numel() * 4
-        routes = set(opt.last_step_report.routes.values())
-        if form == "auto":
-            assert routes == {"streamed", "factored", "dense"}, opt.last_step_report.routes  # the middle: ghost
-            kept = sum(q.numel() for name, q in model.named_parameters()
-                       if opt.last_step_report.routes[name] == "dense")  # the biases and the 10-output head
-            assert kept < biases + 11 * 1024 and opt._buffer.numel() == m * kept
-            assert held[form] + peak < m * p * 4 / 4, (held[form], peak, m * p * 4)
-        assert ief_model is opt.model
-    assert held["rows"] >= m * (p - biases) * 4
+    weights = sum(q.numel() for name, q in model.named_parameters() if name.endswith("weight"))
+    (small, routes), (large, same) = (_steady_step_bytes(model, m, form) for m in (8, 16))
+    assert routes == same, (routes, same)
+    weight_routes = {name: route for name, route in routes.items() if name.endswith("weight")}
+    expected = {"auto": {"0.weight": "streamed", "2.weight": "factored", "4.weight": "dense"},
+                "streamed": dict.fromkeys(weight_routes, "streamed"), "rows": dict.fromkeys(weight_routes, "dense")}
+    assert weight_routes == expected[form], weight_routes
+    growth = large - small
+    modelled = _cost_model_bytes(model, 16, routes) - _cost_model_bytes(model, 8, routes)
+    assert growth <= 1.5 * modelled + (1 << 20), (form, growth, modelled)
+    by_m_p = 8 * p * 4
+    if form == "rows":
+        assert growth > 8 * weights * 4 and modelled > 8 * weights * 4, (growth, modelled, 8 * weights * 4)
+    else:
+        assert growth < by_m_p / 4 and modelled < by_m_p / 4, (form, growth, modelled, by_m_p)

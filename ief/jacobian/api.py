@@ -346,7 +346,9 @@ def per_sample(
             (``M I O``), whichever is cheaper for that layer; an ``nn.Embedding`` table as the rows the batch uses
             (``[M, U D]``, exact: its other rows are zero in every sample's gradient); every other parameter as its
             (small) column block.
-            ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight. ``ief_direction``,
+            ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight; ``"streamed"`` keeps every one
+            as its factors and forms its rows a block at a time for each product, never kept (:mod:`ief.streamed`,
+            which ``"auto"`` takes for a weight whose rows exceed 1 MiB). ``ief_direction``,
             ``ef_direction`` and ``sf_direction`` take either form; ``.materialize()`` gives the tensor.
 
     Returns:

@@ -369,9 +369,10 @@ RECORDED = "book/recorded/cpu"
 
 
 def chapter_map(scale: str, executed) -> str:
-    """The README's map: one row per chapter (linked to its recorded notebook, :data:`RECORDED`), the paper's figures and tables it regenerates in one column, a mark on
-    each label that is, at ``scale``, another label's figure (1), has no analogue (2) or redraws another figure's
-    data (3), and the footnote saying so (the per-scale table is the book's coverage page)."""
+    """The README's map: one row per chapter (linked to its recorded notebook, :data:`RECORDED`), the paper's figures
+    and tables it regenerates in one column, a mark on each label that is, at ``scale``, another label's figure (1),
+    has no analogue (2) or redraws another figure's data (3), and the footnote saying so (the per-scale table is the
+    book's coverage page)."""
     rows = ["| chapter | the paper's figures and tables |", "| --- | --- |"]
     same, absent, redraw = [], [], []
     for stem in CHAPTERS:

@@ -335,8 +335,8 @@ def gram_plan(layouts: torch.Tensor | None, sizes: Sequence[int], columns: int, 
         union_ids[i] = _union_ids(i, layouts, ids)
         tables.append((i, union_ids[i].numel(), dim[0]))
         dense_width += union_ids[i].numel() * dim[0]
-    return GramPlan(tuple(factors), tuple(dense), dense_width, factor_width,
-                    gathered * (dense_width + factor_width), tuple(tables), union_ids, frozenset(streamed))
+    return GramPlan(tuple(factors), tuple(dense), dense_width, factor_width, gathered * (dense_width + factor_width),
+                    tables=tuple(tables), streamed=frozenset(streamed), union_ids=union_ids)
 
 
 class DistributedRows(Rows):

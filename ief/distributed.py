@@ -403,7 +403,7 @@ class DistributedRows(Rows):
             if scale != 1.0:
                 chunk = chunk / scale
             out.addmm_(chunk, chunk.T)
-        for (i, *_), (a, g) in zip(plan.factors, self._union_factors(plan, scale)):
+        for (i, *_), (a, g) in zip(plan.factors or (), self._union_factors(plan, scale)):
             out += factor_gram(a, g, i in plan.streamed)
         return (out + out.T) / 2
 

@@ -65,7 +65,8 @@ def _as_dtype(direction: torch.Tensor, dtype: torch.dtype, what: str, check: boo
 
 
 def rounding_floor(dtype: torch.dtype, gram_matrix: torch.Tensor) -> float:
-    """The eigenvalue of ``G = J J^T`` below which ``J``'s own rounding in ``dtype`` decides it: ``(10 eps)^2 tr G``.
+    """The eigenvalue of ``G = J J^T`` below which ``J``'s own rounding in ``dtype`` decides it: ``(10 eps)^2 tr G``
+    (``u^2 tr G / 8`` for a 16-bit ``J``).
 
     A per-sample gradient computed in float32 carries a relative error of a few ``eps`` per entry, i.e.
     ``||dJ||_2 <= ||dJ||_F ~ 10 eps ||J||_F``, so a singular value of ``J`` below that (an eigenvalue of ``G`` below
@@ -77,15 +78,34 @@ def rounding_floor(dtype: torch.dtype, gram_matrix: torch.Tensor) -> float:
     the float64 Gram's own, which :func:`solve_gram` already handles. The solves take ``J``'s dtype, also for a
     float32 ``J`` of a bfloat16 forward (:mod:`ief.precision` says why).
 
-    A 16-bit ``J`` (bfloat16 parameters) takes ``u^2 tr G`` instead, ``u = eps / 2`` its unit roundoff (``1.5e-5 tr``
-    for bfloat16): storing ``J`` moves every entry by at most ``u |J_ij|``, so ``||dJ||_2 <= ||dJ||_F <= u ||J||_F``
-    and no eigenvalue that storage rounding creates exceeds ``u^2 tr G`` (Weyl). Measured against float64 solves:
-    the spurious eigenvalues of a bfloat16 ``Linear(4, 3)`` with 32 samples (rank 10 in exact arithmetic) reach
-    ``3.4e-7 tr`` (``0.02 u^2``), which the floor drops (without a floor its direction is 27x too long at
-    ``lambda = 1e-6 tr``); the float32 rule's ``(10 eps)^2 = 400 u^2`` (``6e-3 tr``) dropped real eigenvalues
-    (``3e-3 tr`` and up of a 16-32-5 MLP with 32 samples: its direction 30-50 % off the float64 one, 0.5 % with
-    ``u^2``). A problem whose real eigenvalues lie below ``u^2 tr`` (a 8-6-4 MLP with 64 samples has them from
-    ``3e-7 tr``) still loses them, as it loses them to the rounding itself: it needs a damping above ``u^2 tr``.
+    A 16-bit ``J`` (bfloat16 parameters) takes ``u^2 tr G / 8`` instead, ``u = eps / 2`` its unit roundoff
+    (``1.9e-6 tr`` for bfloat16). Storing ``J`` moves it by ``dJ``, each entry by at most ``u |J_ij|``
+    (``||dJ||_2 <= ||dJ||_F <= u ||J||_F``), and the Gram by ``E = J dJ^T + dJ J^T + dJ dJ^T``. The first-order
+    terms move a real eigenvalue ``sigma^2`` by at most ``2 sigma ||dJ||_2`` (``||E||_2 <= (2u + u^2) tr G``: a
+    ``u``-scaled floor, ``7.8e-3 tr``, is above the ``6e-3 tr`` that dropped real eigenvalues and stalled training,
+    :mod:`ief.precision`); on ``G``'s null space they vanish (``J^T v = 0``), so the eigenvalues that rounding creates
+    are second order, ``||dJ^T v||^2`` for a unit ``v`` with ``J^T v = 0``. That part of the spectrum is the noise,
+    and the floor is ``u^2``-scaled. Its worst case is ``u^2 tr G`` (the previous floor, by Weyl's inequality on the
+    singular values): every entry rounded by its full ``u |J_ij|`` in one direction. Round-to-nearest errors are
+    spread over ``[-u 2^e, u 2^e]`` (``2^e <= |J_ij| < 2^(e+1)``) and independent between entries, so
+    ``E ||dJ^T v||^2 = rho^2 u^2 sum_n v_n^2 ||J_n||^2`` with ``rho^2 = sum 4^e / (3 sum J_ij^2)``, ``1 / (3 m^2)``
+    for mantissas ``m in [1, 2)`` (``2 ln 2 / 9 = 0.15`` for logarithmically spread ones, ``1/3`` at most; measured
+    on rows of the route matrix's models: 0.09 - 0.45, their norm sits in a few entries); and
+    ``sum_n v_n^2 ||J_n||^2 <= tr G / 2``, as ``sum_n v_n J_n = 0`` lets no ``|v_n| ||J_n||`` exceed the sum of the
+    others (equality: two proportional rows). The expected spurious eigenvalue is thus at most ``0.077 u^2 tr G`` for
+    logarithmic mantissas, and the floor ``u^2 tr G / 8`` is 1.6 times that (``u^2 tr G / 6`` for the worst ones).
+    Measured (largest spurious eigenvalue): rows exact in float64 stored in bfloat16, ``0.021 u^2 tr`` for
+    ``Linear(4, 3)`` with 32 samples (rank 10 in exact arithmetic), ``0.028`` and ``0.076 u^2 tr`` for a sample of
+    digits-mlp and of a tiny Llama added to its batch again as ``1.1`` times its row; ``0.006 u^2 tr`` for two
+    bfloat16 MLPs with ``P < M`` (rows computed in bfloat16). A batch of only two proportional rows (half the trace
+    on the null direction) crosses the floor in up to 9 % of draws (``0.29 u^2 tr`` at most: rows whose norm sits in
+    a few entries, so that their rounding is far from its mean). The floor ``u^2 tr`` dropped real eigenvalues of
+    bfloat16 MLPs at ``0.1 - 0.9 u^2 tr`` (a 4-8-3 MLP with 32 samples: its iEF direction 33 % off the float64 solve
+    of the same rows at ``lambda = 1e-4 tr``, 0.17 % now). Real eigenvalues below ``u^2 tr / 8`` exist (small MLPs
+    from ``0.01 u^2 tr``; minilm-lora in pure bfloat16 at ``0.02 - 0.05 u^2 tr``), as small as the rounding's, and
+    are still dropped (minilm-lora's iEF direction 99.7 % off the float64 oracle's at ``lambda = 1e-4 tr``, 13 % at
+    ``1e-2 tr``; 52 % and 7 % were they kept): such a problem needs a damping far above ``u^2 tr``, or float32
+    parameters.
 
     Args:
         dtype: the dtype ``J`` is stored in.
@@ -103,8 +123,8 @@ def _rounding_floor(dtype: torch.dtype, gram_matrix: torch.Tensor) -> float | to
     0-d float64 tensor on the Gram's device."""
     if dtype == torch.float64 or not gram_matrix.numel():
         return 0.0
-    if dtype.itemsize < 4:  # J stored in 16 bits: the bound of its storage rounding (see rounding_floor)
-        return (torch.finfo(dtype).eps / 2) ** 2 * gram_matrix.diagonal().sum()
+    if dtype.itemsize < 4:  # J stored in 16 bits: its storage rounding's expected spurious eigenvalues, with margin
+        return (torch.finfo(dtype).eps / 2) ** 2 / 8 * gram_matrix.diagonal().sum()
     return (10 * torch.finfo(dtype).eps) ** 2 * gram_matrix.diagonal().sum()
 
 

@@ -18,8 +18,9 @@ exact optimisers :class:`ief.optim.IEF` / ``EF`` / ``SF`` and :class:`ief.hf.IEF
 - *Solved in float64*: the damped Gram system (:mod:`ief.directions`; ``torch.linalg`` refuses 16-bit solves, and a
   16-bit Gram would break its small eigenvalues). Its eigenvalues below ``J``'s own rounding are dropped
   (:func:`ief.directions.rounding_floor`) at the rounding of ``J``'s dtype, also for a float32 ``J`` of a bfloat16
-  forward: bfloat16's floor (then ``(10 eps)^2 tr(J J^T)``, ``6e-3 tr``; now ``u^2 tr``, ``1.5e-5 tr``, for a
-  bfloat16 ``J``) dropped real eigenvalues (minilm-lora's at ``3e-7 tr``, which the bfloat16 ``J`` has within 20 %
+  forward: bfloat16's floor (then ``(10 eps)^2 tr(J J^T)``, ``6e-3 tr``; now ``u^2 tr / 8``, ``1.9e-6 tr``, for a
+  bfloat16 ``J``: the expected size of the eigenvalues its storage rounding creates, with margin) dropped real
+  eigenvalues (minilm-lora's at ``3e-7 tr``, which the bfloat16 ``J`` has within 20 %
   of the float64 oracle's) and stalled its training at its first loss, where float32's trains. The price: a Gram
   matrix singular in exact arithmetic (``P < M``) gets spurious eigenvalues from bfloat16's rounding
   (``linear-p15-m32``: up to ``2.4e-7 tr``), so its directions err by about ``1e-4 tr / lambda`` (1 % at

@@ -16,6 +16,7 @@ catching any wrong formula (which errs at O(1)). Where the dense ``P x P`` syste
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -723,6 +724,7 @@ def test_rounding_floor_is_zero_for_float64_and_scales_with_the_trace():
     assert rounding_floor(torch.float64, g) == 0.0
     eps = torch.finfo(torch.float32).eps
     assert rounding_floor(torch.float32, g) == pytest.approx((10 * eps) ** 2 * 5.0, rel=1e-12)
+    assert rounding_floor(torch.bfloat16, g) == pytest.approx((2.0 ** -8) ** 2 / 8 * 5.0, rel=1e-12)
     assert rounding_floor(torch.bfloat16, g) > rounding_floor(torch.float32, g)
     assert rounding_floor(torch.float32, torch.zeros(0, 0, dtype=torch.float64)) == 0.0
 
@@ -740,6 +742,78 @@ def test_solve_gram_drops_eigendirections_below_the_noise_floor():
     kept = q[:, 1:] @ ((q[:, 1:].T @ rhs) / (e[1:] + lam))
     assert_rel(solve_gram(g, rhs, lam), full, rtol=1e-8, what="no floor")
     assert_rel(solve_gram(g, rhs, lam, noise_floor=1e-6), kept, rtol=1e-10, what="floor 1e-6")
+
+
+# ------------------------------------------------------------- bfloat16 Jacobians: the floor of J's storage rounding
+U16 = 2.0 ** -8  # bfloat16's unit roundoff
+
+
+def _gram_spectrum(j: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The eigenvalues of the float64 Gram of ``j`` (ascending) and its trace."""
+    g = j.double() @ j.double().T
+    return torch.linalg.eigvalsh(g), float(g.trace())
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_mlp_rows() -> "ief.PerSample":
+    """A bfloat16 ``4-8-3`` tanh MLP on 32 samples (``P = 67``): ``J`` (bfloat16) has full rank, its smallest
+    eigenvalues ``0.21, 0.46, 0.84 u^2 tr``: real directions between ``u^2 tr / 8`` and ``u^2 tr``."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(torch.bfloat16)
+    x, y = torch.randn(32, 4).to(torch.bfloat16), torch.randint(0, 3, (32,))
+    return ief.per_sample(model, x, y, form="dense")
+
+
+def test_a_bf16_jacobians_real_eigenvalues_above_the_floor_are_kept(as_j):
+    """Real eigenvalues of a bfloat16 ``J`` at ``0.21 - 0.84 u^2 tr`` are kept (the floor is ``u^2 tr / 8``): the
+    iEF and EF directions at ``lambda = 1e-4 tr`` are within ``4 u`` of the float64 solve of the same bfloat16 rows
+    (measured 1.7e-3). The floor ``u^2 tr`` dropped them: both directions were 33 % off."""
+    r = _bf16_mlp_rows()
+    j64 = r.jacobian.double()
+    evals, trace = _gram_spectrum(r.jacobian)
+    assert U16 ** 2 * trace / 8 < evals[0] < 0.3 * U16 ** 2 * trace and evals[2] < U16 ** 2 * trace  # between
+    damping = 1e-4 * trace
+    for what, got, want in [
+        ("iEF", ief.ief_direction(as_j(r.jacobian), r.logit_sqnorm, damping),
+         ief.ief_direction(j64, r.logit_sqnorm, damping)),
+        ("EF", ief.ef_direction(as_j(r.jacobian), damping), ief.ef_direction(j64, damping)),
+    ]:
+        assert got.dtype == torch.bfloat16
+        assert rel_err(got, want) < 4 * U16, f"{what}: {rel_err(got, want):.2e} off the float64 solve of the same rows"
+
+
+def _rank_deficient_rows() -> dict[str, torch.Tensor]:
+    """Rows exactly rank-deficient in float64: ``Linear(4, 3)`` on 32 samples (rank 10: the softmax residuals sum to
+    zero over classes), and a tiny MLP's 12 rows with one sample's row added again times ``1.1`` (one null direction,
+    on two proportional rows)."""
+    ps64, _ = _linear_p_below_m()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 4)).double()
+    mlp = ief.per_sample(model, torch.randn(12, 6, dtype=torch.float64), torch.randint(0, 4, (12,))).jacobian
+    return {"linear": ps64.jacobian, "mlp + 1.1 row": torch.cat([mlp, 1.1 * mlp[:1]])}
+
+
+@pytest.mark.parametrize("name", ["linear", "mlp + 1.1 row"])
+def test_bf16_rounding_of_rank_deficient_rows_stays_below_the_floor(name, as_j):
+    """Rows exact in float64 and rank-deficient, stored in bfloat16: the eigenvalues the rounding creates (beyond the
+    float64 rank) stay below a third of the floor ``u^2 tr / 8`` (measured: ``0.012`` and ``0.008 u^2 tr``), so the
+    iEF direction at ``lambda = 1e-6 tr`` is within ``4 u`` of the exact rows' (measured 1.5e-3 and 3.2e-3); kept,
+    they make it 56 times too long (``Linear``) or 8 times (the MLP)."""
+    from ief.directions import rounding_floor
+
+    j = _rank_deficient_rows()[name]
+    rank = int(torch.linalg.matrix_rank(j))
+    assert rank < j.shape[0]
+    j16 = j.to(torch.bfloat16)
+    evals, trace = _gram_spectrum(j16)
+    floor = rounding_floor(torch.bfloat16, j16.double() @ j16.double().T)
+    spurious = evals[: j.shape[0] - rank]
+    largest = float(spurious.max())
+    assert largest < floor / 3, f"spurious eigenvalue {largest / (U16 ** 2 * trace):.3f} u^2 tr"
+    assert float(evals[j.shape[0] - rank]) > 10 * floor  # the real spectrum starts far above it
+    w = torch.linspace(0.5, 2.0, j.shape[0], dtype=torch.float64)
+    damping = 1e-6 * trace
+    assert rel_err(ief.ief_direction(as_j(j16), w, damping), ief.ief_direction(j, w, damping)) < 4 * U16
 
 
 def test_sf_with_a_zero_sampled_jacobian_keeps_its_dtype_and_names_an_overflow():

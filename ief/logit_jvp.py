@@ -47,7 +47,8 @@ from torch.autograd import forward_ad
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from .model_call import ReplayableForward, call_model, forward_signature, non_reentrant_checkpointing
+from .model_call import (ReplayableForward, call_model, forward_signature, modules_of,
+                         non_reentrant_checkpointing)
 
 JVP_METHODS = ("forward", "double_backward")
 
@@ -309,18 +310,41 @@ def dual_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(z, J_z v)`` from one dual-number forward (``J_z v`` is ``None`` when the logits do not depend on params).
 
-    ``z`` keeps the autograd graph of ``params`` when grad mode is on; ``J_z v`` is computed outside it.
+    ``z`` keeps the autograd graph of ``params`` when grad mode is on; ``J_z v`` is computed outside it. The dual
+    parameters stand in the modules' parameter tables for the one call (every module holding a parameter: a tied
+    weight in each), put back when it returns or raises; :class:`LeanTangents` is active around the model's own call
+    only (every tensor method called inside a ``TorchFunctionMode`` goes through its Python handler, and
+    ``torch.func.functional_call``'s reparametrisation, the RNG replay and this setup made most of what it saw on an
+    MLP). ``names`` are kept for the callers' signature (the substitution is by identity).
     """
     with forward_ad.dual_level():
         # a tangent that is a view into a longer vector (ief.model_call.split_vector) would be copied into a zero-filled
-        # buffer by make_dual; a plain copy is cheaper. Made outside LeanTangents: every tensor method called inside a
-        # TorchFunctionMode goes through its Python handler (34 of the 39 calls it saw on an MLP were this setup).
-        duals = {n: forward_ad.make_dual(p, t.clone() if t.storage_offset() or t.untyped_storage().nbytes()
-                                         != t.numel() * t.element_size() else t)
-                 for n, p, t in zip(names, params, tangents)}
-        with LeanTangents():
-            logits = forward(substitute=duals)
+        # buffer by make_dual; a plain copy is cheaper
+        duals = {id(p): forward_ad.make_dual(p, t.clone() if t.storage_offset() or t.untyped_storage().nbytes()
+                                             != t.numel() * t.element_size() else t)
+                 for p, t in zip(params, tangents)}
+        with _substituted(forward.model, duals):
+            logits = forward(around=LeanTangents)
         return tuple(forward_ad.unpack_dual(logits))
+
+
+@contextlib.contextmanager
+def _substituted(model: torch.nn.Module, tensors: dict[int, torch.Tensor]) -> Iterator[None]:
+    """``tensors`` (by the ``id`` of the parameter each replaces) in the parameter tables of every module of ``model``
+    holding that parameter, put back on exit (also when the body raises)."""
+    swapped = []
+    try:
+        for module in modules_of(model):
+            table = module._parameters
+            for key, p in table.items():
+                if p is not None and id(p) in tensors:
+                    swapped.append((table, key, p))
+        for table, key, p in swapped:
+            table[key] = tensors[id(p)]
+        yield
+    finally:
+        for table, key, p in swapped:
+            table[key] = p
 
 
 def unsupported_message(forward: ReplayableForward, params, names, tangents, err: NotImplementedError) -> str:

@@ -606,17 +606,21 @@ class ReplayableForward:
             return bool(self._devices) and any(m.training for m in self.model.modules())
         return self._draws_cuda_random
 
-    def __call__(self, substitute: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Logits, optionally with some parameters substituted (``torch.func.functional_call``).
+    def __call__(self, substitute: Mapping[str, torch.Tensor] | None = None,
+                 around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+        """Logits, optionally with some parameters substituted (``torch.func.functional_call``), the model's call
+        inside ``around()`` (e.g. a ``TorchFunctionMode``: only the model's own operations pass through it).
 
         HuggingFace layers checkpointed reentrantly run non-reentrantly, any other reentrant checkpoint raises
         :class:`ReentrantCheckpointError` (:func:`non_reentrant_checkpointing`). With ``watch`` set and gradients on,
         ``reached`` is filled from it (:func:`scan_graph`)."""
         with self._replayed_rng(), non_reentrant_checkpointing(self.model):
             if substitute is None:
-                logits = call_model(self.model, self.inputs)
+                with around():
+                    logits = call_model(self.model, self.inputs)
             else:
-                logits = _functional_logits(self.model, substitute, self.inputs)
+                with around():
+                    logits = _functional_logits(self.model, substitute, self.inputs)
         self.reached = scan_graph(logits, self.watch) if self.watch and torch.is_grad_enabled() else set()
         return logits
 

@@ -259,3 +259,46 @@ def test_nested_differentiable_kernels_keep_and_restore_the_settings():
         assert torch.backends.mkldnn.enabled  # restored to what it was when that block was entered
     assert (torch.backends.mkldnn.enabled, torch.backends.mha.get_fastpath_enabled(),
             torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before
+
+
+class _TiedHead(torch.nn.Module):
+    """An embedding table that is also the output layer's weight (held by both modules), and a parametrised Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(7, 4)
+        self.mid = torch.nn.Linear(4, 4)
+        torch.nn.utils.parametrize.register_parametrization(self.mid, "weight", _Doubled())
+        self.head = torch.nn.Linear(4, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_the_dual_forward_substitutes_a_tied_and_a_parametrised_weight_everywhere_and_puts_them_back():
+    """The dual parameters stand in every module holding them for the one call (the tied table in the embedding and
+    the head, the parametrisation's original): J_z v equals the double-backward one, and the modules hold their own
+    parameters again after the call and after a call that raises."""
+    torch.manual_seed(0)
+    model = _TiedHead().double()
+    ids = torch.randint(0, 7, (3, 5))
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = param_names(model, params)
+    tangents = split_vector(torch.randn(sum(p.numel() for p in params), dtype=torch.float64), params)
+    held = [(module, key, p) for module in model.modules() for key, p in module._parameters.items()]
+    _, jv = dual_forward(ReplayableForward(model, ids), params, names, tangents)
+    logits = model(ids)
+    probe = torch.zeros_like(logits, requires_grad=True)
+    vjp = torch.autograd.grad(logits, params, probe, create_graph=True)
+    (expected,) = torch.autograd.grad(vjp, probe, tangents)
+    assert torch.allclose(jv, expected, rtol=1e-12, atol=1e-12)
+    assert all(module._parameters[key] is p for module, key, p in held)
+    with pytest.raises(IndexError):  # ids outside the table: the embedding raises inside the substituted call
+        dual_forward(ReplayableForward(model, ids + 100), params, names, tangents)
+    assert all(module._parameters[key] is p for module, key, p in held)

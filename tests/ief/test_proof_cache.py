@@ -15,6 +15,7 @@ import collections
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ief
 from ief.jacobian.capture import PerSampleCapture
@@ -208,3 +209,81 @@ def test_the_forward_mode_hazard_is_watched_again_after_a_module_changes():
     assert forward_mode_hazard(ReplayableForward(model, x)) is None  # kept
     model.slot = Recast()  # a verdict kept per model alone would let forward mode run on it
     assert ".data" in forward_mode_hazard(ReplayableForward(model, x))
+
+
+class _Operators(TorchDispatchMode):
+    """The number of aten operators dispatched while active (forward and backward: after autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.total += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _operators(call) -> int:
+    with _Operators() as counter:
+        call()
+    return counter.total
+
+
+def _tiny_gpt2():
+    """A full-parameter GPT-2 (HF ``Conv1D`` layers, the position table fed ``[1, T]`` ids, its tied token table
+    frozen) on ``[M, T]`` tokens with next-token targets."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, n_inner=32, bos_token_id=0,
+                     eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).eval()
+    model.transformer.wte.weight.requires_grad_(False)
+    ids = torch.randint(1, 40, (M, 9))
+    targets = ids[:, 1:].clone()
+    targets[:, -1] = ief.IGNORE_INDEX
+    return model, {"input_ids": ids[:, :-1]}, targets
+
+
+# what a steady call with the default check may dispatch beyond the same call with every check off
+STEADY_CHECK_OPERATORS = 0
+
+
+@pytest.mark.parametrize("build", [_setup, _tiny_gpt2], ids=["tokens", "gpt2"])
+@pytest.mark.parametrize("form", ["dense", "auto"])
+def test_a_steady_call_dispatches_what_an_unchecked_call_does(build, form):
+    """Operators are the device-independent cost of a call (each a kernel launch on a GPU): a steady call with the
+    default check (its proofs, precision record and guard already settled for this signature) dispatches no more of
+    them than the same call with ``check=False``. The first call's proofs are visible to the count (its probe and
+    proof forwards), so a proof or a pass over ``J`` that came back to every call would fail this test (as the
+    column-block finiteness pass that once cost full-parameter BERT ~20 % of a backward would)."""
+    model, x, y = build()
+    first = _operators(lambda: ief.per_sample(model, x, y, form=form))
+    ief.per_sample(model, x, y, form=form)
+    steady = _operators(lambda: ief.per_sample(model, x, y, form=form))
+    ief.per_sample(model, x, y, check=False, form=form)
+    unchecked = _operators(lambda: ief.per_sample(model, x, y, check=False, form=form))
+    assert steady <= unchecked + STEADY_CHECK_OPERATORS, (steady, unchecked)
+    assert first > steady + 20, (first, steady)  # the proofs' forwards, counted
+
+
+def _mlp(width: int):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(D, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+                                torch.nn.Tanh(), torch.nn.Linear(width, C))
+    return model, torch.randn(M, D), torch.randint(0, C, (M,))
+
+
+@pytest.mark.parametrize("form", ["dense", "auto"])
+def test_a_steady_call_dispatches_as_many_operators_whatever_the_parameter_count(form):
+    """The operators of a steady call do not grow with ``P``: the same layers 8 and 600 wide (``P`` 147 and 366k,
+    six column blocks of ``ief.model_call.COLUMN_CHUNK``) dispatch the same number. A pass over ``J`` by column blocks
+    (a finiteness flag per block, as full-parameter BERT's steady call once paid at ~20 % of a backward) grows with
+    ``P`` and fails this test."""
+    counts = []
+    for width in (8, 600):
+        model, x, y = _mlp(width)
+        for _ in range(2):
+            ief.per_sample(model, x, y, form=form)
+        counts.append(_operators(lambda: ief.per_sample(model, x, y, form=form)))
+    assert counts[0] == counts[1], counts

@@ -24,18 +24,45 @@ def _union_rows(sizes: list[int]) -> torch.Tensor:
     return torch.randn(sum(sizes), P, generator=gen, dtype=torch.float64)
 
 
-def _spawn(fn, world: int, tmp_path: Path, *args) -> list:
-    """Run ``fn(rank, world, store, out, *args)`` on ``world`` gloo processes; each returns what it pickled."""
+SPAWN_DEADLINE = 900.0  # seconds a multi-process test may run before it fails as hung (every rank killed)
+COLLECTIVE_TIMEOUT = 300.0  # seconds a gloo collective waits for the other ranks before it raises
+
+
+def _join(context, world: int, deadline: float) -> None:
+    """Wait for ``context``'s processes (``torch.multiprocessing.start_processes(join=False)``), re-raising a rank's
+    exception; past ``deadline`` seconds every rank still running is killed and the test fails as hung: ranks that
+    wait on each other for ever fail the test, they never hang the suite."""
+    import time
+
+    end = time.monotonic() + deadline
+    while not context.join(timeout=max(0.1, min(5.0, end - time.monotonic()))):
+        if time.monotonic() > end:
+            alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"hung: ranks {alive} of {world} still running after {deadline:.0f} s (killed)")
+
+
+def _spawn(fn, world: int, tmp_path: Path, *args, deadline: float = SPAWN_DEADLINE,
+           collective_timeout: float = COLLECTIVE_TIMEOUT) -> list:
+    """Run ``fn(rank, *args)`` on ``world`` gloo processes; each returns what it pickled. A collective waits at most
+    ``collective_timeout`` seconds and the processes together run at most ``deadline`` seconds (:func:`_join`)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     outs = [tmp_path / f"rank{r}.pkl" for r in range(world)]
-    mp.spawn(_entry, args=(fn, world, str(tmp_path / "store"), [str(o) for o in outs], args), nprocs=world,
-             join=True, start_method="spawn")
+    context = mp.start_processes(_entry, args=(fn, world, str(tmp_path / "store"), [str(o) for o in outs], args,
+                                               collective_timeout), nprocs=world, join=False, start_method="spawn")
+    _join(context, world, deadline)
     return [pickle.loads(o.read_bytes()) for o in outs]
 
 
-def _entry(rank: int, fn, world: int, store: str, outs: list[str], args: tuple) -> None:
+def _entry(rank: int, fn, world: int, store: str, outs: list[str], args: tuple,
+           collective_timeout: float = COLLECTIVE_TIMEOUT) -> None:
+    from datetime import timedelta
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=collective_timeout))
     try:
         Path(outs[rank]).write_bytes(pickle.dumps(fn(rank, *args)))
         dist.barrier()  # no rank leaves (closing its connections) while another still talks to it
@@ -576,8 +603,9 @@ def _trainer_entry(rank: int, world: int, port: int, folder: str, out: str, step
 def _run_trainer(world: int, tmp_path: Path, name: str, steps: int, stop_at=None, resume=None) -> list[dict]:
     out = tmp_path / f"{name}-results"
     out.mkdir(parents=True)
-    mp.spawn(_trainer_entry, args=(world, _free_port(), str(tmp_path / "run"), str(out), steps, stop_at, resume),
-             nprocs=world, join=True, start_method="spawn")
+    context = mp.start_processes(_trainer_entry, args=(world, _free_port(), str(tmp_path / "run"), str(out), steps,
+                                                       stop_at, resume), nprocs=world, join=False, start_method="spawn")
+    _join(context, world, SPAWN_DEADLINE)
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 

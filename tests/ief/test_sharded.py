@@ -139,10 +139,12 @@ def _train_union(name: str, method: str, sizes: list[int]) -> dict:
 
 @pytest.mark.parametrize("name, methods, sizes", [
     ("mlp", ["ief-mean-momentum-wd", "ef", "sf"], [3, 5]),
-    ("mlp", ["ief-ghost", "ief-mean-momentum-wd"], [4, 1, 6]),
+    ("mlp", ["ief-ghost", "ief-mean-momentum-wd", "ef", "sf"], [4, 1, 6]),
+    ("gpt2", ["ief-mean-momentum-wd"], [3, 2]),
     ("gpt2", ["ief-mean-momentum-wd"], [2, 1, 3]),
     ("llama-lora", ["ief-mean-momentum-wd"], [3, 2]),
-], ids=["mlp-2", "mlp-3", "gpt2-3", "llama-lora-2"])
+    ("llama-lora", ["ief-mean-momentum-wd"], [2, 3, 1]),
+], ids=["mlp-2", "mlp-3", "gpt2-2", "gpt2-3", "llama-lora-2", "llama-lora-3"])
 def test_a_step_on_an_fsdp2_model_is_one_process_on_the_union_batch(name, methods, sizes, tmp_path):
     """Three steps on R gloo processes of a model whose submodules are sharded separately (and a frozen base under
     LoRA) give every rank the same losses and, gathered, the same parameters, equal to one process stepping on the
@@ -177,8 +179,102 @@ def test_a_step_on_an_fsdp2_model_is_one_process_on_the_union_batch(name, method
             assert looped <= {"transformer.wpe.weight"}, report.routes  # GPT-2's [1, T] positions: as one process
 
 
+# ------------------------------------------------------------------------- the same collectives on every rank
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
+               "broadcast_object_list", "barrier", "all_to_all_single", "gather", "scatter")
+PROBING_SIZES = [[2, 1, 3], [2, 3, 1], [3, 3, 1]]  # per step, per rank: a first-seen shape, a seen one, one sample
+
+
+def _collectives_on_rank(rank: int) -> dict:
+    """Three GPT-2 steps whose local batches make the ranks' per-sample machinery decide differently (rank 0: a new
+    shape, the same, a new one; rank 1: one sample, a new shape, the same; rank 2: a new shape, one sample twice), each
+    step's torch.distributed calls recorded (name and first tensor's shape)."""
+    import ief
+
+    model = _shard("gpt2", _gpt2())
+    opt = ief.optim.IEF(model, lr=0.3, damping=1e-4, reduction="mean", momentum=0.9)
+    gen = torch.Generator().manual_seed(13)
+    calls: list = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def recorder(name, original):
+        def recorded(*args, **kwargs):
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            calls.append((name, None if first is None else tuple(first.shape)))
+            return original(*args, **kwargs)
+        return recorded
+
+    steps = []
+    for sizes in PROBING_SIZES:
+        batch = _lm_batch(sizes[rank], gen)
+        for name, original in originals.items():
+            setattr(dist, name, recorder(name, original))
+        try:
+            opt.step(*batch)
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
+        steps.append(list(calls))
+        calls.clear()
+    return dict(steps=steps, params={n: p.full_tensor() for n, p in model.named_parameters()})
+
+
+def test_every_rank_calls_the_same_collectives_whatever_its_local_probing(tmp_path):
+    """Every forward and backward of an FSDP2 module is a collective, so a step must call the same collectives in
+    the same order on every rank although each rank's per-sample machinery decides for itself whether to probe its
+    batch's sample axis (a shape it has not proven; none for one sample) or to take a kept proof: these extra
+    forwards run where FSDP2 issues none (every module unsharded for the step, ief.sharded), and each step's
+    recorded torch.distributed calls (FSDP2's all-gathers among them) are the same on 3 ranks. (Rows taken under
+    FSDP2's own per-layer hooks made the ranks' all-gathers differ, and the step hung.)"""
+    results = _spawn(_collectives_on_rank, 3, tmp_path)
+    for step in range(len(PROBING_SIZES)):
+        first = results[0]["steps"][step]
+        assert any(name == "all_gather_single" for name, _ in first), first  # FSDP2's all-gathers are recorded
+        for rank, result in enumerate(results[1:], 1):
+            assert result["steps"][step] == first, (step, rank)
+    assert all(torch.equal(results[0]["params"][n], r["params"][n]) for r in results[1:] for n in results[0]["params"])
+
+
+# --------------------------------------------------------------------- the optimiser's state, one file a rank
+def _state_round_trip_on_rank(rank: int) -> dict:
+    """Two IEF steps with momentum on the sharded MLP, its state saved per rank (model shards and optimiser state),
+    loaded into a fresh sharded model and optimiser, one more step; beside three uninterrupted steps."""
+    import ief
+    from ief.sharded import load_local_state, local_state
+
+    def build():
+        model = _shard("mlp", _mlp())
+        return model, ief.optim.IEF(model, lr=0.3, damping=1e-3, momentum=0.9, weight_decay=0.01)
+
+    batches = [b[rank] for b in _batches("mlp", [3, 5])]
+    model, opt = build()
+    for x, y in batches[:2]:
+        opt.step(x, y)
+    saved = copy.deepcopy((local_state(model), opt.state_dict()))
+    opt.step(*batches[2])
+    straight = {n: p.full_tensor() for n, p in model.named_parameters()}
+    model, opt = build()
+    load_local_state(model, saved[0], "the saved state")
+    opt.load_state_dict(saved[1])
+    opt.step(*batches[2])
+    resumed = {n: p.full_tensor() for n, p in model.named_parameters()}
+    buffers = [tuple(b.shape) for s in opt.state.values() for k, b in s.items() if k == "momentum_buffer"]
+    return dict(equal=all(torch.equal(straight[n], resumed[n]) for n in straight), buffers=buffers)
+
+
+def test_an_fsdp2_optimiser_state_saved_per_rank_resumes_bit_for_bit(tmp_path):
+    """An optimiser on an FSDP2 model keeps its momentum buffers as local shards: its state_dict, saved on each rank
+    with the model's shards (ief.sharded.local_state), loads into a fresh sharded model and optimiser (each buffer
+    checked against its parameter's local shard, the ranks' differing shards not held to be replicas) and the next
+    step equals the uninterrupted one bit for bit."""
+    results = _spawn(_state_round_trip_on_rank, 2, tmp_path)
+    assert all(r["equal"] for r in results)
+    assert results[0]["buffers"] and all(shape[0] == 8 for shape in results[0]["buffers"][:2])  # shards of 16 rows
+
+
 # ------------------------------------------------------------------------------------------------ a NaN on one rank
-def _nan_on_rank_one(rank: int) -> dict:
+def _nan_on_rank_one(rank: int, world: int) -> dict:
     import ief
 
     model = _shard("mlp", _mlp())
@@ -200,12 +296,15 @@ def _nan_on_rank_one(rank: int) -> dict:
     return dict(kind=kind, message=message, unchanged=unchanged, after=after)
 
 
-def test_a_nan_on_one_rank_ends_every_rank_with_the_same_error(tmp_path):
-    results = _spawn(_nan_on_rank_one, 2, tmp_path)
-    assert [r["kind"] for r in results] == ["FloatingPointError", "FloatingPointError"], results
-    assert results[0]["message"].startswith("step 0: rank 1 failed (FloatingPointError): ")
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_nan_on_one_rank_ends_every_rank_with_the_same_error(world, tmp_path):
+    results = _spawn(_nan_on_rank_one, world, tmp_path, world)
+    assert [r["kind"] for r in results] == ["FloatingPointError"] * world, results
+    for rank, result in enumerate(results):
+        if rank != 1:
+            assert result["message"].startswith("step 0: rank 1 failed (FloatingPointError): "), result["message"]
     assert all(r["unchanged"] for r in results)
-    assert results[0]["after"] == results[1]["after"]
+    assert len({r["after"] for r in results}) == 1
 
 
 # -------------------------------------------------------------------------------------------------------- refusals
@@ -390,22 +489,22 @@ def _bf16_on_rank(rank: int, sizes: list[int]) -> dict:
     return dict(masters=masters, dtypes={str(p.to_local().dtype) for p in model.parameters()})
 
 
-def test_bf16_compute_with_float32_reduce_steps_as_bf16_weights_on_float32_masters(tmp_path):
-    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on 2 gloo processes: each step equals the one-process
-    iEF direction of the union batch on the model's weights rounded to bfloat16 (the per-sample rows in bfloat16, the
-    Gram and solve in float64, the direction in bfloat16: ief.precision's contract for bfloat16 weights), applied to
-    float32 masters (the shards stay float32). Tolerance from the format: the rows carry bfloat16's rounding (u =
-    2^-8) and the ranks' smaller forwards may round some activations differently from the union's, so the step may
-    differ by a few u of its norm; 4 u is allowed (a float32 step, or a direction of the float32 weights, differs by
-    far more)."""
+@pytest.mark.parametrize("sizes", [[3, 5], [3, 1, 4]], ids=["2", "3"])
+def test_bf16_compute_with_float32_reduce_steps_as_bf16_weights_on_float32_masters(sizes, tmp_path):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on 2 and 3 gloo processes: each step equals the
+    one-process iEF direction of the union batch on the model's weights rounded to bfloat16 (the per-sample rows in
+    bfloat16, the Gram and solve in float64, the direction in bfloat16: ief.precision's contract for bfloat16
+    weights), applied to float32 masters (the shards stay float32). Tolerance from the format: the rows carry
+    bfloat16's rounding (u = 2^-8) and the ranks' smaller forwards may round some activations differently from the
+    union's, so the step may differ by a few u of its norm; 4 u is allowed (a float32 step, or a direction of the
+    float32 weights, differs by far more)."""
     import ief
 
-    sizes = [3, 5]
-    results = _spawn(_bf16_on_rank, 2, tmp_path, sizes)
+    results = _spawn(_bf16_on_rank, len(sizes), tmp_path, sizes)
     assert results[0]["dtypes"] == {"torch.float32"}
     for step in range(BF16_STEPS):
         for n in results[0]["masters"][step]:
-            assert torch.equal(results[0]["masters"][step][n], results[1]["masters"][step][n])
+            assert all(torch.equal(results[0]["masters"][step][n], r["masters"][step][n]) for r in results[1:])
     master = _mlp().float()
     u = 2.0 ** -8
     for step, per_rank in enumerate(_bf16_batches(sizes)):

@@ -4,14 +4,17 @@ separately; what cannot step on shards refused before any work, on every rank, i
 from __future__ import annotations
 
 import copy
+import pickle
 import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ief.sharded import ROUTE
-from test_distributed import OPTIMISERS, _spawn
+from test_distributed import OPTIMISERS, SPAWN_DEADLINE, _free_port, _join, _spawn
 
 pytestmark = pytest.mark.slow  # every test here starts gloo processes: the slow tier
 
@@ -521,3 +524,116 @@ def test_bf16_compute_with_float32_reduce_steps_as_bf16_weights_on_float32_maste
         with torch.no_grad():  # the next reference step starts from the sharded run's masters
             for p, value in zip(master.parameters(), results[0]["masters"][step].values()):
                 p.copy_(value)
+
+
+# ------------------------------------------------------------------------------ IEFTrainer on an FSDP2 model
+TRAINER_ARGS = dict(learning_rate=0.5, max_grad_norm=0.0, logging_steps=1, report_to="none", use_cpu=True,
+                    disable_tqdm=True, seed=0, train_sampling_strategy="sequential", lr_scheduler_type="linear",
+                    weight_decay=0.01)
+TRAINER_OPTIMISER = dict(optimizer="ief", optimizer_kwargs=dict(damping=1e-3, momentum=0.5))
+
+
+def _fsdp2_trainer_on_rank(rank: int, world: int, port: int, folder: str, steps: int, stop_at, resume,
+                           final) -> dict:
+    """An IEFTrainer run as torchrun starts it, on the tiny BERT-LoRA classifier sharded with fully_shard (each
+    encoder layer, then the root) before it is handed to the Trainer."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    import datasets
+    from torch.distributed.fsdp import fully_shard
+    from transformers import TrainerCallback, TrainingArguments
+
+    from ief.hf import IEFTrainer
+    from test_hf import bert_lora, classification_rows
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if stop_at is not None and state.global_step >= stop_at:
+                control.should_training_stop = True
+
+    args = TrainingArguments(output_dir=folder, per_device_train_batch_size=4, max_steps=steps, ddp_backend="gloo",
+                             save_strategy="steps", save_steps=2, **TRAINER_ARGS)
+    assert args.device.type == "cpu" and args.world_size == world  # the arguments start the process group: shard
+    model = bert_lora()
+    for layer in model.base_model.model.bert.encoder.layer:
+        fully_shard(layer)
+    fully_shard(model)
+    trainer = IEFTrainer(model, args, train_dataset=datasets.Dataset.from_dict(classification_rows()),
+                         callbacks=[Stop()], **TRAINER_OPTIMISER)
+    trainer.train(resume_from_checkpoint=resume)
+    if final is not None:
+        trainer.save_model(final)
+    params = torch.cat([p.full_tensor().detach().reshape(-1) for p in trainer.model.parameters() if p.requires_grad])
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    report = trainer.ief_optimizer.last_step_report
+    return dict(params=params.clone(), losses=losses, step=trainer.state.global_step,
+                wrapped=type(trainer.model_wrapped).__name__, sharding=report.sharding, ranks=report.ranks,
+                shards=[p.to_local().numel() < p.numel() for p in trainer.model.parameters()])
+
+
+def _fsdp2_trainer_entry(rank: int, world: int, port: int, folder: str, out: str, steps, stop_at, resume,
+                         final) -> None:
+    torch.set_num_threads(1)
+    result = _fsdp2_trainer_on_rank(rank, world, port, folder, steps, stop_at, resume, final)
+    Path(out).joinpath(f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _run_fsdp2_trainer(tmp_path: Path, name: str, steps: int, stop_at=None, resume=None, final=None) -> list[dict]:
+    out = tmp_path / f"{name}-results"
+    out.mkdir(parents=True)
+    context = mp.start_processes(_fsdp2_trainer_entry, args=(2, _free_port(), str(tmp_path / "run"), str(out), steps,
+                                                             stop_at, resume, final),
+                                 nprocs=2, join=False, start_method="spawn")
+    _join(context, 2, SPAWN_DEADLINE)
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+
+
+def test_the_trainer_trains_an_fsdp2_model_as_one_process_on_the_union_batch_and_resumes_bit_for_bit(tmp_path):
+    """IEFTrainer on a model the user sharded with fully_shard, launched as torchrun would (two gloo processes,
+    sequential data: rank r takes every other batch of 4), is left unwrapped (no DDP), steps iEF on the FSDP2 route
+    with momentum and the Trainer's weight-decay groups, and equals one process at the union batch of 8 (float64);
+    stopped at its step-2 checkpoint and resumed on two processes it ends bit for bit where the uninterrupted run
+    does; save_model writes the full weights, which a fresh model loads."""
+    import datasets
+    import safetensors.torch
+    from transformers import TrainingArguments
+
+    from ief.hf import IEFTrainer
+    from test_hf import bert_lora, classification_rows
+
+    final = tmp_path / "final"
+    whole = _run_fsdp2_trainer(tmp_path / "whole", "whole", 4, final=str(final))
+    for result in whole:
+        assert (result["step"], result["wrapped"], result["sharding"], result["ranks"]) == (4, whole[0]["wrapped"],
+                                                                                           ROUTE, 2)
+        assert "DistributedDataParallel" not in result["wrapped"] and any(result["shards"])
+    assert torch.equal(whole[0]["params"], whole[1]["params"]) and whole[0]["losses"] == whole[1]["losses"]
+    args = TrainingArguments(output_dir=str(tmp_path / "one"), per_device_train_batch_size=8, max_steps=4,
+                             save_strategy="no", **TRAINER_ARGS)
+    one = IEFTrainer(bert_lora(), args, train_dataset=datasets.Dataset.from_dict(classification_rows()),
+                     **TRAINER_OPTIMISER)
+    one.train()
+    flat = torch.cat([p.detach().reshape(-1) for p in one.model.parameters() if p.requires_grad])
+    moved = torch.cat([p.detach().reshape(-1) for p in bert_lora().parameters() if p.requires_grad])
+    assert float((flat - moved).norm()) > 1e-3  # the steps moved the parameters: the comparison means something
+    assert float((whole[0]["params"] - flat).norm() / flat.norm()) < 1e-10
+    losses = [h["loss"] for h in one.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert whole[0]["losses"] == pytest.approx(losses, rel=1e-4)  # (the Trainer logs 4 significant digits)
+    loaded = bert_lora()  # the saved adapter and classifier, loaded into a fresh model, are the trained ones
+    import peft
+
+    peft.set_peft_model_state_dict(loaded, safetensors.torch.load_file(str(final / "adapter_model.safetensors")))
+    reloaded = torch.cat([p.detach().reshape(-1) for p in loaded.parameters() if p.requires_grad])
+    assert torch.equal(reloaded, whole[0]["params"])
+    split = tmp_path / "split"
+    first = _run_fsdp2_trainer(split, "first", 4, stop_at=2)
+    assert first[0]["step"] == 2
+    resumed = _run_fsdp2_trainer(split, "resumed", 4, resume=str(split / "run" / "checkpoint-2"))
+    assert resumed[0]["step"] == 4
+    for rank in range(2):
+        assert torch.equal(resumed[rank]["params"], whole[rank]["params"])

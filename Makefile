@@ -89,7 +89,7 @@ lock:
 TEST_WORKERS ?= auto
 test: $(ENV_READY) $(CHROMIUM)
 	$(PYTHON) -m tools.book build --scale smoke --output _build/smoke
-	IEF_TEST_RUNS=$(CURDIR)/runs $(PYTHON) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile tests
+	IEF_TEST_RUNS=$(CURDIR)/runs $(PYTHON) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --durations 30 tests
 	$(PYTHON) -m tools.kernels --results results/smoke --runs runs --out _build/smoke/kernels-default
 
 # The library's tier alone (tests/ief): no book, no workflow, no companion; the inner loop of work on ief/. Tests

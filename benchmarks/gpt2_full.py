@@ -53,6 +53,7 @@ LABELS = {
     "per_sample": "`ief.per_sample(form=\"auto\")`",
     "adamw_step": "AdamW step",
     "ief_step": "`IEF` step",
+    "ief_step_rows": "`IEF` step, form=\"rows\"",
     "ief_step_before": "`IEF` step before",
 }
 
@@ -95,16 +96,28 @@ def cases(model, x: dict, y: torch.Tensor, before: Any = None) -> dict:
         adam.step()
 
     opt = ief.optim.IEF(copy.deepcopy(model), lr=1e-4)
+    rows = ief.optim.IEF(copy.deepcopy(model), lr=1e-4, form="rows")  # every weight's rows kept: the route before
     out = {
         "backward": backward,
         "per_sample": lambda: ief.per_sample(model, x, y, form="auto"),
         "adamw_step": adamw_step,
         "ief_step": lambda: opt.step(x, y),
+        "ief_step_rows": lambda: rows.step(x, y),
     }
+    held = {"adamw_step": adam, "ief_step": opt, "ief_step_rows": rows}
+    out["held_mib"] = lambda key: held_mib(held[key])
     if before is not None:
         old = before.optim.IEF(copy.deepcopy(model), lr=1e-4)
         out["ief_step_before"] = lambda: old.step(x, y)
     return out
+
+
+def held_mib(opt: torch.optim.Optimizer) -> float:
+    """The tensors an optimiser keeps from step to step (MiB): AdamW's moments and step counters, an exact
+    optimiser's reused ``J`` buffer and momentum buffers; what a step's peak of new tensors does not count."""
+    tensors = [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    buffer = getattr(opt, "_buffer", None)
+    return sum(t.numel() * t.element_size() for t in [*tensors, *([buffer] if buffer is not None else [])]) / 2**20
 
 
 def first_sync(step, device: torch.device) -> str | None:
@@ -142,6 +155,7 @@ def run_head(args, head: str, device: torch.device, before: Any = None) -> dict:
     model, x, y = build(args.size, head, args.batch, args.tokens, args.seed, device)
     n_params = sum(p.numel() for p in model.parameters())
     calls = cases(model, x, y, before)
+    held_of = calls.pop("held_mib")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         calls["per_sample"]()
@@ -150,29 +164,34 @@ def run_head(args, head: str, device: torch.device, before: Any = None) -> dict:
         warnings.simplefilter("ignore")
         times = harness.round_robin(calls, args.repeats, args.warmup, device=device)
         refs = {"backward": None, "per_sample": "backward", "adamw_step": None, "ief_step": "adamw_step",
-                "ief_step_before": "adamw_step"}
+                "ief_step_rows": "adamw_step", "ief_step_before": "adamw_step"}
         rows = harness.rows(times, {k: v for k, v in refs.items() if k in calls}, LABELS)
-        memory = {k: harness.peak_memory_mib(calls[k], device) for k in ("adamw_step", "ief_step")}
+        stepping = ("adamw_step", "ief_step", "ief_step_rows")
+        memory = {k: harness.peak_memory_mib(calls[k], device) for k in stepping}
+        held = {k: held_of(k) for k in stepping}
         sync = first_sync(calls["ief_step"], device)
         prof = profile_rows(calls["ief_step"], device, args.profile_rows)
         steps = {"ief_step": ief, "ief_step_before": before}
         split = {k: phases.attribute(lib, calls[k], device, args.repeats) for k, lib in steps.items() if k in calls}
-        counts = {k: host_syncs.count_call(calls[k]) for k in steps if k in calls}
+        counts = {k: host_syncs.count_call(calls[k]) for k in (*steps, *stepping) if k in calls}
         counted = {k: dict(round_trips=c.round_trips, operators=c.operators) for k, c in counts.items()}
     print(f"\n{args.size} GPT-2, {head} head: P = {n_params:,}, M = {args.batch}, T = {args.tokens}, "
           f"loop: {slow[0] if slow else 'none'}", flush=True)
     for r in rows:
         print(f"{r['label']:<34} {r['median_ms']:>10.2f} ms  {(r['ratio'] or 1.0):>6.2f}x", flush=True)
     mib = {k: "n/a" if v is None else f"{v:.1f}" for k, v in memory.items()}
-    print(f"peak MiB added: AdamW {mib['adamw_step']}, IEF {mib['ief_step']}; first host sync of a steady IEF "
-          f"step: {sync}", flush=True)
+    print(f"peak MiB added: AdamW {mib['adamw_step']}, IEF {mib['ief_step']}, IEF rows {mib['ief_step_rows']}; held "
+          f"from step to step: AdamW {held['adamw_step']:.1f}, IEF {held['ief_step']:.1f}, IEF rows "
+          f"{held['ief_step_rows']:.1f}; operators: AdamW {counted['adamw_step']['operators']}, IEF "
+          f"{counted['ief_step']['operators']}, IEF rows {counted['ief_step_rows']['operators']}; first host sync of "
+          f"a steady IEF step: {sync}", flush=True)
     for name, count, ms in prof:
         print(f"  {name:<60} {count:>6} {ms:>9.3f} ms", flush=True)
     for k, ms in split.items():
         parts = ", ".join(f"{phase} {value:.1f}" for phase, value in ms.items())
         print(f"{k} phases (median ms; finite nests in its caller): {parts}; {counted[k]['round_trips']} host "
               f"round-trips, {counted[k]['operators']} operators", flush=True)
-    return dict(head=head, params=n_params, rows=rows, peak_mib=memory, first_sync=sync, profile=prof,
+    return dict(head=head, params=n_params, rows=rows, peak_mib=memory, held_mib=held, first_sync=sync, profile=prof,
                 phases_ms=split, counts=counted, slow_path=slow, other_load_cores=load.cores)
 
 
@@ -180,10 +199,13 @@ def summary_tables(results: list[dict], before: str | None) -> list[dict]:
     body, split = [], []
     for r in results:
         by = {row["key"]: row for row in r["rows"]}
+        peak, held, ops = r["peak_mib"], r.get("held_mib", {}), r["counts"]
         body.append([r["head"], r["params"], by["backward"]["median_ms"], by["per_sample"]["ratio"],
                      by["adamw_step"]["median_ms"], by["ief_step"]["median_ms"], by["ief_step"]["ratio"],
-                     by.get("ief_step_before", {}).get("ratio"), r["peak_mib"]["ief_step"],
-                     r["peak_mib"]["adamw_step"], r["first_sync"] or "none"])
+                     by.get("ief_step_rows", {}).get("ratio"), by.get("ief_step_before", {}).get("ratio"),
+                     peak["ief_step"], peak["adamw_step"], held.get("ief_step"), held.get("adamw_step"),
+                     ops.get("ief_step", {}).get("operators"), ops.get("adamw_step", {}).get("operators"),
+                     r["first_sync"] or "none"])
         for key, ms in r["phases_ms"].items():
             split.append([r["head"], "before" if key == "ief_step_before" else "now",
                           *(ms[phase] for phase in phases.PHASES), r["counts"][key]["operators"],
@@ -192,9 +214,14 @@ def summary_tables(results: list[dict], before: str | None) -> list[dict]:
         "GPT-2 full fine-tuning: per-sample J over a backward, the IEF step over an AdamW step",
         [("head", "s"), ("parameters", ",d"), ("backward ms", ".1f"), ("per-sample J / backward", ".2f"),
          ("AdamW step ms", ".1f"), ("IEF step ms", ".1f"), ("IEF / AdamW", ".2f"),
-         ("IEF before / AdamW", ".2f"), ("IEF peak MiB", ".0f"), ("AdamW peak MiB", ".0f"),
-         ("first host sync in a steady IEF step", "s")],
-        body, note=f"'before': ief at {before}, loaded from git, timed in the same rounds" if before else ""),
+         ("IEF form=rows / AdamW", ".2f"), ("IEF before / AdamW", ".2f"), ("IEF peak MiB", ".0f"),
+         ("AdamW peak MiB", ".0f"), ("IEF held MiB", ".1f"), ("AdamW held MiB", ".1f"), ("IEF operators", "d"),
+         ("AdamW operators", "d"), ("first host sync in a steady IEF step", "s")],
+        body, note="peak: the new tensors a steady step adds at its peak; held: what the optimiser keeps from step to "
+                   "step (AdamW's moments; IEF's reused J buffer: with form=\"rows\" every weight's rows, with the "
+                   "default form=\"auto\" the streamed weights' are not in it, ief.streamed); operators: one steady "
+                   "step's dispatched aten operators (benchmarks/host_syncs.py)"
+                   + (f"; 'before': ief at {before}, loaded from git, timed in the same rounds" if before else "")),
         harness.table(
         "GPT-2 full fine-tuning: a steady IEF step by phase (median ms; benchmarks/phases.py)",
         [("head", "s"), ("ief", "s"), *((phase, ".1f") for phase in phases.PHASES), ("operators", "d"),

@@ -33,7 +33,10 @@ of any rank) before them; and the direction's all-reduce of ``8 P`` bytes (a rin
 The rule (:func:`gram_plan`, the same on every rank, for it reads the all-gathered layouts and never this rank's rows
 alone: ranks at different ``M_r`` may choose different forms, :func:`ief.rows.prefer_ghost`): a weight is gathered as
 factors when every rank keeps it as factors and ``T_max (I + O) <= I O``, its factors per sample no more entries than
-its row; otherwise its block of rows is gathered (a rank holding factors forms ``G_n^T A_n`` for it). An embedding
+its row, or when every rank keeps it in the streamed form (:mod:`ief.streamed`: its rows are never formed whole, so
+its factors are sent even where they are more entries, and every rank forms the union's Gram block from them a block
+of rows at a time, :func:`ief.streamed.factor_gram`); otherwise its block of rows is gathered (a rank holding factors
+forms ``G_n^T A_n`` for it). An embedding
 table is gathered as the union of the ranks' used rows when every rank keeps it as its used rows, else in its full
 ``[V, D]`` layout (a rank whose batch used every row keeps the table whole, and so does every rank for a table tied
 to the output layer, whose every row is in ``J``). An MLP's ``[256, 784]`` weight sends ``1,040`` numbers per sample
@@ -61,7 +64,8 @@ import torch
 import torch.distributed as dist
 
 from .precision import ROUNDING_ATTRIBUTE, rounding_dtype, unit_roundoff
-from .rows import DenseRows, FactoredJacobian, Rows, _matrix_combine, ghost_kernel
+from .rows import DenseRows, FactoredJacobian, Rows, _matrix_combine
+from .streamed import factor_gram
 
 T = TypeVar("T")
 GRAM_CHUNK = 1 << 16  # columns per all-gathered chunk of the rows (M_max R x GRAM_CHUNK entries in flight)
@@ -218,6 +222,7 @@ class GramPlan:
         union_ids: parameter index -> the union's ids (sorted, distinct, ``[U_union]`` int64 on the CPU) of every
             table of ``tables`` (not compared: ``tables`` holds their counts, and the ids follow from the same
             all-gathered layouts on every rank).
+        streamed: the parameter indices of ``factors`` that every rank keeps in the streamed form.
     """
 
     factors: tuple[tuple[int, int, int, int], ...] | None
@@ -226,10 +231,11 @@ class GramPlan:
     factor_width: int
     received_bytes: int
     tables: tuple[tuple[int, int, int], ...] = ()
+    streamed: frozenset[int] = frozenset()
     union_ids: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
-LAYOUT_FIELDS = 8  # per parameter: (factored, T, I, O, size, kept as used rows, U, D)
+LAYOUT_FIELDS = 8  # per parameter: (factored: 1, or 2 streamed; T, I, O, size, kept as used rows, U, D)
 
 
 def _all_layouts(local: Rows, group: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -253,8 +259,9 @@ def _all_layouts(local: Rows, group: Any, device: torch.device) -> tuple[torch.T
         return None
     mine = torch.zeros(count, LAYOUT_FIELDS, dtype=torch.int64)
     mine[:, 4] = torch.tensor(local.sizes, dtype=torch.int64)
+    streamed = getattr(local, "streamed", frozenset())
     for i, a, g in local.ghosts:
-        mine[i, :4] = torch.tensor([1, a.shape[1], a.shape[2], g.shape[2]])
+        mine[i, :4] = torch.tensor([2 if i in streamed else 1, a.shape[1], a.shape[2], g.shape[2]])
     for i, (used, dim) in tables:
         mine[i, 5:] = torch.tensor([1, used.numel(), dim])
     longest = int(header[:, 2].max())
@@ -299,7 +306,7 @@ def gram_plan(layouts: torch.Tensor | None, sizes: Sequence[int], columns: int, 
     gathered = len(sizes) * max(sizes) * itemsize
     if layouts is None:
         return GramPlan(None, (), columns, 0, gathered * columns)
-    factors, dense, tables, union_ids, dense_width, factor_width = [], [], [], {}, 0, 0
+    factors, dense, tables, union_ids, dense_width, factor_width, streamed = [], [], [], {}, 0, 0, set()
     for i in range(layouts.shape[1]):
         kept, positions, fan_in, fan_out, size, table, _, dim = layouts[:, i].T.tolist()
         if len(set(size)) > 1:
@@ -308,8 +315,11 @@ def gram_plan(layouts: torch.Tensor | None, sizes: Sequence[int], columns: int, 
             raise ValueError(f"parameter {i}'s factors have inputs {fan_in} and outputs {fan_out} on the ranks: the "
                              f"ranks must hold the same model")
         t = max(positions)
-        if all(kept) and t * (fan_in[0] + fan_out[0]) <= fan_in[0] * fan_out[0]:
+        every_streamed = all(k == 2 for k in kept)
+        if all(kept) and (every_streamed or t * (fan_in[0] + fan_out[0]) <= fan_in[0] * fan_out[0]):
             factors.append((i, t, fan_in[0], fan_out[0]))
+            if every_streamed:
+                streamed.add(i)
             factor_width += t * (fan_in[0] + fan_out[0])
             continue
         dense.append(i)
@@ -326,7 +336,7 @@ def gram_plan(layouts: torch.Tensor | None, sizes: Sequence[int], columns: int, 
         tables.append((i, union_ids[i].numel(), dim[0]))
         dense_width += union_ids[i].numel() * dim[0]
     return GramPlan(tuple(factors), tuple(dense), dense_width, factor_width,
-                    gathered * (dense_width + factor_width), tuple(tables), union_ids)
+                    gathered * (dense_width + factor_width), tuple(tables), union_ids, frozenset(streamed))
 
 
 class DistributedRows(Rows):
@@ -393,8 +403,8 @@ class DistributedRows(Rows):
             if scale != 1.0:
                 chunk = chunk / scale
             out.addmm_(chunk, chunk.T)
-        for a, g in self._union_factors(plan, scale):
-            out += ghost_kernel(a, g)
+        for (i, *_), (a, g) in zip(plan.factors, self._union_factors(plan, scale)):
+            out += factor_gram(a, g, i in plan.streamed)
         return (out + out.T) / 2
 
     def _dense_columns(self, plan: GramPlan) -> torch.Tensor:
@@ -440,9 +450,12 @@ class DistributedRows(Rows):
             self._gathered = all_gather_rows(packed, self.sizes, self.group)
         out, lo = [], 0
         bounds = [0, *itertools.accumulate(self.sizes)]
-        for _, t, fan_in, fan_out in plan.factors:
+        for i, t, fan_in, fan_out in plan.factors:
             block = self._gathered[:, lo:lo + t * (fan_in + fan_out)].view(-1, t, fan_in + fan_out)
             lo += t * (fan_in + fan_out)
+            if i in plan.streamed and scale == 1.0:  # the rows each rank's J^T c forms, in its dtype (ief.streamed)
+                out.append((block[:, :, :fan_in], block[:, :, fan_in:]))
+                continue
             parts = [FactoredJacobian.scaled_factors(block[r0:r1, :, :fan_in], block[r0:r1, :, fan_in:], scale)
                      for r0, r1 in zip(bounds, bounds[1:])]
             out.append((torch.cat([a for a, _ in parts]), torch.cat([g for _, g in parts])))

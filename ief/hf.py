@@ -41,11 +41,12 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
   the ``G`` micro-batches of one update are concatenated and the optimiser takes one step on them (so the
   per-sample machinery holds ``G`` times the batch: accumulation saves no memory here). Micro-batches whose tensors
   differ beyond the sample dimension (dynamic padding) cannot be joined and raise ``ValueError``.
-- **Mixed precision.** ``bf16=True`` trains: accelerate wraps the model's ``forward`` in bfloat16 autocast when
-  training starts, and the optimiser's own forward is that ``forward``, so the forward and the per-sample backward
-  run in bfloat16 while the Gram system is accumulated and solved in float64 and float32 parameters are updated in
-  float32 (the contract: :mod:`ief.precision`); the exact check's tolerance follows the bfloat16 forward. Resume and
-  logging are as in float32. A bfloat16 model (or a float32 adapter on a bfloat16 base) trains with or without it.
+- **Mixed precision.** ``bf16=True`` trains: accelerate wraps the model's ``forward`` in bfloat16 autocast when training
+  starts, and the optimiser's own forward is that ``forward``, so the forward and the per-sample backward run in
+  bfloat16 while the Gram system is accumulated and solved in float64 and float32 parameters are updated in float32 (the
+  contract: :mod:`ief.precision`); the exact check runs in float32 (accelerate's autocast wrapper set aside for it), so
+  it catches a sample mixing as in a float32 model. Resume and logging are as in float32. A bfloat16 model (or a float32
+  adapter on a bfloat16 base) trains with or without it.
 - **Several processes** (torchrun, ``accelerate launch``: DDP, one device per process): the optimiser takes the
   process group and steps exactly as one process on the union of the ranks' batches (:mod:`ief.distributed`); with
   sequential sampling, 2 processes at ``per_device_train_batch_size=4`` train as one process at 8. The logged loss is

@@ -25,7 +25,7 @@ from .model_call import column_chunk, column_chunks, large_empty
 
 COLUMN_BYTES = 8 << 20  # a float64 block of the direction formed at once (8 MiB), where it cannot be narrow
 
-FORMS = ("dense", "auto", "ghost", "rows")
+FORMS = ("dense", "auto", "ghost", "rows", "streamed")
 
 
 def check_form(form: object) -> str:
@@ -312,7 +312,7 @@ def ghost_kernel(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return (a[:, 0] @ a[:, 0].T) * (g[:, 0] @ g[:, 0].T)
     ka = torch.einsum("nti,msi->nmts", a, a)
     kg = torch.einsum("nto,mso->nmts", g, g)
-    return (ka * kg).sum(dim=(2, 3))
+    return ka.mul_(kg).sum(dim=(2, 3))  # in place: two [M, M, T, T] float64 at once, not three
 
 
 class DenseRows(Rows):
@@ -524,8 +524,13 @@ class FactoredJacobian(Rows):
         """Every ghost's :meth:`scaled_factors` at ``scale``, converted once and kept for the next product (the
         Gram and the combination of one solve use the same scale): ``O(M T (I + O))`` float64, no ``[M, P]``."""
         if scale not in self._scaled:
-            self._scaled = {scale: [self.scaled_factors(a, g, scale) for _, a, g in self.ghosts]}
+            self._scaled = {scale: [self.scaled_factors(a, g, scale) for _, a, g in self._kernel_ghosts()]}
         return self._scaled[scale]
+
+    def _kernel_ghosts(self) -> list:
+        """The ghosts whose Gram is the ghost kernel and whose ``J^T c`` is a product of factors (all of them here;
+        :class:`ief.streamed.StreamedRows` forms some as blocks of rows)."""
+        return self.ghosts
 
     # ---- Rows
     def gram(self, scale: float = 1.0) -> torch.Tensor:
@@ -558,7 +563,7 @@ class FactoredJacobian(Rows):
             table = part[dlo : dlo + width] if part is not None else \
                 _matrix_combine(self.dense[:, dlo : dlo + width], coeff, scale)
             self._expand(i, out[self.offsets[i] : self.offsets[i + 1]], table)
-        for (i, _, _), (a, g) in zip(self.ghosts, self._scaled_ghosts(scale)):
+        for (i, _, _), (a, g) in zip(self._kernel_ghosts(), self._scaled_ghosts(scale)):
             weighted = (g * coeff[:, None, None]).flatten(0, 1)  # [M T, O]
             a = a.flatten(0, 1)  # [M T, I]
             dest = out[self.offsets[i] : self.offsets[i + 1]].view(weighted.shape[1], a.shape[1])  # [O, I]
@@ -578,7 +583,7 @@ class FactoredJacobian(Rows):
         for i, lo, dlo, width in self._dense_columns():
             block = self.dense[:, dlo : dlo + width].to(torch.float64)
             out += block @ self._restrict(i, v[lo : lo + self.sizes[i]]) / scale
-        for (i, _, _), (a, g) in zip(self.ghosts, self._scaled_ghosts(scale)):
+        for (i, _, _), (a, g) in zip(self._kernel_ghosts(), self._scaled_ghosts(scale)):
             weight = v[self.offsets[i] : self.offsets[i + 1]].reshape(g.shape[-1], a.shape[-1])  # [O, I]
             out += ((a @ weight.T) * g).sum(dim=(1, 2))
         return out

@@ -363,10 +363,16 @@ README_START = ("<!-- coverage: generated from companion/chapters/coverage.py; "
 README_END = "<!-- /coverage -->"
 
 
+# where the README's map links each chapter: its executed notebook as the cpu build recorded it (tools/book/record.py),
+# opened on the repository's web page with its figures (the source in notebooks/ holds no outputs)
+RECORDED = "book/recorded/cpu"
+
+
 def chapter_map(scale: str, executed) -> str:
-    """The README's map: one row per chapter, the paper's figures and tables it regenerates in one column, a mark on
-    each label that is, at ``scale``, another label's figure (1), has no analogue (2) or redraws another figure's
-    data (3), and the footnote saying so (the per-scale table is the book's coverage page)."""
+    """The README's map: one row per chapter (linked to its recorded notebook, :data:`RECORDED`), the paper's figures
+    and tables it regenerates in one column, a mark on each label that is, at ``scale``, another label's figure (1),
+    has no analogue (2) or redraws another figure's data (3), and the footnote saying so (the per-scale table is the
+    book's coverage page)."""
     rows = ["| chapter | the paper's figures and tables |", "| --- | --- |"]
     same, absent, redraw = [], [], []
     for stem in CHAPTERS:
@@ -385,7 +391,7 @@ def chapter_map(scale: str, executed) -> str:
                 mark = "³"
             cells.append(cite(label) + mark)
         if cells:
-            rows.append(f"| [{CHAPTERS[stem]}](notebooks/{stem}.ipynb) | {', '.join(cells)} |")
+            rows.append(f"| [{CHAPTERS[stem]}]({RECORDED}/{stem}.ipynb) | {', '.join(cells)} |")
     notes = []
     if same:
         notes.append(f"¹ At the {scale} scale " + ", ".join(same) + ".")

@@ -3,6 +3,7 @@ their result :class:`PerSample`, over one hooked forward (:class:`_HookedForward
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -24,14 +25,15 @@ from ..model_call import (
     take_first,
     unwrap_model,
 )
-from ..precision import SIXTEEN_BIT, ForwardFormats, device_type, mark_rounding, refuse_float16
+from ..precision import (SIXTEEN_BIT, ForwardFormats, describe, device_type, float32_copy, mark_rounding,
+                         refuse_float16, widen)
 from ..rows import FactoredJacobian, check_form
 from . import assemble
 from .assemble import _batch_gradient, _summed
 from .capture import PerSampleCapture
 from .errors import PerSampleGradientMismatch
 from .guard import (_check_mode, _refuse_nonfinite, _refuse_sample_mixing, check_directional_derivatives,
-                    check_no_outside_use)
+                    check_no_outside_use, check_rounding)
 from .loop import LOOPED_ATTRIBUTE, _warn_slow_path
 
 
@@ -136,6 +138,23 @@ def _set_gradient(self: PerSample, value) -> None:
 PerSample.gradient = property(_get_gradient, _set_gradient, doc="``grad_theta L``, ``[P]``")
 
 
+@contextlib.contextmanager
+def _original_forward(model: torch.nn.Module):
+    """The model's forward without accelerate's mixed-precision wrapper for the block: accelerate (``bf16=True``)
+    sets the instance's ``forward`` to one that enters autocast, keeping the original as ``_original_forward`` (as its
+    ``extract_model_from_parallel(keep_fp32_wrapper=False)`` unwraps it); that one is called, and the wrapper put
+    back on exit. Other models are left as they are."""
+    wrapped, original = model.__dict__.get("forward"), model.__dict__.get("_original_forward")
+    if wrapped is None or original is None:
+        yield
+        return
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = wrapped
+
+
 class _HookedForward:
     """One forward through the capture hooks; per-sample backward passes of any loss of its logits.
 
@@ -235,7 +254,10 @@ class _HookedForward:
         try:
             if self.mode is not None:
                 check_no_outside_use(self.capture, jac, autograd, self.names, self.formats.lowest)
-            if self.mode == "exact" and not self._checked_in_float32(targets):
+            wide = self._checked_in_float32(targets, form) if self.mode == "exact" else None
+            if wide is not None:  # the structure proven in float32; J's own rounding against those rows
+                check_rounding(jac, wide, self.params, self.names, self.formats.lowest)
+            elif self.mode == "exact":
                 grad_z = logit_grads[0] if logit_grads else self.loss.logit_grad(self.logits.detach(), targets)
                 check_directional_derivatives(self.forward, self.params, self.names, jac, grad_z,
                                               self.formats.lowest)
@@ -246,45 +268,67 @@ class _HookedForward:
         offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked - set(self.capture.broadcast))
         return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
 
-    def _checked_in_float32(self, targets: torch.Tensor) -> bool:
-        """The exact check of a bfloat16-autocast forward with float32 parameters, run in float32: ``True`` when it
-        ran (and passed), ``False`` when it does not apply (no 16-bit forward, 16-bit parameters, or autocast
-        entered inside the model, so that the forward cannot be had in float32: the 16-bit check then runs).
+    def _checked_in_float32(self, targets: torch.Tensor, form: str) -> torch.Tensor | FactoredJacobian | None:
+        """The exact check of a 16-bit forward, run in float32: the float32 rows when it ran (and passed), ``None``
+        when it does not apply (a float32 forward; a 16-bit parameter that is a tensor subclass, e.g. an FSDP2 shard;
+        autocast entered inside the model's own code, or a model that casts to 16 bits itself, so that no float32
+        forward is to be had; a float32 forward that fails, out of memory or on a 16-bit tensor the model keeps
+        outside its parameters and buffers, with a ``RuntimeWarning``): the 16-bit check then runs
+        (:func:`check_directional_derivatives`). Accelerate's autocast wrapper (``bf16=True``) is set aside for it
+        (:func:`_original_forward`).
 
-        The check is about structure (which sample a row belongs to), which does not depend on the precision; under
-        autocast both sides of a 16-bit check carry the forward's rounding (T5 + LoRA: rows within 2-5 % of the
-        float64 oracle's, the check's products 7-17 % apart), which hides a sample-mixing layer that errs by less.
-        With float32 parameters the same forward and check run with autocast disabled, at float32's tolerance (RNG
-        state and buffers left as they were): a sample mixing is caught as in a float32 model, and the 16-bit ``J``
-        is kept. Cost, on the steps that run the exact check: one float32 forward and backward more, and the
-        check's forward-mode pass in float32 instead of bfloat16.
+        The check is about structure (which sample a row belongs to), which does not depend on the precision, while
+        both sides of a 16-bit check carry the forward's rounding (bfloat16 weights: the tiny MLP's rows within 3e-3
+        of the float64 oracle's, the check's own bfloat16 products 1e-2 apart; T5 + LoRA under autocast: rows within
+        2-5 %, products 7-17 %), which hides a sample-mixing layer that errs by less. So the same forward and check run
+        with autocast disabled and every 16-bit parameter, buffer and input as a float32 copy
+        (:func:`ief.precision.float32_copy`: the model's own tensors are put back untouched, RNG state and buffers
+        left as they were), at float32's tolerance: a sample mixing is caught as in a float32 model. The 16-bit
+        ``J`` is kept; the caller holds it against these float32 rows within the format's bound
+        (:func:`ief.jacobian.guard.check_rounding`). Cost, on the steps that run the exact check: one float32
+        forward and backward more (and the check's forward-mode pass in float32 instead of bfloat16), no double
+        backward; memory: a float32 copy of the 16-bit parameters and buffers (4 bytes an element), float32
+        activations and the float32 rows (in ``form``) while it runs.
 
         Args:
             targets: the targets the check runs with.
+            form: the rows' form (:func:`per_sample`).
 
         Returns:
-            Whether the float32 check ran.
+            The float32 rows (checked), or ``None``.
 
         Raises:
             PerSampleGradientMismatch: the float32 check's.
         """
-        model, inputs, params, loss = self._given
-        wide_params = all(p.dtype.itemsize >= 4 for p in model.parameters() if p.is_floating_point())
-        if self.formats.lowest not in SIXTEEN_BIT or not wide_params:
-            return False
+        model, inputs, _, loss = self._given
+        if self.formats.lowest not in SIXTEEN_BIT:
+            return None
         buffers = [(b, b.clone()) for b in model.buffers()]
         try:
-            with torch.random.fork_rng(devices=self.forward._devices), \
-                    torch.autocast(device_type(model), enabled=False):
-                wide = _HookedForward(model, inputs, targets, params, loss, "exact")
+            with torch.random.fork_rng(devices=self.forward._devices), _original_forward(model), \
+                    torch.autocast(device_type(model), enabled=False), float32_copy(model) as copies:
+                if copies is None:
+                    return None
+                wide_params = [copies.get(id(p), p) for p in self.params]
+                wide = _HookedForward(model, widen(inputs), widen(targets), wide_params, loss, "exact")
                 if wide.formats.lowest in SIXTEEN_BIT:  # autocast inside the model: no float32 forward to be had
-                    return False
-                wide.jacobian(targets)
+                    return None
+                return wide.jacobian(widen(targets), form=form)[1]
+        except PerSampleGradientMismatch:
+            raise
+        except RuntimeError as err:  # out of memory, or a model that cannot run in float32 (a 16-bit tensor kept
+            # outside its parameters and buffers): the 16-bit check runs, and the user is told what it cannot see
+            first = (str(err).splitlines() or [""])[0][:200]
+            why = "did not fit in memory" if isinstance(err, torch.OutOfMemoryError) else \
+                f"failed ({type(err).__name__}: {first})"
+            warnings.warn(f"the exact check's float32 forward {why}; the check ran in {describe(self.formats.lowest)}, "
+                          "whose rounding hides a sample mixing that moves the rows by less than about 2 % "
+                          "(ief.jacobian.guard.check_directional_derivatives)", RuntimeWarning, stacklevel=4)
+            return None
         finally:
             for b, saved in buffers:
                 if not torch.equal(b, saved):
                     b.data.copy_(saved)
-        return True
 
     def gradient(self, targets: torch.Tensor, retain_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(losses, grad)`` only: a plain backward (the hooks' records are not turned into a Jacobian); it asks
@@ -346,7 +390,9 @@ def per_sample(
             (``M I O``), whichever is cheaper for that layer; an ``nn.Embedding`` table as the rows the batch uses
             (``[M, U D]``, exact: its other rows are zero in every sample's gradient); every other parameter as its
             (small) column block.
-            ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight. ``ief_direction``,
+            ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight; ``"streamed"`` keeps every one
+            as its factors and forms its rows a block at a time for each product, never kept (:mod:`ief.streamed`,
+            which ``"auto"`` takes for a weight whose rows exceed 1 MiB). ``ief_direction``,
             ``ef_direction`` and ``sf_direction`` take either form; ``.materialize()`` gives the tensor.
 
     Returns:

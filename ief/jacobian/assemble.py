@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from ..model_call import large_empty
-from ..rows import FactoredJacobian, as_rows, prefer_ghost
+from ..rows import FactoredJacobian, as_rows
+from ..streamed import StreamedRows, layer_form
 from .capture import PerSampleCapture
 from .loop import loop_rows
 from .broadcast import check_sums, per_sample_rows
@@ -44,14 +45,15 @@ def _batch_backward(capture: PerSampleCapture, losses: torch.Tensor, params: Seq
 
 
 def _factored_layers(capture: PerSampleCapture, m: int, form: str, dtype: torch.dtype):
-    """The layers a factored form keeps unexpanded: ``(ghosts, ghost modules, bias rows, tables)``.
+    """The layers a factored form keeps unexpanded: ``(ghosts, ghost modules, bias rows, tables, streamed)``.
 
-    ``ghosts``: ``[(parameter index, A [M, T, I], G [M, T, O])]`` of the weights whose factors are cheaper than their
-    rows; ``bias rows``: parameter index -> ``[M, O]`` of their layers' biases; ``tables``: ``k -> (parameter index,
-    used ids [U], the calls)`` of embedding tables kept as their used rows."""
-    ghosts, ghost_modules, bias_rows, tables = [], set(), {}, {}
+    ``ghosts``: ``[(parameter index, A [M, T, I], G [M, T, O])]`` of the weights kept as factors (the ghost kernel's,
+    or the streamed form's: :func:`ief.streamed.layer_form`); ``bias rows``: parameter index -> ``[M, O]`` of their
+    layers' biases; ``tables``: ``k -> (parameter index, used ids [U], the calls)`` of embedding tables kept as their
+    used rows; ``streamed``: the parameter indices of ``ghosts`` in the streamed form."""
+    ghosts, ghost_modules, bias_rows, tables, streamed = [], set(), {}, {}, set()
     if form == "dense":
-        return ghosts, ghost_modules, bias_rows, tables
+        return ghosts, ghost_modules, bias_rows, tables, streamed
     tied = {k for ks in capture.shared.values() for k in ks}
     for k, (module, rule, _, owned) in enumerate(capture.modules):
         if k in tied:  # a tied weight's rows sum several rules' rows: kept dense (capture.fill)
@@ -68,15 +70,18 @@ def _factored_layers(capture: PerSampleCapture, m: int, form: str, dtype: torch.
             continue
         positions = sum(rule.positions(module, d) for _, d in calls)
         fan_out, fan_in = getattr(module, "weight").flatten(1).shape
-        if prefer_ghost(form, m, positions, fan_in, fan_out):  # the factors only now: an unfold is not free
+        kind = layer_form(form, m, positions, fan_in, fan_out, torch.empty((), dtype=dtype).element_size())
+        if kind != "rows":  # the factors only now: an unfold is not free
             calls = [rule.factors(module, x, d) for x, d in calls]
             a = _positions([x for x, _ in calls]).to(dtype)  # [M, T, I]
             g = _positions([d for _, d in calls]).to(dtype)  # [M, T, O]
             ghosts.append((owned["weight"], a, g))
             ghost_modules.add(k)
+            if kind == "streamed":
+                streamed.add(owned["weight"])
             if "bias" in owned:  # the output gradients (A for HF Conv1D, see its rule)
                 bias_rows[owned["bias"]] = rule.bias_rows(module, a, g)
-    return ghosts, ghost_modules, bias_rows, tables
+    return ghosts, ghost_modules, bias_rows, tables, streamed
 
 
 def _buffer(out: torch.Tensor | None, m: int, width: int, form: str, ref: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,7 @@ def _backward_jacobian(
     loop_owners, loop_inputs = capture.leaves(params, fallback)  # demoted modules: the parameter and its stand-ins
     autograd = _batch_backward(capture, losses, params, retain_graph, fallback, loop_owners, loop_inputs)
     ref = params[0]
-    ghosts, ghost_modules, bias_rows, tables = _factored_layers(capture, m, form, ref.dtype)
+    ghosts, ghost_modules, bias_rows, tables, streamed = _factored_layers(capture, m, form, ref.dtype)
     # the column layout: every parameter not kept as factors, a table as its used rows
     ghosted = {i for i, _, _ in ghosts}
     used_rows = {i: (ids, capture.modules[k][0].embedding_dim) for k, (i, ids, _) in tables.items()}
@@ -144,6 +149,8 @@ def _backward_jacobian(
         loop_rows(capture, losses, loop_owners, loop_inputs, jac, columns, retain_graph)
     if form == "dense":
         return jac, autograd
+    if streamed:  # some weights' rows are formed a block at a time for each product (ief.streamed)
+        return StreamedRows(m, capture.sizes, ref, ghosts, jac, columns, used_rows, streamed=streamed), autograd
     return FactoredJacobian(m, capture.sizes, ref, ghosts, jac, columns, used_rows), autograd
 
 

@@ -5,10 +5,13 @@ each hooked parameter itself, ``o = g - sum_n J_n``: ``None`` by construction (i
 unless a use escaped the search for outside uses, when :class:`PerSampleGradientMismatch` names the parameter.
 The exact check (``check="exact"``) compares every row with exact per-sample directional derivatives. Both know the
 precision the forward ran in: the guard's tolerance comes from the lowest floating format of the forward (bfloat16
-under autocast or with bfloat16 weights), not from ``J``'s dtype (:mod:`ief.precision`, which derives it); the exact
-check runs in float32 under autocast with float32 parameters, and with bfloat16 parameters measures the rounding of
-its own products on the batch (:func:`check_directional_derivatives`). Non-finite losses or rows raise
-``FloatingPointError`` naming the samples.
+under autocast or with bfloat16 weights), not from ``J``'s dtype (:mod:`ief.precision`, which derives it). The exact
+check of a 16-bit forward runs in float32 (autocast disabled, 16-bit parameters on a float32 copy:
+:mod:`ief.jacobian.api`), where no rounding hides a sample mixing, and the 16-bit rows are then held against the
+float32 rows within the format's ``16 u`` (:func:`check_rounding`); where no float32 forward is to be had (autocast
+entered inside the model, a sharded or quantised 16-bit parameter, a float32 copy that does not fit in memory) it
+measures the rounding of its own products on the batch (:func:`check_directional_derivatives`). Non-finite losses or
+rows raise ``FloatingPointError`` naming the samples.
 """
 from __future__ import annotations
 
@@ -99,6 +102,7 @@ CHECK_TANGENTS = 8  # random tangents of the exact check
 RESCALE = 3.0  # the factor of the second set of tangents of a 16-bit check (not a power of two: rounded otherwise)
 SAMPLE_FACTOR = 8.0  # a 16-bit check: one sample's bound, in units of the products' measured rounding
 MEDIAN_FACTOR = 2.5  # a 16-bit check: the samples' median's bound, in the same units
+ROW_ROUNDING_FACTOR = 4.0  # check_rounding: one sample's bound, in units of the format's 16 u (the median's bound)
 
 
 def _sixteen_bit(forward_format: torch.dtype | None, jac_dtype: torch.dtype) -> torch.dtype | None:
@@ -113,8 +117,9 @@ def exact_check_tolerance(dtype: torch.dtype, forward_format: torch.dtype | None
     (:func:`ief.precision.mismatch_tolerance`, whose module derives it): ``1e4`` units of float32 rounding (1.2e-3)
     for float32 and float64 alike (models compute parts in float32 whatever their parameters' dtype: T5's layer norm;
     the exact products of a float64 T5-LoRA differ from its rows by 7.5e-8). A float32 or float64 check uses it as it
-    is; a 16-bit check (bfloat16 parameters) only as a cap on the tolerance it measures on the batch
-    (:func:`check_directional_derivatives`), and a check under autocast with float32 parameters runs in float32.
+    is (so does the check of a 16-bit forward, which runs in float32); its 16-bit value bounds a 16-bit forward's
+    rows against the float32 ones (:func:`check_rounding`), and caps the tolerance a 16-bit check measures on the
+    batch where no float32 forward is to be had (:func:`check_directional_derivatives`).
 
     Args:
         dtype: the dtype ``J`` is stored in.
@@ -187,22 +192,27 @@ def check_directional_derivatives(forward: ReplayableForward, params: Sequence[t
     Float32 and float64 (and autocast with float32 parameters, whose check :mod:`ief.jacobian.api` runs in
     float32): sample ``n`` fails when ``rel_n > 1.2e-3`` (:func:`exact_check_tolerance`).
 
-    16-bit (bfloat16 parameters, or a bfloat16 ``J``): both sides carry the forward's rounding, which depends on the
-    model (1e-2 to 3e-2 relative on tiny GPT-2, BERT, ViT and an MLP with bfloat16 weights), so the tolerance is
-    measured on the batch rather than taken from the format: the same products are computed a second time by double
-    backward (the reverse-mode path the rows came from) with the tangents scaled by :data:`RESCALE` (rounded
-    otherwise), and ``rho``, the samples' median of their relative difference, is the products' rounding. Sample
-    ``n`` fails when ``rel_n > SAMPLE_FACTOR rho`` (a row of another sample's size: a gather, a sequence-first
-    layer read batch-first), and every sample above ``MEDIAN_FACTOR rho`` fails when the samples' median ``rel``
-    exceeds it (a sample-mixing layer shifts every row; rounding does not), both bounds at least 1.2e-3 and at most
-    the format's ``16 u``. The factors (8 and 2.5) leave a margin of 1.5 to 2.5 over the largest ratios of correct
-    models measured (median ``rel / rho`` up to 1.7 for a bfloat16 base with float32 LoRA adapters). Cost of a
+    A 16-bit forward (bfloat16 weights or autocast) runs this check in float32, at float32's tolerance
+    (:mod:`ief.jacobian.api`), and its rows are held against the float32 ones (:func:`check_rounding`). Where no float32
+    forward is to be had (autocast entered inside the model's own code, not accelerate's wrapper; a 16-bit parameter
+    that is a tensor subclass; a float32 copy that does not fit in memory), the check runs on the 16-bit forward. Both
+    sides then carry its rounding, which depends on the model (1e-2 to 3e-2 relative on tiny GPT-2, BERT, ViT and an MLP
+    with bfloat16 weights), so the tolerance is measured on the batch rather than taken from the format: the same
+    products are computed a second time by double backward (the reverse-mode path the rows came from) with the tangents
+    scaled by :data:`RESCALE` (rounded otherwise), and ``rho``, the samples' median of their relative difference, is the
+    products' rounding. Sample ``n`` fails when ``rel_n > SAMPLE_FACTOR rho`` (a row of another sample's size: a gather,
+    a sequence-first layer read batch-first), and every sample above ``MEDIAN_FACTOR rho`` fails when the samples'
+    median ``rel`` exceeds it (a sample-mixing layer shifts every row; rounding does not), both bounds at least 1.2e-3
+    and at most the format's ``16 u``. The factors (8 and 2.5) leave a margin of 1.5 to 2.5 over the largest ratios of
+    correct models measured (median ``rel / rho`` up to 1.7 for a bfloat16 base with float32 LoRA adapters). Cost of a
     16-bit check: one forward, one backward with ``create_graph`` and ``K`` backward-type passes more.
 
     The smallest sample mixing caught, ``h + c h.mean(0)`` after a tanh layer (M = 8, ``tests/ief/test_precision.py``,
-    ``SMALLEST_CAUGHT``, measured by sweeping ``c``): ``c = 0.005`` in float32 (rows 0.15 % off) and under bfloat16
-    autocast (checked in float32); ``c = 0.1`` with bfloat16 weights (0.05 passes: below the bfloat16 rows' own
-    rounding it cannot be told from it; the format's ``16 u`` alone let 0.2 pass).
+    ``SMALLEST_CAUGHT``, measured by sweeping ``c`` from 0.001 to 0.3, at M = 16 too): ``c = 0.005`` (rows 0.12 %
+    off; 0.08 % at M = 16) in float32, under bfloat16 autocast (also accelerate's) and with bfloat16 weights, all
+    checked in float32; ``c = 0.1`` by this check in 16 bits (autocast entered in the model's own code: 0.05, rows
+    1.2 % off, passes, below its products' own rounding; at M = 16, 0.1, rows 1.6 % off, passes and 0.2 is caught;
+    the format's ``16 u`` alone let 0.2 pass).
 
     Args:
         forward: the replayable forward (the model and its inputs).
@@ -258,6 +268,53 @@ def check_directional_derivatives(forward: ReplayableForward, params: Sequence[t
             f"per-sample gradients of samples {failing[:10]}{' ...' if len(failing) > 10 else ''} disagree with their "
             f"exact directional derivatives {what}: " + _likely_cause(rounding is not None, forward_format, jac.dtype)
         )
+        mismatch.worst, mismatch.tolerance = float(rel[n]), tol
+        raise mismatch
+
+
+def check_rounding(jac: torch.Tensor | FactoredJacobian, reference: torch.Tensor | FactoredJacobian,
+                   params: Sequence[torch.Tensor], names: Sequence[str], forward_format: torch.dtype | None) -> None:
+    """A 16-bit forward's rows against the same rows computed in float32 (whose exact check passed): with
+    ``rel_n = ||J_n V - R_n V|| / max(||J_n V||, ||R_n V||)`` along the exact check's ``K`` tangents ``V``, the
+    samples fail when their median ``rel`` exceeds ``16 u`` (:func:`exact_check_tolerance`: the format's bound on a
+    row's rounding, derived in :mod:`ief.precision`; a difference that shifts every row), and one sample fails when
+    its ``rel`` exceeds :data:`ROW_ROUNDING_FACTOR` ``x 16 u`` (a row far from its float32 value).
+
+    The float32 rows ``R`` carry no 16-bit rounding, so ``rel`` is ``J``'s own rounding. Measured on the route
+    matrix's 15 models, T5 and ViT with LoRA and a bfloat16 base with float32 LoRA, bfloat16 weights and bfloat16
+    autocast: the median over the samples 8e-4 to 1.1e-2 (``16 u = 0.0625``: a margin of 5.7), single rows up to
+    7.0e-2 (T5 + LoRA under autocast; ``64 u = 0.25``: a margin of 3.6). What exceeds them is a computation that
+    differs in 16 bits beyond rounding (a sample-mixing layer is refused before, by the float32 check). Cost: ``K``
+    rank-one products with each of ``J`` and ``R``, no forward.
+
+    Args:
+        jac: the 16-bit forward's rows (dense or factored).
+        reference: the float32 forward's rows, same columns.
+        params: the parameters of the columns.
+        names: their names.
+        forward_format: the lowest format the 16-bit forward ran in.
+
+    Raises:
+        PerSampleGradientMismatch: naming the samples, the worst one's difference and the bound.
+    """
+    tangents = _check_tangents(params, CHECK_TANGENTS)
+    offsets = [0, *torch.tensor([p.numel() for p in params]).cumsum(0).tolist()]
+    low, high = _hooked_products(jac, tangents, offsets), _hooked_products(reference, tangents, offsets)
+    scale = torch.maximum(low.norm(dim=1), high.norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
+    rel = (low - high).norm(dim=1) / scale
+    tol = exact_check_tolerance(jac.dtype, forward_format)
+    median = float(rel.median())
+    failing = torch.nonzero(rel > (ROW_ROUNDING_FACTOR * tol if median <= tol else tol)).flatten().tolist()
+    if failing:
+        n, fmt = int(rel.argmax()), describe(_sixteen_bit(forward_format, jac.dtype))
+        bound = (f"16 u = {tol:.1e}" if median > tol
+                 else f"{ROW_ROUNDING_FACTOR:g} x 16 u = {ROW_ROUNDING_FACTOR * tol:.1e}")
+        mismatch = PerSampleGradientMismatch(
+            f"per-sample gradients of samples {failing[:10]}{' ...' if len(failing) > 10 else ''} computed in {fmt} "
+            f"differ from the same rows computed in float32, which passed the exact check, beyond {fmt}'s rounding "
+            f"(median over the samples {median:.1e}, worst: sample {n}, {float(rel[n]):.2e}, bound {bound}): the "
+            f"model computes something else in {fmt} than in float32; run it in float32, or pass params= to leave "
+            "out the parameters of the layer that differs")
         mismatch.worst, mismatch.tolerance = float(rel[n]), tol
         raise mismatch
 

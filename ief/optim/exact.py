@@ -105,9 +105,11 @@ both conventions (the sum convention's; ``last_lr`` reports it in the ``reductio
 schedulers cannot drive it, and it makes no host round-trip of its own.
 
 Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's
-Gram block and direction come from its layer's inputs and output gradients, or from its per-sample rows where those
-are cheaper, and an embedding table keeps only the rows the batch uses (see ``ief.per_sample``'s ``form``);
-``form="dense"`` forms ``J`` (reusing one buffer across steps), ``"ghost"`` / ``"rows"`` force one Linear form.
+Gram block and direction come from its layer's inputs and output gradients (the ghost kernel, or its rows formed a
+block at a time and dropped: :mod:`ief.streamed`, whose cost model chooses), or from its per-sample rows where those
+are small, and an embedding table keeps only the rows the batch uses (see ``ief.per_sample``'s ``form``);
+``form="dense"`` forms ``J`` (reusing one buffer across steps), ``"ghost"`` / ``"rows"`` / ``"streamed"`` force one
+Linear form.
 
 **Precision** (the contract: :mod:`ief.precision`): the step's forward and per-sample backward run in the model's
 precision (bfloat16 weights, or ``torch.autocast(device, torch.bfloat16)`` around ``step``); the losses and ``s_iEF``

@@ -130,7 +130,8 @@ ARGS = {
     on the first step, the ~free structural one after), ``"exact"`` (every step), a whole number ``N >= 1`` (exact every
     N steps, structural between: the guarantee throughout at 1/N of its cost) or ``False`` (off).""",
     "form": """form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M,
-    P]``), ``"dense"``, ``"ghost"`` or ``"rows"``.""",
+    P]``; a weight's rows over 1 MiB streamed, :mod:`ief.streamed`), ``"dense"``, ``"ghost"``, ``"rows"`` or
+    ``"streamed"``.""",
     "process_group": """process_group: step across the processes of this ``torch.distributed`` group, exactly as one
     process on the union batch (:mod:`ief.optim.exact`); default: a ``DistributedDataParallel`` model's group, an
     FSDP2 model's (:mod:`ief.sharded`), else none.""",

@@ -6,6 +6,8 @@ A parameter's route (its per-sample rows, :func:`ief.per_sample`):
 
 - ``"factored"``: a linear weight kept as its layer's inputs and output gradients (the ghost Gram;
   :class:`ief.rows.FactoredJacobian`), never its ``[M, I O]`` rows;
+- ``"streamed"``: a linear weight kept as its layer's inputs and output gradients, its rows formed a block at a time
+  for each product and dropped (:mod:`ief.streamed`), never kept;
 - ``"used rows"``: an embedding table kept as the rows the batch used;
 - ``"dense"``: its block of rows formed by its layer's hook (a bias, a norm, a linear weight whose rows are cheaper
   than its factors, or any parameter with ``form="dense"``);
@@ -28,7 +30,8 @@ class StepReport:
         step: the step's number (0 for the first).
         method: ``"iEF"``, ``"EF"``, ``"SF"`` (the Gram solve that gave the direction), or the optimiser's class name
             for one without a Gram solve (``"KFAC"``).
-        routes: parameter name -> ``"factored"``, ``"used rows"``, ``"dense"`` or ``"looped"`` (module docstring),
+        routes: parameter name -> ``"factored"``, ``"streamed"``, ``"used rows"``, ``"dense"`` or ``"looped"``
+            (module docstring),
             this rank's (every rank's are the same for the same model and batch shapes); empty where not recorded.
         rows: the rows of the Gram system, ``M`` of the union batch across processes.
         ranks: the processes the step was exact over (1: one process).
@@ -65,11 +68,12 @@ def routes_of(rows: Any, names: Sequence[str]) -> dict[str, str]:
     by name."""
     looped = set(getattr(rows, LOOPED_ATTRIBUTE, ()))
     ghosts = {i for i, _, _ in getattr(rows, "ghosts", ())}
+    streamed = set(getattr(rows, "streamed", ()))
     tables = set(getattr(rows, "used_rows", {}))
     out = {}
     for i, name in enumerate(names):
-        out[name] = ("looped" if i in looped else "factored" if i in ghosts else "used rows" if i in tables
-                     else "dense")
+        out[name] = ("looped" if i in looped else "streamed" if i in streamed else "factored" if i in ghosts
+                     else "used rows" if i in tables else "dense")
     return out
 
 

@@ -1,13 +1,16 @@
-"""The recorded build's machinery (tools/book/record.py, ``book/recorded/cpu/``), on a synthetic build: recording
-writes each chapter with its note, inputs and manifest, and refuses a build it cannot vouch for; the check names each
-way a record goes stale (code cells that differ from the source, a missing chapter, another scale); the timings page
-says how many commits the record is behind; the publishing workflow (.github/workflows/book.yml) runs the commands
-the Makefile runs (checked with ``make -n``); the launch buttons open the recorded notebooks.
+"""The recorded build (tools/book/record.py, ``book/recorded/cpu/``): every chapter of the book is recorded, at the
+cpu scale, with its source's code cells, as valid notebooks holding their figures, small, linked from the README and
+the introduction; the check that says so fails on a record whose code differs (shown on a copy), and names each way a
+synthetic record goes wrong; recording refuses a build it cannot vouch for; the timings page says how many commits the
+record is behind; the book renders from the record with the command the publishing workflow
+(.github/workflows/book.yml) runs, read from that file and run here as written, so the two cannot drift; the launch
+buttons open the recorded notebooks.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +32,90 @@ def _workflow() -> dict:
 
 def _run_steps() -> list[str]:
     return [s["run"].strip() for s in _workflow()["jobs"]["build"]["steps"] if "run" in s]
+
+
+# ------------------------------------------------------------------------------------------------ the record
+def test_every_chapter_is_recorded_at_cpu_with_its_sources_code_cells():
+    problems = record.check()
+    assert not problems, ("the record is stale or wrong (re-record: make book, then make record):\n"
+                          + "\n".join(problems))
+
+
+def test_the_recorded_notebooks_are_valid_and_hold_their_figures_as_png():
+    """What a reader opens on the repository's web page: valid nbformat, every figure a PNG output (no widget state,
+    no run folder, no machine's paths), at most page width."""
+    from companion.chapters.common import BOOK_CONTENT_PX
+
+    manifest = record.read_manifest()
+    figures = {}
+    for name, chapter in manifest["chapters"].items():
+        nb = nbformat.read(FOLDER / chapter["notebook"], as_version=4)
+        nbformat.validate(nb)
+        text = (FOLDER / chapter["notebook"]).read_text()
+        assert "widget-view+json" not in text and "widget-state+json" not in text, name
+        assert str(ROOT) not in text, f"{name}: a path of the machine that built it"
+        assert nb.cells[1].metadata.get("tags") == [record.NOTE_TAG], f"{name}: no note under the title"
+        assert manifest["commit"][:12] in nb.cells[1].source
+        pngs = [o["data"]["image/png"] for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                if "image/png" in o.get("data", {})]
+        figures[name] = len(pngs)
+        for png in pngs:
+            import base64
+            import struct
+
+            width = struct.unpack(">I", base64.b64decode(png)[16:20])[0]
+            assert width <= 2 * BOOK_CONTENT_PX, f"{name}: a {width} px wide PNG (page width: {BOOK_CONTENT_PX} px)"
+    drawn = [n for n, k in figures.items() if k]
+    assert len(drawn) >= len(figures) - 1, f"chapters without a PNG figure: {[n for n, k in figures.items() if not k]}"
+
+
+def test_the_record_is_small_and_says_its_size():
+    files = [f for f in FOLDER.rglob("*") if f.is_file()]
+    big = [f"{f.relative_to(ROOT)} ({f.stat().st_size / 1e6:.1f} MB)" for f in files
+           if f.stat().st_size > record.MAX_FILE_BYTES]
+    assert not big, big
+    total = sum(f.stat().st_size for f in files if f.name != record.MANIFEST)
+    assert total < 16 * 2**20, f"the record is {total / 2**20:.1f} MiB"
+    manifest = record.read_manifest()
+    assert abs(manifest["size_bytes"] - total) < 200_000  # the manifest was written last
+    assert manifest["scale"] == "cpu" and manifest["machine"]["cpu"] and manifest["machine"]["cores"]
+    assert "wall_time_s" in manifest["build"], manifest["build"]
+    assert not (FOLDER / record.INPUTS / "runs").exists() or all(
+        f.name == "summary.json" for f in (FOLDER / record.INPUTS / "runs").rglob("*") if f.is_file())
+
+
+def test_the_readme_and_the_introduction_link_every_recorded_chapter():
+    """The introduction holds the list :func:`record.links_block` writes (the commit, a link per chapter); the README
+    links each chapter's recorded notebook by its path (its chapter map, ``companion.chapters.coverage.RECORDED``,
+    and its prose)."""
+    from companion.chapters.coverage import RECORDED
+
+    manifest = record.read_manifest()
+    assert RECORDED + "/" == str(FOLDER.relative_to(ROOT)) + "/"
+    assert record.links_block(manifest, record.INTRO) in record.INTRO.read_text(), "re-run make record"
+    for path in (record.README, record.INTRO):
+        text = path.read_text()
+        for name, chapter in manifest["chapters"].items():
+            link = os.path.relpath(FOLDER / chapter["notebook"], path.parent)
+            assert f"]({link})" in text, f"{path.name} does not link {link}"
+            assert (path.parent / link).exists()
+
+
+# ----------------------------------------------------------------------------------- the check, on a copy
+def test_the_check_fails_on_a_copy_whose_code_cells_differ(tmp_path):
+    """The real record, copied, then changed as a stale record would be: each change is reported."""
+    copy = tmp_path / "cpu"
+    shutil.copytree(FOLDER, copy)
+    assert record.check(copy) == []
+    name = record.toc_chapters()[0]
+    path = copy / f"{name}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    tags = lambda c: set(c.metadata.get("tags", []))  # noqa: E731
+    cell = next(c for c in nb.cells if c.cell_type == "code" and not tags(c) & {"parameters", "injected-parameters"})
+    cell.source += "\nprint('a line the source does not have')"
+    nbformat.write(nb, path)
+    problems = record.check(copy)
+    assert len(problems) == 1 and problems[0].startswith(f"{name}: code cell") and "differs" in problems[0], problems
 
 
 def _synthetic(tmp_path: Path, scale: str = "cpu", commit: str = "a" * 40) -> dict:
@@ -187,7 +274,29 @@ def test_the_publishing_workflow_runs_the_commands_the_tests_run():
     assert book[len(install):] == ["/nonexistent/ief-venv/bin/python -m tools.book from-record "]
 
 
-def test_the_launch_buttons_open_the_recorded_notebooks():
+@pytest.mark.slow
+def test_the_book_renders_from_the_record_as_the_workflow_runs_it(tmp_path):
+    """The workflow's command, run as written (this interpreter as PYTHON, the book in a folder of its own): every
+    chapter page says it is the recorded build and of which commit, the timings page that the book was rendered from
+    the record, and the checkout's own book/generated/ is untouched."""
+    command = _run_steps()[1]
+    generated = {p: p.stat().st_mtime for p in steps.GENERATED.glob("*")} if steps.GENERATED.exists() else {}
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
+    env.update(PYTHON=sys.executable, BOOK_OUTPUT=str(tmp_path))
+    done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    html = tmp_path / "_build" / "html"
+    manifest = record.read_manifest()
+    for name in record.toc_chapters():
+        page = (html / "book" / "generated" / f"{name}.html").read_text()
+        assert "The recorded" in page and manifest["commit"][:12] in page, name
+        assert f"_sources/book/generated/{name}.ipynb" in page  # the notebook download
+    assert "This book was rendered from the record" in (html / "book" / "intro.html").read_text()
+    after = {p: p.stat().st_mtime for p in steps.GENERATED.glob("*")} if steps.GENERATED.exists() else {}
+    assert after == generated
+
+
+def test_the_launch_buttons_and_the_introductions_links_open_the_recorded_notebooks():
     """On GitHub Actions the book knows its repository and offers Binder and Colab, each opening the chapter's
     recorded notebook (book/_ext/record_book.py); elsewhere none (no file of the repository names its URL). The
     introduction's links to the recorded notebooks are downloads in the book (a link to a notebook outside the
@@ -210,5 +319,35 @@ def test_the_launch_buttons_open_the_recorded_notebooks():
     context = {"header_buttons": [{"label": "launch-buttons", "buttons": [{"url": url}]}]}
     record_book._point_launch_buttons_at_the_record(None, "book/generated/train", None, context, None)
     assert context["header_buttons"][0]["buttons"][0]["url"].endswith("book/recorded/cpu/train.ipynb")
+    intro = record.INTRO.read_text()
+    block = intro[intro.index(record.LINKS_START):intro.index(record.LINKS_END)]
+    links = [line for line in block.splitlines() if line.startswith("- [")]
+    assert links and all("](path:recorded/cpu/" in record_book.downloaded_links(line) for line in links)
     postbuild = (ROOT / "binder" / "postBuild").read_text()
     assert "\nmake env TORCH_INDEX=https://download.pytorch.org/whl/cpu\n" in postbuild  # the project's own install
+
+
+def test_a_table_over_the_size_cap_is_recorded_compressed(tmp_path, monkeypatch):
+    """No recorded file above the cap: a larger table is kept as NAME.gz (listed so in the manifest), the same bytes
+    on a second record (no timestamp in the gzip header), and pandas reads it back as the chapter read it."""
+    import gzip
+
+    import pandas as pd
+
+    args = _synthetic(tmp_path)
+    table = tmp_path / "results" / "cpu" / "table.csv"
+    table.write_text("a,b\n" + "1,2\n3,4\n" * 2500)
+    provenance = args["executed_root"] / "cpu" / "chap.provenance.json"
+    p = json.loads(provenance.read_text())
+    p["results"] = {"results/cpu/table.csv": steps._sha256(table)}
+    provenance.write_text(json.dumps(p))
+    monkeypatch.setattr(record, "MAX_FILE_BYTES", 10_000)
+    manifest = record.record(**args)
+    stored = args["folder"] / "inputs" / "results" / "cpu" / "table.csv.gz"
+    assert manifest["chapters"]["chap"]["inputs"] == ["inputs/results/cpu/table.csv.gz"]
+    assert not stored.with_suffix("").exists() and stored.stat().st_size < 10_000
+    assert gzip.decompress(stored.read_bytes()) == table.read_bytes()
+    assert pd.read_csv(stored).equals(pd.read_csv(table))
+    first = stored.read_bytes()
+    record.record(**args)
+    assert stored.read_bytes() == first

@@ -44,10 +44,18 @@ def ghost_factors(j: torch.Tensor) -> "ief.rows.FactoredJacobian":
     return ief.rows.FactoredJacobian(m, sizes, j, [(0, a, g)], j[:, width:], dense_index)
 
 
-@pytest.fixture(params=["dense", "factored"])
+def streamed_factors(j: torch.Tensor) -> "ief.streamed.StreamedRows":
+    """:func:`ghost_factors`'s factors in the streamed form (:mod:`ief.streamed`): the Gram, ``J^T c`` and ``J v``
+    from the rows ``G_n^T A_n`` formed a block at a time."""
+    f = ghost_factors(j)
+    return ief.streamed.StreamedRows(f.shape[0], f.sizes, j, f.ghosts, f.dense, f.dense_index, streamed={0})
+
+
+@pytest.fixture(params=["dense", "factored", "streamed"])
 def as_j(request):
-    """``J`` as the Gram solve receives it: the ``[M, P]`` tensor, or factored (:func:`ghost_factors`)."""
-    return (lambda j: j) if request.param == "dense" else ghost_factors
+    """``J`` as the Gram solve receives it: the ``[M, P]`` tensor, factored (:func:`ghost_factors`) or streamed
+    (:func:`streamed_factors`)."""
+    return {"dense": lambda j: j, "factored": ghost_factors, "streamed": streamed_factors}[request.param]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -406,7 +414,7 @@ def _tiny_classifier(m: int):
     return model, x, y
 
 
-@pytest.mark.parametrize("form", ["ghost", "rows", "auto"])
+@pytest.mark.parametrize("form", ["ghost", "rows", "streamed", "auto"])
 def test_directions_from_a_factored_per_sample_equal_the_dense_ones(any_case, form):
     """End to end on every tiny model: ``per_sample(form=...)`` and ``sampled_jacobian(form=...)`` give the same EF,
     iEF and SF directions as the ``[M, P]`` tensor of the same backward, to float64 rounding (the Gram solve is the

@@ -317,6 +317,10 @@ OPTIMISERS = {
     "ief-mean-momentum-wd": lambda model, **kw: __import__("ief").optim.IEF(
         model, lr=0.3, damping=1e-4, reduction="mean", momentum=0.9, weight_decay=0.01, **kw),
     "ief-ghost": lambda model, **kw: __import__("ief").optim.IEF(model, lr=0.5, damping=1e-3, form="ghost", **kw),
+    "ief-streamed": lambda model, **kw: __import__("ief").optim.IEF(model, lr=0.5, damping=1e-3, form="streamed",
+                                                                    **kw),
+    "sf-streamed": lambda model, **kw: __import__("ief").optim.SF(model, lr=0.05, damping=1e-2, form="streamed",
+                                                                  loss=_ArgmaxSampled(), **kw),
     "ef": lambda model, **kw: __import__("ief").optim.EF(model, lr=0.05, damping=1e-3, momentum=0.5, **kw),
     "sf": lambda model, **kw: __import__("ief").optim.SF(model, lr=0.05, damping=1e-2, loss=_ArgmaxSampled(),
                                                         weight_decay=0.1, **kw),
@@ -370,8 +374,11 @@ def _train_union(name: str, sizes: list[int], steps: int, ignored_rank, wide: bo
     ("ief", [2, 6], None, False, True, ()),
     ("ief-auto-mean-momentum-wd", [4, 1, 6], 1, False, False, ()),
     ("sf-auto", [3, 5], None, True, False, ()),
+    ("ief-streamed", [3, 5], 1, False, True, ((0, 4, 5, 16), (2, 4, 16, 16), (4, 4, 16, 3))),
+    ("sf-streamed", [4, 1, 6], 1, False, False, ((0, 4, 5, 7), (2, 4, 7, 3))),
 ], ids=["ief-2", "ief-mean-3-ignored-rank", "ef-2-ddp", "sf-3-ignored-rank", "ief-ghost-2-tokens-ignored-rank",
-        "ief-2-forms-differ", "ief-auto-mean-3-ignored-rank", "sf-auto-2-ddp"])
+        "ief-2-forms-differ", "ief-auto-mean-3-ignored-rank", "sf-auto-2-ddp",
+        "ief-streamed-2-tokens-ignored-rank", "sf-streamed-3-ignored-rank"])
 def test_a_step_across_processes_is_one_process_on_the_union_batch(name, sizes, ignored_rank, ddp, wide, factors,
                                                                    tmp_path, request):
     """Three steps on R gloo processes (uneven batches, masked positions, a rank whose targets are all ignored, a DDP
@@ -381,7 +388,8 @@ def test_a_step_across_processes_is_one_process_on_the_union_batch(name, sizes, 
     Which weights the Gram gathers as factors (the rest as dense columns) is asserted: none for the 5-7-3 model
     (``form="auto"`` keeps its rows), the middle weight of the 5-16-16-3 one over 4 tokens with ``form="ghost"``
     (its outer weights' rows are fewer entries than their factors), and none when the ranks' forms differ (at
-    ``M_r = 2`` and ``6`` ``form="auto"`` factors the middle weight on rank 0 only: gathered as rows)."""
+    ``M_r = 2`` and ``6`` ``form="auto"`` factors the middle weight on rank 0 only: gathered as rows); with
+    ``form="streamed"`` every weight, whose rows no rank forms whole (:mod:`ief.streamed`)."""
     results = _spawn(_train_on_rank, len(sizes), tmp_path, name, sizes, 3, ignored_rank, ddp, wide)
     union = _train_union(name, sizes, 3, ignored_rank, wide)
     for other in results[1:]:

@@ -9,15 +9,17 @@ Routes (fast -> reference; "oracle" is the dense float64 brute force of ``tests/
   direction and the oracle (``sec:eval_framework``);
 - ``fvp``: :func:`ief.fisher_vp` (default: forward mode) and ``method="double_backward"`` -> the dense ``F v``
   (``sec:app-eval-complexity``), ``v`` the oracle iEF direction at the damping;
-- ``forms``: :func:`ief.per_sample` / :func:`ief.sampled_jacobian` with ``form`` dense / ghost / rows / auto, and
-  the EF / iEF / SF directions computed from each form -> the oracle (``eqn:EF_lsq``, ``eqn:iEF_lsq``, ``eqn:SF-smw``);
+- ``forms``: :func:`ief.per_sample` / :func:`ief.sampled_jacobian` with ``form`` dense / ghost / rows / streamed /
+  auto, and the EF / iEF / SF directions computed from each form -> the oracle (``eqn:EF_lsq``, ``eqn:iEF_lsq``,
+  ``eqn:SF-smw``);
 - ``kfac``: :func:`ief.kfac_direction` for each kind -> the damped solve of ``G (x) A`` with the dense factors built
   by explicit per-sample passes (through their eigendecompositions; at ``lambda = 1`` also the dense solve of the
   Kronecker block itself), ``sec:app-iEF-eNGDopt``;
 - ``optim``: one step of ``ief.optim.IEF`` / ``EF`` / ``SF`` -> the direction functions on the oracle Jacobian;
 - ``steady``: the same step as a steady one takes it (``check=False``, the per-sample finiteness deferred: asked of
   the rows after the solve, read off the Gram's diagonal for a float32 ``J``; the direction combined straight into
-  the model's dtype) -> the oracle directions, and its finiteness flag -> the pass over ``J`` (``_finite_flag``).
+  the model's dtype) -> the oracle directions, and its finiteness flag -> the pass over ``J`` (``_finite_flag``);
+- ``streamed``: the ``optim`` step with ``form="streamed"`` (:mod:`ief.streamed`: no weight's rows kept).
 
 Models: ``route_models.MODELS`` (the cpu setups at smoke size, a P < M linear model, a prompt-only T5, T5-LoRA, a CNN,
 a GRU, a token table the batch uses only partly; a sample with every target ignored in all but the P < M one);
@@ -352,7 +354,7 @@ def route_forms(chk: Checker, name: str, c, damping: float) -> None:
     dirs = oracle_directions(name, chk.dtype, damping)
     sens = Sensitivity.of(name, chk.dtype, damping).of_directions()
     exact = 1e-10 if chk.dtype == torch.float64 else 1e-5  # J itself: one backward, no solve
-    for form in ("dense", "ghost", "rows", "auto"):
+    for form in ("dense", "ghost", "rows", "streamed", "auto"):
         ps = ief.per_sample(c.model, c.inputs, c.targets, loss=c.loss, form=form)
         sampled = ief.sampled_jacobian(c.model, c.inputs, c.targets, torch.Generator().manual_seed(SEED),
                                        loss=c.loss, form=form) if damping > 0 else None
@@ -383,7 +385,7 @@ def route_kfac(chk: Checker, name: str, c, damping: float) -> None:
                       rm.kfac_dense_direction(name, chk.dtype, kind, SEED, damping))
 
 
-def route_optim(chk: Checker, name: str, c, damping: float, check: bool = True) -> None:
+def route_optim(chk: Checker, name: str, c, damping: float, check: bool = True, form: str = "auto") -> None:
     o = rm.dense_oracle(name)
     jac = o.jacobian
     expected = {"IEF": ief.ief_direction(jac, o.logit_sqnorm, damping), "EF": ief.ef_direction(jac, damping)}
@@ -395,12 +397,13 @@ def route_optim(chk: Checker, name: str, c, damping: float, check: bool = True) 
         before = torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).clone()
         norm = float(direction.norm())
         if kind == "IEF":  # un-normalised: lr scaled to an update of norm 1 (clear of the parameters' rounding)
-            opt = ief.optim.IEF(model, lr=1.0 / norm, damping=damping, normalize=False, check=check)
+            opt = ief.optim.IEF(model, lr=1.0 / norm, damping=damping, normalize=False, check=check,
+                                form=form)
         elif kind == "EF":  # normalised update of norm lr
-            opt = ief.optim.EF(model, lr=1.0, damping=damping, normalize=True, check=check)
+            opt = ief.optim.EF(model, lr=1.0, damping=damping, normalize=True, check=check, form=form)
         else:
             opt = ief.optim.SF(model, lr=1.0, damping=damping, normalize=True, check=check,
-                               generator=torch.Generator().manual_seed(SEED))
+                               generator=torch.Generator().manual_seed(SEED), form=form)
         found = []  # the step's record of its direction (the rows the solve used)
         direction_of = opt._direction
         opt._direction = lambda *args, _of=direction_of: found.append(_of(*args)) or found[-1]
@@ -427,6 +430,8 @@ ROUTES = {
     "kfac": (route_kfac, lambda m: m.kfac_params != ()),
     "optim": (route_optim, lambda m: True),
     "steady": (lambda chk, name, c, damping: route_optim(chk, name, c, damping, check=False), lambda m: True),
+    # every factored weight's rows formed a block at a time for the Gram and again for J^T c, never kept
+    "streamed": (lambda chk, name, c, damping: route_optim(chk, name, c, damping, form="streamed"), lambda m: True),
 }
 
 # the slow tier (make test runs it, make test-lib leaves it out): the one case that costs ~10x its siblings, the

@@ -22,6 +22,7 @@ page says so in words.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -44,7 +45,7 @@ STAGE = ROOT / "_build" / "record-source"
 TOC = ROOT / "_toc.yml"
 README = ROOT / "README.md"
 INTRO = ROOT / "book" / "intro.md"
-MAX_FILE_BYTES = 2_000_000  # no tracked file above 2 MB
+MAX_FILE_BYTES = 2_000_000  # no tracked file above 2 MB: a larger table is kept gzip-compressed (NAME.gz)
 # The notebook-level papermill metadata kept (the parameters: the book reads the scale from them); the rest (absolute
 # paths, times) is this machine's noise. Cell metadata dropped: papermill's and Jupyter's timing of each cell.
 KEPT_PAPERMILL = ("parameters", "default_parameters", "version")
@@ -286,7 +287,8 @@ def record(scale: str = SCALE, executed_root: Path | None = None, folder: Path |
 
     Raises:
         RecordError: another scale, a chapter not executed, a build of several commits or of uncommitted code, a
-            build older than a chapter's source, a table changed since the chapter read it, a file over 2 MB.
+            build older than a chapter's source, a table changed since the chapter read it, a file over 2 MB (a
+            table: once compressed).
     """
     import nbformat
 
@@ -338,9 +340,10 @@ def record(scale: str = SCALE, executed_root: Path | None = None, folder: Path |
         inputs = {rel: _checked_input(rel, digest, Path(root)) for rel, digest in p.get("results", {}).items()}
         copies.update(inputs)
         manifest["chapters"][name] = {"notebook": f"{name}.ipynb", "title": _chapter_title(nb),
-                                      "inputs": [f"{INPUTS}/{rel}" for rel in inputs], "provenance": p}
-    sizes = {**{n: len(t.encode()) for n, t in texts.items()},
-             **{f"{INPUTS}/{rel}": src.stat().st_size for rel, src in copies.items()}}
+                                      "inputs": [f"{INPUTS}/{_stored_name(rel, src)}" for rel, src in inputs.items()],
+                                      "provenance": p}
+    tables = {_stored_name(rel, src): _stored_bytes(src) for rel, src in copies.items()}
+    sizes = {**{n: len(t.encode()) for n, t in texts.items()}, **{f"{INPUTS}/{n}": len(b) for n, b in tables.items()}}
     big = [f"{n} ({b / 1e6:.1f} MB)" for n, b in sizes.items() if b > MAX_FILE_BYTES]
     if big:
         raise RecordError(f"files over {MAX_FILE_BYTES / 1e6:.0f} MB would be recorded: {', '.join(big)}")
@@ -349,14 +352,25 @@ def record(scale: str = SCALE, executed_root: Path | None = None, folder: Path |
         old.unlink()
     for n, text in texts.items():
         write_atomically(folder / n, text)
-    for rel, src in copies.items():
-        (folder / INPUTS / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, folder / INPUTS / rel)
+    for stored, data in tables.items():
+        write_atomically(folder / INPUTS / stored, data)
     manifest["size_bytes"] = sum(sizes.values())
     write_atomically(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     for path in (README, INTRO) if markdown is None else markdown:
         update_links(path, manifest, folder)
     return manifest
+
+
+def _stored_name(rel: str, src: Path) -> str:
+    """A table's name in the record: its path in the checkout, with ``.gz`` where it is kept compressed."""
+    return rel + ".gz" if src.stat().st_size > MAX_FILE_BYTES else rel
+
+
+def _stored_bytes(src: Path) -> bytes:
+    """A table's bytes in the record: as read, or gzip-compressed (no timestamp, so a re-record of the same table
+    writes the same bytes) where it is over :data:`MAX_FILE_BYTES`; pandas reads either (``pd.read_csv``)."""
+    data = src.read_bytes()
+    return gzip.compress(data, mtime=0) if len(data) > MAX_FILE_BYTES else data
 
 
 def _cpu_model() -> str:
@@ -506,6 +520,8 @@ def stage(folder: Path | None = None, target: Path = STAGE, environ: dict | None
     config = staged_config(yaml.safe_load((ROOT / "_config.yml").read_text()), environ)
     write_atomically(target / "_config.yml", yaml.safe_dump(config, sort_keys=False))
     (target / "examples").symlink_to(ROOT / "examples", target_is_directory=True)  # api.md includes the quick start
+    # the book's extension reads the benchmark tables (benchmarks.report) from beside the tree it renders
+    (target / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
     (target / "_build").mkdir()
     (target / "_build" / "vendor").symlink_to(steps.VENDOR, target_is_directory=True)  # MathJax, served offline
     generated = target / "book" / "generated"

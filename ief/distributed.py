@@ -335,8 +335,8 @@ def gram_plan(layouts: torch.Tensor | None, sizes: Sequence[int], columns: int, 
         union_ids[i] = _union_ids(i, layouts, ids)
         tables.append((i, union_ids[i].numel(), dim[0]))
         dense_width += union_ids[i].numel() * dim[0]
-    return GramPlan(tuple(factors), tuple(dense), dense_width, factor_width,
-                    gathered * (dense_width + factor_width), tuple(tables), union_ids, frozenset(streamed))
+    return GramPlan(tuple(factors), tuple(dense), dense_width, factor_width, gathered * (dense_width + factor_width),
+                    tables=tuple(tables), streamed=frozenset(streamed), union_ids=union_ids)
 
 
 class DistributedRows(Rows):
@@ -403,7 +403,7 @@ class DistributedRows(Rows):
             if scale != 1.0:
                 chunk = chunk / scale
             out.addmm_(chunk, chunk.T)
-        for (i, *_), (a, g) in zip(plan.factors, self._union_factors(plan, scale)):
+        for (i, *_), (a, g) in zip(plan.factors or (), self._union_factors(plan, scale)):
             out += factor_gram(a, g, i in plan.streamed)
         return (out + out.T) / 2
 

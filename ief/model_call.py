@@ -585,6 +585,14 @@ class ReplayableForward:
                 torch.cuda.set_rng_state(s, d)
             yield
 
+    def rewind_rng(self) -> None:
+        """Set the global generators to the state this forward's first call drew from, so that a new forward of the
+        same model constructed now draws the same dropout masks (the exact check's float32 forward; call it inside
+        ``torch.random.fork_rng``, which puts the generators back)."""
+        torch.set_rng_state(self._cpu_state)
+        for d, s in zip(self._devices, self._cuda_states):
+            torch.cuda.set_rng_state(s, d)
+
     @property
     def draws_cuda_random(self) -> bool:
         """Whether the forward draws random numbers on a CUDA device (dropout in train mode): measured on the first

@@ -62,8 +62,14 @@ LAYER_FORMS = ("ghost", "rows", "streamed")
 
 @dataclass(frozen=True)
 class FormCost:
-    """One form's cost for one weight (module docstring): ``flops``, ``held`` bytes (beyond the factors),
-    ``transient`` bytes, and dispatched ``launches``."""
+    """One form's cost for one weight (the module docstring's table).
+
+    Attributes:
+        flops: floating-point operations of the form's Gram, ``J^T c`` and ``J v`` products.
+        held: bytes the form keeps from the backward to the step (beyond the layer's factors).
+        transient: bytes the form allocates while it runs and frees after.
+        launches: dispatched operators (kernel launches on a GPU).
+    """
 
     flops: int
     held: int

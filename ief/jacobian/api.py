@@ -309,6 +309,7 @@ class _HookedForward:
                     torch.autocast(device_type(model), enabled=False), float32_copy(model) as copies:
                 if copies is None:
                     return None
+                self.forward.rewind_rng()  # the float32 forward draws this forward's dropout masks
                 wide_params = [copies.get(id(p), p) for p in self.params]
                 wide = _HookedForward(model, widen(inputs), widen(targets), wide_params, loss, "exact")
                 if wide.formats.lowest in SIXTEEN_BIT:  # autocast inside the model: no float32 forward to be had

@@ -84,6 +84,14 @@ def test_the_record_is_small_and_says_its_size():
         f.name == "summary.json" for f in (FOLDER / record.INPUTS / "runs").rglob("*") if f.is_file())
 
 
+def test_no_file_of_the_record_is_ignored_by_git():
+    """The record's tables sit under ``inputs/results`` and ``inputs/runs``, names the checkout ignores elsewhere: a
+    clone must get them (a record committed without them passed here and failed in a fresh clone)."""
+    files = [str(f.relative_to(ROOT)) for f in FOLDER.rglob("*") if f.is_file()]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *files], cwd=ROOT, capture_output=True, text=True)
+    assert ignored.stdout == "", ignored.stdout
+
+
 def test_the_readme_and_the_introduction_link_every_recorded_chapter():
     """The introduction holds the list :func:`record.links_block` writes (the commit, a link per chapter); the README
     links each chapter's recorded notebook by its path (its chapter map, ``companion.chapters.coverage.RECORDED``,

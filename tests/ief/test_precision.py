@@ -373,6 +373,38 @@ def test_rows_that_differ_in_bf16_beyond_its_rounding_are_refused():
             ief.per_sample(model, x, y, check="exact")
 
 
+class _Dropped(torch.nn.Module):
+    """``Linear -> tanh -> Dropout -> Linear``: per-sample, with random masks in train mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop, self.head = torch.nn.Linear(16, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.head(self.drop(torch.tanh(self.lin(x))))
+
+
+@pytest.mark.parametrize("precision", ["bf16 weights", "bf16 autocast"])
+def test_the_float32_check_draws_the_bf16_forwards_dropout_masks(precision):
+    """A model with dropout in train mode: the float32 forward of the check replays the 16-bit forward's generator
+    state, so its rows are the same function's (with other masks they differ by ~60 % and a correct model was
+    refused as computing something else in bfloat16), and the global generator is left where the step leaves it."""
+    torch.manual_seed(0)
+    model = _Dropped().train()
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    if precision == "bf16 weights":
+        model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16 autocast")
+    torch.manual_seed(1)
+    with autocast:
+        ief.per_sample(model, x, y, check=True)
+    after_plain = torch.get_rng_state()
+    torch.manual_seed(1)
+    with autocast:
+        ief.per_sample(model, x, y, check="exact")
+    assert torch.equal(torch.get_rng_state(), after_plain)
+
+
 def test_the_float32_check_leaves_the_bf16_model_as_it_was():
     """The check's float32 copy is put back: the same parameter objects (a tied embedding and head still one), the
     same bfloat16 values and buffers, and an optimiser built before the first step updates the model's own

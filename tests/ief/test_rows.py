@@ -119,7 +119,8 @@ def test_as_rows_wraps_a_tensor_once_and_names_what_it_refuses():
 def test_check_form_names_the_accepted_forms():
     for form in FORMS:
         assert check_form(form) == form
-    with pytest.raises(ValueError, match=r"^form must be one of 'dense', 'auto', 'ghost', 'rows', got 'sparse'$"):
+    accepted = "'dense', 'auto', 'ghost', 'rows', 'streamed'"
+    with pytest.raises(ValueError, match=rf"^form must be one of {accepted}, got 'sparse'$"):
         check_form("sparse")
     with pytest.raises(ValueError, match=r"got None$"):
         check_form(None)

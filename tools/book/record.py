@@ -340,9 +340,13 @@ def record(scale: str = SCALE, executed_root: Path | None = None, folder: Path |
         inputs = {rel: _checked_input(rel, digest, Path(root)) for rel, digest in p.get("results", {}).items()}
         copies.update(inputs)
         manifest["chapters"][name] = {"notebook": f"{name}.ipynb", "title": _chapter_title(nb),
-                                      "inputs": [f"{INPUTS}/{_stored_name(rel, src)}" for rel, src in inputs.items()],
-                                      "provenance": p}
-    tables = {_stored_name(rel, src): _stored_bytes(src) for rel, src in copies.items()}
+                                      "inputs": [f"{INPUTS}/{rel}" for rel in inputs], "provenance": p}
+    tables, renamed = {}, {}
+    for rel, src in copies.items():
+        name, tables[name] = _stored(rel, src)
+        renamed[f"{INPUTS}/{rel}"] = f"{INPUTS}/{name}"
+    for chapter in manifest["chapters"].values():
+        chapter["inputs"] = [renamed[i] for i in chapter["inputs"]]
     sizes = {**{n: len(t.encode()) for n, t in texts.items()}, **{f"{INPUTS}/{n}": len(b) for n, b in tables.items()}}
     big = [f"{n} ({b / 1e6:.1f} MB)" for n, b in sizes.items() if b > MAX_FILE_BYTES]
     if big:
@@ -361,16 +365,12 @@ def record(scale: str = SCALE, executed_root: Path | None = None, folder: Path |
     return manifest
 
 
-def _stored_name(rel: str, src: Path) -> str:
-    """A table's name in the record: its path in the checkout, with ``.gz`` where it is kept compressed."""
-    return rel + ".gz" if src.stat().st_size > MAX_FILE_BYTES else rel
-
-
-def _stored_bytes(src: Path) -> bytes:
-    """A table's bytes in the record: as read, or gzip-compressed (no timestamp, so a re-record of the same table
-    writes the same bytes) where it is over :data:`MAX_FILE_BYTES`; pandas reads either (``pd.read_csv``)."""
+def _stored(rel: str, src: Path) -> tuple[str, bytes]:
+    """A table's name and bytes in the record: its path in the checkout and its bytes as read, or, over
+    :data:`MAX_FILE_BYTES`, ``NAME.gz`` gzip-compressed (no timestamp, so a re-record of the same table writes the same
+    bytes; ``pd.read_csv`` reads either)."""
     data = src.read_bytes()
-    return gzip.compress(data, mtime=0) if len(data) > MAX_FILE_BYTES else data
+    return (rel + ".gz", gzip.compress(data, mtime=0)) if len(data) > MAX_FILE_BYTES else (rel, data)
 
 
 def _cpu_model() -> str:

@@ -175,8 +175,9 @@ def is_chapter_code(path: Path) -> bool:
 # contents change), not on the ~100 sources themselves, which the scheduler would stat for every pending job on every
 # pass. Absolute: a workflow run in another --directory (a test's tmp folder) still finds them.
 _DIGESTS = ROOT / ".snakemake" / "code-digests"
-IEF_CODE = str(BOOK.code_digest(_package_files(), _DIGESTS / "all.sha256"))
-CORE_CODE = str(BOOK.code_digest([p for p in _package_files() if not is_chapter_code(p)], _DIGESTS / "core.sha256"))
+_SOURCES = _package_files()
+IEF_CODE = str(BOOK.code_digest(_SOURCES, _DIGESTS / "all.sha256"))
+CORE_CODE = str(BOOK.code_digest([p for p in _SOURCES if not is_chapter_code(p)], _DIGESTS / "core.sha256"))
 
 
 # ------------------------------------------------------------------------------------------------ notebooks

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ief.sharded import ROUTE
-from test_distributed import OPTIMISERS, SPAWN_DEADLINE, _free_port, _join, _spawn
+from test_distributed import OPTIMISERS, SPAWN_DEADLINE, _free_port, _join, _spawn, _start
 
 pytestmark = pytest.mark.slow  # every test here starts gloo processes: the slow tier
 
@@ -533,8 +532,7 @@ TRAINER_ARGS = dict(learning_rate=0.5, max_grad_norm=0.0, logging_steps=1, repor
 TRAINER_OPTIMISER = dict(optimizer="ief", optimizer_kwargs=dict(damping=1e-3, momentum=0.5))
 
 
-def _fsdp2_trainer_on_rank(rank: int, world: int, port: int, folder: str, steps: int, stop_at, resume,
-                           final) -> dict:
+def _fsdp2_trainer_on_rank(rank: int, world: int, port: int, folder: str, steps: int, resume, final) -> dict:
     """An IEFTrainer run as torchrun starts it, on the tiny BERT-LoRA classifier sharded with fully_shard (each
     encoder layer, then the root) before it is handed to the Trainer."""
     import os
@@ -543,15 +541,10 @@ def _fsdp2_trainer_on_rank(rank: int, world: int, port: int, folder: str, steps:
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     import datasets
     from torch.distributed.fsdp import fully_shard
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import TrainingArguments
 
     from ief.hf import IEFTrainer
     from test_hf import bert_lora, classification_rows
-
-    class Stop(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if stop_at is not None and state.global_step >= stop_at:
-                control.should_training_stop = True
 
     args = TrainingArguments(output_dir=folder, per_device_train_batch_size=4, max_steps=steps, ddp_backend="gloo",
                              save_strategy="steps", save_steps=2, **TRAINER_ARGS)
@@ -561,7 +554,7 @@ def _fsdp2_trainer_on_rank(rank: int, world: int, port: int, folder: str, steps:
         fully_shard(layer)
     fully_shard(model)
     trainer = IEFTrainer(model, args, train_dataset=datasets.Dataset.from_dict(classification_rows()),
-                         callbacks=[Stop()], **TRAINER_OPTIMISER)
+                         **TRAINER_OPTIMISER)
     trainer.train(resume_from_checkpoint=resume)
     if final is not None:
         trainer.save_model(final)
@@ -573,22 +566,20 @@ def _fsdp2_trainer_on_rank(rank: int, world: int, port: int, folder: str, steps:
                 shards=[p.to_local().numel() < p.numel() for p in trainer.model.parameters()])
 
 
-def _fsdp2_trainer_entry(rank: int, world: int, port: int, folder: str, out: str, steps, stop_at, resume,
-                         final) -> None:
+def _fsdp2_trainer_entry(rank: int, world: int, port: int, folder: str, out: str, steps, resume, final) -> None:
     torch.set_num_threads(1)
-    result = _fsdp2_trainer_on_rank(rank, world, port, folder, steps, stop_at, resume, final)
+    result = _fsdp2_trainer_on_rank(rank, world, port, folder, steps, resume, final)
     Path(out).joinpath(f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
-def _run_fsdp2_trainer(tmp_path: Path, name: str, steps: int, stop_at=None, resume=None, final=None) -> list[dict]:
+def _run_fsdp2_trainer(tmp_path: Path, name: str, steps: int, resume=None, final=None) -> list[dict]:
     out = tmp_path / f"{name}-results"
     out.mkdir(parents=True)
-    context = mp.start_processes(_fsdp2_trainer_entry, args=(2, _free_port(), str(tmp_path / "run"), str(out), steps,
-                                                             stop_at, resume, final),
-                                 nprocs=2, join=False, start_method="spawn")
+    context = _start(_fsdp2_trainer_entry, (2, _free_port(), str(tmp_path / "run"), str(out), steps, resume, final),
+                     2)
     _join(context, 2, SPAWN_DEADLINE)
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
 
@@ -597,8 +588,8 @@ def test_the_trainer_trains_an_fsdp2_model_as_one_process_on_the_union_batch_and
     """IEFTrainer on a model the user sharded with fully_shard, launched as torchrun would (two gloo processes,
     sequential data: rank r takes every other batch of 4), is left unwrapped (no DDP), steps iEF on the FSDP2 route
     with momentum and the Trainer's weight-decay groups, and equals one process at the union batch of 8 (float64);
-    stopped at its step-2 checkpoint and resumed on two processes it ends bit for bit where the uninterrupted run
-    does; save_model writes the full weights, which a fresh model loads."""
+    resumed on two fresh processes from its step-2 checkpoint it ends bit for bit where the uninterrupted run does;
+    save_model writes the full weights, which a fresh model loads."""
     import datasets
     import safetensors.torch
     from transformers import TrainingArguments
@@ -630,10 +621,9 @@ def test_the_trainer_trains_an_fsdp2_model_as_one_process_on_the_union_batch_and
     peft.set_peft_model_state_dict(loaded, safetensors.torch.load_file(str(final / "adapter_model.safetensors")))
     reloaded = torch.cat([p.detach().reshape(-1) for p in loaded.parameters() if p.requires_grad])
     assert torch.equal(reloaded, whole[0]["params"])
-    split = tmp_path / "split"
-    first = _run_fsdp2_trainer(split, "first", 4, stop_at=2)
-    assert first[0]["step"] == 2
-    resumed = _run_fsdp2_trainer(split, "resumed", 4, resume=str(split / "run" / "checkpoint-2"))
+    # resumed on two fresh processes from the uninterrupted run's step-2 checkpoint (what a run stopped there holds)
+    resumed = _run_fsdp2_trainer(tmp_path / "resumed", "resumed", 4,
+                                 resume=str(tmp_path / "whole" / "run" / "checkpoint-2"))
     assert resumed[0]["step"] == 4
     for rank in range(2):
         assert torch.equal(resumed[rank]["params"], whole[rank]["params"])

@@ -53,6 +53,8 @@ def _join(context, world: int, deadline: float) -> None:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
+            for process in context.processes:
+                process.join(timeout=30.0)
             pytest.fail(f"hung: ranks {alive} of {world} still running after {deadline:.0f} s (killed)")
 
 
@@ -269,6 +271,35 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
     assert [r["kind"] for r in results] == ["RankFailure", "RankFailure", "KeyError"]
     assert results[0]["message"] == "rank 2 failed (KeyError): 'a model that breaks'"
     assert issubclass(RankFailure, RuntimeError)
+
+
+def _sleep_on_rank_one(rank: int, pids: str) -> int:
+    """Rank 1 never reaches the collective that rank 0 waits in (the barrier after the work): a hang."""
+    import os
+    import time
+
+    Path(pids).joinpath(f"rank{rank}.pid").write_text(str(os.getpid()))
+    if rank == 1:
+        time.sleep(3600.0)
+    return rank
+
+
+@pytest.mark.slow  # starts processes
+def test_ranks_that_wait_on_each_other_fail_the_test_as_hung_past_the_deadline(tmp_path):
+    """A hang fails its test past the deadline, every rank killed, instead of hanging the suite (the collective
+    timeout, here far longer, is not what ends it)."""
+    import os
+    import time
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"hung: ranks \[0, 1\] of 2 still running after 20 s \(killed\)"):
+        _spawn(_sleep_on_rank_one, 2, tmp_path, str(pids), deadline=20.0)
+    assert time.monotonic() - start < 600.0
+    for path in pids.iterdir():  # the ranks that started are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(path.read_text()), 0)
 
 
 def test_one_process_runs_the_work_itself():

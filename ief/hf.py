@@ -53,12 +53,21 @@ data loading, evaluation, logging, callbacks, ``save_steps`` checkpoints, ``resu
   the union batch's; checkpoints resume on the same number of processes; SF's and ``kind="kfac"``'s labels are drawn
   per process (generator seeded ``seed + process_index``); K-FAC's factors are the union batch's
   (:class:`ief.optim.KFAC`).
+- **FSDP2** (``IEF``, ``EF``, ``SF``; :mod:`ief.sharded`): shard the model yourself with
+  ``torch.distributed.fsdp.fully_shard`` (inner blocks, then the root) after ``init_process_group`` and hand it to
+  ``IEFTrainer``, launched by ``torchrun`` (one process per device, gloo on CPU). The Trainer leaves it unwrapped (no
+  DDP), each rank updates its own shards and the step is the union batch's, as under DDP; ``save_model`` gathers the
+  full weights (every rank takes part) and the main process writes them (``from_pretrained`` loads them); a checkpoint
+  adds one ``ief_fsdp2_rank{r}_of_{R}.pt`` per rank (the rank's parameter shards and optimiser state: momentum
+  buffers are shards) and resumes bit for bit on the same number of processes (another number is refused, on every
+  rank). The Trainer's own ``fsdp=`` wrapping is refused (accelerate would shard the model and build the optimiser on
+  its own terms; its FSDP plugin does not run on CPU), as are ``load_best_model_at_end`` and ``save_on_each_node``
+  with an FSDP2 model (a whole checkpoint loaded into shards; the full weights are written by rank 0).
 - **Refused** with ``ValueError`` at construction: ``fp16=True`` (float16's per-sample gradients underflow without
   a dynamic loss scale, which ief does not apply: :func:`ief.precision.refuse_float16`), several devices in one
-  process (``DataParallel``), DeepSpeed (ZeRO runs its own backward and optimiser step) and the Trainer's FSDP
-  wrapping (not supported yet: the optimisers step on a model sharded with ``fully_shard`` in one's own loop,
-  :mod:`ief.sharded`),
-  ``label_smoothing_factor``, ``compute_loss_func``, ``optimizers=`` /
+  process (``DataParallel``), DeepSpeed (ZeRO partitions the parameters and runs its own backward and optimiser
+  step, which the ief optimisers, running the forward and per-sample backward themselves, cannot drive), the
+  Trainer's ``fsdp=`` wrapping (FSDP2 above), ``label_smoothing_factor``, ``compute_loss_func``, ``optimizers=`` /
   ``optimizer_cls_and_kwargs=`` and ``label_names`` other than ``["labels"]``.
 - **Logged**: each step's certificate (:class:`ief.optim.report.StepReport`: the method, each parameter's route,
   the rows, the processes, the sharding) at INFO on the ``ief.hf`` logger, on the first step and whenever it changes.
@@ -81,8 +90,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 import inspect
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -94,6 +105,7 @@ from .optim.auto_lr import AUTO
 from .optim.exact import EF, IEF, MISSING, SF, ForeignStateError
 from .optim.kfac import KFAC
 from .jacobian import per_sample_prompts
+from .sharded import is_fsdp2, load_local_state, local_state
 
 LOGGER = logging.getLogger(__name__)  # the steps' certificates (ief.optim.report), at INFO
 
@@ -101,6 +113,7 @@ OPTIMIZERS = ("ief", "ef", "sf", "kfac", "ekfac", "iekfac")
 KFAC_KINDS = ("kfac", "ekfac", "iekfac")
 _CLASSES = {"ief": IEF, "ef": EF, "sf": SF}
 _SAMPLING = ("sf", "kfac")  # the optimisers that draw labels from a generator
+SHARDED_STATE = "ief_fsdp2_rank{rank}_of_{world}.pt"  # an FSDP2 checkpoint's state of one rank (module docstring)
 _REFUSED_KWARGS = {
     "lr": "the rate is TrainingArguments(learning_rate=...), which the scheduler starts from (the one value taken "
           "here is lr='auto', the rate adapted every step: ief.optim.auto_lr)",
@@ -351,6 +364,8 @@ class IEFTrainer(transformers.Trainer):
             training has started).
     """
 
+    _fsdp2 = False  # a model sharded with fully_shard (set at construction)
+
     def __init__(self, *args: Any, optimizer: str = "ief", optimizer_kwargs: dict[str, Any] | None = None,
                  causal_lm: bool | None = None, **kwargs: Any):
         optimizer = _optimizer_name(optimizer)
@@ -386,12 +401,15 @@ class IEFTrainer(transformers.Trainer):
             raise ValueError(
                 f"IEFTrainer does not run under {'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'}: "
                 + ("DeepSpeed's ZeRO partitions the parameters and runs its own backward and optimiser step, which "
-                   "the ief optimisers (they run the forward and per-sample backward themselves) cannot drive; "
+                   "the ief optimisers (they run the forward and per-sample backward themselves) cannot drive; use "
+                   "data parallelism (torchrun / accelerate with DDP) or FSDP2 (a model you shard with fully_shard)"
                    if self.is_deepspeed_enabled else
-                   "the Trainer's FSDP wrapping is not supported yet (ief.optim.IEF, EF and SF step exactly on a "
-                   "model you shard with torch.distributed.fsdp.fully_shard, in your own loop); ")
-                + "use data parallelism (torchrun / accelerate with DDP), which IEFTrainer steps exactly across "
-                  "processes")
+                   "the Trainer's fsdp= wrapping shards the model and builds the optimiser on accelerate's terms; "
+                   "shard the model yourself with torch.distributed.fsdp.fully_shard, launch with torchrun and pass "
+                   "no fsdp=, and IEFTrainer steps it exactly across processes"))
+        self._fsdp2 = self.model is not None and is_fsdp2(self.model)
+        if self._fsdp2:
+            self._leave_fsdp2_unwrapped()
         if self.args.n_gpu > 1:
             raise ValueError(
                 f"IEFTrainer runs one device per process (n_gpu={self.args.n_gpu}: torch.nn.DataParallel in one "
@@ -399,6 +417,84 @@ class IEFTrainer(transformers.Trainer):
                 f"which IEFTrainer steps exactly across processes")
         if self.model is not None and self.model_init is None:
             self.create_optimizer()  # bad optimizer_kwargs fail here, not at train()
+
+    def _leave_fsdp2_unwrapped(self) -> None:
+        """A model sharded with ``fully_shard``: the Trainer must neither wrap it in DDP nor load whole checkpoints
+        into it (module docstring)."""
+        for flag, why in (("load_best_model_at_end", "loads a whole checkpoint into every rank's model"),
+                          ("save_on_each_node", "writes the gathered weights on each node's first process")):
+            if getattr(self.args, flag):
+                raise ValueError(f"IEFTrainer on an FSDP2 model does not take {flag}=True: the Trainer {why}, and "
+                                 f"each rank holds only its shards (the full weights are gathered and written by rank "
+                                 f"0); set {flag}=False")
+        if not hasattr(self, "is_distributed_loading_by_transformers"):  # transformers' own switch, since 5.x
+            raise ValueError(f"IEFTrainer trains an FSDP2 model with a transformers whose Trainer can leave a sharded "
+                             f"model unwrapped; transformers {transformers.__version__} would wrap it in "
+                             f"DistributedDataParallel")
+        # the model owns its placement and gradient reduction: accelerate neither wraps it in DDP nor shards it again
+        self.is_distributed_loading_by_transformers = True
+
+    def _sharded_state(self, checkpoint: str) -> dict:
+        """This rank's :data:`SHARDED_STATE` of ``checkpoint``, refused on every rank alike (the listing decides)
+        unless every rank of this run has its file."""
+        world = self.args.world_size
+        paths = [os.path.join(checkpoint, SHARDED_STATE.format(rank=r, world=world)) for r in range(world)]
+        if not all(os.path.isfile(p) for p in paths):
+            found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(checkpoint, "ief_fsdp2_rank*.pt")))
+            raise ValueError(f"checkpoint {checkpoint} holds no FSDP2 state for {world} processes (found "
+                             f"{found or 'none'}): resume an FSDP2 model from a checkpoint IEFTrainer wrote, on the "
+                             f"number of processes that wrote it")
+        return torch.load(paths[self.args.process_index], map_location="cpu", weights_only=True)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``transformers.Trainer.save_model``; an FSDP2 model's full weights are gathered (every rank must call
+        this) and written by the main process, as ``from_pretrained`` loads them.
+
+        Args:
+            output_dir: the folder (default ``TrainingArguments.output_dir``).
+            _internal_call: the Trainer's own call (a checkpoint).
+        """
+        if not self._fsdp2:
+            return super().save_model(output_dir, _internal_call)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.args.should_save:
+            self._save(self.args.output_dir if output_dir is None else output_dir, state_dict=full)
+        torch.distributed.barrier()  # the folder is written before any rank reads or removes it
+        return None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's; an FSDP2 model's checkpoint holds each rank's shards and optimiser state
+        (:data:`SHARDED_STATE`, written atomically) and the main process's scheduler."""
+        if not self._fsdp2:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from transformers.trainer import SCHEDULER_NAME
+
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, SHARDED_STATE.format(rank=self.args.process_index,
+                                                             world=self.args.world_size))
+        torch.save({"model": local_state(self.model), "optimizer": self.ief_optimizer.state_dict()}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        """The Trainer's; an FSDP2 model takes this rank's shards from :data:`SHARDED_STATE`.
+
+        Args:
+            resume_from_checkpoint: the checkpoint folder.
+            model: the model to load into (default: the Trainer's).
+
+        Raises:
+            ValueError: (FSDP2) a checkpoint without every rank's state, or another model's or sharding's.
+        """
+        if not self._fsdp2:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_local_state(self.model if model is None else model,
+                         self._sharded_state(resume_from_checkpoint)["model"], resume_from_checkpoint)
+        return None
 
     def _log_report(self, report: Any) -> None:
         """Log the step's certificate (:class:`ief.optim.report.StepReport`: the method, the routes, the rows, the
@@ -546,7 +642,14 @@ class IEFTrainer(transformers.Trainer):
                 how to start this optimiser fresh.
         """
         try:
-            super()._load_optimizer_and_scheduler(checkpoint)
+            if self._fsdp2 and checkpoint is not None:  # this rank's shards of the state, and the scheduler
+                from transformers.trainer import SCHEDULER_NAME
+
+                self.ief_optimizer.load_state_dict(self._sharded_state(checkpoint)["optimizer"])
+                self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME),
+                                                             weights_only=True))
+            else:
+                super()._load_optimizer_and_scheduler(checkpoint)
         except ForeignStateError as err:
             raise ValueError(
                 f"checkpoint {checkpoint} holds another optimiser's state, not this IEFTrainer's "

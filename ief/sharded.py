@@ -42,6 +42,10 @@ float64, the direction rounded once to bfloat16 (the rows' dtype); it then updat
 (a float32 master copy: a change below a bfloat16 spacing is kept, the momentum buffers are float32).
 ``reduce_dtype`` is not used: the step reduces no gradient (the direction's reduce-scatter sums float64).
 
+**Checkpoints.** The optimisers' ``state_dict`` holds this rank's momentum shards; :func:`local_state` and
+:func:`load_local_state` save and restore this rank's parameter shards beside it, one file a rank, resumed bit for
+bit on the same number of processes (:class:`ief.hf.IEFTrainer` checkpoints an FSDP2 model so).
+
 Refused before any work, in one sentence each (:func:`inspect`): HSDP and tensor parallel (a parameter on a mesh of
 more than one dimension or not ``Shard(0)``), ``DTensor`` parameters that no ``fully_shard`` manages, CPU offload
 (``CPUOffloadPolicy``), a ``MixedPrecisionPolicy`` computing in float16 (:mod:`ief.precision`), a model of
@@ -350,6 +354,48 @@ def inspect(model: torch.nn.Module, params: Sequence[torch.Tensor], name: str, *
                             f"shards over ranks {list(next(iter(ranks)))}; pass no process_group (FSDP2's is taken)")
     return ShardedModel(modules, list(params), [records[id(p)][0] for p in params], group,
                         dist.get_rank(group), dist.get_world_size(group))
+
+
+def is_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a module that ``fully_shard`` manages (FSDP2)."""
+    types = _fsdp_types()
+    return types is not None and any(isinstance(m, types[0]) for m in model.modules())
+
+
+def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of ``model.state_dict()``: each ``DTensor`` entry's local shard (an FSDP2 parameter's rows on
+    this rank), every other entry as it is, all cloned to the CPU: what :func:`load_local_state` writes back, bit for
+    bit, on the same number of processes (a checkpoint of a sharded model, one file a rank)."""
+    return {name: local_tensor(value).detach().to("cpu", copy=True) for name, value in model.state_dict().items()}
+
+
+def load_local_state(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Write :func:`local_state`'s output back into ``model``'s parameters and buffers, in place (an FSDP2
+    parameter's local shard: FSDP2's next all-gather reads it).
+
+    Args:
+        model: the model, sharded as when ``state`` was taken.
+        state: :func:`local_state`'s output for this rank.
+        where: the checkpoint, for the message.
+
+    Raises:
+        ValueError: ``state`` lacks an entry of the model's, holds one it does not have, or an entry's shape or dtype
+            differs (another model's, or another sharding's: another number of processes); nothing written.
+    """
+    targets = {name: local_tensor(value) for name, value in model.state_dict().items()}
+    missing, extra = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))
+    if missing or extra:
+        raise ValueError(f"{where} holds another model's state: it lacks {missing[:3]} and has {extra[:3]} that this "
+                         f"model does not")
+    for name, target in targets.items():
+        saved = state[name]
+        if tuple(saved.shape) != tuple(target.shape) or saved.dtype != target.dtype:
+            raise ValueError(f"{where}: {name!r} is {saved.dtype} {tuple(saved.shape)} there and {target.dtype} "
+                             f"{tuple(target.shape)} on this rank (another model, or sharded over another number of "
+                             f"processes); resume on the processes that saved it")
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(state[name])
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:

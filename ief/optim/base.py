@@ -42,7 +42,7 @@ from ..jacobian.guard import deferred_finiteness
 from ..losses import check_damping, count_targets, get_loss
 from ..model_call import Inputs, _cuda_devices, call_model
 from ..rows import as_rows
-from ..sharded import ROUTE, default_group, inspect, unsharded_group
+from ..sharded import ROUTE, default_group, inspect, local_tensor, unsharded_group
 from . import state as saved
 from .auto_lr import AUTO, INITIAL, AutoRate, check_auto, replayed, rng_states
 from .calls import explained_step
@@ -243,7 +243,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             ValueError: it holds a generator's state and this optimiser has no generator.
         """
         saved.check_origin(self._identity(), state_dict)
-        saved.check_tensors(state_dict, self._param_names(), self._all_params(), saved.describe(self._identity()))
+        # an FSDP2 model's state is this rank's: each momentum buffer is its parameter's local shard (ief.sharded)
+        saved.check_tensors(state_dict, self._param_names(), [local_tensor(p) for p in self._all_params()],
+                            saved.describe(self._identity()))
         state_dict = dict(state_dict)
         state_dict.pop(saved.STATE_KEY, None)
         generator = getattr(self, "generator", None)
@@ -292,13 +294,14 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         """Every rank's model parameters, optimiser state and settings the same (:func:`ief.distributed.check_replicas`:
         :class:`ief.distributed.ReplicaMismatch` on every rank, naming the first that differs), at the first step
         and at the first step after ``load_state_dict``. An FSDP2 model's sharded tensors (``DTensor``: each rank
-        holds its own shard by design) are left out; its settings and unsharded tensors are compared."""
+        holds its own shard by design) and their state (momentum buffers: local shards) are left out; its settings
+        and unsharded tensors are compared."""
         from torch.distributed.tensor import DTensor
 
         named = [(name, p) for name, p in self.model.named_parameters() if not isinstance(p, DTensor)]
         index = {id(p): name for name, p in self.model.named_parameters()}
         state = [(f"{index.get(id(p), 'a parameter')}: {key}", value) for p in self._all_params()
-                 for key, value in sorted(self.state.get(p, {}).items())
+                 if not isinstance(p, DTensor) for key, value in sorted(self.state.get(p, {}).items())
                  if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)]
         settings = {"optimiser": self._identity(), "check": getattr(self, "check", None),
                     "form": getattr(self, "form", None), "step": self.steps_taken,

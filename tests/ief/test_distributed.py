@@ -24,18 +24,59 @@ def _union_rows(sizes: list[int]) -> torch.Tensor:
     return torch.randn(sum(sizes), P, generator=gen, dtype=torch.float64)
 
 
-def _spawn(fn, world: int, tmp_path: Path, *args) -> list:
-    """Run ``fn(rank, world, store, out, *args)`` on ``world`` gloo processes; each returns what it pickled."""
+SPAWN_DEADLINE = 2400.0  # seconds a multi-process test may run before it fails as hung (every rank killed)
+COLLECTIVE_TIMEOUT = 900.0  # seconds a gloo collective waits for the other ranks (a loaded machine is slow)
+# The ranks are forked from one server that imported these once in the session: a spawned rank imports torch, ief
+# and the Hugging Face stack again, seconds each and most of a small multi-process test's time on two cores.
+PRELOAD = ["torch", "torch.distributed.fsdp", "ief", "ief.hf", "peft", "datasets"]
+
+
+def _start(entry, args: tuple, world: int):
+    """``torch.multiprocessing.start_processes(entry, args, world, join=False)``, each rank forked from the session's
+    fork server (:data:`PRELOAD` imported once, no thread started: safe to fork); wait with :func:`_join`."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(PRELOAD)  # (kept by a server already running)
+    return mp.start_processes(entry, args=args, nprocs=world, join=False, start_method="forkserver")
+
+
+def _join(context, world: int, deadline: float) -> None:
+    """Wait for ``context``'s processes (``torch.multiprocessing.start_processes(join=False)``), re-raising a rank's
+    exception; past ``deadline`` seconds every rank still running is killed and the test fails as hung: ranks that
+    wait on each other for ever fail the test, they never hang the suite."""
+    import time
+
+    end = time.monotonic() + deadline
+    while not context.join(timeout=max(0.1, min(5.0, end - time.monotonic()))):
+        if time.monotonic() > end:
+            alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in context.processes:
+                process.join(timeout=30.0)
+            pytest.fail(f"hung: ranks {alive} of {world} still running after {deadline:.0f} s (killed)")
+
+
+def _spawn(fn, world: int, tmp_path: Path, *args, deadline: float = SPAWN_DEADLINE,
+           collective_timeout: float = COLLECTIVE_TIMEOUT) -> list:
+    """Run ``fn(rank, *args)`` on ``world`` gloo processes; each returns what it pickled. A collective waits at most
+    ``collective_timeout`` seconds and the processes together run at most ``deadline`` seconds (:func:`_join`)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     outs = [tmp_path / f"rank{r}.pkl" for r in range(world)]
-    mp.spawn(_entry, args=(fn, world, str(tmp_path / "store"), [str(o) for o in outs], args), nprocs=world,
-             join=True, start_method="spawn")
+    context = _start(_entry, (fn, world, str(tmp_path / "store"), [str(o) for o in outs], args, collective_timeout),
+                     world)
+    _join(context, world, deadline)
     return [pickle.loads(o.read_bytes()) for o in outs]
 
 
-def _entry(rank: int, fn, world: int, store: str, outs: list[str], args: tuple) -> None:
+def _entry(rank: int, fn, world: int, store: str, outs: list[str], args: tuple,
+           collective_timeout: float = COLLECTIVE_TIMEOUT) -> None:
+    from datetime import timedelta
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=collective_timeout))
     try:
         Path(outs[rank]).write_bytes(pickle.dumps(fn(rank, *args)))
         dist.barrier()  # no rank leaves (closing its connections) while another still talks to it
@@ -230,6 +271,35 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
     assert [r["kind"] for r in results] == ["RankFailure", "RankFailure", "KeyError"]
     assert results[0]["message"] == "rank 2 failed (KeyError): 'a model that breaks'"
     assert issubclass(RankFailure, RuntimeError)
+
+
+def _sleep_on_rank_one(rank: int, pids: str) -> int:
+    """Rank 1 never reaches the collective that rank 0 waits in (the barrier after the work): a hang."""
+    import os
+    import time
+
+    Path(pids).joinpath(f"rank{rank}.pid").write_text(str(os.getpid()))
+    if rank == 1:
+        time.sleep(3600.0)
+    return rank
+
+
+@pytest.mark.slow  # starts processes
+def test_ranks_that_wait_on_each_other_fail_the_test_as_hung_past_the_deadline(tmp_path):
+    """A hang fails its test past the deadline, every rank killed, instead of hanging the suite (the collective
+    timeout, here far longer, is not what ends it)."""
+    import os
+    import time
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"hung: ranks \[0, 1\] of 2 still running after 10 s \(killed\)"):
+        _spawn(_sleep_on_rank_one, 2, tmp_path, str(pids), deadline=10.0)
+    assert time.monotonic() - start < 600.0
+    for path in pids.iterdir():  # the ranks that started are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(path.read_text()), 0)
 
 
 def test_one_process_runs_the_work_itself():
@@ -541,29 +611,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _trainer_on_rank(rank: int, world: int, port: int, folder: str, steps: int, stop_at, resume) -> dict:
+def _trainer_on_rank(rank: int, world: int, port: int, folder: str, steps: int, resume) -> dict:
     """An IEFTrainer run as torchrun would start it (the environment names the rank, world and address)."""
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     import datasets
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import TrainingArguments
 
     from ief.hf import IEFTrainer
     from test_hf import bert_lora, classification_rows
-
-    class Stop(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if stop_at is not None and state.global_step >= stop_at:
-                control.should_training_stop = True
 
     args = TrainingArguments(output_dir=folder, learning_rate=0.5, max_grad_norm=0.0, per_device_train_batch_size=4,
                              logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
                              train_sampling_strategy="sequential", max_steps=steps, ddp_backend="gloo",
                              save_strategy="steps", save_steps=2, lr_scheduler_type="linear")
     trainer = IEFTrainer(bert_lora(), args, train_dataset=datasets.Dataset.from_dict(classification_rows()),
-                         optimizer="ief", optimizer_kwargs=dict(damping=1e-3, momentum=0.5), callbacks=[Stop()])
+                         optimizer="ief", optimizer_kwargs=dict(damping=1e-3, momentum=0.5))
     trainer.train(resume_from_checkpoint=resume)
     params = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters() if p.requires_grad]).clone()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
@@ -573,19 +638,19 @@ def _trainer_on_rank(rank: int, world: int, port: int, folder: str, steps: int, 
     return out
 
 
-def _trainer_entry(rank: int, world: int, port: int, folder: str, out: str, steps, stop_at, resume) -> None:
+def _trainer_entry(rank: int, world: int, port: int, folder: str, out: str, steps, resume) -> None:
     torch.set_num_threads(1)
-    result = _trainer_on_rank(rank, world, port, folder, steps, stop_at, resume)
+    result = _trainer_on_rank(rank, world, port, folder, steps, resume)
     Path(out).joinpath(f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _run_trainer(world: int, tmp_path: Path, name: str, steps: int, stop_at=None, resume=None) -> list[dict]:
+def _run_trainer(world: int, tmp_path: Path, name: str, steps: int, resume=None) -> list[dict]:
     out = tmp_path / f"{name}-results"
     out.mkdir(parents=True)
-    mp.spawn(_trainer_entry, args=(world, _free_port(), str(tmp_path / "run"), str(out), steps, stop_at, resume),
-             nprocs=world, join=True, start_method="spawn")
+    context = _start(_trainer_entry, (world, _free_port(), str(tmp_path / "run"), str(out), steps, resume), world)
+    _join(context, world, SPAWN_DEADLINE)
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 
@@ -593,8 +658,8 @@ def _run_trainer(world: int, tmp_path: Path, name: str, steps: int, stop_at=None
 def test_the_trainer_on_two_processes_is_the_union_batch_and_resumes(tmp_path):
     """IEFTrainer under DDP (two gloo processes, sequential data: rank r takes every other batch of 4) takes the
     exact step of the union batch of 8: its parameters and logged losses equal a one-process run with batches of 8
-    (float32 rounding), the ranks agree bit for bit, and stopping at the step-2 checkpoint then resuming on two
-    processes gives the uninterrupted run."""
+    (float32 rounding), the ranks agree bit for bit, and resuming its step-2 checkpoint on two fresh processes gives
+    the uninterrupted run."""
     import datasets
     from transformers import TrainingArguments
 
@@ -615,10 +680,9 @@ def test_the_trainer_on_two_processes_is_the_union_batch_and_resumes(tmp_path):
     assert float((whole[0]["params"] - flat).norm() / flat.norm()) < 1e-5
     losses = [h["loss"] for h in one.state.log_history if "loss" in h and "train_runtime" not in h]
     assert whole[0]["losses"] == pytest.approx(losses, rel=1e-4)
-    split = tmp_path / "split"
-    first = _run_trainer(2, split, "first", 4, stop_at=2)
-    assert first[0]["step"] == 2
-    resumed = _run_trainer(2, split, "resumed", 4, resume=str(split / "run" / "checkpoint-2"))
+    # resumed on two fresh processes from the uninterrupted run's step-2 checkpoint (what a run stopped there holds)
+    resumed = _run_trainer(2, tmp_path / "resumed", "resumed", 4,
+                           resume=str(tmp_path / "whole" / "run" / "checkpoint-2"))
     assert resumed[0]["step"] == 4
     assert torch.equal(resumed[0]["params"], whole[0]["params"]) and torch.equal(resumed[1]["params"],
                                                                                  whole[1]["params"])
@@ -827,8 +891,7 @@ def test_the_trainer_with_kfac_on_two_processes_is_the_union_batch(tmp_path):
     (float32 rounding), over 3 steps that cross an eigendecomposition refresh."""
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_kfac_trainer_entry, args=(2, _free_port(), str(tmp_path / "run"), str(out)), nprocs=2, join=True,
-             start_method="spawn")
+    _join(_start(_kfac_trainer_entry, (2, _free_port(), str(tmp_path / "run"), str(out)), 2), 2, SPAWN_DEADLINE)
     ranks = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     assert torch.equal(ranks[0]["params"], ranks[1]["params"]) and ranks[0]["losses"] == ranks[1]["losses"]
     params, losses = _kfac_trainer(str(tmp_path / "one"), 8, 3, use_cpu_ddp=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import warnings
 
 import datasets
@@ -575,14 +576,20 @@ def test_the_trainer_logs_what_each_step_ran(tmp_path, caplog):
     assert report.routes and "looped" not in report.routes.values()
 
 
-def test_deepspeed_is_refused_with_its_reason(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine, reason", [
+    ("is_deepspeed_enabled", "DeepSpeed's ZeRO partitions the parameters and runs its own backward"),
+    ("is_fsdp_enabled", "fsdp= wrapping shards the model and builds the optimiser on accelerate's terms; shard the "
+                        "model yourself with torch.distributed.fsdp.fully_shard"),
+], ids=["deepspeed", "trainer-fsdp"])
+def test_deepspeed_and_the_trainers_fsdp_wrapping_are_refused_with_their_reasons(engine, reason, tmp_path,
+                                                                                 monkeypatch):
     original = transformers.Trainer.__init__
 
     @functools.wraps(original)  # (IEFTrainer binds the Trainer's signature)
-    def as_if_deepspeed(self, *args, **kwargs):
+    def as_if_engine(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self.is_deepspeed_enabled = True
+        setattr(self, engine, True)
 
-    monkeypatch.setattr(transformers.Trainer, "__init__", as_if_deepspeed)
-    with pytest.raises(ValueError, match="DeepSpeed's ZeRO partitions the parameters and runs its own backward"):
+    monkeypatch.setattr(transformers.Trainer, "__init__", as_if_engine)
+    with pytest.raises(ValueError, match=re.escape(reason)):
         IEFTrainer(bert_lora(), arguments(tmp_path))

@@ -4,14 +4,16 @@ separately; what cannot step on shards refused before any work, on every rank, i
 from __future__ import annotations
 
 import copy
+import pickle
 import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from ief.sharded import ROUTE
-from test_distributed import OPTIMISERS, _spawn
+from test_distributed import OPTIMISERS, SPAWN_DEADLINE, _free_port, _join, _spawn, _start
 
 pytestmark = pytest.mark.slow  # every test here starts gloo processes: the slow tier
 
@@ -139,10 +141,12 @@ def _train_union(name: str, method: str, sizes: list[int]) -> dict:
 
 @pytest.mark.parametrize("name, methods, sizes", [
     ("mlp", ["ief-mean-momentum-wd", "ef", "sf"], [3, 5]),
-    ("mlp", ["ief-ghost", "ief-mean-momentum-wd"], [4, 1, 6]),
+    ("mlp", ["ief-ghost", "ief-mean-momentum-wd", "ef", "sf"], [4, 1, 6]),
+    ("gpt2", ["ief-mean-momentum-wd"], [3, 2]),
     ("gpt2", ["ief-mean-momentum-wd"], [2, 1, 3]),
     ("llama-lora", ["ief-mean-momentum-wd"], [3, 2]),
-], ids=["mlp-2", "mlp-3", "gpt2-3", "llama-lora-2"])
+    ("llama-lora", ["ief-mean-momentum-wd"], [2, 3, 1]),
+], ids=["mlp-2", "mlp-3", "gpt2-2", "gpt2-3", "llama-lora-2", "llama-lora-3"])
 def test_a_step_on_an_fsdp2_model_is_one_process_on_the_union_batch(name, methods, sizes, tmp_path):
     """Three steps on R gloo processes of a model whose submodules are sharded separately (and a frozen base under
     LoRA) give every rank the same losses and, gathered, the same parameters, equal to one process stepping on the
@@ -177,8 +181,102 @@ def test_a_step_on_an_fsdp2_model_is_one_process_on_the_union_batch(name, method
             assert looped <= {"transformer.wpe.weight"}, report.routes  # GPT-2's [1, T] positions: as one process
 
 
+# ------------------------------------------------------------------------- the same collectives on every rank
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
+               "broadcast_object_list", "barrier", "all_to_all_single", "gather", "scatter")
+PROBING_SIZES = [[2, 1, 3], [2, 3, 1], [3, 3, 1]]  # per step, per rank: a first-seen shape, a seen one, one sample
+
+
+def _collectives_on_rank(rank: int) -> dict:
+    """Three GPT-2 steps whose local batches make the ranks' per-sample machinery decide differently (rank 0: a new
+    shape, the same, a new one; rank 1: one sample, a new shape, the same; rank 2: a new shape, one sample twice), each
+    step's torch.distributed calls recorded (name and first tensor's shape)."""
+    import ief
+
+    model = _shard("gpt2", _gpt2())
+    opt = ief.optim.IEF(model, lr=0.3, damping=1e-4, reduction="mean", momentum=0.9)
+    gen = torch.Generator().manual_seed(13)
+    calls: list = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def recorder(name, original):
+        def recorded(*args, **kwargs):
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            calls.append((name, None if first is None else tuple(first.shape)))
+            return original(*args, **kwargs)
+        return recorded
+
+    steps = []
+    for sizes in PROBING_SIZES:
+        batch = _lm_batch(sizes[rank], gen)
+        for name, original in originals.items():
+            setattr(dist, name, recorder(name, original))
+        try:
+            opt.step(*batch)
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
+        steps.append(list(calls))
+        calls.clear()
+    return dict(steps=steps, params={n: p.full_tensor() for n, p in model.named_parameters()})
+
+
+def test_every_rank_calls_the_same_collectives_whatever_its_local_probing(tmp_path):
+    """Every forward and backward of an FSDP2 module is a collective, so a step must call the same collectives in
+    the same order on every rank although each rank's per-sample machinery decides for itself whether to probe its
+    batch's sample axis (a shape it has not proven; none for one sample) or to take a kept proof: these extra
+    forwards run where FSDP2 issues none (every module unsharded for the step, ief.sharded), and each step's
+    recorded torch.distributed calls (FSDP2's all-gathers among them) are the same on 3 ranks. (Rows taken under
+    FSDP2's own per-layer hooks made the ranks' all-gathers differ, and the step hung.)"""
+    results = _spawn(_collectives_on_rank, 3, tmp_path)
+    for step in range(len(PROBING_SIZES)):
+        first = results[0]["steps"][step]
+        assert any(name == "all_gather_single" for name, _ in first), first  # FSDP2's all-gathers are recorded
+        for rank, result in enumerate(results[1:], 1):
+            assert result["steps"][step] == first, (step, rank)
+    assert all(torch.equal(results[0]["params"][n], r["params"][n]) for r in results[1:] for n in results[0]["params"])
+
+
+# --------------------------------------------------------------------- the optimiser's state, one file a rank
+def _state_round_trip_on_rank(rank: int) -> dict:
+    """Two IEF steps with momentum on the sharded MLP, its state saved per rank (model shards and optimiser state),
+    loaded into a fresh sharded model and optimiser, one more step; beside three uninterrupted steps."""
+    import ief
+    from ief.sharded import load_local_state, local_state
+
+    def build():
+        model = _shard("mlp", _mlp())
+        return model, ief.optim.IEF(model, lr=0.3, damping=1e-3, momentum=0.9, weight_decay=0.01)
+
+    batches = [b[rank] for b in _batches("mlp", [3, 5])]
+    model, opt = build()
+    for x, y in batches[:2]:
+        opt.step(x, y)
+    saved = copy.deepcopy((local_state(model), opt.state_dict()))
+    opt.step(*batches[2])
+    straight = {n: p.full_tensor() for n, p in model.named_parameters()}
+    model, opt = build()
+    load_local_state(model, saved[0], "the saved state")
+    opt.load_state_dict(saved[1])
+    opt.step(*batches[2])
+    resumed = {n: p.full_tensor() for n, p in model.named_parameters()}
+    buffers = [tuple(b.shape) for s in opt.state.values() for k, b in s.items() if k == "momentum_buffer"]
+    return dict(equal=all(torch.equal(straight[n], resumed[n]) for n in straight), buffers=buffers)
+
+
+def test_an_fsdp2_optimiser_state_saved_per_rank_resumes_bit_for_bit(tmp_path):
+    """An optimiser on an FSDP2 model keeps its momentum buffers as local shards: its state_dict, saved on each rank
+    with the model's shards (ief.sharded.local_state), loads into a fresh sharded model and optimiser (each buffer
+    checked against its parameter's local shard, the ranks' differing shards not held to be replicas) and the next
+    step equals the uninterrupted one bit for bit."""
+    results = _spawn(_state_round_trip_on_rank, 2, tmp_path)
+    assert all(r["equal"] for r in results)
+    assert results[0]["buffers"] and all(shape[0] == 8 for shape in results[0]["buffers"][:2])  # shards of 16 rows
+
+
 # ------------------------------------------------------------------------------------------------ a NaN on one rank
-def _nan_on_rank_one(rank: int) -> dict:
+def _nan_on_rank_one(rank: int, world: int) -> dict:
     import ief
 
     model = _shard("mlp", _mlp())
@@ -200,12 +298,15 @@ def _nan_on_rank_one(rank: int) -> dict:
     return dict(kind=kind, message=message, unchanged=unchanged, after=after)
 
 
-def test_a_nan_on_one_rank_ends_every_rank_with_the_same_error(tmp_path):
-    results = _spawn(_nan_on_rank_one, 2, tmp_path)
-    assert [r["kind"] for r in results] == ["FloatingPointError", "FloatingPointError"], results
-    assert results[0]["message"].startswith("step 0: rank 1 failed (FloatingPointError): ")
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_nan_on_one_rank_ends_every_rank_with_the_same_error(world, tmp_path):
+    results = _spawn(_nan_on_rank_one, world, tmp_path, world)
+    assert [r["kind"] for r in results] == ["FloatingPointError"] * world, results
+    for rank, result in enumerate(results):
+        if rank != 1:
+            assert result["message"].startswith("step 0: rank 1 failed (FloatingPointError): "), result["message"]
     assert all(r["unchanged"] for r in results)
-    assert results[0]["after"] == results[1]["after"]
+    assert len({r["after"] for r in results}) == 1
 
 
 # -------------------------------------------------------------------------------------------------------- refusals
@@ -390,22 +491,22 @@ def _bf16_on_rank(rank: int, sizes: list[int]) -> dict:
     return dict(masters=masters, dtypes={str(p.to_local().dtype) for p in model.parameters()})
 
 
-def test_bf16_compute_with_float32_reduce_steps_as_bf16_weights_on_float32_masters(tmp_path):
-    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on 2 gloo processes: each step equals the one-process
-    iEF direction of the union batch on the model's weights rounded to bfloat16 (the per-sample rows in bfloat16, the
-    Gram and solve in float64, the direction in bfloat16: ief.precision's contract for bfloat16 weights), applied to
-    float32 masters (the shards stay float32). Tolerance from the format: the rows carry bfloat16's rounding (u =
-    2^-8) and the ranks' smaller forwards may round some activations differently from the union's, so the step may
-    differ by a few u of its norm; 4 u is allowed (a float32 step, or a direction of the float32 weights, differs by
-    far more)."""
+@pytest.mark.parametrize("sizes", [[3, 5], [3, 1, 4]], ids=["2", "3"])
+def test_bf16_compute_with_float32_reduce_steps_as_bf16_weights_on_float32_masters(sizes, tmp_path):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on 2 and 3 gloo processes: each step equals the
+    one-process iEF direction of the union batch on the model's weights rounded to bfloat16 (the per-sample rows in
+    bfloat16, the Gram and solve in float64, the direction in bfloat16: ief.precision's contract for bfloat16
+    weights), applied to float32 masters (the shards stay float32). Tolerance from the format: the rows carry
+    bfloat16's rounding (u = 2^-8) and the ranks' smaller forwards may round some activations differently from the
+    union's, so the step may differ by a few u of its norm; 4 u is allowed (a float32 step, or a direction of the
+    float32 weights, differs by far more)."""
     import ief
 
-    sizes = [3, 5]
-    results = _spawn(_bf16_on_rank, 2, tmp_path, sizes)
+    results = _spawn(_bf16_on_rank, len(sizes), tmp_path, sizes)
     assert results[0]["dtypes"] == {"torch.float32"}
     for step in range(BF16_STEPS):
         for n in results[0]["masters"][step]:
-            assert torch.equal(results[0]["masters"][step][n], results[1]["masters"][step][n])
+            assert all(torch.equal(results[0]["masters"][step][n], r["masters"][step][n]) for r in results[1:])
     master = _mlp().float()
     u = 2.0 ** -8
     for step, per_rank in enumerate(_bf16_batches(sizes)):
@@ -422,3 +523,107 @@ def test_bf16_compute_with_float32_reduce_steps_as_bf16_weights_on_float32_maste
         with torch.no_grad():  # the next reference step starts from the sharded run's masters
             for p, value in zip(master.parameters(), results[0]["masters"][step].values()):
                 p.copy_(value)
+
+
+# ------------------------------------------------------------------------------ IEFTrainer on an FSDP2 model
+TRAINER_ARGS = dict(learning_rate=0.5, max_grad_norm=0.0, logging_steps=1, report_to="none", use_cpu=True,
+                    disable_tqdm=True, seed=0, train_sampling_strategy="sequential", lr_scheduler_type="linear",
+                    weight_decay=0.01)
+TRAINER_OPTIMISER = dict(optimizer="ief", optimizer_kwargs=dict(damping=1e-3, momentum=0.5))
+
+
+def _fsdp2_trainer_on_rank(rank: int, world: int, port: int, folder: str, steps: int, resume, final) -> dict:
+    """An IEFTrainer run as torchrun starts it, on the tiny BERT-LoRA classifier sharded with fully_shard (each
+    encoder layer, then the root) before it is handed to the Trainer."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    import datasets
+    from torch.distributed.fsdp import fully_shard
+    from transformers import TrainingArguments
+
+    from ief.hf import IEFTrainer
+    from test_hf import bert_lora, classification_rows
+
+    args = TrainingArguments(output_dir=folder, per_device_train_batch_size=4, max_steps=steps, ddp_backend="gloo",
+                             save_strategy="steps", save_steps=2, **TRAINER_ARGS)
+    assert args.device.type == "cpu" and args.world_size == world  # the arguments start the process group: shard
+    model = bert_lora()
+    for layer in model.base_model.model.bert.encoder.layer:
+        fully_shard(layer)
+    fully_shard(model)
+    trainer = IEFTrainer(model, args, train_dataset=datasets.Dataset.from_dict(classification_rows()),
+                         **TRAINER_OPTIMISER)
+    trainer.train(resume_from_checkpoint=resume)
+    if final is not None:
+        trainer.save_model(final)
+    params = torch.cat([p.full_tensor().detach().reshape(-1) for p in trainer.model.parameters() if p.requires_grad])
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    report = trainer.ief_optimizer.last_step_report
+    return dict(params=params.clone(), losses=losses, step=trainer.state.global_step,
+                wrapped=type(trainer.model_wrapped).__name__, sharding=report.sharding, ranks=report.ranks,
+                shards=[p.to_local().numel() < p.numel() for p in trainer.model.parameters()])
+
+
+def _fsdp2_trainer_entry(rank: int, world: int, port: int, folder: str, out: str, steps, resume, final) -> None:
+    torch.set_num_threads(1)
+    result = _fsdp2_trainer_on_rank(rank, world, port, folder, steps, resume, final)
+    Path(out).joinpath(f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _run_fsdp2_trainer(tmp_path: Path, name: str, steps: int, resume=None, final=None) -> list[dict]:
+    out = tmp_path / f"{name}-results"
+    out.mkdir(parents=True)
+    context = _start(_fsdp2_trainer_entry, (2, _free_port(), str(tmp_path / "run"), str(out), steps, resume, final),
+                     2)
+    _join(context, 2, SPAWN_DEADLINE)
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+
+
+def test_the_trainer_trains_an_fsdp2_model_as_one_process_on_the_union_batch_and_resumes_bit_for_bit(tmp_path):
+    """IEFTrainer on a model the user sharded with fully_shard, launched as torchrun would (two gloo processes,
+    sequential data: rank r takes every other batch of 4), is left unwrapped (no DDP), steps iEF on the FSDP2 route
+    with momentum and the Trainer's weight-decay groups, and equals one process at the union batch of 8 (float64);
+    resumed on two fresh processes from its step-2 checkpoint it ends bit for bit where the uninterrupted run does;
+    save_model writes the full weights, which a fresh model loads."""
+    import datasets
+    import safetensors.torch
+    from transformers import TrainingArguments
+
+    from ief.hf import IEFTrainer
+    from test_hf import bert_lora, classification_rows
+
+    final = tmp_path / "final"
+    whole = _run_fsdp2_trainer(tmp_path / "whole", "whole", 4, final=str(final))
+    for result in whole:
+        assert (result["step"], result["wrapped"], result["sharding"], result["ranks"]) == (4, whole[0]["wrapped"],
+                                                                                           ROUTE, 2)
+        assert "DistributedDataParallel" not in result["wrapped"] and any(result["shards"])
+    assert torch.equal(whole[0]["params"], whole[1]["params"]) and whole[0]["losses"] == whole[1]["losses"]
+    args = TrainingArguments(output_dir=str(tmp_path / "one"), per_device_train_batch_size=8, max_steps=4,
+                             save_strategy="no", **TRAINER_ARGS)
+    one = IEFTrainer(bert_lora(), args, train_dataset=datasets.Dataset.from_dict(classification_rows()),
+                     **TRAINER_OPTIMISER)
+    one.train()
+    flat = torch.cat([p.detach().reshape(-1) for p in one.model.parameters() if p.requires_grad])
+    moved = torch.cat([p.detach().reshape(-1) for p in bert_lora().parameters() if p.requires_grad])
+    assert float((flat - moved).norm()) > 1e-3  # the steps moved the parameters: the comparison means something
+    assert float((whole[0]["params"] - flat).norm() / flat.norm()) < 1e-10
+    losses = [h["loss"] for h in one.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert whole[0]["losses"] == pytest.approx(losses, rel=1e-4)  # (the Trainer logs 4 significant digits)
+    loaded = bert_lora()  # the saved adapter and classifier, loaded into a fresh model, are the trained ones
+    import peft
+
+    peft.set_peft_model_state_dict(loaded, safetensors.torch.load_file(str(final / "adapter_model.safetensors")))
+    reloaded = torch.cat([p.detach().reshape(-1) for p in loaded.parameters() if p.requires_grad])
+    assert torch.equal(reloaded, whole[0]["params"])
+    # resumed on two fresh processes from the uninterrupted run's step-2 checkpoint (what a run stopped there holds)
+    resumed = _run_fsdp2_trainer(tmp_path / "resumed", "resumed", 4,
+                                 resume=str(tmp_path / "whole" / "run" / "checkpoint-2"))
+    assert resumed[0]["step"] == 4
+    for rank in range(2):
+        assert torch.equal(resumed[rank]["params"], whole[rank]["params"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run as run_ranks
 
 from companion.experiments import processes, store, train
 
@@ -47,8 +47,7 @@ def test_two_processes_train_as_one_on_the_union_batch(optimizer, tmp_path):
     one = train(SETUP, optimizer, 0, "smoke", tmp_path / "one", device="cpu", progress=False, verbose=False)
     two_out = tmp_path / "two"
     two_out.mkdir()
-    mp.spawn(_run_on_rank, args=(2, str(tmp_path / "store"), optimizer, str(two_out)), nprocs=2, join=True,
-             start_method="spawn")
+    run_ranks(_run_on_rank, (2, str(tmp_path / "store"), optimizer, str(two_out)), 2)
     (summary0, seen0), (summary1, seen1) = [pickle.loads((two_out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     assert summary0 == summary1  # every rank returns rank 0's summary.json
     summaries = [summary0]
@@ -143,8 +142,7 @@ def test_a_stop_on_one_rank_stops_every_rank_and_the_run_resumes_on_two(tmp_path
     one = train(SETUP, "ief", 0, "smoke", tmp_path / "one", device="cpu", progress=False, verbose=False)
     out = tmp_path / "two"
     out.mkdir()
-    mp.spawn(_stopped_on_one_rank_then_resumed, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True,
-             start_method="spawn")
+    run_ranks(_stopped_on_one_rank_then_resumed, (2, str(tmp_path / "store"), str(out)), 2)
     results = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     for stopped, resume, summary in results:
         assert stopped is not None and "after step 3" in stopped and resume == 3
@@ -178,8 +176,7 @@ def test_a_run_locked_elsewhere_is_refused_on_every_rank(tmp_path):
     out = tmp_path / "runs"
     root = out / "smoke" / SETUP / "ief" / "seed-0"
     with store.lock(root):
-        mp.spawn(_train_and_report, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True,
-                 start_method="spawn")
+        run_ranks(_train_and_report, (2, str(tmp_path / "store"), str(out)), 2)
     first, second = ((out / f"rank{r}.txt").read_text() for r in range(2))
     assert first.startswith("Locked: ") and "this run is already running" in first, first
     assert second == f"RuntimeError: rank 0 failed: {first}"

@@ -15,6 +15,7 @@ from ief.directions import ef_solve, ief_solve, sf_solve
 from ief.distributed import (LAYOUT_FIELDS, DistributedRows, RankFailure, agree, all_gather_rows, batch_sizes,
                               gram_plan)
 from ief.rows import DenseRows, FactoredJacobian
+from ranks import DEADLINE, join, start
 
 P = 11
 
@@ -24,38 +25,9 @@ def _union_rows(sizes: list[int]) -> torch.Tensor:
     return torch.randn(sum(sizes), P, generator=gen, dtype=torch.float64)
 
 
-SPAWN_DEADLINE = 2400.0  # seconds a multi-process test may run before it fails as hung (every rank killed)
-COLLECTIVE_TIMEOUT = 900.0  # seconds a gloo collective waits for the other ranks (a loaded machine is slow)
-# The ranks are forked from one server that imported these once in the session: a spawned rank imports torch, ief
-# and the Hugging Face stack again, seconds each and most of a small multi-process test's time on two cores.
-PRELOAD = ["torch", "torch.distributed.fsdp", "ief", "ief.hf", "peft", "datasets"]
-
-
-def _start(entry, args: tuple, world: int):
-    """``torch.multiprocessing.start_processes(entry, args, world, join=False)``, each rank forked from the session's
-    fork server (:data:`PRELOAD` imported once, no thread started: safe to fork); wait with :func:`_join`."""
-    import multiprocessing
-
-    multiprocessing.set_forkserver_preload(PRELOAD)  # (kept by a server already running)
-    return mp.start_processes(entry, args=args, nprocs=world, join=False, start_method="forkserver")
-
-
-def _join(context, world: int, deadline: float) -> None:
-    """Wait for ``context``'s processes (``torch.multiprocessing.start_processes(join=False)``), re-raising a rank's
-    exception; past ``deadline`` seconds every rank still running is killed and the test fails as hung: ranks that
-    wait on each other for ever fail the test, they never hang the suite."""
-    import time
-
-    end = time.monotonic() + deadline
-    while not context.join(timeout=max(0.1, min(5.0, end - time.monotonic()))):
-        if time.monotonic() > end:
-            alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            for process in context.processes:
-                process.join(timeout=30.0)
-            pytest.fail(f"hung: ranks {alive} of {world} still running after {deadline:.0f} s (killed)")
+SPAWN_DEADLINE = DEADLINE  # seconds a multi-process test may run before it fails as hung (every rank killed)
+COLLECTIVE_TIMEOUT = 600.0  # seconds a gloo collective waits for the other ranks (a loaded machine is slow)
+_start, _join = start, join  # the ranks forked from the session's fork server, under a deadline (tests/ranks.py)
 
 
 def _spawn(fn, world: int, tmp_path: Path, *args, deadline: float = SPAWN_DEADLINE,
@@ -311,10 +283,10 @@ def test_one_process_runs_the_work_itself():
 def test_a_test_that_starts_processes_must_be_in_the_slow_tier(request):
     """tests/conftest.py refuses to start processes from a test of this tier without the ``slow`` marker (the tier
     ``make test-lib`` leaves out), naming the test; this test has no marker, so both entry points refuse."""
-    for start in (mp.spawn, mp.start_processes):
+    for entry in (mp.spawn, mp.start_processes):
         with pytest.raises(RuntimeError, match=rf"{re.escape(request.node.nodeid)} starts processes: mark it "
                                                r"@pytest.mark.slow"):
-            start(print, nprocs=1)
+            entry(print, nprocs=1)
 
 
 # ------------------------------------------------------------------ the optimisers over a data-parallel batch

@@ -19,7 +19,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run as run_ranks
 
 import ief
 import ief.optim
@@ -160,8 +160,7 @@ def _construct_on_rank(rank: int, world: int, store: str, out: str) -> None:
 
 @pytest.mark.slow  # starts processes
 def test_every_rank_of_a_two_process_group_refuses_with_the_same_sentence(tmp_path):
-    mp.start_processes(_construct_on_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                       join=True, start_method="spawn")
+    run_ranks(_construct_on_rank, (2, str(tmp_path / "store"), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert ranks[0] == ranks[1]
     ief_msg, ef_msg, kfac_msg, ddp_msg = ranks[0]

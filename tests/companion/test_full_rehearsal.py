@@ -8,7 +8,10 @@ with ``IEF_ASSETS`` set, the hub's offline switches on and its endpoint and prox
 - ``python -m companion train --scale full`` for ``cola-t5-lora`` (AdamW, iEF) and ``rte-t5-pt`` (Adafactor, iEF) as
   registered (the stand-in data are small enough), and for ``cifar10-mlp`` (Adam, iEF) with tiny overrides (2 epochs,
   batch 16, 16 validation images, 16x16 images, 64 hidden units: the registered 3072-2048-2048-10 MLP's block-diagonal
-  evaluation takes ~100 s of one CPU core per checkpoint);
+  evaluation takes ~100 s of one CPU core per checkpoint). ``cola-t5-lora`` iEF runs as its own process; the other
+  five and the ``evaluate`` below run through the same entry point (``companion.__main__.main``, what ``python -m
+  companion`` calls) one after another in one fresh process with the same environment, and so do ``aggregate`` and
+  ``early-spike`` in a second one: each process start costs seconds of imports;
 - ``python -m companion evaluate --scale full`` on ``cola-t5-lora`` (small knobs);
 - the baseline run and the evaluation of every other paper setup, in process (the evaluation chapter shows all 16);
 - ``python -m companion aggregate`` and ``early-spike --scale full``, then ``notebooks/evaluation.ipynb`` and
@@ -43,10 +46,30 @@ VIT_SET = {"epochs": 1, "batch_size": 16, "eval_batch_size": 16, "sizes": {"vali
 KNOBS = dict(batches=2, batch_size=16, cg_iterations=5, sweep_dampings=[1e-7, 1e-3, 1.0])
 
 
+# Commands run one after another in one fresh process, each through the entry point of ``python -m companion``
+# (``companion.__main__.main``), stopping at the first that fails: a process start costs seconds of imports.
+BATCH = """import json, sys
+from companion.__main__ import main
+for argv in json.loads(sys.argv[1]):
+    print("python -m companion " + " ".join(argv), file=sys.stderr, flush=True)
+    if (code := main(argv)) != 0:
+        sys.exit(code)
+"""
+
+
 def _ief(env: dict, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "-m", "companion", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, f"python -m companion {' '.join(args)}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def _ief_in_one_process(env: dict, *commands: list[str]) -> subprocess.CompletedProcess:
+    """Each of ``commands`` as ``python -m companion`` would run it, in one fresh process with ``env``; all must exit
+    with 0 (the output names the one that did not)."""
+    done = subprocess.run([sys.executable, "-c", BATCH, json.dumps(commands)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done
 
 
@@ -65,15 +88,15 @@ def rehearsal(tmp_path_factory):
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         runs, results = tmp / "runs", tmp / "results" / "full"
         train = ["train", "--scale", "full", "--out", str(runs), "--no-progress"]
-        for setup, optimizer in (("cola-t5-lora", "adamw"), ("cola-t5-lora", "ief"), ("rte-t5-pt", "adafactor"),
-                                 ("rte-t5-pt", "ief")):
-            _ief(env, *train, "--setup", setup, "--optimizer", optimizer)
-        for optimizer in ("adam", "ief"):
-            _ief(env, *train, "--setup", "cifar10-mlp", "--optimizer", optimizer,
-                 *(a for s in MLP_SET for a in ("--set", s)))
-        _ief(env, "evaluate", "--setup", "cola-t5-lora", "--scale", "full", "--runs", str(runs), "--out",
-             str(results / "eval" / "cola-t5-lora.csv"), "--batches", "2", "--batch-size", "16",
-             "--cg-iterations", "5", "--sweep-dampings", "3")
+        _ief(env, *train, "--setup", "cola-t5-lora", "--optimizer", "ief")  # the command itself, once
+        mlp = [a for s in MLP_SET for a in ("--set", s)]
+        others = (("cola-t5-lora", "adamw"), ("rte-t5-pt", "adafactor"), ("rte-t5-pt", "ief"))
+        _ief_in_one_process(
+            env, *([*train, "--setup", setup, "--optimizer", optimizer] for setup, optimizer in others),
+            *([*train, "--setup", "cifar10-mlp", "--optimizer", optimizer, *mlp] for optimizer in ("adam", "ief")),
+            ["evaluate", "--setup", "cola-t5-lora", "--scale", "full", "--runs", str(runs), "--out",
+             str(results / "eval" / "cola-t5-lora.csv"), "--batches", "2", "--batch-size", "16", "--cg-iterations", "5",
+             "--sweep-dampings", "3"])
 
         from companion.experiments import train as train_run
         from companion.experiments.evaluate_runs import baseline_optimizer, evaluate_run
@@ -85,9 +108,9 @@ def rehearsal(tmp_path_factory):
                           overrides=VIT_SET if setup == "cifar100-vit-lora" else None)
             if setup != "cola-t5-lora":  # evaluated above
                 evaluate_run(setup, "full", 0, runs, results / "eval" / f"{setup}.csv", progress=False, **KNOBS)
-        _ief(env, "aggregate", "--scale", "full", "--runs", str(runs), "--out", str(results))
-        _ief(env, "early-spike", "--scale", "full", "--runs", str(runs), "--results", str(results), "--out",
-             str(results / "early_spike.csv"))
+        _ief_in_one_process(env, ["aggregate", "--scale", "full", "--runs", str(runs), "--out", str(results)],
+                            ["early-spike", "--scale", "full", "--runs", str(runs), "--results", str(results), "--out",
+                             str(results / "early_spike.csv")])
         notebooks = {
             "evaluation": run_notebook("evaluation.ipynb", tmp / "nb", scale="full", out_dir=str(tmp / "fig-eval"),
                                        runs_dir=str(runs), results_dir=str(results)),

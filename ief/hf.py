@@ -453,6 +453,9 @@ class IEFTrainer(transformers.Trainer):
         Args:
             output_dir: the folder (default ``TrainingArguments.output_dir``).
             _internal_call: the Trainer's own call (a checkpoint).
+
+        Returns:
+            None (the weights are in ``output_dir``).
         """
         if not self._fsdp2:
             return super().save_model(output_dir, _internal_call)

@@ -246,8 +246,16 @@ def _gpus_per_train_job() -> int:
 # and the job asks SLURM for N GPUs and N CPUs. --standalone: a rendezvous of its own on the node, so that two jobs
 # that share a node do not meet.
 GPUS_PER_TRAIN_JOB = _gpus_per_train_job()
-TRAIN_LAUNCHER = (PYTHON if GPUS_PER_TRAIN_JOB == 1 else
-                  f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node {GPUS_PER_TRAIN_JOB}")
+
+# Warm jobs (tools/warm.py): on a local run every `python -m companion ...` job is forked from one server that
+# imported torch, scikit-learn, the Hugging Face stack and the companion once (a digits run: ~2 s instead of ~9 s, ~7
+# of them imports). The server is started by a local, real run only (onstart: the executor is not known when this
+# file is parsed); a cluster's jobs, a dry run's and config warm_jobs=false's run each in its own process, as a job
+# whose server is not there does. So the choice changes no result, only the time a job spends importing.
+WARM_JOBS = bool(_override("warm_jobs"))
+COMPANION = f"{PYTHON} -m tools.warm run --" if WARM_JOBS else f"{PYTHON} -m companion"
+TRAIN_LAUNCHER = (COMPANION if GPUS_PER_TRAIN_JOB == 1 else
+                  f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node {GPUS_PER_TRAIN_JOB} -m companion")
 
 
 # -------------------------------------------------------------------------------------------- SLURM limits
@@ -265,6 +273,37 @@ def train_minutes(wildcards) -> int:
     if wildcards.optimizer == "sf":
         seconds *= spec["sf_factor"]
     return max(int(spec["min_minutes"]), math.ceil(seconds * spec["margin"] / 60))
+
+
+def start_warm_jobs() -> None:
+    """Before any job runs (a local, real run with warm_jobs): the warm-job server (tools/warm.py), its socket in
+    IEF_WARM_SOCKET for every job; it ends with Snakemake (or stop_warm_jobs)."""
+    if not WARM_JOBS or not workflow.local_exec or workflow.dryrun:
+        return
+    import tempfile
+    import time
+
+    from tools import warm
+
+    path = os.path.join(tempfile.gettempdir(), f"ief-warm-{os.getuid()}-{os.getpid()}.sock")
+    warm.start(path, os.getpid(), path[:-len(".sock")] + ".log")
+    for _ in range(600):  # its imports: ~10 s here; a job that starts before it listens runs on its own
+        if os.path.exists(path):
+            break
+        time.sleep(0.1)
+    os.environ[warm.SOCKET_VARIABLE] = path
+
+
+def stop_warm_jobs() -> None:
+    """After the last job: the warm-job server told to stop (it would also stop when Snakemake has gone)."""
+    path = os.environ.pop("IEF_WARM_SOCKET", None)
+    if path:
+        from tools import warm
+
+        warm.stop(path)
+        log = path[:-len(".sock")] + ".log"
+        if os.path.exists(log) and not os.path.getsize(log):  # a log with nothing in it says nothing
+            os.unlink(log)
 
 
 def check_build_tools() -> None:

@@ -12,7 +12,7 @@ rule aggregate_e2:
         f"{RESULTS}/logs/aggregate_e2.log",
     priority: PRIORITY["normal"]
     shell:
-        "{PYTHON} -m companion aggregate --scale {SCALE} --runs {RUNS} --out {RESULTS} > {log} 2>&1"
+        "{COMPANION} aggregate --scale {SCALE} --runs {RUNS} --out {RESULTS} > {log} 2>&1"
 
 
 rule verdicts:
@@ -29,7 +29,7 @@ rule verdicts:
         f"{RESULTS}/logs/verdicts.log",
     priority: PRIORITY["normal"]
     shell:
-        "{PYTHON} -m companion verdicts --scale {SCALE} --results {RESULTS} --runs {RUNS} > {log} 2>&1"
+        "{COMPANION} verdicts --scale {SCALE} --results {RESULTS} --runs {RUNS} > {log} 2>&1"
 
 
 # assembling a setup's table only reads the stages' parts: on a cluster it runs on the submitting node
@@ -57,7 +57,7 @@ rule evaluate_stage:
         runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
     priority: PRIORITY["first"]
     shell:
-        "{PYTHON} -m companion evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
+        "{COMPANION} evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
         "{params.knobs} --stages {params.stage} --out {params.out} > {log} 2>&1"
 
 
@@ -76,7 +76,7 @@ rule evaluate:
         knobs=lambda wc: evaluation_flags(wc.setup),
     priority: PRIORITY["first"]
     shell:
-        "{PYTHON} -m companion evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
+        "{COMPANION} evaluate --setup {wildcards.setup} --scale {SCALE} --seed {params.seed} --runs {RUNS} "
         "{params.knobs} --out {output} > {log} 2>&1"
 
 
@@ -96,7 +96,7 @@ rule step_costs:
     resources:
         runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
     shell:
-        "{PYTHON} -m companion step-costs --scale {SCALE} {params.setups} --out {output} > {log} 2>&1"
+        "{COMPANION} step-costs --scale {SCALE} {params.setups} --out {output} > {log} 2>&1"
 
 
 rule early_spike:
@@ -114,7 +114,7 @@ rule early_spike:
     resources:
         runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
     shell:
-        "{PYTHON} -m companion early-spike --scale {SCALE} --runs {RUNS} --results {RESULTS} --out {output} "
+        "{COMPANION} early-spike --scale {SCALE} --runs {RUNS} --results {RESULTS} --out {output} "
         "> {log} 2>&1"
 
 
@@ -135,7 +135,7 @@ rule compression:
     resources:
         runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
     shell:
-        "{PYTHON} -m companion compression --scale {SCALE} --runs {RUNS} --out {params.out} > {log} 2>&1"
+        "{COMPANION} compression --scale {SCALE} --runs {RUNS} --out {params.out} > {log} 2>&1"
 
 
 rule blockdiag_check:
@@ -157,5 +157,5 @@ rule blockdiag_check:
     resources:
         runtime=config["slurm_time"]["evaluate_minutes"][SCALE],
     shell:
-        "{PYTHON} -m companion blockdiag-check --scale {SCALE} --runs {RUNS} --results {RESULTS} "
+        "{COMPANION} blockdiag-check --scale {SCALE} --runs {RUNS} --results {RESULTS} "
         "--seed {params.seed} --out {output[0]} > {log} 2>&1"

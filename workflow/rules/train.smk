@@ -24,5 +24,5 @@ rule train:
         gpu=GPUS_PER_TRAIN_JOB,  # config gpus_per_train_job: N > 1 runs the runner under torchrun (common.smk)
         cpus_per_task=GPUS_PER_TRAIN_JOB,
     shell:
-        "{TRAIN_LAUNCHER} -m companion train --setup {wildcards.setup} --optimizer {wildcards.optimizer} "
+        "{TRAIN_LAUNCHER} train --setup {wildcards.setup} --optimizer {wildcards.optimizer} "
         "--seed {wildcards.seed} --scale {wildcards.scale} --out {RUNS} --no-progress > {log} 2>&1"

@@ -100,6 +100,12 @@ def test_e2_glue_states_the_rules_and_names_the_failing_pairs():
     assert glued["v_e2_ef_unstable"] == "holds for tweets-minilm-lora"
     assert glued["v_e2_ief_vs_baseline"] == "holds for tweets-minilm-lora"  # within 1 point on every seed: on par
     assert glued["rule_e2_loss_ranking"].startswith("Every ordered pair of the ranking")
+    from companion.experiments.verdicts import E2_RULES
+    from companion.experiments.verdicts.training import DECIDED_OVER_SEEDS, WHY_OVER_SEEDS
+
+    for name in E2_RULES:  # the chapter states how a pair over seeds is decided once, before the claims
+        assert DECIDED_OVER_SEEDS[:60] not in glued[f"rule_{name}"] and WHY_OVER_SEEDS[:60] not in glued[f"rule_{name}"]
+        assert "widened by" not in glued[f"rule_{name}"]  # test scores: seeds and examples crossed, not widened
     table, curves, opts = _grid(ef_rises=False)
     glued = e2_findings(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"})
     assert glued["v_e2_ef_unstable"].startswith("does not hold for tweets-minilm-lora (EF's loss climb 1× is not "
@@ -146,3 +152,19 @@ def test_every_glue_key_of_the_e2_chapter_is_computed():
     assert keys <= computed, keys - computed
     for name in re.findall(r"\{glue:text\}`v_([a-z0-9_]+)`", text):
         assert text.index(f"`rule_{name}`") < text.index(f"`v_{name}`"), name
+
+
+def test_the_coverage_table_says_seeds_as_ranges_and_seconds_to_a_tenth():
+    """Sixty seeds read as one range (the row stays one line wide), a gap shows, a short run is listed, and the
+    training seconds are summed over the seeds and rounded to a tenth (no six-decimal sums)."""
+    from companion.chapters.optimisation import coverage_table, seed_span
+
+    assert seed_span(range(60)) == "0–59" and seed_span([2, 0, 1, 1]) == "0, 1, 2"
+    assert seed_span([*range(10), 12]) == "0–9, 12" and seed_span([5, 0, 1, 2, 3]) == "0–3, 5"
+    table = pd.DataFrame({"setup": ["digits-mlp"] * 3 + ["tweets-minilm-lora"], "optimizer": ["ief"] * 3 + ["adamw"],
+                          "seed": [0, 1, 2, 0], "steps": [340, 340, 338, 64], "diverged_step": [None, None, 7, None],
+                          "wall_time_s": [1.123456, 1.2, 1.0, 55.54]})
+    rows = coverage_table(table).set_index(["setup", "optimizer"])
+    assert rows.loc[("digits-mlp", "iEF"), "seeds"] == "0, 1, 2" and rows.loc[("digits-mlp", "iEF"), "steps"] == 340
+    assert rows.loc[("digits-mlp", "iEF"), "diverged"] == 1 and rows.loc[("digits-mlp", "iEF"), "wall_s"] == 3.3
+    assert rows.loc[("tweets-minilm-lora", "AdamW"), "wall_s"] == 55.5

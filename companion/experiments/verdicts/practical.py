@@ -5,10 +5,9 @@ other, else inconclusive)."""
 from __future__ import annotations
 
 from .core import TENTH_DECADE, Rule
-from .training import DECIDED_OVER_SEEDS, MARGIN, WHY_OVER_SEEDS, _ranking
+from .training import MARGIN, OVER_SEEDS, _ranking
 
-OVER_SEEDS = DECIDED_OVER_SEEDS
-_WHY = OVER_SEEDS + " " + WHY_OVER_SEEDS
+_WHY = OVER_SEEDS  # how every pair over seeds is decided (the practical chapter glues it once)
 
 
 def _momentum_vs_ief(present: list[str]) -> list[tuple[str, str]]:

@@ -367,11 +367,36 @@ def _scale_of(table: pd.DataFrame) -> str | None:
     return str(table["scale"].iloc[0]) if "scale" in table.columns and len(table) else None
 
 
+LISTED_SEEDS = 12  # per-seed differences listed one by one up to this many seeds; more are summarised
+
+
+def seed_differences(diffs: Sequence[float]) -> str:
+    """A pair's per-seed differences as a table cell: each one up to :data:`LISTED_SEEDS` seeds, else their spread.
+
+    Args:
+        diffs: the differences, in seed order (NaN: a run without the metric, e.g. a diverged run).
+
+    Returns:
+        e.g. ``"-0.1, +0.02"``, or for many seeds ``"min -0.27, quartiles -0.17 / -0.066 / +0.036, max +0.26"``
+        (with ``"; 2 n/a"`` where some are missing).
+    """
+    values = np.asarray(diffs, dtype=float)
+    if len(values) <= LISTED_SEEDS:
+        return ", ".join("n/a" if np.isnan(d) else f"{d:+.3g}" for d in values)
+    known = values[~np.isnan(values)]
+    missing = len(values) - len(known)
+    if not len(known):
+        return f"{missing} n/a"
+    q1, q2, q3 = np.quantile(known, [0.25, 0.5, 0.75])
+    return (f"min {known.min():+.3g}, quartiles {q1:+.3g} / {q2:+.3g} / {q3:+.3g}, max {known.max():+.3g}"
+            + (f"; {missing} n/a" if missing else ""))
+
+
 def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str], opts: dict[str, Sequence[str]],
                method: dict[str, str] | None = None) -> pd.DataFrame:
     """The E2 rankings decided over seeds (:mod:`companion.experiments.verdicts`): one row per setup, claim and pair
     with the per-seed differences (signed so that negative is in favour of the claim; final losses and loss climbs as
-    log ratios, test scores in percentage points), how many seeds are in favour, the mean difference with its 95 %
+    log ratios, test scores in percentage points; their quartiles beyond :data:`LISTED_SEEDS` seeds), how many seeds are in favour, the mean difference with its 95 %
     interval (for a test score over seeds and test examples crossed), the pair's verdict and, for an undecided pair,
     what would decide it. The pairs of ``e2_ief_lowest`` are the loss ranking's pairs with iEF, shown once, under the
     ranking."""
@@ -387,9 +412,8 @@ def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
                 interval = ("sign test (a diverged run)" if np.isnan(p.mean) else
                             f"{unit * p.mean:+.3g} ({unit * p.low:+.3g} to {unit * p.high:+.3g})")
                 rows.append({"setup": p.setup, "claim": name.removeprefix("e2_").replace("_", " "), "pair": p.pair,
-                             "per-seed differences": ", ".join(
-                                 "n/a" if np.isnan(d) else f"{unit * d:+.3g}" for d in p.diffs.values()),
-                             "seeds": ", ".join(map(str, p.diffs)),
+                             "per-seed differences": seed_differences([unit * d for d in p.diffs.values()]),
+                             "seeds": seed_span(p.diffs),
                              "in favour": p.agreement.split(";")[0],
                              "mean (95 % interval)": interval, "verdict": p.verdict,
                              "would be decided by": p.needs or ""})

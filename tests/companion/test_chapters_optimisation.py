@@ -168,3 +168,12 @@ def test_the_coverage_table_says_seeds_as_ranges_and_seconds_to_a_tenth():
     assert rows.loc[("digits-mlp", "iEF"), "seeds"] == "0, 1, 2" and rows.loc[("digits-mlp", "iEF"), "steps"] == 340
     assert rows.loc[("digits-mlp", "iEF"), "diverged"] == 1 and rows.loc[("digits-mlp", "iEF"), "wall_s"] == 3.3
     assert rows.loc[("tweets-minilm-lora", "AdamW"), "wall_s"] == 55.5
+
+
+def test_many_seeds_differences_are_summarised_and_few_are_listed():
+    """A pair over sixty seeds would make a cell of sixty numbers: beyond a dozen the cell gives their quartiles."""
+    from companion.chapters.optimisation import LISTED_SEEDS, seed_differences
+
+    assert seed_differences([-0.1, 0.02, float("nan")]) == "-0.1, +0.02, n/a"
+    many = [float(k) for k in range(LISTED_SEEDS + 1)] + [float("nan")]
+    assert seed_differences(many) == "min +0, quartiles +3 / +6 / +9, max +12; 1 n/a"

@@ -396,10 +396,10 @@ def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
                method: dict[str, str] | None = None) -> pd.DataFrame:
     """The E2 rankings decided over seeds (:mod:`companion.experiments.verdicts`): one row per setup, claim and pair
     with the per-seed differences (signed so that negative is in favour of the claim; final losses and loss climbs as
-    log ratios, test scores in percentage points; their quartiles beyond :data:`LISTED_SEEDS` seeds), how many seeds are in favour, the mean difference with its 95 %
-    interval (for a test score over seeds and test examples crossed), the pair's verdict and, for an undecided pair,
-    what would decide it. The pairs of ``e2_ief_lowest`` are the loss ranking's pairs with iEF, shown once, under the
-    ranking."""
+    log ratios, test scores in percentage points; their quartiles beyond :data:`LISTED_SEEDS` seeds), how many seeds
+    are in favour, the mean difference with its 95 % interval (for a test score over seeds and test examples
+    crossed), the pair's verdict and, for an undecided pair, what would decide it. The pairs of ``e2_ief_lowest`` are
+    the loss ranking's pairs with iEF, shown once, under the ranking."""
     from ..experiments.verdicts import E2_RULES
 
     opts = {s: list(opts[s]) for s in setups}

@@ -45,6 +45,9 @@ class Data:
         return out
 
 
+# Data sets whose whole size is fixed and known here (scikit-learn's bundled digits): what no test split can exceed.
+DATASET_EXAMPLES = {"digits": 1_797}
+
 # Expected sizes at full scale (what describe --random-weights prints without downloading anything).
 FULL_SIZES = {
     "cola": {"train": 8_551, "validation": 1_043, "test": 1_063},

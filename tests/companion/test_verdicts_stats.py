@@ -283,3 +283,28 @@ def test_two_optimisers_that_never_disagree_on_a_small_test_set_are_not_decided_
     big = np.zeros((3, 5000))
     assert V.pair_over_seeds("s", "on par", "test_score", {0: 0.0, 1: 0.0, 2: 0.0}, per_example=big,
                              band=0.01).verdict == V.HOLDS
+
+
+def test_a_test_comparison_that_needs_more_examples_says_their_price_or_that_the_data_set_is_too_small():
+    """The examples' spread decides (the seeds agree example by example): more seeds cannot decide it, more test
+    examples can; the words price them (re-scoring kept checkpoints, no training) or, beyond what the data set
+    holds, say that no test split of it decides the comparison."""
+    rng = np.random.default_rng(0)
+    e = rng.choice([-1.0, 0.0, 0.0, 0.0, 1.0], size=60)
+    e[:3] = -1.0
+    x = np.tile(e, (10, 1))
+    x[:, 5] += rng.normal(0, 0.01, 10)
+    diffs = dict(enumerate(x.mean(axis=1)))
+    got = V.pair_over_seeds("s", "a > b", "test_score", diffs, per_example=x, unit=100)
+    assert got.verdict == V.INCONCLUSIVE and got.needs.startswith("no number of seeds at 60 test examples")
+    assert "548 test examples at 10 seeds" in got.needs and "no training" in got.needs
+    small = V.pair_over_seeds("s", "a > b", "test_score", diffs, per_example=x, unit=100, available=100)
+    assert "more than the data set's 100 examples" in small.needs and "no training" not in small.needs
+    assert V.pair_over_seeds("s", "a > b", "test_score", diffs, per_example=x, unit=100,
+                             available=1000).needs == got.needs
+
+
+def test_the_digits_data_set_bounds_its_test_split():
+    from companion.experiments.verdicts.training import available_examples
+
+    assert available_examples("digits-mlp") == 1797 and available_examples("tweets-minilm-lora") is None

@@ -289,8 +289,10 @@ def _needs_text(mean: float, sd: float, resolution: float, band: float | None, e
 
 
 def _crossed_needs(c: Crossed, mean: float, band: float | None, unit: float,
-                   seed_minutes: float | SeedPrice | None = None) -> str:
-    """What decides an undecided crossed comparison at 80 % power: seeds at this test set, else test examples."""
+                   seed_minutes: float | SeedPrice | None = None, available: int | None = None) -> str:
+    """What decides an undecided crossed comparison at 80 % power: seeds at this test set, else test examples, with
+    their price (no training: the runs' kept checkpoints scored on a larger test split) or, beyond ``available``
+    (the most examples the data set holds), that no test split of this data set decides it."""
     target = _target(mean, band)
     if target == 0 or not math.isfinite(target):
         return "no number of seeds or examples: the mean difference sits on the threshold"
@@ -301,9 +303,12 @@ def _crossed_needs(c: Crossed, mean: float, band: float | None, unit: float,
                 f"residual variance components{_price(k - c.seeds, seed_minutes)})")
     m = _examples_needed(target, c, c.seeds)
     if m is not None:
+        price = (f": more than the data set's {available} examples, so no test split of it decides this"
+                 if available is not None and m > available else
+                 "; no training: each run's kept best checkpoint scored on them, one forward pass an example")
         return (f"no number of seeds at {c.examples} test examples (their spread alone is ±"
                 f"{Z975 * math.sqrt(s2e / c.examples) * unit:.2g}); needs {m} test examples at {c.seeds} seeds "
-                "(80 % power)")
+                f"(80 % power{price})")
     return (f"needs more seeds and more test examples than this grid has: the difference to decide "
             f"({target * unit:.2g}) is within both terms' spread")
 
@@ -327,7 +332,8 @@ def _decide(mean: float, se: float, dof: float, band: float | None) -> tuple[str
 def pair_over_seeds(setup: str, pair: str, metric: str, diffs: dict[int, float], *, resolution: float = 0.0,
                     band: float | None = None, examples: int | None = None, unit: float = 1.0,
                     per_example: np.ndarray | None = None, pooled: Pooled | None = None,
-                    seed_minutes: float | SeedPrice | None = None, margin: float = 0.0) -> PairResult:
+                    seed_minutes: float | SeedPrice | None = None, margin: float = 0.0,
+                    available: int | None = None) -> PairResult:
     """A comparison decided over seeds: ``diffs[seed]`` < 0 is in favour of the claim.
 
     A "better" claim (``band`` None) holds when the 95 % interval of the mean difference lies below 0, does not hold
@@ -368,6 +374,8 @@ def pair_over_seeds(setup: str, pair: str, metric: str, diffs: dict[int, float],
         margin: a "better" claim of a material difference (log :data:`TENTH_DECADE` for "unstable", "improves"):
             it holds when the interval lies below ``-margin`` and does not hold when it lies above it (a decided
             tie within the margin, or the other way round, fails the claim; the agreement says which).
+        available: the most test examples the setup's data set holds (None: not known), so that an undecided test
+            comparison needing more says no test split of that data set decides it.
 
     Returns:
         The :class:`PairResult`.
@@ -410,7 +418,7 @@ def pair_over_seeds(setup: str, pair: str, metric: str, diffs: dict[int, float],
     if verdict == INCONCLUSIVE:
         mean += margin  # what must be decided is the distance to the margin
         if per_example is not None:
-            needs = _crossed_needs(c, mean, band, unit, seed_minutes)
+            needs = _crossed_needs(c, mean, band, unit, seed_minutes, available)
         elif how is not None:  # pooled: the contrast's per-seed sd is sd sqrt(2), estimated on the pooled dof
             needs = _needs_text(mean, pooled.sd * math.sqrt(2), 0.0, band, examples, unit, n, pooled.dof,
                                 seed_minutes)

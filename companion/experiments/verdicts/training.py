@@ -125,6 +125,15 @@ def n_test_examples(setup: str, scale: str) -> int | None:
     return n if n is not None else FULL_SIZES.get(cfg.task, {}).get("test")
 
 
+def available_examples(setup: str) -> int | None:
+    """The most examples ``setup``'s data set holds where that is fixed (:data:`..data.DATASET_EXAMPLES`), else
+    None (a data set of unknown size, or a name that is no registered setup)."""
+    from ..data import DATASET_EXAMPLES
+    from ..setups import SETUPS, resolve, scales_of
+
+    return DATASET_EXAMPLES.get(resolve(setup, scales_of(setup)[-1]).task) if setup in SETUPS else None
+
+
 def _resolution(table, setup: str, a: str, b: str, column: str) -> tuple[float, int | None]:
     """The test set's standard error of ``a``'s minus ``b``'s mean test accuracy (:func:`.core.binomial_resolution`)
     and its size; ``(0, None)`` for a training metric or where the scale or the test size is unknown."""
@@ -244,7 +253,7 @@ def _ranking(pairs_of: Callable[[list[str]], list[tuple[str, str]]], column: str
                                              resolution=resolution, examples=examples,
                                              unit=100.0 if col == "test_score" else 1.0, per_example=per_example,
                                              pooled=pooled, seed_minutes=_seed_minutes(table, setup, a, b),
-                                             margin=margin))
+                                             margin=margin, available=available_examples(setup)))
             if pairs:
                 unit = 100.0 if col == "test_score" else 1.0
                 what = "log ratio " if log else "difference (points) " if unit == 100 else "difference "
@@ -312,7 +321,8 @@ def _ief_vs_baseline_test(table, curves, opts, methods=None, predictions=None):
         name = f"iEF > {_name(base)} (test)" if band is None else f"iEF on par with {_name(base)} (test)"
         p = pair_over_seeds(setup, name, "test_score", diffs, resolution=resolution, band=band, examples=examples,
                             unit=100.0, per_example=_per_example(predictions, setup, "ief", base, diffs),
-                            seed_minutes=_seed_minutes(table, setup, "ief", base))
+                            seed_minutes=_seed_minutes(table, setup, "ief", base),
+                            available=available_examples(setup))
         out.append(_pairs_verdict(setup, [p], lambda q: _fails_text(q, -100.0, "iEF minus baseline, points: ")
                                   if band is None else _fails_text(q, 100.0, "baseline minus iEF, points: ")))
     return out

@@ -125,6 +125,10 @@ def serve(socket_path: str, parent: int | None = None, idle_s: float = 600.0,
         except Exception:  # noqa: BLE001  (an optional module: the jobs import what they need themselves)
             pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    wake_read, wake_write = os.pipe()  # a child's end wakes the loop at once (a job's status is not held back)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     if os.path.exists(socket_path):
         os.unlink(socket_path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -136,9 +140,11 @@ def serve(socket_path: str, parent: int | None = None, idle_s: float = 600.0,
     try:
         while True:
             watched = [c for p, c in jobs.items() if p not in orphans]
-            readable, _, _ = select.select([listener, *watched], [], [], 1.0)
+            readable, _, _ = select.select([listener, wake_read, *watched], [], [], 1.0)
             for conn in readable:
-                if conn is listener:
+                if conn == wake_read:
+                    os.read(wake_read, 4096)
+                elif conn is listener:
                     started = _start(listener)
                     if started == "stop":
                         return
@@ -178,6 +184,7 @@ def _start(listener: socket.socket):
         return None
     pid = os.fork()
     if pid == 0:  # the child: never returns
+        signal.set_wakeup_fd(-1)
         listener.close()
         conn.close()
         _child(request, fds)

@@ -56,6 +56,7 @@ each layer's whole gradient) and ``lr="auto"`` (its probe forward sets every par
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,9 +64,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .distributed import PeerFailure
 from .rows import COLUMN_BYTES
 
-ROUTE = "fsdp2-unsharded-step"  # the route a step on an FSDP2 model takes (the step report's "sharding")
+ROUTE = "fsdp2-unsharded-step"  # a step with every module unsharded once (the step report's "sharding")
+LAYERWISE_ROUTE = "fsdp2-layerwise-rows"  # a step whose rows were taken under FSDP2's own per-module unshard
+# The agreement of the ranks of a step taking its rows layer by layer (:class:`RowAgreement`), read by the per-sample
+# forward (ief.jacobian) at the two points where a rank's own batch could make it call other collectives than the
+# others; ``None`` outside such a step.
+ROW_AGREEMENT: contextvars.ContextVar = contextvars.ContextVar("ief_row_agreement", default=None)
 
 
 def _fsdp_types() -> tuple[type, type] | None:
@@ -107,6 +114,7 @@ class ShardedModel:
     group: Any
     rank: int
     world: int
+    route: str = ROUTE  # the route the last step took (ROUTE or LAYERWISE_ROUTE)
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[list[torch.Tensor]]:
@@ -143,6 +151,68 @@ class ShardedModel:
                 group.post_forward_mesh_info = mesh_info
                 group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
                 group.reshard_after_backward = after_backward
+
+    def can_go_layerwise(self) -> bool:
+        """Whether FSDP2 has made every parameter's unsharded tensor (at its first unshard; a model never stepped
+        has not): the layer-by-layer route registers them before FSDP2's forward gathers them."""
+        return all(hasattr(fsdp_param, "_unsharded_param") for fsdp_param in self.fsdp_params)
+
+    @contextlib.contextmanager
+    def layerwise(self) -> Iterator[list[torch.Tensor]]:
+        """The step's forward and per-sample backward under FSDP2's own per-module unshard and reshard (its
+        all-gathers, forward and backward), with no gradient reduction; the ranks agree at the per-sample forward's
+        two decision points (:class:`RowAgreement`) and, where any rank needs more than one forward and one backward,
+        every module is unsharded for the rest of the step as :meth:`unsharded` does.
+
+        The unsharded parameters stay registered in their modules between FSDP2's calls (their storage freed when
+        FSDP2 reshards), so that the per-sample machinery names and hooks the same tensors as in :meth:`unsharded`;
+        on exit every module is resharded and holds its sharded parameters again.
+
+        Yields:
+            The unsharded parameters in :attr:`params`' order (storage present only while FSDP2 holds them gathered).
+        """
+        saved = []
+        for module in self.modules:
+            for group in _groups_of(module):
+                saved.append((group, group.post_forward_mesh_info, group.reduce_grads, group.all_reduce_grads,
+                              group.reshard_after_backward))
+                group.reduce_grads = group.all_reduce_grads = False  # no batch gradient is reduced
+        for fsdp_param in self.fsdp_params:  # FSDP2's reshard frees the gathered data and keeps this registration
+            fsdp_param.to_sharded = _freeing(fsdp_param)
+            fsdp_param._setattr_on_modules(fsdp_param.unsharded_param)
+        agreement = RowAgreement(self)
+        token = ROW_AGREEMENT.set(agreement)
+        failed = True
+        try:
+            yield [fsdp_param.unsharded_param for fsdp_param in self.fsdp_params]
+            failed = False
+        finally:
+            ROW_AGREEMENT.reset(token)
+            self.route = ROUTE if agreement.whole else LAYERWISE_ROUTE
+            if failed:
+                for module in self._roots():  # an aborted forward or backward: FSDP2's own recovery
+                    with contextlib.suppress(Exception):
+                        module.reset_iter_state()
+            for fsdp_param in self.fsdp_params:
+                del fsdp_param.to_sharded
+            for module in self.modules:
+                module.reshard()
+            for fsdp_param in self.fsdp_params:
+                fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
+            for group, mesh_info, reduce, all_reduce, after_backward in saved:
+                group.post_forward_mesh_info = mesh_info
+                group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
+                group.reshard_after_backward = after_backward
+
+    def unshard_rest(self) -> None:
+        """Every module unsharded, and kept so for the rest of the step (no reshard after a forward or a backward):
+        the same all-gathers on every rank, from the same state."""
+        for module in self.modules:
+            for group in _groups_of(module):
+                group.post_forward_mesh_info = None
+                group.reshard_after_backward = False
+        for module in self.modules:
+            module.unshard()
 
     def _roots(self) -> list:
         inner = {id(m) for outer in self.modules for m in outer.modules() if m is not outer}
@@ -257,6 +327,64 @@ class ShardedModel:
             value = value.cpu()
         dist.all_reduce(value, group=self.group)
         return value[0]
+
+
+def _freeing(fsdp_param: Any):
+    """FSDP2's ``to_sharded`` for :meth:`ShardedModel.layerwise`: the gathered data freed, the module left holding
+    the (empty) unsharded parameter instead of the sharded one."""
+    def to_sharded() -> None:
+        fsdp_param.free_unsharded_param()
+        fsdp_param.sharded_state = type(fsdp_param.sharded_state).SHARDED
+
+    return to_sharded
+
+
+class RowAgreement:
+    """The ranks' agreement in a step that takes its rows layer by layer (:meth:`ShardedModel.layerwise`).
+
+    Each FSDP2 module's forward and backward is a collective, so every rank must run the same forwards and backwards.
+    A rank's own batch decides whether its per-sample machinery runs more than the step's one forward and one
+    backward: the sample-axis probe and proof forwards (a batch of a shape it has not proven), the per-sample loop's
+    backward passes (one per sample, for parameters no layer rule covers). The per-sample forward asks
+    :meth:`agree` twice, after the forward (any rank about to probe?) and before the backward (any rank with a looped
+    parameter?), each time with whether it failed: one all-reduce of two numbers. Where any rank needs more, every
+    rank unshards every module for the rest of the step (:meth:`ShardedModel.unshard_rest`) and its extra forwards and
+    backwards are its own, with no collective; where any rank failed, every rank raises before the backward's
+    collectives (the failing rank its own error, the others :class:`ief.distributed.PeerFailure`, which
+    :func:`ief.distributed.agree` turns into the failing rank's sentence). An error raised inside the forward itself
+    on one rank only leaves the others in FSDP2's all-gathers until the process group's timeout, as it does under
+    FSDP2 + AdamW.
+
+    Attributes:
+        whole: whether every module was unsharded for the rest of the step.
+    """
+
+    def __init__(self, sharded: ShardedModel):
+        self.sharded = sharded
+        self.whole = False
+
+    def agree(self, failure: BaseException | None, more: bool) -> None:
+        """Share this rank's ``failure`` (``None``: none) and whether it needs ``more`` than one forward and one
+        backward; unshard every module where any rank needs more (once a step).
+
+        Raises:
+            ``failure`` on this rank; :class:`ief.distributed.PeerFailure` where another rank failed.
+        """
+        if self.whole:  # every module unsharded: what follows is this rank's own (ief.distributed.agree's)
+            if failure is not None:
+                raise failure
+            return
+        flags = torch.tensor([float(failure is not None), float(more)], dtype=torch.float64)
+        if dist.get_backend(self.sharded.group) != "gloo":
+            flags = flags.to(self.sharded.fsdp_params[0].sharded_param.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.sharded.group)
+        if failure is not None:
+            raise failure
+        if float(flags[0]) > 0:
+            raise PeerFailure("another rank failed in its per-sample forward")
+        if float(flags[1]) > 0 and not self.whole:
+            self.sharded.unshard_rest()
+            self.whole = True
 
 
 def _refuse(name: str, what: str) -> ValueError:
@@ -424,11 +552,17 @@ def default_group(model: torch.nn.Module, name: str) -> Any:
 
 
 @contextlib.contextmanager
-def unsharded_group(sharded: ShardedModel | None, group: dict) -> Iterator[dict]:
+def unsharded_group(sharded: ShardedModel | None, group: dict, layerwise: bool = False) -> Iterator[dict]:
     """``group`` (an optimiser's step values) as the per-sample machinery takes it: unchanged without sharding,
-    else with ``params`` the unsharded parameters while :meth:`ShardedModel.unsharded` holds them."""
+    else with ``params`` the unsharded parameters while :meth:`ShardedModel.layerwise` (``layerwise``, where FSDP2
+    has made them) or :meth:`ShardedModel.unsharded` holds them. ``layerwise`` must be the same on every rank."""
     if sharded is None:
         yield group
         return
+    if layerwise and sharded.can_go_layerwise():
+        with sharded.layerwise() as params:
+            yield dict(group, params=params)
+        return
+    sharded.route = ROUTE
     with sharded.unsharded() as params:
         yield dict(group, params=params)

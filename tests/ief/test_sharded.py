@@ -333,6 +333,44 @@ def test_a_nan_on_one_rank_ends_every_rank_with_the_same_error(world, tmp_path):
     assert len({r["after"] for r in results}) == 1
 
 
+def _bad_target_on_rank_one(rank: int) -> dict:
+    import ief
+
+    model = _shard("mlp", _mlp())
+    opt = ief.optim.IEF(model, lr=0.5, damping=1e-3)
+    gen = torch.Generator().manual_seed(3)
+    batch = _mlp_batch(3, gen)
+    for _ in range(3):  # the exact check's step, the unchecked forward's proof, then rows layer by layer
+        opt.step(*batch)
+    routes = [opt.last_step_report.sharding]
+    x, y = batch[0], batch[1].clone()
+    if rank == 1:
+        y[0, 0] = 7  # the model has 3 classes: refused after this rank's forward, before its backward
+    try:
+        opt.step(x, y)
+    except Exception as err:  # noqa: BLE001
+        kind, message = type(err).__name__, str(err)
+    else:
+        kind = message = None
+    opt.step(*batch)  # every rank steps on afterwards, layer by layer
+    routes.append(opt.last_step_report.sharding)
+    return dict(kind=kind, message=message, routes=routes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_bad_target_on_one_rank_in_a_layerwise_step_ends_every_rank_with_its_error(world, tmp_path):
+    """A class index out of range on rank 1, in a step taking its rows layer by layer, is refused there after the
+    forward; the ranks' agreement before the backward's collectives ends every rank with a ValueError naming rank 1's
+    sentence (none waits in FSDP2's backward all-gathers), and the next step runs on every rank."""
+    results = _spawn(_bad_target_on_rank_one, world, tmp_path)
+    assert [r["kind"] for r in results] == ["ValueError"] * world, results
+    for rank, result in enumerate(results):
+        assert "7" in result["message"]
+        if rank != 1:
+            assert result["message"].startswith("rank 1 failed (ValueError): "), result["message"]
+        assert result["routes"] == [LAYERWISE_ROUTE, LAYERWISE_ROUTE], result["routes"]
+
+
 # -------------------------------------------------------------------------------------------------------- refusals
 def _refusals_on_rank(rank: int) -> dict:
     import ief

@@ -6,15 +6,22 @@ FSDP2 keeps every parameter as a ``DTensor`` whose local shard is rank ``r``'s s
 forward all-gathers
 its parameters (``unshard``), registers them as plain tensors, and its ``reshard`` puts the shards back. A step here:
 
-1. **Rows, with the parameters unsharded once.** Every FSDP2 module is unsharded (one all-gather per parameter group,
-   what FSDP2's own forward does) with ``reshard_after_forward`` and gradient reduction switched off for the step, so
-   the step's forward and per-sample backward (:func:`ief.per_sample`: hooks on the modules, stand-ins for their
-   parameters) run on the plain unsharded parameters: no all-gather in the backward (FSDP2 with
-   ``reshard_after_forward=True`` all-gathers every group a second time there) and no reduce-scatter (no batch
-   gradient is formed). Rows taken layer by layer under FSDP2's own hooks are not this route: the per-sample
-   machinery runs extra forwards on some batches only (the sample-axis probe of a new batch shape, none for one
-   sample), so ranks with different local batches would call different numbers of FSDP2 all-gathers and wait on
-   each other for ever.
+1. **Rows, under FSDP2's own per-module unshard** (:meth:`ShardedModel.layerwise`). The step's forward and
+   per-sample backward (:func:`ief.per_sample`: hooks on the modules, stand-ins for their parameters) run through
+   FSDP2's hooks, gradient reduction switched off: each module's parameters are all-gathered for its forward and
+   again for its backward and freed after each (with FSDP2's ``reshard_after_forward``), so no rank holds more of the
+   model unsharded than FSDP2's own step does, and no reduce-scatter runs (no batch gradient is formed). Every FSDP2
+   forward and backward is a collective, so every rank must run the same ones, while a rank's own batch decides
+   whether its per-sample machinery runs more than one forward and one backward (the sample-axis probe and proof of
+   a shape it has not proven, none for one sample; the per-sample loop's backward per sample). The ranks agree
+   (:class:`RowAgreement`: one all-reduce of two numbers after the forward, one before the backward); where any rank
+   needs more, every rank unshards every module for the rest of the step (the same all-gathers on every rank) and
+   the extra forwards and backwards are its own, with no collective. **Every module unsharded once** for the whole
+   step (:meth:`ShardedModel.unsharded`: one all-gather per parameter group, ``reshard_after_forward`` and
+   reduction off) is the route of the exact check's steps (its forward-mode and float32 passes) and of a model
+   FSDP2 has not yet unsharded; the step report's ``sharding`` names the route taken (:data:`LAYERWISE_ROUTE`,
+   :data:`ROUTE`). A steady step (batch shapes seen before, every parameter covered by a layer rule) takes its rows
+   layer by layer; the first step of a new shape on any rank does not.
 2. **The union's Gram, as the replicated route.** This rank's rows go to
    :class:`ief.distributed.DistributedRows` (the Gram's cross-rank blocks from the layers' factors where
    :func:`ief.distributed.gram_plan` finds them smaller, one replicated float64 solve).
@@ -26,14 +33,17 @@ its parameters (``unshard``), registers them as plain tensors, and its ``reshard
    local shards (:meth:`ShardedModel.local`). (``SF``'s direction needs the whole gradient: it is formed whole on
    every rank, as in the replicated route, and its shards taken from it.)
 
-Cost against FSDP2 + AdamW on the same model: communication, one all-gather of every group per step (FSDP2's step:
-two, forward and backward, plus a reduce-scatter of the gradients), the replicated route's Gram all-gathers and
-reduce-scatters of the non-factored parameters' direction (no all-reduce of a ``[P]`` vector); memory, **every
-parameter unsharded during the step's forward, per-sample backward and solve** (FSDP2 with
-``reshard_after_forward=False`` holds as much; one layer's at a time with ``True``), the rows, and a ``[P / R]``
-direction in the rows' dtype (a float64 block of at most ``ief.rows.COLUMN_BYTES`` or one non-factored parameter at
-a time); the optimiser state (momentum buffers) is sharded. On a model whose largest layer is most of it (the
-benchmark's MLP) that is FSDP2 + AdamW's peak; on a deep model of many equal layers FSDP2 + AdamW holds less.
+Cost against FSDP2 + AdamW on the same model: communication, layer by layer FSDP2's own all-gathers (forward and
+backward; every module unsharded at once: one all-gather of every group) and no reduce-scatter of gradients, two
+all-reduces of two numbers (the agreement), the replicated route's Gram all-gathers and reduce-scatters of the
+non-factored parameters' direction (no all-reduce of a ``[P]`` vector); memory, layer by layer the parameters FSDP2
+holds unsharded in its own forward and backward (every parameter unsharded during the forward, per-sample backward
+and solve on the other route, as FSDP2 with ``reshard_after_forward=False``), the rows, and a ``[P / R]`` direction
+in the rows' dtype (a float64 block of at most ``ief.rows.COLUMN_BYTES`` or one non-factored parameter at a time);
+the optimiser state (momentum buffers) is sharded. A steady step's peak is then the update's (shards, momentum
+buffers and the shard-sized direction), not the gathered parameters'. An error raised inside the forward on one rank
+only leaves the other ranks in FSDP2's all-gathers until the process group's timeout, as under FSDP2 + AdamW; one
+raised after it (a target out of range, a non-finite loss or row) ends every rank with that rank's sentence.
 
 **Mixed precision** (``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``): the step runs
 as :mod:`ief.precision` runs a model with bfloat16 weights, which is what FSDP2's all-gather hands the forward: the

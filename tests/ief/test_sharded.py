@@ -592,7 +592,7 @@ def test_rows_taken_layer_by_layer_never_hold_the_whole_model_unsharded(tmp_path
 
 
 # ------------------------------------------------------------------------------------------------- mixed precision
-BF16_STEPS, BF16_LR, BF16_DAMPING = 2, 0.5, 1e-2
+BF16_STEPS, BF16_LR, BF16_DAMPING = 3, 0.5, 1e-2  # the third step takes its rows layer by layer
 
 
 def _bf16_batches(sizes: list[int]) -> list[list[tuple]]:
@@ -622,7 +622,8 @@ def _bf16_on_rank(rank: int, sizes: list[int]) -> dict:
     for per_rank in _bf16_batches(sizes):
         opt.step(*per_rank[rank])
         masters.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
-    return dict(masters=masters, dtypes={str(p.to_local().dtype) for p in model.parameters()})
+    return dict(masters=masters, dtypes={str(p.to_local().dtype) for p in model.parameters()},
+                route=opt.last_step_report.sharding)
 
 
 @pytest.mark.parametrize("sizes", [[3, 5], [3, 1, 4]], ids=["2", "3"])
@@ -638,6 +639,7 @@ def test_bf16_compute_with_float32_reduce_steps_as_bf16_weights_on_float32_maste
 
     results = _spawn(_bf16_on_rank, len(sizes), tmp_path, sizes)
     assert results[0]["dtypes"] == {"torch.float32"}
+    assert all(r["route"] == LAYERWISE_ROUTE for r in results)
     for step in range(BF16_STEPS):
         for n in results[0]["masters"][step]:
             assert all(torch.equal(results[0]["masters"][step][n], r["masters"][step][n]) for r in results[1:])

@@ -737,7 +737,7 @@ def test_the_trainer_trains_an_fsdp2_model_as_one_process_on_the_union_batch_and
     whole = _run_fsdp2_trainer(tmp_path / "whole", "whole", 4, final=str(final))
     for result in whole:
         assert (result["step"], result["wrapped"], result["sharding"], result["ranks"]) == (4, whole[0]["wrapped"],
-                                                                                           ROUTE, 2)
+                                                                                           LAYERWISE_ROUTE, 2)
         assert "DistributedDataParallel" not in result["wrapped"] and any(result["shards"])
     assert torch.equal(whole[0]["params"], whole[1]["params"]) and whole[0]["losses"] == whole[1]["losses"]
     args = TrainingArguments(output_dir=str(tmp_path / "one"), per_device_train_batch_size=8, max_steps=4,

@@ -116,6 +116,8 @@ class ShardedModel:
         group: the process group FSDP2 shards over (every module's).
         rank: this process's index in ``group``.
         world: the processes in ``group``.
+        route: the route the last step took, :data:`LAYERWISE_ROUTE` or :data:`ROUTE` (the step report's
+            ``sharding``).
     """
 
     modules: list
@@ -124,7 +126,7 @@ class ShardedModel:
     group: Any
     rank: int
     world: int
-    route: str = ROUTE  # the route the last step took (ROUTE or LAYERWISE_ROUTE)
+    route: str = ROUTE
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[list[torch.Tensor]]:
@@ -164,7 +166,11 @@ class ShardedModel:
 
     def can_go_layerwise(self) -> bool:
         """Whether FSDP2 has made every parameter's unsharded tensor (at its first unshard; a model never stepped
-        has not): the layer-by-layer route registers them before FSDP2's forward gathers them."""
+        has not): the layer-by-layer route registers them before FSDP2's forward gathers them.
+
+        Returns:
+            ``True`` when :meth:`layerwise` can run.
+        """
         return all(hasattr(fsdp_param, "_unsharded_param") for fsdp_param in self.fsdp_params)
 
     @contextlib.contextmanager
@@ -216,7 +222,11 @@ class ShardedModel:
 
     def unshard_rest(self) -> None:
         """Every module unsharded, and kept so for the rest of the step (no reshard after a forward or a backward):
-        the same all-gathers on every rank, from the same state."""
+        the same all-gathers on every rank, from the same state.
+
+        Returns:
+            None.
+        """
         for module in self.modules:
             for group in _groups_of(module):
                 group.post_forward_mesh_info = None
@@ -374,8 +384,16 @@ class RowAgreement:
         self.whole = False
 
     def agree(self, failure: BaseException | None, more: bool) -> None:
-        """Share this rank's ``failure`` (``None``: none) and whether it needs ``more`` than one forward and one
-        backward; unshard every module where any rank needs more (once a step).
+        """Share this rank's failure and whether it needs more than one forward and one backward; unshard every
+        module where any rank needs more (once a step). Once every module is unsharded, no collective: what follows
+        is each rank's own, and :func:`ief.distributed.agree` ends the step on every rank alike.
+
+        Args:
+            failure: this rank's exception since the last agreement (``None``: none).
+            more: whether this rank is about to run a forward or backward of its own (a probe, the per-sample loop).
+
+        Returns:
+            None.
 
         Raises:
             ``failure`` on this rank; :class:`ief.distributed.PeerFailure` where another rank failed.

@@ -22,9 +22,9 @@ With ``--fsdp2`` (the ``mlp`` only), two more cases on a copy of the model shard
 ``Linear``, then on the root), and their peak memory per rank (``torch.distributed._tools.mem_tracker.MemTracker``:
 every tensor live on the rank during one step, the model's and the optimiser's included, at its peak):
 
-- ``ief_fsdp2``: one ``ief.optim.IEF(model)`` step on the sharded model (:mod:`ief.sharded`: every module unsharded
-  once for the step's forward and per-sample backward, the replicated route's Gram, this rank's shards of the
-  direction, the local shards updated);
+- ``ief_fsdp2``: one ``ief.optim.IEF(model)`` step on the sharded model (:mod:`ief.sharded`: warmed, its rows taken
+  under FSDP2's own per-module unshard, the replicated route's Gram, this rank's shards of the direction, the local
+  shards updated);
 - ``fsdp2_adamw``: FSDP2 + ``AdamW``: ``zero_grad``, forward, ``backward`` (FSDP2's all-gathers and gradient
   reduce-scatter) and the step, on the same local batch.
 
@@ -439,8 +439,9 @@ def fsdp2_table(results: list[dict], args: argparse.Namespace, device: str) -> d
          ("IEF peak MiB", ".2f"), ("FSDP2 + AdamW peak MiB", ".2f"), ("IEF / AdamW peak", ".2f")], body,
         note="Per rank and step; the worst rank's bytes and peak. Peak: every tensor live on the rank during one "
              "step (MemTracker), parameters, gradients, optimiser state, activations and communication buffers. "
-             "The IEF step holds every parameter unsharded during its forward and per-sample backward and a "
-             "direction of this rank's shards' size (ief.sharded), FSDP2 + AdamW one parameter group at a time.")
+             "The IEF step takes its rows under FSDP2's per-module unshard (its forward's and backward's "
+             "all-gathers, no gradient reduce-scatter) and forms a direction of this rank's shards' size "
+             "(ief.sharded).")
 
 
 def main(argv: list[str] | None = None) -> int:

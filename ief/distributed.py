@@ -119,6 +119,11 @@ class RankFailure(RuntimeError):
     is named in the message, and re-raised there with its own type."""
 
 
+class PeerFailure(RankFailure):
+    """Raised on a rank whose work stopped because another rank's failed (:class:`ief.sharded.RowAgreement`):
+    :func:`agree` reports the failing rank's error in its place."""
+
+
 def agree(group: Any, device: torch.device, work: Callable[[], T]) -> T:
     """Run ``work`` on this rank and make every rank of ``group`` fail together when any rank's ``work`` raised.
 
@@ -147,11 +152,13 @@ def agree(group: Any, device: torch.device, work: Callable[[], T]) -> T:
     dist.all_reduce(flag, group=group)
     if float(flag) == 0.0:
         return result
+    own = None if isinstance(failure, PeerFailure) else failure  # (a peer's failure is reported as the peer's)
     messages: list[Any] = [None] * world_size(group)
-    dist.all_gather_object(messages, None if failure is None else (type(failure).__name__, str(failure)), group=group)
-    if failure is not None:
-        raise failure
-    rank, (kind, message) = next((r, m) for r, m in enumerate(messages) if m is not None)
+    dist.all_gather_object(messages, None if own is None else (type(own).__name__, str(own)), group=group)
+    if own is not None:
+        raise own
+    rank, (kind, message) = next(((r, m) for r, m in enumerate(messages) if m is not None),
+                                 (None, ("RankFailure", str(failure))))
     text = f"rank {rank} failed ({kind}): {message}"
     if kind in ("FloatingPointError", "ValueError"):
         raise {"FloatingPointError": FloatingPointError, "ValueError": ValueError}[kind](text)

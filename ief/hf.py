@@ -434,9 +434,19 @@ class IEFTrainer(transformers.Trainer):
         # the model owns its placement and gradient reduction: accelerate neither wraps it in DDP nor shards it again
         self.is_distributed_loading_by_transformers = True
 
-    def _sharded_state(self, checkpoint: str) -> dict:
-        """This rank's :data:`SHARDED_STATE` of ``checkpoint``, refused on every rank alike (the listing decides)
-        unless every rank of this run has its file."""
+    def _sharded_state(self, checkpoint: str, part: str) -> dict:
+        """``part`` (``"model"`` or ``"optimizer"``) of this rank's :data:`SHARDED_STATE` of ``checkpoint``, refused on
+        every rank alike (the listing decides) unless every rank of this run has its file. The file is read once per
+        resume: the part not yet asked for is kept until it is (the Trainer loads the model, then the optimiser), and
+        a part once handed out is not kept."""
+        kept = self.__dict__.pop("_sharded_kept", None)
+        state = kept[1] if kept is not None and kept[0] == checkpoint else self._read_sharded_state(checkpoint)
+        value = state.pop(part)
+        if state:
+            self._sharded_kept = (checkpoint, state)
+        return value
+
+    def _read_sharded_state(self, checkpoint: str) -> dict:
         world = self.args.world_size
         paths = [os.path.join(checkpoint, SHARDED_STATE.format(rank=r, world=world)) for r in range(world)]
         if not all(os.path.isfile(p) for p in paths):
@@ -496,7 +506,7 @@ class IEFTrainer(transformers.Trainer):
         if not self._fsdp2:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_local_state(self.model if model is None else model,
-                         self._sharded_state(resume_from_checkpoint)["model"], resume_from_checkpoint)
+                         self._sharded_state(resume_from_checkpoint, "model"), resume_from_checkpoint)
         return None
 
     def _log_report(self, report: Any) -> None:
@@ -648,7 +658,7 @@ class IEFTrainer(transformers.Trainer):
             if self._fsdp2 and checkpoint is not None:  # this rank's shards of the state, and the scheduler
                 from transformers.trainer import SCHEDULER_NAME
 
-                self.ief_optimizer.load_state_dict(self._sharded_state(checkpoint)["optimizer"])
+                self.ief_optimizer.load_state_dict(self._sharded_state(checkpoint, "optimizer"))
                 self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME),
                                                              weights_only=True))
             else:

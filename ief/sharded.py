@@ -6,15 +6,22 @@ FSDP2 keeps every parameter as a ``DTensor`` whose local shard is rank ``r``'s s
 forward all-gathers
 its parameters (``unshard``), registers them as plain tensors, and its ``reshard`` puts the shards back. A step here:
 
-1. **Rows, with the parameters unsharded once.** Every FSDP2 module is unsharded (one all-gather per parameter group,
-   what FSDP2's own forward does) with ``reshard_after_forward`` and gradient reduction switched off for the step, so
-   the step's forward and per-sample backward (:func:`ief.per_sample`: hooks on the modules, stand-ins for their
-   parameters) run on the plain unsharded parameters: no all-gather in the backward (FSDP2 with
-   ``reshard_after_forward=True`` all-gathers every group a second time there) and no reduce-scatter (no batch
-   gradient is formed). Rows taken layer by layer under FSDP2's own hooks are not this route: the per-sample
-   machinery runs extra forwards on some batches only (the sample-axis probe of a new batch shape, none for one
-   sample), so ranks with different local batches would call different numbers of FSDP2 all-gathers and wait on
-   each other for ever.
+1. **Rows, under FSDP2's own per-module unshard** (:meth:`ShardedModel.layerwise`). The step's forward and
+   per-sample backward (:func:`ief.per_sample`: hooks on the modules, stand-ins for their parameters) run through
+   FSDP2's hooks, gradient reduction switched off: each module's parameters are all-gathered for its forward and
+   again for its backward and freed after each (with FSDP2's ``reshard_after_forward``), so no rank holds more of the
+   model unsharded than FSDP2's own step does, and no reduce-scatter runs (no batch gradient is formed). Every FSDP2
+   forward and backward is a collective, so every rank must run the same ones, while a rank's own batch decides
+   whether its per-sample machinery runs more than one forward and one backward (the sample-axis probe and proof of
+   a shape it has not proven, none for one sample; the per-sample loop's backward per sample). The ranks agree
+   (:class:`RowAgreement`: one all-reduce of two numbers after the forward, one before the backward); where any rank
+   needs more, every rank unshards every module for the rest of the step (the same all-gathers on every rank) and
+   the extra forwards and backwards are its own, with no collective. **Every module unsharded once** for the whole
+   step (:meth:`ShardedModel.unsharded`: one all-gather per parameter group, ``reshard_after_forward`` and
+   reduction off) is the route of the exact check's steps (its forward-mode and float32 passes) and of a model
+   FSDP2 has not yet unsharded; the step report's ``sharding`` names the route taken (:data:`LAYERWISE_ROUTE`,
+   :data:`ROUTE`). A steady step (batch shapes seen before, every parameter covered by a layer rule) takes its rows
+   layer by layer; the first step of a new shape on any rank does not.
 2. **The union's Gram, as the replicated route.** This rank's rows go to
    :class:`ief.distributed.DistributedRows` (the Gram's cross-rank blocks from the layers' factors where
    :func:`ief.distributed.gram_plan` finds them smaller, one replicated float64 solve).
@@ -26,14 +33,17 @@ its parameters (``unshard``), registers them as plain tensors, and its ``reshard
    local shards (:meth:`ShardedModel.local`). (``SF``'s direction needs the whole gradient: it is formed whole on
    every rank, as in the replicated route, and its shards taken from it.)
 
-Cost against FSDP2 + AdamW on the same model: communication, one all-gather of every group per step (FSDP2's step:
-two, forward and backward, plus a reduce-scatter of the gradients), the replicated route's Gram all-gathers and
-reduce-scatters of the non-factored parameters' direction (no all-reduce of a ``[P]`` vector); memory, **every
-parameter unsharded during the step's forward, per-sample backward and solve** (FSDP2 with
-``reshard_after_forward=False`` holds as much; one layer's at a time with ``True``), the rows, and a ``[P / R]``
-direction in the rows' dtype (a float64 block of at most ``ief.rows.COLUMN_BYTES`` or one non-factored parameter at
-a time); the optimiser state (momentum buffers) is sharded. On a model whose largest layer is most of it (the
-benchmark's MLP) that is FSDP2 + AdamW's peak; on a deep model of many equal layers FSDP2 + AdamW holds less.
+Cost against FSDP2 + AdamW on the same model: communication, layer by layer FSDP2's own all-gathers (forward and
+backward; every module unsharded at once: one all-gather of every group) and no reduce-scatter of gradients, two
+all-reduces of two numbers (the agreement), the replicated route's Gram all-gathers and reduce-scatters of the
+non-factored parameters' direction (no all-reduce of a ``[P]`` vector); memory, layer by layer the parameters FSDP2
+holds unsharded in its own forward and backward (every parameter unsharded during the forward, per-sample backward
+and solve on the other route, as FSDP2 with ``reshard_after_forward=False``), the rows, and a ``[P / R]`` direction
+in the rows' dtype (a float64 block of at most ``ief.rows.COLUMN_BYTES`` or one non-factored parameter at a time);
+the optimiser state (momentum buffers) is sharded. A steady step's peak is then the update's (shards, momentum
+buffers and the shard-sized direction), not the gathered parameters'. An error raised inside the forward on one rank
+only leaves the other ranks in FSDP2's all-gathers until the process group's timeout, as under FSDP2 + AdamW; one
+raised after it (a target out of range, a non-finite loss or row) ends every rank with that rank's sentence.
 
 **Mixed precision** (``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``): the step runs
 as :mod:`ief.precision` runs a model with bfloat16 weights, which is what FSDP2's all-gather hands the forward: the
@@ -56,6 +66,7 @@ each layer's whole gradient) and ``lr="auto"`` (its probe forward sets every par
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,9 +74,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .distributed import PeerFailure
 from .rows import COLUMN_BYTES
 
-ROUTE = "fsdp2-unsharded-step"  # the route a step on an FSDP2 model takes (the step report's "sharding")
+ROUTE = "fsdp2-unsharded-step"  # a step with every module unsharded once (the step report's "sharding")
+LAYERWISE_ROUTE = "fsdp2-layerwise-rows"  # a step whose rows were taken under FSDP2's own per-module unshard
+# The agreement of the ranks of a step taking its rows layer by layer (:class:`RowAgreement`), read by the per-sample
+# forward (ief.jacobian) at the two points where a rank's own batch could make it call other collectives than the
+# others; ``None`` outside such a step.
+ROW_AGREEMENT: contextvars.ContextVar = contextvars.ContextVar("ief_row_agreement", default=None)
 
 
 def _fsdp_types() -> tuple[type, type] | None:
@@ -99,6 +116,8 @@ class ShardedModel:
         group: the process group FSDP2 shards over (every module's).
         rank: this process's index in ``group``.
         world: the processes in ``group``.
+        route: the route the last step took, :data:`LAYERWISE_ROUTE` or :data:`ROUTE` (the step report's
+            ``sharding``).
     """
 
     modules: list
@@ -107,6 +126,7 @@ class ShardedModel:
     group: Any
     rank: int
     world: int
+    route: str = ROUTE
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[list[torch.Tensor]]:
@@ -143,6 +163,76 @@ class ShardedModel:
                 group.post_forward_mesh_info = mesh_info
                 group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
                 group.reshard_after_backward = after_backward
+
+    def can_go_layerwise(self) -> bool:
+        """Whether FSDP2 has made every parameter's unsharded tensor (at its first unshard; a model never stepped
+        has not): the layer-by-layer route registers them before FSDP2's forward gathers them.
+
+        Returns:
+            ``True`` when :meth:`layerwise` can run.
+        """
+        return all(hasattr(fsdp_param, "_unsharded_param") for fsdp_param in self.fsdp_params)
+
+    @contextlib.contextmanager
+    def layerwise(self) -> Iterator[list[torch.Tensor]]:
+        """The step's forward and per-sample backward under FSDP2's own per-module unshard and reshard (its
+        all-gathers, forward and backward), with no gradient reduction; the ranks agree at the per-sample forward's
+        two decision points (:class:`RowAgreement`) and, where any rank needs more than one forward and one backward,
+        every module is unsharded for the rest of the step as :meth:`unsharded` does.
+
+        The unsharded parameters stay registered in their modules between FSDP2's calls (their storage freed when
+        FSDP2 reshards), so that the per-sample machinery names and hooks the same tensors as in :meth:`unsharded`;
+        on exit every module is resharded and holds its sharded parameters again.
+
+        Yields:
+            The unsharded parameters in :attr:`params`' order (storage present only while FSDP2 holds them gathered).
+        """
+        saved = []
+        for module in self.modules:
+            for group in _groups_of(module):
+                saved.append((group, group.post_forward_mesh_info, group.reduce_grads, group.all_reduce_grads,
+                              group.reshard_after_backward))
+                group.reduce_grads = group.all_reduce_grads = False  # no batch gradient is reduced
+        for fsdp_param in self.fsdp_params:  # FSDP2's reshard frees the gathered data and keeps this registration
+            fsdp_param.to_sharded = _freeing(fsdp_param)
+            fsdp_param._setattr_on_modules(fsdp_param.unsharded_param)
+        agreement = RowAgreement(self)
+        token = ROW_AGREEMENT.set(agreement)
+        failed = True
+        try:
+            yield [fsdp_param.unsharded_param for fsdp_param in self.fsdp_params]
+            failed = False
+        finally:
+            ROW_AGREEMENT.reset(token)
+            self.route = ROUTE if agreement.whole else LAYERWISE_ROUTE
+            if failed:
+                for module in self._roots():  # an aborted forward or backward: FSDP2's own recovery
+                    with contextlib.suppress(Exception):
+                        module.reset_iter_state()
+            for fsdp_param in self.fsdp_params:
+                del fsdp_param.to_sharded
+            for module in self.modules:
+                module.reshard()
+            for fsdp_param in self.fsdp_params:
+                fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
+            for group, mesh_info, reduce, all_reduce, after_backward in saved:
+                group.post_forward_mesh_info = mesh_info
+                group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
+                group.reshard_after_backward = after_backward
+
+    def unshard_rest(self) -> None:
+        """Every module unsharded, and kept so for the rest of the step (no reshard after a forward or a backward):
+        the same all-gathers on every rank, from the same state.
+
+        Returns:
+            None.
+        """
+        for module in self.modules:
+            for group in _groups_of(module):
+                group.post_forward_mesh_info = None
+                group.reshard_after_backward = False
+        for module in self.modules:
+            module.unshard()
 
     def _roots(self) -> list:
         inner = {id(m) for outer in self.modules for m in outer.modules() if m is not outer}
@@ -257,6 +347,72 @@ class ShardedModel:
             value = value.cpu()
         dist.all_reduce(value, group=self.group)
         return value[0]
+
+
+def _freeing(fsdp_param: Any):
+    """FSDP2's ``to_sharded`` for :meth:`ShardedModel.layerwise`: the gathered data freed, the module left holding
+    the (empty) unsharded parameter instead of the sharded one."""
+    def to_sharded() -> None:
+        fsdp_param.free_unsharded_param()
+        fsdp_param.sharded_state = type(fsdp_param.sharded_state).SHARDED
+
+    return to_sharded
+
+
+class RowAgreement:
+    """The ranks' agreement in a step that takes its rows layer by layer (:meth:`ShardedModel.layerwise`).
+
+    Each FSDP2 module's forward and backward is a collective, so every rank must run the same forwards and backwards.
+    A rank's own batch decides whether its per-sample machinery runs more than the step's one forward and one
+    backward: the sample-axis probe and proof forwards (a batch of a shape it has not proven), the per-sample loop's
+    backward passes (one per sample, for parameters no layer rule covers). The per-sample forward asks
+    :meth:`agree` twice, after the forward (any rank about to probe?) and before the backward (any rank with a looped
+    parameter?), each time with whether it failed: one all-reduce of two numbers. Where any rank needs more, every
+    rank unshards every module for the rest of the step (:meth:`ShardedModel.unshard_rest`) and its extra forwards and
+    backwards are its own, with no collective; where any rank failed, every rank raises before the backward's
+    collectives (the failing rank its own error, the others :class:`ief.distributed.PeerFailure`, which
+    :func:`ief.distributed.agree` turns into the failing rank's sentence). An error raised inside the forward itself
+    on one rank only leaves the others in FSDP2's all-gathers until the process group's timeout, as it does under
+    FSDP2 + AdamW.
+
+    Attributes:
+        whole: whether every module was unsharded for the rest of the step.
+    """
+
+    def __init__(self, sharded: ShardedModel):
+        self.sharded = sharded
+        self.whole = False
+
+    def agree(self, failure: BaseException | None, more: bool) -> None:
+        """Share this rank's failure and whether it needs more than one forward and one backward; unshard every
+        module where any rank needs more (once a step). Once every module is unsharded, no collective: what follows
+        is each rank's own, and :func:`ief.distributed.agree` ends the step on every rank alike.
+
+        Args:
+            failure: this rank's exception since the last agreement (``None``: none).
+            more: whether this rank is about to run a forward or backward of its own (a probe, the per-sample loop).
+
+        Returns:
+            None.
+
+        Raises:
+            ``failure`` on this rank; :class:`ief.distributed.PeerFailure` where another rank failed.
+        """
+        if self.whole:  # every module unsharded: what follows is this rank's own (ief.distributed.agree's)
+            if failure is not None:
+                raise failure
+            return
+        flags = torch.tensor([float(failure is not None), float(more)], dtype=torch.float64)
+        if dist.get_backend(self.sharded.group) != "gloo":
+            flags = flags.to(self.sharded.fsdp_params[0].sharded_param.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.sharded.group)
+        if failure is not None:
+            raise failure
+        if float(flags[0]) > 0:
+            raise PeerFailure("another rank failed in its per-sample forward")
+        if float(flags[1]) > 0 and not self.whole:
+            self.sharded.unshard_rest()
+            self.whole = True
 
 
 def _refuse(name: str, what: str) -> ValueError:
@@ -424,11 +580,17 @@ def default_group(model: torch.nn.Module, name: str) -> Any:
 
 
 @contextlib.contextmanager
-def unsharded_group(sharded: ShardedModel | None, group: dict) -> Iterator[dict]:
+def unsharded_group(sharded: ShardedModel | None, group: dict, layerwise: bool = False) -> Iterator[dict]:
     """``group`` (an optimiser's step values) as the per-sample machinery takes it: unchanged without sharding,
-    else with ``params`` the unsharded parameters while :meth:`ShardedModel.unsharded` holds them."""
+    else with ``params`` the unsharded parameters while :meth:`ShardedModel.layerwise` (``layerwise``, where FSDP2
+    has made them) or :meth:`ShardedModel.unsharded` holds them. ``layerwise`` must be the same on every rank."""
     if sharded is None:
         yield group
         return
+    if layerwise and sharded.can_go_layerwise():
+        with sharded.layerwise() as params:
+            yield dict(group, params=params)
+        return
+    sharded.route = ROUTE
     with sharded.unsharded() as params:
         yield dict(group, params=params)

@@ -28,6 +28,7 @@ from ..model_call import (
 from ..precision import (SIXTEEN_BIT, ForwardFormats, describe, device_type, float32_copy, mark_rounding,
                          refuse_float16, widen)
 from ..rows import FactoredJacobian, check_form
+from ..sharded import ROW_AGREEMENT
 from . import assemble
 from .assemble import _batch_gradient, _summed
 from .capture import PerSampleCapture
@@ -194,13 +195,23 @@ class _HookedForward:
         # what the proofs of this forward rest on (the precision record here, the sample axes below): a steady call
         # of the same signature reuses them
         signature = (forward_signature(model, inputs), self.mode == "exact")
+        # an FSDP2 step taking its rows layer by layer: the ranks agree before a rank's own batch makes it run other
+        # forwards or backwards than the others' (ief.sharded.RowAgreement); None otherwise
+        agreement = ROW_AGREEMENT.get()
         with self.capture, torch.enable_grad(), kernels(), self.formats.watch(device_type(model), model, signature):
             self.logits = self.forward()
-        self.formats.add_model(model, self.logits)
-        refuse_float16(self.formats)
-        self.counted = self.loss.check(self.logits, targets)  # K, read with the range check (None: not read)
-        if batch_size(self.logits) != m:
-            raise ValueError(f"the model returned logits of shape {tuple(self.logits.shape)} for {m} targets")
+        try:
+            self.formats.add_model(model, self.logits)
+            refuse_float16(self.formats)
+            self.counted = self.loss.check(self.logits, targets)  # K, read with the range check (None: not read)
+            if batch_size(self.logits) != m:
+                raise ValueError(f"the model returned logits of shape {tuple(self.logits.shape)} for {m} targets")
+        except Exception as err:
+            if agreement is not None:
+                agreement.agree(err, False)
+            raise
+        if agreement is not None:
+            agreement.agree(None, self.capture.will_probe(m, model, signature))
 
         def run_on(batch, rows: int, quiet: bool = False):  # a side forward: RNG and buffers left as they were
             buffers = [(b, b.clone()) for b in model.buffers()]  # e.g. batch-norm running statistics
@@ -222,11 +233,18 @@ class _HookedForward:
             batch = _reversed(inputs, m) if reverse else inputs
             return self.capture.call_inputs(lambda: run_on(batch, m, quiet), batch)
 
-        self.capture.establish_axes(m, model, signature, probe, prove)
-        names = param_names(model, self.params)
-        self.capture.names = names
-        self.capture.demote_outside_uses(self.forward.reached, names)
-        _warn_slow_path(model, self.capture, names, m)
+        try:
+            self.capture.establish_axes(m, model, signature, probe, prove)
+            names = param_names(model, self.params)
+            self.capture.names = names
+            self.capture.demote_outside_uses(self.forward.reached, names)
+            _warn_slow_path(model, self.capture, names, m)
+        except Exception as err:
+            if agreement is not None:
+                agreement.agree(err, False)
+            raise
+        if agreement is not None:  # a looped parameter's backward passes, one per sample
+            agreement.agree(None, len(self.capture.hooked) < len(self.params))
         self.targets = targets
         self.names = names if self.mode is not None else None
 

@@ -484,8 +484,7 @@ class PerSampleCapture:
                 dead.append(self.unreached_calls())
             return (k, j) in dead[0]
 
-        uses = None if self.tracker is None else (_use_shapes(self.tracker.uses), frozenset(self.tracker.unsupported))
-        key = (m, signature, tuple(id(module) for module, *_ in self.modules), full, uses)
+        key = self._axis_key(m, signature, full)
         cache = _AXIS_CACHE.setdefault(model, OrderedDict())
         cached = cache.get(key)
         if cached is not None and (_GATHERED.get(model) or _ROUTED.get(model)):  # routing depends on the data:
@@ -515,7 +514,7 @@ class PerSampleCapture:
             cache.move_to_end(key)
         axes, probe_error, probe_uses, unproven = cached
         shared = {}  # the watched tensors whose every use is broadcast over the batch, with an established axis
-        if uses is not None and probe_uses is not None:
+        if key[4] is not None and probe_uses is not None:
             shared = establish(self.tracker.uses, _uses_from(probe_uses[0]), self.tracker.unsupported | probe_uses[1],
                                m)
         for i in self.bare:
@@ -544,6 +543,18 @@ class PerSampleCapture:
                     "samples (a probe forward of one sample does not shrink exactly one of them to 1)"
                 )
         self.demote(reasons)
+
+    def _axis_key(self, m: int, signature: Hashable, full: tuple) -> tuple:
+        uses = None if self.tracker is None else (_use_shapes(self.tracker.uses), frozenset(self.tracker.unsupported))
+        return m, signature, tuple(id(module) for module, *_ in self.modules), full, uses
+
+    def will_probe(self, m: int, model: torch.nn.Module, signature: Hashable) -> bool:
+        """Whether :meth:`establish_axes` with these arguments, now, runs forwards of its own (the one-sample probe
+        and the proof's): no kept proof for this forward's key, or a model whose routing is proven on every batch."""
+        if (not self.modules and self.tracker is None) or m == 1:
+            return False
+        cached = _AXIS_CACHE.get(model, {}).get(self._axis_key(m, signature, self.call_shapes()))
+        return cached is None or bool(_GATHERED.get(model) or _ROUTED.get(model))
 
     @staticmethod
     def forget_axes(model: torch.nn.Module) -> None:

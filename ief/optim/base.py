@@ -42,7 +42,7 @@ from ..jacobian.guard import deferred_finiteness
 from ..losses import check_damping, count_targets, get_loss
 from ..model_call import Inputs, _cuda_devices, call_model
 from ..rows import as_rows
-from ..sharded import ROUTE, default_group, inspect, local_tensor, unsharded_group
+from ..sharded import default_group, inspect, local_tensor, unsharded_group
 from . import state as saved
 from .auto_lr import AUTO, INITIAL, AutoRate, check_auto, replayed, rng_states
 from .calls import explained_step
@@ -348,7 +348,10 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         rng = self._rng_states() if auto else None  # the forward's, replayed by the probe after the update
         self._reported = (None, None)
         try:
-            with torch.enable_grad(), unsharded_group(self._sharded, batch) as stepped:  # (FSDP2: ief.sharded)
+            # (FSDP2: ief.sharded; the rows layer by layer except on a step of the exact check, whose extra forwards
+            # and backwards are the same on every rank only with every module unsharded)
+            with torch.enable_grad(), unsharded_group(self._sharded, batch,
+                                                      layerwise=self._check_now() != "exact") as stepped:
                 found = self._direction(inputs, targets, stepped)
         except FloatingPointError as err:
             raise FloatingPointError(f"step {number}: {err}; parameters left unchanged") from err
@@ -606,7 +609,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         rows, union = self._reported
         method = found.solved[0] if found.solved is not None else type(self).__name__
         return step_report(number, method, rows, self._param_names(), union,
-                           None if self._sharded is None else ROUTE)
+                           None if self._sharded is None else self._sharded.route)
 
     def _union_vector(self, local: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
         """A per-sample vector of this rank (losses, ``s``), or the union batch's (``sizes``: :meth:`_union_rows`'),

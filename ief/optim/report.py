@@ -36,7 +36,8 @@ class StepReport:
         rows: the rows of the Gram system, ``M`` of the union batch across processes.
         ranks: the processes the step was exact over (1: one process).
         across_processes: whether the step combined several processes' batches.
-        sharding: ``None`` (replicated or one process) or :data:`ief.sharded.ROUTE` (an FSDP2 model's shards).
+        sharding: ``None`` (replicated or one process) or the FSDP2 route the step took (:data:`ief.sharded.ROUTE`,
+            every module unsharded once; :data:`ief.sharded.LAYERWISE_ROUTE`, rows under FSDP2's per-module unshard).
         gram_factors: across processes, the parameters whose cross-rank Gram blocks came from gathered factors
             (:func:`ief.distributed.gram_plan`); the others' rows were gathered.
     """

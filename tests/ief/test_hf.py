@@ -593,3 +593,23 @@ def test_deepspeed_and_the_trainers_fsdp_wrapping_are_refused_with_their_reasons
     monkeypatch.setattr(transformers.Trainer, "__init__", as_if_engine)
     with pytest.raises(ValueError, match=re.escape(reason)):
         IEFTrainer(bert_lora(), arguments(tmp_path))
+
+
+def test_an_fsdp2_resume_reads_the_ranks_checkpoint_file_once(tmp_path, monkeypatch):
+    """Resuming an FSDP2 model reads this rank's state file once: the model's shards are taken first, the optimiser
+    state kept until the Trainer asks for it; a later resume reads the file again (nothing stale is kept)."""
+    from types import SimpleNamespace
+
+    from ief.hf import SHARDED_STATE
+
+    for rank in range(2):
+        torch.save({"model": {"w": torch.full((2,), float(rank))}, "optimizer": {"state": {}, "rank": rank}},
+                   tmp_path / SHARDED_STATE.format(rank=rank, world=2))
+    trainer = IEFTrainer.__new__(IEFTrainer)  # only the checkpoint reading is exercised (no model, no processes)
+    trainer.args = SimpleNamespace(world_size=2, process_index=1)
+    reads, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: reads.append(a[0]) or load(*a, **k))
+    assert torch.equal(trainer._sharded_state(str(tmp_path), "model")["w"], torch.ones(2))
+    assert trainer._sharded_state(str(tmp_path), "optimizer")["rank"] == 1
+    assert reads == [str(tmp_path / SHARDED_STATE.format(rank=1, world=2))]
+    assert trainer._sharded_state(str(tmp_path), "model")["w"].sum() == 2 and len(reads) == 2

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ief.sharded import ROUTE
+from ief.sharded import LAYERWISE_ROUTE, ROUTE
 from test_distributed import OPTIMISERS, SPAWN_DEADLINE, _free_port, _join, _spawn, _start
 
 pytestmark = pytest.mark.slow  # every test here starts gloo processes: the slow tier
@@ -173,8 +173,10 @@ def test_a_step_on_an_fsdp2_model_is_one_process_on_the_union_batch(name, method
                     torch.chunk(whole, len(sizes))) else whole[:0]), (method, n, rank)
             assert set(result[method]["buffers"]) <= {"Tensor"}
             report = result[method]["report"]  # the certificate: the method, not a fallback, over the union's rows
+            # the last step's batches are of the shapes proven at the step before: rows under FSDP2's per-module
+            # unshard, no rank probing
             assert (report.step, report.rows, report.ranks, report.across_processes, report.sharding) == (
-                STEPS - 1, sum(sizes), len(sizes), True, ROUTE)
+                STEPS - 1, sum(sizes), len(sizes), True, LAYERWISE_ROUTE)
             assert report.method == {"ief": "iEF", "ef": "EF", "sf": "SF"}[method.split("-")[0]]
             assert sorted(report.routes) == sorted(n for n in union["params"] if n in first["shards"])
             looped = {n for n, route in report.routes.items() if route == "looped"}
@@ -185,18 +187,29 @@ def test_a_step_on_an_fsdp2_model_is_one_process_on_the_union_batch(name, method
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
                "broadcast_object_list", "barrier", "all_to_all_single", "gather", "scatter")
-PROBING_SIZES = [[2, 1, 3], [2, 3, 1], [3, 3, 1]]  # per step, per rank: a first-seen shape, a seen one, one sample
+# per step, per rank: a first-seen shape, a seen one, one sample; the last step none probes (rows layer by layer)
+PROBING_SIZES = [[2, 1, 3], [2, 3, 1], [3, 3, 1], [3, 3, 1]]
+# the route each step takes: the exact check's step, then steps where some rank probes, then one where none does
+PROBING_ROUTES = [ROUTE, ROUTE, ROUTE, LAYERWISE_ROUTE]
+
+
+def _probing_batches(rank: int) -> list[tuple]:
+    gen = torch.Generator().manual_seed(13)
+    return [_lm_batch(sizes[rank], gen) for sizes in PROBING_SIZES]
+
+
+def _probing_optimiser(model: torch.nn.Module):
+    import ief
+
+    return ief.optim.IEF(model, lr=0.3, damping=1e-4, reduction="mean", momentum=0.9)
 
 
 def _collectives_on_rank(rank: int) -> dict:
     """Three GPT-2 steps whose local batches make the ranks' per-sample machinery decide differently (rank 0: a new
     shape, the same, a new one; rank 1: one sample, a new shape, the same; rank 2: a new shape, one sample twice), each
     step's torch.distributed calls recorded (name and first tensor's shape)."""
-    import ief
-
     model = _shard("gpt2", _gpt2())
-    opt = ief.optim.IEF(model, lr=0.3, damping=1e-4, reduction="mean", momentum=0.9)
-    gen = torch.Generator().manual_seed(13)
+    opt = _probing_optimiser(model)
     calls: list = []
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
@@ -207,9 +220,8 @@ def _collectives_on_rank(rank: int) -> dict:
             return original(*args, **kwargs)
         return recorded
 
-    steps = []
-    for sizes in PROBING_SIZES:
-        batch = _lm_batch(sizes[rank], gen)
+    steps, routes = [], []
+    for batch in _probing_batches(rank):
         for name, original in originals.items():
             setattr(dist, name, recorder(name, original))
         try:
@@ -218,24 +230,36 @@ def _collectives_on_rank(rank: int) -> dict:
             for name, original in originals.items():
                 setattr(dist, name, original)
         steps.append(list(calls))
+        routes.append(opt.last_step_report.sharding)
         calls.clear()
-    return dict(steps=steps, params={n: p.full_tensor() for n, p in model.named_parameters()})
+    return dict(steps=steps, routes=routes, params={n: p.full_tensor() for n, p in model.named_parameters()})
 
 
 def test_every_rank_calls_the_same_collectives_whatever_its_local_probing(tmp_path):
     """Every forward and backward of an FSDP2 module is a collective, so a step must call the same collectives in
     the same order on every rank although each rank's per-sample machinery decides for itself whether to probe its
     batch's sample axis (a shape it has not proven; none for one sample) or to take a kept proof: these extra
-    forwards run where FSDP2 issues none (every module unsharded for the step, ief.sharded), and each step's
-    recorded torch.distributed calls (FSDP2's all-gathers among them) are the same on 3 ranks. (Rows taken under
-    FSDP2's own per-layer hooks made the ranks' all-gathers differ, and the step hung.)"""
+    forwards would each all-gather under FSDP2's own hooks. The ranks agree after the forward whether any of them
+    probes (ief.sharded.RowAgreement): then every rank unshards every module for the rest of the step, and the
+    ranks that probe do so without a collective; on the last step no rank probes and the rows are taken layer by
+    layer. Each step's recorded torch.distributed calls (FSDP2's all-gathers among them) are the same on 3 ranks,
+    and the four steps equal one process's on the union batches. (Rows taken under FSDP2's per-layer hooks without
+    the agreement made the ranks' all-gathers differ, and the step hung.)"""
     results = _spawn(_collectives_on_rank, 3, tmp_path)
     for step in range(len(PROBING_SIZES)):
         first = results[0]["steps"][step]
         assert any(name == "all_gather_single" for name, _ in first), first  # FSDP2's all-gathers are recorded
         for rank, result in enumerate(results[1:], 1):
             assert result["steps"][step] == first, (step, rank)
+    assert all(r["routes"] == PROBING_ROUTES for r in results), [r["routes"] for r in results]
     assert all(torch.equal(results[0]["params"][n], r["params"][n]) for r in results[1:] for n in results[0]["params"])
+    model = _gpt2()
+    opt = _probing_optimiser(model)
+    for per_rank in zip(*(_probing_batches(rank) for rank in range(3))):
+        opt.step(_concat([b[0] for b in per_rank]), _concat([b[1] for b in per_rank]))
+    for n, want in model.named_parameters():
+        got = results[0]["params"][n]
+        assert torch.allclose(got, want.detach(), rtol=1e-12, atol=1e-12 * float(want.abs().max())), n
 
 
 # --------------------------------------------------------------------- the optimiser's state, one file a rank
@@ -307,6 +331,44 @@ def test_a_nan_on_one_rank_ends_every_rank_with_the_same_error(world, tmp_path):
             assert result["message"].startswith("step 0: rank 1 failed (FloatingPointError): "), result["message"]
     assert all(r["unchanged"] for r in results)
     assert len({r["after"] for r in results}) == 1
+
+
+def _bad_target_on_rank_one(rank: int) -> dict:
+    import ief
+
+    model = _shard("mlp", _mlp())
+    opt = ief.optim.IEF(model, lr=0.5, damping=1e-3)
+    gen = torch.Generator().manual_seed(3)
+    batch = _mlp_batch(3, gen)
+    for _ in range(3):  # the exact check's step, the unchecked forward's proof, then rows layer by layer
+        opt.step(*batch)
+    routes = [opt.last_step_report.sharding]
+    x, y = batch[0], batch[1].clone()
+    if rank == 1:
+        y[0, 0] = 7  # the model has 3 classes: refused after this rank's forward, before its backward
+    try:
+        opt.step(x, y)
+    except Exception as err:  # noqa: BLE001
+        kind, message = type(err).__name__, str(err)
+    else:
+        kind = message = None
+    opt.step(*batch)  # every rank steps on afterwards, layer by layer
+    routes.append(opt.last_step_report.sharding)
+    return dict(kind=kind, message=message, routes=routes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_bad_target_on_one_rank_in_a_layerwise_step_ends_every_rank_with_its_error(world, tmp_path):
+    """A class index out of range on rank 1, in a step taking its rows layer by layer, is refused there after the
+    forward; the ranks' agreement before the backward's collectives ends every rank with a ValueError naming rank 1's
+    sentence (none waits in FSDP2's backward all-gathers), and the next step runs on every rank."""
+    results = _spawn(_bad_target_on_rank_one, world, tmp_path)
+    assert [r["kind"] for r in results] == ["ValueError"] * world, results
+    for rank, result in enumerate(results):
+        assert "7" in result["message"]
+        if rank != 1:
+            assert result["message"].startswith("rank 1 failed (ValueError): "), result["message"]
+        assert result["routes"] == [LAYERWISE_ROUTE, LAYERWISE_ROUTE], result["routes"]
 
 
 # -------------------------------------------------------------------------------------------------------- refusals
@@ -457,8 +519,80 @@ def test_an_fsdp2_step_peaks_within_fsdp2_adamw_memory_with_a_shard_sized_direct
         assert result["sharded_after"]  # every parameter back to its shard
 
 
+DEEP_LAYERS, DEEP_WIDTH = 8, 256
+
+
+def _deep_memory_on_rank(rank: int) -> dict:
+    """The same steady IEF step (momentum, 16 samples a rank) on a deep MLP of equal layers, each sharded, taken
+    layer by layer and with every module unsharded at once (the route forced), beside FSDP2 + AdamW's step."""
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    import ief
+    from ief.sharded import ShardedModel
+
+    def sharded() -> torch.nn.Module:
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(DEEP_LAYERS):
+            layers += [torch.nn.Linear(DEEP_WIDTH, DEEP_WIDTH), torch.nn.Tanh()]
+        model = torch.nn.Sequential(*layers[:-1])
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        return fully_shard(model)
+
+    gen = torch.Generator().manual_seed(5 + rank)
+    x, y = torch.randn(16, DEEP_WIDTH, generator=gen), torch.randint(0, DEEP_WIDTH, (16,), generator=gen)
+    models = {route: sharded() for route in ("layerwise", "whole", "adamw")}
+    opts = {route: ief.optim.IEF(models[route], lr=0.1, damping=1e-3, momentum=0.9) for route in ("layerwise", "whole")}
+    adamw = torch.optim.AdamW(models["adamw"].parameters(), lr=1e-3)
+
+    def adamw_step():
+        adamw.zero_grad(set_to_none=True)
+        F.cross_entropy(models["adamw"](x), y, reduction="sum").backward()
+        adamw.step()
+
+    original = ShardedModel.can_go_layerwise
+    out = {"gathered_at_once": sum((p.numel() - p.to_local().numel()) * p.element_size()
+                                   for p in models["whole"].parameters())}
+    for route, opt in opts.items():
+        ShardedModel.can_go_layerwise = original if route == "layerwise" else lambda self: False
+        try:
+            for _ in range(2):  # warmed: the exact check's step, then the first proof of the unchecked forward
+                opt.step(x, y)
+            out[route] = _peak_and_gathered(lambda opt=opt: opt.step(x, y), (models[route], opt))
+        finally:
+            ShardedModel.can_go_layerwise = original
+        out[f"{route}_route"] = opt.last_step_report.sharding
+    for _ in range(2):
+        adamw_step()
+    out["adamw"] = _peak_and_gathered(adamw_step, (models["adamw"], adamw))
+    out["equal"] = all(torch.equal(p.full_tensor(), q.full_tensor())
+                       for p, q in zip(models["layerwise"].parameters(), models["whole"].parameters()))
+    return out
+
+
+def test_rows_taken_layer_by_layer_never_hold_the_whole_model_unsharded(tmp_path):
+    """A deep MLP (8 equal 256-wide layers, float32, each sharded, then the root; 16 samples a rank on 2 gloo
+    processes): a steady IEF step takes its rows under FSDP2's per-module unshard, and its peak memory per rank
+    (MemTracker, from the model and optimiser) is below the same step's with every module unsharded at once by at
+    least half of what that gathers beyond the rank's shards; it all-gathers what FSDP2's forward and backward do
+    (each module twice, as FSDP2 + AdamW's step), and steps bit for bit as the unsharded route. (Its peak is then
+    the update's: the shards, the momentum buffers and the shard-sized direction, not the gathered parameters.)"""
+    results = _spawn(_deep_memory_on_rank, 2, tmp_path)
+    for result in results:
+        assert (result["layerwise_route"], result["whole_route"]) == (LAYERWISE_ROUTE, ROUTE)
+        (layer_peak, layer_gathered), (whole_peak, whole_gathered) = result["layerwise"], result["whole"]
+        adamw_peak, adamw_gathered = result["adamw"]
+        assert whole_peak - layer_peak >= 0.5 * result["gathered_at_once"], result
+        assert layer_peak < whole_peak and adamw_gathered > 0, result
+        assert layer_gathered == 2 * whole_gathered <= adamw_gathered, result
+        assert result["equal"]
+
+
 # ------------------------------------------------------------------------------------------------- mixed precision
-BF16_STEPS, BF16_LR, BF16_DAMPING = 2, 0.5, 1e-2
+BF16_STEPS, BF16_LR, BF16_DAMPING = 3, 0.5, 1e-2  # the third step takes its rows layer by layer
 
 
 def _bf16_batches(sizes: list[int]) -> list[list[tuple]]:
@@ -488,7 +622,8 @@ def _bf16_on_rank(rank: int, sizes: list[int]) -> dict:
     for per_rank in _bf16_batches(sizes):
         opt.step(*per_rank[rank])
         masters.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
-    return dict(masters=masters, dtypes={str(p.to_local().dtype) for p in model.parameters()})
+    return dict(masters=masters, dtypes={str(p.to_local().dtype) for p in model.parameters()},
+                route=opt.last_step_report.sharding)
 
 
 @pytest.mark.parametrize("sizes", [[3, 5], [3, 1, 4]], ids=["2", "3"])
@@ -504,6 +639,7 @@ def test_bf16_compute_with_float32_reduce_steps_as_bf16_weights_on_float32_maste
 
     results = _spawn(_bf16_on_rank, len(sizes), tmp_path, sizes)
     assert results[0]["dtypes"] == {"torch.float32"}
+    assert all(r["route"] == LAYERWISE_ROUTE for r in results)
     for step in range(BF16_STEPS):
         for n in results[0]["masters"][step]:
             assert all(torch.equal(results[0]["masters"][step][n], r["masters"][step][n]) for r in results[1:])
@@ -601,7 +737,7 @@ def test_the_trainer_trains_an_fsdp2_model_as_one_process_on_the_union_batch_and
     whole = _run_fsdp2_trainer(tmp_path / "whole", "whole", 4, final=str(final))
     for result in whole:
         assert (result["step"], result["wrapped"], result["sharding"], result["ranks"]) == (4, whole[0]["wrapped"],
-                                                                                           ROUTE, 2)
+                                                                                           LAYERWISE_ROUTE, 2)
         assert "DistributedDataParallel" not in result["wrapped"] and any(result["shards"])
     assert torch.equal(whole[0]["params"], whole[1]["params"]) and whole[0]["losses"] == whole[1]["losses"]
     args = TrainingArguments(output_dir=str(tmp_path / "one"), per_device_train_batch_size=8, max_steps=4,

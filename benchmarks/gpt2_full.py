@@ -210,7 +210,7 @@ def summary_tables(results: list[dict], before: str | None) -> list[dict]:
                      r["first_sync"] or "none"])
         for key, ms in r["phases_ms"].items():
             split.append([r["head"], "before" if key == "ief_step_before" else "now",
-                          *(ms[phase] for phase in phases.PHASES), r["counts"][key]["operators"],
+                          *(ms.get(phase) for phase in phases.PHASES), r["counts"][key]["operators"],
                           r["counts"][key]["round_trips"]])
     return [harness.table(
         "GPT-2 full fine-tuning: per-sample J over a backward, the IEF step over an AdamW step",
@@ -228,8 +228,9 @@ def summary_tables(results: list[dict], before: str | None) -> list[dict]:
         "GPT-2 full fine-tuning: a steady IEF step by phase (median ms; benchmarks/phases.py)",
         [("head", "s"), ("ief", "s"), *((phase, ".1f") for phase in phases.PHASES), ("operators", "d"),
          ("host round-trips", "d")],
-        split, note="finite nests in its caller (per_sample before, update now); other = step - per_sample - gram - "
-                    "solve - combine - update; operators and round-trips: benchmarks/host_syncs.py, one steady step")]
+        split, note="finite nests in its caller (per_sample before, update now), stream_gram and stream_combine (the "
+                    "streamed weights' blocks) in gram and combine; other = step - per_sample - gram - solve - combine "
+                    "- update; operators and round-trips: benchmarks/host_syncs.py, one steady step")]
 
 
 def main(argv: list[str] | None = None) -> int:

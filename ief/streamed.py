@@ -53,9 +53,11 @@ the rows the step keeps in all, ``b M`` times the columns of every parameter wit
 embedding table's used rows, a tied weight: kept by every route) plus those weights' ``I O``, stay within the
 memory budget; the rest are streamed. The budget is ``memory_budget`` bytes where the caller gives it
 (``ief.per_sample(..., memory_budget=)``, the exact optimisers' ``memory_budget=``), else :data:`MODEL_MULTIPLE` times
-the bytes of the model's parameters as this process holds them (frozen ones included): the state AdamW's two moments
-would hold in full fine-tuning, so that the step's memory stays within a first-order step's, while an adapter's
-rows (a LoRA's, a few MiB beside a base model of GiB) are always kept. A user checks it with
+the bytes of the model's parameters as this process holds them (frozen ones included), and at least
+:data:`FLOOR_BYTES` (8 MiB). Twice the model is the state AdamW's two moments would hold in full fine-tuning, so that
+the step's memory stays within a first-order step's, while an adapter's rows (a LoRA's, a few MiB beside a base model
+of GiB) are kept; the floor is what the streamed route allocates for its own block and its narrow source (up to
+``S (1 + b / 8)``), so that streaming rows smaller than it would save no memory on a small model. A user checks it with
 ``opt.last_step_report.routes`` (``"dense"``: the rows kept; ``"streamed"``). The choice reads only shapes and the
 model's parameters: the same model, batch shape and budget give the same forms on every machine.
 
@@ -73,7 +75,8 @@ import torch
 from .rows import FactoredJacobian, _gram_finite_flag, ghost_kernel, prefer_ghost
 
 STREAM_BYTES = 4 << 20  # float64 bytes of one streamed block (its narrow source is at most as large again)
-MODEL_MULTIPLE = 2  # form="auto"'s default budget of kept rows: this many times the model's parameter bytes
+MODEL_MULTIPLE = 2  # form="auto"'s default budget of kept rows: this many times the model's parameter bytes,
+FLOOR_BYTES = 2 * STREAM_BYTES  # and at least this: the streamed route's own block and its narrow source
 LAYER_FORMS = ("ghost", "rows", "streamed")
 
 
@@ -130,8 +133,7 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 
 def check_memory_budget(memory_budget: object, form: str) -> float | None:
-    """``memory_budget`` as a number of bytes (``None``: the default, :data:`MODEL_MULTIPLE` times the model's
-    parameter bytes, :func:`rows_budget`).
+    """``memory_budget`` as a number of bytes (``None``: the default, :func:`rows_budget`).
 
     Args:
         memory_budget: ``None``, or a number of bytes ``>= 0`` (``math.inf``: every weight's rows kept where the
@@ -149,7 +151,7 @@ def check_memory_budget(memory_budget: object, form: str) -> float | None:
         return None
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget >= 0:
         raise ValueError(f"memory_budget must be a number of bytes >= 0 (or None: {MODEL_MULTIPLE} times the model's "
-                         f"parameter bytes), got {memory_budget!r}")
+                         f"parameter bytes, at least {FLOOR_BYTES >> 20} MiB), got {memory_budget!r}")
     if form != "auto":
         raise ValueError(f"memory_budget={memory_budget!r} is read by form='auto' only (it chooses which weights keep "
                          f"their rows), got form={form!r}")
@@ -158,8 +160,10 @@ def check_memory_budget(memory_budget: object, form: str) -> float | None:
 
 def rows_budget(model: torch.nn.Module, memory_budget: float | None) -> float:
     """The bytes of rows ``form="auto"`` may keep: ``memory_budget``, or :data:`MODEL_MULTIPLE` times
-    :func:`model_bytes` (module docstring)."""
-    return float(MODEL_MULTIPLE * model_bytes(model)) if memory_budget is None else memory_budget
+    :func:`model_bytes` and at least :data:`FLOOR_BYTES` (module docstring)."""
+    if memory_budget is not None:
+        return memory_budget
+    return float(max(MODEL_MULTIPLE * model_bytes(model), FLOOR_BYTES))
 
 
 def choose_forms(form: str, shapes: Sequence[tuple[int, int, int, int]], itemsize: int, budget: float,
@@ -318,6 +322,6 @@ class StreamedRows(FactoredJacobian):
         return out
 
 
-__all__ = ["LAYER_FORMS", "MODEL_MULTIPLE", "STREAM_BYTES", "FormCost", "StreamedRows", "check_memory_budget",
-           "choose_forms", "factor_gram", "form_costs", "model_bytes", "rows_budget", "streamed_blocks",
-           "streamed_combine", "streamed_gram", "streamed_times"]
+__all__ = ["FLOOR_BYTES", "LAYER_FORMS", "MODEL_MULTIPLE", "STREAM_BYTES", "FormCost", "StreamedRows",
+           "check_memory_budget", "choose_forms", "factor_gram", "form_costs", "model_bytes", "rows_budget",
+           "streamed_blocks", "streamed_combine", "streamed_gram", "streamed_times"]

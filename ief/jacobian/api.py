@@ -404,7 +404,7 @@ def per_sample(
         memory_budget: with ``form="auto"``, the bytes of per-sample rows the result may keep (the columns of the
             parameters without factors counted first, then the weights' rows, smallest first); default ``None``:
             2 times the bytes of ``model``'s parameters (:data:`ief.streamed.MODEL_MULTIPLE`), what AdamW's
-            moments would hold.
+            moments would hold, and at least 8 MiB (:data:`ief.streamed.FLOOR_BYTES`).
 
     Returns:
         :class:`PerSample` (``losses``, ``jacobian``, ``logit_sqnorm``, ``gradient``, ``counted``).

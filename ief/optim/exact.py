@@ -104,14 +104,13 @@ step's own gradient), the factor kept in ``[1/2, 2]`` and the rate at most 10 ti
 both conventions (the sum convention's; ``last_lr`` reports it in the ``reduction``'s), ``state_dict`` carries it,
 schedulers cannot drive it, and it makes no host round-trip of its own.
 
-Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's
-Gram block and direction come from its layer's inputs and output gradients (the ghost kernel where that is the
-fewest flops), or from its per-sample rows, kept while the rows the step keeps fit ``memory_budget`` (default: twice
-the model's parameter bytes, what AdamW's moments would hold), else from its rows formed a block at a time and
-dropped (:mod:`ief.streamed`: the rule and the cost model), and an embedding table keeps only the rows the batch
-uses (see ``ief.per_sample``'s ``form``);
-``form="dense"`` forms ``J`` (reusing one buffer across steps), ``"ghost"`` / ``"rows"`` / ``"streamed"`` force one
-Linear form.
+Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's Gram
+block and direction come from its layer's inputs and output gradients (the ghost kernel where that is the fewest
+flops), or from its per-sample rows, kept while the rows the step keeps fit ``memory_budget`` (default: twice the
+model's parameter bytes, what AdamW's moments would hold, at least 8 MiB), else from its rows formed a block at a time
+and dropped (:mod:`ief.streamed`: the rule and the cost model), and an embedding table keeps only the rows the batch
+uses (see ``ief.per_sample``'s ``form``); ``form="dense"`` forms ``J`` (reusing one buffer across steps), ``"ghost"``
+/ ``"rows"`` / ``"streamed"`` force one Linear form.
 
 **Precision** (the contract: :mod:`ief.precision`): the step's forward and per-sample backward run in the model's
 precision (bfloat16 weights, or ``torch.autocast(device, torch.bfloat16)`` around ``step``); the losses and ``s_iEF``

@@ -135,7 +135,7 @@ ARGS = {
     "memory_budget": """memory_budget: with ``form="auto"``, the bytes of per-sample rows a step may keep from its
     backward to its update (the columns without factors first, then the weights' rows, smallest first; the rest are
     streamed); default ``None``: twice the bytes of the model's parameters (what AdamW's moments would hold;
-    :data:`ief.streamed.MODEL_MULTIPLE`); ``math.inf`` keeps every weight's rows.""",
+    :data:`ief.streamed.MODEL_MULTIPLE`), at least 8 MiB; ``math.inf`` keeps every weight's rows.""",
     "process_group": """process_group: step across the processes of this ``torch.distributed`` group, exactly as one
     process on the union batch (:mod:`ief.optim.exact`); default: a ``DistributedDataParallel`` model's group, an
     FSDP2 model's (:mod:`ief.sharded`), else none.""",

@@ -88,26 +88,36 @@ def _routes(model, m, **kwargs) -> dict:
     return {k: v for k, v in opt.last_step_report.routes.items() if k.endswith("weight")}
 
 
-def test_the_optimisers_default_budget_is_twice_the_models_parameter_bytes():
-    """``IEF(model)`` keeps a weight's rows while they fit twice the model's parameter bytes, frozen ones counted:
+class _WithFrozen(torch.nn.Module):
+    """An MLP beside a frozen 2048 x 2048 layer (16 MiB) its forward does not use: an adapter's case, little trained
+    in a large model."""
 
-    - full fine-tuning of a 64 -> 512 -> 4 MLP (135 KiB of parameters) at M 8: the first weight's rows (1 MiB) do
-      not fit 276 KiB and are streamed, the head's (64 KiB) are kept (the old rule, rows within 1 MiB a weight,
-      kept both);
-    - the same first layer frozen beside a 4 MiB frozen layer (an adapter's case: little trained, a large model):
-      the trained head's rows are kept at M 64 too (2 MiB within 8.3 MiB);
+    def __init__(self, mlp: torch.nn.Module):
+        super().__init__()
+        self.mlp, self.frozen = mlp, torch.nn.Linear(2048, 2048).requires_grad_(False)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def test_the_optimisers_default_budget_is_twice_the_models_parameter_bytes_and_at_least_8_mib():
+    """``IEF(model)`` keeps a weight's rows while the rows kept fit twice the model's parameter bytes, frozen ones
+    counted, and at least 8 MiB (:data:`ief.streamed.FLOOR_BYTES`); a 64 -> 512 -> 4 MLP (138 KiB of parameters):
+
+    - at M 32 its first weight's rows are 4 MiB: kept, within the floor (the former rule, rows within 1 MiB a
+      weight, streamed them); at M 64, 8 MiB beside the head's and the biases' 0.6 MiB: streamed;
+    - beside 16 MiB of frozen parameters (the budget 33.8 MB) they are kept at M 64 too;
     - ``memory_budget=`` sets it: ``math.inf`` keeps every weight's rows, ``0`` streams every weight."""
     torch.manual_seed(3)
     mlp = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 4))
     assert ief.streamed.model_bytes(mlp) == 4 * (64 * 512 + 512 + 512 * 4 + 4)
-    assert _routes(copy.deepcopy(mlp), 8) == {"0.weight": "streamed", "2.weight": "dense"}
-    assert _routes(copy.deepcopy(mlp), 8, memory_budget=math.inf) == {"0.weight": "dense", "2.weight": "dense"}
-    assert _routes(copy.deepcopy(mlp), 8, memory_budget=0) == {"0.weight": "streamed", "2.weight": "streamed"}
-    adapter = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
-                                  torch.nn.Linear(1024, 8))
-    for layer in adapter[:2]:
-        layer.requires_grad_(False)
-    assert _routes(adapter, 64) == {"3.weight": "dense"}
+    assert ief.streamed.rows_budget(mlp, None) == 8 << 20 == ief.streamed.FLOOR_BYTES
+    assert ief.streamed.rows_budget(_WithFrozen(mlp), None) == 2 * 4 * (2048 * 2049 + 64 * 512 + 512 + 512 * 4 + 4)
+    assert _routes(copy.deepcopy(mlp), 32) == {"0.weight": "dense", "2.weight": "dense"}
+    assert _routes(copy.deepcopy(mlp), 64) == {"0.weight": "streamed", "2.weight": "dense"}
+    assert _routes(_WithFrozen(copy.deepcopy(mlp)), 64) == {"mlp.0.weight": "dense", "mlp.2.weight": "dense"}
+    assert _routes(copy.deepcopy(mlp), 64, memory_budget=math.inf) == {"0.weight": "dense", "2.weight": "dense"}
+    assert _routes(copy.deepcopy(mlp), 32, memory_budget=0) == {"0.weight": "streamed", "2.weight": "streamed"}
 
 
 @pytest.mark.parametrize("kwargs, match", [

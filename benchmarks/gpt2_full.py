@@ -22,10 +22,11 @@ damping; its exact check is done in the warm-up). After the timing, on each head
 (:func:`benchmarks.harness.peak_memory_mib`), one ``IEF`` step under ``torch.profiler`` (the operators with the most
 self time on the device, or on the CPU without one), and on CUDA one steady-state step under
 ``torch.cuda.set_sync_debug_mode("error")``: the first host synchronisation it meets, or none; then the steady step's
-time by phase (per-sample J, finiteness, Gram, solve, combination, update: :mod:`benchmarks.phases`) and its host
-round-trips and dispatched operators (:mod:`benchmarks.host_syncs`). ``--before REV`` also times the ``IEF`` step of
-the package as of git revision ``REV`` (``git archive``, imported as ``ief_before``) in the same rounds, with its
-phases and counts: before and after in one run.
+time by phase (per-sample J, finiteness, Gram, solve, combination, update, the streamed weights' share of the Gram and
+the combination: :mod:`benchmarks.phases`) and its host round-trips and dispatched operators
+(:mod:`benchmarks.host_syncs`). ``--before REV`` also times the ``IEF`` step of the package as of git revision ``REV``
+(``git archive``, imported as ``ief_before``) in the same rounds, with its phases and counts: before and after in one
+run.
 """
 from __future__ import annotations
 
@@ -189,7 +190,8 @@ def run_head(args, head: str, device: torch.device, before: Any = None) -> dict:
         print(f"  {name:<60} {count:>6} {ms:>9.3f} ms", flush=True)
     for k, ms in split.items():
         parts = ", ".join(f"{phase} {value:.1f}" for phase, value in ms.items())
-        print(f"{k} phases (median ms; finite nests in its caller): {parts}; {counted[k]['round_trips']} host "
+        trips = counted[k]["round_trips"]
+        print(f"{k} phases (median ms; finite and stream_* nest in their callers): {parts}; {trips} host "
               f"round-trips, {counted[k]['operators']} operators", flush=True)
     return dict(head=head, params=n_params, rows=rows, peak_mib=memory, held_mib=held, first_sync=sync, profile=prof,
                 phases_ms=split, counts=counted, slow_path=slow, other_load_cores=load.cores)
@@ -208,7 +210,7 @@ def summary_tables(results: list[dict], before: str | None) -> list[dict]:
                      r["first_sync"] or "none"])
         for key, ms in r["phases_ms"].items():
             split.append([r["head"], "before" if key == "ief_step_before" else "now",
-                          *(ms[phase] for phase in phases.PHASES), r["counts"][key]["operators"],
+                          *(ms.get(phase) for phase in phases.PHASES), r["counts"][key]["operators"],
                           r["counts"][key]["round_trips"]])
     return [harness.table(
         "GPT-2 full fine-tuning: per-sample J over a backward, the IEF step over an AdamW step",
@@ -226,8 +228,9 @@ def summary_tables(results: list[dict], before: str | None) -> list[dict]:
         "GPT-2 full fine-tuning: a steady IEF step by phase (median ms; benchmarks/phases.py)",
         [("head", "s"), ("ief", "s"), *((phase, ".1f") for phase in phases.PHASES), ("operators", "d"),
          ("host round-trips", "d")],
-        split, note="finite nests in its caller (per_sample before, update now); other = step - per_sample - gram - "
-                    "solve - combine - update; operators and round-trips: benchmarks/host_syncs.py, one steady step")]
+        split, note="finite nests in its caller (per_sample before, update now), stream_gram and stream_combine (the "
+                    "streamed weights' blocks) in gram and combine; other = step - per_sample - gram - solve - combine "
+                    "- update; operators and round-trips: benchmarks/host_syncs.py, one steady step")]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,12 @@ phase's median over the measured steps:
   deferred finiteness of issue 38 also the pass over ``J`` that checks it);
 - ``finite``: :meth:`ief.rows.Rows.finite_flag`, wherever it is called (inside ``per_sample`` or ``update``: a nested
   phase, also counted in its caller);
-- ``gram``, ``solve``, ``combine``: :meth:`~ief.rows.Rows.gram`, the ``[M, M]`` solve,
-  :meth:`~ief.rows.Rows.combine_rows`;
+- ``gram``, ``solve``, ``combine``: :meth:`~ief.rows.Rows.gram` (of every form: the dense rows, the factored ones,
+  :class:`ief.streamed.StreamedRows`), the ``[M, M]`` solve, :meth:`~ief.rows.Rows.combine_rows`; a call made inside
+  another of the same phase (``StreamedRows.gram`` calls the factored form's) counts once;
+- ``stream_gram``, ``stream_combine``: the streamed weights' share of ``gram`` and ``combine`` (their rows formed a
+  block at a time for each product: :func:`ief.streamed.streamed_gram`, :func:`ief.streamed.streamed_combine`;
+  nested phases, also counted in ``gram`` / ``combine``; zero where no weight is streamed);
 - ``update``: the step's one host read of its checks and the parameter update;
 - ``other``: the step less ``per_sample``, ``gram``, ``solve``, ``combine`` and ``update``.
 """
@@ -28,8 +32,9 @@ import torch
 
 from benchmarks import harness
 
-PHASES = ("per_sample", "finite", "gram", "solve", "combine", "update", "other", "step")
-TOP_LEVEL = ("per_sample", "gram", "solve", "combine", "update")  # disjoint parts of a step; "finite" nests
+PHASES = ("per_sample", "finite", "gram", "stream_gram", "solve", "combine", "stream_combine", "update", "other",
+          "step")
+TOP_LEVEL = ("per_sample", "gram", "solve", "combine", "update")  # disjoint parts of a step; the others nest
 
 
 def _targets(lib: Any) -> list[tuple[Any, str, str]]:
@@ -39,18 +44,28 @@ def _targets(lib: Any) -> list[tuple[Any, str, str]]:
            (exact.PreconditionedOptimizer, "_update", "update")]
     for cls in (rows.DenseRows, rows.FactoredJacobian):
         out += [(cls, "gram", "gram"), (cls, "combine_rows", "combine"), (cls, "finite_flag", "finite")]
+    streamed = getattr(lib, "streamed", None)  # a package before the streamed route has none
+    if streamed is not None:
+        out += [(streamed.StreamedRows, "gram", "gram"), (streamed.StreamedRows, "combine_rows", "combine")]
+        out += [(streamed, name, phase) for name, phase in (("streamed_gram", "stream_gram"),
+                                                             ("streamed_combine", "stream_combine"))
+                if name in vars(streamed)]
     return out
 
 
 @contextlib.contextmanager
 def _timed(lib: Any, device: torch.device, seconds: dict[str, float]) -> Iterator[None]:
-    """Inside it, every call of :func:`_targets` adds its wall seconds to ``seconds[phase]``."""
-    saved = []
+    """Inside it, every call of :func:`_targets` adds its wall seconds to ``seconds[phase]`` (once: a call inside
+    another of its phase is not timed again)."""
+    saved, active = [], set()
     for owner, name, phase in _targets(lib):
         original = owner.__dict__[name]
 
         @functools.wraps(original)
         def wrapper(*args, _original=original, _phase=phase, **kwargs):
+            if _phase in active:  # inside a call of the same phase: timed there
+                return _original(*args, **kwargs)
+            active.add(_phase)
             harness.synchronize(device)
             start = time.perf_counter()
             try:
@@ -58,6 +73,7 @@ def _timed(lib: Any, device: torch.device, seconds: dict[str, float]) -> Iterato
             finally:
                 harness.synchronize(device)
                 seconds[_phase] = seconds.get(_phase, 0.0) + time.perf_counter() - start
+                active.discard(_phase)
 
         saved.append((owner, name, original))
         setattr(owner, name, wrapper)

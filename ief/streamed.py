@@ -36,12 +36,30 @@ rows     ``2 M T I O + 2 M^2 I O + 2 M I O``        ``b M I O`` (the ``[M, P]`` 
 streamed ``4 M T I O + 2 M^2 I O + 2 M I O``        factors / ``S (1 + b / 8)``     ``8 ceil(8 M I O / S)``
 ======== ========================================== ============================== ==================================
 
-(``S`` = :data:`STREAM_BYTES`; the factors ``b M T (I + O)`` are what the backward hands the hooks, held in every
-form; the ghost kernel holds their float64 copies beside them when ``b < 8``.) The streamed form pays one batched
-product more than the rows (the block is formed for the Gram and again for the combination) and holds no ``M I O``:
-``form="auto"`` (:func:`layer_form`) takes the ghost kernel where its flops are the fewest
-(:func:`ief.rows.prefer_ghost`), the rows where the block is small (``b M I O <=`` :data:`ROWS_BYTES`: the extra
-product is then not worth the memory it saves), the streamed form otherwise.
+(``S`` = :data:`STREAM_BYTES`; the factors ``b M T (I + O)`` are what the backward hands the hooks, held in every form;
+the ghost kernel holds their float64 copies beside them when ``b < 8``.) Summed over a model's weights (``P_w``: their
+entries, ``T`` one length for all), a step whose weights all keep their rows (the rows route, ``form="rows"``) costs
+``2 M T P_w + 2 M^2 P_w`` flops and holds ``b M P_w`` bytes from the backward to the update (``J``'s buffer, reused
+from step to step), one launch per layer and four per float64 column block (:data:`ief.rows.COLUMN_BYTES`); the
+streamed route costs ``4 M T P_w + 2 M^2 P_w`` flops, holds no ``M P_w`` (one block of ``S`` at a time) and makes
+eight launches per block. The streamed form pays one batched product more than the rows (the block is formed for the
+Gram and again for the combination): ``2 M T I O`` flops for every ``b M I O`` bytes of rows it does not keep,
+``2 T / b`` flops a byte, the same for every weight over the same positions.
+
+**The rule of** ``form="auto"`` (:func:`choose_forms`): a weight takes the ghost kernel where its flops are the
+fewest (:func:`ief.rows.prefer_ghost`: it holds no rows either); every other weight keeps its rows, the smallest
+first (the same flops saved per byte, and a small weight's streamed blocks are the most launches per flop), while
+the rows the step keeps in all, ``b M`` times the columns of every parameter without factors (biases, norms, an
+embedding table's used rows, a tied weight: kept by every route) plus those weights' ``I O``, stay within the
+memory budget; the rest are streamed. The budget is ``memory_budget`` bytes where the caller gives it
+(``ief.per_sample(..., memory_budget=)``, the exact optimisers' ``memory_budget=``), else :data:`MODEL_MULTIPLE` times
+the bytes of the model's parameters as this process holds them (frozen ones included), and at least
+:data:`FLOOR_BYTES` (8 MiB). Twice the model is the state AdamW's two moments would hold in full fine-tuning, so that
+the step's memory stays within a first-order step's, while an adapter's rows (a LoRA's, a few MiB beside a base model
+of GiB) are kept; the floor is what the streamed route allocates for its own block and its narrow source (up to
+``S (1 + b / 8)``), so that streaming rows smaller than it would save no memory on a small model. A user checks it with
+``opt.last_step_report.routes`` (``"dense"``: the rows kept; ``"streamed"``). The choice reads only shapes and the
+model's parameters: the same model, batch shape and budget give the same forms on every machine.
 
 Across processes (:mod:`ief.distributed`) a streamed weight's factors are all-gathered as a ghost's are, and every
 rank forms the union batch's Gram block from them (:func:`factor_gram`); the combination stays each rank's own.
@@ -49,6 +67,7 @@ rank forms the union batch's Gram block from them (:func:`factor_gram`); the com
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +75,8 @@ import torch
 from .rows import FactoredJacobian, _gram_finite_flag, ghost_kernel, prefer_ghost
 
 STREAM_BYTES = 4 << 20  # float64 bytes of one streamed block (its narrow source is at most as large again)
-ROWS_BYTES = 1 << 20  # a weight's rows at most this many bytes stay in J's buffer under form="auto"
+MODEL_MULTIPLE = 2  # form="auto"'s default budget of kept rows: this many times the model's parameter bytes,
+FLOOR_BYTES = 2 * STREAM_BYTES  # and at least this: the streamed route's own block and its narrow source
 LAYER_FORMS = ("ghost", "rows", "streamed")
 
 
@@ -102,26 +122,76 @@ def form_costs(m: int, t: int, fan_in: int, fan_out: int, itemsize: int = 4) -> 
     }
 
 
-def layer_form(form: str, m: int, t: int, fan_in: int, fan_out: int, itemsize: int = 4) -> str:
-    """The form of one factored weight (module docstring): ``"ghost"``, ``"rows"`` or ``"streamed"``.
+def model_bytes(model: torch.nn.Module) -> int:
+    """The bytes of ``model``'s parameters as this process holds them (frozen ones included; a sharded parameter's
+    local shard)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def check_memory_budget(memory_budget: object, form: str) -> float | None:
+    """``memory_budget`` as a number of bytes (``None``: the default, :func:`rows_budget`).
 
     Args:
-        form: a checked form of :func:`ief.per_sample` other than ``"dense"``: ``"auto"`` chooses by the cost model;
-            ``"ghost"``, ``"rows"`` and ``"streamed"`` force themselves.
-        m: the samples ``M``.
-        t: the positions ``T`` per sample (all calls of the layer).
-        fan_in: ``I``.
-        fan_out: ``O``.
-        itemsize: bytes per entry of the model's dtype.
+        memory_budget: ``None``, or a number of bytes ``>= 0`` (``math.inf``: every weight's rows kept where the
+            ghost kernel is not cheaper).
+        form: the checked form it comes with.
 
     Returns:
-        The form's name.
+        The budget in bytes, or ``None``.
+
+    Raises:
+        ValueError: a budget that is not a number ``>= 0`` (NaN, negative, a bool, a string), or a budget given with
+            a form other than ``"auto"`` (the only form that chooses), naming the value.
+    """
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget >= 0:
+        raise ValueError(f"memory_budget must be a number of bytes >= 0 (or None: {MODEL_MULTIPLE} times the model's "
+                         f"parameter bytes, at least {FLOOR_BYTES >> 20} MiB), got {memory_budget!r}")
+    if form != "auto":
+        raise ValueError(f"memory_budget={memory_budget!r} is read by form='auto' only (it chooses which weights keep "
+                         f"their rows), got form={form!r}")
+    return float(memory_budget)
+
+
+def rows_budget(model: torch.nn.Module, memory_budget: float | None) -> float:
+    """The bytes of rows ``form="auto"`` may keep: ``memory_budget``, or :data:`MODEL_MULTIPLE` times
+    :func:`model_bytes` and at least :data:`FLOOR_BYTES` (module docstring)."""
+    if memory_budget is not None:
+        return memory_budget
+    return float(max(MODEL_MULTIPLE * model_bytes(model), FLOOR_BYTES))
+
+
+def choose_forms(form: str, shapes: Sequence[tuple[int, int, int, int]], itemsize: int, budget: float,
+                 kept: int = 0) -> list[str]:
+    """The form of each factored weight (the module docstring's rule): ``"ghost"``, ``"rows"`` or ``"streamed"``.
+
+    Args:
+        form: a checked form of :func:`ief.per_sample` other than ``"dense"``: ``"auto"`` chooses;
+            ``"ghost"``, ``"rows"`` and ``"streamed"`` force themselves.
+        shapes: ``(M, T, I, O)`` of each weight (``T`` the positions of all calls of its layer).
+        itemsize: bytes per entry of the model's dtype.
+        budget: the bytes of rows the step may keep (:func:`rows_budget`).
+        kept: the bytes of rows kept whatever the forms (the columns of the parameters without factors).
+
+    Returns:
+        One name per weight, in the order of ``shapes``.
     """
     if form in LAYER_FORMS:
-        return form
-    if prefer_ghost("auto", m, t, fan_in, fan_out):
-        return "ghost"
-    return "rows" if itemsize * m * fan_in * fan_out <= ROWS_BYTES else "streamed"
+        return [form] * len(shapes)
+    out = ["ghost" if prefer_ghost("auto", *shape) else "streamed" for shape in shapes]
+    sizes = [itemsize * m * fan_in * fan_out for m, _, fan_in, fan_out in shapes]
+    used = kept
+    for i in sorted((i for i, kind in enumerate(out) if kind == "streamed"), key=lambda i: (sizes[i], i)):
+        if used + sizes[i] > budget:
+            break  # the rest are larger
+        used += sizes[i]
+        out[i] = "rows"
+    return out
 
 
 def _block_rows(m: int, fan_in: int) -> int:
@@ -176,6 +246,33 @@ def factor_gram(a: torch.Tensor, g: torch.Tensor, streamed: bool) -> torch.Tenso
     return ghost_kernel(a, g)
 
 
+def streamed_combine(a: torch.Tensor, g: torch.Tensor, row: torch.Tensor, dest: torch.Tensor) -> None:
+    """``dest = sum_n row_n J_n`` of one weight (its ``[O I]`` columns of ``J^T c``), block by block: each block's
+    sum in float64, rounded once into ``dest``'s dtype.
+
+    Args:
+        a, g: the weight's factors, as :func:`streamed_blocks`.
+        row: ``[1, M]`` float64 coefficients.
+        dest: ``[O I]``, written.
+    """
+    part = None
+    for lo, block in streamed_blocks(a, g):
+        width = block.shape[1]
+        if dest.dtype == torch.float64:
+            torch.mm(row, block, out=dest[lo : lo + width].unsqueeze(0))
+            continue
+        if part is None:
+            part = torch.empty(width, dtype=torch.float64, device=dest.device)
+        torch.mm(row, block, out=part[:width].unsqueeze(0))
+        dest[lo : lo + width].copy_(part[:width])  # the float64 sum rounded once
+
+
+def streamed_times(a: torch.Tensor, g: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """``out += J v`` of one weight (``v`` its ``[O I]`` float64 entries, ``out`` ``[M]`` float64), block by block."""
+    for lo, block in streamed_blocks(a, g):
+        out += block @ v[lo : lo + block.shape[1]]
+
+
 class StreamedRows(FactoredJacobian):
     """A :class:`~ief.rows.FactoredJacobian` whose weights in ``streamed`` take the streamed form (module
     docstring): their factors are kept as a ghost's are (so every product of the base class that reads the factors,
@@ -213,28 +310,18 @@ class StreamedRows(FactoredJacobian):
     def combine_rows(self, coeff: torch.Tensor, scale: float = 1.0, final: bool = False) -> torch.Tensor:
         out = super().combine_rows(coeff, scale, final)  # every column but the streamed weights'
         row = coeff.to(torch.float64).unsqueeze(0)  # [1, M]
-        part = None
         for i, a, g in self._streamed_factors(scale):
-            dest = out[self.offsets[i] : self.offsets[i + 1]]
-            for lo, block in streamed_blocks(a, g):
-                width = block.shape[1]
-                if dest.dtype == torch.float64:
-                    torch.mm(row, block, out=dest[lo : lo + width].unsqueeze(0))
-                    continue
-                if part is None or part.numel() < width:
-                    part = torch.empty(width, dtype=torch.float64, device=self.device)
-                torch.mm(row, block, out=part[:width].unsqueeze(0))
-                dest[lo : lo + width].copy_(part[:width])  # the float64 sum rounded once
+            streamed_combine(a, g, row, out[self.offsets[i] : self.offsets[i + 1]])
         return out
 
     def times(self, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         out = super().times(v, scale)
         v = v.to(torch.float64)
         for i, a, g in self._streamed_factors(scale):  # the same rows as the Gram's and J^T c's (SF cancels them)
-            for lo, block in streamed_blocks(a, g):
-                out += block @ v[self.offsets[i] + lo : self.offsets[i] + lo + block.shape[1]]
+            streamed_times(a, g, v[self.offsets[i] : self.offsets[i + 1]], out)
         return out
 
 
-__all__ = ["LAYER_FORMS", "ROWS_BYTES", "STREAM_BYTES", "FormCost", "StreamedRows", "factor_gram", "form_costs",
-           "layer_form", "streamed_blocks", "streamed_gram"]
+__all__ = ["FLOOR_BYTES", "LAYER_FORMS", "MODEL_MULTIPLE", "STREAM_BYTES", "FormCost", "StreamedRows",
+           "check_memory_budget", "choose_forms", "factor_gram", "form_costs", "model_bytes", "rows_budget",
+           "streamed_blocks", "streamed_combine", "streamed_gram", "streamed_times"]

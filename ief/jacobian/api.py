@@ -3,6 +3,7 @@ their result :class:`PerSample`, over one hooked forward (:class:`_HookedForward
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from ..precision import (SIXTEEN_BIT, ForwardFormats, describe, device_type, flo
                          refuse_float16, widen)
 from ..rows import FactoredJacobian, check_form
 from ..sharded import ROW_AGREEMENT
+from ..streamed import check_memory_budget, rows_budget
 from . import assemble
 from .assemble import _batch_gradient, _summed
 from .capture import PerSampleCapture
@@ -249,11 +251,12 @@ class _HookedForward:
         self.names = names if self.mode is not None else None
 
     def jacobian(
-        self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None, form: str = "dense"
+        self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None, form: str = "dense",
+        budget: float = math.inf,
     ) -> tuple[torch.Tensor, torch.Tensor | FactoredJacobian, _Deferred]:
-        """``(losses, J, grad)`` for the given targets (``J`` in the given form, see :func:`per_sample`; ``grad``
-        computed on first use, see :class:`PerSample`). Raises ``FloatingPointError`` naming the samples whose loss
-        or row of ``J`` is not finite."""
+        """``(losses, J, grad)`` for the given targets (``J`` in the given form, ``budget`` the bytes of rows
+        ``"auto"`` may keep, see :func:`per_sample`; ``grad`` computed on first use, see :class:`PerSample`). Raises
+        ``FloatingPointError`` naming the samples whose loss or row of ``J`` is not finite."""
         logit_grads: list[torch.Tensor] = []  # dL/dz as the batch backward computed it (for the exact check)
         with torch.enable_grad(), self.kernels():
             losses = self.loss.per_sample(self.wide_logits(), targets)  # refused below with J if not finite
@@ -261,7 +264,7 @@ class _HookedForward:
                 if self.mode == "exact" and self.logits.requires_grad else None
             try:
                 jac, autograd = assemble._backward_jacobian(self.capture, losses, self.params, retain_graph, out,
-                                                            form)
+                                                            form, budget)
             finally:
                 if handle is not None:
                     handle.remove()
@@ -272,7 +275,7 @@ class _HookedForward:
         try:
             if self.mode is not None:
                 check_no_outside_use(self.capture, jac, autograd, self.names, self.formats.lowest)
-            wide = self._checked_in_float32(targets, form) if self.mode == "exact" else None
+            wide = self._checked_in_float32(targets, form, budget) if self.mode == "exact" else None
             if wide is not None:  # the structure proven in float32; J's own rounding against those rows
                 check_rounding(jac, wide, self.params, self.names, self.formats.lowest)
             elif self.mode == "exact":
@@ -286,7 +289,8 @@ class _HookedForward:
         offsets, hooked = self.capture.offsets, frozenset(self.capture.hooked - set(self.capture.broadcast))
         return losses.detach(), jac, _Deferred(lambda: _batch_gradient(jac, autograd, offsets, hooked))
 
-    def _checked_in_float32(self, targets: torch.Tensor, form: str) -> torch.Tensor | FactoredJacobian | None:
+    def _checked_in_float32(self, targets: torch.Tensor, form: str,
+                            budget: float) -> torch.Tensor | FactoredJacobian | None:
         """The exact check of a 16-bit forward, run in float32: the float32 rows when it ran (and passed), ``None``
         when it does not apply (a float32 forward; a 16-bit parameter that is a tensor subclass, e.g. an FSDP2 shard;
         autocast entered inside the model's own code, or a model that casts to 16 bits itself, so that no float32
@@ -311,6 +315,7 @@ class _HookedForward:
         Args:
             targets: the targets the check runs with.
             form: the rows' form (:func:`per_sample`).
+            budget: the bytes of rows ``"auto"`` may keep.
 
         Returns:
             The float32 rows (checked), or ``None``.
@@ -332,7 +337,7 @@ class _HookedForward:
                 wide = _HookedForward(model, widen(inputs), widen(targets), wide_params, loss, "exact")
                 if wide.formats.lowest in SIXTEEN_BIT:  # autocast inside the model: no float32 forward to be had
                     return None
-                return wide.jacobian(widen(targets), form=form)[1]
+                return wide.jacobian(widen(targets), form=form, budget=budget)[1]
         except PerSampleGradientMismatch:
             raise
         except RuntimeError as err:  # out of memory, or a model that cannot run in float32 (a 16-bit tensor kept
@@ -384,6 +389,7 @@ def per_sample(
     check: bool | str = True,
     out: torch.Tensor | None = None,
     form: str = "dense",
+    memory_budget: float | None = None,
 ) -> PerSample:
     """Per-sample losses, Jacobian ``grad_theta l`` and ``s_iEF`` from one forward and one backward.
 
@@ -405,14 +411,18 @@ def per_sample(
             columns are used when it is wider). The optimisers reuse one across steps.
         form: how ``J`` is returned. ``"dense"`` (default): the ``[M, P]`` tensor. ``"auto"``: a
             :class:`~ief.rows.FactoredJacobian` that never forms ``[M, P]``: each ``nn.Linear`` weight is kept as its
-            layer's inputs and output gradients (the "ghost" Gram, cost ``M^2 T^2 (I + O)``) or as per-sample rows
-            (``M I O``), whichever is cheaper for that layer; an ``nn.Embedding`` table as the rows the batch uses
+            layer's inputs and output gradients (the "ghost" Gram, cost ``M^2 T^2 (I + O)``) where that is the
+            fewest flops, else as per-sample rows (``M I O``) while the rows kept fit ``memory_budget``, else
+            streamed (its rows formed a block at a time for each product, never kept: :mod:`ief.streamed`, whose
+            docstring states the rule and the cost model); an ``nn.Embedding`` table as the rows the batch uses
             (``[M, U D]``, exact: its other rows are zero in every sample's gradient); every other parameter as its
             (small) column block.
-            ``"ghost"`` / ``"rows"`` force one of the two for every Linear weight; ``"streamed"`` keeps every one
-            as its factors and forms its rows a block at a time for each product, never kept (:mod:`ief.streamed`,
-            which ``"auto"`` takes for a weight whose rows exceed 1 MiB). ``ief_direction``,
+            ``"ghost"`` / ``"rows"`` / ``"streamed"`` force one form for every Linear weight. ``ief_direction``,
             ``ef_direction`` and ``sf_direction`` take either form; ``.materialize()`` gives the tensor.
+        memory_budget: with ``form="auto"``, the bytes of per-sample rows the result may keep (the columns of the
+            parameters without factors counted first, then the weights' rows, smallest first); default ``None``:
+            2 times the bytes of ``model``'s parameters (:data:`ief.streamed.MODEL_MULTIPLE`), what AdamW's
+            moments would hold, and at least 8 MiB (:data:`ief.streamed.FLOOR_BYTES`).
 
     Returns:
         :class:`PerSample` (``losses``, ``jacobian``, ``logit_sqnorm``, ``gradient``, ``counted``).
@@ -421,15 +431,16 @@ def per_sample(
         ValueError: a bad value, named with the accepted ones: no trainable parameters, a ``params=`` tensor that is
             not a parameter of the model, an empty batch (``M = 0``), a model returning ``()``, logits/targets shape
             mismatch, float targets for cross-entropy, a class index out of range, an unknown ``loss``, ``check`` or
-            ``form``.
+            ``form``, a ``memory_budget`` that is not a number ``>= 0`` or comes with another form than ``"auto"``.
         FloatingPointError: naming the samples whose loss or row of ``J`` is not finite (never NaN rows).
         PerSampleGradientMismatch: from the guard / the exact check (naming the parameter or the samples).
         ief.model_call.ReentrantCheckpointError: a reentrant ``torch.utils.checkpoint`` outside HuggingFace layers
             (pass ``use_reentrant=False``; HuggingFace's reentrant layers are run non-reentrantly by ``ief``).
     """
     form = check_form(form)
+    budget = rows_budget(model, check_memory_budget(memory_budget, form))
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
-    losses, jac, gradient = fwd.jacobian(targets, out=out, form=form)
+    losses, jac, gradient = fwd.jacobian(targets, out=out, form=form, budget=budget)
     return PerSample(losses=losses, jacobian=jac, logit_sqnorm=fwd.logit_sqnorm(targets), gradient=gradient,
                      counted=fwd.counted)
 
@@ -444,6 +455,7 @@ def sampled_jacobian(
     loss: str | Loss = "cross_entropy",
     check: bool | str = True,
     form: str = "dense",
+    memory_budget: float | None = None,
 ) -> torch.Tensor | FactoredJacobian:
     """``[M, P]`` per-sample gradients for labels drawn from the model's predictive distribution (SF, Algorithm 3).
 
@@ -459,7 +471,8 @@ def sampled_jacobian(
         params: parameters to differentiate; default: the model's trainable ones.
         loss: ``"cross_entropy"`` (default) or ``"mse"`` (labels drawn from ``N(z, I)``).
         check: the per-sample guard, as :func:`per_sample` (default ``True``).
-        form: ``"dense"`` (default), ``"auto"``, ``"ghost"`` or ``"rows"``, as :func:`per_sample`.
+        form: ``"dense"`` (default), ``"auto"``, ``"ghost"``, ``"rows"`` or ``"streamed"``, as :func:`per_sample`.
+        memory_budget: the bytes of rows ``form="auto"`` may keep, as :func:`per_sample`.
 
     Returns:
         The sampled per-sample Jacobian ``[M, P]``: a tensor, or a :class:`~ief.rows.FactoredJacobian` for a factored
@@ -470,8 +483,9 @@ def sampled_jacobian(
         FloatingPointError: logits the labels cannot be drawn from (NaN, ``+inf``, or every class ``-inf``).
     """
     form = check_form(form)
+    budget = rows_budget(model, check_memory_budget(memory_budget, form))
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
-    return fwd.jacobian(fwd.sampled_targets(generator), form=form)[1]
+    return fwd.jacobian(fwd.sampled_targets(generator), form=form, budget=budget)[1]
 
 
 def gradient_and_sampled_jacobian(
@@ -484,11 +498,13 @@ def gradient_and_sampled_jacobian(
     generator: torch.Generator | None = None,
     check: bool | str = True,
     form: str = "dense",
+    memory_budget: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | FactoredJacobian]:
     """``(losses [M], grad [P], sampled J [M, P])`` from one forward and two backward passes, as in Algorithm 3
-    (``form`` as in :func:`per_sample`)."""
+    (``form`` and ``memory_budget`` as in :func:`per_sample`)."""
     form = check_form(form)
+    budget = rows_budget(model, check_memory_budget(memory_budget, form))
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
     losses, gradient = fwd.gradient(targets, retain_graph=True)
-    sampled = fwd.jacobian(fwd.sampled_targets(generator), form=form)[1]
+    sampled = fwd.jacobian(fwd.sampled_targets(generator), form=form, budget=budget)[1]
     return losses, gradient, sampled

@@ -9,13 +9,14 @@ and an embedding table as the rows the batch uses.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from ..model_call import large_empty
 from ..rows import FactoredJacobian, as_rows
-from ..streamed import StreamedRows, layer_form
+from ..streamed import StreamedRows, choose_forms
 from .capture import PerSampleCapture
 from .loop import loop_rows
 from .broadcast import check_sums, per_sample_rows
@@ -44,17 +45,19 @@ def _batch_backward(capture: PerSampleCapture, losses: torch.Tensor, params: Seq
     return _summed(grads[: len(params)], loop_owners[len(fallback):], grads[len(params) : len(params) + extra])
 
 
-def _factored_layers(capture: PerSampleCapture, m: int, form: str, dtype: torch.dtype):
+def _factored_layers(capture: PerSampleCapture, m: int, form: str, dtype: torch.dtype, budget: float):
     """The layers a factored form keeps unexpanded: ``(ghosts, ghost modules, bias rows, tables, streamed)``.
 
     ``ghosts``: ``[(parameter index, A [M, T, I], G [M, T, O])]`` of the weights kept as factors (the ghost kernel's,
-    or the streamed form's: :func:`ief.streamed.layer_form`); ``bias rows``: parameter index -> ``[M, O]`` of their
-    layers' biases; ``tables``: ``k -> (parameter index, used ids [U], the calls)`` of embedding tables kept as their
-    used rows; ``streamed``: the parameter indices of ``ghosts`` in the streamed form."""
+    or the streamed form's: :func:`ief.streamed.choose_forms`, with ``budget`` the bytes of rows ``"auto"`` may keep);
+    ``bias rows``: parameter index -> ``[M, O]`` of their layers' biases; ``tables``: ``k -> (parameter index, used
+    ids [U], the calls)`` of embedding tables kept as their used rows; ``streamed``: the parameter indices of
+    ``ghosts`` in the streamed form."""
     ghosts, ghost_modules, bias_rows, tables, streamed = [], set(), {}, {}, set()
     if form == "dense":
         return ghosts, ghost_modules, bias_rows, tables, streamed
     tied = {k for ks in capture.shared.values() for k in ks}
+    factored, shapes, kept = [], [], sum(capture.sizes)  # kept: the columns of J whatever the weights' forms
     for k, (module, rule, _, owned) in enumerate(capture.modules):
         if k in tied:  # a tied weight's rows sum several rules' rows: kept dense (capture.fill)
             continue
@@ -64,23 +67,30 @@ def _factored_layers(capture: PerSampleCapture, m: int, form: str, dtype: torch.
                 ids = torch.unique(torch.cat([x.reshape(-1) for x, _ in calls]))  # sorted
                 if ids.numel() < module.num_embeddings:
                     tables[k] = (owned["weight"], ids, calls)
+                    kept -= capture.sizes[owned["weight"]] - ids.numel() * module.embedding_dim
             continue
         calls = list(capture.calls(k)) if "weight" in owned and rule.factored(module) else []
         if not calls:
             continue
         positions = sum(rule.positions(module, d) for _, d in calls)
         fan_out, fan_in = getattr(module, "weight").flatten(1).shape
-        kind = layer_form(form, m, positions, fan_in, fan_out, torch.empty((), dtype=dtype).element_size())
-        if kind != "rows":  # the factors only now: an unfold is not free
-            calls = [rule.factors(module, x, d) for x, d in calls]
-            a = _positions([x for x, _ in calls]).to(dtype)  # [M, T, I]
-            g = _positions([d for _, d in calls]).to(dtype)  # [M, T, O]
-            ghosts.append((owned["weight"], a, g))
-            ghost_modules.add(k)
-            if kind == "streamed":
-                streamed.add(owned["weight"])
-            if "bias" in owned:  # the output gradients (A for HF Conv1D, see its rule)
-                bias_rows[owned["bias"]] = rule.bias_rows(module, a, g)
+        factored.append((k, calls))
+        shapes.append((m, positions, fan_in, fan_out))
+        kept -= capture.sizes[owned["weight"]]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for (k, calls), kind in zip(factored, choose_forms(form, shapes, itemsize, budget, itemsize * m * kept)):
+        if kind == "rows":
+            continue
+        module, rule, _, owned = capture.modules[k]
+        calls = [rule.factors(module, x, d) for x, d in calls]  # the factors only now: an unfold is not free
+        a = _positions([x for x, _ in calls]).to(dtype)  # [M, T, I]
+        g = _positions([d for _, d in calls]).to(dtype)  # [M, T, O]
+        ghosts.append((owned["weight"], a, g))
+        ghost_modules.add(k)
+        if kind == "streamed":
+            streamed.add(owned["weight"])
+        if "bias" in owned:  # the output gradients (A for HF Conv1D, see its rule)
+            bias_rows[owned["bias"]] = rule.bias_rows(module, a, g)
     return ghosts, ghost_modules, bias_rows, tables, streamed
 
 
@@ -99,10 +109,12 @@ def _backward_jacobian(
     retain_graph: bool,
     out: torch.Tensor | None = None,
     form: str = "dense",
+    budget: float = math.inf,
 ) -> tuple[torch.Tensor | FactoredJacobian, list[torch.Tensor | None]]:
     """One backward of ``sum(losses)`` through the hooks (plus the loop for unhooked parameters): ``(J, autograd)``,
     ``J`` an ``[M, P]`` tensor (``form="dense"``) or a :class:`~ief.rows.FactoredJacobian` (``"auto"``, ``"ghost"``,
-    ``"rows"``: the form of every factored weight, see :func:`ief.rows.prefer_ghost`).
+    ``"rows"``, ``"streamed"``: the form of every factored weight, :func:`ief.streamed.choose_forms`, ``budget`` the
+    bytes of rows ``"auto"`` may keep).
 
     ``autograd[i]`` is what autograd's batch backward gives parameter ``i``: its whole batch gradient for a parameter
     of the per-sample loop; for a hooked one (its module's calls ran with stand-ins, see :class:`PerSampleCapture`)
@@ -115,7 +127,7 @@ def _backward_jacobian(
     loop_owners, loop_inputs = capture.leaves(params, fallback)  # demoted modules: the parameter and its stand-ins
     autograd = _batch_backward(capture, losses, params, retain_graph, fallback, loop_owners, loop_inputs)
     ref = params[0]
-    ghosts, ghost_modules, bias_rows, tables, streamed = _factored_layers(capture, m, form, ref.dtype)
+    ghosts, ghost_modules, bias_rows, tables, streamed = _factored_layers(capture, m, form, ref.dtype, budget)
     # the column layout: every parameter not kept as factors, a table as its used rows
     ghosted = {i for i, _, _ in ghosts}
     used_rows = {i: (ids, capture.modules[k][0].embedding_dim) for k, (i, ids, _) in tables.items()}

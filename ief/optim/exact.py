@@ -104,12 +104,13 @@ step's own gradient), the factor kept in ``[1/2, 2]`` and the rate at most 10 ti
 both conventions (the sum convention's; ``last_lr`` reports it in the ``reduction``'s), ``state_dict`` carries it,
 schedulers cannot drive it, and it makes no host round-trip of its own.
 
-Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's
-Gram block and direction come from its layer's inputs and output gradients (the ghost kernel, or its rows formed a
-block at a time and dropped: :mod:`ief.streamed`, whose cost model chooses), or from its per-sample rows where those
-are small, and an embedding table keeps only the rows the batch uses (see ``ief.per_sample``'s ``form``);
-``form="dense"`` forms ``J`` (reusing one buffer across steps), ``"ghost"`` / ``"rows"`` / ``"streamed"`` force one
-Linear form.
+Memory: ``form="auto"`` (default) never forms the ``[M, P]`` per-sample Jacobian: every ``nn.Linear`` weight's Gram
+block and direction come from its layer's inputs and output gradients (the ghost kernel where that is the fewest
+flops), or from its per-sample rows, kept while the rows the step keeps fit ``memory_budget`` (default: twice the
+model's parameter bytes, what AdamW's moments would hold, at least 8 MiB), else from its rows formed a block at a time
+and dropped (:mod:`ief.streamed`: the rule and the cost model), and an embedding table keeps only the rows the batch
+uses (see ``ief.per_sample``'s ``form``); ``form="dense"`` forms ``J`` (reusing one buffer across steps), ``"ghost"``
+/ ``"rows"`` / ``"streamed"`` force one Linear form.
 
 **Precision** (the contract: :mod:`ief.precision`): the step's forward and per-sample backward run in the model's
 precision (bfloat16 weights, or ``torch.autocast(device, torch.bfloat16)`` around ``step``); the losses and ``s_iEF``
@@ -131,6 +132,7 @@ from ..jacobian import gradient_and_sampled_jacobian, per_sample
 from ..losses import Loss
 from ..model_call import Inputs
 from ..rows import FactoredJacobian, check_form
+from ..streamed import check_memory_budget
 from . import defaults
 from .base import Direction, PreconditionedOptimizer
 from .checks import finite
@@ -148,15 +150,17 @@ class ExactOptimizer(PreconditionedOptimizer):
         settings: the shared settings (:class:`ief.optim.options.Settings`).
         check: the per-sample guard (see :class:`IEF`).
         form: the per-sample Jacobian's form (see :class:`IEF`).
+        memory_budget: the bytes of per-sample rows ``form="auto"`` may keep (see :class:`IEF`).
     """
 
     _auto_lr = True
 
     def __init__(self, model: torch.nn.Module, lr: float | str, damping: float | None, settings: Settings, *,
-                 check: bool | str | int, form: str):
+                 check: bool | str | int, form: str, memory_budget: float | None = None):
         super().__init__(model, lr, damping, settings)
         self.check = check_check(check)
         self.form = check_form(form)
+        self.memory_budget = check_memory_budget(memory_budget, self.form)
         self._buffer: torch.Tensor | None = None  # J's storage, reused from step to step (form="dense")
 
     def _check_now(self) -> bool | str:
@@ -177,7 +181,8 @@ class ExactOptimizer(PreconditionedOptimizer):
         :func:`ief.per_sample` refuses non-finite losses and rows (``FloatingPointError`` naming the samples), so
         the solves take them as checked."""
         result, deferred = self._local(lambda: per_sample(self.model, inputs, targets, batch["params"], loss=self.loss,
-                                                          check=self._check_now(), out=self._buffer, form=self.form))
+                                                          check=self._check_now(), out=self._buffer, form=self.form,
+                                                          memory_budget=self.memory_budget))
         # reused next step (same batch size): no fresh allocation of J (or of its materialised column blocks); a
         # factored J may use the first columns of a wider buffer (an embedding table's used rows vary by batch)
         factored = isinstance(result.jacobian, FactoredJacobian)
@@ -223,7 +228,7 @@ class IEF(ExactOptimizer):
             (``"sum"``; :mod:`ief.optim.defaults`) or the paper's ``1e-7`` (``"mean"``; prompt tuning: ``1e-12``).
         {shared args: params loss reduction}
         normalize: rescale each update to norm ``lr`` (default ``False``: iEF's steps are used as they are).
-        {shared args: total_steps momentum dampening weight_decay check form process_group}
+        {shared args: total_steps momentum dampening weight_decay check form memory_budget process_group}
 
     Raises:
         {shared raises:}
@@ -254,6 +259,7 @@ class IEF(ExactOptimizer):
         weight_decay: float = 0.0,
         check: bool | str | int = True,
         form: str = "auto",
+        memory_budget: float | None = None,
         process_group: Any = None,
     ):
         # reduction="sum": the defaults are set per batch from its targets per sample (ief.optim.defaults)
@@ -265,7 +271,7 @@ class IEF(ExactOptimizer):
         settings = Settings(params=params, loss=loss, reduction=reduction, normalize=normalize,
                             total_steps=total_steps, momentum=momentum, dampening=dampening,
                             weight_decay=weight_decay, process_group=process_group)
-        super().__init__(model, lr, damping, settings, check=check, form=form)
+        super().__init__(model, lr, damping, settings, check=check, form=form, memory_budget=memory_budget)
 
     def _direction(self, inputs, targets, batch):
         r, deferred = self._per_sample(inputs, targets, batch)
@@ -296,7 +302,7 @@ class EF(ExactOptimizer):
         {shared args: params loss reduction}
         normalize: rescale each update to norm ``lr`` (default ``True``: the paper's normalised update, because
             EF's raw norms vary by orders of magnitude).
-        {shared args: total_steps momentum dampening weight_decay check form process_group}
+        {shared args: total_steps momentum dampening weight_decay check form memory_budget process_group}
 
     Raises:
         {shared raises:}
@@ -321,12 +327,13 @@ class EF(ExactOptimizer):
         weight_decay: float = 0.0,
         check: bool | str | int = True,
         form: str = "auto",
+        memory_budget: float | None = None,
         process_group: Any = None,
     ):
         settings = Settings(params=params, loss=loss, reduction=reduction, normalize=normalize,
                             total_steps=total_steps, momentum=momentum, dampening=dampening,
                             weight_decay=weight_decay, process_group=process_group)
-        super().__init__(model, lr, damping, settings, check=check, form=form)
+        super().__init__(model, lr, damping, settings, check=check, form=form, memory_budget=memory_budget)
 
     def _direction(self, inputs, targets, batch):
         r, deferred = self._per_sample(inputs, targets, batch)
@@ -357,7 +364,7 @@ class SF(ExactOptimizer):
         {shared args: generator params loss reduction}
         normalize: rescale each update to norm ``lr`` (default ``True``: the paper's normalised update, because
             EF's raw norms vary by orders of magnitude).
-        {shared args: total_steps momentum dampening weight_decay check form process_group}
+        {shared args: total_steps momentum dampening weight_decay check form memory_budget process_group}
 
     Raises:
         {shared raises:}
@@ -386,18 +393,19 @@ class SF(ExactOptimizer):
         weight_decay: float = 0.0,
         check: bool | str | int = True,
         form: str = "auto",
+        memory_budget: float | None = None,
         process_group: Any = None,
     ):
         settings = Settings(params=params, loss=loss, reduction=reduction, normalize=normalize,
                             total_steps=total_steps, momentum=momentum, dampening=dampening,
                             weight_decay=weight_decay, process_group=process_group)
-        super().__init__(model, lr, damping, settings, check=check, form=form)
+        super().__init__(model, lr, damping, settings, check=check, form=form, memory_budget=memory_budget)
         self.generator = generator
 
     def _direction(self, inputs, targets, batch):
         (losses, grad, sampled), deferred = self._local(lambda: gradient_and_sampled_jacobian(
             self.model, inputs, targets, batch["params"], loss=self.loss, generator=self.generator,
-            check=self._check_now(), form=self.form,
+            check=self._check_now(), form=self.form, memory_budget=self.memory_budget,
         ))
         # the losses and the sampled rows are refused there when not finite; the gradient's check is read with the
         # step's (a non-finite gradient makes a non-finite direction, which the step then refuses as this)

@@ -93,7 +93,7 @@ from .state import ForeignStateError, check_origin, describe
 from .update import scheduled_rate
 
 NOT_TAKEN = {key: f"{key}= is an argument of the exact optimisers' per-sample Jacobian (IEF, EF, SF); KFAC takes none"
-             for key in ("check", "form")}
+             for key in ("check", "form", "memory_budget")}
 # The defaults (the class docstring says why): kfac-pytorch's damping and KL bound, under which a large step is
 # scaled to the bound; a tiny BERT-LoRA classifier trained with each kind under them, where the former lr=0.01,
 # damping=1 (the companion's cpu searches' choice) left its loss at log 3 after 100 steps.

@@ -130,8 +130,12 @@ ARGS = {
     on the first step, the ~free structural one after), ``"exact"`` (every step), a whole number ``N >= 1`` (exact every
     N steps, structural between: the guarantee throughout at 1/N of its cost) or ``False`` (off).""",
     "form": """form: the per-sample Jacobian's form (:func:`ief.per_sample`): ``"auto"`` (default: never forms ``[M,
-    P]``; a weight's rows over 1 MiB streamed, :mod:`ief.streamed`), ``"dense"``, ``"ghost"``, ``"rows"`` or
-    ``"streamed"``.""",
+    P]``; a weight's rows kept while they fit ``memory_budget``, else streamed, :mod:`ief.streamed`), ``"dense"``,
+    ``"ghost"``, ``"rows"`` or ``"streamed"``.""",
+    "memory_budget": """memory_budget: with ``form="auto"``, the bytes of per-sample rows a step may keep from its
+    backward to its update (the columns without factors first, then the weights' rows, smallest first; the rest are
+    streamed); default ``None``: twice the bytes of the model's parameters (what AdamW's moments would hold;
+    :data:`ief.streamed.MODEL_MULTIPLE`), at least 8 MiB; ``math.inf`` keeps every weight's rows.""",
     "process_group": """process_group: step across the processes of this ``torch.distributed`` group, exactly as one
     process on the union batch (:mod:`ief.optim.exact`); default: a ``DistributedDataParallel`` model's group, an
     FSDP2 model's (:mod:`ief.sharded`), else none.""",
@@ -142,7 +146,8 @@ RAISES = """ValueError: a bad argument, named with its value and the accepted va
     ``nn.Module``, no trainable parameters, a ``params`` tensor not in the model, ``lr`` neither
     ``"auto"`` nor finite and ``> 0``, a negative or non-finite ``damping``, ``momentum`` outside ``[0, 1)``,
     ``dampening`` outside ``[0, 1]``, a negative ``weight_decay`` or ``lr * weight_decay >= 1``,
-    ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``; an initialised
+    ``total_steps`` not a positive integer, an unknown ``reduction``, ``check`` or ``form``, a ``memory_budget``
+    not a number ``>= 0`` or given with a form other than ``"auto"``; an initialised
     ``torch.distributed`` of world size > 1 with neither ``process_group`` nor a
     ``DistributedDataParallel`` model.
 TypeError: an unknown keyword (the message names the closest accepted ones)."""

@@ -306,6 +306,40 @@ def test_the_gpt2_full_benchmark_runs_tiny_and_records_both_heads(tmp_path, caps
     assert exc.value.code == 2 and "--heads takes a comma-separated subset of tied,untied" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("form", ["streamed", "auto"])
+def test_the_phases_time_the_streamed_weights_work_in_gram_and_combine(monkeypatch, form):
+    """A streamed weight's Gram and ``J^T c`` blocks (:mod:`ief.streamed`) are timed as ``stream_gram`` and
+    ``stream_combine``, nested in ``gram`` and ``combine``, never as ``other``, and counted once: with each slowed by
+    30 ms, both nested phases take at least that, ``gram`` and ``combine`` each include it once (under 2 x 30 ms
+    more than the stream's), and ``other`` stays under 30 ms. Under ``form="auto"`` with ``memory_budget=0`` the
+    same weights are streamed."""
+    import time
+
+    from benchmarks import phases
+
+    for name in ("streamed_gram", "streamed_combine"):
+        original = getattr(ief.streamed, name)
+
+        def slowed(*args, _original=original, **kwargs):
+            time.sleep(0.03)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(ief.streamed, name, slowed)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    x, y = torch.randn(6, 5, 16), torch.randint(0, 4, (6, 5))
+    opt = ief.optim.IEF(model, lr=1e-3, form=form, **(dict(memory_budget=0) if form == "auto" else {}))
+    opt.step(x, y)  # the first step's exact check
+    ms = phases.attribute(ief, lambda: opt.step(x, y), torch.device("cpu"), 1)
+    assert set(opt.last_step_report.routes.values()) == {"streamed", "dense"}
+    streamed = sum(route == "streamed" for route in opt.last_step_report.routes.values())  # calls of each a step
+    for nested, caller in (("stream_gram", "gram"), ("stream_combine", "combine")):
+        assert ms[nested] >= 30 * streamed, ms
+        assert ms[nested] <= ms[caller] < ms[nested] + 60, ms
+    assert ms["other"] < 30, ms
+    assert sum(ms[k] for k in (*phases.TOP_LEVEL, "other")) == pytest.approx(ms["step"], rel=1e-9)
+
+
 def _distributed_record(tmp_path, *argv: str) -> dict:
     from benchmarks import distributed
 

@@ -279,7 +279,7 @@ def stop(socket_path: str) -> bool:
     return True
 
 
-def start(socket_path: str, parent: int, log_path: str) -> int:
+def start(socket_path: str, parent: int, log_path: str):
     """Start a server in the background (its own session), for the workflow's ``onstart``.
 
     Args:
@@ -288,7 +288,8 @@ def start(socket_path: str, parent: int, log_path: str) -> int:
         log_path: the server's own output (a failed import, a crash).
 
     Returns:
-        The server's process id.
+        The server's ``subprocess.Popen``: wait for it after :func:`stop`, so that its jobs' CPU time (the forks it
+        reaped) is counted as the starting process's children's, as a job started directly would be.
     """
     import subprocess
 
@@ -296,7 +297,7 @@ def start(socket_path: str, parent: int, log_path: str) -> int:
         process = subprocess.Popen([sys.executable, "-m", "tools.warm", "serve", "--socket", socket_path,
                                     "--parent", str(parent)], stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
-    return process.pid
+    return process
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -336,9 +336,9 @@ def test_the_launch_buttons_and_the_introductions_links_open_the_recorded_notebo
 
 
 def test_a_table_over_the_size_cap_is_recorded_compressed(tmp_path, monkeypatch):
-    """No recorded file above the cap: a larger table is kept as NAME.gz (listed so in the manifest), the same bytes
-    on a second record (no timestamp in the gzip header), and pandas reads it back as the chapter read it."""
-    import gzip
+    """No recorded file above the cap: a larger table is kept as NAME.xz (listed so in the manifest), the same bytes
+    on a second record (no timestamp in the xz format), and pandas reads it back as the chapter read it."""
+    import lzma
 
     import pandas as pd
 
@@ -351,10 +351,10 @@ def test_a_table_over_the_size_cap_is_recorded_compressed(tmp_path, monkeypatch)
     provenance.write_text(json.dumps(p))
     monkeypatch.setattr(record, "MAX_FILE_BYTES", 10_000)
     manifest = record.record(**args)
-    stored = args["folder"] / "inputs" / "results" / "cpu" / "table.csv.gz"
-    assert manifest["chapters"]["chap"]["inputs"] == ["inputs/results/cpu/table.csv.gz"]
+    stored = args["folder"] / "inputs" / "results" / "cpu" / "table.csv.xz"
+    assert manifest["chapters"]["chap"]["inputs"] == ["inputs/results/cpu/table.csv.xz"]
     assert not stored.with_suffix("").exists() and stored.stat().st_size < 10_000
-    assert gzip.decompress(stored.read_bytes()) == table.read_bytes()
+    assert lzma.decompress(stored.read_bytes()) == table.read_bytes()
     assert pd.read_csv(stored).equals(pd.read_csv(table))
     first = stored.read_bytes()
     record.record(**args)

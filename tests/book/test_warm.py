@@ -120,3 +120,31 @@ def test_without_a_server_the_job_runs_in_the_clients_own_process(tmp_path):
                          tmp_path / "alone.log")
         assert client.wait(timeout=300) == 0, (tmp_path / "alone.log").read_text()
     assert _summary(tmp_path / "runs", 0)["optimizer"] == "adam"
+
+
+def test_a_waited_servers_jobs_count_as_the_starting_processs_childrens_cpu_time(tmp_path):
+    """The build's record counts the CPU time of Snakemake's children as the build's own: a server started with
+    :func:`warm.start` and waited for after :func:`warm.stop` brings its jobs' CPU time (forks it reaped) along; a
+    server never waited for left the warm jobs' time outside (a build read as 1.66 other cores busy)."""
+    path = str(tmp_path / "s.sock")
+    before = os.times()
+    old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH")}
+    os.environ.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    try:
+        server = warm.start(path, os.getpid(), str(tmp_path / "s.log"))
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    for _ in range(1200):
+        if os.path.exists(path):
+            break
+        time.sleep(0.05)
+    client = _client([*TRAIN, "--seed", "0", "--out", str(tmp_path / "runs")], path, tmp_path / "job.log")
+    assert client.wait(timeout=300) == 0
+    client_cpu = os.times()
+    assert warm.stop(path)
+    server.wait(timeout=60)
+    after = os.times()
+    forked = (after.children_user + after.children_system) - (client_cpu.children_user + client_cpu.children_system)
+    assert forked > 1.0, f"the server's and its job's CPU time: {forked:.2f} s"  # imports alone are seconds
+    assert before.children_user <= after.children_user

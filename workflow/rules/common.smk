@@ -275,6 +275,9 @@ def train_minutes(wildcards) -> int:
     return max(int(spec["min_minutes"]), math.ceil(seconds * spec["margin"] / 60))
 
 
+_WARM_SERVER = None  # the warm-job server's process (subprocess.Popen), while it runs
+
+
 def start_warm_jobs() -> None:
     """Before any job runs (a local, real run with warm_jobs): the warm-job server (tools/warm.py), its socket in
     IEF_WARM_SOCKET for every job; it ends with Snakemake (or stop_warm_jobs)."""
@@ -286,7 +289,8 @@ def start_warm_jobs() -> None:
     from tools import warm
 
     path = os.path.join(tempfile.gettempdir(), f"ief-warm-{os.getuid()}-{os.getpid()}.sock")
-    warm.start(path, os.getpid(), path[:-len(".sock")] + ".log")
+    global _WARM_SERVER
+    _WARM_SERVER = warm.start(path, os.getpid(), path[:-len(".sock")] + ".log")
     for _ in range(600):  # its imports: ~10 s here; a job that starts before it listens runs on its own
         if os.path.exists(path):
             break
@@ -301,6 +305,8 @@ def stop_warm_jobs() -> None:
         from tools import warm
 
         warm.stop(path)
+        if _WARM_SERVER is not None:  # waited for, so that its jobs' CPU time is Snakemake's children's (the build's)
+            _WARM_SERVER.wait(timeout=60)
         log = path[:-len(".sock")] + ".log"
         if os.path.exists(log) and not os.path.getsize(log):  # a log with nothing in it says nothing
             os.unlink(log)

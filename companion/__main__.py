@@ -51,6 +51,23 @@ def run_seed(text: str) -> int:
     return _integer(text, 0, SEED_LIMIT - 1, f"an integer from 0 to {SEED_LIMIT - 1}")
 
 
+def run_seeds(text: str) -> list[int]:
+    """Several runs' seeds: comma-separated seeds and inclusive ranges, e.g. ``0-59`` or ``0,1,5-7`` (in that order,
+    each once)."""
+    accepted = f"comma-separated seeds or ranges A-B (0 .. {SEED_LIMIT - 1}, each once; e.g. 0-59 or 0,1,5-7)"
+    seeds: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        first, dash, last = part.partition("-")
+        try:
+            low = run_seed(first)
+            seeds.extend(range(low, run_seed(last) + 1) if dash else [low])
+        except argparse.ArgumentTypeError:
+            raise _reject(text, accepted) from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise _reject(text, accepted)
+    return seeds
+
+
 def percent(text: str) -> int:
     """A stage: a whole percentage of training, 0 .. 100."""
     return _integer(text, 0, 100, "an integer percentage from 0 to 100")
@@ -164,7 +181,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m companion", description="Experiments of the iEF paper (sec:exp).")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("describe", help="print a resolved setup: data sizes, hyperparameters, parameter counts")
-    t = sub.add_parser("train", help="train one run (resumes an interrupted one, skips a finished one)")
+    t = sub.add_parser("train", help="train one run, or several seeds (resumes an interrupted run, skips a finished "
+                       "one)")
     r = sub.add_parser("search", help="learning-rate search over the paper's grids, chosen on validation")
     sub.add_parser("list", help="list the setups, their scales and the optimisers")
     _add_evaluate_parser(sub)
@@ -235,7 +253,12 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--random-weights", action="store_true", help="build the architecture from its config (no download)")
     d.add_argument("--json", action="store_true", help="print JSON")
     t.add_argument("--optimizer", required=True, metavar="O", help="one of: " + ", ".join(OPTIMIZERS))
-    t.add_argument("--seed", type=run_seed, default=0)
+    seeds = t.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=run_seed, default=0)
+    seeds.add_argument("--seeds", type=run_seeds, default=None, metavar="LIST",
+                       help="several runs of the setup and optimiser, one after another in this process (e.g. 0-59; "
+                       "what the workflow's job for an MLP setup's seeds runs): a finished run is skipped, the first "
+                       "that fails or is interrupted stops the rest")
     t.add_argument("--out", default="runs", help="runs go to OUT/<scale>/<setup>/<optimizer>/seed-<K>/")
     t.add_argument("--lr", type=positive_float, default=None, help="override the learning rate")
     t.add_argument("--schedule", default=None, metavar="NAME",
@@ -451,10 +474,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if (warning := cost_warning(args.setup, args.scale, args.optimizer)) is not None:  # full scale: hours
             print(warning, file=sys.stderr, flush=True)
-        train(args.setup, args.optimizer, args.seed, args.scale, args.out, lr=args.lr, schedule=args.schedule,
-              overrides=overrides, device=args.device, progress=not args.no_progress,
-              checkpoint_every_s=args.checkpoint_every, wait_lock=args.wait_lock, log_every_s=args.log_every,
-              precision=args.precision)
+        for seed in args.seeds or [args.seed]:
+            train(args.setup, args.optimizer, seed, args.scale, args.out, lr=args.lr, schedule=args.schedule,
+                  overrides=overrides, device=args.device, progress=not args.no_progress,
+                  checkpoint_every_s=args.checkpoint_every, wait_lock=args.wait_lock, log_every_s=args.log_every,
+                  precision=args.precision)
         return 0
     except RunInterrupted as err:
         print(f"interrupted: {err}", file=sys.stderr)

@@ -39,6 +39,23 @@ RULE_GROUPS = {"train": "train", "evaluate_stage": "evaluate", "evaluate": "eval
                "execute_notebook": "notebooks", "publish": "book", "timings": "book", "mathjax": "book",
                "book": "book"}
 GROUP_ORDER = ("train", "evaluate", "notebooks")
+SEEDS_RULE = "train_seeds"  # the workflow's rules (train_seeds, train_seeds_1, ...) whose job trains several seeds
+
+
+def rule_group(rule: str) -> str:
+    """The name a rule's jobs are shown under (:data:`RULE_GROUPS`; a ``train_seeds`` rule's under ``train``)."""
+    return "train" if rule.startswith(SEEDS_RULE) else RULE_GROUPS.get(rule, rule)
+
+
+def train_runs(job: dict) -> list[tuple[str, str, int]]:
+    """The training runs ``(setup, optimizer, seed)`` a recorded job made: one for a ``train`` job, its ``seeds``
+    for a ``train_seeds`` job, none for any other job."""
+    w = job.get("wildcards", {})
+    if job["rule"] == "train":
+        return [(w.get("setup"), w.get("optimizer"), int(w.get("seed", -1)))]
+    if job["rule"].startswith(SEEDS_RULE):
+        return [(w.get("setup"), w.get("optimizer"), int(seed)) for seed in job.get("seeds", [])]
+    return []
 
 
 # ----------------------------------------------------------------------------------------------------- formatting
@@ -189,7 +206,7 @@ def job_time_by_rule(entry: dict) -> list[tuple[str, int, float]]:
     for rule in set(jobs) | set(spent):
         if rule == "all":
             continue
-        g = groups.setdefault(RULE_GROUPS.get(rule, rule), [0, 0.0])
+        g = groups.setdefault(rule_group(rule), [0, 0.0])
         g[0] += int(jobs.get(rule, 0))
         g[1] += float(spent.get(rule, 0.0))
     first = [(n, *groups[n]) for n in GROUP_ORDER if n in groups]
@@ -248,11 +265,8 @@ def _registry():
 
 def _is_baseline_run(job: dict, scale: str, setups: tuple[str, ...] | None = None) -> bool:
     reg = _registry()
-    w = job.get("wildcards", {})
-    if job["rule"] != "train" or (setups is not None and w.get("setup") not in setups):
-        return False
-    return (w.get("optimizer") == reg.baseline_optimizer(w["setup"])
-            and int(w.get("seed", -1)) == reg.EVALUATION_SEED)
+    return any((setups is None or setup in setups) and optimizer == reg.baseline_optimizer(setup)
+               and seed == reg.EVALUATION_SEED for setup, optimizer, seed in train_runs(job))
 
 
 def _evaluation_of(job: dict, scale: str, setups: tuple[str, ...] | None = None) -> bool:
@@ -262,15 +276,11 @@ def _evaluation_of(job: dict, scale: str, setups: tuple[str, ...] | None = None)
 
 
 def _chapter_run(job: dict, scale: str) -> bool:
-    w = job.get("wildcards", {})
-    run = _registry().TRAIN_CHAPTER_RUN[scale]
-    return job["rule"] == "train" and (w.get("setup"), w.get("optimizer"), int(w.get("seed", -1))) == run
+    return tuple(_registry().TRAIN_CHAPTER_RUN[scale]) in train_runs(job)
 
 
 def _compression(job: dict, scale: str) -> bool:
-    w = job.get("wildcards", {})
-    baseline = (job["rule"] == "train" and scale in ("smoke", "cpu")
-                and (w.get("setup"), w.get("optimizer"), w.get("seed")) == ("digits-mlp", "adam", "0"))
+    baseline = scale in ("smoke", "cpu") and ("digits-mlp", "adam", 0) in train_runs(job)
     return job["rule"] == "compression" or baseline
 
 
@@ -283,14 +293,15 @@ def _blockdiag(job: dict, scale: str) -> bool:
 # runs of the block-diagonal figure's setups; "verdicts" the E2 tables and the evaluation tables
 # (workflow/rules/results.smk).
 KIND_JOBS = {
-    "e2": lambda job, scale: job["rule"] in ("train", "aggregate_e2"),
+    "e2": lambda job, scale: bool(train_runs(job)) or job["rule"] == "aggregate_e2",
     "eval": _evaluation_of,
     "chapter_run": _chapter_run,
     "costs": lambda job, scale: job["rule"] == "step_costs",
-    "early_spike": lambda job, scale: job["rule"] in ("early_spike", "train", "aggregate_e2"),
+    "early_spike": lambda job, scale: bool(train_runs(job)) or job["rule"] in ("early_spike", "aggregate_e2"),
     "compression": _compression,
     "blockdiag_check": _blockdiag,
-    "verdicts": lambda job, scale: job["rule"] in ("verdicts", "train", "aggregate_e2") or _evaluation_of(job, scale),
+    "verdicts": lambda job, scale: (bool(train_runs(job)) or job["rule"] in ("verdicts", "aggregate_e2")
+                                    or _evaluation_of(job, scale)),
 }
 
 
@@ -324,14 +335,14 @@ class Cost:
 def _cost(jobs: list[dict], entry: dict) -> Cost:
     by: dict[str, list[float]] = {}
     for job in jobs:
-        g = by.setdefault(RULE_GROUPS.get(job["rule"], job["rule"]), [0, 0.0])
+        g = by.setdefault(rule_group(job["rule"]), [0, 0.0])
         g[0] += 1
         g[1] += float(job["seconds"])
     others = sorted((n for n in by if n not in GROUP_ORDER), key=lambda n: -by[n][1])
     order = [n for n in GROUP_ORDER if n in by] + others
     return Cost(seconds=sum(v[1] for v in by.values()), by_rule={n: (int(by[n][0]), by[n][1]) for n in order},
                 scale=entry["scale"], finished=entry.get("finished", "?"), cores=entry.get("cores"),
-                load=entry.get("load", "load not stated"), runs=int(by.get("train", [0])[0]))
+                load=entry.get("load", "load not stated"), runs=sum(len(train_runs(job)) for job in jobs))
 
 
 def _entry(scale: str, record: dict[str, dict] | None) -> dict | None:
@@ -394,8 +405,8 @@ def e2_training_cost(scale: str, record: dict[str, dict] | None = None) -> Cost 
     if entry is None:
         return None
     reg = _registry()
-    runs = [job for job in entry["job_times"] if job["rule"] == "train"
-            and job.get("wildcards", {}).get("optimizer") in reg.e2_optimizers(job["wildcards"]["setup"])]
+    runs = [job for job in entry["job_times"] if train_runs(job)
+            and job["wildcards"].get("optimizer") in reg.e2_optimizers(job["wildcards"]["setup"])]
     return _cost(runs, entry)
 
 

@@ -252,3 +252,43 @@ def test_the_intro_states_the_full_runs_cost_in_plain_markdown(tmp_path):
     cost.update_readme(page)
     assert page.read_text() == ("A <!-- fullcost: sst2-t5-lora ief, by python -m companion.chapters.cost -->"
                                 f"{cost_summary('sst2-t5-lora', 'ief')}<!-- /fullcost -->.")
+
+
+SEEDS_JOB = """[Wed Dec  2 17:30:00 2026]
+localrule train_seeds:
+    input: .snakemake/code-digests/core.sha256
+    output: {outputs}
+    log: runs/cpu/digits-mlp/adam/train-seeds-0-2.log
+    jobid: 4
+    wildcards: scale=cpu, setup=digits-mlp, optimizer=adam
+    priority: 3
+[Wed Dec  2 17:30:00 2026]
+localrule train:
+    output: runs/cpu/tweets-minilm-lora/ief/seed-0/summary.json
+    jobid: 5
+    wildcards: scale=cpu, setup=tweets-minilm-lora, optimizer=ief, seed=0
+[Wed Dec  2 17:30:09 2026]
+Finished jobid: 4 (Rule: train_seeds)
+[Wed Dec  2 17:31:40 2026]
+Finished jobid: 5 (Rule: train)
+""".format(outputs=", ".join(f"runs/cpu/digits-mlp/adam/seed-{k}/summary.json" for k in range(3)))
+
+
+def test_a_jobs_several_seeds_are_recorded_and_counted_as_runs(tmp_path):
+    """A train_seeds job (an MLP's seeds, one job per optimiser): the clock keeps the seeds its output names; the
+    costs show it under train, count its runs, and give it to the chapters reading any run it trained."""
+    log = tmp_path / "x.snakemake.log"
+    log.write_text(SEEDS_JOB)
+    jobs = job_clock.read_snakemake_log(log).jobs()
+    assert jobs[0] == {"rule": "train_seeds", "wildcards": {"scale": "cpu", "setup": "digits-mlp", "optimizer": "adam"},
+                       "seconds": 9.0, "seeds": [0, 1, 2]}
+    assert "seeds" not in jobs[1] and jobs[1]["seconds"] == 100.0
+    assert cost.train_runs(jobs[0]) == [("digits-mlp", "adam", s) for s in (0, 1, 2)]
+    assert cost.train_runs(jobs[1]) == [("tweets-minilm-lora", "ief", 0)]
+    assert cost.train_runs({"rule": "compression", "wildcards": {}}) == []
+    record = {"cpu": {**_cold(job_times=jobs), "load": "idle"}}
+    e2 = cost.e2_training_cost("cpu", record=record)
+    assert (e2.runs, e2.seconds, e2.by_rule) == (4, 109.0, {"train": (2, 109.0)})
+    # the compression study reads the digits baseline (seed 0): the job that trained it
+    assert cost.chapter_cost("compression", "cpu", record=record).by_rule == {"train": (1, 9.0)}
+    assert cost.rule_group("train_seeds_1") == "train" and cost.rule_group("evaluate_stage") == "evaluate"

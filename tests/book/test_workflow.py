@@ -94,9 +94,35 @@ def test_default_target_plans_what_the_present_notebooks_read():
 
 
 def _planned_runs(plan: str, scale: str) -> list[tuple[str, str, int]]:
-    """(setup, optimizer, seed) of every train job of a dry run, in the order planned."""
-    found = re.findall(rf"^\s+output: \S*runs/{scale}/([^/\s]+)/([^/\s]+)/seed-(\d+)/summary\.json$", plan, flags=re.M)
+    """(setup, optimizer, seed) of every run a dry run's jobs train (a train job's one, a train_seeds job's several),
+    in the order planned."""
+    run = rf"\S*runs/{scale}/([^/\s,]+)/([^/\s,]+)/seed-(\d+)/summary\.json"
+    found = [m for line in re.findall(rf"^\s+output: ({run}(?:, {run})*)$", plan, flags=re.M)
+             for m in re.findall(run, line[0])]
     return [(setup, opt, int(seed)) for setup, opt, seed in found]
+
+
+def test_a_short_setups_seeds_are_one_job_per_optimiser(tmp_path):
+    """config short_runs_together (default true): the MLP's runs below full scale (seconds each) are one train_seeds
+    job per (setup, optimiser) that trains every seed of the grid in turn (``--seeds``), the transformer setups' one
+    job per run; false plans one job per run again, the same runs."""
+    together = _snakemake("-n", "-p", "--cores", "1", "--config", "scale=cpu", f"runs={tmp_path}/runs", "--", "runs")
+    apart = _snakemake("-n", "--cores", "1", "--config", "scale=cpu", "short_runs_together=false",
+                       f"runs={tmp_path}/runs", "--", "runs")
+    assert together.returncode == apart.returncode == 0, together.stdout + together.stderr + apart.stderr
+    assert sorted(_planned_runs(together.stdout, "cpu")) == sorted(_planned_runs(apart.stdout, "cpu"))
+    optimizers = registry.grid_optimizers("digits-mlp", "cpu", registry.scale_grid("cpu"))
+    seeds = registry.scale_grid("cpu").seeds_of("digits-mlp")
+    stats = _job_stats(together.stdout)
+    assert stats["train_seeds"] == len(optimizers) and len(seeds) > 3
+    assert stats["train"] == len(registry.grid_runs("cpu")) - len(optimizers) * len(seeds)
+    assert _job_stats(apart.stdout)["train"] == len(registry.grid_runs("cpu")) and "train_seeds" not in apart.stdout
+    blocks = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", together.stdout) if b.startswith("rule train_seeds:")]
+    for block in blocks:
+        setup, optimizer = re.search(r"wildcards: scale=cpu, setup=(\S+), optimizer=(\S+)$", block, re.M).groups()
+        assert setup == "digits-mlp" and optimizer in optimizers
+        assert _planned_runs(block, "cpu") == [(setup, optimizer, seed) for seed in seeds]
+        assert f"train --setup digits-mlp --optimizer {optimizer} --seeds {seeds[0]},{seeds[1]}," in block
 
 
 def test_the_workflow_plans_the_grid_of_the_setup_registry(full_plan, tmp_path):
@@ -144,11 +170,13 @@ def test_jobs_that_unlock_the_evaluation_start_first_and_the_mlp_runs_fill_in_la
     jobs = _priorities(done.stdout)
     first = {(r, w) for r, w, p in jobs if p == max(p for _, _, p in jobs)}
     evaluated = {("train", f"scale=cpu, setup={s}, optimizer={registry.baseline_optimizer(s, 'cpu')}, "
-                           f"seed={registry.EVALUATION_SEED}") for s in registry.CPU_SETUPS}
+                           f"seed={registry.EVALUATION_SEED}") for s in registry.CPU_SETUPS if s != "digits-mlp"}
+    evaluated.add(("train_seeds", "scale=cpu, setup=digits-mlp, "
+                                  f"optimizer={registry.baseline_optimizer('digits-mlp')}"))
     assert first == evaluated | {(r, w) for r, w, _ in jobs if r in ("evaluate_stage", "evaluate")}
-    train = {w: p for r, w, p in jobs if r == "train" and ("train", w) not in evaluated}
+    train = {w: p for r, w, p in jobs if r.startswith("train") and (r, w) not in evaluated}
     mlp = {p for w, p in train.items() if "setup=digits-mlp" in w}
-    assert len(train) == len(registry.grid_runs("cpu")) - 3 and mlp
+    assert len(train) == len({w for r, w, _ in jobs if r.startswith("train")}) - 3 and len(mlp) == 1
     assert max(mlp) < min(p for w, p in train.items() if "setup=digits-mlp" not in w)
     assert [r for r, _, p in jobs if p <= 0] == ["all"]
 
@@ -231,7 +259,9 @@ def test_deleting_a_results_folder_replans_it_without_exceptions(tmp_path, profi
     planned = _job_stats(plan)
     outputs = _outputs(plan)
     jobs = sum(n for job, n in planned.items() if job not in ("grid", "total"))
-    assert len(outputs) == jobs + 2  # e2 and verdicts: 2 files each
+    seeds_jobs = planned.get("train_seeds", 0)  # each trains every seed of its setup: one output per seed
+    extra = seeds_jobs * (len(registry.scale_grid("smoke").seeds_of("digits-mlp")) - 1)
+    assert len(outputs) == jobs + 2 + extra  # e2 and verdicts: 2 files each
     stamp = time.time()  # newer than the package code and its digest (the dry run above wrote it), the same for
     # every file: nothing out of date
     for path in outputs:
@@ -319,7 +349,10 @@ def test_each_rule_depends_on_the_code_it_runs(tmp_path):
     notebooks = len(list((checkout / "notebooks").glob("*.ipynb")))
     # every job that computes (the chapters only read its tables): the grid's runs and tables, the early spike's
     # first updates, the compression study and the evaluation chapter's dense check
-    grid = {"train": len(registry.grid_runs("smoke")), "aggregate_e2": 1, "evaluate_stage": 3 * 5, "evaluate": 3,
+    short = len(registry.grid_optimizers("digits-mlp", "smoke"))  # the MLP's runs: one train_seeds job per optimiser
+    seeds = len(registry.scale_grid("smoke").seeds_of("digits-mlp"))
+    grid = {"train": len(registry.grid_runs("smoke")) - short * seeds, "train_seeds": short, "aggregate_e2": 1,
+            "evaluate_stage": 3 * 5, "evaluate": 3,
             "step_costs": 1, "early_spike": 1, "compression": 1, "blockdiag_check": 1, "verdicts": 1}
     book = {"execute_notebook": notebooks, "publish": notebooks, "timings": 1, "book": 1, "all": 1}
     assert plan == {**grid, **book, "mathjax": 1}, first.stdout[-3000:]
@@ -379,7 +412,8 @@ def _summaries(runs: Path) -> dict[Path, float]:
 def test_interrupted_grid_resumes_and_a_rebuild_runs_nothing(tmp_path):
     """A small real grid (digits-mlp at smoke scale, 5 optimisers): SIGINT after the first run finished, then the
     same command runs only the unfinished runs, then a third invocation runs 0 jobs within 30 s."""
-    grid = ["setups=[digits-mlp]", "seeds=[0]", "practical=false"]  # the five E2 optimisers
+    # the five E2 optimisers, a job per run (the MLP's seeds are otherwise one job per optimiser)
+    grid = ["setups=[digits-mlp]", "seeds=[0]", "practical=false", "short_runs_together=false"]
     args = ["--profile", str(ROOT / "workflow" / "profiles" / "default"), "--cores", "1", "--config", "scale=smoke",
             *grid, "--", "runs"]
     runs = tmp_path / "runs"
@@ -437,7 +471,8 @@ def test_a_training_job_can_have_several_gpus_through_torchrun(tmp_path):
         done = _snakemake("-n", "-p", "--profile", "workflow/profiles/slurm", "--config", "scale=smoke",
                           "setups=[digits-mlp]", "seeds=[0]", f"runs={tmp_path}/runs", *config, "--", "runs")
         assert done.returncode == 0, done.stdout + done.stderr
-        blocks = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout) if b.startswith("rule train:")]
+        blocks = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", done.stdout)
+                  if re.match(r"rule train(?:_seeds)?:", b)]  # a run's job, or an MLP's seeds' job
         assert blocks, done.stdout
         return blocks
 
@@ -445,7 +480,7 @@ def test_a_training_job_can_have_several_gpus_through_torchrun(tmp_path):
         assert re.search(r"\bgpu=1\b", block) and re.search(r"\bcpus_per_task=1\b", block), block
         # one process: the companion's command, through the warm-job client (tools/warm.py: a cluster's job finds no
         # server and runs the command itself)
-        assert re.search(r"\S+python\S* -m (?:companion|tools\.warm run --) train ", block), block
+        assert re.search(r"\S+python\S* (?:-m companion|\S+/tools/warm\.py run --) train ", block), block
         assert "torch.distributed.run" not in block, block
     for block in plan("gpus_per_train_job=4"):
         assert re.search(r"\bgpu=4\b", block) and re.search(r"\bcpus_per_task=4\b", block), block

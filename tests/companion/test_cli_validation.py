@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from companion.__main__ import (SEED_LIMIT, folder, main, parser, percent, percents, positive_float, positive_int,
-                                positive_seconds, run_seed, setting)
+                                positive_seconds, run_seed, run_seeds, setting)
 
 
 def _cli(cwd, *args: str) -> subprocess.CompletedProcess:
@@ -159,6 +159,18 @@ def test_stages_are_a_list_of_percentages():
     assert percents("0,50,100") == [0, 50, 100] and percents("50") == [50] and percents("0, 50,") == [0, 50]
     for bad in ("", ",", "fifty", "0,101", "-1", "50.0", "nan"):
         assert _refused(percents, bad)
+
+
+def test_seed_lists_are_seeds_and_ranges_each_once():
+    assert run_seeds("0-59") == list(range(60)) and run_seeds("3") == [3] and run_seeds("0,1,5-7") == [0, 1, 5, 6, 7]
+    for bad in ("", ",", "0,0", "0-2,1", "5-3", "-1", "x", "1.5", f"0-{SEED_LIMIT}", "0,,1"):
+        assert _refused(run_seeds, bad)
+
+
+def test_seed_and_seeds_are_one_or_the_other(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parser().parse_args(["train", *_RUN, "--optimizer", "adam", "--seed", "1", "--seeds", "0-2"])
+    assert stopped.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 def test_folders_are_existing_folders_or_new_paths(tmp_path):

@@ -41,6 +41,26 @@ def reference(tmp_path_factory):
     return summary, run_dir(out, "smoke", SETUP, OPT, 3)
 
 
+def test_several_seeds_in_one_process_equal_a_process_each(tmp_path):
+    """``train --seeds`` (the workflow's one job for an MLP's seeds) trains each run as its own process would: the
+    same summaries, apart from the wall time; a finished run among them is skipped, not trained again."""
+    args = ["train", "--setup", "digits-mlp", "--scale", "smoke", "--optimizer", "adam", "--no-progress"]
+    assert main([*args, "--seed", "1", "--out", str(tmp_path / "alone")]) == 0
+    alone = json.loads((run_dir(tmp_path / "alone", "smoke", "digits-mlp", "adam", 1) / "summary.json").read_text())
+    together_out = ["--seeds", "0-1", "--out", str(tmp_path / "together")]
+    done = subprocess.run([sys.executable, "-m", "companion", *args, *together_out], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    together = [json.loads((run_dir(tmp_path / "together", "smoke", "digits-mlp", "adam", k) / "summary.json")
+                           .read_text()) for k in (0, 1)]
+    assert _numbers(together[1]) == _numbers(alone) and _numbers(together[0]) != _numbers(alone)
+    finished = run_dir(tmp_path / "together", "smoke", "digits-mlp", "adam", 0) / "summary.json"
+    stamp = finished.stat().st_mtime_ns
+    assert main([*args, "--seeds", "0,2", "--out", str(tmp_path / "together")]) == 0
+    assert finished.stat().st_mtime_ns == stamp
+    assert (run_dir(tmp_path / "together", "smoke", "digits-mlp", "adam", 2) / "summary.json").exists()
+
+
 def test_run_files(reference):
     summary, root = reference
     assert summary["steps"] == 12 and summary["steps_per_epoch"] == 4

@@ -4,6 +4,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from snakemake.exceptions import WorkflowError
 
@@ -80,7 +81,8 @@ EVALUATION_SEED = REGISTRY.EVALUATION_SEED
 
 
 def _one_of(names) -> str:
-    return "|".join(re.escape(str(n)) for n in sorted(names, key=len, reverse=True))
+    """A regular expression matching exactly one of ``names`` (none: one that matches nothing)."""
+    return "|".join(re.escape(str(n)) for n in sorted(names, key=len, reverse=True)) or "(?!)"
 
 
 # Every wildcard matches only what it names, so no rule's output pattern matches another rule's files: without
@@ -91,6 +93,24 @@ wildcard_constraints:
     optimizer=_one_of(REGISTRY.OPTIMIZERS),
     seed=r"\d+",
     stage=r"\d{3}",
+
+
+# Short runs (config short_runs_together, default true): an MLP setup below full scale trains in seconds, less than
+# a job's own start, so one job per (setup, optimiser) trains its seeds one after another (rule train_seeds,
+# workflow/rules/train.smk): {the seeds, sorted: [setups]}. Every other setup: one job per run (rule train).
+def _short_runs() -> dict[tuple[int, ...], list[str]]:
+    if not _override("short_runs_together") or SCALE == "full":
+        return {}
+    short = [name for name in SETUPS if REGISTRY.resolve(name, SCALE).family == "mlp"]
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name in short:
+        groups.setdefault(tuple(sorted(_GRID.seeds_of(name))), []).append(name)
+    return groups
+
+
+SHORT_RUNS = _short_runs()
+SHORT_SETUPS = [name for setups in SHORT_RUNS.values() for name in setups]
+ONE_RUN_SETUPS = _one_of(n for n in REGISTRY.SETUPS if n not in SHORT_SETUPS)
 
 
 def summary(setup, optimizer, seed):
@@ -231,6 +251,17 @@ def train_priority(wildcards) -> int:
     return PRIORITY["normal"] if REGISTRY.resolve(wildcards.setup, SCALE).family != "mlp" else PRIORITY["short"]
 
 
+def seeds_priority(seeds):
+    """A train_seeds job's priority, for its seeds: as :func:`train_priority` gives the first run it trains that
+    the evaluation reads, or else its setup's runs."""
+
+    def priority(wildcards) -> int:
+        first = [s for s in seeds if s == EVALUATION_SEED] or [seeds[0]]
+        return train_priority(SimpleNamespace(setup=wildcards.setup, optimizer=wildcards.optimizer, seed=str(first[0])))
+
+    return priority
+
+
 # -------------------------------------------------------------------------------------------- several GPUs
 def _gpus_per_train_job() -> int:
     """config gpus_per_train_job (default 1): the GPUs (and processes) of one training job, checked."""
@@ -253,7 +284,9 @@ GPUS_PER_TRAIN_JOB = _gpus_per_train_job()
 # file is parsed); a cluster's jobs, a dry run's and config warm_jobs=false's run each in its own process, as a job
 # whose server is not there does. So the choice changes no result, only the time a job spends importing.
 WARM_JOBS = bool(_override("warm_jobs"))
-COMPANION = f"{PYTHON} -m tools.warm run --" if WARM_JOBS else f"{PYTHON} -m companion"
+# The client by its path, not as ``-m tools.warm``: a job runs in the workflow's --directory, which need not be the
+# checkout (the companion itself is installed).
+COMPANION = f"{PYTHON} {ROOT / 'tools' / 'warm.py'} run --" if WARM_JOBS else f"{PYTHON} -m companion"
 TRAIN_LAUNCHER = (COMPANION if GPUS_PER_TRAIN_JOB == 1 else
                   f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node {GPUS_PER_TRAIN_JOB} -m companion")
 

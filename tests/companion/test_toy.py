@@ -137,14 +137,57 @@ def test_ef_trajectory_is_attracted_to_a_dashed_line():
 
 
 def test_update_field_matches_pointwise_directions():
-    p = toy.logistic_problem()
-    thetas = torch.tensor(POINTS, dtype=torch.float64)
-    for method in toy.METHODS:
-        field = toy.update_field(p, method, thetas)
-        assert field.shape == (len(POINTS), 2)
-        _close(field[2], toy.direction(p, method, thetas[2]), 0.0)
+    """The field is the closed form (:func:`toy.closed_form_direction`): the package's direction to float64 rounding
+    (its kernels may fuse multiply-adds and its NGD solves by ``pinv``), on both problems and on the dashed lines,
+    where the closed form defers to the package (a zero per-sample gradient: EF's damping, iEF's singular Gram)."""
+    on_lines = [(0.0, 0.7), (0.4, -0.4), (0.0, 0.0)]
+    for p in (toy.lls_problem(), toy.logistic_problem()):
+        thetas = torch.tensor(POINTS + on_lines, dtype=torch.float64)
+        for method in toy.METHODS:
+            field = toy.update_field(p, method, thetas)
+            assert field.shape == (len(thetas), 2)
+            for theta, d in zip(thetas, field):
+                _close(d, toy.direction(p, method, theta), 1e-13)
     with pytest.raises(ValueError, match="unknown method"):
         toy.direction(p, "Adam", (0.0, 0.0))
+
+
+# the starts of the figures' trajectories and two more; on the least squares, EF steps until L < 1e-3 or the cap
+_ROUTE_CASES = [("lls", s, 1e-3) for s in (toy.LLS_STARTS[1], toy.LLS_STARTS[2], (0.0, 0.8))] + [
+    ("logistic", s, None) for s in (toy.LOGISTIC_STARTS[0], toy.LOGISTIC_STARTS[2], (0.0, 0.0))]
+
+
+@pytest.mark.parametrize("method", toy.METHODS)
+@pytest.mark.parametrize("name, start, stop", _ROUTE_CASES)
+@pytest.mark.parametrize("normalise", [True, False])
+def test_trajectory_equals_the_stepwise_package_route(name, start, stop, method, normalise):
+    """The fast trajectory (closed-form directions and losses in Python floats) against the reference route: the
+    package's autograd per-sample gradients, Fisher products and Gram solves at every step, float64. The same number
+    of steps and the same points to float64 rounding (1e-12 relative: the two differ in the order of a few
+    operations and in NGD's pinv), from starts on and off the dashed lines, normalised and plain steps."""
+    p = toy.lls_problem() if name == "lls" else toy.logistic_problem()
+    box = (-4.5, 4.5) if name == "lls" else (-3.0, 3.0)
+    eta, steps = (1e-2, 400) if normalise else ((0.3 if method == "SGD" else 1e-2 if method == "EF" else 1.0), 60)
+    fast = toy.trajectory(p, method, start, eta, steps, normalise, stop_loss=stop, bounds=(box, box))
+    slow = toy._trajectory_stepwise(p, method, start, eta, steps, normalise, stop, (box, box))
+    assert fast.shape == slow.shape, (fast.shape, slow.shape)
+    _close(fast, slow, 1e-12)
+
+
+def test_closed_form_defers_where_the_package_leaves_its_cholesky_solve():
+    """``None`` (use the package) where a per-sample gradient is zero for iEF (a singular Gram, solved by ``eigh``),
+    for a model the closed form does not know, and on a Gram the package would rescale (``max|J| < 1e-100``)."""
+    lls = toy.lls_problem()
+    assert toy.closed_form_direction(lls, "iEF", 0.0, 0.7) is None
+    assert toy.closed_form_direction(lls, "EF", 0.0, 0.7) is not None  # damped: Cholesky, as the package
+    assert toy.closed_form_direction(lls, "EF", 1e-120, 0.0) is None
+    other = toy.ToyProblem("three", toy.TwoParameterModel(), torch.zeros(3, dtype=torch.float64),
+                           torch.ones(3, 2, dtype=torch.float64), torch.zeros(3, 1, dtype=torch.float64), "mse", ())
+    assert toy.closed_form_direction(other, "SGD", 0.1, 0.2) is None
+    path = toy.trajectory(other, "SGD", (0.1, 0.2), 1e-2, 3)  # the stepwise route
+    _close(path, toy._trajectory_stepwise(other, "SGD", (0.1, 0.2), 1e-2, 3, True, None, None), 0.0)
+    with pytest.raises(ValueError, match="unknown method"):
+        toy.closed_form_direction(lls, "Adam", 0.1, 0.2)
 
 
 @pytest.mark.slow

@@ -11,10 +11,11 @@ Every update direction is computed by the package itself, exactly as for the lar
 
 A direction ``d`` is the preconditioned gradient and the update is ``theta <- theta - eta * d``.
 
-The fields and trajectories take :func:`closed_form_direction`: the same algorithm in Python floats for these two
-2 x 2 problems (the package's route costs ~1 ms a point in autograd and tensor overhead; the cpu-scale figures take
-~150,000 steps), held to the package's route by the tests to float64 rounding, and deferring to :func:`direction`
-wherever the package would leave its Cholesky solve (a zero per-sample gradient, a Gram outside float64's range).
+The fields are the package's own directions (:func:`direction`). The trajectories take :func:`closed_form_direction`:
+the same algorithm in Python floats for these two 2 x 2 problems (the package's route costs ~1 ms a step in autograd
+and tensor overhead, and the cpu-scale figures take ~150,000 steps), held to the package's route by the tests to
+float64 rounding, and deferring to :func:`direction` wherever the package would leave its Cholesky solve (a zero
+per-sample gradient, a Gram outside float64's range).
 """
 from __future__ import annotations
 
@@ -212,12 +213,12 @@ def update_field(problem: ToyProblem, method: str, thetas: torch.Tensor) -> torc
     """Directions ``d(theta)`` at every row of ``thetas`` ``[G, 2]`` (the vector fields of ``fig:visual_tour``),
     ``[G, 2]``. The arrows drawn on the figures are ``-d`` (the update).
 
-    Cost: one :func:`closed_form_direction` per row (a few microseconds of Python float arithmetic), or one
-    :func:`direction` (~3 ms of autograd and solves) at a row where the closed form defers to it."""
+    Cost: one :func:`direction` per row, the package's own route (~1 ms of autograd and solves; ~5 s for the
+    cpu-scale chapter's 3,500 arrows), so that the fields and the numbers read from them (the NGD - iEF gap, a
+    rounding-level difference between two of the package's solves) are the package's."""
     thetas = torch.as_tensor(thetas, dtype=DTYPE).reshape(-1, 2)
     with _one_thread():
-        rows = [_step_direction(problem, method, float(t0), float(t1)) for t0, t1 in thetas.tolist()]
-    return torch.tensor(rows, dtype=DTYPE).reshape(-1, 2)
+        return torch.stack([direction(problem, method, t) for t in thetas])
 
 
 # ------------------------------------------------------------------------------------- closed-form directions

@@ -137,19 +137,28 @@ def test_ef_trajectory_is_attracted_to_a_dashed_line():
 
 
 def test_update_field_matches_pointwise_directions():
-    """The field is the closed form (:func:`toy.closed_form_direction`): the package's direction to float64 rounding
-    (its kernels may fuse multiply-adds and its NGD solves by ``pinv``), on both problems and on the dashed lines,
-    where the closed form defers to the package (a zero per-sample gradient: EF's damping, iEF's singular Gram)."""
-    on_lines = [(0.0, 0.7), (0.4, -0.4), (0.0, 0.0)]
-    for p in (toy.lls_problem(), toy.logistic_problem()):
-        thetas = torch.tensor(POINTS + on_lines, dtype=torch.float64)
-        for method in toy.METHODS:
-            field = toy.update_field(p, method, thetas)
-            assert field.shape == (len(thetas), 2)
-            for theta, d in zip(thetas, field):
-                _close(d, toy.direction(p, method, theta), 1e-13)
+    p = toy.logistic_problem()
+    thetas = torch.tensor(POINTS, dtype=torch.float64)
+    for method in toy.METHODS:
+        field = toy.update_field(p, method, thetas)
+        assert field.shape == (len(POINTS), 2)
+        _close(field[2], toy.direction(p, method, thetas[2]), 0.0)
     with pytest.raises(ValueError, match="unknown method"):
         toy.direction(p, "Adam", (0.0, 0.0))
+
+
+@pytest.mark.parametrize("name", ["lls", "logistic"])
+def test_closed_form_direction_equals_the_package_direction(name):
+    """:func:`toy.closed_form_direction` (the trajectories' route) against :func:`toy.direction` (the package's
+    autograd and solves), every method, off and on the dashed lines (where it may defer: ``None``), to float64
+    rounding: the package's kernels may fuse multiply-adds, and its NGD solves by ``pinv``."""
+    p = toy.lls_problem() if name == "lls" else toy.logistic_problem()
+    for theta in POINTS + [(0.0, 0.7), (0.4, -0.4), (0.0, 0.0), (2.5, -2.9)]:
+        for method in toy.METHODS:
+            fast = toy.closed_form_direction(p, method, *theta)
+            if fast is not None:
+                _close(fast, toy.direction(p, method, theta), 1e-13)
+    assert toy.closed_form_direction(p, "EF", *POINTS[0]) is not None
 
 
 # the starts of the figures' trajectories and two more; on the least squares, EF steps until L < 1e-3 or the cap

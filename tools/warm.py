@@ -294,7 +294,7 @@ def start(socket_path: str, parent: int, log_path: str):
     import subprocess
 
     with open(log_path, "ab") as log:
-        process = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", "--socket", socket_path,
+        process = subprocess.Popen([sys.executable, "-m", "tools.warm", "serve", "--socket", socket_path,
                                     "--parent", str(parent)], stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     return process

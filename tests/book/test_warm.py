@@ -22,8 +22,7 @@ TRAIN = ["train", "--setup", "digits-mlp", "--optimizer", "adam", "--scale", "sm
 def server(tmp_path_factory):
     """A server of this test module (preloading the companion's training stack), stopped at the end."""
     path = str(tmp_path_factory.mktemp("warm") / "s.sock")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("PYTHONPATH", None)  # as the workflow runs it: by its path, from any folder (the companion is installed)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     process = subprocess.Popen([sys.executable, "-m", "tools.warm", "serve", "--socket", path, "--parent",
                                 str(os.getpid()), "--idle", "300"], cwd=ROOT, env=env, start_new_session=True)
     for _ in range(1200):
@@ -43,8 +42,8 @@ def _client(args: list[str], socket_path: str | None, log: Path, **kw) -> subpro
     if socket_path is not None:
         env[warm.SOCKET_VARIABLE] = socket_path
     out = open(log, "wb")
-    return subprocess.Popen([sys.executable, str(ROOT / "tools" / "warm.py"), "run", "--", *args], cwd=log.parent,
-                            env=env, stdout=out, stderr=subprocess.STDOUT, **kw)
+    return subprocess.Popen([sys.executable, "-m", "tools.warm", "run", "--", *args], cwd=ROOT, env=env,
+                            stdout=out, stderr=subprocess.STDOUT, **kw)
 
 
 def _summary(out: Path, seed: int) -> dict:

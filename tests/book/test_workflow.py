@@ -480,7 +480,7 @@ def test_a_training_job_can_have_several_gpus_through_torchrun(tmp_path):
         assert re.search(r"\bgpu=1\b", block) and re.search(r"\bcpus_per_task=1\b", block), block
         # one process: the companion's command, through the warm-job client (tools/warm.py: a cluster's job finds no
         # server and runs the command itself)
-        assert re.search(r"\S+python\S* (?:-m companion|\S+/tools/warm\.py run --) train ", block), block
+        assert re.search(r"\S+python\S* -m (?:companion|tools\.warm run --) train ", block), block
         assert "torch.distributed.run" not in block, block
     for block in plan("gpus_per_train_job=4"):
         assert re.search(r"\bgpu=4\b", block) and re.search(r"\bcpus_per_task=4\b", block), block

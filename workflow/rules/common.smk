@@ -284,9 +284,7 @@ GPUS_PER_TRAIN_JOB = _gpus_per_train_job()
 # file is parsed); a cluster's jobs, a dry run's and config warm_jobs=false's run each in its own process, as a job
 # whose server is not there does. So the choice changes no result, only the time a job spends importing.
 WARM_JOBS = bool(_override("warm_jobs"))
-# The client by its path, not as ``-m tools.warm``: a job runs in the workflow's --directory, which need not be the
-# checkout (the companion itself is installed).
-COMPANION = f"{PYTHON} {ROOT / 'tools' / 'warm.py'} run --" if WARM_JOBS else f"{PYTHON} -m companion"
+COMPANION = f"{PYTHON} -m tools.warm run --" if WARM_JOBS else f"{PYTHON} -m companion"
 TRAIN_LAUNCHER = (COMPANION if GPUS_PER_TRAIN_JOB == 1 else
                   f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node {GPUS_PER_TRAIN_JOB} -m companion")
 

@@ -291,8 +291,9 @@ def tables(results: list[dict], batch: int, tokens: int, before: str) -> list[di
                      *[ratio.get(k) for k in PER_SAMPLE]])
     per_sample = harness.table(
         f"Full-parameter BERT, GPT-2, ViT ({shape}): per-sample gradients against a backward", columns, body,
-        note=f"Ratios: medians of within-round ratios, one process; 'before' is `ief` at {before} (before the HF "
-             "Conv1D and broadcast rules). n/a: the method does not run on that model (reasons in the JSON).")
+        note=f"Ratios: medians of within-round ratios, one process; 'before' is `ief` at {before}"
+             f"{' (before the HF Conv1D and broadcast rules)' if before == BEFORE else ''}. n/a: the method does not "
+             "run on that model (reasons in the JSON).")
     columns = [("model", "s"), ("AdamW step ms", ".1f"), *[(LABELS[k] + " / AdamW", ".2f") for k in STEPS]]
     body = [[res["model"], median.get("adamw_step"), *[ratio.get(k) for k in STEPS]]
             for res, ratio, median in zip(results, ratios, medians)]

@@ -28,4 +28,6 @@ def test_per_sample_keeps_nothing_of_the_call_alive():
         del result
         gc.collect()
         live.append(sum(1 for o in gc.get_objects() if torch.is_tensor(o)))
-    assert live[1:] == live[:1] * 3, f"tensors alive after each call: {live}"
+    # from the second call on, the same count: a leak grows with every call (the first call may build caches,
+    # or let go of what earlier tests left in them, so it is the baseline only for "no more than")
+    assert live[2:] == live[1:2] * 2 and live[1] <= live[0], f"tensors alive after each call: {live}"

@@ -140,6 +140,8 @@ bench: $(ENV_READY)
 	$(BENCH).distributed --json $(BENCH_RESULTS)/distributed-cpu.json
 	$(BENCH).slow_paths --json $(BENCH_RESULTS)/slow_paths-cpu.json
 	$(BENCH).gpt2_full --size mini --tokens 64 --repeats 9 --json $(BENCH_RESULTS)/gpt2_full-cpu.json
+	$(BENCH).gpt2_full --memory-only --json $(BENCH_RESULTS)/gpt2_full-small-memory-cpu.json
+	$(BENCH).hf_layers --repeats 15 --before 52bef0a --json $(BENCH_RESULTS)/hf_layers-52bef0a-cpu.json
 	$(BENCH).auto_lr --json $(BENCH_RESULTS)/auto_lr-cpu.json
 	$(PYTHON) -m benchmarks.report benchmarks/README.md
 

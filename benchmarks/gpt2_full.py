@@ -6,6 +6,8 @@ Run from the repository root::
     OMP_NUM_THREADS=1 python -m benchmarks gpt2_full --size tiny                                 # the same on a CPU
     OMP_NUM_THREADS=1 python -m benchmarks gpt2_full --size mini --tokens 64 --before 7133bdc \
         --json benchmarks/results/gpt2_full-cpu.json                                             # the CPU proxy
+    OMP_NUM_THREADS=1 python -m benchmarks gpt2_full --memory-only \
+        --json benchmarks/results/gpt2_full-small-memory-cpu.json                               # GPT-2 small's memory
 
 The model is ``GPT2LMHeadModel`` from a config with random weights (no download), every parameter trainable, eval mode
 (dropout off), float32; ``--size small`` is GPT-2 small's architecture (768 wide, 12 layers, 12 heads, vocabulary
@@ -26,12 +28,15 @@ time by phase (per-sample J, finiteness, Gram, solve, combination, update, the s
 the combination: :mod:`benchmarks.phases`) and its host round-trips and dispatched operators
 (:mod:`benchmarks.host_syncs`). ``--before REV`` also times the ``IEF`` step of the package as of git revision ``REV``
 (``git archive``, imported as ``ief_before``) in the same rounds, with its phases and counts: before and after in one
-run.
+run. ``--memory-only`` skips all of that: one steady AdamW step and one steady ``IEF`` step per head, the peak of new
+tensors each adds and what each optimiser holds (:func:`memory_head`), for GPT-2 small on a CPU, where a step takes
+seconds and the rounds would take hours.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import tempfile
 import time
 import warnings
@@ -152,6 +157,41 @@ def profile_rows(step, device: torch.device, rows: int) -> list[list]:
     return [[e.key[:60], e.count, getattr(e, attr, 0.0) / 1e3] for e in events[:rows]]
 
 
+def memory_head(args, head: str, device: torch.device) -> dict:
+    """``--memory-only``: one steady AdamW step and one steady ``IEF`` step (default ``form="auto"``) on their own
+    copies of the model, after ``warmup + 1`` steps each (the first IEF step takes its exact per-sample check): the
+    peak of new tensors each adds, what each optimiser holds from step to step and the measured step's wall seconds
+    (with the memory profiler on). No timing rounds: made for GPT-2 small on a CPU, where a step takes seconds."""
+    gc.collect()  # the previous head's models and optimisers (cycles through hooks), before this head's are built
+    model, x, y = build(args.size, head, args.batch, args.tokens, args.seed, device)
+    adam_model = copy.deepcopy(model)
+    adam = torch.optim.AdamW(adam_model.parameters(), lr=1e-4)
+
+    def adamw_step():
+        adam.zero_grad(set_to_none=True)
+        _loss(adam_model(**x).logits, y).backward()
+        adam.step()
+
+    opt = ief.optim.IEF(model, lr=1e-4)
+    steps = {"adamw_step": (adamw_step, adam), "ief_step": (lambda: opt.step(x, y), opt)}
+    peak, held, seconds = {}, {}, {}
+    with harness.OtherLoad() as load, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for key, (step, optimiser) in steps.items():
+            for _ in range(args.warmup + 1):
+                step()
+            start = time.perf_counter()
+            peak[key] = harness.peak_memory_mib(step, device)
+            seconds[key] = time.perf_counter() - start
+            held[key] = held_mib(optimiser)
+    routes = sorted(set(opt.last_step_report.routes.values()))
+    print(f"\n{args.size} GPT-2, {head} head, one steady step: peak MiB added AdamW {peak['adamw_step']:.0f}, IEF "
+          f"{peak['ief_step']:.0f}; held AdamW {held['adamw_step']:.0f}, IEF {held['ief_step']:.0f}; IEF routes "
+          f"{', '.join(routes)}", flush=True)
+    return dict(head=head, params=sum(p.numel() for p in model.parameters()), memory_only=True, peak_mib=peak,
+                held_mib=held, seconds=seconds, routes=routes, other_load_cores=load.cores)
+
+
 def run_head(args, head: str, device: torch.device, before: Any = None) -> dict:
     model, x, y = build(args.size, head, args.batch, args.tokens, args.seed, device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -197,7 +237,28 @@ def run_head(args, head: str, device: torch.device, before: Any = None) -> dict:
                 phases_ms=split, counts=counted, slow_path=slow, other_load_cores=load.cores)
 
 
+def memory_table(results: list[dict]) -> dict:
+    """The ``--memory-only`` table: one steady step's memory, IEF against AdamW."""
+    body = []
+    for r in results:
+        peak, held = r["peak_mib"], r["held_mib"]
+        both = {k: peak[k] + held[k] for k in peak}
+        body.append([r["head"], r["params"], peak["ief_step"], peak["adamw_step"],
+                     peak["ief_step"] / peak["adamw_step"], held["ief_step"], held["adamw_step"],
+                     both["ief_step"] / both["adamw_step"], ", ".join(r["routes"])])
+    return harness.table(
+        "GPT-2 full fine-tuning: one steady step's memory, IEF (form=\"auto\") against AdamW",
+        [("head", "s"), ("parameters", ",d"), ("IEF peak MiB", ".0f"), ("AdamW peak MiB", ".0f"),
+         ("peak IEF / AdamW", ".2f"), ("IEF held MiB", ".0f"), ("AdamW held MiB", ".0f"),
+         ("peak + held IEF / AdamW", ".2f"), ("IEF routes", "s")],
+        body, note="peak: the new tensors the step adds at its peak (CPU: the profiler's tensor events); held: what "
+                   "the optimiser keeps from step to step (AdamW's moments; IEF's reused J buffer of the rows it "
+                   "keeps); each after its warm-up steps, one measured step each (--memory-only: no timing rounds)")
+
+
 def summary_tables(results: list[dict], before: str | None) -> list[dict]:
+    if results and all(r.get("memory_only") for r in results):
+        return [memory_table(results)]
     body, split = [], []
     for r in results:
         by = {row["key"]: row for row in r["rows"]}
@@ -245,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-rows", type=int, default=12)
     p.add_argument("--before", default=None, help="git revision of an older ief whose IEF step is timed alongside "
                                                   "(loaded with git archive; default none)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="only one steady step's memory, AdamW and IEF (no timing rounds; GPT-2 small on a CPU)")
     args = p.parse_args(argv)
     device = harness.check_common(p, args)
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
@@ -258,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         before = load_before(args.before, folder) if args.before else None
         if args.before and before is None:
             p.error(f"--before: git archive of {args.before!r} failed")
-        results = [run_head(args, head, device, before) for head in heads]
+        results = [memory_head(args, head, device) if args.memory_only else run_head(args, head, device, before)
+                   for head in heads]
     loads = [r["other_load_cores"] for r in results if r["other_load_cores"] is not None]
     doc = harness.record("gpt2_full", argv, device, args, None, results, summary_tables(results, args.before),
                          started)

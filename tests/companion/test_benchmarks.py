@@ -417,3 +417,22 @@ def test_the_distributed_benchmark_has_an_fsdp2_row_with_peak_memory(tmp_path):
         assert peaks["ief_fsdp2"] > 4 * res["params"] and peaks["fsdp2_adamw"] > 0
     _, fsdp2 = doc["tables"]
     assert fsdp2["rows"][0][0] == "mlp" and fsdp2["rows"][0][-1] > 0
+
+
+def test_the_gpt2_full_benchmark_measures_one_steady_steps_memory_alone(tmp_path):
+    """``--memory-only`` (GPT-2 small on a CPU, where timing rounds would take hours): one steady AdamW step and one
+    steady IEF step per head, their peaks and held state, in a valid record whose one table divides them."""
+    from benchmarks import gpt2_full
+
+    path = tmp_path / "m.json"
+    assert gpt2_full.main(["--size", "tiny", "--batch", "2", "--tokens", "4", "--warmup", "1", "--memory-only",
+                           "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    harness.validate(doc)
+    (table,) = doc["tables"]
+    assert [row[0] for row in table["rows"]] == ["tied", "untied"]
+    for r, row in zip(doc["results"], table["rows"]):
+        assert r["memory_only"] and set(r["peak_mib"]) == {"adamw_step", "ief_step"}
+        assert all(v > 0 for v in r["peak_mib"].values()) and r["held_mib"]["adamw_step"] > 0
+        assert row[4] == pytest.approx(r["peak_mib"]["ief_step"] / r["peak_mib"]["adamw_step"])
+        assert "dense" in row[8] or "streamed" in row[8] or "factored" in row[8]

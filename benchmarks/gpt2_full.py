@@ -83,6 +83,19 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                                              ignore_index=ief.IGNORE_INDEX)
 
 
+def adamw_case(model, x: dict, y: torch.Tensor):
+    """``(step, optimiser)``: one AdamW step (forward, summed loss, backward, update) on its own copy of ``model``."""
+    adam_model = copy.deepcopy(model)
+    adam = torch.optim.AdamW(adam_model.parameters(), lr=1e-4)
+
+    def adamw_step():
+        adam.zero_grad(set_to_none=True)
+        _loss(adam_model(**x).logits, y).backward()
+        adam.step()
+
+    return adamw_step, adam
+
+
 def cases(model, x: dict, y: torch.Tensor, before: Any = None) -> dict:
     """The four timed calls, and with ``before`` (an older ``ief`` package) its ``IEF`` step; the steps on their own
     copies of the model."""
@@ -93,14 +106,7 @@ def cases(model, x: dict, y: torch.Tensor, before: Any = None) -> dict:
             p.grad = None
         _loss(model(**x).logits, y).backward()
 
-    adam_model = copy.deepcopy(model)
-    adam = torch.optim.AdamW(adam_model.parameters(), lr=1e-4)
-
-    def adamw_step():
-        adam.zero_grad(set_to_none=True)
-        _loss(adam_model(**x).logits, y).backward()
-        adam.step()
-
+    adamw_step, adam = adamw_case(model, x, y)
     opt = ief.optim.IEF(copy.deepcopy(model), lr=1e-4)
     rows = ief.optim.IEF(copy.deepcopy(model), lr=1e-4, form="rows")  # every weight's rows kept: the route before
     out = {
@@ -164,14 +170,7 @@ def memory_head(args, head: str, device: torch.device) -> dict:
     (with the memory profiler on). No timing rounds: made for GPT-2 small on a CPU, where a step takes seconds."""
     gc.collect()  # the previous head's models and optimisers (cycles through hooks), before this head's are built
     model, x, y = build(args.size, head, args.batch, args.tokens, args.seed, device)
-    adam_model = copy.deepcopy(model)
-    adam = torch.optim.AdamW(adam_model.parameters(), lr=1e-4)
-
-    def adamw_step():
-        adam.zero_grad(set_to_none=True)
-        _loss(adam_model(**x).logits, y).backward()
-        adam.step()
-
+    adamw_step, adam = adamw_case(model, x, y)
     opt = ief.optim.IEF(model, lr=1e-4)
     steps = {"adamw_step": (adamw_step, adam), "ief_step": (lambda: opt.step(x, y), opt)}
     peak, held, seconds = {}, {}, {}

@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [h for h in heads if h not in HEADS]
     if bad or not heads:
         p.error(f"--heads takes a comma-separated subset of {','.join(HEADS)}, got {args.heads!r}")
+    if args.memory_only and args.before:
+        p.error(f"--memory-only measures the current package only; drop --before {args.before}")
     if args.batch < 2 or args.tokens < 2:
         p.error(f"--batch and --tokens must be >= 2, got {args.batch} and {args.tokens}")
     print(harness.machine_line(harness.machine(device)), flush=True)

@@ -419,7 +419,7 @@ def test_the_distributed_benchmark_has_an_fsdp2_row_with_peak_memory(tmp_path):
     assert fsdp2["rows"][0][0] == "mlp" and fsdp2["rows"][0][-1] > 0
 
 
-def test_the_gpt2_full_benchmark_measures_one_steady_steps_memory_alone(tmp_path):
+def test_the_gpt2_full_benchmark_measures_one_steady_steps_memory_alone(tmp_path, capsys):
     """``--memory-only`` (GPT-2 small on a CPU, where timing rounds would take hours): one steady AdamW step and one
     steady IEF step per head, their peaks and held state, in a valid record whose one table divides them."""
     from benchmarks import gpt2_full
@@ -436,3 +436,6 @@ def test_the_gpt2_full_benchmark_measures_one_steady_steps_memory_alone(tmp_path
         assert all(v > 0 for v in r["peak_mib"].values()) and r["held_mib"]["adamw_step"] > 0
         assert row[4] == pytest.approx(r["peak_mib"]["ief_step"] / r["peak_mib"]["adamw_step"])
         assert "dense" in row[8] or "streamed" in row[8] or "factored" in row[8]
+    with pytest.raises(SystemExit) as exc:
+        gpt2_full.main(["--memory-only", "--before", "HEAD"])
+    assert exc.value.code == 2 and "drop --before HEAD" in capsys.readouterr().err

@@ -149,7 +149,7 @@ def test_describe_cpu_setups_and_cli_json(capsys):
     assert main(["describe", "--setup", "tweets-minilm-pt", "--scale", "cpu", "--random-weights", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["trainable_parameters"] == 20 * 384 + 384 * 3 + 3  # prompts + the new 3-class head
-    assert info["sizes"] == {"train": 1024, "validation": 256, "test": 512}
+    assert info["sizes"] == {"train": 1024, "validation": 256, "test": 2048}
     lora = describe("tweets-minilm-lora", "cpu")  # the pretrained weights of the package
     assert lora["trainable_parameters"] == 6 * 2 * 2 * 8 * 384 + 384 * 3 + 3
 
@@ -240,6 +240,24 @@ def test_validation_labels_are_the_one_validation_split_in_order():
     with pytest.raises(ValueError, match=r"mnli-t5-pt has 2 validation splits \(validation_matched, "
                                          r"validation_mismatched\)"):
         data_mod.validation_labels(resolve("mnli-t5-pt", "smoke"))
+
+def test_a_test_tail_enlarges_the_test_set_without_moving_validation_or_training():
+    """The tweets' learning rates were searched with 512 test examples before the validation set: the examples added
+    to the test set since come from the shuffled corpus's end, so validation and training are the same examples."""
+    corpus = [{"label": i % 3, "i": i} for i in range(100)]
+    before = data_mod._split(corpus, {"train": 40, "validation": 10, "test": 8}, "k")
+    after = data_mod._split(corpus, {"train": 40, "validation": 10, "test": 20}, "k", test_head=8)
+    ids = lambda split: [e["idx"] for e in split]  # noqa: E731
+    assert ids(after.train) == ids(before.train)
+    assert ids(after.validation["validation"]) == ids(before.validation["validation"])
+    assert ids(after.test["test"])[:8] == ids(before.test["test"])
+    assert ids(after.test["test"])[8:] == list(range(88, 100))
+    assert not set(ids(after.test["test"])) & set(ids(after.train) + ids(after.validation["validation"]))
+    plain = data_mod._split(corpus, {"train": 40, "validation": 10, "test": 20}, "k")
+    assert ids(plain.test["test"]) == list(range(20)) and ids(plain.train) != ids(before.train)
+    with pytest.raises(ValueError, match=r"k: 100 examples cannot hold 8 \+ 44 test, 10 validation and 40 training"):
+        data_mod._split(corpus, {"train": 40, "validation": 10, "test": 52}, "k", test_head=8)
+
 
 def test_full_scale_splits_from_hub_datasets(monkeypatch):
     from PIL import Image

@@ -186,17 +186,17 @@ def test_ief_lowest_and_best_test():
 
 
 def test_a_test_score_comparison_carries_the_test_sets_resolution():
-    """The same per-seed test differences: decided without a known test set, undecided on the 512 tweets of the cpu
+    """The same per-seed test differences: decided without a known test set, undecided on the 2,048 tweets of the cpu
     siblings (the table's scale names the setup, whose test size the rule reads)."""
-    tests = {"ief": [0.78, 0.785, 0.78], "adafactor": [0.75, 0.755, 0.752]}
+    tests = {"ief": [0.77, 0.775, 0.77], "adafactor": [0.75, 0.755, 0.752]}
     opts = {"tweets-minilm-pt": ["adafactor", "ief"]}
     bare = e2_table({"ief": [0.1] * 3, "adafactor": [0.2] * 3}, tests, setup="tweets-minilm-pt")
     assert verdict("e2_ief_vs_baseline", bare, None, opts, {"tweets-minilm-pt": "pt"})["tweets-minilm-pt"].verdict \
         == V.HOLDS
     at_cpu = e2_table({"ief": [0.1] * 3, "adafactor": [0.2] * 3}, tests, setup="tweets-minilm-pt", scale="cpu")
-    assert V.n_test_examples("tweets-minilm-pt", "cpu") == 512
+    assert V.n_test_examples("tweets-minilm-pt", "cpu") == 2048
     got = verdict("e2_ief_vs_baseline", at_cpu, None, opts, {"tweets-minilm-pt": "pt"})["tweets-minilm-pt"]
-    assert got.verdict == V.INCONCLUSIVE and "512 examples" in got.pairs[0].needs
+    assert got.verdict == V.INCONCLUSIVE and "2048 examples" in got.pairs[0].needs
 
 
 @pytest.mark.parametrize("method, ief, base, expected", [

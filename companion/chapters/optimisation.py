@@ -422,6 +422,23 @@ def seed_table(table: pd.DataFrame, curves: pd.DataFrame, setups: Sequence[str],
     return pd.DataFrame(rows).set_index(["setup", "claim", "pair"])
 
 
+def pair_view(pairs: pd.DataFrame, wide: str = "24em"):
+    """:func:`seed_table` as the chapter shows it: the "would be decided by" column (a sentence per undecided pair)
+    at least ``wide`` wide, so the browser's table layout does not squeeze it to a few words a line; the other
+    columns as the book's stylesheet sets them.
+
+    Args:
+        pairs: :func:`seed_table`'s table.
+        wide: a CSS length, the narrowest that column is drawn.
+
+    Returns:
+        A pandas ``Styler`` with the book's table class (``dataframe``).
+    """
+    column = pairs.columns.get_loc("would be decided by")
+    return pairs.style.set_table_styles([{"selector": f"td.col{column}", "props": f"min-width: {wide};"}]) \
+        .set_table_attributes('class="dataframe"')
+
+
 def budget_glue(table: pd.DataFrame, pairs: pd.DataFrame) -> dict[str, str]:
     """What the chapter says about the runs' length and what the seeds decide: ``e2_budget`` (updates per run and
     seeds, per setup, from the runs table), ``e2_pairs_decided`` (how many of :func:`seed_table`'s pairs the seeds

@@ -2,6 +2,8 @@
 the chapter discusses, and every optimiser visible."""
 from __future__ import annotations
 
+import re
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -126,6 +128,19 @@ def test_seed_table_has_every_pair_with_its_seeds():
     assert (pairs.claim == "loss ranking").sum() == 10
     on_par = pairs[pairs.pair == "iEF on par with AdamW (test)"].iloc[0]
     assert on_par["per-seed differences"] == "+0, -0.2, -0.4"
+
+
+def test_the_shown_pair_table_keeps_the_what_decides_column_wide():
+    """The undecided pairs' sentences are the table's longest cells: drawn at least 24em wide, not squeezed to a few
+    words a line, in the book's table class."""
+    from companion.chapters.optimisation import pair_view, seed_table
+
+    table, curves, opts = _grid()
+    pairs = seed_table(table, curves, ["tweets-minilm-lora"], opts, {"tweets-minilm-lora": "lora"})
+    html = pair_view(pairs).to_html()
+    column = list(pairs.columns).index("would be decided by")
+    assert 'class="dataframe"' in html and re.search(rf"td\.col{column}\s*\{{\s*min-width: 24em;", html)
+    assert html.count("<td") == pairs.size
 
 
 def test_every_glue_key_of_the_e2_chapter_is_computed():

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import torch
 
 from .jacobian import per_sample
-from .losses import IGNORE_INDEX, Loss, get_loss
+from .losses import IGNORE_INDEX, Loss, get_loss, logit_sqnorm
 from .model_call import Inputs, ReplayableForward, check_targets, resolve_params, unwrap_model
 
 DEFAULT_MAX_BYTES = 1 << 30  # J_z held in float64 up to 1 GiB
@@ -99,8 +99,7 @@ class LogitJacobian:
 
     def logit_sqnorm(self, targets: torch.Tensor) -> torch.Tensor:
         """``s_iEF [M]`` for the given labels (the unnumbered equation after Eq. (8))."""
-        g = self.loss.logit_grad(self.logits, targets)
-        return (g * g).reshape(self.m, -1).sum(dim=1)
+        return logit_sqnorm(self.loss, self.logits, targets)
 
     def sample_targets(self, generator: torch.Generator | None) -> torch.Tensor:
         """Labels drawn from the model at every kept position, exactly as :func:`ief.sampled_jacobian` draws them

@@ -228,20 +228,62 @@ def get_loss(loss: str | Loss) -> Loss:
         raise ValueError(f"unknown loss {loss!r}; accepted: {', '.join(map(repr, LOSSES))}") from None
 
 
+SQNORM_CHUNK_ENTRIES = {"cpu": 1 << 22, "accelerator": 1 << 24}  # logit entries whose probabilities are held at once
+
+
 def logit_sqnorm(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``s_iEF`` (the unnumbered equation after the paper's Eq. (8)): ``||grad_{z_n} l_n||^2`` summed over the
     sample's positions, ``[M]``.
 
+    For cross-entropy, ``||softmax(z) - onehot(y)||^2 = (1 - p_y)^2 + sum_{c != y} p_c^2`` per kept position, with
+    ``1 - p_y`` summed from the other classes' probabilities: no cancellation where ``p_y`` is near 1, where
+    ``p_y - 1`` in the logits' format would keep only its rounding. Cost: one pass over the logits in chunks of
+    positions of at most :data:`SQNORM_CHUNK_ENTRIES` entries (16 MiB of float32 on a CPU, 64 MiB on an accelerator;
+    per chunk a softmax, a scatter and two reductions), whose probabilities are the only temporary: never a
+    logits-sized one (a causal LM's ``[M, T, vocabulary]`` logits are the largest tensor of its step). Another loss:
+    its ``logit_grad``, squared and summed.
+
     Args:
         loss: the ``Loss`` (:func:`get_loss`).
-        logits: ``[M, C]`` or ``[M, T, C]``.
+        logits: ``[M, C]`` or ``[M, T, C]``; 16-bit logits are read a chunk at a time in float32.
         targets: as the loss takes them (``-100`` positions add nothing).
 
     Returns:
-        ``[M]``, in the logits' dtype.
+        ``[M]``, in the logits' dtype (float32 for 16-bit logits, never summed in 16 bits).
     """
-    grad = loss.logit_grad(logits.detach(), targets)
+    logits = logits.detach()
+    if isinstance(loss, CrossEntropy):
+        return _cross_entropy_sqnorm(logits, targets)
+    grad = loss.logit_grad(logits, targets)
     return _sum_per_sample(grad * grad)
+
+
+def _cross_entropy_sqnorm(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`logit_sqnorm` of cross-entropy, a chunk of positions at a time (``[M, C]`` read as ``[M, 1, C]``)."""
+    wide = torch.float32 if logits.dtype.itemsize < 4 else logits.dtype
+    z, y = (logits, targets) if logits.dim() == 3 else (logits.unsqueeze(1), targets.unsqueeze(1))
+    m, t, c = z.shape
+    budget = SQNORM_CHUNK_ENTRIES["cpu" if z.device.type == "cpu" else "accelerator"]
+    positions = max(1, budget // max(c, 1))  # per chunk
+    out = torch.zeros(m, dtype=wide, device=z.device)
+    if positions >= t:  # whole samples per chunk
+        step = positions // max(t, 1)
+        for lo in range(0, m, step):
+            out[lo:lo + step] = _position_sqnorms(z[lo:lo + step], y[lo:lo + step], wide).sum(dim=1)
+        return out
+    for n in range(m):  # a sample's positions split over chunks
+        for lo in range(0, t, positions):
+            out[n] += _position_sqnorms(z[n:n + 1, lo:lo + positions], y[n:n + 1, lo:lo + positions], wide).sum()
+    return out
+
+
+def _position_sqnorms(z: torch.Tensor, y: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """``||softmax(z) - onehot(y)||^2`` per position of a chunk ``[b, t, C]``, 0 where ``y`` is ignored."""
+    probs = torch.softmax(z.to(wide), dim=-1)
+    probs.scatter_(-1, y.long().clamp_min(0).unsqueeze(-1), 0.0)  # the other classes' probabilities
+    rest = probs.sum(dim=-1)  # 1 - p_y
+    others = torch.linalg.vector_norm(probs, dim=-1).square()
+    return (rest.square() + others) * (y != IGNORE_INDEX).to(wide)
 
 
 def _parses(text: str) -> bool:

@@ -8,7 +8,6 @@ the direction tests (``tests/ief/test_directions.py``'s ``as_j``) and the gloo e
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 import ief
 from ief.streamed import STREAM_BYTES, StreamedRows, choose_forms, form_costs
+from tests.memory import peak_added_bytes
 
 
 @pytest.mark.parametrize("shape, expected", [
@@ -184,17 +184,6 @@ def test_blocks_of_any_size_give_the_whole_product(monkeypatch, dtype):
         assert float((got - reference).norm()) <= 1e-12 * float(reference.norm())
 
 
-def _peak_added_bytes(fn) -> int:
-    """The peak of live CPU tensor memory above the start while ``fn()`` runs (the profiler's memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-                     and e.device_type() == torch.autograd.DeviceType.CPU), key=lambda e: e.start_ns())
-    return max(0, max(itertools.accumulate(e.nbytes() for e in events), default=0))
-
-
 T_WIDE = 16  # positions per sample of the memory test's batches
 
 
@@ -214,7 +203,7 @@ def _steady_step_bytes(model: torch.nn.Module, m: int, form: str) -> tuple[int, 
     x, y = torch.randn(m, T_WIDE, 64, generator=gen), torch.randint(0, 4, (m, T_WIDE), generator=gen)
     opt = ief.optim.IEF(copy.deepcopy(model), lr=1e-3, form=form)
     opt.step(x, y)  # step 0's exact check and the proofs a steady step keeps
-    peak = _peak_added_bytes(lambda: opt.step(x, y))
+    peak = peak_added_bytes(lambda: opt.step(x, y))
     return opt._buffer.numel() * opt._buffer.element_size() + peak, opt.last_step_report.routes
 
 

@@ -252,16 +252,20 @@ class _HookedForward:
 
     def jacobian(
         self, targets: torch.Tensor, retain_graph: bool = False, out: torch.Tensor | None = None, form: str = "dense",
-        budget: float = math.inf,
+        budget: float = math.inf, last_use: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | FactoredJacobian, _Deferred]:
         """``(losses, J, grad)`` for the given targets (``J`` in the given form, ``budget`` the bytes of rows
         ``"auto"`` may keep, see :func:`per_sample`; ``grad`` computed on first use, see :class:`PerSample`). Raises
-        ``FloatingPointError`` naming the samples whose loss or row of ``J`` is not finite."""
+        ``FloatingPointError`` naming the samples whose loss or row of ``J`` is not finite. ``last_use``: nothing
+        reads the logits after this call, so that, outside the exact check, they are let go before the backward, as
+        a first-order step lets them go (a causal LM's ``[M, T, vocabulary]`` logits are its largest tensor)."""
         logit_grads: list[torch.Tensor] = []  # dL/dz as the batch backward computed it (for the exact check)
         with torch.enable_grad(), self.kernels():
             losses = self.loss.per_sample(self.wide_logits(), targets)  # refused below with J if not finite
             handle = self.logits.register_hook(lambda g: logit_grads.append(g) if not logit_grads else None) \
                 if self.mode == "exact" and self.logits.requires_grad else None
+            if last_use and self.mode != "exact":
+                self.logits = None  # the loss's graph keeps what its backward needs
             try:
                 jac, autograd = assemble._backward_jacobian(self.capture, losses, self.params, retain_graph, out,
                                                             form, budget)
@@ -440,9 +444,9 @@ def per_sample(
     form = check_form(form)
     budget = rows_budget(model, check_memory_budget(memory_budget, form))
     fwd = _HookedForward(model, inputs, targets, params, loss, check)
-    losses, jac, gradient = fwd.jacobian(targets, out=out, form=form, budget=budget)
-    return PerSample(losses=losses, jacobian=jac, logit_sqnorm=fwd.logit_sqnorm(targets), gradient=gradient,
-                     counted=fwd.counted)
+    sqnorm = fwd.logit_sqnorm(targets)  # before the backward, which may then let the logits go
+    losses, jac, gradient = fwd.jacobian(targets, out=out, form=form, budget=budget, last_use=True)
+    return PerSample(losses=losses, jacobian=jac, logit_sqnorm=sqnorm, gradient=gradient, counted=fwd.counted)
 
 
 def sampled_jacobian(

@@ -854,3 +854,44 @@ def test_a_tied_weight_is_named_with_the_reason_it_takes_the_loop():
     with pytest.warns(ief.SlowPathWarning, match=r"lin\.weight, lin\.bias \(lin\.weight also used outside its Linear "
                                                  r"\(e\.g\. tied weights\)\)"):
         ief.per_sample(model, x, y)
+
+
+class _WideHead(torch.nn.Module):
+    """Tokens to a 4096-word vocabulary through a 4-wide embedding: the ``[M, T, V]`` logits (8 MiB at M 8, T 64) are
+    the step's largest tensor, as a causal LM's are, and the parameters are small."""
+
+    def __init__(self, vocab: int = 4096, width: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def test_a_steady_call_lets_the_logits_go_before_its_backward():
+    """A first-order step drops the logits once its loss is formed; so does a steady ``per_sample``: s_iEF is taken
+    before the backward, a chunk of positions at a time, and nothing keeps the logits through the backward. Its peak
+    then stays within a fraction of the logits of a plain backward's (keeping them, or the whole-logits s_iEF, added
+    one to four logits' worth)."""
+    from tests.memory import peak_added_bytes
+
+    torch.manual_seed(0)
+    model = _WideHead()
+    ids = torch.randint(0, 4096, (8, 64))
+    targets = torch.randint(0, 4096, (8, 64))
+    logits_bytes = 8 * 64 * 4096 * 4
+
+    def backward():
+        model.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(ids).reshape(-1, 4096), targets.reshape(-1), reduction="sum")
+        loss.backward()  # the logits are not held here: only what the loss's backward saved
+
+    def steady():
+        ief.per_sample(model, ids, targets, form="auto")
+
+    for _ in range(2):  # the first call proves the sample axis
+        backward(), steady()
+    plain, ours = peak_added_bytes(backward), peak_added_bytes(steady)
+    assert ours - plain < 0.5 * logits_bytes, f"per_sample's peak {ours / 2**20:.1f} MiB, a backward's " \
+        f"{plain / 2**20:.1f} MiB, the logits {logits_bytes / 2**20:.0f} MiB"

@@ -1,4 +1,4 @@
-"""iEF's step size: the default rate, ``lr="auto"`` and a searched rate, trained side by side (issue 37).
+"""iEF's step size: the default rate, ``lr="auto"`` and a searched rate, trained side by side.
 
 Run from the repository root (single-threaded)::
 

@@ -1,4 +1,4 @@
-"""iEF against AdamW on a Llama-style decoder with LoRA, in bfloat16 autocast and in float32 (issue 35).
+"""iEF against AdamW on a Llama-style decoder with LoRA, in bfloat16 autocast and in float32.
 
 Run from the repository root::
 

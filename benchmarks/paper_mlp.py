@@ -22,9 +22,10 @@ Reported: median and inter-quartile range per case, and the median over rounds o
 step (robust to a shared machine's slow phases). ``ief-dense`` (seconds per step, 2.7 GB) is timed only in its memory
 run.
 
-Host round-trips and operators (issue 38): after the timed rounds, one more steady-state step of each timed case is
-counted with :mod:`benchmarks.host_syncs` (a ``TorchFunctionMode`` for the reads of a tensor's value by the host,
-``bool``/``float``/``item``/``tolist``/``cpu``/``nonzero``/..., each a stall on a GPU, and a ``TorchDispatchMode``
+Host round-trips and operators (what a GPU would wait for): after the timed rounds, one more steady-state step of
+each timed case is counted with :mod:`benchmarks.host_syncs` (a ``TorchFunctionMode`` for the reads of a tensor's
+value by the host, ``bool``/``float``/``item``/``tolist``/``cpu``/``nonzero``/..., each a stall on a GPU, and a
+``TorchDispatchMode``
 for the aten operators dispatched, each a kernel launch on a GPU; Adam's CPU step reads its step counters, which on
 a GPU live on the host). With ``--device cuda`` each timed case also runs one steady step inside
 ``torch.cuda.set_sync_debug_mode("error")`` and the first synchronising call is reported (``first sync``; none: the

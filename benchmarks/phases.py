@@ -7,7 +7,7 @@ on a GPU the phases are device time and sum to a step made slower only by those 
 phase's median over the measured steps:
 
 - ``per_sample``: :func:`ief.per_sample` as the step calls it (forward, backward, the rows of ``J``; before the
-  deferred finiteness of issue 38 also the pass over ``J`` that checks it);
+  deferred finiteness check also the pass over ``J`` that checks it);
 - ``finite``: :meth:`ief.rows.Rows.finite_flag`, wherever it is called (inside ``per_sample`` or ``update``: a nested
   phase, also counted in its caller);
 - ``gram``, ``solve``, ``combine``: :meth:`~ief.rows.Rows.gram` (of every form: the dense rows, the factored ones,

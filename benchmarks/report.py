@@ -31,13 +31,13 @@ HEADINGS = {
     "step": "The op-cost table",
     "fvp": "The Fisher-vector product against its floor",
     "hf_layers": "Full-parameter Hugging Face models: per-sample gradients and one IEF step",
-    "slow_paths": "Issue 34's slow paths: per-sample gradients on the models people fine-tune",
+    "slow_paths": "Slow paths: per-sample gradients on the models people fine-tune",
     "paper_mlp": "The paper's MLP, one optimiser step",
     "conv2d": "Per-sample gradients of a CNN",
     "evaluation": "The evaluation, per checkpoint",
     "damping_sweep": "The damping sweep",
     "distributed": "The exact iEF step across processes against DDP + AdamW",
-    "auto_lr": "iEF's step size: the default, lr=\"auto\" and a searched rate (issue 37)",
+    "auto_lr": "iEF's step size: the default, lr=\"auto\" and a searched rate",
     "defaults": "iEF's default rate across label counts, beside AdamW",
 }
 

@@ -1,11 +1,11 @@
-"""The slow paths of issue 34: per-sample J on the models people fine-tune today, against a plain backward.
+"""The slow paths: per-sample J on the models people fine-tune today, against a plain backward.
 
 Run from the repository root::
 
     OMP_NUM_THREADS=1 python -m benchmarks slow_paths                 # every case, one thread, CPU
     python -m benchmarks slow_paths --cases dora-m16 t5 --repeats 3 --json out.json
 
-Issue 34 ("Exact and fast on the models people fine-tune today") measured ``ief.per_sample`` over a plain backward
+The work on the models people fine-tune today measured ``ief.per_sample`` over a plain backward
 on these models and set the goal: at ``M = 16``, at most 2x a backward and no ``SlowPathWarning``. Cases (one
 process, round-robin, ``benchmarks.harness``), every model from a small config with random weights (``transformers``
 and ``peft``, no download; hidden 128, 2 layers, 4 heads, intermediate 512, vocabulary 1000, ``T = 32`` tokens,
@@ -17,7 +17,7 @@ float32, eval mode, dropout off):
   other adapters (IA3 on key / value / output.dense with output.dense as the feedforward module; AdaLoRA, LoHa and
   LoKr at rank 8 on query / value; VeRA rank 8 on query / value; LoRA rank 8 on the word embeddings and query /
   value; p-tuning with 20 virtual tokens and an MLP prompt encoder, measured now after ``ief.per_sample_prompts``
-  as the ``SlowPathWarning`` advises, which took prompt tuning only before issue 34);
+  as the ``SlowPathWarning`` advises, which took prompt tuning only before the adapters' rules);
 - ``llama``, ``mistral``, ``qwen2``, ``qwen2-tied``: full fine-tuning of ``*ForCausalLM`` (grouped-query attention,
   2 key/value heads; Qwen2 also with tied embeddings), next-token targets;
 - ``gpt2-tied``, ``gpt2-untied``: full fine-tuning of ``GPT2LMHeadModel``, its head tied to the token table or not;
@@ -25,11 +25,11 @@ float32, eval mode, dropout off):
   (tied table and head, ``T = 32`` input and label tokens, relative attention biases).
 
 Per case: ``backward`` (forward, ``L = sum_n l_n``, backward: the reference of every ratio), ``ief.per_sample``
-before issue 34's rules (``--before``, loaded from git as the package ``ief_before``, dense as the issue measured it)
+before the adapters' rules (``--before``, loaded from git as the package ``ief_before``, dense as the issue measured it)
 and now, with ``form="auto"`` (the optimisers' form) and dense. Before timing, the forms' ``J`` are compared with
 the dense one now (largest relative difference, a sanity check: the tests compare them with the float64 oracle) and
 the parameter tensors that take the per-sample loop are listed from each version's ``SlowPathWarning`` (a fresh copy
-of the model: the warning is given once per model). The last column is issue 34's own measurement (another run,
+of the model: the warning is given once per model). The last column is the measurement that set the goal (another run,
 not side by side: context only).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ import ief
 from benchmarks import harness
 from benchmarks.hf_layers import load_before, looped
 
-BEFORE_REV = "91cdaef"  # the last commit before issue 34's rules (peft adapters, DoRA, T5's biases)
+BEFORE_REV = "91cdaef"  # the last commit before the adapters' rules (peft adapters, DoRA, T5's biases)
 VOCAB, HIDDEN, LAYERS, HEADS, INTERMEDIATE = 1000, 128, 2, 4, 512
 ADAPTERS = ("lora", "dora", "ia3", "adalora", "loha", "lokr", "vera", "lora-embedding", "p-tuning")
 FULL = ("llama", "mistral", "qwen2", "qwen2-tied", "gpt2-tied", "gpt2-untied", "roberta", "t5")
@@ -55,7 +55,7 @@ FULL = ("llama", "mistral", "qwen2", "qwen2-tied", "gpt2-tied", "gpt2-untied", "
 CASES = {f"{a}-m{m}": (a, m) for a in ("lora", "dora") for m in (4, 16, 32)}
 CASES.update({a: (a, 16) for a in ADAPTERS[2:]})
 CASES.update({f: (f, 16) for f in FULL})
-# issue 34's measurements (per-sample J / backward; another run, for context)
+# the measurements that set the goal (per-sample J / backward; another run, for context)
 ISSUE = {
     "dora-m4": "x6.6", "dora-m16": "x12.7", "dora-m32": "x21.4", "lora-m4": "x1.5", "lora-m16": "x1.8",
     "lora-m32": "x2.0", **{a: "x3.4-x5.6 (M = 4)" for a in ADAPTERS[2:]}, "llama": "x5.1", "mistral": "x5.1",
@@ -216,10 +216,10 @@ def _looped(res: dict, key: str) -> str | None:
 
 def tables(results: list[dict], tokens: int, before: str) -> list[dict]:
     """One table: per case, the tensors looped before and now, the ratios to a backward before and now (both forms),
-    issue 34's figure."""
+    the goal's figure."""
     columns = [("case", "s"), ("M", "d"), ("looped before", "s"), ("looped now", "s"), ("backward ms", ".1f"),
                ("before (dense) / backward", ".2f"), ("now `form=\"auto\"` / backward", ".2f"),
-               ("now dense / backward", ".2f"), ("issue 34's figure", "s")]
+               ("now dense / backward", ".2f"), ("the goal's figure", "s")]
     body = []
     for res in results:
         by = {r["key"]: r for r in res["rows"]}
@@ -227,12 +227,12 @@ def tables(results: list[dict], tokens: int, before: str) -> list[dict]:
                      by["backward"]["median_ms"], by.get("ief_before", {}).get("ratio"), by["ief_auto"]["ratio"],
                      by["ief_dense"]["ratio"], ISSUE.get(res["case"])])
     return [harness.table(
-        f"Issue 34's slow paths (hidden 128, 2 layers, T = {tokens}): per-sample J against a plain backward",
+        f"Slow paths (hidden 128, 2 layers, T = {tokens}): per-sample J against a plain backward",
         columns, body,
         note=f"Ratios: medians of within-round ratios, one process, each case's calls round-robin; 'before' is `ief` "
-             f"at {before} (before issue 34's rules). Goal: at M = 16, at most 2x a backward and no tensor looped "
-             "(looped tensors: the SlowPathWarning's, by kind; their names in the JSON). \"issue 34's "
-             "figure\": the issue's own measurement (another run; context, not side by side).")]
+             f"at {before} (before the adapters' rules). Goal: at M = 16, at most 2x a backward and no tensor looped "
+             "(looped tensors: the SlowPathWarning's, by kind; their names in the JSON). \"the goal's "
+             "figure\": the measurement that set the goal (another run; context, not side by side).")]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
-"""``python -m benchmarks slow_paths`` (issue 34's table): every case builds and runs, its two forms of ``J`` agree,
-the table carries each case's own numbers, and the T5 case (the relative attention biases) takes no loop."""
+"""``python -m benchmarks slow_paths`` (the slow paths' table): every case builds and runs, its two forms of ``J``
+agree, the table carries each case's own numbers, and the T5 case (the relative attention biases) takes no loop."""
 from __future__ import annotations
 
 import warnings

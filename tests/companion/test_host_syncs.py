@@ -1,4 +1,4 @@
-"""A steady-state optimiser step at a GPU's pace, counted on the CPU (issue 38): host round-trips (each stalls the host
+"""A steady-state optimiser step at a GPU's pace, counted on the CPU: host round-trips (each stalls the host
 until a GPU drains its queue) and dispatched aten operators (each at least one kernel launch), against an AdamW step
 on the same model (forward, backward, ``step``, ``zero_grad``), with :mod:`benchmarks.host_syncs`.
 

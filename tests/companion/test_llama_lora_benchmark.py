@@ -1,5 +1,5 @@
-"""``benchmarks.llama_lora`` (issue 35) at its tiny size on a CPU, and the step benchmark's bf16 rows: the GPU
-benchmarks' own code runs here, times the four steps, and writes a valid record with its table."""
+"""``benchmarks.llama_lora`` (low precision as users train) at its tiny size on a CPU, and the step benchmark's bf16
+rows: the GPU benchmarks' own code runs here, times the four steps, and writes a valid record with its table."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """``torch.compile`` of the iEF step's solve on the paper's MLP (``sec:app-mlp-cifar10``: 3072-2048-2048-10 ReLU,
-here with a batch of 16) on a CPU, against the eager solve (issue 38: a capturable step).
+here with a batch of 16) on a CPU, against the eager solve (a capturable step, which a GPU can replay as a CUDA graph).
 
 The solve is what an :class:`ief.optim.IEF` step does after its per-sample rows (``eqn:iEF_lsq``): the Gram matrix of
 the factored rows, the damped solve, the combination ``J^T c`` into the direction (:func:`ief.directions.ief_solve`).

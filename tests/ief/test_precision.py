@@ -1,4 +1,4 @@
-"""Low precision as users train (``ief.precision``, issue 35): bfloat16 autocast, a bfloat16 base with float32 LoRA,
+"""Low precision as users train (``ief.precision``): bfloat16 autocast, a bfloat16 base with float32 LoRA,
 pure bfloat16 parameters, ``IEFTrainer(bf16=True)``; float16 refused.
 
 Oracle: the same function in float64 (``oracle.per_sample``: explicit per-sample autograd loops of a float64 copy

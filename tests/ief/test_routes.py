@@ -63,7 +63,7 @@ RTOL = {torch.float64: 1e-6, torch.float32: 1e-2}  # gamma-like quantities and d
 # The random direction's gamma against the oracle, float64, where a model's measured gap exceeds RTOL: llama-dora
 # differs by 0.9e-6 (AVX2) and 1.34e-6 (ATEN_CPU_CAPABILITY=default), while gammas and gamma agree to 1e-9 and the
 # iEF/EF/SF directions' gammas to 1e-6; the cause (a float32-level step in peft DoRA's forward-mode or oracle path)
-# is not found yet: an open question of issue 34's follow-up, bounded here at 5x the measured gap, not hidden.
+# is not found yet: an open question, bounded here at 5x the measured gap, not hidden.
 RANDOM_GAMMA_RTOL64 = {"llama-dora": 7e-6}
 MARGIN = 10.0  # a tolerance is at least MARGIN x the problem's sensitivity to rounding (see Sensitivity)
 SEED = 0  # SF / K-FAC labels: manual_seed(SEED), which is also evaluate's batch_generator(SEED, 0) for SEED = 0

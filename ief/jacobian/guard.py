@@ -234,11 +234,12 @@ def check_directional_derivatives(forward: ReplayableForward, params: Sequence[t
             for (u, w), p in zip(tangents, params)]  # formed in the parameter's dtype (no float64 [K, P])
     low = _sixteen_bit(forward_format, jac.dtype)
     _, jvs = jvps_any_mode(forward, params, names, full)
-    g = grad_z.detach().to(torch.float64).reshape(1, m, -1)
-    exact = (g * jvs.to(torch.float64).reshape(CHECK_TANGENTS, m, -1)).sum(dim=2).T  # [M, K]
+    g = grad_z.detach().to(torch.float64).reshape(m, 1, -1)
+    exact = _contract(g, jvs)  # [M, K]
+    del jvs
     again = None
     if low is not None:  # the same products by reverse mode (double backward), tangents x 3: rounded otherwise
-        again = (g * _reverse_mode_products(forward, params, full).reshape(CHECK_TANGENTS, m, -1)).sum(dim=2).T
+        again = _contract(g, _reverse_mode_products(forward, params, full))
     del full
     offsets = [0, *torch.tensor([p.numel() for p in params]).cumsum(0).tolist()]
     hooked = _hooked_products(jac, tangents, offsets)
@@ -270,6 +271,14 @@ def check_directional_derivatives(forward: ReplayableForward, params: Sequence[t
         )
         mismatch.worst, mismatch.tolerance = float(rel[n]), tol
         raise mismatch
+
+
+def _contract(g: torch.Tensor, products: torch.Tensor) -> torch.Tensor:
+    """``sum_c g[n, c] products[k, n, c]`` in float64, ``[M, K]`` (``g``: ``[M, 1, C]`` float64; ``products``:
+    ``[K, M, ...]`` logit-shaped), one tangent at a time: a float64 copy of one ``[M, C]``, never of all ``K`` (a
+    causal LM's ``K x [M, T, vocabulary]`` products are the largest tensors of the check)."""
+    m = g.shape[0]
+    return torch.stack([torch.bmm(g, p.reshape(m, -1, 1).to(torch.float64)).reshape(m) for p in products], dim=1)
 
 
 def check_rounding(jac: torch.Tensor | FactoredJacobian, reference: torch.Tensor | FactoredJacobian,

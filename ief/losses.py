@@ -259,9 +259,13 @@ def logit_sqnorm(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> tor
 
 
 def _cross_entropy_sqnorm(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """:func:`logit_sqnorm` of cross-entropy, a chunk of positions at a time (``[M, C]`` read as ``[M, 1, C]``)."""
+    """:func:`logit_sqnorm` of cross-entropy, a chunk of positions at a time (``[M, C]`` read as ``[M, 1, C]``, and
+    ``[M, T1, T2, ..., C]`` as ``[M, T1 T2 ..., C]``)."""
     wide = torch.float32 if logits.dtype.itemsize < 4 else logits.dtype
-    z, y = (logits, targets) if logits.dim() == 3 else (logits.unsqueeze(1), targets.unsqueeze(1))
+    if logits.dim() == 2:
+        z, y = logits.unsqueeze(1), targets.unsqueeze(1)
+    else:
+        z, y = logits.flatten(1, -2), targets.flatten(1)
     m, t, c = z.shape
     budget = SQNORM_CHUNK_ENTRIES["cpu" if z.device.type == "cpu" else "accelerator"]
     positions = max(1, budget // max(c, 1))  # per chunk

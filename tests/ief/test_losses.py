@@ -52,6 +52,13 @@ def test_a_classifier_and_masked_classes():
                                rtol=1e-12, atol=0)
 
 
+def test_positions_over_several_axes():
+    """``[M, H, W, C]`` logits (a segmentation map): every position of a sample is summed, as over ``[M, T, C]``."""
+    logits, targets = _batch(t=6, dtype=torch.float64)
+    got = ief.logit_sqnorm(ief.get_loss("cross_entropy"), logits.reshape(3, 2, 3, 11), targets.reshape(3, 2, 3))
+    torch.testing.assert_close(got, _oracle_sqnorm(logits, targets), rtol=1e-12, atol=0)
+
+
 def test_a_confident_prediction_keeps_its_digits_in_float32():
     """Near ``p_y = 1`` the gradient is ``1 - p_y`` in size: summed from the other classes' probabilities it keeps
     float32's relative accuracy, where ``p_y - 1`` in float32 would keep only ``p_y``'s rounding (~6e-8 of 1e-6,

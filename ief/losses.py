@@ -245,7 +245,7 @@ def logit_sqnorm(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> tor
 
     Args:
         loss: the ``Loss`` (:func:`get_loss`).
-        logits: ``[M, C]`` or ``[M, T, C]``; 16-bit logits are read a chunk at a time in float32.
+        logits: ``[M, C]``, ``[M, T, C]`` or more position axes; 16-bit logits are read a chunk at a time in float32.
         targets: as the loss takes them (``-100`` positions add nothing).
 
     Returns:

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from .asset_folder import Item, MissingResource, assets_dir, go_offline, local_item
-from .setups import GLUE_FIELDS, GLUE_LABEL_WORDS, SetupConfig
+from .setups import GLUE_FIELDS, GLUE_LABEL_WORDS, TWEETS_TEST_HEAD, SetupConfig
 
 SPLIT_SEED = 0  # the fixed seed of every held-out split and subsample
 
@@ -224,9 +224,6 @@ def _digits(sizes: dict[str, int | None]) -> Data:
 
 
 TWEET_CLASSES = ("negative", "neutral", "positive")
-# The tweets' test examples drawn before the validation set: the cpu setups' test split was 512 when their learning
-# rates were searched; the examples added since come from the corpus's end (see _split).
-TWEETS_TEST_HEAD = 512
 
 
 def tweets_csv() -> Path:

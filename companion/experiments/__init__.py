@@ -4,12 +4,12 @@
 >>> describe("digits-mlp", "smoke")["trainable_parameters"]            # doctest: +SKIP
 >>> train("digits-mlp", "ief", seed=0, scale="smoke", out="runs")       # doctest: +SKIP
 
-Command line: ``python -m companion describe --setup S --scale X [--random-weights] [--json]`` and
-``python -m companion train --setup S --optimizer O --seed K --scale X --out DIR [--precision bf16]``. Modules:
-:mod:`.setups` (names and hyperparameters), :mod:`.data`, :mod:`.models`, :mod:`.tasks` (inputs, targets,
-predictions), :mod:`.metrics`, :mod:`.optimizers`, :mod:`.precision` (a run's forward precision), :mod:`.store` (the
-run folder), :mod:`.runner` (a run) with :mod:`.run_checks` (its arguments checked), :mod:`.resume` (its checkpoints
-read back) and :mod:`.run_log` (its printed lines), and :mod:`.setup_description` (a setup described).
+Command line: ``python -m companion describe --setup S --scale X [--random-weights] [--json]`` and ``python -m companion
+train --setup S --optimizer O --seed K --scale X --out DIR [--precision bf16]``. Modules: :mod:`.setups` (names and
+sizes) with :mod:`.optimizer_tables` (hyperparameters), :mod:`.data`, :mod:`.models`, :mod:`.tasks` (inputs, targets,
+predictions), :mod:`.metrics`, :mod:`.optimizers`, :mod:`.precision` (a run's forward precision), :mod:`.store` (the run
+folder), :mod:`.runner` (a run) with :mod:`.run_checks` (its arguments checked), :mod:`.resume` (its checkpoints read
+back) and :mod:`.run_log` (its printed lines), and :mod:`.setup_description` (a setup described).
 """
 from .asset_folder import MissingResource
 from .run_log import format_summary

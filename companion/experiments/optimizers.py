@@ -37,7 +37,7 @@ from ief.optim import EF, IEF, KFAC, SF
 from . import processes
 from .convention import CONVENTIONS, REDUCTION
 from .processes import Processes
-from .setups import OptimizerConfig
+from .optimizer_tables import OptimizerConfig
 
 EXACT = ("ief", "ef", "sf")
 KFAC_KINDS = ("kfac", "ekfac", "iekfac")

@@ -10,27 +10,31 @@ pretrained model shipped in PyPI packages) and ``smoke`` (every name: tiny model
 with a learnable rule, seconds per run). The same code builds and trains every scale; only the sources and sizes
 differ. :func:`resolve` gives a :class:`SetupConfig`, a plain frozen record that the runner writes as ``config.json``.
 
-Hyperparameters at ``full`` are the paper's (``sec:app-optimiser``, ``sec:app-mlp-cifar10``); combinations the paper
-did not run (say Adafactor on LoRA) carry values marked ``not in the paper``. The paper's EF/SF/iEF learning rates and
-dampings are for its code's loss, the mean over the batch's target tokens: those optimisers carry
-``options["convention"] = "token-mean"`` and are converted to ``ief``'s sum convention for every batch
-(:mod:`.convention`; at smoke scale too, for the paper's setups). At ``cpu`` the learning rates are
-the choices of a search over the paper's own grids on the validation split (:mod:`.search`, recorded in
-``companion/experiments/lr_search/cpu-<setup>.json``; :data:`CPU_LEARNING_RATES`); every other value (damping, weight
-decay, schedule) is the paper's for the analogous setup. The smoke versions of the CPU siblings use the same values.
+The optimisers' hyperparameters (:mod:`.optimizer_tables`): at ``full`` they are the paper's (``sec:app-optimiser``,
+``sec:app-mlp-cifar10``); combinations the paper did not run (say Adafactor on LoRA) carry values marked ``not in the
+paper``. The paper's EF/SF/iEF learning rates and dampings are for its code's loss, the mean over the batch's target
+tokens: those optimisers carry ``options["convention"] = "token-mean"`` and are converted to ``ief``'s sum convention
+for every batch (:mod:`.convention`; at smoke scale too, for the paper's setups). At ``cpu`` the learning rates are the
+choices of a search over the paper's own grids on the validation split (:mod:`.search`, recorded in
+``companion/experiments/lr_search/cpu-<setup>.json``; :data:`.optimizer_tables.CPU_LEARNING_RATES`); every other value
+(damping, weight decay, schedule) is the paper's for the analogous setup. The smoke versions of the CPU siblings use the
+same values.
 
 The experiment grid is defined here too, once: per scale the setups, seeds and whether the practical optimisers run
-(:data:`GRIDS`, :func:`grid_runs`), the optimisers per method (:data:`E2_OPTIMIZERS`, :data:`PRACTICAL_OPTIMIZERS`),
-the baselines (:data:`BASELINE`) and the evaluation framework's seed and knobs (:data:`EVALUATION_SEED`,
-:data:`EVALUATION_KNOBS`). The workflow (``workflow/rules/common.smk``) loads this module on its own at parse time, so
-it imports nothing beyond the standard library; ``config/config.yaml`` holds overrides only.
+(:data:`GRIDS`, :func:`grid_runs`), the optimisers per method (:data:`E2_OPTIMIZERS`, :data:`PRACTICAL_OPTIMIZERS`), the
+baselines (:data:`BASELINE`) and the evaluation framework's seed and knobs (:data:`EVALUATION_SEED`,
+:data:`EVALUATION_KNOBS`). The workflow (``workflow/rules/common.smk``) loads this module and :mod:`.optimizer_tables`
+without the companion's package (whose ``__init__`` imports torch) at parse time, so both import nothing beyond the
+standard library; ``config/config.yaml`` holds overrides only.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any
+
+from .optimizer_tables import OptimizerConfig, cpu_searched, lora_optimizers, mlp_optimizers, pt_optimizers
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte")
 SCALES = ("full", "cpu", "smoke")
@@ -81,23 +85,6 @@ GLUE_SCHEDULE = {
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
-    """One optimiser's hyperparameters. ``schedule``: ``constant``; ``normalised-linear`` (each update rescaled to
-    norm ``lr``, decaying linearly to 0 over the run: the paper's EF/SF schedule); ``multistep`` (``lr`` times
-    ``gamma`` at each epoch in ``milestones``: the paper's Adam/SGD schedule for the MLP)."""
-
-    name: str
-    lr: float
-    weight_decay: float = 0.0
-    damping: float | None = None
-    schedule: str = "constant"
-    milestones: tuple[int, ...] = ()
-    gamma: float = 0.1
-    options: dict[str, Any] = field(default_factory=dict)
-    source: str = ""
-
-
-@dataclass(frozen=True)
 class SetupConfig:
     """A setup resolved at one scale: everything a run needs, as plain data (written to ``config.json``)."""
 
@@ -138,133 +125,6 @@ def scales_of(name: str) -> tuple[str, ...]:
     return ("full", "smoke") if name in PAPER_SETUPS else ("cpu", "smoke")
 
 
-# ------------------------------------------------------------------------------------------- optimiser tables
-_NOT_IN_PAPER = "not in the paper"
-_ADAFACTOR = dict(scale_parameter=False, relative_step=False, warmup_init=False, decay_rate=-0.8, clip_threshold=1.0)
-
-
-# The paper's EF/SF/iEF values are for its code's loss, the mean over the batch's target tokens; they are converted to
-# ief's sum convention for every batch (companion.experiments.convention). Setups searched here (cpu) are in ief's
-# convention.
-_TOKEN_MEAN = {"convention": "token-mean",
-               "sum_convention": "per batch of K target tokens: iEF lr/K, damping*K^2; normalised EF/SF lr, "
-                                 "damping*K^2; un-normalised EF/SF lr*K, damping*K^2 "
-                                 "(companion.experiments.convention)"}
-
-
-def _paper_rates(token_mean: bool) -> dict[str, Any]:
-    return dict(_TOKEN_MEAN) if token_mean else {}
-
-
-def _pt_optimizers(source: str, token_mean: bool = True) -> dict[str, OptimizerConfig]:
-    """Prompt tuning (sec:app-optimiser, "Prompt Tuning + T5-base on GLUE"). Adafactor's "beta_2 = 0.8" is the
-    T5X ``decay_rate=0.8`` (beta_2 at step t = 1 - t^-0.8), which transformers' Adafactor spells ``decay_rate=-0.8``.
-    ``token_mean``: EF/SF/iEF rates and dampings in the paper's token-mean convention (converted per batch)."""
-    o = _paper_rates(token_mean)
-    table = {
-        "adafactor": OptimizerConfig("adafactor", 0.3, weight_decay=1e-5, options=dict(_ADAFACTOR), source=source),
-        "sgd": OptimizerConfig("sgd", 100.0, source=source),
-        "ief": OptimizerConfig("ief", 50.0, damping=1e-12, options=dict(o), source=source),
-        "ef": OptimizerConfig("ef", 1.0, damping=1e-12, schedule="normalised-linear", options=dict(o), source=source),
-        "sf": OptimizerConfig("sf", 1.0, damping=1e-12, schedule="normalised-linear", options=dict(o), source=source),
-        "adamw": OptimizerConfig("adamw", 0.03, weight_decay=1e-5,
-                                 source=f"{_NOT_IN_PAPER} (peft's prompt-tuning examples use AdamW lr 3e-2)"),
-    }
-    # prompt embeddings are not nn.Linear: no K-FAC family
-    return {**table, **_practical_optimizers(table["ief"], linear=False, kfac_damping=0.0)}
-
-
-def _lora_optimizers(source: str, token_mean: bool = True) -> dict[str, OptimizerConfig]:
-    """LoRA (sec:app-optimiser, "LoRA + T5-base on GLUE"; "the same hyperparameters" for ViT + CIFAR100)."""
-    o = _paper_rates(token_mean)
-    table = {
-        "adamw": OptimizerConfig("adamw", 1e-3, weight_decay=1e-2, source=source),
-        "sgd": OptimizerConfig("sgd", 0.1, source=source),
-        "ief": OptimizerConfig("ief", 100.0, damping=1e-7, options=dict(o), source=source),
-        "ef": OptimizerConfig("ef", 0.01, damping=1e-7, schedule="normalised-linear", options=dict(o), source=source),
-        "sf": OptimizerConfig("sf", 0.01, damping=1e-7, schedule="normalised-linear", options=dict(o), source=source),
-        "adafactor": OptimizerConfig("adafactor", 1e-3, weight_decay=1e-5, options=dict(_ADAFACTOR),
-                                     source=f"{_NOT_IN_PAPER} (prompt tuning's Adafactor settings, AdamW's lr)"),
-    }
-    # LoRA's trainable parameters are nn.Linear (the adapters; a classifier head where there is one). K-FAC damping 1:
-    # on tweets-minilm-lora (sum over 32 samples) 1e-2 reached 40.6 % validation at lr 0.01, 1 reached 61.3 % (a probe
-    # before the search); the MLP's value too
-    return {**table, **_practical_optimizers(table["ief"], linear=True, kfac_damping=1.0)}
-
-
-def _mlp_optimizers(source: str, milestone: int, token_mean: bool = True) -> dict[str, OptimizerConfig]:
-    """The MLP (sec:app-mlp-cifar10): multi-step (x0.1) schedule for Adam and SGD, constant iEF, normalised linear
-    EF/SF. The paper states no damping for this experiment; iEF/EF/SF use the LoRA value 1e-7 here. The token-mean
-    convention (K = M, the batch mean of torch's cross-entropy) is assumed: no code was released for this setup."""
-    ms = (milestone,)
-    damping_note = f"{source}; damping not stated in the paper (1e-7 as for LoRA)"
-    o = _paper_rates(token_mean)
-    table = {
-        "adam": OptimizerConfig("adam", 1e-4, schedule="multistep", milestones=ms, source=source),
-        "sgd": OptimizerConfig("sgd", 0.1, schedule="multistep", milestones=ms, source=source),
-        "ief": OptimizerConfig("ief", 50.0, damping=1e-7, options=dict(o), source=damping_note),
-        "ef": OptimizerConfig("ef", 1e-4, damping=1e-7, schedule="normalised-linear", options=dict(o),
-                              source=damping_note),
-        "sf": OptimizerConfig("sf", 0.1, damping=1e-7, schedule="normalised-linear", options=dict(o),
-                              source=damping_note),
-        "adamw": OptimizerConfig("adamw", 1e-4, weight_decay=1e-2, schedule="multistep", milestones=ms,
-                                 source=f"{_NOT_IN_PAPER} (Adam's lr and schedule, AdamW's weight decay)"),
-        "adafactor": OptimizerConfig("adafactor", 1e-3, weight_decay=0.0, options=dict(_ADAFACTOR),
-                                     source=f"{_NOT_IN_PAPER} (prompt tuning's Adafactor settings)"),
-    }
-    # K-FAC damping 1: on digits-mlp (sum over 64 samples) 0.1 diverged at every rate 0.01..1 and 1 reached 97.5 %
-    # validation at lr 0.01 (a probe before the search)
-    return {**table, **_practical_optimizers(table["ief"], linear=True, kfac_damping=1.0)}
-
-
-_PRACTICAL = "ours, beyond the paper"
-# iEF + momentum + decoupled weight decay (ief.optim.momentum): momentum 0.9 with dampening 0.9 (the exponential
-# average: a constant direction is stepped lr far, so the rate keeps iEF's meaning); weight decay 1e-4 (a shrink of
-# lr * 1e-4 per step: about AdamW's lr 1e-3 * 1e-2 per step on LoRA at iEF's lr ~0.3)
-_MOMENTUM = {"momentum": 0.9, "dampening": 0.9}
-# the K-FAC family (ief.optim.KFAC): running factors (decay 0.95), eigendecompositions every 10 steps, Tikhonov
-# damping on the whole Kronecker block; the sum convention only (KFAC refuses reduction="mean")
-_KFAC = {"factor_decay": 0.95, "inverse_every": 10}
-
-
-def _practical_optimizers(ief: OptimizerConfig, linear: bool, kfac_damping: float) -> dict[str, OptimizerConfig]:
-    """The beyond-the-paper optimisers of a method: ``ief-momentum`` (from its ``ief`` row: the same rate, damping
-    and loss convention) and, where every trainable parameter is an ``nn.Linear`` (``linear``), K-FAC, eKFAC and
-    ieKFAC with ``kfac_damping``. Rates: iEF's for ``ief-momentum``, 0.1 for the K-FAC family (the cpu searches
-    replace them; at full scale they are not searched: provisional)."""
-    out = {"ief-momentum": dataclasses.replace(ief, name="ief-momentum", weight_decay=1e-4,
-                                               options={**ief.options, **_MOMENTUM}, source=_PRACTICAL)}
-    if linear:
-        for kind in ("kfac", "ekfac", "iekfac"):
-            out[kind] = OptimizerConfig(kind, 0.1, damping=kfac_damping, options=dict(_KFAC), source=_PRACTICAL)
-    return out
-
-
-# Chosen by `python -m companion search --scale cpu` (companion.experiments.search): one seed per rate, the paper's
-# grids, the best validation score. The records, with every trial, are companion/experiments/lr_search/cpu-<setup>.json;
-# a test keeps this table equal to them.
-CPU_LEARNING_RATES: dict[str, dict[str, float]] = {
-    "digits-mlp": {"adam": 1e-2, "adamw": 1e-2, "adafactor": 1e-2, "sgd": 0.5, "ief": 3.0, "ef": 10.0, "sf": 0.1,
-                   "ief-momentum": 0.3, "kfac": 0.01, "ekfac": 0.01, "iekfac": 0.01},
-    "tweets-minilm-lora": {"adamw": 3e-3, "adafactor": 1e-2, "sgd": 1.0, "ief": 0.3, "ef": 0.1, "sf": 1.0,
-                           "ief-momentum": 1.0, "kfac": 0.03, "ekfac": 0.03, "iekfac": 0.03},
-    "tweets-minilm-pt": {"adafactor": 0.03, "adamw": 1e-2, "sgd": 1.0, "ief": 1.0, "ef": 0.1, "sf": 1.0,
-                         "ief-momentum": 0.3},
-}
-
-
-def _cpu_searched(name: str, base: dict[str, OptimizerConfig]) -> tuple[dict[str, OptimizerConfig], bool]:
-    """``base`` with the searched cpu learning rates; ``(table, provisional)`` (provisional: no search recorded)."""
-    chosen = CPU_LEARNING_RATES.get(name)
-    if chosen is None:
-        return {o: dataclasses.replace(c, source=f"PROVISIONAL ({c.source}) pending a learning-rate search")
-                for o, c in base.items()}, True
-    where = f"cpu lr search: companion/experiments/lr_search/cpu-{name}.json"
-    return {o: dataclasses.replace(c, lr=chosen[o], source=f"{where}; other values: {c.source}") if o in chosen
-            else dataclasses.replace(c, source=f"PROVISIONAL ({c.source}) pending a learning-rate search")
-            for o, c in base.items()}, False
-
-
 # ---------------------------------------------------------------------------------------------- definitions
 _LORA_T5 = dict(r=8, lora_alpha=8, lora_dropout=0.1, target_modules=("q", "v"), bias="none")
 _PT = dict(num_virtual_tokens=20, num_transformer_submodules=1, init="SAMPLE_VOCAB")
@@ -296,7 +156,7 @@ def _t5(task: str, method: str, scale: str) -> SetupConfig:
             num_classes=len(GLUE_LABEL_WORDS[task]), batch_size=32, eval_batch_size=64, epochs=epochs,
             eval_every=every, max_length=256, sizes={"train": None, "validation": None, "test": None},
             model_args={"peft": peft_args},
-            optimizers=(_lora_optimizers if method == "lora" else _pt_optimizers)("paper: sec:app-optimiser"),
+            optimizers=(lora_optimizers if method == "lora" else pt_optimizers)("paper: sec:app-optimiser"),
             paper_trainable_parameters=paper,
             notes=(*notes, "max_length=256 input tokens (not stated in the paper); validation: the GLUE dev set; "
                    "test: GLUE test (labels private: prediction files in the submission format)"),
@@ -307,7 +167,7 @@ def _t5(task: str, method: str, scale: str) -> SetupConfig:
         num_classes=len(GLUE_LABEL_WORDS[task]), max_length=64, sizes=dict(_SMOKE_SIZES),
         model_args={"peft": peft_args, "d_model": 16, "d_kv": 8, "d_ff": 32, "num_layers": 1, "num_heads": 2,
                     "vocab_size": 160},
-        optimizers=(_lora_optimizers if method == "lora" else _pt_optimizers)("smoke: the full-scale values"),
+        optimizers=(lora_optimizers if method == "lora" else pt_optimizers)("smoke: the full-scale values"),
         notes=(*notes, _SMOKE_NOTE), **_SMOKE,
     )
 
@@ -330,7 +190,7 @@ def _vit(scale: str) -> SetupConfig:
             num_classes=100, batch_size=32, eval_batch_size=128, epochs=5, eval_every=1000, max_length=None,
             sizes={"train": 45_000, "validation": 5_000, "test": None},
             model_args={"peft": peft_args, "head_outputs": 1000},
-            optimizers=_lora_optimizers("paper: sec:app-optimiser (LoRA + T5 values, as the paper says)"),
+            optimizers=lora_optimizers("paper: sec:app-optimiser (LoRA + T5 values, as the paper says)"),
             paper_trainable_parameters=313_344,
             notes=(*notes, "validation: 5,000 images held out of CIFAR100 train with a fixed seed (CIFAR has no "
                    "dev split); test: the CIFAR100 test set; images through ViTImageProcessor (224x224)"),
@@ -341,7 +201,7 @@ def _vit(scale: str) -> SetupConfig:
         num_classes=4, max_length=None, sizes=dict(_SMOKE_SIZES),
         model_args={"peft": peft_args, "head_outputs": 8, "image_size": 16, "patch_size": 4, "hidden_size": 16,
                     "num_layers": 1, "num_heads": 2, "intermediate_size": 32, "raw_size": 20},
-        optimizers=_lora_optimizers("smoke: the full-scale values"), notes=(*notes, _SMOKE_NOTE), **_SMOKE,
+        optimizers=lora_optimizers("smoke: the full-scale values"), notes=(*notes, _SMOKE_NOTE), **_SMOKE,
     )
 
 
@@ -354,14 +214,14 @@ def _mlp(name: str, scale: str) -> SetupConfig:
             sizes={"train": 45_000, "validation": 5_000, "test": None},
             model_args={"hidden": (2048, 2048), "image_shape": (32, 32, 3), "scale": 255.0,
                         "mean": (0.4914, 0.4822, 0.4465), "std": (0.2470, 0.2435, 0.2616)},
-            optimizers=_mlp_optimizers("paper: sec:app-mlp-cifar10", 15), paper_trainable_parameters=10_510_346,
+            optimizers=mlp_optimizers("paper: sec:app-mlp-cifar10", 15), paper_trainable_parameters=10_510_346,
             notes=("2 hidden ReLU layers of 2048 on the flattened 3x32x32 image, no weight decay, no dropout, "
                    "batch 64, 60 epochs; multi-step x0.1 at epoch 15 for Adam and SGD",
                    "evaluation once per epoch (the paper does not state a frequency); validation: 5,000 images held "
                    "out of CIFAR10 train with a fixed seed; inputs: pixels/255 standardised per channel"),
         )
     if name == "digits-mlp":
-        optimizers, provisional = _cpu_searched(name, _mlp_optimizers("the paper's MLP values", 5, token_mean=False))
+        optimizers, provisional = cpu_searched(name, mlp_optimizers("the paper's MLP values", 5, token_mean=False))
     if name == "digits-mlp" and scale == "cpu":
         return SetupConfig(
             name=name, scale=scale, family="mlp", method="scratch", task="digits",
@@ -383,7 +243,7 @@ def _mlp(name: str, scale: str) -> SetupConfig:
         num_classes=4, max_length=None, sizes=dict(_SMOKE_SIZES),
         model_args={"hidden": (32, 32), "image_shape": image, "scale": 255.0 if image[2] == 3 else 16.0,
                     "mean": (0.5,) * image[2], "std": (0.3,) * image[2]},
-        optimizers=optimizers if name == "digits-mlp" else _mlp_optimizers("smoke: the full-scale values", 1),
+        optimizers=optimizers if name == "digits-mlp" else mlp_optimizers("smoke: the full-scale values", 1),
         notes=(_SMOKE_NOTE,), **_SMOKE,
     )
 
@@ -399,7 +259,7 @@ def _minilm(method: str, scale: str) -> SetupConfig:
                 "parameters. The paper's PT trains only prompts because T5's frozen LM head predicts label words; "
                 "MiniLM has no LM head, so its randomly initialised classifier head trains with the prompts")
     name = f"tweets-minilm-{method}"
-    optimizers, provisional = _cpu_searched(name, (_lora_optimizers if method == "lora" else _pt_optimizers)(
+    optimizers, provisional = cpu_searched(name, (lora_optimizers if method == "lora" else pt_optimizers)(
         "the paper's T5 values for the same method", token_mean=False))
     if scale == "cpu":
         return SetupConfig(

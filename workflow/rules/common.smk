@@ -1,10 +1,10 @@
 """Configuration, the grid and the inputs of every step (no rules here)."""
-import importlib.util
+import importlib
 import math
 import re
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 from snakemake.exceptions import WorkflowError
 
@@ -39,14 +39,14 @@ if config.get("assets"):
 
 
 def _registry():
-    """companion/experiments/setups.py loaded on its own (it imports no torch): the grid is defined there, once."""
+    """companion/experiments/setups.py and the standard-library modules it imports (optimizer_tables.py), loaded
+    without the companion's package, whose __init__ imports torch: the grid is defined there, once."""
     name = "_ief_setups_registry"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "companion" / "experiments" / "setups.py")
-        registry = importlib.util.module_from_spec(spec)
-        sys.modules[name] = registry  # dataclasses need the module registered
-        spec.loader.exec_module(registry)
-    return sys.modules[name]
+        package = ModuleType(name)  # a bare package over companion/experiments: its __init__ does not run
+        package.__path__ = [str(ROOT / "companion" / "experiments")]
+        sys.modules[name] = package
+    return importlib.import_module(f"{name}.setups")
 
 
 REGISTRY = _registry()

@@ -547,17 +547,26 @@ class FactoredJacobian(Rows):
         narrow = final and self.dtype.itemsize < 8
         out = torch.empty(self.shape[1], dtype=self.dtype if narrow else torch.float64, device=self.device)
         # every column is written: here, for the tables or below. Runs of dense blocks a column block wide or more
-        # (a transformer's weights in the rows form) are combined straight into their columns of out; narrower runs
-        # split by factored weights (an MLP's biases) take one pass over dense into a [P_dense] float64 part, then
-        # each run is copied (a pass per narrow run would add operators, and the part is small)
+        # (a transformer's weights in the rows form) are combined straight into their columns of out. Where every
+        # run is narrower (an MLP's biases split by factored weights), one pass over dense gives a [P_dense] float64
+        # part that serves the runs and the tables (a pass per narrow run would add operators, and dense is small);
+        # beside wide runs, the narrow ones (biases and norms between streamed weights) are gathered into one
+        # narrow matrix for that pass instead, so no float64 copy of the wide runs' columns is ever made
         runs, part = list(self._dense_runs()), None
-        if len(runs) == 1 or all(width >= column_chunk(self.dense) for _, _, width in runs):
-            for lo, dlo, width in runs:
-                _matrix_combine(self.dense[:, dlo : dlo + width], coeff, scale, out=out[lo : lo + width])
-        elif self.dense_index:
+        chunk = column_chunk(self.dense)
+        wide_runs = [run for run in runs if len(runs) == 1 or run[2] >= chunk]
+        narrow_runs = [run for run in runs if run not in wide_runs]
+        for lo, dlo, width in wide_runs:
+            _matrix_combine(self.dense[:, dlo : dlo + width], coeff, scale, out=out[lo : lo + width])
+        if narrow_runs and not wide_runs:
             part = _matrix_combine(self.dense, coeff, scale)
-            for lo, dlo, width in runs:
+            for lo, dlo, width in narrow_runs:
                 out[lo : lo + width].copy_(part[dlo : dlo + width])
+        elif narrow_runs:
+            blocks = [self.dense[:, dlo : dlo + width] for _, dlo, width in narrow_runs]
+            gathered = _matrix_combine(blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1), coeff, scale)
+            for (lo, _, width), at in zip(narrow_runs, itertools.accumulate((w for _, _, w in narrow_runs), initial=0)):
+                out[lo : lo + width].copy_(gathered[at : at + width])
         for i in self.used_rows:
             dlo, width = self.dense_index[i], self.dense_width(i)
             table = part[dlo : dlo + width] if part is not None else \

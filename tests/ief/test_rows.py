@@ -387,12 +387,13 @@ def test_factored_dense_blocks_are_combined_by_runs_and_tables_by_their_used_row
     assert rel_err(one.combine_rows(coeff), one.materialize().double().T @ coeff) <= RTOL[dtype]
 
 
-@pytest.mark.parametrize("block, passes", [(5, [5, 6, 2]), (6, [13])])
+@pytest.mark.parametrize("block, passes", [(5, [5, 6, 2]), (6, [6, 5, 2]), (7, [13])])
 def test_wide_dense_runs_are_combined_straight_into_the_direction(block, passes, monkeypatch):
     """Runs of dense blocks at least a column block wide (a tied GPT-2: the token table, then the blocks after the
     position table's used rows) each go straight into the direction, with no ``[P_dense]`` float64 part, the table
-    apart; with a run narrower than a block (an MLP's biases) one pass over the whole ``dense`` serves every run
-    and the table. Both equal the materialised ``J``'s ``J^T c``."""
+    apart; runs narrower than a block beside them (biases between streamed weights) take one pass of their own;
+    where every run is narrower (an MLP's biases) one pass over the whole ``dense`` serves every run and the table.
+    Each equals the materialised ``J``'s ``J^T c``."""
     import ief.rows as rows_module
 
     gen = torch.Generator().manual_seed(8)
@@ -412,3 +413,27 @@ def test_wide_dense_runs_are_combined_straight_into_the_direction(block, passes,
     expected = rows.materialize().double().T @ coeff
     assert rel_err(rows.combine_rows(coeff, final=True), expected) <= RTOL[torch.float32]
     assert calls == passes
+
+
+def test_a_combination_beside_wide_runs_holds_no_float64_copy_of_them():
+    """A wide dense run (a transformer's weights kept as rows) beside a narrow one (a bias between two streamed
+    weights): the final ``J^T c`` adds its own ``[P]`` and at most one float64 column block, not a float64 copy of
+    the wide run's columns (what one pass over all of ``dense`` made: 2x the direction's bytes in float32). Against
+    the materialised ``J``."""
+    from ief.rows import COLUMN_BYTES
+    from tests.memory import peak_added_bytes
+
+    gen = torch.Generator().manual_seed(9)
+    m, width = 4, 3_000_000
+    a, g = torch.randn(m, 1, 2, generator=gen), torch.randn(m, 1, 2, generator=gen)
+    dense = torch.randn(m, width + 10, generator=gen)
+    # J: a wide block, a factored [2, 2] weight, a bias of 10, a factored [2, 2] weight
+    rows = FactoredJacobian(m, [width, 4, 10, 4], dense, [(1, a, g), (3, a.clone(), g.clone())], dense,
+                            {0: 0, 2: width})
+    assert [w for _, _, w in rows._dense_runs()] == [width, 10]
+    coeff = torch.randn(m, generator=gen, dtype=torch.float64)
+    direction_bytes = 4 * (width + 18)
+    peak = peak_added_bytes(lambda: rows.combine_rows(coeff, final=True))
+    assert peak <= direction_bytes + COLUMN_BYTES + (1 << 20), (peak, direction_bytes)
+    expected = rows.materialize().double().T @ coeff
+    assert rel_err(rows.combine_rows(coeff, final=True), expected) <= RTOL[torch.float32]

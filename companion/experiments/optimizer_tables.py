@@ -73,16 +73,8 @@ def pt_optimizers(source: str, token_mean: bool = True) -> dict[str, OptimizerCo
 
 
 def lora_optimizers(source: str, token_mean: bool = True) -> dict[str, OptimizerConfig]:
-    """LoRA (sec:app-optimiser, "LoRA + T5-base on GLUE"; "the same hyperparameters" for ViT + CIFAR100).
-
-    Args:
-        source: where the values come from, written into each row's ``source`` (rows not in the paper keep their own).
-        token_mean: EF/SF/iEF rates and dampings in the paper's token-mean convention (converted per batch); False:
-            in ief's sum convention, as the cpu searches chose them.
-
-    Returns:
-        ``{optimizer name: OptimizerConfig}``: the E2 optimisers of the method, then the practical ones it defines.
-    """
+    """LoRA (sec:app-optimiser, "LoRA + T5-base on GLUE"; "the same hyperparameters" for ViT + CIFAR100), with the
+    K-FAC family (LoRA's trainable parameters are ``nn.Linear``). Args and Returns: as :func:`pt_optimizers`."""
     o = _paper_rates(token_mean)
     table = {
         "adamw": OptimizerConfig("adamw", 1e-3, weight_decay=1e-2, source=source),
